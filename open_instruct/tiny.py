@@ -1,0 +1,107 @@
+"""Tiny models and a character-level chat tokenizer, built locally (no hub access).
+
+Tests, the demo and the benchmarks save these to a folder and load them by path like any hub model:
+
+    python -m open_instruct.tiny /tmp/tiny            # writes /tmp/tiny/{causal_lm,seq_cls}
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import string
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def build_tokenizer() -> Any:
+    """Character-level tokenizer over printable ASCII, with role markers as single tokens and a chat template.
+
+    `<|end|>` is both the end-of-turn marker and EOS, so generation stops where the chat template ends a turn."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + ["<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # One token per character, newlines included; Fuse makes decode join characters without spaces.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<|end|>",
+        bos_token=None,
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "right"
+    return fast
+
+
+def tiny_llama_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, **overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def save_tiny_models(out_dir: str, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> dict[str, str]:
+    """Write a causal LM and a sequence-classification model (num_labels=1) sharing one tokenizer.
+
+    Returns {"causal_lm": path, "seq_cls": path}. The same seed gives the same weights."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    config = tiny_llama_config(len(tokenizer), hidden_size, num_layers)
+    paths = {}
+    for name, cls, extra in [
+        ("causal_lm", LlamaForCausalLM, {}),
+        ("seq_cls", LlamaForSequenceClassification, {"num_labels": 1}),
+    ]:
+        torch.manual_seed(seed)
+        cfg = tiny_llama_config(len(tokenizer), hidden_size, num_layers, **extra)
+        model = cls(cfg)
+        path = os.path.join(out_dir, name)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[name] = path
+    del config
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build tiny local models and tokenizer.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden_size", type=int, default=64)
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for name, path in save_tiny_models(args.out_dir, args.hidden_size, args.num_layers, args.seed).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
