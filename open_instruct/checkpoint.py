@@ -1,0 +1,352 @@
+"""Checkpoints: full training state written atomically, validated on load, last K kept; HF-format exports.
+
+Layout under <output_dir>:
+    checkpoints/step_<N>/          model(s) + optimizer(s) (torch.distributed.checkpoint: sharded under FSDP,
+                                   re-shardable to another world size), trainer_state.json (counters, scheduler,
+                                   data position in episodes, best metric), manifest.json (file sizes + sha256 of
+                                   the small files) and COMPLETE, written last.
+    checkpoints/.tmp_step_<N>_*/   a checkpoint being written; renamed into place when complete, never read.
+    best_model/                    HF-format model of the best eval metric so far (atomic).
+    final_model/                   HF-format model at the end of training (atomic).
+
+Randomness in the scripts is derived from (seed, counters), so no RNG pickles are needed to resume exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_HASH_LIMIT = 64 * 1024 * 1024  # hash files up to this size; larger ones are checked by size
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_manifest(folder: str) -> None:
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name in (MANIFEST, COMPLETE):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            size = os.path.getsize(path)
+            files[rel] = {"size": size, **({"sha256": _sha256(path)} if size <= _HASH_LIMIT else {})}
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": files, "written_at": time.time()}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(folder, COMPLETE), "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def validate(folder: str, deep: bool = True) -> Optional[str]:
+    """None if the folder is a complete checkpoint, else the reason it is not."""
+    if not os.path.isfile(os.path.join(folder, COMPLETE)):
+        return "no COMPLETE marker (the save was interrupted)"
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, info in files.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"missing file {rel}"
+        if os.path.getsize(path) != info["size"]:
+            return f"file {rel} has {os.path.getsize(path)} bytes, manifest says {info['size']}"
+        if deep and "sha256" in info and _sha256(path) != info["sha256"]:
+            return f"file {rel} fails its checksum"
+    return None
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    root = checkpoints_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def find_resume_checkpoint(output_dir: str, log: Any = print) -> Optional[str]:
+    """The newest valid checkpoint; invalid ones are reported and skipped (falling back to older ones)."""
+    for step, path in reversed(list_checkpoints(output_dir)):
+        reason = validate(path)
+        if reason is None:
+            return path
+        log(f"skipping checkpoint {path}: {reason}")
+    return None
+
+
+def resolve_resume(resume_from_checkpoint: Optional[str], output_dir: str, log: Any = print) -> Optional[str]:
+    if not resume_from_checkpoint:
+        return None
+    if resume_from_checkpoint == "auto":
+        return find_resume_checkpoint(output_dir, log)
+    reason = validate(resume_from_checkpoint)
+    if reason is not None:
+        raise CheckpointError(f"resume_from_checkpoint {resume_from_checkpoint}: {reason}")
+    return resume_from_checkpoint
+
+
+def _state_dicts(models: dict[str, Any], optimizers: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out = {}
+    for name, model in models.items():
+        msd, osd = get_state_dict(model, optimizers[name] if name in optimizers else [])
+        out[f"model.{name}"] = msd
+        if name in optimizers:
+            out[f"optim.{name}"] = osd
+    return out
+
+
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    models: dict[str, Any],
+    optimizers: dict[str, Any],
+    trainer_state: dict[str, Any],
+    accelerator: Any,
+    keep_last: int,
+    tokenizer: Any = None,
+) -> str:
+    """Write checkpoints/step_<step> atomically on all ranks; returns its path. Old ones beyond keep_last go.
+
+    If anything fails, the temp folder is removed and earlier checkpoints are untouched."""
+    import torch.distributed.checkpoint as dcp
+
+    root = checkpoints_dir(output_dir)
+    final = os.path.join(root, f"step_{step}")
+    tmp = None
+    if accelerator.is_main_process:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=root)
+    tmp = _broadcast_str(tmp, accelerator)
+    try:
+        dcp.save(_state_dicts(models, optimizers), checkpoint_id=os.path.join(tmp, "state"))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            # Configs and tokenizer make the checkpoint self-contained for `open_instruct.export`.
+            classes = {}
+            for name, model in models.items():
+                unwrapped = accelerator.unwrap_model(model)
+                unwrapped.config.save_pretrained(os.path.join(tmp, "hf", name))
+                classes[name] = _auto_class_name(unwrapped)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(tmp, "hf", "tokenizer"))
+            trainer_state = {**trainer_state, "model_classes": classes}
+            with open(os.path.join(tmp, STATE), "w") as f:
+                json.dump(trainer_state, f, indent=1)
+            write_manifest(tmp)
+            if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            prune_checkpoints(output_dir, keep_last)
+    except BaseException:
+        if accelerator.is_main_process and tmp and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(output_dir: str, keep_last: int) -> None:
+    root = checkpoints_dir(output_dir)
+    for _, path in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):  # temp folders of crashed saves
+        if name.startswith(".tmp_step_"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def load_checkpoint(path: str, models: dict[str, Any], optimizers: dict[str, Any]) -> dict[str, Any]:
+    """Load model and optimizer states in place (re-sharding as needed); returns trainer_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state_dicts(models, optimizers)
+    dcp.load(state, checkpoint_id=os.path.join(path, "state"))
+    for name, model in models.items():
+        set_state_dict(
+            model,
+            optimizers[name] if name in optimizers else [],
+            model_state_dict=state[f"model.{name}"],
+            optim_state_dict=state.get(f"optim.{name}", {}),
+        )
+    with open(os.path.join(path, STATE)) as f:
+        return json.load(f)
+
+
+def _auto_class_name(model: Any) -> str:
+    return "AutoModelForSequenceClassification" if "SequenceClassification" in type(model).__name__ else "AutoModelForCausalLM"
+
+
+def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
+    if accelerator.num_processes == 1:
+        assert value is not None
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hugging Face format exports
+
+
+def save_hf_model(model: Any, tokenizer: Any, out_dir: str, accelerator: Any, extra: Optional[dict] = None) -> None:
+    """Gather the full state dict (rank 0 under FSDP) and write an HF-format folder atomically."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        write_hf_folder(unwrapped, state_dict, tokenizer, out_dir, extra)
+    accelerator.wait_for_everyone()
+
+
+def write_hf_folder(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str, extra: Optional[dict] = None) -> None:
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(out_dir)}_", dir=parent)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if extra:
+            with open(os.path.join(tmp, "training_info.json"), "w") as f:
+                json.dump(extra, f, indent=1)
+        write_manifest(tmp)
+        old = None
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".old_{os.path.basename(out_dir)}_", dir=parent)
+            os.replace(out_dir, os.path.join(old, "x"))
+        os.replace(tmp, out_dir)
+        _fsync_dir(parent)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the training scripts call
+
+
+def save_training_state(
+    cfg: Any,
+    accelerator: Any,
+    models: dict[str, Any],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    counters: Any,
+    tokenizer: Any = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> str:
+    state = {
+        "counters": counters.state_dict(),
+        "schedulers": {name: s.state_dict() for name, s in schedulers.items()},
+        "world_size": accelerator.num_processes,
+        "config": {k: v for k, v in vars(cfg).items()},
+        **(extra or {}),
+    }
+    return save_checkpoint(
+        cfg.output_dir, counters.optimizer_step, models, optimizers, state, accelerator, cfg.keep_last_n_checkpoints,
+        tokenizer,
+    )
+
+
+def restore_training_state(
+    cfg: Any,
+    accelerator: Any,
+    models: dict[str, Any],
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    counters: Any,
+    log: Any = print,
+) -> Optional[dict[str, Any]]:
+    """Resume per `resume_from_checkpoint` (auto|PATH); returns the trainer state, or None for a fresh start."""
+    path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, log if accelerator.is_main_process else (lambda m: None))
+    if path is None:
+        if cfg.resume_from_checkpoint == "auto":
+            log("resume_from_checkpoint=auto: no valid checkpoint yet, starting fresh")
+        return None
+    state = load_checkpoint(path, models, optimizers)
+    counters.load_state_dict(state["counters"])
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(state["schedulers"][name])
+    log(f"resumed from {path} at {counters.as_log()} (saved with world_size {state['world_size']})")
+    return state
+
+
+class BestTracker:
+    """Keeps <output_dir>/best_model as the HF-format model with the best value of cfg.best_metric."""
+
+    def __init__(self, cfg: Any, state: Optional[dict[str, Any]] = None):
+        self.metric = cfg.best_metric
+        self.mode = cfg.best_metric_mode
+        self.best: Optional[float] = (state or {}).get("best_metric_value")
+        self.path = os.path.join(cfg.output_dir, "best_model")
+
+    def update(self, metrics: dict[str, Any], model: Any, tokenizer: Any, accelerator: Any, counters: Any) -> bool:
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise KeyError(f"best_metric {self.metric!r} is not among the eval metrics {sorted(metrics)}")
+        value = float(metrics[self.metric])
+        better = self.best is None or (value > self.best if self.mode == "max" else value < self.best)
+        if better:
+            self.best = value
+            save_hf_model(model, tokenizer, self.path, accelerator, {self.metric: value, **counters.as_log()})
+        return better
+
+    def state(self) -> dict[str, Any]:
+        return {"best_metric_value": self.best}

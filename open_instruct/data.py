@@ -1,0 +1,459 @@
+"""Datasets: loading (hub or local files), row validation, chat-template tokenization, batching, and the
+episode stream that makes data order independent of world size.
+
+Row errors name the file and row (line number for .jsonl) and stop the run before training, unless
+`skip_bad_rows` is set, in which case the bad rows are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from open_instruct.utils import ConfigError
+
+
+class DataError(ValueError):
+    """A bad dataset or row. The message names the file (or hub dataset) and the row."""
+
+
+@dataclass
+class Row:
+    source: str  # file path or hub name
+    index: int  # 0-based row index in the source
+    line: Optional[int]  # 1-based line number for .jsonl files
+    data: dict[str, Any]
+
+    def where(self) -> str:
+        return f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    kept: int = 0
+    bad_rows: int = 0
+    dropped_overlong: int = 0
+    truncated: int = 0
+    duplicate_ids: int = 0
+    first_errors: list[str] = field(default_factory=list)
+
+    def as_log(self, prefix: str = "data/") -> dict[str, int]:
+        keys = ("rows", "kept", "bad_rows", "dropped_overlong", "truncated", "duplicate_ids")
+        return {f"{prefix}{k}": getattr(self, k) for k in keys}
+
+    def summary(self) -> str:
+        return (
+            f"{self.kept}/{self.rows} rows kept: {self.bad_rows} bad, {self.dropped_overlong} dropped as over-long, "
+            f"{self.truncated} truncated, {self.duplicate_ids} duplicate ids"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _read_jsonl(path: str) -> list[Row]:
+    rows: list[Row] = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path} line {line_no}: expected a JSON object, got {type(obj).__name__}")
+            rows.append(Row(path, len(rows), line_no, obj))
+    return rows
+
+
+def _read_json(path: str) -> list[Row]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"train": [...]} style
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects")
+    for i, obj in enumerate(data):
+        if not isinstance(obj, dict):
+            raise DataError(f"{path} row {i}: expected a JSON object, got {type(obj).__name__}")
+    return [Row(path, i, None, obj) for i, obj in enumerate(data)]
+
+
+def _read_with_datasets(name: str, split: str, **kwargs: Any) -> list[Row]:
+    import datasets
+
+    ds = datasets.load_dataset(name, split=split, **kwargs)
+    return [Row(name, i, None, dict(r)) for i, r in enumerate(ds)]
+
+
+def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
+    """Rows from local .jsonl/.json/.parquet file(s) (comma separated) or a hub dataset split."""
+    rows: list[Row] = []
+    for part in [p.strip() for p in name_or_path.split(",") if p.strip()]:
+        if part.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(part):
+            raise DataError(f"dataset file {part!r} does not exist")
+        if part.endswith(".jsonl"):
+            part_rows = _read_jsonl(part)
+        elif part.endswith(".json"):
+            part_rows = _read_json(part)
+        elif part.endswith(".parquet"):
+            part_rows = _read_with_datasets("parquet", "train", data_files=part)
+            part_rows = [Row(part, r.index, None, r.data) for r in part_rows]
+        elif os.path.isdir(part):
+            part_rows = _read_with_datasets(part, split)
+        else:
+            part_rows = _read_with_datasets(part, split)
+        if not part_rows:
+            raise DataError(f"dataset {part!r} (split {split!r}) is empty")
+        rows.extend(part_rows)
+    if max_samples is not None:
+        rows = rows[:max_samples]
+    return rows
+
+
+def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, id_column: str = "id") -> list[Row]:
+    """Rows sharing an `id` usually mean a file was concatenated twice: an error, or skip the repeats."""
+    seen: dict[Any, Row] = {}
+    kept = []
+    for row in rows:
+        rid = row.data.get(id_column)
+        if rid is None or isinstance(rid, (list, dict)):
+            kept.append(row)
+            continue
+        if rid in seen:
+            if not skip_bad_rows:
+                raise DataError(f"{row.where()}: duplicate id {rid!r} (first at {seen[rid].where()}); set skip_bad_rows to skip repeats")
+            stats.duplicate_ids += 1
+            continue
+        seen[rid] = row
+        kept.append(row)
+    return kept
+
+
+def split_train_eval(items: list[Any], eval_fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """Deterministic held-out split (the same items whatever the world size)."""
+    if eval_fraction <= 0:
+        return items, []
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, int(round(eval_fraction * len(items))))
+    eval_idx = set(order[:n_eval])
+    return [x for i, x in enumerate(items) if i not in eval_idx], [items[i] for i in sorted(eval_idx)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation of chat messages
+
+
+def _validate_messages(value: Any, column: str, where: str, need_final_assistant: bool) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise DataError(f"{where}: column {column!r} must be a list of messages, got {type(value).__name__}")
+    if not value:
+        raise DataError(f"{where}: column {column!r} is an empty conversation")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {column}[{j}] must be an object with string 'role' and 'content', got {m!r:.120}")
+    if need_final_assistant and value[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _require_column(row: Row, column: str) -> Any:
+    if column not in row.data:
+        raise DataError(f"{row.where()}: missing column {column!r} (columns: {sorted(row.data)})")
+    return row.data[column]
+
+
+def check_columns(rows: list[Row], columns: Sequence[str], what: str) -> None:
+    """A column missing from the first row is a configuration error (name the recipe key to set)."""
+    if rows:
+        missing = [c for c in columns if c not in rows[0].data]
+        if missing:
+            raise DataError(
+                f"{rows[0].where()}: {what} column(s) {missing} not found; columns are {sorted(rows[0].data)}. "
+                f"Set the matching *_column key in the recipe."
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def _prefix_checked(prefix: list[int], full: list[int], where: str) -> None:
+    if full[: len(prefix)] != prefix:
+        raise DataError(
+            f"{where}: the chat template does not render the conversation prefix as a prefix of the full "
+            f"conversation, so response tokens cannot be located"
+        )
+
+
+def tokenize_sft_messages(tokenizer: Any, messages: list[dict[str, str]], where: str) -> tuple[list[int], list[int]]:
+    """input_ids and labels where only assistant turns are trained (others are -100).
+
+    Each assistant turn's tokens are those the template adds between the conversation up to the turn (with the
+    generation prompt) and the conversation including the turn: this works for any prefix-stable template."""
+    full = chat_ids(tokenizer, messages)
+    labels = [-100] * len(full)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start_ids = chat_ids(tokenizer, messages[:i], add_generation_prompt=True) if i > 0 else []
+        end_ids = chat_ids(tokenizer, messages[: i + 1])
+        _prefix_checked(start_ids, end_ids, where)
+        _prefix_checked(end_ids, full, where)
+        labels[len(start_ids) : len(end_ids)] = full[len(start_ids) : len(end_ids)]
+    return full, labels
+
+
+def tokenize_sft(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
+    stats = DataStats(rows=len(rows))
+    rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
+    check_columns(rows, [cfg.messages_column], "messages")
+    examples = []
+    for row in rows:
+        try:
+            msgs = _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, row.where(), True)
+            ids, labels = tokenize_sft_messages(tokenizer, msgs, row.where())
+        except DataError as e:
+            _bad_row(stats, e, cfg.skip_bad_rows)
+            continue
+        if len(ids) > cfg.max_seq_length:
+            if cfg.overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            ids, labels = ids[: cfg.max_seq_length], labels[: cfg.max_seq_length]
+            stats.truncated += 1
+        if all(lab == -100 for lab in labels[1:]):
+            stats.dropped_overlong += 1  # truncation removed every trained token
+            continue
+        examples.append({"input_ids": ids, "labels": labels, "row": row.index})
+    stats.kept = len(examples)
+    _require_some(examples, stats, cfg.dataset_name_or_path)
+    return examples, stats
+
+
+def _bad_row(stats: DataStats, error: DataError, skip: bool) -> None:
+    if not skip:
+        raise error
+    stats.bad_rows += 1
+    if len(stats.first_errors) < 5:
+        stats.first_errors.append(str(error))
+
+
+def _require_some(examples: list[Any], stats: DataStats, name: str) -> None:
+    if not examples:
+        raise DataError(f"dataset {name!r}: no usable rows ({stats.summary()})")
+
+
+def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
+    """(prompt, chosen, rejected) message lists from either row shape:
+    chosen/rejected conversations sharing a prompt, or prompt + chosen + rejected strings."""
+    chosen = _require_column(row, cfg.chosen_column)
+    rejected = _require_column(row, cfg.rejected_column)
+    where = row.where()
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        prompt = _require_column(row, cfg.prompt_column)
+        for name, value in ((cfg.prompt_column, prompt), (cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: column {name!r} must be a string in prompt/chosen/rejected rows, got {type(value).__name__}")
+            if not value.strip():
+                raise DataError(f"{where}: column {name!r} is empty")
+        p = [{"role": "user", "content": prompt}]
+        return p, p + [{"role": "assistant", "content": chosen}], p + [{"role": "assistant", "content": rejected}]
+    chosen = _validate_messages(chosen, cfg.chosen_column, where, True)
+    rejected = _validate_messages(rejected, cfg.rejected_column, where, True)
+    if chosen[:-1] != rejected[:-1]:
+        raise DataError(f"{where}: {cfg.chosen_column!r} and {cfg.rejected_column!r} must share the same prompt turns")
+    if len(chosen) < 2:
+        raise DataError(f"{where}: {cfg.chosen_column!r} has no prompt before the assistant reply")
+    return chosen[:-1], chosen, rejected
+
+
+def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
+    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:])."""
+    stats = DataStats(rows=len(rows))
+    rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
+    examples = []
+    for row in rows:
+        try:
+            prompt, chosen, rejected = preference_messages(row, cfg)
+            prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
+            chosen_ids, rejected_ids = chat_ids(tokenizer, chosen), chat_ids(tokenizer, rejected)
+            _prefix_checked(prompt_ids, chosen_ids, row.where())
+            _prefix_checked(prompt_ids, rejected_ids, row.where())
+        except DataError as e:
+            _bad_row(stats, e, cfg.skip_bad_rows)
+            continue
+        if max(len(chosen_ids), len(rejected_ids)) > cfg.max_seq_length:
+            if cfg.overlong == "drop" or len(prompt_ids) >= cfg.max_seq_length:
+                stats.dropped_overlong += 1
+                continue
+            chosen_ids, rejected_ids = chosen_ids[: cfg.max_seq_length], rejected_ids[: cfg.max_seq_length]
+            stats.truncated += 1
+        examples.append(
+            {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids), "row": row.index}
+        )
+    stats.kept = len(examples)
+    _require_some(examples, stats, cfg.dataset_name_or_path)
+    return examples, stats
+
+
+def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
+    """RL prompts: the conversation (a trailing assistant turn is dropped), its ground truth and verifier name."""
+    stats = DataStats(rows=len(rows))
+    rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
+    check_columns(rows, [cfg.messages_column, cfg.ground_truth_column], "RL prompt")
+    examples = []
+    for row in rows:
+        try:
+            msgs = _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, row.where(), False)
+            if msgs[-1]["role"] == "assistant":
+                msgs = msgs[:-1]
+            if not msgs:
+                raise DataError(f"{row.where()}: column {cfg.messages_column!r} has no prompt turn")
+            ground_truth = _require_column(row, cfg.ground_truth_column)
+            verifier = row.data.get(cfg.verifier_column)
+            if not isinstance(verifier, str) or not verifier:
+                raise DataError(f"{row.where()}: column {cfg.verifier_column!r} must name a verifier, got {verifier!r}")
+            ids = chat_ids(tokenizer, msgs, add_generation_prompt=True)
+        except DataError as e:
+            _bad_row(stats, e, cfg.skip_bad_rows)
+            continue
+        if len(ids) > cfg.max_prompt_length:
+            if cfg.overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            ids = ids[-cfg.max_prompt_length :]  # keep the end: the question and the generation prompt
+            stats.truncated += 1
+        examples.append({"prompt_ids": ids, "ground_truth": ground_truth, "verifier": verifier, "row": row.index})
+    stats.kept = len(examples)
+    _require_some(examples, stats, cfg.dataset_name_or_path)
+    return examples, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batching
+
+
+def pad(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if side == "right":
+            out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        else:
+            out[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    input_ids = pad([e["input_ids"] for e in examples], pad_id)
+    labels = pad([e["labels"] for e in examples], -100)
+    attention_mask = pad([[1] * len(e["input_ids"]) for e in examples], 0)
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows first, then rejected rows, in one right-padded batch (one forward for both).
+
+    loss_mask marks response tokens (after the prompt, before padding)."""
+    seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+    prompt_lens = [e["prompt_len"] for e in examples] * 2
+    input_ids = pad(seqs, pad_id)
+    attention_mask = pad([[1] * len(s) for s in seqs], 0)
+    loss_mask = pad([[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)], 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+class EpisodeStream:
+    """The global order in which examples are consumed: epoch e is a permutation seeded by (seed, e).
+
+    Position is counted in episodes (examples consumed, summed over processes), so a run checkpointed on N
+    processes continues on M with no example skipped or repeated: step k of any run with global batch B reads
+    stream[k*B : (k+1)*B], and rank r takes its contiguous slice of that."""
+
+    def __init__(self, num_examples: int, seed: int, shuffle: bool = True):
+        if num_examples <= 0:
+            raise ConfigError("the dataset has no examples")
+        self.num_examples = num_examples
+        self.seed = seed
+        self.shuffle = shuffle
+        self._cache: dict[int, list[int]] = {}
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._cache:
+            order = list(range(self.num_examples))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._cache = {epoch: order}  # keep only the current epoch
+        return self._cache[epoch]
+
+    def take(self, start_episode: int, count: int) -> list[int]:
+        out: list[int] = []
+        pos = start_episode
+        while len(out) < count:
+            epoch, offset = divmod(pos, self.num_examples)
+            chunk = self._epoch_order(epoch)[offset : offset + count - len(out)]
+            out.extend(chunk)
+            pos += len(chunk)
+        return out
+
+    @staticmethod
+    def local_slice(global_indices: list[int], rank: int, world_size: int) -> list[int]:
+        per_rank = len(global_indices) // world_size
+        return global_indices[rank * per_rank : (rank + 1) * per_rank]
+
+
+def micro_batches(items: list[Any], size: int) -> Iterable[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def shard_for_eval(items: list[Any], rank: int, world_size: int) -> list[Any]:
+    """Strided eval shard: every item is evaluated exactly once across ranks (sums are all-reduced)."""
+    return items[rank::world_size]
+
+
+def maybe_limit(items: list[Any], limit: Optional[int]) -> list[Any]:
+    return items if limit is None else items[:limit]
+
+
+Tokenizer = Callable[[list[Row], Any, Any], tuple[list[dict[str, Any]], DataStats]]
+
+
+def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
+    """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction)."""
+    train_rows = load_rows(cfg.dataset_name_or_path, cfg.dataset_split, cfg.max_train_samples)
+    train, stats = tokenize(train_rows, tokenizer, cfg)
+    eval_examples: list[dict] = []
+    if cfg.eval_dataset_name_or_path:
+        eval_rows = load_rows(cfg.eval_dataset_name_or_path, cfg.eval_dataset_split, cfg.max_eval_samples)
+        eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)
+    elif cfg.eval_fraction > 0:
+        train, eval_examples = split_train_eval(train, cfg.eval_fraction, cfg.seed)
+        eval_examples = maybe_limit(eval_examples, cfg.max_eval_samples)
+    return train, eval_examples, stats

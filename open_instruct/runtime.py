@@ -1,0 +1,157 @@
+"""Run-time pieces every training script needs: start-up checks, the Accelerator, preemption, numerical
+faults, distributed sums and throughput. Kept small; the training loops themselves live in the scripts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional, Sequence, TypeVar
+
+from open_instruct.config import BaseConfig, parse_or_exit
+from open_instruct.utils import ConfigError
+
+C = TypeVar("C", bound=BaseConfig)
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def check_output_dir_writable(output_dir: str) -> None:
+    """Fail before any model loads when the output folder cannot be created or written."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
+    """Parse the config (exit 2 on errors), print the plan and exit on --dry_run, check the output folder
+    and the model path. Nothing heavy has been loaded when this returns."""
+    cfg = parse_or_exit(cls, argv)
+    try:
+        if cfg.dry_run:
+            from open_instruct.plan import print_dry_run
+
+            print_dry_run(cfg, world_size_from_env())
+            raise SystemExit(0)
+        from open_instruct.models import check_model_path
+
+        check_model_path(cfg.model_name_or_path)
+        for key in ("value_model_path", "reward_model_path"):
+            if getattr(cfg, key, None):
+                check_model_path(getattr(cfg, key), key)
+        check_output_dir_writable(cfg.output_dir)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
+
+
+def make_accelerator(cfg: BaseConfig) -> Any:
+    import warnings
+
+    import torch
+    import transformers
+    from accelerate import Accelerator
+
+    transformers.utils.logging.disable_progress_bar()  # weight-loading bars drown the training bar
+    warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    torch.manual_seed(cfg.seed)
+    return accelerator
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) asks the loop to checkpoint at the next step boundary and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        try:
+            signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not in the main thread (e.g. under some test runners)
+            pass
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def should_stop(self, accelerator: Any) -> bool:
+        """Agreed across ranks, so every process stops at the same step."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        import torch
+
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def is_finite(accelerator: Any, *values: Any) -> bool:
+    """True when every value (tensor or float) is finite on every rank."""
+    import torch
+
+    bad = 0.0
+    for v in values:
+        t = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+        if not torch.isfinite(t).all():
+            bad = 1.0
+    if accelerator.num_processes > 1:
+        bad = accelerator.reduce(torch.tensor([bad], device=accelerator.device), reduction="sum").item()
+    return bad == 0
+
+
+def handle_nonfinite(cfg: BaseConfig, step: int, what: str, log: Any) -> None:
+    """Stop (default) or skip the update, by `on_nonfinite`. Stopping raises before any checkpoint is written."""
+    message = f"non-finite {what} at optimizer step {step}"
+    if cfg.on_nonfinite == "stop":
+        raise NonFiniteError(f"{message}; stopping without saving (set on_nonfinite: skip to skip such updates)")
+    log(f"{message}: update skipped (on_nonfinite=skip)")
+
+
+def global_sum(accelerator: Any, value: float) -> float:
+    if accelerator.num_processes == 1:
+        return float(value)
+    import torch
+
+    t = torch.tensor([float(value)], device=accelerator.device, dtype=torch.float64)
+    return float(accelerator.reduce(t, reduction="sum").item())
+
+
+def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
+    """Sum a dict of floats over ranks in one collective."""
+    if accelerator.num_processes == 1 or not values:
+        return {k: float(v) for k, v in values.items()}
+    import torch
+
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], device=accelerator.device, dtype=torch.float64)
+    t = accelerator.reduce(t, reduction="sum")
+    return {k: float(x) for k, x in zip(keys, t.tolist())}
+
+
+class Throughput:
+    """Tokens/s and episodes/s over the interval since the last report."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.episodes = 0
+
+    def add(self, tokens: int, episodes: int) -> None:
+        self.tokens += tokens
+        self.episodes += episodes
+
+    def report(self, accelerator: Any) -> dict[str, float]:
+        totals = global_sums(accelerator, {"tokens": self.tokens, "episodes": self.episodes})
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.__init__()
+        return {"perf/tokens_per_second": totals["tokens"] / dt, "perf/episodes_per_second": totals["episodes"] / dt}

@@ -1,0 +1,148 @@
+"""Supervised fine-tuning on chat data: one loop, read top to bottom.
+
+    python open_instruct/sft.py configs/sft_tiny.yaml [--key value ...]
+    accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/sft.py configs/sft_8b.yaml
+
+Trains only on assistant tokens. The loss is the mean over every trained token of the global mini-batch
+(the same number whatever the split into devices and micro-batches).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import nullcontext
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+
+from open_instruct import runtime
+from open_instruct.config import SFTConfig
+
+
+def token_loss_sum(model, batch):
+    """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss_sum, (labels != -100).sum()
+
+
+def main(argv=None) -> None:
+    cfg = runtime.start(SFTConfig, argv)
+
+    import torch
+
+    from open_instruct import data
+    from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
+    from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.tracking import MetricsLogger
+    from open_instruct.utils import Counters, should_fire, should_log
+
+    accelerator = runtime.make_accelerator(cfg)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_sft)
+    plan = cfg.batch_plan(world, len(train))  # validated before the model loads
+    if accelerator.is_main_process:
+        print(f"data: {stats.summary()}; {len(evals)} held-out examples")
+
+    model = load_causal_lm(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    counters = Counters()
+    state = restore_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters)
+    best = BestTracker(cfg, state)
+    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.optimizer_steps, "optimizer_step", counters.optimizer_step if state else None)
+    stream = data.EpisodeStream(len(train), cfg.seed)
+    preemption = runtime.Preemption()
+    throughput = runtime.Throughput()
+    pad_id = tokenizer.pad_token_id
+
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        sums = {"loss": 0.0, "tokens": 0.0}
+        with torch.no_grad():
+            for mb in data.micro_batches(data.shard_for_eval(evals, rank, world), cfg.per_device_eval_batch_size):
+                batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
+                with accelerator.autocast():
+                    loss_sum, n = token_loss_sum(model, batch)
+                sums["loss"] += loss_sum.item()
+                sums["tokens"] += n.item()
+        model.train()
+        totals = runtime.global_sums(accelerator, sums)
+        loss = totals["loss"] / max(totals["tokens"], 1)
+        return {"eval/loss": loss, "eval/perplexity": float(torch.exp(torch.tensor(loss)))}
+
+    def checkpoint() -> None:
+        save_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters, tokenizer, best.state())
+
+    model.train()
+    while counters.optimizer_step < plan.optimizer_steps:
+        # This step's examples: a slice of the global order, by episode position (world-size independent).
+        global_idx = stream.take(counters.episode, plan.mini_batch_size)
+        local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
+        batches = [data.collate_sft(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
+        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        global_tokens = runtime.global_sum(accelerator, local_tokens)
+
+        loss_sum_local = 0.0
+        for i, batch in enumerate(batches):
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            sync = i == len(batches) - 1
+            with (nullcontext() if sync or world == 1 else accelerator.no_sync(model)):
+                with accelerator.autocast():
+                    loss_sum, _ = token_loss_sum(model, batch)
+                # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean.
+                accelerator.backward(loss_sum * world / global_tokens)
+            loss_sum_local += loss_sum.item()
+            throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
+
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        loss = runtime.global_sum(accelerator, loss_sum_local) / global_tokens
+        step_ok = runtime.is_finite(accelerator, loss, grad_norm)
+        if not step_ok:
+            runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={loss}, grad_norm={float(grad_norm)})", logger.write)
+        else:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        counters.optimizer_step += 1
+        counters.episode += plan.mini_batch_size
+        counters.epoch = counters.episode / len(train)
+        logger.advance()
+
+        if should_log(counters.optimizer_step, cfg.logging_steps):
+            logger.log({
+                **counters.as_log(),
+                "train/loss": loss,
+                "train/grad_norm": float(grad_norm),
+                "train/skipped_update": int(not step_ok),
+                "lr": scheduler.get_last_lr()[0],
+                "train/tokens_trained": global_tokens,
+                **throughput.report(accelerator),
+            })
+        if evals and should_fire(counters.optimizer_step, cfg.eval_steps, plan.optimizer_steps if cfg.eval_steps else None):
+            metrics = evaluate()
+            logger.log({**counters.as_log(), **metrics})
+            best.update(metrics, model, tokenizer, accelerator, counters)
+        stopping = preemption.should_stop(accelerator)
+        if should_fire(counters.optimizer_step, cfg.checkpointing_steps) or stopping:
+            checkpoint()
+        if stopping:
+            logger.write(f"SIGTERM: checkpoint written at optimizer step {counters.optimizer_step}; exiting")
+            logger.close()
+            return
+
+    if cfg.save_final_model:
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()

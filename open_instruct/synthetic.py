@@ -1,0 +1,119 @@
+"""A synthetic verifiable task (small arithmetic word problems) for tests, the demo and the benchmarks.
+
+    python -m open_instruct.synthetic output/tiny     # tiny models + sft/preference/rl jsonl files
+
+Every problem has an exact integer answer that the `arithmetic` verifier checks (the last integer in the
+response). Responses are short ("3+4=7") so a character-level model of ~100k parameters can learn them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from typing import Any
+
+NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal"]
+ITEMS = ["apples", "pens", "cards", "shells", "coins", "books"]
+
+
+def make_problem(rng: random.Random, max_operand: int = 9) -> dict[str, Any]:
+    """One problem: question text, the worked answer line and the integer answer."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+    if rng.random() < 0.5:
+        question = f"{name} has {a} {item} and gets {b} more. How many {item} now?"
+        answer, work = a + b, f"{a}+{b}={a + b}"
+    else:
+        a, b = max(a, b), min(a, b)
+        question = f"{name} has {a} {item} and gives away {b}. How many {item} now?"
+        answer, work = a - b, f"{a}-{b}={a - b}"
+    return {"question": question, "work": work, "answer": answer}
+
+
+def wrong_work(problem: dict[str, Any], rng: random.Random) -> str:
+    """The same working with a wrong final number (for rejected responses)."""
+    lhs = problem["work"].split("=")[0]
+    wrong = problem["answer"] + rng.choice([-3, -2, -1, 1, 2, 3])
+    return f"{lhs}={wrong}"
+
+
+def sft_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = make_problem(rng, max_operand)
+        rows.append({"id": f"sft-{seed}-{i}", "messages": [
+            {"role": "user", "content": p["question"]},
+            {"role": "assistant", "content": p["work"]},
+        ]})
+    return rows
+
+
+def preference_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+    """chosen = correct working, rejected = the same working with a wrong result."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = make_problem(rng, max_operand)
+        prompt = [{"role": "user", "content": p["question"]}]
+        rows.append({
+            "id": f"pref-{seed}-{i}",
+            "chosen": prompt + [{"role": "assistant", "content": p["work"]}],
+            "rejected": prompt + [{"role": "assistant", "content": wrong_work(p, rng)}],
+        })
+    return rows
+
+
+def rl_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = make_problem(rng, max_operand)
+        rows.append({
+            "id": f"rl-{seed}-{i}",
+            "messages": [{"role": "user", "content": p["question"]}],
+            "ground_truth": str(p["answer"]),
+            "dataset": "arithmetic",
+        })
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict[str, Any]]) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_task_files(out_dir: str, n_train: int = 2000, n_eval: int = 200, seed: int = 0) -> dict[str, str]:
+    """Train/eval files for each stage. Eval problems use another seed (held out)."""
+    files = {
+        "sft_train": write_jsonl(os.path.join(out_dir, "sft_train.jsonl"), sft_rows(n_train, seed)),
+        "sft_eval": write_jsonl(os.path.join(out_dir, "sft_eval.jsonl"), sft_rows(n_eval, seed + 1)),
+        "pref_train": write_jsonl(os.path.join(out_dir, "pref_train.jsonl"), preference_rows(n_train, seed + 2)),
+        "pref_eval": write_jsonl(os.path.join(out_dir, "pref_eval.jsonl"), preference_rows(n_eval, seed + 3)),
+        "rl_train": write_jsonl(os.path.join(out_dir, "rl_train.jsonl"), rl_rows(n_train, seed + 4)),
+        "rl_eval": write_jsonl(os.path.join(out_dir, "rl_eval.jsonl"), rl_rows(n_eval, seed + 5)),
+    }
+    return files
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--n_train", type=int, default=2000)
+    parser.add_argument("--n_eval", type=int, default=200)
+    args = parser.parse_args()
+    from open_instruct.tiny import save_tiny_models
+
+    for name, path in save_tiny_models(os.path.join(args.out_dir, "models")).items():
+        print(f"{name}: {path}")
+    for name, path in write_task_files(os.path.join(args.out_dir, "data"), args.n_train, args.n_eval).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
