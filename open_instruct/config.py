@@ -291,8 +291,8 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    close = difflib.get_close_matches(key, valid, n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return ConfigError(f"unknown key {key!r} in {where}{hint}")
 
 
@@ -335,6 +335,9 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     if argv and not argv[0].startswith("-"):
         recipe_path = argv.pop(0)
         recipe = load_recipe(recipe_path)
+    expected_script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
+    if recipe.get("script", expected_script) != expected_script:
+        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
     valid = _field_names(cls)
     for key in recipe:
         if key not in valid:
@@ -344,9 +347,6 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
             key = token[2:].split("=", 1)[0]
             if key not in valid:
                 raise _unknown_key_error(key, valid, "command-line overrides")
-    expected_script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
-    if recipe.get("script", expected_script) != expected_script:
-        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
 
     recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
     parser = HfArgumentParser(cls)

@@ -1,0 +1,1 @@
+"""Evaluation entry points (python -m eval.<name>)."""

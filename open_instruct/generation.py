@@ -1,0 +1,271 @@
+"""Generating responses from token-id prompts: the one interface the RLVR trainer and the eval entry points share.
+
+    gen = make_generator("hf", model, tokenizer, batch_size=16)
+    out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
+    out.response_ids[i], out.texts[i], out.stopped[i], out.prompt_index[i]   # one row per response
+
+Callers only see `GenerationConfig`, `GenerationOutput` and the `Generator` protocol, so another backend (vLLM)
+can be added beside `HFGenerator` and chosen by name in `make_generator` without touching any caller.
+
+Conventions every backend keeps:
+- Responses are ordered prompt by prompt, `n` contiguous rows per prompt: row i belongs to prompt i // n.
+- A response ends right after its first stop: the EOS token (kept in `response_ids`) or the token that completes a
+  stop string (kept too). Anything generated after that is dropped. `stopped` is False only when the response ran
+  into `max_new_tokens` without a stop.
+- `texts[i]` is exactly `tokenizer.decode(response_ids[i])` minus a trailing EOS token: a stop string stays in the
+  text (as the token ids that completed it stay in `response_ids`).
+- Sampling is the plain policy distribution: logits / temperature, then top-p. No top-k, no repetition penalty,
+  whatever the model's own generation_config says, so log-probs re-scored with `models.token_logprobs(...,
+  temperature)` describe the sampler (top_p < 1 truncates it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    stop_strings: Optional[list[str]] = None
+    n: int = 1  # samples per prompt
+    seed: Optional[int] = None  # None: draw from the global torch RNG (seeded by the caller)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if self.stop_strings is not None and any(not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationOutput:
+    prompt_ids: list[list[int]]  # one row per prompt, as given
+    response_ids: list[list[int]] = field(default_factory=list)  # one row per response, cut after the first stop
+    texts: list[str] = field(default_factory=list)  # decoded response, trailing EOS token removed
+    stopped: list[bool] = field(default_factory=list)  # True: EOS or a stop string ended it; False: max_new_tokens
+    prompt_index: list[int] = field(default_factory=list)  # which prompt each response answers (n contiguous rows)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput: ...
+
+    def sync_weights(self, model: Any) -> None:
+        """Make the generator sample from `model`'s current weights (a no-op when it shares the module)."""
+        ...
+
+
+def default_eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS and the model's generation_config EOS id(s)."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None:
+        candidates.append(gen_cfg.eos_token_id)
+    for c in candidates:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config names an EOS token")
+    return ids
+
+
+def _first_stop_string_cut(ids: Sequence[int], tokenizer: Any, stop_strings: Sequence[str]) -> Optional[int]:
+    """Smallest k such that decode(ids[:k]) contains a stop string, or None.
+
+    Binary search over prefixes (a prefix that contains a stop string keeps containing it when extended)."""
+    def contains(k: int) -> bool:
+        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
+        return any(s in text for s in stop_strings)
+
+    if not ids or not contains(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # contains(hi) is True
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if contains(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def finalize_response(
+    ids: Sequence[int], eos_ids: Sequence[int], tokenizer: Any, stop_strings: Optional[Sequence[str]]
+) -> tuple[list[int], str, bool]:
+    """Cut raw generated ids right after the first EOS or stop-string completion; return (ids, text, stopped).
+
+    Shared by backends so they all cut the same way."""
+    ids = [int(t) for t in ids]
+    eos = set(eos_ids)
+    cut, stopped = len(ids), False
+    for i, t in enumerate(ids):
+        if t in eos:
+            cut, stopped = i + 1, True
+            break
+    if stop_strings:
+        body = ids[: cut - 1] if stopped else ids[:cut]  # a stop string must end before the EOS to win
+        k = _first_stop_string_cut(body, tokenizer, stop_strings)
+        if k is not None:
+            cut, stopped = k, True
+    ids = ids[:cut]
+    text_ids = ids[:-1] if ids and ids[-1] in eos else ids
+    return ids, tokenizer.decode(text_ids, skip_special_tokens=False), stopped
+
+
+class _StopOnStrings:
+    """Stopping criterion for HF generate: marks a row finished once its new tokens contain a stop string.
+
+    Only saves compute; the exact cut is made afterwards by `finalize_response`."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = list(stop_strings)
+        self.prompt_width = prompt_width
+        # Every non-special token decodes to at least one character (byte-level BPE may need a few tokens for
+        # one character): a tail this long always covers a stop string that the newest token just completed.
+        self.window = max(len(s) for s in self.stop_strings) * 4 + 8
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        tails = input_ids[:, self.prompt_width :][:, -self.window :].tolist()
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
+        done = [any(s in t for s in self.stop_strings) for t in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class HFGenerator:
+    """Batched generation with a transformers causal LM (`model.generate` with its KV cache).
+
+    Prompts are left-padded and run in chunks of at most `batch_size` sequences (prompts x n), sorted by length
+    so a chunk carries little padding. With `config.seed` set, the same inputs and `batch_size` give the same
+    outputs, and the global torch RNG is left untouched; with `seed=None` the global RNG is used (and advanced).
+    The generator holds a reference to the live policy module, so `sync_weights` has nothing to do."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        batch_size: int = 16,
+        device: Optional[Any] = None,
+        eos_token_ids: Optional[Sequence[int]] = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        # Default: the tokenizer's and the model's EOS. Chat models with several end-of-turn tokens may list them.
+        self.eos_ids = [int(i) for i in eos_token_ids] if eos_token_ids else default_eos_token_ids(model, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+
+    def sync_weights(self, model: Any) -> None:
+        return None
+
+    def _hf_generation_config(self, config: GenerationConfig) -> Any:
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            num_beams=1,
+            repetition_penalty=1.0,
+        )
+        if config.greedy:
+            kwargs.update(do_sample=False)
+        else:  # explicit values so the model's own generation_config (top_k=50, penalties, ...) cannot leak in
+            kwargs.update(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=0)
+        return HFGenerationConfig(**kwargs)
+
+    def _generate_chunk(self, rows: list[list[int]], config: GenerationConfig, hf_config: Any) -> list[list[int]]:
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r:
+                input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+                attention_mask[i, width - len(r) :] = 1
+        extra: dict[str, Any] = {}
+        if config.stop_strings:
+            from transformers import StoppingCriteriaList
+
+            extra["stopping_criteria"] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, config.stop_strings, width)])
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=hf_config,
+            **extra,
+        )
+        return out[:, width:].tolist()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        rows = [list(p) for p in prompt_ids for _ in range(config.n)]
+        owner = [i for i in range(len(prompt_ids)) for _ in range(config.n)]
+        order = sorted(range(len(rows)), key=lambda j: len(rows[j]))  # stable: the n copies stay together
+        hf_config = self._hf_generation_config(config)
+        raw: list[Optional[list[int]]] = [None] * len(rows)
+
+        was_training = self.model.training
+        self.model.eval()
+        rng = torch.random.fork_rng(devices=[]) if config.seed is not None else contextlib.nullcontext()
+        try:
+            with rng:
+                if config.seed is not None:
+                    torch.manual_seed(config.seed)
+                for start in range(0, len(order), self.batch_size):
+                    chunk = order[start : start + self.batch_size]
+                    for j, gen in zip(chunk, self._generate_chunk([rows[j] for j in chunk], config, hf_config)):
+                        raw[j] = gen
+        finally:
+            self.model.train(was_training)
+
+        out = GenerationOutput(prompt_ids=[list(p) for p in prompt_ids])
+        for j, gen in enumerate(raw):
+            ids, text, stopped = finalize_response(gen or [], self.eos_ids, self.tokenizer, config.stop_strings)
+            out.response_ids.append(ids)
+            out.texts.append(text)
+            out.stopped.append(stopped)
+            out.prompt_index.append(owner[j])
+        return out
+
+
+BACKENDS = ("hf", "vllm")
+
+
+def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Generator:
+    """The generator for a backend name ("hf"; "vllm" is reserved). Extra keywords go to the backend."""
+    if backend == "hf":
+        return HFGenerator(model, tokenizer, **kw)
+    if backend == "vllm":
+        raise NotImplementedError(
+            "generation backend 'vllm' is not available yet: no vLLM generator is implemented in "
+            "open_instruct/generation.py (and vllm is not installed here). Use backend='hf'."
+        )
+    raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")

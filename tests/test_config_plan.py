@@ -1,0 +1,110 @@
+"""Config parsing (YAML + overrides, errors naming the key) and the plan dry run."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from open_instruct.config import DPOConfig, RLVRConfig, SFTConfig, parse_config
+from open_instruct.plan import build_plan, llama_like_params, main as plan_main
+from open_instruct.utils import ConfigError
+
+RECIPES = ["sft_8b", "rm_8b", "dpo_8b", "rlvr_8b", "rlvr_70b"]
+
+
+def _recipe(repo_root, name):
+    return os.path.join(repo_root, "configs", f"{name}.yaml")
+
+
+def test_yaml_then_overrides(repo_root):
+    cfg = parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--learning_rate", "1e-6", "--beta", "0.1"])
+    assert cfg.learning_rate == 1e-6 and cfg.beta == 0.1
+    assert cfg.loss_type == "dpo_norm" and cfg.gradient_accumulation_steps == 16  # from the recipe
+
+
+def test_unknown_key_suggests_closest(repo_root, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'learning_rat'.*did you mean 'learning_rate'"):
+        parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--learning_rat", "1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("script: sft\nmodel_name_or_path: m\ndataset_name_or_path: d\nper_device_batch_size: 2\n")
+    with pytest.raises(ConfigError, match=rf"unknown key 'per_device_batch_size' in recipe {bad}.*per_device_train_batch_size"):
+        parse_config(SFTConfig, [str(bad)])
+
+
+def test_wrong_type_and_invalid_value_name_the_key(repo_root):
+    with pytest.raises(ConfigError, match="--learning_rate"):
+        parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--learning_rate", "fast"])
+    with pytest.raises(ConfigError, match="per_device_train_batch_size must be > 0"):
+        parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--per_device_train_batch_size", "0"])
+    with pytest.raises(ConfigError, match="loss_type"):
+        parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--loss_type", "kto"])
+
+
+def test_recipe_for_another_script_is_rejected(repo_root):
+    with pytest.raises(ConfigError, match="is for script 'rlvr_ppo', not 'dpo'"):
+        parse_config(DPOConfig, [_recipe(repo_root, "rlvr_8b")])
+
+
+def test_grpo_needs_groups(repo_root):
+    with pytest.raises(ConfigError, match="num_samples_per_prompt >= 2"):
+        parse_config(RLVRConfig, [_recipe(repo_root, "rlvr_8b"), "--algo", "grpo", "--value_model_path", "None"])
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_published_recipes_plan(repo_root, name):
+    world = {"rlvr_8b": 7, "rlvr_70b": 40}.get(name, 8)
+    plan = build_plan(_recipe(repo_root, name), [], world, None)
+    assert plan["estimated_hours"] > 0
+    assert plan["mini_batch_size"] == plan["local_mini_batch_size"] * world
+
+
+def test_published_global_batches(repo_root):
+    # Tulu 3: SFT 128, RM 256, DPO 128 on 8 GPUs; RLVR 8B 7 x 32 = 224; 70B 40 x 16 = 640.
+    expect = {"sft_8b": (8, 128), "rm_8b": (8, 256), "dpo_8b": (8, 128), "rlvr_8b": (7, 224), "rlvr_70b": (40, 640)}
+    for name, (world, mini) in expect.items():
+        assert build_plan(_recipe(repo_root, name), [], world, None)["mini_batch_size"] == mini, name
+
+
+def test_plan_json_keys_and_numbers(repo_root, capsys):
+    assert plan_main([_recipe(repo_root, "dpo_8b"), "--num_processes", "8", "--num_examples", "60000", "--json",
+                      "--gradient_accumulation_steps", "32"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    for key in ["world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "local_mini_batch_size",
+                "mini_batch_size", "total_episodes", "num_training_steps", "optimizer_steps", "log_rows", "estimated_hours"]:
+        assert key in p
+    assert (p["mini_batch_size"], p["optimizer_steps"], p["log_rows"]) == (256, 234, 234)
+    assert plan_main([_recipe(repo_root, "rlvr_8b"), "--num_processes", "7", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    for key in ["local_rollout_batch_size", "rollout_batch_size", "num_samples_per_prompt", "episodes_per_rollout",
+                "num_mini_batches", "num_epochs"]:
+        assert key in p
+    assert (p["num_training_steps"], p["optimizer_steps"]) == (44_642, 178_568)
+
+
+def test_invalid_plan_exits_2(repo_root, capsys):
+    code = plan_main([_recipe(repo_root, "rlvr_8b"), "--num_processes", "3", "--local_rollout_batch_size", "24"])
+    assert code == 2
+    assert "episodes_per_rollout 72" in capsys.readouterr().err
+
+
+def test_plan_cli_is_fast_and_light(repo_root):
+    code = "import sys, time; t=time.time(); from open_instruct.plan import main; main(sys.argv[1:]); " \
+           "print('TORCH', 'torch' in sys.modules, 'ELAPSED', time.time()-t)"
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code, _recipe(repo_root, "rlvr_8b"), "--num_processes", "7"],
+                         capture_output=True, text=True, cwd=repo_root, check=True).stdout
+    assert "TORCH False" in out  # no torch, no model code
+    elapsed = float(out.rsplit("ELAPSED", 1)[1])
+    assert elapsed < 2.0, f"plan took {elapsed:.2f}s beyond start-up"
+    assert "44,642" in out and "178,568" in out
+    assert time.time() - start < 30
+
+
+def test_param_count_from_config():
+    # Llama-3.1-8B shape: 8,030,261,248 parameters.
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    assert llama_like_params(cfg) == 8_030_261_248

@@ -1,0 +1,151 @@
+"""The generator interface on the tiny local model: padding, stops, n samples, seeding, re-scoring."""
+
+import math
+
+import pytest
+import torch
+
+from open_instruct.generation import (
+    GenerationConfig,
+    Generator,
+    HFGenerator,
+    finalize_response,
+    make_generator,
+)
+from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
+
+QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_models):
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    model = load_causal_lm(tiny_models["causal_lm"])
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(lm):
+    _, tokenizer = lm
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+
+
+def _ids(x):
+    return list(x["input_ids"]) if not isinstance(x, list) else x
+
+
+def test_protocol_and_backends(lm):
+    model, tokenizer = lm
+    gen = make_generator("hf", model, tokenizer, batch_size=2)
+    assert isinstance(gen, Generator) and isinstance(gen, HFGenerator)
+    assert gen.sync_weights(model) is None
+    with pytest.raises(NotImplementedError, match="vllm"):
+        make_generator("vllm", model, tokenizer)
+    with pytest.raises(ValueError, match="unknown generation backend"):
+        make_generator("jax", model, tokenizer)
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationConfig(temperature=-1)
+
+
+def test_left_padding_matches_single_prompt_greedy(lm, prompts):
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    assert len({len(p) for p in prompts}) > 1  # the batch really needs padding
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0)
+    batched = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    single = HFGenerator(model, tokenizer, batch_size=1)
+    for i, p in enumerate(prompts):
+        alone = single.generate([p], cfg)
+        assert alone.response_ids[0] == batched.response_ids[i]
+        assert alone.texts[0] == batched.texts[i]
+    assert batched.prompt_ids == prompts
+    assert batched.prompt_index == [0, 1, 2, 3]
+
+
+def test_stop_string_truncation(lm, prompts):
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    gen = HFGenerator(model, tokenizer, batch_size=4)
+    free = gen.generate(prompts, GenerationConfig(max_new_tokens=16, temperature=0))
+    assert not any(free.stopped)  # random tiny model: runs to max_new_tokens
+    assert all(len(r) == 16 for r in free.response_ids)
+    stop = free.texts[0][4:6]  # two characters the first response produces
+    cut = gen.generate(prompts, GenerationConfig(max_new_tokens=16, temperature=0, stop_strings=[stop]))
+    for i in range(len(prompts)):
+        full, ids, text = free.response_ids[i], cut.response_ids[i], cut.texts[i]
+        assert full[: len(ids)] == ids  # same greedy path, cut earlier or not at all
+        if stop in free.texts[i]:
+            assert cut.stopped[i]
+            assert text.endswith(stop) or stop in text
+            assert stop not in tokenizer.decode(ids[:-1])  # the last kept token completed the stop string
+        else:
+            assert not cut.stopped[i] and ids == full
+    assert cut.stopped[0] and cut.texts[0] == free.texts[0][:6]  # char-level: cut exactly after the stop
+
+
+def test_eos_truncation_and_stopped_flags(lm, prompts):
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    free = HFGenerator(model, tokenizer).generate(prompts, GenerationConfig(max_new_tokens=16, temperature=0))
+    first = free.response_ids[0]
+    eos = next(t for t in first[2:] if t not in first[:2])  # pretend a token response 0 makes mid-way is EOS
+    gen = HFGenerator(model, tokenizer, eos_token_ids=[eos])
+    out = gen.generate(prompts, GenerationConfig(max_new_tokens=16, temperature=0))
+    for i in range(len(prompts)):
+        full = free.response_ids[i]
+        if eos in full:
+            k = full.index(eos) + 1
+            assert out.response_ids[i] == full[:k] and out.stopped[i]
+            assert out.texts[i] == tokenizer.decode(full[: k - 1])  # trailing EOS not in the text
+        else:
+            assert out.response_ids[i] == full and not out.stopped[i]
+    assert out.stopped[0] and 3 <= len(out.response_ids[0]) < len(first)
+
+
+def test_finalize_response_rules(lm):
+    _, tokenizer = lm
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tokenizer.eos_token_id
+    ids, text, stopped = finalize_response(enc("abc") + [eos] + enc("zz"), [eos], tokenizer, None)
+    assert ids == enc("abc") + [eos] and text == "abc" and stopped
+    ids, text, stopped = finalize_response(enc("ab STOP cd") + [eos], [eos], tokenizer, ["STOP", "b S"])
+    assert text == "ab S" and stopped  # the earliest completed stop string wins
+    ids, text, stopped = finalize_response(enc("abc") + [eos], [eos], tokenizer, ["c"])
+    assert text == "abc" and ids == enc("abc") and stopped  # stop string before EOS: cut at the string
+    ids, text, stopped = finalize_response(enc("abcd"), [eos], tokenizer, ["x"])
+    assert ids == enc("abcd") and text == "abcd" and not stopped
+
+
+def test_n_samples_contiguous_and_seeded(lm, prompts):
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts[:2]]
+    gen = HFGenerator(model, tokenizer, batch_size=4)
+    cfg = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, n=3, seed=123)
+    state = torch.random.get_rng_state()
+    a = gen.generate(prompts, cfg)
+    assert torch.equal(state, torch.random.get_rng_state())  # a seeded call leaves the global RNG alone
+    b = gen.generate(prompts, cfg)
+    c = gen.generate(prompts, GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, n=3, seed=124))
+    assert a.prompt_index == [0, 0, 0, 1, 1, 1] and len(a) == 6
+    assert a.response_ids == b.response_ids and a.texts == b.texts
+    assert a.response_ids != c.response_ids
+    assert len({tuple(r) for r in a.response_ids[:3]}) > 1  # samples of one prompt differ
+
+
+def test_rescored_logprobs_are_finite(lm, prompts):
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts[:2]]
+    temperature = 0.7
+    out = HFGenerator(model, tokenizer).generate(
+        prompts, GenerationConfig(max_new_tokens=8, temperature=temperature, n=2, seed=0)
+    )
+    with torch.no_grad():
+        for j, resp in enumerate(out.response_ids):
+            seq = torch.tensor([out.prompt_ids[out.prompt_index[j]] + resp])
+            logits = model(input_ids=seq).logits[:, :-1]
+            lp = token_logprobs(logits, seq[:, 1:], temperature)[0, -len(resp) :]
+            assert lp.shape[0] == len(resp) and torch.isfinite(lp).all()
+            assert all(not math.isnan(x) and x <= 0 for x in lp.tolist())
