@@ -13,13 +13,6 @@ from open_instruct.utils import ConfigError
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_model_path(name_or_path: str, what: str = "model_name_or_path") -> None:
-    """Fail early (before any weights load) when a path-looking model location does not exist."""
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
-    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
-        raise ConfigError(f"{what} {name_or_path!r} does not exist")
-
-
 def load_tokenizer(
     name_or_path: str,
     gguf_file: Optional[str] = None,

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from open_instruct.config import BaseConfig, parse_or_exit
 from open_instruct.utils import ConfigError
@@ -31,6 +31,13 @@ def check_output_dir_writable(output_dir: str) -> None:
         raise ConfigError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
 
 
+def check_model_path(name_or_path: str, what: str = "model_name_or_path") -> None:
+    """Fail early (before any weights load) when a path-looking model location does not exist."""
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
+    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
+        raise ConfigError(f"{what} {name_or_path!r} does not exist")
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -45,17 +52,28 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
 
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
-        from open_instruct.models import check_model_path
-
         check_model_path(cfg.model_name_or_path)
         for key in ("value_model_path", "reward_model_path"):
             if getattr(cfg, key, None):
                 check_model_path(getattr(cfg, key), key)
         check_output_dir_writable(cfg.output_dir)
+        if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
+            cfg.batch_plan(world_size_from_env(), None)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return cfg
+
+
+def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
+    """Script entry point: configuration and data errors print one clear line and exit with status 2."""
+    from open_instruct.data import DataError
+
+    try:
+        main(argv)
+    except (ConfigError, DataError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def make_accelerator(cfg: BaseConfig) -> Any:

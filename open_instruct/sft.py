@@ -145,4 +145,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    runtime.run(main)

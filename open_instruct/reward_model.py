@@ -1,0 +1,179 @@
+"""Reward model training on preference pairs (Bradley-Terry): one loop, read top to bottom.
+
+    python open_instruct/reward_model.py configs/rm_tiny.yaml [--key value ...]
+    accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/reward_model.py configs/rm_8b.yaml
+
+The model is a sequence classifier with one output. A conversation's reward is read at its last non-pad token.
+Chosen and rejected conversations go through ONE forward (chosen rows first, then rejected rows). The loss is
+-log sigmoid(r_chosen - r_rejected) averaged over every pair of the global mini-batch (the same number whatever
+the split into devices and micro-batches). Accuracy counts a pair as right when r_chosen > r_rejected (ties are
+wrong).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import nullcontext
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+
+from open_instruct import runtime
+from open_instruct.config import RewardModelConfig
+
+STAT_KEYS = ("loss", "correct", "chosen_reward", "rejected_reward")  # summed over pairs, see pair_sums
+
+
+def bradley_terry(chosen: Any, rejected: Any) -> Any:
+    """Per-pair loss -log sigmoid(r_chosen - r_rejected) (logsigmoid is stable for large margins)."""
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(chosen - rejected)
+
+
+def pair_rewards(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
+    """Rewards of the chosen and rejected halves of a `data.collate_preferences` batch, in float32."""
+    from open_instruct.models import scalar_head_scores
+
+    scores = scalar_head_scores(model, batch["input_ids"], batch["attention_mask"])
+    return scores.chunk(2)
+
+
+def pair_sums(losses: Any, chosen: Any, rejected: Any) -> Any:
+    """Sums over the pairs of a batch, in STAT_KEYS order, as one detached tensor (one sync per step, not per stat)."""
+    import torch
+
+    return torch.stack([losses.sum(), (chosen > rejected).float().sum(), chosen.sum(), rejected.sum()]).detach().double()
+
+
+def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, float]:
+    """Means per pair from summed statistics."""
+    n = max(pairs, 1.0)
+    chosen, rejected = totals["chosen_reward"] / n, totals["rejected_reward"] / n
+    return {
+        f"{prefix}/loss": totals["loss"] / n,
+        f"{prefix}/accuracy": totals["correct"] / n,
+        f"{prefix}/chosen_reward": chosen,
+        f"{prefix}/rejected_reward": rejected,
+        f"{prefix}/margin": chosen - rejected,
+    }
+
+
+def main(argv=None) -> None:
+    cfg = runtime.start(RewardModelConfig, argv)
+
+    import torch
+
+    from open_instruct import data
+    from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
+    from open_instruct.models import DTYPES, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.tracking import MetricsLogger
+    from open_instruct.utils import Counters, should_fire, should_log
+
+    accelerator = runtime.make_accelerator(cfg)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_preferences)
+    plan = cfg.batch_plan(world, len(train))  # validated before the model loads
+    if accelerator.is_main_process:
+        print(f"data: {stats.summary()}; {len(evals)} held-out pairs")
+
+    pad_id = tokenizer.pad_token_id
+    model = load_sequence_classifier(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision, pad_id)
+    # HF pools the score at the rightmost token that is not config.pad_token_id: it must be the id we pad with.
+    model.config.pad_token_id = pad_id
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    counters = Counters()
+    state = restore_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters)
+    best = BestTracker(cfg, state)
+    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.optimizer_steps, "optimizer_step", counters.optimizer_step if state else None)
+    stream = data.EpisodeStream(len(train), cfg.seed)
+    preemption = runtime.Preemption()
+    throughput = runtime.Throughput()
+
+    def evaluate() -> dict[str, float]:
+        model.eval()
+        shard = data.shard_for_eval(evals, rank, world)
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        with torch.no_grad():
+            for mb in data.micro_batches(shard, cfg.per_device_eval_batch_size):
+                batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
+                with accelerator.autocast():
+                    chosen, rejected = pair_rewards(model, batch)
+                sums += pair_sums(bradley_terry(chosen, rejected), chosen, rejected).cpu()
+        model.train()
+        totals = runtime.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": len(shard)})
+        return summarize(totals, totals["pairs"], "eval")
+
+    def checkpoint() -> None:
+        save_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters, tokenizer, best.state())
+
+    model.train()
+    while counters.optimizer_step < plan.optimizer_steps:
+        # This step's pairs: a slice of the global order, by episode position (world-size independent).
+        global_idx = stream.take(counters.episode, plan.mini_batch_size)
+        local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
+        batches = [data.collate_preferences(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
+
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
+        for i, batch in enumerate(batches):
+            throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2)  # counted on CPU: no device sync
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            sync = i == len(batches) - 1
+            with (nullcontext() if sync or world == 1 else accelerator.no_sync(model)):
+                with accelerator.autocast():
+                    chosen, rejected = pair_rewards(model, batch)
+                losses = bradley_terry(chosen, rejected)
+                # Mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence the world factor.
+                accelerator.backward(losses.sum() * (world / plan.mini_batch_size))
+            sums += pair_sums(losses, chosen, rejected)
+
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        totals = runtime.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
+        metrics = summarize(totals, plan.mini_batch_size, "train")
+        step_ok = runtime.is_finite(accelerator, metrics["train/loss"], grad_norm)
+        if not step_ok:
+            runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={metrics['train/loss']}, grad_norm={float(grad_norm)})", logger.write)
+        else:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        counters.optimizer_step += 1
+        counters.episode += plan.mini_batch_size
+        counters.epoch = counters.episode / len(train)
+        logger.advance()
+
+        if should_log(counters.optimizer_step, cfg.logging_steps):
+            logger.log({
+                **counters.as_log(),
+                **metrics,
+                "train/grad_norm": float(grad_norm),
+                "train/skipped_update": int(not step_ok),
+                "lr": scheduler.get_last_lr()[0],
+                **throughput.report(accelerator),
+            })
+        if evals and should_fire(counters.optimizer_step, cfg.eval_steps, plan.optimizer_steps if cfg.eval_steps else None):
+            eval_metrics = evaluate()
+            logger.log({**counters.as_log(), **eval_metrics})
+            best.update(eval_metrics, model, tokenizer, accelerator, counters)
+        stopping = preemption.should_stop(accelerator)
+        if should_fire(counters.optimizer_step, cfg.checkpointing_steps) or stopping:
+            checkpoint()
+        if stopping:
+            logger.write(f"SIGTERM: checkpoint written at optimizer step {counters.optimizer_step}; exiting")
+            logger.close()
+            return
+
+    if cfg.save_final_model:
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()
