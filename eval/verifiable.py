@@ -114,6 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt")
     parser.add_argument("--output_dir", default=None, help="default: <model>/eval_verifiable")
     args = parser.parse_args(argv)
 
@@ -126,9 +127,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     tokenizer.padding_side = "left"
     model = load_causal_lm(args.model, torch.float32, args.gguf_file)
     examples = load_prompts(args.data, tokenizer, limit=args.limit)
+    generator = None  # hf: built by evaluate_verifiable
+    if args.generation_backend == "vllm" and examples:
+        from open_instruct.generation import make_generator
+
+        longest = max(len(e["prompt_ids"]) for e in examples)
+        generator = make_generator("vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed)
     start = time.time()
     summary, predictions = evaluate_verifiable(model, tokenizer, examples, args.max_new_tokens, args.temperature,
-                                               args.stop_strings, args.batch_size, args.seed)
+                                               args.stop_strings, args.batch_size, args.seed, generator=generator)
     summary["seconds"] = time.time() - start
     out_dir = args.output_dir or os.path.join(args.model if os.path.isdir(args.model) else ".", "eval_verifiable")
     os.makedirs(out_dir, exist_ok=True)

@@ -298,6 +298,9 @@ def save_training_state(
         "config": {k: v for k, v in vars(cfg).items()},
         **(extra or {}),
     }
+    from open_instruct.distributed import maybe_dump_shard_report
+
+    maybe_dump_shard_report(accelerator, models, optimizers, f"step_{counters.optimizer_step}")  # only when asked (tests)
     return save_checkpoint(
         cfg.output_dir, counters.optimizer_step, models, optimizers, state, accelerator, cfg.keep_last_n_checkpoints,
         tokenizer,

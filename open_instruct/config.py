@@ -44,6 +44,7 @@ class BaseConfig:
     chat_template: Optional[str] = field(default=None, metadata={"help": "Jinja chat template to use if the tokenizer has none."})
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     activation_checkpointing: bool = False
+    fsdp_cpu_offload: bool = field(default=False, metadata={"help": "Under FSDP: keep parameters, gradients and optimizer state in host memory."})
 
     # --- data
     dataset_name_or_path: str = field(default="", metadata={"help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated."})

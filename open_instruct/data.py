@@ -438,6 +438,22 @@ def shard_for_eval(items: list[Any], rank: int, world_size: int) -> list[Any]:
     return items[rank::world_size]
 
 
+def dealt_micro_batches(items: list[Any], batch_size: int, rank: int, world_size: int) -> list[tuple[list[Any], bool]]:
+    """This rank's eval micro-batches as (batch, is_real): consecutive batches of `items` dealt round-robin.
+
+    Every rank gets the same number of batches, because an FSDP forward is collective (each layer all-gathers its
+    shards): a rank with fewer batches would leave the others waiting forever. A rank with none left repeats the
+    first batch with is_real False (run the forward, drop the result). The batches themselves do not depend on the
+    world size, so each item is scored with the same batch-mates and padding on 1 or N processes."""
+    groups = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    rounds = -(-len(groups) // world_size)
+    out = []
+    for k in range(rounds):
+        g = k * world_size + rank
+        out.append((groups[g], True) if g < len(groups) else (groups[0], False))
+    return out
+
+
 def maybe_limit(items: list[Any], limit: Optional[int]) -> list[Any]:
     return items if limit is None else items[:limit]
 

@@ -260,12 +260,11 @@ BACKENDS = ("hf", "vllm")
 
 
 def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Generator:
-    """The generator for a backend name ("hf"; "vllm" is reserved). Extra keywords go to the backend."""
+    """The generator for a backend name ("hf" or "vllm"). Extra keywords go to the backend."""
     if backend == "hf":
         return HFGenerator(model, tokenizer, **kw)
-    if backend == "vllm":
-        raise NotImplementedError(
-            "generation backend 'vllm' is not available yet: no vLLM generator is implemented in "
-            "open_instruct/generation.py (and vllm is not installed here). Use backend='hf'."
-        )
+    if backend == "vllm":  # optional extra, imported only when asked for (raises a clear error when not installed)
+        from open_instruct.vllm_generator import VLLMGenerator
+
+        return VLLMGenerator(model, tokenizer, **kw)
     raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")

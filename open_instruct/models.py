@@ -115,7 +115,8 @@ def sequence_logprobs(
 
     loss_mask[b, t] marks input_ids[b, t] as a scored token. Returns (summed logps, token counts, per-token logps
     aligned to input_ids[:, 1:])."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     per_token = token_logprobs(logits, input_ids[:, 1:], temperature)
     mask = loss_mask[:, 1:].to(per_token.dtype)
     return (per_token * mask).sum(-1), mask.sum(-1), per_token * mask
@@ -129,13 +130,16 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def scalar_head_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar score of each sequence read at its last non-pad token (reward model)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache (see sequence_logprobs)
     logits = out.logits  # HF sequence classifiers already pool at the last non-pad token: [batch, 1]
     return logits.squeeze(-1).float()
 
 
-def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer_steps: int) -> tuple[Any, Any]:
-    """AdamW (no weight decay on biases and norms) and the recipe's schedule over num_optimizer_steps."""
+def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = False) -> tuple[Any, Any]:
+    """AdamW (no weight decay on biases and norms) and the recipe's schedule over num_optimizer_steps.
+
+    fused=True runs one AdamW kernel over all parameters (CPU and CUDA, DTensor too) instead of a Python loop of
+    small ops per parameter: ~2.5x cheaper steps for small models on CPU, and no per-op thread wake-ups."""
     from transformers import get_scheduler
 
     decay, no_decay = [], []
@@ -149,7 +153,7 @@ def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
-        fused=False,
+        fused=fused,
     )
     scheduler = get_scheduler(
         cfg.lr_scheduler_type,

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import nullcontext
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
 
-from open_instruct import runtime
+from open_instruct import distributed, runtime
 from open_instruct.config import RewardModelConfig
 
 STAT_KEYS = ("loss", "correct", "chosen_reward", "rejected_reward")  # summed over pairs, see pair_sums
@@ -85,7 +84,7 @@ def main(argv=None) -> None:
     model.config.pad_token_id = pad_id
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     counters = Counters()
@@ -98,16 +97,19 @@ def main(argv=None) -> None:
 
     def evaluate() -> dict[str, float]:
         model.eval()
-        shard = data.shard_for_eval(evals, rank, world)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        pairs = 0
         with torch.no_grad():
-            for mb in data.micro_batches(shard, cfg.per_device_eval_batch_size):
+            # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+            for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
                 batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
                 with accelerator.autocast():
                     chosen, rejected = pair_rewards(model, batch)
-                sums += pair_sums(bradley_terry(chosen, rejected), chosen, rejected).cpu()
+                if real:
+                    sums += pair_sums(bradley_terry(chosen, rejected), chosen, rejected).cpu()
+                    pairs += len(mb)
         model.train()
-        totals = runtime.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": len(shard)})
+        totals = runtime.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": pairs})
         return summarize(totals, totals["pairs"], "eval")
 
     def checkpoint() -> None:
@@ -125,7 +127,7 @@ def main(argv=None) -> None:
             throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2)  # counted on CPU: no device sync
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
-            with (nullcontext() if sync or world == 1 else accelerator.no_sync(model)):
+            with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     chosen, rejected = pair_rewards(model, batch)
                 losses = bradley_terry(chosen, rejected)
@@ -176,4 +178,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    runtime.run(main)

@@ -81,11 +81,12 @@ def make_accelerator(cfg: BaseConfig) -> Any:
 
     import torch
     import transformers
-    from accelerate import Accelerator
+
+    from open_instruct.distributed import build_accelerator
 
     transformers.utils.logging.disable_progress_bar()  # weight-loading bars drown the training bar
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)
+    accelerator = build_accelerator(cfg)  # FSDP2 from the accelerate config + recipe flags; launch checks
     torch.manual_seed(cfg.seed)
     return accelerator
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
 
-from open_instruct import runtime
+from open_instruct import distributed, runtime
 from open_instruct.config import SFTConfig
 
 
@@ -23,7 +22,8 @@ def token_loss_sum(model, batch):
     """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are."""
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
     return loss_sum, (labels != -100).sum()
@@ -67,10 +67,13 @@ def main(argv=None) -> None:
         model.eval()
         sums = {"loss": 0.0, "tokens": 0.0}
         with torch.no_grad():
-            for mb in data.micro_batches(data.shard_for_eval(evals, rank, world), cfg.per_device_eval_batch_size):
+            # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+            for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
                 batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
                 with accelerator.autocast():
                     loss_sum, n = token_loss_sum(model, batch)
+                if not real:
+                    continue
                 sums["loss"] += loss_sum.item()
                 sums["tokens"] += n.item()
         model.train()
@@ -94,7 +97,7 @@ def main(argv=None) -> None:
         for i, batch in enumerate(batches):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
-            with (nullcontext() if sync or world == 1 else accelerator.no_sync(model)):
+            with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
                 # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean.

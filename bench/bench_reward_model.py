@@ -1,0 +1,265 @@
+"""Reward-model training speed and memory: open_instruct/reward_model.py vs trl.RewardTrainer, side by side.
+
+    python bench/bench_reward_model.py [--hidden_sizes 64 256] [--steps 40] [--batch_size 8] [--repeats 2]
+
+Both trainers get the SAME model folder, the SAME pre-tokenized pairs (tokenized once by open_instruct.data,
+handed to TRL as chosen_ids/rejected_ids), the same batch (pairs per optimizer step, no accumulation), AdamW with
+the same learning rate, linear schedule, grad-norm clipping at 1.0, fp32 and no activation checkpointing (TRL
+defaults to bf16 and gradient checkpointing: both are turned off).
+
+Data: random-letter prompts and replies of FIXED lengths (--prompt_chars, --reply_chars), so every batch has the
+same shape whatever order a trainer draws it in: time and activation memory then compare like for like.
+
+Speed: pairs per second over the optimizer steps after `--warmup` steps (the first steps pay one-off costs), in
+wall-clock time and per CPU-second of the process (the latter barely moves when other jobs load the machine).
+Both are taken at the same step boundaries: for ours at the script's own throughput reports (logging every `warmup`
+steps; its logged perf/episodes_per_second is printed next to the bench's figure as a cross-check), for TRL in a
+callback at the end of steps `warmup` and `steps`.
+
+Memory: each trainer runs in its own fresh process, so peak RSS (the kernel's high-water mark, VmHWM) is that
+trainer's alone. tracemalloc would miss torch's CPU tensors (they are not allocated through Python's allocator),
+and sampling RSS could miss short peaks; the high-water mark cannot. Just before the first optimizer step the
+worker notes its RSS and resets the high-water mark (/proc/self/clear_refs); at the end it reads the training
+loop's own peak. Reported: the process peak (start-up or training, whichever is higher; TRL imports more) and the
+training growth = training peak - RSS before training (activations, gradients, Adam state, allocator slack).
+
+Runs alternate (ours, TRL, ours, TRL, ...) so both see the same machine load; ratios are per adjacent pair and
+the median is reported. Identical runs on this shared 2-core machine differ by up to ~25%: compare ratios.
+Workers use ONE torch thread by default (--threads): on a 2-core machine that other jobs also load, two
+intra-op threads spin-wait on each other and a tiny model's forward+backward took 17x longer (1.58 s vs 91 ms),
+which measures the scheduler, not the trainers. --threads 0 keeps torch's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def mark_train_start(marks: dict) -> None:
+    """RSS now, the peak so far, then reset the kernel's high-water mark (clear_refs 5, Linux >= 4.0) so that the
+    peak read at the end is the training loop's own."""
+    marks["startup_peak_mb"] = rss_mb("VmHWM")
+    try:  # hand free heap back to the OS first: else start-up garbage (TRL's is larger) hides training growth
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    marks["rss_before_train_mb"] = rss_mb()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # no reset: the end-of-run peak then also covers start-up (reported as such)
+
+
+def rss_mb(field: str = "VmRSS") -> float:
+    """Current (VmRSS) or peak (VmHWM) resident memory of this process, from /proc (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # fallback: peak only (KiB on Linux)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Workers (one fresh process each)
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    from open_instruct import reward_model, runtime
+    from open_instruct.tracking import read_jsonl
+
+    marks: dict[str, Any] = {"reports": []}
+
+    class MarkedThroughput(runtime.Throughput):
+        """The script's throughput meter, also noting RSS when built (right before the training loop: model and
+        optimizer exist) and the clocks at each report (end of every `warmup`-th optimizer step)."""
+
+        def __init__(self) -> None:
+            if "rss_before_train_mb" not in marks:
+                mark_train_start(marks)
+            super().__init__()
+
+        def report(self, accelerator: Any) -> dict[str, float]:
+            marks["reports"].append((time.perf_counter(), time.process_time()))
+            return super().report(accelerator)
+
+    runtime.Throughput = MarkedThroughput
+    out = tempfile.mkdtemp(prefix="bench_rm_ours_")
+    reward_model.main([
+        "--model_name_or_path", args.model, "--dataset_name_or_path", args.data, "--output_dir", out,
+        "--max_seq_length", "1024", "--per_device_train_batch_size", str(args.batch_size),
+        "--gradient_accumulation_steps", "1", "--total_episodes", str(args.steps * args.batch_size),
+        "--learning_rate", str(args.learning_rate), "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0",
+        "--logging_steps", str(args.warmup), "--save_final_model", "false", "--seed", "1",
+    ])
+    rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "train/loss" in r]
+    (w0, c0), (w1, c1) = marks["reports"][0], marks["reports"][-1]
+    pairs = (args.steps - args.warmup) * args.batch_size
+    logged = pairs / sum(args.warmup * args.batch_size / r["perf/episodes_per_second"] for r in rows[1:])
+    return {"pairs_per_second": pairs / (w1 - w0), "pairs_per_cpu_second": pairs / (c1 - c0),
+            "logged_pairs_per_second": logged, "final_loss": rows[-1]["train/loss"],
+            **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")}}
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForSequenceClassification, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    from open_instruct.data import load_rows, tokenize_preferences
+    from open_instruct.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    cfg = argparse.Namespace(chosen_column="chosen", rejected_column="rejected", prompt_column="prompt",
+                             max_seq_length=1024, overlong="drop", skip_bad_rows=False, dataset_name_or_path=args.data)
+    examples, _ = tokenize_preferences(load_rows(args.data), tokenizer, cfg)
+    train = datasets.Dataset.from_list([{"chosen_ids": e["chosen_ids"], "rejected_ids": e["rejected_ids"]} for e in examples])
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
+
+    marks: dict[Any, Any] = {}
+    losses: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            mark_train_start(marks)
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step in (args.warmup, args.steps):
+                marks[state.global_step] = (time.perf_counter(), time.process_time())
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    config = RewardConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_rm_trl_"), per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.learning_rate,
+        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
+        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
+        max_length=1024, logging_steps=args.warmup, save_strategy="no", eval_strategy="no", report_to=[],
+        dataloader_num_workers=0, seed=1, disable_tqdm=False,
+    )
+    trainer = RewardTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
+    trainer.train()
+    (w0, c0), (w1, c1) = marks[args.warmup], marks[args.steps]
+    pairs = (args.steps - args.warmup) * args.batch_size
+    return {"pairs_per_second": pairs / (w1 - w0), "pairs_per_cpu_second": pairs / (c1 - c0),
+            "final_loss": losses[-1] if losses else float("nan"),
+            **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")}}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_ours(args) if args.worker == "ours" else run_trl(args)
+    train_peak = rss_mb("VmHWM")  # since mark_train_start's reset
+    result["peak_rss_mb"] = max(train_peak, result["startup_peak_mb"])
+    result["train_growth_mb"] = train_peak - result["rss_before_train_mb"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def fixed_length_pairs(n: int, prompt_chars: int, reply_chars: int, seed: int = 0) -> list[dict]:
+    """prompt/chosen/rejected strings of random letters; the tiny models' tokenizer has one token per character."""
+    import random
+
+    rng = random.Random(seed)
+    text = lambda k: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(k))  # noqa: E731
+    return [{"id": i, "prompt": text(prompt_chars), "chosen": text(reply_chars), "rejected": text(reply_chars)} for i in range(n)]
+
+
+def spawn(kind: str, model: str, data: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--data", data,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch_size", str(args.batch_size),
+           "--learning_rate", str(args.learning_rate), "--threads", str(args.threads)]
+    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden_sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (a multiple of --warmup)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
+    parser.add_argument("--batch_size", type=int, default=8, help="pairs per optimizer step")
+    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--prompt_chars", type=int, default=120, help="prompt length in tokens (one per character)")
+    parser.add_argument("--reply_chars", type=int, default=60, help="chosen/rejected reply length in tokens")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (0: torch default; see the module doc)")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.steps % args.warmup or args.steps <= args.warmup:
+        parser.error("--steps must be a multiple of --warmup and larger than it")
+
+    from open_instruct.synthetic import write_jsonl
+    from open_instruct.tiny import save_tiny_models
+
+    work = args.workdir or tempfile.mkdtemp(prefix="bench_rm_")
+    rows = fixed_length_pairs(args.steps * args.batch_size, args.prompt_chars, args.reply_chars)
+    data = write_jsonl(os.path.join(work, "prefs.jsonl"), rows)
+    print(f"{args.steps} steps x {args.batch_size} pairs, every sequence {args.prompt_chars + args.reply_chars + 8} tokens "
+          f"({args.prompt_chars}-token prompt, {args.reply_chars}-token reply, chat markup); timed after {args.warmup} "
+          f"warm-up steps; fp32, no activation checkpointing, {args.threads or 'default'} torch thread(s); "
+          f"{args.repeats} alternating repeats")
+    summary = []
+    for hidden in args.hidden_sizes:
+        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)["seq_cls"]
+        runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+        for _ in range(args.repeats):
+            for kind in ("ours", "trl"):
+                runs[kind].append(spawn(kind, model, data, args))
+                r = runs[kind][-1]
+                own = f" (own meter {r['logged_pairs_per_second']:.1f})" if "logged_pairs_per_second" in r else ""
+                print(f"  hidden {hidden:>4} {kind:>4}: {r['pairs_per_second']:6.1f} pairs/s{own}, "
+                      f"{r['pairs_per_cpu_second']:6.1f} pairs/CPU-s, peak RSS {r['peak_rss_mb']:5.0f} MB "
+                      f"(+{r['train_growth_mb']:.0f} MB in training), final loss {r['final_loss']:.4f}", flush=True)
+        row = {"hidden": hidden}
+        for key in ("pairs_per_second", "pairs_per_cpu_second"):
+            ratios = [o[key] / t[key] for o, t in zip(runs["ours"], runs["trl"])]
+            row[key] = (statistics.median(ratios), ratios)
+        for key in ("peak_rss_mb", "train_growth_mb"):
+            row[key] = tuple(statistics.median(r[key] for r in runs[k]) for k in ("ours", "trl"))
+        summary.append(row)
+
+    print("\nours / TRL (median over repeats; per repeat in brackets)")
+    for row in summary:
+        wall, cpu = row["pairs_per_second"], row["pairs_per_cpu_second"]
+        print(f"  hidden {row['hidden']:>4}: speed {wall[0]:.2f}x wall ({', '.join(f'{x:.2f}' for x in wall[1])}), "
+              f"{cpu[0]:.2f}x per CPU-second ({', '.join(f'{x:.2f}' for x in cpu[1])}); "
+              f"peak RSS {row['peak_rss_mb'][0]:.0f} / {row['peak_rss_mb'][1]:.0f} MB, "
+              f"growth in training {row['train_growth_mb'][0]:.0f} / {row['train_growth_mb'][1]:.0f} MB")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""FSDP2 set-up shared by every training script: the Accelerator from the launcher's FSDP settings plus the recipe's
+flags, launch checks that catch a silent fallback to unsharded training, gradient-accumulation sync, frozen models
+sharded like trained ones, full weights for generation, and a shard report the tests read.
+
+How a run gets FSDP: `accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml ...` exports the config as
+`ACCELERATE_USE_FSDP=true`, `FSDP_VERSION=2`, `FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP`, ... and `build_accelerator`
+reads them into accelerate's FullyShardedDataParallelPlugin, then applies the recipe's knobs:
+- `mixed_precision: bf16` -> bf16 compute with fp32 master weights and fp32 gradient reduction;
+- `fsdp_cpu_offload: true` -> parameters, gradients and optimizer state live in host memory;
+- `activation_checkpointing: true` -> the scripts enable Hugging Face's (non-reentrant) checkpointing, so the
+  plugin's own is switched off to avoid recomputing every layer twice.
+The wrapped unit is the model's transformer layer, from its `_no_split_modules` (e.g. LlamaDecoderLayer).
+
+CPU runs (tests, laptops). accelerate 1.15 never forms an FSDP group on CPU: with an FSDP config and no CUDA every
+process silently trains alone, and with `--cpu` it wraps the model in DDP. `OPEN_INSTRUCT_CPU_FSDP=1` asks for the one
+documented work-around: the Accelerator is built for the gloo backend (cpu=True) and its state is switched to FSDP
+before anything is prepared, so `accelerator.prepare` takes accelerate's real FSDP2 path (`fully_shard` per layer,
+DTensor parameters, sharded optimizer state, DTensor-aware clipping, full-state gathering). It is refused when CUDA
+is present: GPU runs always use accelerate unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator
+
+from open_instruct.utils import ConfigError
+
+CPU_FSDP_ENV = "OPEN_INSTRUCT_CPU_FSDP"
+SHARD_REPORT_ENV = "OPEN_INSTRUCT_SHARD_REPORT"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def fsdp_requested() -> bool:
+    """True when the launcher's accelerate config asks for FSDP."""
+    return _env_flag("ACCELERATE_USE_FSDP")
+
+
+def make_fsdp_plugin(cfg: Any) -> Any:
+    """accelerate's FSDP plugin from the launcher's environment, with the recipe's precision/offload/AC flags."""
+    import torch
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    version = int(os.environ.get("FSDP_VERSION", "1"))
+    if version != 2:
+        raise ConfigError(f"the accelerate config sets fsdp_version {version}: these scripts support FSDP2 only (fsdp_version: 2)")
+    kwargs: dict[str, Any] = {}
+    if getattr(cfg, "fsdp_cpu_offload", False):
+        kwargs["cpu_offload"] = True
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError("mixed_precision fp16 is not supported under FSDP here (no loss scaling in the scripts' clipping): use bf16")
+    if cfg.mixed_precision == "bf16":
+        # Compute in half precision, keep fp32 master weights (the optimizer's) and reduce gradients in fp32:
+        # a bf16 reduce-scatter over 40+ ranks loses bits of every gradient.
+        kwargs["mixed_precision_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
+    if plugin.activation_checkpointing and cfg.activation_checkpointing:
+        plugin.activation_checkpointing = False  # the script enables HF checkpointing; once is enough
+    return plugin
+
+
+def build_accelerator(cfg: Any) -> Any:
+    """The Accelerator for this launch (FSDP2 when the accelerate config asks for it), checked by `check_launch`."""
+    import torch
+    from accelerate import Accelerator
+
+    use_fsdp = fsdp_requested()
+    if getattr(cfg, "fsdp_cpu_offload", False) and not use_fsdp:
+        raise ConfigError(
+            "fsdp_cpu_offload is set but the run is not under FSDP: launch with an FSDP accelerate config "
+            "(scripts/*.sh or accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml)"
+        )
+    plugin = make_fsdp_plugin(cfg) if use_fsdp else None
+    if _env_flag(CPU_FSDP_ENV):
+        if torch.cuda.is_available():
+            raise ConfigError(f"{CPU_FSDP_ENV}=1 is for CPU-only machines; unset it (CUDA is available, accelerate's FSDP works as is)")
+        if plugin is None:
+            raise ConfigError(f"{CPU_FSDP_ENV}=1 needs an FSDP accelerate config (ACCELERATE_USE_FSDP=true)")
+        if getattr(cfg, "fsdp_cpu_offload", False):
+            raise ConfigError("fsdp_cpu_offload moves weights from an accelerator to host memory: there is no accelerator here (CPU run)")
+        accelerator = _cpu_fsdp_accelerator(cfg, plugin)
+    else:
+        accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
+    check_launch(accelerator)
+    return accelerator
+
+
+def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
+    """CPU work-around (see module doc): a gloo process group, then the state AcceleratorState would have set up
+    on GPUs. Nothing has been prepared yet, so every later call sees an ordinary FSDP2 Accelerator."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType
+
+    accelerator = Accelerator(cpu=True, mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
+    if accelerator.num_processes > 1:
+        state = accelerator.state
+        state.distributed_type = DistributedType.FSDP
+        # AcceleratorState re-reads PartialState's fields whenever it is constructed again; on GPUs accelerate
+        # writes FSDP there too (end of AcceleratorState.__init__).
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)  # keeps a policy already set by make_fsdp_plugin
+        state.fsdp_plugin = plugin
+    return accelerator
+
+
+def check_launch(accelerator: Any) -> None:
+    """Stop before any model loads when the launcher and accelerate disagree (the silent fallbacks)."""
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise ConfigError(
+            f"{launched} processes were launched (WORLD_SIZE) but accelerate formed a group of {accelerator.num_processes}: "
+            f"each process would train alone on the full data. No usable accelerator backend was found "
+            f"(distributed_type {accelerator.distributed_type}); on a CPU-only machine set {CPU_FSDP_ENV}=1"
+        )
+    if fsdp_requested() and launched > 1 and accelerator.distributed_type != DistributedType.FSDP:
+        raise ConfigError(
+            f"the accelerate config asks for FSDP but accelerate chose {accelerator.distributed_type} (unsharded "
+            f"replicas on every rank); on a CPU-only machine set {CPU_FSDP_ENV}=1, or drop --cpu"
+        )
+
+
+def is_fsdp(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def grad_sync(accelerator: Any, model: Any, sync: bool) -> Any:
+    """Context for one micro-batch's backward. DDP: skip the all-reduce except on the last micro-batch. FSDP:
+    always reduce-scatter, so gradients stay sharded; skipping it (accelerate's no_sync) would keep a full
+    unsharded gradient on every rank during accumulation (280 GB for a 70B model in fp32). Same numbers either way."""
+    if sync or accelerator.num_processes == 1 or is_fsdp(accelerator):
+        return contextlib.nullcontext()
+    return accelerator.no_sync(model)
+
+
+def clip_grad_norm_(accelerator: Any, model: Any, max_norm: float) -> Any:
+    """Clip `model`'s gradients to a total L2 norm of max_norm; returns the norm before clipping (a plain tensor).
+
+    Under FSDP, accelerate 1.15's clip_grad_norm_ looks the model up by comparing parameter lists with `==`, which
+    raises ("Boolean value of Tensor ... is ambiguous") as soon as two prepared models have as many parameters (a
+    policy and its value model). torch's clip_grad_norm_ on the DTensor gradients is what accelerate would call:
+    each rank's shard norms are reduced over the mesh, so every rank clips with the global norm."""
+    if not is_fsdp(accelerator):
+        return accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def prepare_frozen(accelerator: Any, model: Any) -> Any:
+    """A model that is never trained (reference policy, reward model): sharded like the trained ones under FSDP
+    (accelerate's FSDP2 prepare insists on an optimizer, so this calls its wrapper directly); elsewhere moved to
+    the device without a DDP wrapper."""
+    model.requires_grad_(False)
+    model.eval()
+    if is_fsdp(accelerator):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+@contextlib.contextmanager
+def full_params(model: Any) -> Iterator[Any]:
+    """Gather FSDP2-sharded weights once and keep them whole inside the block (for `generate`): no collective runs
+    per decoding step, so ranks may stop generating at different lengths without deadlocking. Re-sharded on exit.
+    Memory: the whole model in its compute dtype on every rank. No-op for unsharded models."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield model
+        return
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # settle the root's defaults first (normally done by the first forward)
+    # Remember each unit's reshard-after-forward setting (torch keeps it per parameter group) to restore it.
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        saved.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+    for unit in units:
+        unit.unshard()  # all-gather, same order on every rank
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        for unit, (auto, infos) in zip(units, saved):
+            state = unit._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+            unit.reshard()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shard report: what each rank actually holds (read by tests/test_fsdp.py)
+
+
+def shard_report(models: dict[str, Any], optimizers: dict[str, Any]) -> dict[str, Any]:
+    """Per trainable parameter: DTensor or not, placements, local and global element counts; the same totals for
+    the optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    for name, model in models.items():
+        params = {}
+        for pname, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            is_dt = isinstance(p, DTensor)
+            params[pname] = {
+                "dtensor": is_dt,
+                "placements": [str(pl) for pl in p.placements] if is_dt else [],
+                "local_numel": p.to_local().numel() if is_dt else p.numel(),
+                "global_numel": p.numel(),
+            }
+        report: dict[str, Any] = {"params": params}
+        optimizer = optimizers.get(name)
+        if optimizer is not None:
+            local = total = 0
+            dtensors = plain = 0
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if getattr(value, "ndim", 0) == 0:
+                        continue  # step counters
+                    if isinstance(value, DTensor):
+                        dtensors += 1
+                        local += value.to_local().numel()
+                    else:
+                        plain += 1
+                        local += value.numel()
+                    total += value.numel()
+            report["optimizer"] = {"local_numel": local, "global_numel": total, "dtensor_states": dtensors, "plain_states": plain}
+        out[name] = report
+    return out
+
+
+def maybe_dump_shard_report(accelerator: Any, models: dict[str, Any], optimizers: dict[str, Any], tag: str) -> None:
+    """With OPEN_INSTRUCT_SHARD_REPORT=<dir>, each rank writes <dir>/<tag>_rank<r>.json (a debugging aid)."""
+    folder = os.environ.get(SHARD_REPORT_ENV)
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    report = {
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "models": shard_report(models, optimizers),
+    }
+    path = os.path.join(folder, f"{tag}_rank{accelerator.process_index}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)

@@ -1,0 +1,389 @@
+"""vLLM generation backend, colocated with training (optional extra: `pip install -r requirements-vllm.txt`).
+
+    gen = make_generator("vllm", policy, tokenizer, max_model_len=1024, gpu_memory_utilization=0.5)
+    out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
+    ...optimizer steps on `policy`...
+    gen.sync_weights(policy)          # the engine now samples from the updated policy; gen.last_sync_seconds
+
+Same contract as `generation.HFGenerator` (see generation.py): prompts and responses are token ids, `n` contiguous
+rows per prompt, cut after the first EOS / stop string with the stop kept, `stopped`, `texts`. Cutting is done by
+the shared `finalize_response`, so both backends cut identically and the trainer's log-probs are computed on
+exactly the sampled tokens.
+
+How it works
+- One `vllm.LLM` per training process, built once. Its folder holds only the policy's config and tokenizer; the
+  engine starts with dummy weights and the policy's in-memory weights are pushed right away. So a GGUF-loaded model,
+  a restored checkpoint or any in-memory model works, and nothing as large as the weights is written to disk.
+- The engine runs in the training process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): weight sync hands tensors over
+  without serialising them. Under several training processes (torchrun/accelerate) each rank gets its own engine
+  (tensor_parallel_size 1) through vLLM's `external_launcher` backend, generating for that rank's prompts.
+- `sync_weights(model)` streams (HF name, full tensor) pairs into vLLM's supported in-place reload path
+  (`collective_rpc("reload_weights", weights_iterator=...)` -> worker -> model runner -> `reload_weights`, which
+  calls the vLLM model's `load_weights` and keeps kernel tensors in place), then clears the prefix cache so no KV
+  block computed with old weights is reused. FSDP2-sharded parameters (DTensor) are gathered one at a time with
+  `full_tensor()`: every rank must call `sync_weights` together, and the peak extra memory is one full parameter.
+- Memory: `gpu_memory_utilization` is the fraction of the GPU the engine may take (weights + KV cache); the
+  trainer gets the rest. With `enable_sleep=True` (GPU platforms only; ignored with a warning elsewhere) the engine
+  sleeps after each `generate` (level 2: KV cache and weights released), `sync_weights` wakes the weights before
+  loading, and `generate` wakes the KV cache. If the weights were released and not re-synced (e.g. an eval generate
+  between the sync and the next rollout), `generate` re-syncs from the last model it was given first.
+- On CPU (tests here) the KV cache size is `kv_cache_memory_bytes` (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GB).
+
+A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is not this colocated class: run vLLM in its own
+process on that GPU (`CUDA_VISIBLE_DEVICES=7 vllm serve ...` with vLLM's weight-transfer engine, NCCL) and push
+weights from rank 0 after each rollout. Not implemented here; the colocated layout shares every GPU between
+training and generation through `gpu_memory_utilization` (and sleep mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from open_instruct.generation import GenerationConfig, GenerationOutput, default_eos_token_ids, finalize_response
+
+# Tested with 0.32. The weight-sync path (Worker.reload_weights via collective_rpc) and the CPU/V1 engine internals
+# it relies on move between minor releases, so other versions are refused instead of failing mid-run.
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high)
+ANY_VERSION_ENV = "OPEN_INSTRUCT_VLLM_ANY_VERSION"  # =1 skips the check (at your own risk)
+INSTALL_HINT = "pip install -r requirements-vllm.txt"
+
+
+class VLLMVersionError(RuntimeError):
+    pass
+
+
+class VLLMUnavailableError(ImportError, NotImplementedError):
+    """vLLM is not installed: an ImportError, and a NotImplementedError for callers that treat a missing backend so."""
+
+
+def check_vllm_version(version: Optional[str] = None) -> str:
+    """Raise VLLMVersionError unless `version` (default: the installed vllm's) is in SUPPORTED_VLLM; return it."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError as e:
+            raise VLLMUnavailableError(
+                f"generation_backend 'vllm' needs the optional vLLM extra, which is not installed: {INSTALL_HINT} "
+                f"(or use generation_backend hf). Import error: {e}"
+            ) from e
+        version = str(getattr(vllm, "__version__", "unknown"))
+    (lo, hi) = SUPPORTED_VLLM
+    wanted = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    try:
+        from packaging.version import Version
+
+        release = Version(version).release
+    except Exception:
+        release = None
+    if release is None or len(release) < 2:
+        raise VLLMVersionError(f"cannot read the installed vLLM version {version!r}; supported: vllm {wanted} ({INSTALL_HINT})")
+    if not lo <= tuple(release[:2]) < hi and os.environ.get(ANY_VERSION_ENV) != "1":
+        raise VLLMVersionError(
+            f"installed vLLM {version} is outside the supported range {wanted}: {INSTALL_HINT}, "
+            f"or set {ANY_VERSION_ENV}=1 to try it anyway"
+        )
+    return version
+
+
+def _unwrapped(model: Any) -> Any:
+    """The module whose parameter names are the HF checkpoint names (DDP/accelerate wrappers removed)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+# Wrapper prefixes that torch/accelerate insert into parameter names; vLLM expects the HF checkpoint names.
+_NAME_NOISE = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) parameter. Collective for DTensors: all ranks call it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    mesh_device = t.device_mesh.device_type
+    if t.device.type != mesh_device:  # FSDP2 CPU offload: shards sit in host memory, the all-gather runs on the mesh's device
+        t = DTensor.from_local(t.to_local().to(mesh_device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
+
+
+def _clean(name: str) -> str:
+    for noise in _NAME_NOISE:
+        name = name.replace(noise, "")
+    return name
+
+
+def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter, one at a time; a shared tensor once under its first name, or, with
+    `untie`, the output embedding also under its own name (for an engine whose lm_head is a separate tensor)."""
+    model = _unwrapped(model)
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        seen.add(id(p))
+        yield _clean(name), _full_tensor(p.detach())
+    out = model.get_output_embeddings() if untie and hasattr(model, "get_output_embeddings") else None
+    if out is not None and id(out.weight) in seen:  # tied: named_parameters gave it under the input embedding's name
+        name = next(n for n, m in model.named_modules() if m is out)
+        yield _clean(f"{name}.weight"), _full_tensor(out.weight.detach())
+
+
+def _prompt_seed(base: int, prompt_index: int) -> int:
+    """An independent-looking 56-bit seed per prompt. vLLM gives sample j of a prompt seed+j, so seeds spaced
+    by 1 (base + i) would hand prompt i+1 the random stream of prompt i's second sample."""
+    digest = hashlib.blake2b(f"{base}:{prompt_index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _RNGSnapshot:
+    """The global RNG states (python, numpy, torch CPU and CUDA), to undo a library that reseeds them."""
+
+    def __init__(self) -> None:
+        import random
+
+        import numpy as np
+
+        self.py, self.np, self.cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"vLLM generation dtype must be float32, bfloat16 or float16, got {dtype}")
+    return names[dtype]
+
+
+class VLLMGenerator:
+    """Colocated vLLM engine following the policy's weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_model_len: Optional[int] = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep: bool = False,
+        dtype: Any = None,
+        seed: int = 0,
+        eos_token_ids: Optional[Sequence[int]] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        enforce_eager: Optional[bool] = None,
+        batch_size: Optional[int] = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        """`batch_size` is accepted for call compatibility with HFGenerator and unused: vLLM schedules its own
+        batches. `dtype` defaults to the policy's parameter dtype; `engine_kwargs` go to `vllm.LLM`."""
+        check_vllm_version()
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        # In-process engine: sync_weights passes tensors by reference (a separate engine process would need them
+        # serialised). external_launcher forces the same.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.tokenizer = tokenizer
+        policy = _unwrapped(model)
+        hf_config = policy.config
+        self.eos_ids = [int(i) for i in eos_token_ids] if eos_token_ids else default_eos_token_ids(policy, tokenizer)
+        self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 0) or 4096)
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            self._check_cpu_head_dim(hf_config)
+        self.sleep_enabled = bool(enable_sleep)
+        if self.sleep_enabled and not current_platform.is_sleep_mode_available():
+            warnings.warn(f"vLLM sleep mode is not available on {current_platform.device_name}: enable_sleep ignored")
+            self.sleep_enabled = False
+
+        # A folder with the config and tokenizer only: weights come from the live policy (dummy load, then sync).
+        self._dir = tempfile.mkdtemp(prefix="vllm_policy_")
+        config = hf_config.__class__.from_dict(hf_config.to_dict())
+        if hasattr(config, "quantization_config"):  # a GGUF-loaded config still names its quantisation
+            del config.quantization_config
+        # Tied input/output embeddings get separate tensors in the engine, both loaded on every sync: vLLM 0.32's
+        # in-place reload refreshes only the embedding of a tied pair and keeps the old lm_head (seen on CPU with
+        # SmolLM2: garbage samples). Costs one vocab x hidden matrix, small for the models that tie (<= 3B).
+        self.untied_lm_head = bool(getattr(config, "tie_word_embeddings", False))
+        if self.untied_lm_head:
+            config.tie_word_embeddings = False
+        config.save_pretrained(self._dir)
+        tokenizer.save_pretrained(self._dir)
+
+        kwargs: dict[str, Any] = dict(
+            model=self._dir,
+            load_format="dummy",
+            dtype=_dtype_name(dtype if dtype is not None else next(policy.parameters()).dtype),
+            seed=seed,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,  # CPU: compiling costs minutes
+            enable_sleep_mode=self.sleep_enabled,
+            generation_config="vllm",  # ignore the model's generation_config defaults (top_k, penalties)
+        )
+        if self.on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_cache_memory_bytes = 1 << 30  # else vLLM takes gpu_memory_utilization of the host's RAM
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # One engine per training rank inside the existing process group (vLLM reads the rank from the env).
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["seed"] = seed + torch.distributed.get_rank()
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        kwargs.update(engine_kwargs)
+
+        t0 = time.perf_counter()
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        rng = _RNGSnapshot()
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            # An in-process engine seeds the global random, numpy and torch RNGs with its seed, and vLLM's CPU worker
+            # drops torch to 1 thread and disables torch.set_num_threads: give the trainer all three back.
+            rng.restore()
+            torch.set_num_threads = set_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+        self.engine_seconds = time.perf_counter() - t0
+        self._asleep = False  # engine released its memory (sleep level 2)
+        self._weights_released = False  # weights gone since the last sync
+        self._model: Any = model
+        self.last_sync_seconds = 0.0
+        self.sync_weights(model)  # dummy weights -> the policy's
+
+    @staticmethod
+    def _check_cpu_head_dim(hf_config: Any) -> None:
+        """vLLM's CPU attention kernels take only some head sizes; fail here rather than at the first generate."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(
+                f"vLLM on CPU supports attention head sizes {sizes}; this model's head_dim is {head_dim} "
+                f"(hidden_size {hf_config.hidden_size} / num_attention_heads {hf_config.num_attention_heads})"
+            )
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def sync_weights(self, model: Any) -> None:
+        """Load `model`'s current weights into the engine (collective under FSDP: call on every rank)."""
+        t0 = time.perf_counter()
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        weights = hf_weights(model, untie=self.untied_lm_head)
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._weights_released = False
+        self._model = model
+        self.last_sync_seconds = time.perf_counter() - t0
+
+    def _sleep(self) -> None:
+        if self.sleep_enabled:
+            self.llm.sleep(level=2)
+            self._asleep = self._weights_released = True
+
+    def _wake_for_generation(self) -> None:
+        if not self._asleep:
+            return
+        if self._weights_released:  # no sync since the last sleep: reload from the live policy
+            self.sync_weights(self._model)
+        self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def _sampling_params(self, config: GenerationConfig, seed: Optional[int]) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=config.n,
+            temperature=float(config.temperature),  # 0: greedy
+            top_p=float(config.top_p),
+            top_k=0,  # off: the plain policy distribution (generation.py conventions)
+            min_p=0.0,
+            repetition_penalty=1.0,
+            max_tokens=config.max_new_tokens,
+            stop=list(config.stop_strings) if config.stop_strings else None,
+            stop_token_ids=list(self.eos_ids),
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,  # stop strings are matched on the same text finalize_response decodes
+            spaces_between_special_tokens=False,
+            seed=seed,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        too_long = [i for i, p in enumerate(prompt_ids) if len(p) + config.max_new_tokens > self.max_model_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {config.max_new_tokens} exceeds the "
+                f"engine's max_model_len {self.max_model_len} ({len(too_long)} prompts do)"
+            )
+        from vllm.inputs import TokensPrompt
+
+        # seed None: draw the base from the global torch RNG, so a caller that seeds torch gets repeatable rollouts.
+        # Greedy decoding needs no seed and, as in HFGenerator, leaves the global RNG alone.
+        if config.greedy:
+            seeds: list[Optional[int]] = [None] * len(prompt_ids)
+        else:
+            base = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            seeds = [_prompt_seed(base, i) for i in range(len(prompt_ids))]
+        params = [self._sampling_params(config, s) for s in seeds]
+        self._wake_for_generation()
+        rng = _RNGSnapshot()  # every request carries its own seed: the trainer's global RNGs stay untouched
+        try:
+            results = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False
+            )
+        finally:
+            rng.restore()
+            self._sleep()
+
+        out = GenerationOutput(prompt_ids=[list(p) for p in prompt_ids])
+        for i, res in enumerate(results):
+            completions = sorted(res.outputs, key=lambda c: c.index)
+            if len(completions) != config.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected n={config.n}")
+            for c in completions:
+                ids, text, stopped = finalize_response(c.token_ids, self.eos_ids, self.tokenizer, config.stop_strings)
+                # vLLM matches stop strings on its incremental detokenisation; if it ended a response where the
+                # one-shot decode sees no stop, the response still ended by a stop, not by max_new_tokens.
+                stopped = stopped or c.finish_reason == "stop"
+                out.response_ids.append(ids)
+                out.texts.append(text)
+                out.stopped.append(stopped)
+                out.prompt_index.append(i)
+        return out
+
+    def close(self) -> None:
+        """Drop the engine and its temporary folder."""
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        del llm
+        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)

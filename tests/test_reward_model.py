@@ -1,0 +1,213 @@
+"""Reward model trainer (open_instruct/reward_model.py) and its evaluator (eval/reward_model.py) on the tiny model.
+
+One uninterrupted training run (module fixture) is shared by the learning, resume and export tests."""
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from open_instruct import reward_model
+from open_instruct.checkpoint import find_resume_checkpoint
+from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import assert_rows_match, assert_weights_match, break_checkpoints, read_metrics, sigterm_at_step
+
+STEPS = 12  # 192 pairs / (8 per micro-batch x 2 accumulation)
+
+
+def case_rows(n: int, seed: int) -> list[dict]:
+    """A rule a tiny model learns in a few steps: the chosen reply is a lowercase word, the rejected one the same
+    word in uppercase (so only the rule, never the content, tells the two apart)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+        prompt = [{"role": "user", "content": rng.choice(["Say a word.", "Any word?", "Give me one word."])}]
+        rows.append({
+            "id": f"case-{seed}-{i}",
+            "chosen": prompt + [{"role": "assistant", "content": word}],
+            "rejected": prompt + [{"role": "assistant", "content": word.upper()}],
+        })
+    return rows
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rm_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rm_data")
+    return {"train": write_jsonl(d / "train.jsonl", case_rows(192, 0)), "eval": write_jsonl(d / "eval.jsonl", case_rows(64, 1))}
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rm_args(tiny_models, rm_data, output_dir):
+    return [
+        os.path.join(REPO, "configs", "rm_tiny.yaml"),
+        "--model_name_or_path", tiny_models["seq_cls"],
+        "--dataset_name_or_path", rm_data["train"],
+        "--eval_dataset_name_or_path", rm_data["eval"],
+        "--output_dir", str(output_dir),
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+        "--learning_rate", "2e-3", "--warmup_ratio", "0",
+        "--logging_steps", "1", "--eval_steps", "6", "--checkpointing_steps", "4", "--keep_last_n_checkpoints", "2",
+    ]
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_models, rm_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm_full")
+    reward_model.main(rm_args(tiny_models, rm_data, out))
+    return out
+
+
+def test_bradley_terry_against_hand_worked_values():
+    chosen = torch.tensor([1.0, 0.0, 2.0, 30.0])
+    rejected = torch.tensor([0.0, 0.0, 3.0, -30.0])
+    losses = reward_model.bradley_terry(chosen, rejected)
+    # -log sigmoid(m) = log(1 + e^-m): m = 1, 0, -1, 60
+    expected = [math.log(1 + math.exp(-1)), math.log(2), math.log(1 + math.e), math.log1p(math.exp(-60))]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert expected[:3] == pytest.approx([0.313262, 0.693147, 1.313262], abs=1e-6)
+    sums = reward_model.pair_sums(losses, chosen, rejected)
+    metrics = reward_model.summarize(dict(zip(reward_model.STAT_KEYS, sums.tolist())), 4, "train")
+    assert metrics["train/loss"] == pytest.approx(sum(expected) / 4, rel=1e-6)
+    assert metrics["train/accuracy"] == 0.5  # the tie (0 vs 0) counts as wrong
+    assert metrics["train/chosen_reward"] == pytest.approx(33 / 4)
+    assert metrics["train/rejected_reward"] == pytest.approx(-27 / 4)
+    assert metrics["train/margin"] == pytest.approx(15.0)
+
+
+def test_reward_is_read_at_last_non_pad_token(tiny_models):
+    """HF's sequence classifier pools at the last non-pad token when config.pad_token_id is our pad id: a row's
+    reward must not depend on the padding added for longer rows, and must equal the head applied by hand."""
+    from open_instruct.data import collate_preferences
+    from open_instruct.models import load_sequence_classifier, load_tokenizer
+
+    tok = load_tokenizer(tiny_models["seq_cls"])
+    model = load_sequence_classifier(tiny_models["seq_cls"], pad_token_id=tok.pad_token_id).eval()
+    ex = [{"chosen_ids": tok.encode("hello there"), "rejected_ids": tok.encode("a much longer reply, padded"), "prompt_len": 1}]
+    batch = collate_preferences(ex, tok.pad_token_id)
+    assert batch["attention_mask"][0].sum() < batch["attention_mask"].shape[1]  # row 0 is right-padded
+    with torch.no_grad():
+        chosen, rejected = reward_model.pair_rewards(model, batch)
+        for row, reward in ((ex[0]["chosen_ids"], chosen), (ex[0]["rejected_ids"], rejected)):
+            ids = torch.tensor([row])
+            alone = model(input_ids=ids).logits.squeeze()
+            hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
+            assert reward.item() == pytest.approx(alone.item(), abs=1e-5)
+            assert reward.item() == pytest.approx(model.score(hidden).item(), abs=1e-5)
+
+
+def test_rm_learns_a_rule_on_held_out_pairs(full_run):
+    rows = read_metrics(full_run)
+    train = [r for r in rows if "train/loss" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["optimizer_step"] for r in train] == list(range(1, STEPS + 1))
+    assert [r["optimizer_step"] for r in evals] == [6, 12]
+    for key in ("train/accuracy", "train/chosen_reward", "train/rejected_reward", "train/margin", "lr",
+                "perf/tokens_per_second", "perf/episodes_per_second", "episode", "optimizer_step", "rollout_step", "epoch"):
+        assert key in train[-1], key
+    assert train[-1]["episode"] == STEPS * 16 and train[-1]["epoch"] == 1.0
+    final = evals[-1]
+    print(f"held-out accuracy {final['eval/accuracy']:.3f}, margin {final['eval/margin']:.3f}, "
+          f"train loss {train[0]['train/loss']:.3f} -> {train[-1]['train/loss']:.3f}")
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=0.05)  # untrained: rewards nearly equal
+    assert final["eval/accuracy"] >= 0.95
+    assert final["eval/margin"] > 0.5
+    assert final["eval/loss"] < 0.3
+    assert final["eval/margin"] == pytest.approx(final["eval/chosen_reward"] - final["eval/rejected_reward"])
+    assert os.path.isdir(full_run / "best_model") and os.path.isdir(full_run / "final_model")
+
+
+def test_rm_resume_after_preemption_matches_uninterrupted_run(full_run, tiny_models, rm_data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rm_preempted"
+    args = rm_args(tiny_models, rm_data, out)
+    with sigterm_at_step(monkeypatch, 6):
+        reward_model.main(args)
+    assert not (out / "final_model").exists()
+    assert max(r["optimizer_step"] for r in read_metrics(out)) == 6
+    assert "SIGTERM: checkpoint written at optimizer step 6" in capsys.readouterr().out
+
+    # Debris of saves that crashed after step 6: auto resume must skip it and fall back to step_6.
+    broken = break_checkpoints(str(out), 6, (9, 10))
+    reward_model.main(args + ["--resume_from_checkpoint", "auto"])
+    printed = capsys.readouterr().out
+    assert f"skipping checkpoint {broken['truncated']}: file" in printed
+    assert f"skipping checkpoint {broken['no_marker']}: no COMPLETE marker" in printed
+    assert f"resumed from {out / 'checkpoints' / 'step_6'}" in printed
+
+    assert_rows_match(read_metrics(full_run), read_metrics(out))
+    assert_weights_match(full_run / "final_model", out / "final_model")
+
+
+def test_auto_resume_never_picks_a_half_written_checkpoint(full_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(full_run / "checkpoints", out / "checkpoints")
+    valid = max(int(p.split("_")[1]) for p in os.listdir(out / "checkpoints"))
+    broken = break_checkpoints(str(out), valid, (valid + 1, valid + 2))
+    messages = []
+    assert find_resume_checkpoint(str(out), messages.append) == str(out / "checkpoints" / f"step_{valid}")
+    assert messages == [
+        f"skipping checkpoint {broken['truncated']}: " + messages[0].split(": ", 1)[1],
+        f"skipping checkpoint {broken['no_marker']}: no COMPLETE marker (the save was interrupted)",
+    ]
+    assert "bytes, manifest says" in messages[0]
+
+
+def test_export_and_final_model_reproduce_the_trained_model(full_run, rm_data, tmp_path, capsys):
+    """The exported checkpoint and final_model/ load with AutoModelForSequenceClassification and give the rewards
+    the trainer measured at its last eval (eval/reward_model.py recomputes them)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from eval import reward_model as rm_eval
+    from open_instruct.export import export_checkpoint
+
+    exported = export_checkpoint(str(full_run / "checkpoints" / f"step_{STEPS}"), str(tmp_path / "exported"))
+    final = str(full_run / "final_model")
+    logged = [r for r in read_metrics(full_run) if "eval/accuracy" in r][-1]
+
+    scores = {}
+    for name, path in (("exported", exported), ("final", final)):
+        model = AutoModelForSequenceClassification.from_pretrained(path)
+        summary = rm_eval.main([path, rm_data["eval"], "--batch_size", "16", "--output", str(tmp_path / f"{name}.jsonl")])
+        assert summary["total"] == 64
+        assert summary["accuracy"] == logged["eval/accuracy"]
+        assert summary["mean_chosen_reward"] == pytest.approx(logged["eval/chosen_reward"], abs=1e-5)
+        assert summary["mean_rejected_reward"] == pytest.approx(logged["eval/rejected_reward"], abs=1e-5)
+        assert summary["mean_margin"] == pytest.approx(logged["eval/margin"], abs=1e-5)
+        lo, hi = summary["ci95"]
+        assert lo < summary["accuracy"] <= hi <= 1.0
+        with open(tmp_path / f"{name}.jsonl") as f:
+            scores[name] = [json.loads(line) for line in f]
+        assert model.config.num_labels == 1
+    assert len(scores["final"]) == 64
+    for a, b in zip(scores["exported"], scores["final"]):
+        assert a["chosen_reward"] == pytest.approx(b["chosen_reward"], abs=1e-6)
+    assert "95% CI" in capsys.readouterr().out
+
+
+def test_eval_summary_numbers():
+    from eval.reward_model import summarize_scores
+
+    scores = [{"chosen_reward": c, "rejected_reward": r, "margin": c - r, "correct": c > r}
+              for c, r in [(1.0, 0.0), (2.0, 1.5), (0.0, 0.0), (-1.0, 1.0)]]
+    s = summarize_scores(scores)
+    assert (s["correct"], s["total"], s["ties"]) == (2, 4, 1)
+    assert s["accuracy"] == 0.5 and s["mean_margin"] == pytest.approx((1 + 0.5 + 0 - 2) / 4)
+    # Wilson 95% interval for 2/4: centre (0.5 + z^2/8) / (1 + z^2/4) = 0.5, half-width z*sqrt(1/16 + z^2/64)/(1 + z^2/4)
+    z = 1.96
+    half = z * math.sqrt(0.25 / 4 + z * z / 64) / (1 + z * z / 4)
+    assert s["ci95"] == pytest.approx((0.5 - half, 0.5 + half))
+    assert s["ci95"][0] == pytest.approx(0.1500, abs=1e-4)

@@ -1,0 +1,314 @@
+"""The vLLM generation backend (optional extra) against the HF backend on a tiny local Llama.
+
+Engine tests need vLLM (`make test-vllm` builds .venv-vllm with it); in the main venv they are skipped and only the
+version check and the missing-extra error run. On CPU they check correctness, not speed.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response, make_generator
+from open_instruct.models import token_logprobs
+from open_instruct.vllm_generator import (
+    ANY_VERSION_ENV,
+    SUPPORTED_VLLM,
+    VLLMUnavailableError,
+    VLLMVersionError,
+    check_vllm_version,
+    hf_weights,
+)
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
+
+
+# ------------------------------------------------------------------------------------- no vLLM needed
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.32.0+cpu", "0.32.1rc1"])
+def test_version_in_range_accepted(version, monkeypatch):
+    monkeypatch.delenv(ANY_VERSION_ENV, raising=False)
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "1.0.0", "0.10.2"])
+def test_version_out_of_range_refused(version, monkeypatch):
+    monkeypatch.delenv(ANY_VERSION_ENV, raising=False)
+    lo, hi = SUPPORTED_VLLM
+    with pytest.raises(VLLMVersionError) as err:
+        check_vllm_version(version)
+    msg = str(err.value)
+    assert version in msg and f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in msg and "requirements-vllm.txt" in msg
+    monkeypatch.setenv(ANY_VERSION_ENV, "1")  # the documented escape hatch
+    assert check_vllm_version(version) == version
+
+
+def test_unreadable_version_refused(monkeypatch):
+    with pytest.raises(VLLMVersionError, match="cannot read"):
+        check_vllm_version("dev")
+
+
+def test_installed_version_is_checked(monkeypatch):
+    """check_vllm_version() reads vllm.__version__: a fake module with an old version is refused."""
+    import types
+
+    monkeypatch.delenv(ANY_VERSION_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.20.1"))
+    with pytest.raises(VLLMVersionError, match="0.20.1"):
+        check_vllm_version()
+
+
+def test_missing_extra_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, as in the main venv
+    with pytest.raises(VLLMUnavailableError, match="requirements-vllm.txt") as err:
+        make_generator("vllm", torch.nn.Linear(2, 2), None)
+    assert isinstance(err.value, ImportError) and isinstance(err.value, NotImplementedError)
+
+
+def test_hf_weights_names_and_values():
+    """The names streamed to vLLM are the HF checkpoint names, wrappers removed, tied weights once."""
+    from open_instruct.tiny import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config(40, 64, 1, tie_word_embeddings=True))
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # what DDP / accelerate hand back
+    got = dict(hf_weights(wrapped))
+    want = dict(model.named_parameters())
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ------------------------------------------------------------------------------------- engine tests
+def _tiny_cpu_llama(tokenizer, seed=0):
+    """The tiny test Llama with head_dim 32: vLLM's CPU attention has no kernel for the default tiny's 16."""
+    from open_instruct.tiny import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(len(tokenizer), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    pytest.importorskip("vllm")
+    from open_instruct.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = _tiny_cpu_llama(tokenizer)
+    threads = torch.get_num_threads()
+    torch.manual_seed(123)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(123)
+    gen = make_generator("vllm", model, tokenizer, max_model_len=256, seed=0)
+    side_effects = {"rng_kept": torch.equal(torch.rand(4), expected_draw), "threads_kept": torch.get_num_threads() == threads}
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    yield gen, model, tokenizer, prompts, side_effects
+    gen.close()
+
+
+def test_engine_leaves_trainer_state_alone(engine):
+    gen, *_, side_effects = engine
+    assert side_effects == {"rng_kept": True, "threads_kept": True}
+    assert gen.engine_seconds > 0 and gen.last_sync_seconds > 0
+
+
+def test_greedy_matches_hf(engine):
+    gen, model, tokenizer, prompts, _ = engine
+    assert len({len(p) for p in prompts}) > 1
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0)
+    want = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    got = gen.generate(prompts, cfg)
+    assert got.response_ids == want.response_ids
+    assert got.texts == want.texts and got.stopped == want.stopped
+    assert got.prompt_ids == prompts and got.prompt_index == [0, 1, 2, 3]
+    assert all(len(r) == 20 for r in got.response_ids) and not any(got.stopped)  # random model: no EOS
+
+
+def test_weight_sync_follows_the_policy(engine):
+    """After the policy changes, the engine samples the old weights until sync_weights, then the new ones exactly."""
+    gen, model, tokenizer, prompts, _ = engine
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0)
+    hf = HFGenerator(model, tokenizer, batch_size=4)
+    before = gen.generate(prompts, cfg).response_ids
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        changed = hf.generate(prompts, cfg).response_ids
+        assert changed != before  # the perturbation changes greedy outputs
+        assert gen.generate(prompts, cfg).response_ids == before  # engine has its own copy: stale until synced
+        gen.sync_weights(model)
+        assert gen.last_sync_seconds > 0
+        # Same prompts as before the sync: also proves no prefix-cache block from the old weights is reused.
+        assert gen.generate(prompts, cfg).response_ids == changed
+    finally:
+        model.load_state_dict(saved)
+        gen.sync_weights(model)
+    assert gen.generate(prompts, cfg).response_ids == before
+
+
+def test_eos_and_stop_strings_match_hf(engine):
+    """EOS kept in the ids and dropped from the text; a stop string cuts right after the token completing it."""
+    gen, model, tokenizer, prompts, _ = engine
+    saved = model.lm_head.weight.detach().clone()
+    hf = HFGenerator(model, tokenizer, batch_size=4)
+    try:
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0)
+        t = hf.generate(prompts[:1], cfg).response_ids[0][4]
+        with torch.no_grad():  # EOS (id 1) gets 1.1x the logit of a token greedy picks: it now wins where t did
+            model.lm_head.weight[1] = 1.1 * model.lm_head.weight[t]
+        gen.sync_weights(model)
+        want, got = hf.generate(prompts, cfg), gen.generate(prompts, cfg)
+        assert got.response_ids == want.response_ids and got.texts == want.texts and got.stopped == want.stopped
+        eos_rows = [i for i, r in enumerate(got.response_ids) if r and r[-1] == 1]
+        assert eos_rows and all(got.stopped[i] and "<|end|>" not in got.texts[i] for i in eos_rows)
+
+        free = [t for t, s in zip(got.texts, got.stopped) if not s] or got.texts
+        stop = next(t[3:5] for t in free if len(t) >= 5)
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0, stop_strings=[stop])
+        want, got = hf.generate(prompts, cfg), gen.generate(prompts, cfg)
+        assert got.response_ids == want.response_ids and got.texts == want.texts and got.stopped == want.stopped
+        assert any(t.endswith(stop) for t in got.texts)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
+        gen.sync_weights(model)
+
+
+def test_sampling_groups_and_seeds(engine):
+    gen, model, tokenizer, prompts, _ = engine
+    cfg = GenerationConfig(max_new_tokens=8, temperature=1.0, n=3, seed=7)
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    a = gen.generate(prompts, cfg)
+    assert torch.equal(torch.rand(3), expected_draw)  # seeded: the global RNG is untouched
+    assert a.prompt_index == [i for i in range(len(prompts)) for _ in range(3)] and len(a) == 12
+    assert a.response_ids == gen.generate(prompts, cfg).response_ids  # same seed, same samples
+    assert a.response_ids != gen.generate(prompts, GenerationConfig(max_new_tokens=8, temperature=1.0, n=3, seed=8)).response_ids
+    assert len({tuple(r) for r in a.response_ids[:3]}) > 1  # the n samples of a prompt differ
+    for ids, text, stopped in zip(a.response_ids, a.texts, a.stopped):  # already cut: cutting again changes nothing
+        assert (ids, text, stopped) == finalize_response(ids, gen.eos_ids, tokenizer, None)
+        assert stopped == (ids[-1] == 1) and (stopped or len(ids) == 8)
+    # seed=None draws from the global RNG: reseeding it repeats the rollout
+    free = GenerationConfig(max_new_tokens=8, temperature=1.0, n=2)
+    torch.manual_seed(9)
+    x = gen.generate(prompts, free).response_ids
+    torch.manual_seed(9)
+    assert gen.generate(prompts, free).response_ids == x
+
+
+def test_samples_follow_the_policy_distribution(engine):
+    """First-token frequencies of vLLM samples match p = softmax(logits / T) as the trainer scores it
+    (models.token_logprobs), and top_p keeps only the nucleus: the trainer's log-probs describe what vLLM sampled."""
+    gen, model, tokenizer, prompts, _ = engine
+    prompt, temperature, n = prompts[0], 0.7, 3000
+    saved = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():  # a random tiny model is nearly uniform: sharpen it so temperature matters
+            model.lm_head.weight.mul_(12.0)
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+        gen.sync_weights(model)
+        vocab = len(logits)
+        # p(v) for every token v from the trainer's scorer: the same logits at V positions, label v at position v
+        probs = token_logprobs(logits.expand(1, vocab, vocab), torch.arange(vocab)[None], temperature)[0].exp().double()
+        out = gen.generate([prompt], GenerationConfig(max_new_tokens=1, temperature=temperature, n=n, seed=3))
+        freq = torch.bincount(torch.tensor([r[0] for r in out.response_ids]), minlength=vocab).double() / n
+        g = torch.Generator().manual_seed(0)  # the TV distance pure sampling noise gives at this n
+        noise = sum(
+            0.5 * (torch.bincount(torch.multinomial(probs, n, True, generator=g), minlength=vocab) / n - probs).abs().sum()
+            for _ in range(20)
+        ).item() / 20
+        tv = 0.5 * (freq - probs).abs().sum().item()
+        tv_t1 = 0.5 * (freq - torch.softmax(logits.double(), -1)).abs().sum().item()  # the sampler without temperature
+        print(f"first-token TV vs policy {tv:.4f}, vs T=1 {tv_t1:.4f}, sampling noise {noise:.4f}")
+        assert tv < 2 * noise, (tv, noise)
+        assert tv_t1 > 4 * noise, (tv_t1, noise)  # the check would catch a sampler ignoring temperature
+
+        top_p = 0.6  # nucleus: the fewest most likely tokens whose mass reaches top_p
+        order = torch.argsort(probs, descending=True)
+        keep = int((torch.cumsum(probs[order], 0) < top_p).sum().item()) + 1
+        out = gen.generate([prompt], GenerationConfig(max_new_tokens=1, temperature=temperature, top_p=top_p, n=500, seed=4))
+        seen = {r[0] for r in out.response_ids}
+        print(f"top_p {top_p}: nucleus of {keep} tokens, {len(seen)} seen")
+        assert seen <= set(order[:keep].tolist()) and len(seen) > 1, (seen, order[:keep + 2].tolist())
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
+        gen.sync_weights(model)
+
+
+def test_bad_requests_fail_clearly(engine):
+    gen, _, tokenizer, prompts, _ = engine
+    with pytest.raises(ValueError, match="max_model_len 256"):
+        gen.generate([prompts[0]], GenerationConfig(max_new_tokens=256))
+    with pytest.raises(ValueError, match="at least one token"):
+        gen.generate([[]], GenerationConfig())
+    from open_instruct.tiny import tiny_llama_config
+    from open_instruct.vllm_generator import VLLMGenerator
+
+    with pytest.raises(ValueError, match="head_dim is 16"):  # the default tiny model: caught before any engine starts
+        VLLMGenerator._check_cpu_head_dim(tiny_llama_config(len(tokenizer)))
+
+
+# ------------------------------------------------------------------------------------- sleep mode (GPU only)
+class _FakeLLM:
+    """Records the engine calls the generator makes; generates one EOS per prompt."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake:" + ",".join(tags))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+        list(kwargs["weights_iterator"])
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def generate(self, prompts, params, use_tqdm):
+        from types import SimpleNamespace
+
+        self.calls.append("generate")
+        return [SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[1], finish_reason="stop")]) for _ in prompts]
+
+
+def test_sleep_wake_order():
+    """Sleep mode cannot run on CPU, so its bookkeeping is checked on a fake engine: weights are woken and
+    reloaded before generating, the KV cache only for generating, and a generate after a sleep without a sync
+    reloads the live policy first."""
+    pytest.importorskip("vllm")
+    from open_instruct.tiny import build_tokenizer
+    from open_instruct.vllm_generator import VLLMGenerator
+
+    gen = object.__new__(VLLMGenerator)
+    gen.llm, gen.tokenizer, gen.eos_ids, gen.max_model_len = _FakeLLM(), build_tokenizer(), [1], 64
+    gen.sleep_enabled, gen._asleep, gen._weights_released = True, False, False
+    policy = torch.nn.Linear(2, 2)
+    gen.sync_weights(policy)
+    gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
+    assert gen.llm.calls == ["reload_weights", "reset_prefix_cache", "generate", "sleep2"]
+    gen.llm.calls.clear()
+    gen.sync_weights(policy)  # after the optimizer steps
+    out = gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
+    assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
+    assert out.response_ids == [[1]] and out.stopped == [True]
+    gen.llm.calls.clear()
+    gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))  # no sync since the last sleep
+    assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
