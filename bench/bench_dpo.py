@@ -19,7 +19,8 @@ line; it is not in the pairs/s. Ours is measured with an empty cache (the pass r
 
 Speed: pairs per second over the optimizer steps after `--warmup` steps. Ours from the script's own
 perf/pairs_per_second rows (logging every `warmup` steps, first row dropped); TRL's from a callback timing the same
-window. Memory: each run is its own fresh process; peak RSS is the kernel's high-water mark (VmHWM), which catches
+window. Also per CPU-second of the (single-threaded) process over the same window, which a loaded machine disturbs
+far less than wall time. Memory: each run is its own fresh process; peak RSS is the kernel's high-water mark (VmHWM), which catches
 torch's CPU tensors and short peaks. Runs alternate (ours, trl, trl_pre, ours, ...) so they see the same machine
 load; ratios are per repeat, median reported. Identical runs on this shared 2-core machine differ by up to ~25%.
 """
@@ -69,10 +70,16 @@ def run_ours(args: argparse.Namespace) -> dict:
         marks["reference_pass_s"] = time.perf_counter() - t0
         return out
 
+    cpu_at_reports: list[float] = []
+
     class MarkedThroughput(runtime.Throughput):  # built right before the loop: model + optimizer + cache in memory
         def __init__(self) -> None:
             marks.setdefault("rss_before_train_mb", rss_mb())
             super().__init__()
+
+        def report(self, accelerator):  # called at each log row, i.e. every `warmup` steps
+            cpu_at_reports.append(time.process_time())
+            return super().report(accelerator)
 
     dpo.reference_tables = timed_reference_tables
     runtime.Throughput = MarkedThroughput
@@ -89,7 +96,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     rows = [r for r in read_jsonl(os.path.join(out, "run", "metrics.jsonl")) if "perf/pairs_per_second" in r][1:]
     pairs = len(rows) * args.warmup * args.batch_size
     seconds = sum(args.warmup * args.batch_size / r["perf/pairs_per_second"] for r in rows)
-    return {"pairs_per_second": pairs / seconds, "final_loss": rows[-1]["train/loss"], **marks}
+    cpu_pairs_per_second = pairs / (cpu_at_reports[-1] - cpu_at_reports[0])  # the same window: steps warmup..steps
+    return {"pairs_per_second": pairs / seconds, "cpu_pairs_per_second": cpu_pairs_per_second, "final_loss": rows[-1]["train/loss"], **marks}
 
 
 def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
@@ -124,9 +132,9 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
 
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == args.warmup:
-                marks["t0"] = time.perf_counter()
+                marks["t0"], marks["cpu0"] = time.perf_counter(), time.process_time()
             if state.global_step == args.steps:
-                marks["t1"] = time.perf_counter()
+                marks["t1"], marks["cpu1"] = time.perf_counter(), time.process_time()
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -152,7 +160,8 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
         assert len(t["prompt_ids"]) == e["prompt_len"]
     trainer.train()
     pairs = (args.steps - args.warmup) * args.batch_size
-    return {"pairs_per_second": pairs / (marks["t1"] - marks["t0"]), "final_loss": losses[-1] if losses else float("nan"),
+    return {"pairs_per_second": pairs / (marks["t1"] - marks["t0"]), "cpu_pairs_per_second": pairs / (marks["cpu1"] - marks["cpu0"]),
+            "final_loss": losses[-1] if losses else float("nan"),
             "rss_before_train_mb": marks["rss_before_train_mb"], **({"reference_pass_s": marks["reference_pass_s"]} if precompute else {})}
 
 
@@ -218,21 +227,25 @@ def main() -> None:
             for kind in KINDS:
                 r = spawn(kind, model, data, args)
                 runs[kind].append(r)
-                print(f"  hidden {hidden:>4} {kind:>7}: {r['pairs_per_second']:7.1f} pairs/s, peak RSS {r['peak_rss_mb']:6.0f} MB, "
-                      f"final loss {r['final_loss']:.4f}", flush=True)
+                print(f"  hidden {hidden:>4} {kind:>7}: {r['pairs_per_second']:7.1f} pairs/s wall, {r['cpu_pairs_per_second']:7.1f} per "
+                      f"CPU-second, peak RSS {r['peak_rss_mb']:6.0f} MB, final loss {r['final_loss']:.4f}", flush=True)
         med = lambda kind, key: statistics.median(r[key] for r in runs[kind])  # noqa: E731
-        ratios = {t: [o["pairs_per_second"] / x["pairs_per_second"] for o, x in zip(runs["ours"], runs[t])] for t in ("trl", "trl_pre")}
-        summary.append((hidden, {k: med(k, "pairs_per_second") for k in KINDS}, ratios, {k: med(k, "peak_rss_mb") for k in KINDS},
+        ratio = lambda t, key: [o[key] / x[key] for o, x in zip(runs["ours"], runs[t])]  # noqa: E731
+        summary.append((hidden, {(k, m): med(k, m) for k in KINDS for m in ("pairs_per_second", "cpu_pairs_per_second", "peak_rss_mb")},
+                        {(t, m): ratio(t, m) for t in ("trl", "trl_pre") for m in ("pairs_per_second", "cpu_pairs_per_second")},
                         {k: med(k, "reference_pass_s") for k in ("ours", "trl_pre")}))
 
-    print("\nhidden   pairs/s ours / trl / trl_pre     speed ratio ours:trl (per repeat)   ours:trl_pre      peak RSS MB ours / trl / trl_pre")
-    for hidden, speed, ratios, peak, _ in summary:
-        r1, r2 = ratios["trl"], ratios["trl_pre"]
-        print(f"{hidden:>6}   {speed['ours']:6.1f} / {speed['trl']:6.1f} / {speed['trl_pre']:6.1f}     "
-              f"{statistics.median(r1):5.2f}x ({', '.join(f'{x:.2f}' for x in r1)})          "
-              f"{statistics.median(r2):5.2f}x ({', '.join(f'{x:.2f}' for x in r2)})   "
-              f"{peak['ours']:6.0f} / {peak['trl']:6.0f} / {peak['trl_pre']:6.0f}")
-    for hidden, _, _, _, ref in summary:
+    print("\nSpeed ratio ours:TRL = pairs/s of open_instruct/dpo.py over TRL's (median; per repeat in brackets). 'wall' is "
+          "elapsed time, 'cpu' the process's CPU time over the same steps (single-threaded runs: robust when the machine is shared).")
+    print("hidden  measure  pairs/s ours / trl / trl_pre    ours:trl              ours:trl_pre          peak RSS MB ours / trl / trl_pre")
+    for hidden, med_, ratios, _ in summary:
+        for m, label in (("pairs_per_second", "wall"), ("cpu_pairs_per_second", "cpu")):
+            r1, r2 = ratios[("trl", m)], ratios[("trl_pre", m)]
+            mem = f"{med_[('ours', 'peak_rss_mb')]:6.0f} / {med_[('trl', 'peak_rss_mb')]:6.0f} / {med_[('trl_pre', 'peak_rss_mb')]:6.0f}" if label == "wall" else ""
+            print(f"{hidden:>6}  {label:>7}  {med_[('ours', m)]:6.1f} / {med_[('trl', m)]:6.1f} / {med_[('trl_pre', m)]:6.1f}    "
+                  f"{statistics.median(r1):5.2f}x ({', '.join(f'{x:.2f}' for x in r1):<12}) "
+                  f"{statistics.median(r2):5.2f}x ({', '.join(f'{x:.2f}' for x in r2):<12}) {mem}")
+    for hidden, _, _, ref in summary:
         print(f"one-off reference pass over {args.steps * args.batch_size} pairs, hidden {hidden}: ours {ref['ours']:.2f}s "
               f"(computed and cached on disk), trl_pre {ref['trl_pre']:.2f}s (precompute_ref_log_probs)")
 

@@ -14,11 +14,13 @@ Randomness in the scripts is derived from (seed, counters), so no RNG pickles ar
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Optional
@@ -57,6 +59,27 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+FAULT_ENV = "OPEN_INSTRUCT_FAULT"
+
+
+def fault_point(name: str, step: Optional[int] = None) -> None:
+    """Testing hook, inert unless the environment asks: OPEN_INSTRUCT_FAULT=<name>[:step_<N>][:enospc] makes the
+    process SIGKILL itself (or, with `enospc`, raise "No space left on device") on reaching fault point <name>
+    (at step N only, when given). Points: checkpoint_state (model/optimizer state written, no manifest yet),
+    checkpoint_write (checkpoint complete in its temp folder, not yet renamed), checkpoint_prune (renamed into
+    place, older ones not yet pruned), <folder>_write (an HF folder such as final_model complete in its temp
+    folder, not yet moved into place). tests/test_reliability.py crashes runs at these points."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != name or any(p.startswith("step_") and p != f"step_{step}" for p in parts[1:]):
+        return
+    if "enospc" in parts[1:]:
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={spec})")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_manifest(folder: str) -> None:
@@ -170,6 +193,7 @@ def save_checkpoint(
     tmp = _broadcast_str(tmp, accelerator)
     try:
         dcp.save(_state_dicts(models, optimizers), checkpoint_id=os.path.join(tmp, "state"))
+        fault_point("checkpoint_state", step)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             # Configs and tokenizer make the checkpoint self-contained for `open_instruct.export`.
@@ -184,10 +208,12 @@ def save_checkpoint(
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(trainer_state, f, indent=1)
             write_manifest(tmp)
+            fault_point("checkpoint_write", step)
             if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(root)
+            fault_point("checkpoint_prune", step)
             prune_checkpoints(output_dir, keep_last)
     except BaseException:
         if accelerator.is_main_process and tmp and os.path.isdir(tmp):
@@ -243,8 +269,22 @@ def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
 # Hugging Face format exports
 
 
+def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optional[int]) -> None:
+    """Refuse to save weights holding NaN/inf (e.g. after an infinite learning rate: the loss and gradients of that
+    step were finite, the update was not). A saved copy would be picked up by `--resume_from_checkpoint auto`."""
+    from open_instruct import runtime
+
+    for name, model in models.items():
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+        if not runtime.is_finite(accelerator, *local):
+            raise runtime.NonFiniteError(
+                f"non-finite weights in the {name} model after optimizer step {step}; not saving them (is the learning rate too high?)"
+            )
+
+
 def save_hf_model(model: Any, tokenizer: Any, out_dir: str, accelerator: Any, extra: Optional[dict] = None) -> None:
     """Gather the full state dict (rank 0 under FSDP) and write an HF-format folder atomically."""
+    check_finite_weights({os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step"))
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -252,9 +292,24 @@ def save_hf_model(model: Any, tokenizer: Any, out_dir: str, accelerator: Any, ex
     accelerator.wait_for_everyone()
 
 
+def _clear_hf_debris(out_dir: str) -> None:
+    """Undo what a process killed inside write_hf_folder left: its temp folder (a whole model, never read) and, if
+    it died between the two renames of a replacement, the previous copy set aside (put back in place)."""
+    parent, base = os.path.split(os.path.abspath(out_dir))
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith(f".old_{base}_"):
+            if not os.path.exists(out_dir) and os.path.isdir(os.path.join(path, "x")):
+                os.replace(os.path.join(path, "x"), out_dir)
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(f".tmp_{base}_"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def write_hf_folder(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str, extra: Optional[dict] = None) -> None:
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
+    _clear_hf_debris(out_dir)
     tmp = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(out_dir)}_", dir=parent)
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -264,6 +319,7 @@ def write_hf_folder(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: 
             with open(os.path.join(tmp, "training_info.json"), "w") as f:
                 json.dump(extra, f, indent=1)
         write_manifest(tmp)
+        fault_point(f"{os.path.basename(os.path.normpath(out_dir))}_write", (extra or {}).get("optimizer_step"))
         old = None
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".old_{os.path.basename(out_dir)}_", dir=parent)
@@ -300,6 +356,7 @@ def save_training_state(
     }
     from open_instruct.distributed import maybe_dump_shard_report
 
+    check_finite_weights(models, accelerator, counters.optimizer_step)
     maybe_dump_shard_report(accelerator, models, optimizers, f"step_{counters.optimizer_step}")  # only when asked (tests)
     return save_checkpoint(
         cfg.output_dir, counters.optimizer_step, models, optimizers, state, accelerator, cfg.keep_last_n_checkpoints,

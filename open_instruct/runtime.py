@@ -38,6 +38,20 @@ def check_model_path(name_or_path: str, what: str = "model_name_or_path") -> Non
         raise ConfigError(f"{what} {name_or_path!r} does not exist")
 
 
+def check_resume_path(resume_from_checkpoint: Optional[str]) -> None:
+    """An explicit checkpoint path must exist and be complete before any model loads (its checksums are verified
+    when it is restored). `auto` needs no check: it falls back to older checkpoints, or a fresh start."""
+    if not resume_from_checkpoint or resume_from_checkpoint == "auto":
+        return
+    if not os.path.isdir(resume_from_checkpoint):
+        raise ConfigError(f"resume_from_checkpoint {resume_from_checkpoint!r} is not a folder")
+    from open_instruct.checkpoint import validate
+
+    reason = validate(resume_from_checkpoint, deep=False)
+    if reason is not None:
+        raise ConfigError(f"resume_from_checkpoint {resume_from_checkpoint!r}: {reason}")
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -57,6 +71,7 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             if getattr(cfg, key, None):
                 check_model_path(getattr(cfg, key), key)
         check_output_dir_writable(cfg.output_dir)
+        check_resume_path(cfg.resume_from_checkpoint)
         if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
             cfg.batch_plan(world_size_from_env(), None)
     except ConfigError as e:
@@ -65,8 +80,13 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
     return cfg
 
 
+EXIT_NONFINITE = 3
+
+
 def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
-    """Script entry point: configuration and data errors print one clear line and exit with status 2."""
+    """Script entry point: configuration and data errors print one clear line and exit with status 2; a NaN/inf
+    loss, gradient or weight (on_nonfinite: stop) prints one line naming the step and exits with status 3, which a
+    requeue-on-failure wrapper can tell apart from a crash (resuming would only hit it again)."""
     from open_instruct.data import DataError
 
     try:
@@ -74,6 +94,9 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
     except (ConfigError, DataError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except NonFiniteError as e:
+        print(f"NonFiniteError: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_NONFINITE) from None
 
 
 def make_accelerator(cfg: BaseConfig) -> Any:

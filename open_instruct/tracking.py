@@ -41,12 +41,17 @@ def rewrite_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
     """Atomic rewrite (temp file + rename)."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: the original file is untouched; leave no temp file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 class MetricsLogger:

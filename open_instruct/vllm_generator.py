@@ -18,10 +18,14 @@ How it works
   without serialising them. Under several training processes (torchrun/accelerate) each rank gets its own engine
   (tensor_parallel_size 1) through vLLM's `external_launcher` backend, generating for that rank's prompts.
 - `sync_weights(model)` streams (HF name, full tensor) pairs into vLLM's supported in-place reload path
-  (`collective_rpc("reload_weights", weights_iterator=...)` -> worker -> model runner -> `reload_weights`, which
-  calls the vLLM model's `load_weights` and keeps kernel tensors in place), then clears the prefix cache so no KV
-  block computed with old weights is reused. FSDP2-sharded parameters (DTensor) are gathered one at a time with
+  (`collective_rpc("reload_weights", weights_iterator=...)` -> worker -> model runner -> `reload_weights`: the vLLM
+  model's `load_weights` maps HF names onto fused layers, then the processed tensors are copied into the existing
+  kernel tensors, so CPU-repacked weights and captured CUDA graphs stay valid), then clears the prefix cache so no
+  KV block computed with old weights is reused. Calling the model's `load_weights` directly is wrong on CPU (the
+  linear weights are repacked after loading). FSDP2-sharded parameters (DTensor) are gathered one at a time with
   `full_tensor()`: every rank must call `sync_weights` together, and the peak extra memory is one full parameter.
+- Tied input/output embeddings are untied inside the engine (see `untied_lm_head`): vLLM 0.32's reload refreshes
+  only one tensor of a tied pair.
 - Memory: `gpu_memory_utilization` is the fraction of the GPU the engine may take (weights + KV cache); the
   trainer gets the rest. With `enable_sleep=True` (GPU platforms only; ignored with a warning elsewhere) the engine
   sleeps after each `generate` (level 2: KV cache and weights released), `sync_weights` wakes the weights before
@@ -38,11 +42,13 @@ training and generation through `gpu_memory_utilization` (and sleep mode).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
 import time
 import warnings
+import weakref
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -54,6 +60,14 @@ from open_instruct.generation import GenerationConfig, GenerationOutput, default
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high)
 ANY_VERSION_ENV = "OPEN_INSTRUCT_VLLM_ANY_VERSION"  # =1 skips the check (at your own risk)
 INSTALL_HINT = "pip install -r requirements-vllm.txt"
+
+
+class _QuietRotaryReload(logging.Filter):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every in-place reload: that layer has no checkpoint
+    weights (its cos/sin cache is computed and kept), so the warning says nothing on each rollout."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 class VLLMVersionError(RuntimeError):
@@ -220,6 +234,7 @@ class VLLMGenerator:
 
         # A folder with the config and tokenizer only: weights come from the live policy (dummy load, then sync).
         self._dir = tempfile.mkdtemp(prefix="vllm_policy_")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # removed with the generator or at exit
         config = hf_config.__class__.from_dict(hf_config.to_dict())
         if hasattr(config, "quantization_config"):  # a GGUF-loaded config still names its quantisation
             del config.quantization_config
@@ -256,6 +271,7 @@ class VLLMGenerator:
             os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
         kwargs.update(engine_kwargs)
 
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
         t0 = time.perf_counter()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         rng = _RNGSnapshot()
@@ -382,8 +398,11 @@ class VLLMGenerator:
         return out
 
     def close(self) -> None:
-        """Drop the engine and its temporary folder."""
-        llm = getattr(self, "llm", None)
-        self.llm = None
-        del llm
+        """Shut the engine down and delete its folder. Only when the run is over: vLLM 0.32's shutdown tears down
+        torch.distributed too, the trainer's default process group included (it also runs when the generator is
+        garbage-collected or at interpreter exit)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)

@@ -95,7 +95,7 @@ def test_bad_best_metric_is_a_config_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# One short run (1 process, in this process) and its twin on 2 processes (torchrun, DDP over gloo), side by side.
+# One short run (1 process, in this process), shared; its twin on 2 processes (torchrun, DDP over gloo).
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,15 @@ from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A hidden-64 model gains nothing from a second thread, and on a busy CPU spinning threads cost 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def lm(tiny_models):
     tokenizer = load_tokenizer(tiny_models["causal_lm"])

@@ -87,11 +87,18 @@ def test_bradley_terry_against_hand_worked_values():
     assert metrics["train/margin"] == pytest.approx(15.0)
 
 
-def test_reward_is_read_at_last_non_pad_token(tiny_models):
+def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
     """HF's sequence classifier pools at the last non-pad token when config.pad_token_id is our pad id: a row's
-    reward must not depend on the padding added for longer rows, and must equal the head applied by hand."""
+    reward must not depend on the padding added for longer rows, and must equal the head applied by hand.
+    The training forward builds no KV cache (transformers fills one whenever use_cache is left unset)."""
+    from transformers.cache_utils import DynamicCache
+
     from open_instruct.data import collate_preferences
     from open_instruct.models import load_sequence_classifier, load_tokenizer
+
+    caches = []
+    init = DynamicCache.__init__
+    monkeypatch.setattr(DynamicCache, "__init__", lambda self, *a, **kw: caches.append(1) or init(self, *a, **kw))
 
     tok = load_tokenizer(tiny_models["seq_cls"])
     model = load_sequence_classifier(tiny_models["seq_cls"], pad_token_id=tok.pad_token_id).eval()
@@ -100,6 +107,9 @@ def test_reward_is_read_at_last_non_pad_token(tiny_models):
     assert batch["attention_mask"][0].sum() < batch["attention_mask"].shape[1]  # row 0 is right-padded
     with torch.no_grad():
         chosen, rejected = reward_model.pair_rewards(model, batch)
+        assert caches == []
+        model(input_ids=batch["input_ids"])
+        assert caches == [1]  # the trap the scripts avoid
         for row, reward in ((ex[0]["chosen_ids"], chosen), (ex[0]["rejected_ids"], rejected)):
             ids = torch.tensor([row])
             alone = model(input_ids=ids).logits.squeeze()

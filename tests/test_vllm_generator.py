@@ -78,16 +78,21 @@ def test_hf_weights_names_and_values():
     want = dict(model.named_parameters())
     assert got.keys() == want.keys() and "lm_head.weight" not in got
     assert all(torch.equal(got[k], want[k]) for k in want)
+    untied = dict(hf_weights(wrapped, untie=True))  # for an engine whose lm_head is its own tensor
+    assert untied.keys() == want.keys() | {"lm_head.weight"}
+    assert torch.equal(untied["lm_head.weight"], want["model.embed_tokens.weight"])
+    assert dict(hf_weights(LlamaForCausalLM(tiny_llama_config(40, 64, 1)), untie=True)).keys() == dict(
+        LlamaForCausalLM(tiny_llama_config(40, 64, 1)).named_parameters()).keys()  # untied model: nothing extra
 
 
 # ------------------------------------------------------------------------------------- engine tests
-def _tiny_cpu_llama(tokenizer, seed=0):
+def _tiny_cpu_llama(tokenizer, seed=0, **overrides):
     """The tiny test Llama with head_dim 32: vLLM's CPU attention has no kernel for the default tiny's 16."""
     from open_instruct.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(len(tokenizer), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    cfg = tiny_llama_config(len(tokenizer), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **overrides)
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = cfg.eos_token_id
     return model
@@ -104,7 +109,7 @@ def engine():
     torch.manual_seed(123)
     expected_draw = torch.rand(4)
     torch.manual_seed(123)
-    gen = make_generator("vllm", model, tokenizer, max_model_len=256, seed=0)
+    gen = make_generator("vllm", model, tokenizer, max_model_len=256, seed=0, kv_cache_memory_bytes=256 << 20)
     side_effects = {"rng_kept": torch.equal(torch.rand(4), expected_draw), "threads_kept": torch.get_num_threads() == threads}
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
@@ -249,6 +254,27 @@ def test_samples_follow_the_policy_distribution(engine):
         gen.sync_weights(model)
 
 
+def test_tied_embeddings_follow_the_policy(engine):
+    """A model with tied input/output embeddings (SmolLM2, small Qwen/Llama 3.2): the engine's lm_head must follow
+    the embedding on every sync (vLLM 0.32's reload alone keeps the old lm_head: this failed before untying)."""
+    _, _, tokenizer, prompts, _ = engine
+    model = _tiny_cpu_llama(tokenizer, seed=1, tie_word_embeddings=True)
+    # A second engine in this process; left open (closing one tears down torch.distributed state both share).
+    gen = make_generator("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20)
+    assert gen.untied_lm_head
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0)
+    hf = HFGenerator(model, tokenizer, batch_size=4)
+    before = gen.generate(prompts, cfg).response_ids
+    assert before == hf.generate(prompts, cfg).response_ids
+    with torch.no_grad():
+        weight = model.model.embed_tokens.weight  # also the output embedding
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(2)) * 0.5)
+    want = hf.generate(prompts, cfg).response_ids
+    assert want != before
+    gen.sync_weights(model)
+    assert gen.generate(prompts, cfg).response_ids == want
+
+
 def test_bad_requests_fail_clearly(engine):
     gen, _, tokenizer, prompts, _ = engine
     with pytest.raises(ValueError, match="max_model_len 256"):
@@ -299,7 +325,7 @@ def test_sleep_wake_order():
 
     gen = object.__new__(VLLMGenerator)
     gen.llm, gen.tokenizer, gen.eos_ids, gen.max_model_len = _FakeLLM(), build_tokenizer(), [1], 64
-    gen.sleep_enabled, gen._asleep, gen._weights_released = True, False, False
+    gen.sleep_enabled, gen._asleep, gen._weights_released, gen.untied_lm_head = True, False, False, False
     policy = torch.nn.Linear(2, 2)
     gen.sync_weights(policy)
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
@@ -312,3 +338,59 @@ def test_sleep_wake_order():
     gen.llm.calls.clear()
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))  # no sync since the last sleep
     assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
+
+
+# ------------------------------------------------------------------------------------- the RLVR script on vLLM
+@pytest.mark.slow
+def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
+    """rlvr_ppo.py with generation_backend vllm: rollouts, training and evals run, time/weight_sync is logged, and
+    each held-out eval (greedy, on the engine) equals an HF greedy eval of the policy at that point: at rollout 0
+    the initial model, at the last rollout the saved final model. A stale engine (a missing sync) fails this."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+
+    from open_instruct.models import load_causal_lm, load_tokenizer
+    from open_instruct.rewards import score_batch
+    from open_instruct.synthetic import rl_rows, write_jsonl
+    from open_instruct.tiny import build_tokenizer
+    from eval.verifiable import load_prompts
+
+    tokenizer = build_tokenizer()
+    init = str(tmp_path / "init")
+    _tiny_cpu_llama(tokenizer).save_pretrained(init)
+    tokenizer.save_pretrained(init)
+    train = write_jsonl(str(tmp_path / "train.jsonl"), rl_rows(32, 0))
+    evals = write_jsonl(str(tmp_path / "eval.jsonl"), rl_rows(12, 1))
+    out_dir = tmp_path / "run"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable, os.path.join(repo, "open_instruct", "rlvr_ppo.py"), os.path.join(repo, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path", init, "--dataset_name_or_path", train, "--eval_dataset_name_or_path", evals,
+        "--output_dir", str(out_dir), "--generation_backend", "vllm", "--total_episodes", "64",
+        "--local_rollout_batch_size", "16", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16",
+        "--learning_rate", "3e-3", "--eval_steps", "2", "--checkpointing_steps", "100", "--save_final_model", "true",
+    ]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": repo}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    train_rows = [r for r in rows if "time/weight_sync" in r]
+    eval_rows = [r for r in rows if "eval/response_length" in r]
+    assert [r["rollout_step"] for r in train_rows] == [1, 2] and all(r["time/weight_sync"] > 0 for r in train_rows)
+    assert [r["rollout_step"] for r in eval_rows] == [0, 2]
+
+    def hf_eval(path):
+        tok = load_tokenizer(path)
+        examples = load_prompts(evals, tok, max_prompt_length=96)
+        out = HFGenerator(load_causal_lm(path), tok, batch_size=16).generate(
+            [e["prompt_ids"] for e in examples], GenerationConfig(max_new_tokens=12, temperature=0)
+        )
+        correct = score_batch(out.texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples]).correct
+        return sum(map(len, out.response_ids)) / len(examples), sum(correct) / len(examples)
+
+    final = str(out_dir / "final_model")
+    for row, path in ((eval_rows[0], init), (eval_rows[1], final)):
+        length, correct = hf_eval(path)
+        assert row["eval/response_length"] == pytest.approx(length) and row["eval/correct_rate"] == pytest.approx(correct)
+    assert hf_eval(init) != hf_eval(final)  # training changed the policy, so the last comparison has teeth

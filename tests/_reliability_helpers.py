@@ -1,0 +1,281 @@
+"""Run the training scripts as real processes, cheaply, and crash them at chosen moments (tests/test_reliability.py).
+
+A `Zygote` is a Python process that imports torch, transformers and the four training scripts once (~15-20 s on a
+loaded 2-core machine) and then forks one fresh child per run. Each child is a real OS process running the script's
+entry point, `runtime.run(main, argv)` (what `python open_instruct/<script>.py ...` runs), with its own stdout/stderr
+log, so a SIGKILL or SIGTERM sent to it behaves as on a cluster node. The zygote itself is single-threaded and never
+runs a torch op, so forking it is safe; each child starts from the same freshly imported state.
+
+Crash points inside a child come from two places:
+  - `OPEN_INSTRUCT_FAULT` in the child's environment (open_instruct/checkpoint.py `fault_point`: during checkpoint
+    and final_model writes);
+  - `faults` installed in the child before the script starts (test-only wrappers, nothing in the product code):
+    `{"kill_in_generation": {"call": k, "forward": m}}` SIGKILLs the child at the m-th model forward (decoding step)
+    of its k-th generate() call; `{"kill_in_reference_pass": {"forward": m}}` at the m-th forward of DPO's reference
+    log-prob pass.
+
+    python tests/_reliability_helpers.py --zygote     # the server side (started by Zygote())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("sft", "reward_model", "dpo", "rlvr_ppo")
+VOLATILE_PREFIXES = ("perf/", "time/")  # wall-clock numbers: differ between any two runs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Test side
+
+
+class Zygote:
+    def __init__(self, start_timeout: float = 600.0) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+        env.pop("OPEN_INSTRUCT_FAULT", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, cwd=REPO, text=True, bufsize=1,
+        )
+        reply = self._read(start_timeout)
+        assert reply.get("ready"), reply
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"zygote did not answer within {timeout:.0f} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"zygote exited (code {self.proc.poll()})")
+        return json.loads(line)
+
+    def _ask(self, request: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def spawn(self, script: str, argv: list[str], log: str, env: Optional[dict[str, str]] = None,
+              faults: Optional[dict[str, Any]] = None) -> int:
+        """Start `script` (one of SCRIPTS) in a fresh child; its stdout and stderr go to `log`. Returns its pid."""
+        return self._ask({"op": "spawn", "script": script, "argv": argv, "log": log, "env": env or {}, "faults": faults or {}})["pid"]
+
+    def wait(self, pid: int, timeout: float) -> Optional[int]:
+        """Exit code of child `pid` (negative: killed by that signal), or None if it is still running after `timeout`."""
+        return self._ask({"op": "wait", "pid": pid, "timeout": timeout}, timeout + 60)["returncode"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Run:
+    """One child process of a Zygote."""
+
+    def __init__(self, zygote: Zygote, script: str, argv: list[str], log: str, env: Optional[dict[str, str]] = None,
+                 faults: Optional[dict[str, Any]] = None) -> None:
+        self.zygote, self.log = zygote, log
+        self.pid = zygote.spawn(script, argv, log, env, faults)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float = 300.0) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, timeout)
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.zygote.wait(self.pid, 30)
+            raise TimeoutError(f"run {self.pid} still going after {timeout:.0f} s; log:\n{self.output()[-3000:]}")
+        return self.returncode
+
+    def output(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def signal_when(self, condition: Callable[[], bool], sig: int, delay: float = 0.0, timeout: float = 300.0) -> None:
+        """Send `sig` `delay` seconds after `condition()` first holds (polled every 10 ms). Fails if the run ends first."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.poll() is not None:
+                raise AssertionError(f"run ended (code {self.returncode}) before the signal point; log:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("signal point not reached")
+            time.sleep(0.01)
+        time.sleep(delay)
+        os.kill(self.pid, sig)
+
+
+def read_rows(output_dir: str, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """Complete rows of a jsonl file being appended to (a torn last line is not a row yet)."""
+    path = os.path.join(output_dir, name)
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            rows.append(json.loads(line))
+    return rows
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in rows]
+
+
+def assert_same_rows(expected: list[dict[str, Any]], got: list[dict[str, Any]], rel: float = 1e-6) -> None:
+    """Row for row, key for key equal (floats to rel 1e-6), wall-clock keys ignored."""
+    expected, got = comparable(expected), comparable(got)
+    assert len(expected) == len(got), f"{len(expected)} rows expected, {len(got)} found"
+    for i, (x, y) in enumerate(zip(expected, got)):
+        assert x.keys() == y.keys(), f"row {i}: keys differ: {sorted(x.keys() ^ y.keys())}"
+        for k in x:
+            if isinstance(x[k], float) or isinstance(y[k], float):
+                assert math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-9), f"row {i} {k}: {x[k]} vs {y[k]}"
+            else:
+                assert x[k] == y[k], f"row {i} {k}: {x[k]!r} vs {y[k]!r}"
+
+
+def assert_same_weights(a_dir: str, b_dir: str, atol: float = 1e-6) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(a_dir, "model.safetensors")), load_file(os.path.join(b_dir, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{k}: max diff {(a[k] - b[k]).abs().max().item()}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Server side (runs in the zygote and its children)
+
+
+def _send(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def _install_faults(faults: dict[str, Any]) -> None:
+    """Test-only crash points inside a child (see the module docstring)."""
+
+    def kill_at_forward(model: Any, n: int) -> None:
+        seen = {"n": 0}
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            seen["n"] += 1
+            if seen["n"] >= n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model.register_forward_hook(hook)
+
+    if "kill_in_generation" in faults:
+        from open_instruct import generation
+
+        spec, original, calls = faults["kill_in_generation"], generation.HFGenerator.generate, {"n": 0}
+
+        def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == spec["call"]:
+                kill_at_forward(self.model, spec["forward"])
+            return original(self, *args, **kwargs)
+
+        generation.HFGenerator.generate = generate
+    if "kill_in_reference_pass" in faults:
+        from open_instruct import dpo
+
+        spec, original_ref = faults["kill_in_reference_pass"], dpo.compute_reference
+
+        def compute_reference(model: Any, *args: Any, **kwargs: Any) -> Any:
+            kill_at_forward(model, spec["forward"])
+            return original_ref(model, *args, **kwargs)
+
+        dpo.compute_reference = compute_reference
+
+
+def _child(request: dict[str, Any], modules: dict[str, Any]) -> None:
+    code = 1
+    try:
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # never read the zygote's request pipe
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.environ.update(request["env"])
+        _install_faults(request["faults"])
+        from open_instruct import runtime
+
+        try:
+            runtime.run(modules[request["script"]].main, request["argv"])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve() -> None:
+    sys.path.insert(0, REPO)
+    import importlib
+
+    import torch  # noqa: F401  (imported once here, inherited by every child)
+    import transformers  # noqa: F401
+
+    modules = {name: importlib.import_module(f"open_instruct.{name}") for name in SCRIPTS}
+    import open_instruct.checkpoint  # noqa: F401
+    import open_instruct.generation  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    _send({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "spawn":
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(request, modules)
+            _send({"pid": pid})
+        elif request["op"] == "wait":
+            deadline = time.monotonic() + request["timeout"]
+            while True:
+                done, status = os.waitpid(request["pid"], os.WNOHANG)
+                if done:
+                    _send({"returncode": os.waitstatus_to_exitcode(status)})
+                    break
+                if time.monotonic() >= deadline:
+                    _send({"returncode": None})
+                    break
+                time.sleep(0.02)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    _serve()
