@@ -349,6 +349,14 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
             if key not in valid:
                 raise _unknown_key_error(key, valid, "command-line overrides")
 
+    # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
+    optional = {f.name for f in dataclasses.fields(cls) if "Optional" in str(f.type)}
+    for i, token in enumerate(argv[:-1]):
+        key = token[2:]
+        if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):
+            recipe[key] = None
+            argv[i : i + 2] = ["", ""]
+    argv = [t for t in argv if t != ""]
     recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
     parser = HfArgumentParser(cls)
     parser.set_defaults(**none_defaults)

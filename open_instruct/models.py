@@ -100,12 +100,14 @@ def load_sequence_classifier(
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(labels) per position from logits of the same length (already aligned: logits[t] predicts labels[t]).
 
-    Uses log_softmax in float32 for accuracy; temperature divides the logits as in sampling."""
+    Computed in float32 as logit[label] - logsumexp(logits): unlike log_softmax this never materialises a second
+    [batch, seq, vocab] tensor (2 GB per 4k tokens at a 128k vocabulary). Temperature divides the logits as in
+    sampling."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     labels = labels.clamp(min=0)  # masked positions (-100) are gathered at 0 and must be masked by the caller
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, labels.unsqueeze(-1)).squeeze(-1)
+    return torch.gather(logits, 2, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def sequence_logprobs(
