@@ -20,8 +20,10 @@ Memory: each trainer runs in its own fresh process, so peak RSS (the kernel's hi
 trainer's alone. tracemalloc would miss torch's CPU tensors (they are not allocated through Python's allocator),
 and sampling RSS could miss short peaks; the high-water mark cannot. Just before the first optimizer step the
 worker notes its RSS and resets the high-water mark (/proc/self/clear_refs); at the end it reads the training
-loop's own peak. Reported: the process peak (start-up or training, whichever is higher; TRL imports more) and the
-training growth = training peak - RSS before training (activations, gradients, Adam state, allocator slack).
+loop's own peak (free heap is handed back with malloc_trim first). Reported: the process peak (start-up or
+training, whichever is higher; TRL imports more) and the training growth = training peak - RSS before training
+(activations, gradients, Adam state). Memory comes from separate short runs with a fixed glibc mmap threshold so
+that RSS follows live tensors (see `spawn`).
 
 Runs alternate (ours, TRL, ours, TRL, ...) so both see the same machine load; ratios are per adjacent pair and
 the median is reported. Identical runs on this shared 2-core machine differ by up to ~25%: compare ratios.
@@ -189,11 +191,19 @@ def fixed_length_pairs(n: int, prompt_chars: int, reply_chars: int, seed: int = 
     return [{"id": i, "prompt": text(prompt_chars), "chosen": text(reply_chars), "rejected": text(reply_chars)} for i in range(n)]
 
 
-def spawn(kind: str, model: str, data: str, args: argparse.Namespace) -> dict:
+def spawn(kind: str, model: str, data: str, args: argparse.Namespace, memory: bool = False) -> dict:
+    """One worker process. memory=True: a short run (2 x warmup steps) for the memory figures only, with a fixed
+    glibc mmap threshold so tensors over 64 KiB are mapped and unmapped on free and RSS follows live memory. With
+    the default (dynamic) threshold freed blocks linger in the heap and allocation history decided ~40% of the
+    measured growth (the same loop: 226-232 MB vs 142 MB). It also slows every step (page faults), hence separate
+    runs for speed (default malloc) and memory."""
+    steps = 2 * args.warmup if memory else args.steps
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch_size", str(args.batch_size),
+           "--steps", str(steps), "--warmup", str(args.warmup), "--batch_size", str(args.batch_size),
            "--learning_rate", str(args.learning_rate), "--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -239,27 +249,28 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for kind in ("ours", "trl"):
-                runs[kind].append(spawn(kind, model, data, args))
-                r = runs[kind][-1]
-                own = f" (own meter {r['logged_pairs_per_second']:.1f})" if "logged_pairs_per_second" in r else ""
+                r = spawn(kind, model, data, args)
+                runs[kind].append(r)
+                own = f" (its own meter: {r['logged_pairs_per_second']:.1f})" if "logged_pairs_per_second" in r else ""
                 print(f"  hidden {hidden:>4} {kind:>4}: {r['pairs_per_second']:6.1f} pairs/s{own}, "
-                      f"{r['pairs_per_cpu_second']:6.1f} pairs/CPU-s, peak RSS {r['peak_rss_mb']:5.0f} MB "
-                      f"(+{r['train_growth_mb']:.0f} MB in training), final loss {r['final_loss']:.4f}", flush=True)
-        row = {"hidden": hidden}
+                      f"{r['pairs_per_cpu_second']:6.1f} pairs/CPU-s, final loss {r['final_loss']:.4f}", flush=True)
+        mem = {kind: spawn(kind, model, data, args, memory=True) for kind in ("ours", "trl")}
+        for kind, r in mem.items():
+            print(f"  hidden {hidden:>4} {kind:>4}: peak RSS {r['peak_rss_mb']:5.0f} MB, RSS before training "
+                  f"{r['rss_before_train_mb']:5.0f} MB, growth in training {r['train_growth_mb']:.0f} MB", flush=True)
+        row: dict[str, Any] = {"hidden": hidden, "mem": mem}
         for key in ("pairs_per_second", "pairs_per_cpu_second"):
             ratios = [o[key] / t[key] for o, t in zip(runs["ours"], runs["trl"])]
             row[key] = (statistics.median(ratios), ratios)
-        for key in ("peak_rss_mb", "train_growth_mb"):
-            row[key] = tuple(statistics.median(r[key] for r in runs[k]) for k in ("ours", "trl"))
         summary.append(row)
 
-    print("\nours / TRL (median over repeats; per repeat in brackets)")
+    print("\nours / TRL (speed: median ratio over repeats, each repeat in brackets)")
     for row in summary:
-        wall, cpu = row["pairs_per_second"], row["pairs_per_cpu_second"]
+        wall, cpu, mem = row["pairs_per_second"], row["pairs_per_cpu_second"], row["mem"]
         print(f"  hidden {row['hidden']:>4}: speed {wall[0]:.2f}x wall ({', '.join(f'{x:.2f}' for x in wall[1])}), "
               f"{cpu[0]:.2f}x per CPU-second ({', '.join(f'{x:.2f}' for x in cpu[1])}); "
-              f"peak RSS {row['peak_rss_mb'][0]:.0f} / {row['peak_rss_mb'][1]:.0f} MB, "
-              f"growth in training {row['train_growth_mb'][0]:.0f} / {row['train_growth_mb'][1]:.0f} MB")
+              f"peak RSS {mem['ours']['peak_rss_mb']:.0f} / {mem['trl']['peak_rss_mb']:.0f} MB, "
+              f"growth in training {mem['ours']['train_growth_mb']:.0f} / {mem['trl']['train_growth_mb']:.0f} MB")
 
 if __name__ == "__main__":
     main()

@@ -57,12 +57,21 @@ def script_env(num_threads: Optional[int]) -> dict[str, str]:
     return env
 
 
-def run_script(cmd: Sequence[str], log_path: str, env: dict[str, str], echo: bool = True) -> float:
+def children_cpu_seconds() -> float:
+    """User + system CPU time of every finished child process so far (stages run one at a time, so a difference
+    is one stage's). Unlike wall time it hardly depends on what else the machine is running."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_script(cmd: Sequence[str], log_path: str, env: dict[str, str], echo: bool = True) -> tuple[float, float]:
     """Run one stage, streaming its output (progress bars included) to the terminal and to `log_path`.
 
-    Returns the wall time in seconds; raises DemoError naming the log when the script exits non-zero."""
+    Returns (wall seconds, CPU seconds); raises DemoError naming the log when the script exits non-zero."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    start = time.time()
+    start, cpu_start = time.time(), children_cpu_seconds()
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         proc = subprocess.Popen(list(cmd), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -84,7 +93,7 @@ def run_script(cmd: Sequence[str], log_path: str, env: dict[str, str], echo: boo
         with open(log_path, errors="replace") as f:
             tail = "".join(f.read().replace("\r", "\n").splitlines(keepends=True)[-25:])
         raise DemoError(f"`{' '.join(cmd[:3])} ...` exited with status {rc}; full log: {log_path}\n{tail}")
-    return time.time() - start
+    return time.time() - start, children_cpu_seconds() - cpu_start
 
 
 def read_metrics(output_dir: str) -> list[dict[str, Any]]:
@@ -110,7 +119,7 @@ def held_out_accuracy(
     from eval.verifiable import evaluate_verifiable, load_prompts
     from open_instruct.models import load_causal_lm, load_tokenizer
 
-    start = time.time()
+    start, cpu_start = time.time(), time.process_time()
     tokenizer = load_tokenizer(model_path, gguf_file)
     tokenizer.padding_side = "left"
     model = load_causal_lm(model_path, torch.float32, gguf_file)
@@ -118,6 +127,7 @@ def held_out_accuracy(
     summary, predictions = evaluate_verifiable(model, tokenizer, examples, max_new_tokens=max_new_tokens, temperature=0.0,
                                                stop_strings=stop_strings, batch_size=batch_size)
     summary["seconds"] = time.time() - start
+    summary["cpu_seconds"] = time.process_time() - cpu_start
     summary["model"] = model_path if not gguf_file else os.path.join(model_path, gguf_file)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "predictions.jsonl"), "w") as f:

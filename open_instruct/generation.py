@@ -213,7 +213,8 @@ class HFGenerator:
         if config.stop_strings:
             from transformers import StoppingCriteriaList
 
-            extra["stopping_criteria"] = StoppingCriteriaList([_StopOnStrings(self.tokenizer, config.stop_strings, width)])
+            stop = _StopOnStrings(self.tokenizer, config.stop_strings, width)
+            extra["stopping_criteria"] = StoppingCriteriaList([stop])
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),

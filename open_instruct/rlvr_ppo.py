@@ -312,6 +312,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct.tracking import MetricsLogger
     from open_instruct.utils import ConfigError, Counters, should_fire, should_log
 
+    if cfg.generation_backend == "vllm":  # optional extra: a missing or unsupported vLLM fails before any model loads
+        from open_instruct.vllm_generator import check_vllm_version
+
+        try:
+            check_vllm_version()
+        except (ImportError, RuntimeError) as e:
+            raise ConfigError(f"generation_backend vllm: {e}") from None
+
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     is_grpo = cfg.algo == "grpo"

@@ -95,7 +95,7 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except NonFiniteError as e:
-        print(f"NonFiniteError: {e}", file=sys.stderr)
+        print(f"\nNonFiniteError: {e}", file=sys.stderr)  # on its own line, not after the progress bar's
         raise SystemExit(EXIT_NONFINITE) from None
 
 

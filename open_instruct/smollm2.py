@@ -26,6 +26,8 @@ def smollm2_gguf_path() -> tuple[str, str]:
     if not files:
         raise FileNotFoundError(f"no .gguf file in {folder}: reinstall with `{INSTALL_HINT}`")
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"the `gguf` package (needed by transformers to read GGUF files) is missing: run `{INSTALL_HINT}`")
+        raise ModuleNotFoundError(
+            f"the `gguf` package (needed by transformers to read GGUF files) is missing: run `{INSTALL_HINT}`"
+        )
     preferred = [f for f in files if "SmolLM2-135M-Instruct" in os.path.basename(f)]
     return folder, os.path.basename((preferred or files)[0])

@@ -33,10 +33,13 @@ How it works
   between the sync and the next rollout), `generate` re-syncs from the last model it was given first.
 - On CPU (tests here) the KV cache size is `kv_cache_memory_bytes` (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GB).
 
-A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is not this colocated class: run vLLM in its own
-process on that GPU (`CUDA_VISIBLE_DEVICES=7 vllm serve ...` with vLLM's weight-transfer engine, NCCL) and push
-weights from rank 0 after each rollout. Not implemented here; the colocated layout shares every GPU between
-training and generation through `gpu_memory_utilization` (and sleep mode).
+A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is not this colocated class; with vLLM 0.32 it is a
+server plus NCCL: `CUDA_VISIBLE_DEVICES=7 vllm serve <policy> --weight-transfer-config '{"backend": "nccl"}'`, the
+trainer (accelerate on GPUs 0-6) sends prompts over HTTP and, after each rollout's optimizer steps, gathers the full
+weights on rank 0 and pushes them through the server's /start_weight_update, /update_weights, /finish_weight_update
+endpoints (vLLM's NCCL trainer-side engine broadcasts the tensors). That backend would implement the same Generator
+protocol (generate over HTTP, sync_weights = the push); it is not implemented here. The colocated layout shares
+every GPU between training and generation through `gpu_memory_utilization` (and sleep mode).
 """
 
 from __future__ import annotations
@@ -285,8 +288,8 @@ class VLLMGenerator:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         self.engine_seconds = time.perf_counter() - t0
-        self._asleep = False  # engine released its memory (sleep level 2)
-        self._weights_released = False  # weights gone since the last sync
+        # Sleep level 2 releases both; each is woken only when needed (weights: to load into; KV cache: to generate).
+        self._weights_released = self._kv_released = False
         self._model: Any = model
         self.last_sync_seconds = 0.0
         self.sync_weights(model)  # dummy weights -> the policy's
@@ -308,7 +311,7 @@ class VLLMGenerator:
     def sync_weights(self, model: Any) -> None:
         """Load `model`'s current weights into the engine (collective under FSDP: call on every rank)."""
         t0 = time.perf_counter()
-        if self._asleep:
+        if self._weights_released:  # memory back, contents undefined until the reload below
             self.llm.wake_up(tags=["weights"])
         weights = hf_weights(model, untie=self.untied_lm_head)
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
@@ -318,17 +321,18 @@ class VLLMGenerator:
         self.last_sync_seconds = time.perf_counter() - t0
 
     def _sleep(self) -> None:
+        """Between generations: hand the GPU memory back to the trainer (level 2: nothing kept, the next sync
+        rewrites the weights anyway)."""
         if self.sleep_enabled:
             self.llm.sleep(level=2)
-            self._asleep = self._weights_released = True
+            self._weights_released = self._kv_released = True
 
     def _wake_for_generation(self) -> None:
-        if not self._asleep:
-            return
         if self._weights_released:  # no sync since the last sleep: reload from the live policy
             self.sync_weights(self._model)
-        self.llm.wake_up(tags=["kv_cache"])
-        self._asleep = False
+        if self._kv_released:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_released = False
 
     # ------------------------------------------------------------------------------------------------ generation
     def _sampling_params(self, config: GenerationConfig, seed: Optional[int]) -> Any:

@@ -75,9 +75,9 @@ class Zygote:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self.proc.stdin.close()  # its loop ends; its children have all been waited for
             try:
-                self.proc.wait(30)
+                self.proc.wait(2)  # interpreter shutdown with torch loaded can take seconds on a loaded machine
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -89,6 +89,7 @@ class Run:
     def __init__(self, zygote: Zygote, script: str, argv: list[str], log: str, env: Optional[dict[str, str]] = None,
                  faults: Optional[dict[str, Any]] = None) -> None:
         self.zygote, self.log = zygote, log
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         self.pid = zygote.spawn(script, argv, log, env, faults)
         self.returncode: Optional[int] = None
 

@@ -66,6 +66,25 @@ def test_missing_extra_is_a_clear_error(monkeypatch):
     assert isinstance(err.value, ImportError) and isinstance(err.value, NotImplementedError)
 
 
+def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_root):
+    """generation_backend vllm without the extra: exit 2 with the install hint, before any model or data loads."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from open_instruct.synthetic import rl_rows, write_jsonl
+
+    data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(8, 0))
+    cmd = [sys.executable, os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"), os.path.join(repo_root, "configs", "rlvr_tiny.yaml"),
+           "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data,
+           "--output_dir", str(tmp_path / "out"), "--generation_backend", "vllm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": repo_root})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "generation_backend vllm" in proc.stderr and "requirements-vllm.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_hf_weights_names_and_values():
     """The names streamed to vLLM are the HF checkpoint names, wrappers removed, tied weights once."""
     from open_instruct.tiny import tiny_llama_config
@@ -326,7 +345,7 @@ def test_sleep_wake_order():
 
     gen = object.__new__(VLLMGenerator)
     gen.llm, gen.tokenizer, gen.eos_ids, gen.max_model_len = _FakeLLM(), build_tokenizer(), [1], 64
-    gen.sleep_enabled, gen._asleep, gen._weights_released, gen.untied_lm_head = True, False, False, False
+    gen.sleep_enabled, gen._weights_released, gen._kv_released, gen.untied_lm_head = True, False, False, False
     policy = torch.nn.Linear(2, 2)
     gen.sync_weights(policy)
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
@@ -339,6 +358,11 @@ def test_sleep_wake_order():
     gen.llm.calls.clear()
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))  # no sync since the last sleep
     assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
+    gen.llm.calls.clear()
+    gen.sync_weights(policy)  # a rank with no eval prompts syncs twice without generating: weights woken once
+    gen.sync_weights(policy)
+    gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
+    assert gen.llm.calls == ["wake:weights"] + ["reload_weights", "reset_prefix_cache"] * 2 + ["wake:kv_cache", "generate", "sleep2"]
 
 
 # ------------------------------------------------------------------------------------- the RLVR script on vLLM
@@ -395,3 +419,76 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
         length, correct = hf_eval(path)
         assert row["eval/response_length"] == pytest.approx(length) and row["eval/correct_rate"] == pytest.approx(correct)
     assert hf_eval(init) != hf_eval(final)  # training changed the policy, so the last comparison has teeth
+
+
+_DIST_WORKER = """
+import os, sys, json
+sys.path.insert(0, os.environ["REPO"])
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import LlamaForCausalLM
+from open_instruct.generation import GenerationConfig, HFGenerator
+from open_instruct.tiny import build_tokenizer, tiny_llama_config
+from open_instruct.vllm_generator import VLLMGenerator
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tok = build_tokenizer()
+    cfg = tiny_llama_config(len(tok), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(cfg).eval()  # unsharded reference
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in policy.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    gen = VLLMGenerator(policy, tok, max_model_len=256, kv_cache_memory_bytes=128 << 20)
+    prompts = [[5 + rank, 40, 50, 60, 4], [7, 8, 9 + rank]]  # each rank generates for its own prompts
+    g = GenerationConfig(max_new_tokens=12, temperature=0)
+    first = gen.generate(prompts, g).response_ids == HFGenerator(full, tok).generate(prompts, g).response_ids
+    noise = torch.Generator().manual_seed(5)  # the same update on every rank: on the shards and on the reference
+    with torch.no_grad():
+        for p, q in zip(policy.parameters(), full.parameters()):
+            delta = torch.randn(q.shape, generator=noise) * 0.3
+            q.add_(delta)
+            p.add_(distribute_tensor(delta, p.device_mesh, p.placements) if isinstance(p, DTensor) else delta)
+    stale = gen.generate(prompts, g).response_ids
+    gen.sync_weights(policy)
+    want = HFGenerator(full, tok).generate(prompts, g).response_ids
+    result = dict(
+        backend=gen.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
+        sharded=sum(isinstance(p, DTensor) for p in policy.parameters()), first=first,
+        stale_differs=stale != want, synced=gen.generate(prompts, g).response_ids == want,
+    )
+    with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
+    """Two training processes (torchrun, gloo) with an FSDP2-sharded policy: each rank gets its own engine through
+    vLLM's external_launcher, sync_weights gathers the shards (DTensor.full_tensor) and every rank's engine then
+    generates exactly what the unsharded updated model generates."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(_DIST_WORKER)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "REPO": repo, "OUT": str(tmp_path), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"backend": "external_launcher", "sharded": 21, "first": True, "stale_differs": True, "synced": True}
