@@ -275,10 +275,12 @@ def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optiona
     from open_instruct import runtime
 
     for name, model in models.items():
-        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
-        if not runtime.is_finite(accelerator, *local):
+        # This rank's shard of each parameter (FSDP2 DTensor), checked in place (no float copy); agreed over ranks.
+        local = (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters())
+        bad = any(not bool(torch.isfinite(t).all()) for t in local)
+        if runtime.global_sum(accelerator, float(bad)) > 0:
             raise runtime.NonFiniteError(
-                f"non-finite weights in the {name} model after optimizer step {step}; not saving them (is the learning rate too high?)"
+                f"non-finite weights in {name} after optimizer step {step}; not saving them (is the learning rate too high?)"
             )
 
 

@@ -249,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0, help="data and model initialisation seed")
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--n_test", type=int, default=300, help="held-out problems in the accuracy table")
+    parser.add_argument("--n_test", type=int, default=1000, help="held-out problems in the accuracy table")
     parser.add_argument("--num_threads", type=int, default=1,
                         help="torch threads per stage (tiny models are overhead-bound: 1 is fastest on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
@@ -275,31 +275,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     base = save_tiny_models(os.path.join(out, "models"), args.hidden_size, args.num_layers, args.seed)["causal_lm"]
     files = write_data(os.path.join(out, "data"), args.seed, 4000, 200, args.n_test)
     timings: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # CPU seconds: what each stage costs whatever else the machine is doing
     finals = {"base": base}
 
     for i, stage in enumerate(STAGES, 1):
         print(f"\n== [{i}/{len(STAGES)}] {stage.title}: open_instruct/{stage.script} configs/demo/{stage.recipe} "
               f"(from {stage.init})", flush=True)
         cmd = stage_command(stage, finals[stage.init], files, out, args.quick, [])
-        timings[stage.name] = run_script(cmd, os.path.join(out, "logs", f"{stage.name}.log"), env, echo=not args.quiet)
+        timings[stage.name], cpu[stage.name] = run_script(cmd, os.path.join(out, "logs", f"{stage.name}.log"), env, echo=not args.quiet)
         finals[stage.name] = os.path.join(out, stage.name, "final_model")
         if not os.path.isdir(finals[stage.name]):
             raise DemoError(f"{stage.title} finished without writing {finals[stage.name]}")
-        print(f"   {stage.title} done in {fmt_seconds(timings[stage.name])}", flush=True)
+        print(f"   {stage.title} done in {fmt_seconds(timings[stage.name])} (CPU time {fmt_seconds(cpu[stage.name])})", flush=True)
 
     print(f"\n== held-out evaluation: {args.n_test} problems no stage trained or validated on (greedy)", flush=True)
-    t_eval = time.time()
+    t_eval, cpu_eval = time.time(), time.process_time()
     accuracy = {}
     for name in POLICIES:
         accuracy[name] = held_out_accuracy(finals[name], files["test"], os.path.join(out, "eval", name), max_new_tokens=16, batch_size=100)
         print(f"   {name:<5} {fmt_acc(accuracy[name])}", flush=True)
     rm = reward_model_accuracy(finals["rm"], files["pref_test"], os.path.join(out, "eval", "rm"))
     print(f"   reward model: {rm['accuracy']:.1%} of {rm['total']} held-out pairs ranked right", flush=True)
-    timings["evaluation"] = time.time() - t_eval
+    timings["evaluation"], cpu["evaluation"] = time.time() - t_eval, time.process_time() - cpu_eval
 
     plots = make_plots(out, accuracy)
     timings["total"] = time.time() - t_start
-    summary = write_summary(out, args, accuracy, rm, timings, plots, finals)
+    cpu["total"] = sum(cpu.values())
+    summary = write_summary(out, args, accuracy, rm, timings, cpu, plots, finals)
     print("\n" + summary["report"])
     return summary
 
@@ -387,7 +389,7 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def write_summary(out: str, args: Any, accuracy: dict[str, dict[str, Any]], rm: dict[str, Any], timings: dict[str, float],
-                  plots: dict[str, str], finals: dict[str, str]) -> dict[str, Any]:
+                  cpu: dict[str, float], plots: dict[str, str], finals: dict[str, str]) -> dict[str, Any]:
     titles = {"base": "base (random init)", "sft": "SFT", "dpo": "DPO (from SFT)", "rlvr": "RLVR (from DPO)"}
     changes = {}
     lines = [f"held-out verifiable accuracy: {accuracy['base']['total']} arithmetic problems that no stage trained or validated "
@@ -402,7 +404,9 @@ def write_summary(out: str, args: Any, accuracy: dict[str, dict[str, Any]], rm: 
         lines.append(f"  {titles[name]:<18}{s['accuracy']:>9.1%}   {s['ci95'][0]:.1%}-{s['ci95'][1]:.1%}   {vs}")
     lines += ["", f"reward model (from SFT): {rm['accuracy']:.1%} of {rm['total']} held-out pairs ranked right "
                   f"(95% CI {rm['ci95'][0]:.1%}-{rm['ci95'][1]:.1%}; chance 50%), mean margin {rm['mean_margin']:.3f}", ""]
-    lines.append("time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()))
+    lines.append("wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()))
+    lines.append("CPU time:  " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
+                 + f"  ({os.cpu_count()} cores; wall time grows when other work shares them)")
     lines += ["", "artifacts:"]
     artifacts = {
         **{f"{n} model": p for n, p in finals.items() if n != "base"},
@@ -418,7 +422,7 @@ def write_summary(out: str, args: Any, accuracy: dict[str, dict[str, Any]], rm: 
     report = "\n".join(lines)
     summary = {
         "quick": args.quick, "seed": args.seed, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
-        "accuracy": accuracy, "paired_vs_previous": changes, "reward_model": rm, "seconds": timings,
+        "accuracy": accuracy, "paired_vs_previous": changes, "reward_model": rm, "seconds": timings, "cpu_seconds": cpu,
         "artifacts": artifacts, "report": report,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:

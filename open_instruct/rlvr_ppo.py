@@ -279,20 +279,23 @@ def derived_seed(seed: int, *parts: int) -> int:
 
 
 def check_verifiers(examples: list[dict], what: str) -> None:
-    """Every row's verifier name must be registered: an unknown name stops the run before any model loads."""
+    """Every row's verifier must exist and accept the row's ground truth, checked before any model loads.
+
+    Ground truths are checked by scoring an empty completion (verifiers validate the ground truth first), except for
+    `math`, whose check would start sympy for every row; a bad math ground truth is reported when first scored."""
     from open_instruct import rewards
     from open_instruct.data import DataError
 
-    seen: set[str] = set()
+    names: dict[str, str] = {}
     for ex in examples:
-        name = ex["verifier"]
-        if name in seen:
-            continue
         try:
-            rewards.normalize_verifier_name(name)
-        except ValueError as e:
+            if ex["verifier"] not in names:
+                names[ex["verifier"]] = rewards.normalize_verifier_name(ex["verifier"])
+            name = names[ex["verifier"]]
+            if name != "math":
+                rewards.VERIFIERS[name]("", ex["ground_truth"])
+        except ValueError as e:  # unknown verifier, or GroundTruthError
             raise DataError(f"{what} row {ex['row']}: {e}") from None
-        seen.add(name)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -397,6 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     pad_id = tokenizer.pad_token_id
     device = accelerator.device
     group = cfg.num_samples_per_prompt
+    # GRPO with one pass in one mini-batch trains on exactly the weights that sampled: skip a separate old-log-prob pass.
+    on_policy = is_grpo and cfg.num_epochs == 1 and plan.num_mini_batches == 1
     sample_config = dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, stop_strings=cfg.stop_strings)
 
     def on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -474,7 +479,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 batch = on_device(collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id))
                 r = batch["responses"].shape[1]
                 with accelerator.autocast():
-                    old_logp[rows, :r] = token_logprobs(response_logits(policy, batch, cfg.temperature), batch["responses"]).cpu()
+                    if not on_policy:
+                        old_logp[rows, :r] = token_logprobs(response_logits(policy, batch, cfg.temperature), batch["responses"]).cpu()
                     if ref_policy is not None:
                         ref_logp[rows, :r] = token_logprobs(response_logits(ref_policy, batch, cfg.temperature), batch["responses"]).cpu()
                     if value_model is not None:
@@ -487,13 +493,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             episode_score(v, s, cfg.non_stop_penalty, float(rm) if reward_model is not None else None, cfg.reward_model_multiplier)
             for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
         ])
-        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if ref_policy is not None else torch.zeros_like(mask)
 
         # 5. Advantages.
         if is_grpo:
             advantages = group_advantages(scores, group).unsqueeze(1) * mask
             returns = torch.zeros_like(advantages)
         else:
+            kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if ref_policy is not None else torch.zeros_like(mask)
             rewards_t = per_token_rewards(scores, kl, mask, cfg.beta)
             advantages, returns = gae_advantages(rewards_t, old_values, mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:  # with statistics over every rank's tokens
@@ -527,24 +533,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         with accelerator.autocast():
                             logits = response_logits(policy, batch, cfg.temperature)
                             logp = token_logprobs(logits, batch["responses"])
+                            if on_policy:  # the weights have not moved since sampling: the old log-probs are these
+                                old_logp[rows, :r] = logp.detach().cpu() * m_.cpu()
                             pg, pg_clipped = clipped_policy_loss(logp, take(old_logp), take(advantages), cfg.cliprange)
                             loss_sum = masked_sum(pg, m_)
                             if is_grpo and cfg.beta > 0:
                                 kl_term = kl_penalty(logp, take(ref_logp), cfg.kl_estimator)
                                 loss_sum = loss_sum + cfg.beta * masked_sum(kl_term, m_)
-                                sums["kl_loss"] += float(masked_sum(kl_term, m_))
                             if value_model is not None:
                                 vf, vf_clipped = clipped_value_loss(token_values(value_model, batch), take(old_values), take(returns), cfg.cliprange_value)
                                 loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, m_)
-                                sums["value_loss"] += float(masked_sum(vf, m_))
-                                sums["vf_clipfrac"] += float(masked_sum(vf_clipped, m_))
                         # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
                         accelerator.backward(loss_sum * world / global_tokens)
                     with torch.no_grad():
-                        sums["policy_loss"] += float(masked_sum(pg, m_))
+                        if is_grpo and cfg.beta > 0:
+                            sums["kl_loss"] += float(masked_sum(kl_term.detach(), m_))
+                        if value_model is not None:
+                            sums["value_loss"] += float(masked_sum(vf.detach(), m_))
+                            sums["vf_clipfrac"] += float(masked_sum(vf_clipped, m_))
+                        sums["policy_loss"] += float(masked_sum(pg.detach(), m_))
                         sums["pg_clipfrac"] += float(masked_sum(pg_clipped, m_))
-                        sums["approx_kl"] += float(masked_sum(approx_kl(logp, take(old_logp)), m_))
-                        sums["entropy"] += float(masked_sum(entropy_from_logits(logits), m_))
+                        sums["approx_kl"] += float(masked_sum(approx_kl(logp.detach(), take(old_logp)), m_))
+                        sums["entropy"] += float(masked_sum(entropy_from_logits(logits.detach()), m_))
                     del logits
                 sums = runtime.global_sums(accelerator, sums)
                 grad_norm = clip_grad_norm_(accelerator, policy, cfg.max_grad_norm)
@@ -564,6 +574,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 train_sums["grad_norm"] += float(grad_norm)
                 train_sums["value_grad_norm"] += float(value_grad_norm)
                 train_sums["skipped"] += int(not step_ok)
+        if is_grpo:  # KL to the reference, for the logs only
+            kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if ref_policy is not None else torch.zeros_like(mask)
         t4 = time.perf_counter()
 
         # 7. Counters, logs, eval, checkpoint.

@@ -107,6 +107,17 @@ class Run:
             raise TimeoutError(f"run {self.pid} still going after {timeout:.0f} s; log:\n{self.output()[-3000:]}")
         return self.returncode
 
+    def kill_after(self, seconds: float) -> bool:
+        """SIGKILL the run if it is still going after `seconds`; True if it was killed, False if it had ended (0)."""
+        self.returncode = self.zygote.wait(self.pid, seconds)
+        if self.returncode is not None:
+            assert self.returncode == 0, self.output()[-3000:]
+            return False
+        os.kill(self.pid, signal.SIGKILL)
+        self.returncode = self.zygote.wait(self.pid, 60)
+        assert self.returncode == -signal.SIGKILL, self.returncode
+        return True
+
     def output(self) -> str:
         with open(self.log, errors="replace") as f:
             return f.read()

@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -106,11 +107,9 @@ def debris(out) -> list[str]:
             + glob.glob(os.path.join(out, "**", ".old_*"), recursive=True)]
 
 
-def finished(zygote, script, argv, out, **kw) -> Run:
-    run = Run(zygote, script, argv, str(out) + f".{len(glob.glob(str(out) + '.*.log'))}.log", **kw)
-    code = run.wait()
-    assert code == 0, run.output()[-4000:]
-    return run
+def start(zygote, script, argv, out, **kw) -> Run:
+    """A run of `script` as a child process, logging to <out>.<n>.log (one log per run of that output folder)."""
+    return Run(zygote, script, argv, str(out) + f".{len(glob.glob(str(out) + '.*.log'))}.log", **kw)
 
 
 def killed(run: Run, expect: int = -signal.SIGKILL) -> Run:
@@ -119,8 +118,8 @@ def killed(run: Run, expect: int = -signal.SIGKILL) -> Run:
     return run
 
 
-def start(zygote, script, argv, out, **kw) -> Run:
-    return Run(zygote, script, argv, str(out) + f".{len(glob.glob(str(out) + '.*.log'))}.log", **kw)
+def finished(zygote, script, argv, out, **kw) -> Run:
+    return killed(start(zygote, script, argv, out, **kw), expect=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -245,6 +244,34 @@ def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(z
     finished(zygote, "rlvr_ppo", resume, out)
     assert_same_rows(read_rows(str(ref_out)), read_rows(str(out)))
     assert_same_rows(read_rows(str(ref_out), "samples.jsonl"), read_rows(str(out), "samples.jsonl"))
+    assert_same_weights(ref_out / "final_model", out / "final_model")
+    assert_same_weights(ref_out / "best_model", out / "best_model")
+    assert debris(str(out)) == []
+
+
+def rm_argv(models, task, out, *extra):  # 16 steps of 4 pairs
+    return [recipe("rm_tiny.yaml"), "--model_name_or_path", models["seq_cls"], "--dataset_name_or_path", task["pref"],
+            "--eval_dataset_name_or_path", task["pref_eval"], "--output_dir", str(out), "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--logging_steps", "1", "--eval_steps", "4", "--checkpointing_steps", "3", *extra]
+
+
+@pytest.mark.slow
+def test_reward_model_survives_sigkills_at_random_moments(zygote, tiny_models, task, tmp_path, rng):
+    """Restarts SIGKILLed at random moments (start-up, restore, a step, an eval, a save or the final write: wherever
+    it lands) until one gets to the end (at most 4 kills): the result equals an uninterrupted run's."""
+    ref_out, out = tmp_path / "reference" / "out", tmp_path / "crashed" / "out"
+    t0 = time.monotonic()
+    finished(zygote, "reward_model", rm_argv(tiny_models, task, ref_out), ref_out)
+    seconds = time.monotonic() - t0  # one whole run, start-up included
+    resume = rm_argv(tiny_models, task, out, "--resume_from_checkpoint", "auto")
+    kills = 0
+    while kills < 4 and start(zygote, "reward_model", resume, out).kill_after(rng.uniform(0.05, 0.9) * seconds):
+        kills += 1
+    print(f"{kills} random kills in runs of {seconds:.1f} s")
+    assert kills >= 1
+    if kills == 4:
+        finished(zygote, "reward_model", resume, out)
+    assert_same_rows(read_rows(str(ref_out)), read_rows(str(out)))
     assert_same_weights(ref_out / "final_model", out / "final_model")
     assert_same_weights(ref_out / "best_model", out / "best_model")
     assert debris(str(out)) == []
@@ -422,8 +449,7 @@ def test_crash_debris_of_an_hf_folder_write_is_cleared_or_restored(trained_step,
 
 SCRIPTS = {
     "sft": lambda m, t, out: sft_argv(m, t, out),
-    "reward_model": lambda m, t, out: [recipe("rm_tiny.yaml"), "--model_name_or_path", m["seq_cls"], "--dataset_name_or_path", t["pref"],
-                                       "--eval_dataset_name_or_path", t["pref_eval"], "--output_dir", str(out)],
+    "reward_model": lambda m, t, out: rm_argv(m, t, out),
     "dpo": lambda m, t, out: dpo_argv(m, t, out, os.path.dirname(str(out))),
     "rlvr_ppo": lambda m, t, out: rl_argv(m, t, out),
 }
@@ -518,9 +544,10 @@ def short_sft(models, task, out, *extra):  # 8 steps of 4, a checkpoint after ev
 
 NAN_CASES = {
     "sft": (lambda m, t, out: short_sft(m, t, out), "token_loss_sum", lambda out: (out[0] * float("nan"), out[1])),
-    "reward_model": (lambda m, t, out: SCRIPTS["reward_model"](m, t, out) + [
-        "--max_train_samples", "32", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--checkpointing_steps", "1",
-        "--keep_last_n_checkpoints", "10", "--eval_steps", "8"], "pair_rewards", lambda out: (out[0] * float("nan"), out[1])),
+    "reward_model": (lambda m, t, out: rm_argv(m, t, out, "--max_train_samples", "32", "--per_device_train_batch_size", "4",
+                                               "--gradient_accumulation_steps", "1", "--checkpointing_steps", "1",
+                                               "--keep_last_n_checkpoints", "10", "--eval_steps", "8"),
+                     "pair_rewards", lambda out: (out[0] * float("nan"), out[1])),
 }
 
 
@@ -592,20 +619,24 @@ def test_rlvr_skip_counts_the_skipped_ppo_update(tiny_models, task, tmp_path, mo
     assert all(torch.isfinite(v).all() for v in load_file(str(out / "final_model" / "model.safetensors")).values())
 
 
-@pytest.mark.parametrize("lr, step, what", [
-    ("inf", 1, "non-finite weights in the policy model after optimizer step 1"),  # finite loss and grads, NaN update
-    ("1e30", 2, "non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 2"),  # weights overflow next forward
-])
-def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(lr, step, what, tiny_models, task, tmp_path, capsys):
+@pytest.mark.parametrize("extra, what, saved", [
+    # finite loss and gradients, NaN update: caught when the step-1 checkpoint would be written
+    (["--learning_rate", "inf"], "non-finite weights in policy after optimizer step 1", []),
+    # finite but huge weights after step 1; the step-2 forward overflows
+    (["--learning_rate", "1e30"], "non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 2", ["step_1"]),
+    # skip mode skips steps 2-8, but the NaN weights of step 1 must not become best_model/final_model either
+    (["--learning_rate", "inf", "--on_nonfinite", "skip", "--checkpointing_steps", "100"], "non-finite weights in best_model after optimizer step 8", []),
+], ids=["inf", "1e30", "inf-skip"])
+def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(extra, what, saved, tiny_models, task, tmp_path, capsys):
     from open_instruct import sft
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
-        runtime.run(sft.main, short_sft(tiny_models, task, out, "--learning_rate", lr, "--lr_scheduler_type", "constant"))
+        runtime.run(sft.main, short_sft(tiny_models, task, out, "--lr_scheduler_type", "constant", *extra))
     assert e.value.code == runtime.EXIT_NONFINITE
     assert what in capsys.readouterr().err
-    saved = step_dirs(out) if (out / "checkpoints").exists() else []
-    assert saved == [f"step_{n}" for n in range(1, step)] and not (out / "final_model").exists()
+    assert (step_dirs(out) if (out / "checkpoints").exists() else []) == saved
+    assert not (out / "final_model").exists() and not (out / "best_model").exists()
     for name in saved:
         assert all(torch.isfinite(v).all() for k, v in flat_tensors(read_dcp(str(out / "checkpoints" / name), tmp_path)).items() if k.startswith("/model"))
 

@@ -1,0 +1,188 @@
+"""open_instruct/rlvr_ppo.py end to end on the tiny model: PPO and GRPO learn, resume is exact, bad input stops early.
+
+The starting policy is the tiny model SFT'd (with sft.py) on arithmetic answers of which 60% are off by one
+("3+4=8"): it copies the operands well but puts only ~40% of its mass on the right result, so greedy held-out
+accuracy starts around 0.37. The verifier rewards the right result only, so RL has to move mass from the "+1" habit
+to the correct sum; a broken sign, advantage or ratio leaves it flat or drives it down.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from open_instruct import synthetic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
+RECIPE = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
+# Tiny models are overhead-bound; on a shared 2-core machine two OpenMP threads per process can be 10x slower.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def noisy_sft_rows(n: int, seed: int, off_by_one: float) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = synthetic.make_problem(rng)
+        work = p["work"]
+        if rng.random() < off_by_one:
+            work = f"{work.split('=')[0]}={p['answer'] + 1}"
+        rows.append({"id": f"noisy-{i}", "messages": [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": work}]})
+    return rows
+
+
+def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
+    return out
+
+
+def read_rows(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory, tiny_models):
+    """RL prompt files and the SFT'd starting policy."""
+    root = str(tmp_path_factory.mktemp("rlvr"))
+    files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
+    sft_data = synthetic.write_jsonl(os.path.join(root, "data", "sft_noisy.jsonl"), noisy_sft_rows(2000, 0, 0.6))
+    sft_dir = os.path.join(root, "sft")
+    run([
+        os.path.join(REPO, "open_instruct", "sft.py"), os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", sft_data,
+        "--eval_dataset_name_or_path", files["sft_eval"], "--output_dir", sft_dir, "--num_train_epochs", "4",
+        "--eval_steps", "1000", "--checkpointing_steps", "1000",
+    ])
+    return {"policy": os.path.join(sft_dir, "final_model"), "train": files["rl_train"], "eval": files["rl_eval"], "root": root}
+
+
+def rl_args(task: dict, output_dir: str, *extra: str) -> list[str]:
+    return [
+        SCRIPT, RECIPE, "--model_name_or_path", task["policy"], "--dataset_name_or_path", task["train"],
+        "--eval_dataset_name_or_path", task["eval"], "--output_dir", output_dir, *extra,
+    ]
+
+
+def learning_run(task: dict, name: str, *extra: str) -> tuple[list[float], list[dict], float]:
+    out_dir = os.path.join(task["root"], name)
+    t0 = time.perf_counter()
+    run(rl_args(task, out_dir, "--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "1000", *extra))
+    seconds = time.perf_counter() - t0
+    rows = read_rows(out_dir)
+    evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
+    train = [r for r in rows if "train/correct_rate" in r]
+    print(f"{name}: held-out greedy correct rate by eval {evals} in {seconds:.0f}s")
+    return evals, train, seconds
+
+
+@pytest.mark.slow
+def test_ppo_raises_heldout_accuracy(task):
+    # Measured (fixed seed): 0.37 -> 0.79 after 4 rollouts of 32 prompts x 4 completions, ~0.8 after 8.
+    evals, train, _ = learning_run(task, "ppo")
+    assert len(evals) == 3  # rollout 0 (baseline), 4, 8
+    assert 0.2 <= evals[0] <= 0.6, evals
+    assert evals[-1] >= evals[0] + 0.2, evals
+    # Every PPO quantity is logged and sane.
+    row = train[-1]
+    for key in ("train/score_std", "train/non_stop_rate", "train/response_length", "train/kl", "train/entropy", "loss/policy",
+                "loss/value", "clipfrac/policy", "clipfrac/value", "train/approx_kl", "lr", "perf/episodes_per_second",
+                "time/generation", "time/training"):
+        assert key in row, key
+    assert row["episode"] == 1024 and row["rollout_step"] == 8 and row["optimizer_step"] == 8 * 2 * 2  # epochs x mini-batches
+    assert 0 < row["train/entropy"] < 5 and 0 <= row["clipfrac/policy"] <= 1 and row["train/response_length"] < 12
+
+
+@pytest.mark.slow
+def test_grpo_raises_heldout_accuracy(task):
+    # Measured (fixed seed): 0.37 -> ~0.8 after 4 rollouts of 16 prompts x 8 completions.
+    evals, train, _ = learning_run(
+        task, "grpo", "--algo", "grpo", "--num_samples_per_prompt", "8", "--local_rollout_batch_size", "16", "--kl_estimator", "k3",
+    )
+    assert len(evals) == 3
+    assert 0.2 <= evals[0] <= 0.6, evals
+    assert evals[-1] >= evals[0] + 0.2, evals
+    row = train[-1]
+    assert "loss/value" not in row and "loss/kl" in row  # no value model; the KL is a loss term
+    with open(os.path.join(task["root"], "grpo", "samples.jsonl")) as f:
+        sample = json.loads(f.readline())
+    assert {"prompt", "response", "score", "ground_truth"} <= set(sample)
+
+
+@pytest.mark.slow
+def test_resume_after_preemption_matches_uninterrupted(task):
+    small = ["--local_rollout_batch_size", "8", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8",
+             "--total_episodes", "128", "--checkpointing_steps", "1", "--eval_steps", "4", "--max_eval_samples", "32"]
+    full_dir, cut_dir = os.path.join(task["root"], "full"), os.path.join(task["root"], "cut")
+    run(rl_args(task, full_dir, *small))
+
+    # Same run, SIGTERM once a few rollouts are logged: it checkpoints at the next rollout boundary and exits 0.
+    proc = subprocess.Popen([sys.executable, *rl_args(task, cut_dir, *small)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(os.path.join(cut_dir, "metrics.jsonl")) and any(r.get("rollout_step", 0) >= 2 for r in read_rows(cut_dir)):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM: checkpoint written" in err
+    stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))
+    assert stopped_at < 8, "the run finished before the signal: nothing was resumed"
+    run(rl_args(task, cut_dir, *small, "--resume_from_checkpoint", "auto"))
+
+    def stable(rows):  # wall-clock numbers differ between runs; everything else must be identical
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    full, resumed = stable(read_rows(full_dir)), stable(read_rows(cut_dir))
+    assert len(full) == len(resumed) and full == resumed
+
+    import torch
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(full_dir, "final_model", "model.safetensors"))
+    b = load_file(os.path.join(cut_dir, "final_model", "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def _exit_message(argv: list[str], capsys) -> str:
+    from open_instruct import rlvr_ppo, runtime
+
+    with pytest.raises(SystemExit) as e:
+        runtime.run(rlvr_ppo.main, argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
+    base = ["--model_name_or_path", task["policy"], "--dataset_name_or_path", task["train"], "--eval_dataset_name_or_path", task["eval"], "--output_dir", str(tmp_path / "out")]
+    # An unknown verifier name in a row names the file's row.
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in open(task["train"])][:40]
+    rows[7]["dataset"] = "chemistry"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
+    assert "row 7" in err and "chemistry" in err
+    # A ground truth the row's verifier cannot use.
+    rows[7]["dataset"], rows[9]["ground_truth"] = "arithmetic", "seven"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
+    assert "row 9" in err and "seven" in err
+    # Prompt + response longer than the model's positions.
+    err = _exit_message([RECIPE, *base, "--response_length", "5000"], capsys)
+    assert "max_position_embeddings" in err
+    # GRPO groups that a device's mini-batch would split.
+    err = _exit_message([RECIPE, *base, "--algo", "grpo", "--num_samples_per_prompt", "3", "--local_rollout_batch_size", "8", "--per_device_train_batch_size", "4"], capsys)
+    assert "group size" in err
+    # best_metric must be an RLVR eval metric.
+    err = _exit_message([RECIPE, *base, "--best_metric", "train/loss"], capsys)
+    assert "eval/correct_rate" in err
