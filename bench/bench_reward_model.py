@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--logging_steps", str(args.warmup), "--save_final_model", "false", "--seed", "1",
     ])
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "train/loss" in r]
+    shutil.rmtree(out, ignore_errors=True)
     (w0, c0), (w1, c1) = marks["reports"][0], marks["reports"][-1]
     pairs = (args.steps - args.warmup) * args.batch_size
     logged = pairs / sum(args.warmup * args.batch_size / r["perf/episodes_per_second"] for r in rows[1:])
@@ -159,6 +161,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     )
     trainer = RewardTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
     trainer.train()
+    shutil.rmtree(config.output_dir, ignore_errors=True)
     (w0, c0), (w1, c1) = marks[args.warmup], marks[args.steps]
     pairs = (args.steps - args.warmup) * args.batch_size
     return {"pairs_per_second": pairs / (w1 - w0), "pairs_per_cpu_second": pairs / (c1 - c0),
@@ -271,6 +274,8 @@ def main() -> None:
               f"{cpu[0]:.2f}x per CPU-second ({', '.join(f'{x:.2f}' for x in cpu[1])}); "
               f"peak RSS {mem['ours']['peak_rss_mb']:.0f} / {mem['trl']['peak_rss_mb']:.0f} MB, "
               f"growth in training {mem['ours']['train_growth_mb']:.0f} / {mem['trl']['train_growth_mb']:.0f} MB")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

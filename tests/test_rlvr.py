@@ -186,3 +186,29 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     # best_metric must be an RLVR eval metric.
     err = _exit_message([RECIPE, *base, "--best_metric", "train/loss"], capsys)
     assert "eval/correct_rate" in err
+
+
+def test_shared_prompt_forward_matches_plain_forward(tiny_models):
+    """Running each prompt once and its responses on the repeated cache gives the plain forward's logits, values and
+    gradients; it is used only when rows really come in runs of identical prompts."""
+    import torch
+
+    from open_instruct.models import load_causal_lm, load_sequence_classifier
+    from open_instruct.rlvr_ppo import TokenValueModel, collate_episodes, response_logits, shared_prompt_groups, token_values
+
+    rng = random.Random(0)
+    prompts = [[rng.randint(5, 90) for _ in range(rng.randint(8, 14))] for _ in range(3)]
+    responses = [[rng.randint(5, 90) for _ in range(rng.randint(1, 6))] for _ in range(12)]
+    batch = collate_episodes([p for p in prompts for _ in range(4)], responses, pad_id=0)
+    policy = load_causal_lm(tiny_models["causal_lm"])
+    assert shared_prompt_groups(policy, batch, 4) == 4
+    assert shared_prompt_groups(policy, batch, 3) == 1  # runs of 3 would mix prompts
+    plain, shared = response_logits(policy, batch, 0.7), response_logits(policy, batch, 0.7, group=4)
+    mask = batch["mask"].bool()
+    torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
+    grads = [torch.autograd.grad(x[mask].logsumexp(-1).sum(), list(policy.parameters())) for x in (plain, shared)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(0)
+    value = TokenValueModel(load_sequence_classifier(tiny_models["causal_lm"]))
+    torch.testing.assert_close(token_values(value, batch, 4)[mask], token_values(value, batch)[mask], rtol=1e-5, atol=1e-5)
