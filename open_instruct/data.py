@@ -349,7 +349,7 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 continue
             ids = ids[-cfg.max_prompt_length :]  # keep the end: the question and the generation prompt
             stats.truncated += 1
-        examples.append({"prompt_ids": ids, "ground_truth": ground_truth, "verifier": verifier, "row": row.index})
+        examples.append({"prompt_ids": ids, "ground_truth": ground_truth, "verifier": verifier, "row": row.index, "where": row.where()})
     stats.kept = len(examples)
     _require_some(examples, stats, cfg.dataset_name_or_path)
     return examples, stats

@@ -183,10 +183,10 @@ class Stage:
 
 
 STAGES = [
-    Stage("sft", "SFT", "sft.py", "sft.yaml", "base", "sft_train", "sft_eval", {"total_episodes": 2400, "eval_steps": 25}),
-    Stage("rm", "reward model", "reward_model.py", "rm.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 640}),
-    Stage("dpo", "DPO", "dpo.py", "dpo.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 640}),
-    Stage("rlvr", "RLVR", "rlvr_ppo.py", "rlvr.yaml", "dpo", "rl_train", "rl_valid", {"total_episodes": 2048}),
+    Stage("sft", "SFT", "sft.py", "sft.yaml", "base", "sft_train", "sft_eval"),
+    Stage("rm", "reward model", "reward_model.py", "rm.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 4000}),
+    Stage("dpo", "DPO", "dpo.py", "dpo.yaml", "sft", "pref_train", "pref_eval"),
+    Stage("rlvr", "RLVR", "rlvr_ppo.py", "rlvr.yaml", "dpo", "rl_train", "rl_valid", {"total_episodes": 7680, "eval_steps": 5}),
 ]
 POLICIES = ["base", "sft", "dpo", "rlvr"]  # the rows of the accuracy table, in pipeline order
 
@@ -376,8 +376,8 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
     acc = [accuracy[n]["accuracy"] for n in names]
     err = [[a - accuracy[n]["ci95"][0] for n, a in zip(names, acc)], [accuracy[n]["ci95"][1] - a for n, a in zip(names, acc)]]
     ax.bar([n.upper() if n != "base" else "base" for n in names], acc, yerr=err, capsize=4, color="#4c72b0")
-    for i, a in enumerate(acc):
-        ax.text(i, a + 0.02, f"{a:.0%}", ha="center", fontsize=9)
+    for i, n in enumerate(names):
+        ax.text(i, accuracy[n]["ci95"][1] + 0.02, f"{acc[i]:.1%}", ha="center", fontsize=9)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_title(f"{accuracy[names[0]]['total']} held-out problems, 95% Wilson intervals", fontsize=10)

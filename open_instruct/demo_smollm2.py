@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--max_operand", type=int, default=9, help="operands drawn from 1..max_operand")
     parser.add_argument("--n_train", type=int, default=2000)
     parser.add_argument("--n_eval", type=int, default=100, help="held-out problems (same ones before and after)")
-    parser.add_argument("--eval_max_new_tokens", type=int, default=16, help="as response_length in the recipe")
+    parser.add_argument("--eval_max_new_tokens", type=int, default=24, help="as response_length in the recipe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args, rlvr_overrides = parser.parse_known_args(argv)

@@ -161,17 +161,6 @@ def policy_logps(model: Any, batch: dict[str, torch.Tensor]) -> Logps:
     return Logps(sums[:n], sums[n:], counts[:n], counts[n:])
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout would make the policy's log-probs noisy against the (dropout-free) cached reference."""
-    import torch
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
 def length_order(examples: list[dict]) -> list[int]:
     """Example positions sorted by padded pair length (less padding per micro-batch), ties by position."""
     return sorted(range(len(examples)), key=lambda i: (max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])), i))
@@ -363,7 +352,7 @@ def main(argv=None) -> None:
 
     from open_instruct import data
     from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
-    from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
     from open_instruct.tracking import MetricsLogger
     from open_instruct.utils import Counters, should_fire, should_log
 

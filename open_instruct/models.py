@@ -164,3 +164,16 @@ def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer
         num_training_steps=num_optimizer_steps,
     )
     return optimizer, scheduler
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere: DPO's policy log-probs must match its (dropout-free) cached reference, and RL's
+    training-time log-probs must match the ones the rollout was scored with."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)

@@ -962,15 +962,15 @@ def combine_rewards(
     """Total RL reward of one completion:
 
         reward = verifiable + rm_multiplier * rm_score          (rm term omitted when rm_score is None)
-                 - (non_stop_penalty if not stopped else 0)
+                 + (non_stop_penalty if not stopped else 0)
 
-    `stopped` means the completion ended with EOS/stop string rather than hitting the length limit;
-    non_stop_penalty is a magnitude (>= 0) that is subtracted."""
+    `stopped` means the completion ended with EOS/stop string rather than hitting the length limit.
+    non_stop_penalty is signed and added, as in the recipes (Tulu 3: -10)."""
     reward = float(verifiable)
     if rm_score is not None:
         reward += rm_multiplier * float(rm_score)
     if not stopped:
-        reward -= non_stop_penalty
+        reward += non_stop_penalty
     return reward
 
 

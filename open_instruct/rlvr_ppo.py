@@ -17,6 +17,9 @@ PPO (Tulu 3): reward_t = -beta * KL_t, plus the score at the last response token
 advantages; clipped policy and value losses.
 GRPO: advantages are the group-normalised scores (r - mean_group) / (std_group + eps), no value model; the KL to the
 reference is a loss term beta * KL_t (k3 typical). A prompt's group never spans two devices or two mini-batches.
+
+Speed: completions of one prompt share its forward (the prompt runs once, its key/value cache is repeated for the
+responses; single process); GRPO with one pass over one mini-batch reuses the training forward as the old log-probs.
 """
 
 from __future__ import annotations
@@ -185,8 +188,7 @@ def episode_score(verifiable: float, stopped: bool, non_stop_penalty: float, rm_
     response hit response_length without a stop (the recipe gives the penalty signed: Tulu 3 uses -10)."""
     from open_instruct.rewards import combine_rewards
 
-    # combine_rewards subtracts a non-negative magnitude; the recipe's value is the signed amount added.
-    return combine_rewards(verifiable, stopped, -non_stop_penalty, rm_score, rm_multiplier)
+    return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -249,9 +251,11 @@ def collate_episodes(prompts: Sequence[Sequence[int]], responses: Sequence[Seque
 def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:
     """`group` if the batch's rows come in runs of `group` identical (padded) prompts, so each prompt can be run once
     and its key/value cache reused by its `group` responses; else 1. With 8 samples per prompt this skips most of
-    the tokens of every forward and backward. Not under DDP, which allows one forward per backward."""
+    the tokens of every forward and backward. Single process only: DDP allows one forward per backward, and FSDP
+    (which works) would then round differently from DDP, whose runs it is checked against bit for bit."""
     n, width = batch["input_ids"].shape
-    if group <= 1 or n % group or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return 1
     prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
     return group if bool((prompts == prompts[:, :1]).all()) else 1
@@ -314,16 +318,6 @@ def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: in
     return out.gather(1, last_token_indices(batch["mask"]).unsqueeze(1)).squeeze(1)
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Dropout would make the training-time log-probs disagree with the ones the rollout was scored with."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(getattr(model.config, key, None), float):
-            setattr(model.config, key, 0.0)
-
-
 def derived_seed(seed: int, *parts: int) -> int:
     """A deterministic 63-bit seed from (seed, rollout_step, rank, ...): resuming at a rollout re-draws its samples."""
     return random.Random(":".join(str(p) for p in (seed, *parts))).getrandbits(63)
@@ -346,7 +340,8 @@ def check_verifiers(examples: list[dict], what: str) -> None:
             if name != "math":
                 rewards.VERIFIERS[name]("", ex["ground_truth"])
         except ValueError as e:  # unknown verifier, or GroundTruthError
-            raise DataError(f"{what} row {ex['row']}: {e}") from None
+            where = ex.get("where") or f"{what} row {ex['row']}"
+            raise DataError(f"{where}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
     from open_instruct.distributed import clip_grad_norm_, full_params, grad_sync, prepare_frozen
     from open_instruct.generation import GenerationConfig, make_generator
-    from open_instruct.models import DTYPES, load_causal_lm, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, token_logprobs
+    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, token_logprobs
     from open_instruct.tracking import MetricsLogger
     from open_instruct.utils import ConfigError, Counters, should_fire, should_log
 
@@ -470,10 +465,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
         if cfg.generation_backend == "vllm":
             generator.sync_weights(accelerator.unwrap_model(policy))  # collective under FSDP: every rank, before `if local`
-        if local:
-            gen = generator if cfg.generation_backend == "vllm" else make_generator("hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size)
-            with gather_for_generation(policy):
+        out = None
+        with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
+            if local:
+                gen = generator if cfg.generation_backend == "vllm" else make_generator("hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size)
                 out = gen.generate([e["prompt_ids"] for e in local], GenerationConfig(max_new_tokens=eval_length, temperature=0.0, stop_strings=cfg.stop_strings))
+        if out is not None:
             scored = verify(out.texts, local)
             sums = {
                 "correct": float(sum(scored.correct)),

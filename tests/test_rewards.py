@@ -429,11 +429,12 @@ def test_score_batch():
 
 
 def test_combine_rewards():
-    assert R.combine_rewards(10.0, True, 5.0) == 10.0
-    assert R.combine_rewards(10.0, False, 5.0) == 5.0
-    assert R.combine_rewards(0.0, True, 5.0, rm_score=2.0, rm_multiplier=0.5) == 1.0
-    assert R.combine_rewards(0.0, False, 3.0, rm_score=-2.0, rm_multiplier=1.0) == -5.0
-    assert R.combine_rewards(10.0, True, 5.0, rm_score=None, rm_multiplier=99.0) == 10.0
+    # non_stop_penalty is signed and added when the response did not stop (Tulu 3 recipes use -10).
+    assert R.combine_rewards(10.0, True, -5.0) == 10.0
+    assert R.combine_rewards(10.0, False, -5.0) == 5.0
+    assert R.combine_rewards(0.0, True, -5.0, rm_score=2.0, rm_multiplier=0.5) == 1.0
+    assert R.combine_rewards(0.0, False, -3.0, rm_score=-2.0, rm_multiplier=1.0) == -5.0
+    assert R.combine_rewards(10.0, True, -5.0, rm_score=None, rm_multiplier=99.0) == 10.0
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -171,12 +171,12 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     rows[7]["dataset"] = "chemistry"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
-    assert "row 7" in err and "chemistry" in err
+    assert f"{bad} line 8" in err and "chemistry" in err  # row 7 (0-based) is line 8 of the file
     # A ground truth the row's verifier cannot use.
     rows[7]["dataset"], rows[9]["ground_truth"] = "arithmetic", "seven"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
-    assert "row 9" in err and "seven" in err
+    assert f"{bad} line 10" in err and "seven" in err
     # Prompt + response longer than the model's positions.
     err = _exit_message([RECIPE, *base, "--response_length", "5000"], capsys)
     assert "max_position_embeddings" in err
