@@ -272,8 +272,10 @@ def _check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 def _check_range(cfg: Any, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:

@@ -30,7 +30,6 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from open_instruct.demo import (
-    REPO,
     DemoError,
     fmt_acc,
     fmt_seconds,

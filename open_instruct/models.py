@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from open_instruct.utils import ConfigError
 

@@ -354,12 +354,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from transformers import AutoConfig
 
     from open_instruct import data, rewards
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
+    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
     from open_instruct.distributed import clip_grad_norm_, full_params, grad_sync, prepare_frozen
     from open_instruct.generation import GenerationConfig, make_generator
     from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, token_logprobs
     from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import ConfigError, Counters, should_fire, should_log
+    from open_instruct.utils import ConfigError, Counters, should_log
 
     if cfg.generation_backend == "vllm":  # optional extra: a missing or unsupported vLLM fails before any model loads
         from open_instruct.vllm_generator import check_vllm_version
@@ -689,21 +689,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                      "ground_truth": str(episodes[j]["ground_truth"]), "stopped": bool(out.stopped[j])}
                     for j in range(min(cfg.num_samples_logged, n_local))
                 ], counters.as_log())
-        if evals and should_fire(counters.rollout_step, cfg.eval_steps, plan.num_training_steps if cfg.eval_steps else None):
-            metrics = evaluate()
-            logger.log({**counters.as_log(), **metrics})
-            best.update(metrics, policy, tokenizer, accelerator, counters)
-        stopping = preemption.should_stop(accelerator)
-        if should_fire(counters.rollout_step, cfg.checkpointing_steps) or stopping:
-            checkpoint()
-        if stopping:
-            logger.write(f"SIGTERM: checkpoint written at rollout step {counters.rollout_step}; exiting")
+        if runtime.step_boundary(cfg, counters.rollout_step, plan.num_training_steps, "rollout step", evaluate if evals else None, checkpoint,
+                                 accelerator, counters, logger, best, policy, tokenizer, preemption):
             logger.close()
             return
 
-    if cfg.save_final_model:
-        save_hf_model(policy, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
-    logger.close()
+    runtime.finish(cfg, policy, tokenizer, accelerator, counters, logger)
 
 
 if __name__ == "__main__":

@@ -197,3 +197,44 @@ class Throughput:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         self.__init__()
         return {"perf/tokens_per_second": totals["tokens"] / dt, "perf/episodes_per_second": totals["episodes"] / dt}
+
+
+def step_boundary(
+    cfg: BaseConfig,
+    step: int,
+    last_step: int,
+    counter_name: str,
+    evaluate: Optional[Callable[[], dict[str, float]]],
+    checkpoint: Callable[[], None],
+    accelerator: Any,
+    counters: Any,
+    logger: Any,
+    best: Any,
+    model: Any,
+    tokenizer: Any,
+    preemption: Preemption,
+) -> bool:
+    """What happens after every step (optimizer step, or rollout in RL), the same in every script: eval every
+    eval_steps and at the last step (keeping best_model), checkpoint every checkpointing_steps, and on SIGTERM
+    checkpoint and stop. Returns True when the run must stop now."""
+    from open_instruct.utils import should_fire
+
+    if evaluate is not None and should_fire(step, cfg.eval_steps, last_step if cfg.eval_steps else None):
+        metrics = evaluate()
+        logger.log({**counters.as_log(), **metrics})
+        best.update(metrics, model, tokenizer, accelerator, counters)
+    stopping = preemption.should_stop(accelerator)
+    if should_fire(step, cfg.checkpointing_steps) or stopping:
+        checkpoint()
+    if stopping:
+        logger.write(f"SIGTERM: checkpoint written at {counter_name} {step}; exiting")
+    return stopping
+
+
+def finish(cfg: BaseConfig, model: Any, tokenizer: Any, accelerator: Any, counters: Any, logger: Any) -> None:
+    """The end of a run: the final model in HF format (<output_dir>/final_model, atomic), then close the logs."""
+    from open_instruct.checkpoint import save_hf_model
+
+    if cfg.save_final_model:
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
+    logger.close()

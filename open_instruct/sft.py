@@ -35,10 +35,10 @@ def main(argv=None) -> None:
     import torch
 
     from open_instruct import data
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_hf_model, save_training_state
+    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
     from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
     from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import Counters, should_fire, should_log
+    from open_instruct.utils import Counters, should_log
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -130,21 +130,12 @@ def main(argv=None) -> None:
                 "train/tokens_trained": global_tokens,
                 **throughput.report(accelerator),
             })
-        if evals and should_fire(counters.optimizer_step, cfg.eval_steps, plan.optimizer_steps if cfg.eval_steps else None):
-            metrics = evaluate()
-            logger.log({**counters.as_log(), **metrics})
-            best.update(metrics, model, tokenizer, accelerator, counters)
-        stopping = preemption.should_stop(accelerator)
-        if should_fire(counters.optimizer_step, cfg.checkpointing_steps) or stopping:
-            checkpoint()
-        if stopping:
-            logger.write(f"SIGTERM: checkpoint written at optimizer step {counters.optimizer_step}; exiting")
+        if runtime.step_boundary(cfg, counters.optimizer_step, plan.optimizer_steps, "optimizer step", evaluate if evals else None, checkpoint,
+                                 accelerator, counters, logger, best, model, tokenizer, preemption):
             logger.close()
             return
 
-    if cfg.save_final_model:
-        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
-    logger.close()
+    runtime.finish(cfg, model, tokenizer, accelerator, counters, logger)
 
 
 if __name__ == "__main__":
