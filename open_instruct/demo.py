@@ -180,11 +180,13 @@ class Stage:
     train: str  # data file keys (see write_data)
     eval: str
     quick: dict[str, Any] = field(default_factory=dict)  # overrides for --quick: fewer steps, same recipe otherwise
+    note: str = ""  # printed before the stage runs
 
 
 STAGES = [
     Stage("sft", "SFT", "sft.py", "sft.yaml", "base", "sft_train", "sft_eval"),
-    Stage("rm", "reward model", "reward_model.py", "rm.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 4000}),
+    Stage("rm", "reward model", "reward_model.py", "rm.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 4000},
+          note="transformers' load report below is expected: the SFT model's lm_head is dropped, a new `score` head is added"),
     Stage("dpo", "DPO", "dpo.py", "dpo.yaml", "sft", "pref_train", "pref_eval"),
     Stage("rlvr", "RLVR", "rlvr_ppo.py", "rlvr.yaml", "dpo", "rl_train", "rl_valid", {"total_episodes": 7680, "eval_steps": 5}),
 ]
@@ -208,14 +210,14 @@ def write_data(data_dir: str, seed: int, n_train: int, n_valid: int, n_test: int
     }
 
 
-def stage_command(stage: Stage, init_path: str, files: dict[str, str], out: str, quick: bool, extra: Sequence[str]) -> list[str]:
+def stage_command(stage: Stage, init_path: str, files: dict[str, str], out: str, quick: bool) -> list[str]:
     cmd = [sys.executable, os.path.join("open_instruct", stage.script), os.path.join("configs", "demo", stage.recipe),
            "--model_name_or_path", init_path, "--dataset_name_or_path", files[stage.train],
            "--eval_dataset_name_or_path", files[stage.eval], "--output_dir", os.path.join(out, stage.name)]
     if quick:
         for k, v in stage.quick.items():
             cmd += [f"--{k}", str(v)]
-    return cmd + list(extra)
+    return cmd
 
 
 def reward_model_accuracy(model_path: str, data_path: str, out_dir: str) -> dict[str, Any]:
@@ -254,16 +256,25 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="torch threads per stage (tiny models are overhead-bound: 1 is fastest on a busy machine)")
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
     args = parser.parse_args(argv)
+    if args.hidden_size < 8 or args.hidden_size % 4 or args.num_layers < 1 or args.n_test < 1 or args.num_threads < 1:
+        parser.error("--hidden_size must be a multiple of 4 (4 attention heads) and >= 8; --num_layers, --n_test and "
+                     "--num_threads must be >= 1")
+    out = os.path.abspath(args.output_dir)
+    marker = os.path.join(out, ".demo_output")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(marker):
+        raise DemoError(f"--output_dir {out} exists and was not written by the demo: it would be replaced; choose another folder")
 
     import shutil
 
     import torch
+    import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # this process only loads small files: no bars for those
     t_start = time.time()
-    out = os.path.abspath(args.output_dir)
     if os.path.isdir(out):
-        shutil.rmtree(out)  # a stale stage folder would make its script resume instead of train
+        shutil.rmtree(out)  # a previous demo's stage folders would be mixed with this run's
     os.makedirs(out)
+    open(marker, "w").close()
     torch.set_num_threads(args.num_threads)
     env = script_env(args.num_threads)
     mode = "quick" if args.quick else "full"
@@ -281,7 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for i, stage in enumerate(STAGES, 1):
         print(f"\n== [{i}/{len(STAGES)}] {stage.title}: open_instruct/{stage.script} configs/demo/{stage.recipe} "
               f"(from {stage.init})", flush=True)
-        cmd = stage_command(stage, finals[stage.init], files, out, args.quick, [])
+        if stage.note:
+            print(f"   ({stage.note})", flush=True)
+        cmd = stage_command(stage, finals[stage.init], files, out, args.quick)
         timings[stage.name], cpu[stage.name] = run_script(cmd, os.path.join(out, "logs", f"{stage.name}.log"), env, echo=not args.quiet)
         finals[stage.name] = os.path.join(out, stage.name, "final_model")
         if not os.path.isdir(finals[stage.name]):

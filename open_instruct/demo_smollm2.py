@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from open_instruct.demo import (
+    REPO,
     DemoError,
     fmt_acc,
     fmt_seconds,
@@ -39,6 +40,7 @@ from open_instruct.demo import (
     run_script,
     script_env,
 )
+from open_instruct.utils import ConfigError
 
 INSTRUCTION = "Answer with the number only."
 RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
@@ -72,10 +74,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.max_operand < 2 or args.n_eval < 1 or args.n_train < 1:
         parser.error("--max_operand must be >= 2 and --n_train/--n_eval >= 1")
 
+    import transformers
+
     from open_instruct.smollm2 import smollm2_gguf_path
+
+    transformers.utils.logging.disable_progress_bar()  # the GGUF load draws two bars per model; the RLVR run keeps its own
 
     folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
     out = os.path.abspath(args.output_dir)
+    rl_dir = os.path.join(out, "rlvr")
+    train_file = os.path.join(out, "data", "rl_train.jsonl")
+    rlvr_args = [RECIPE, "--model_name_or_path", folder, "--gguf_file", gguf_file, "--dataset_name_or_path", train_file,
+                 "--output_dir", rl_dir, "--seed", str(args.seed + 1), *rlvr_overrides]
+    try:  # a typo in an override fails now, not after the first evaluation
+        from open_instruct.config import RLVRConfig, parse_config
+
+        parse_config(RLVRConfig, [os.path.join(REPO, RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
+    except ConfigError as e:
+        parser.error(f"RLVR settings: {e}")
     os.makedirs(out, exist_ok=True)
     if args.num_threads:
         import torch
@@ -96,10 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"before: {fmt_acc(before)}", flush=True)
 
     print(f"\n== RLVR (GRPO): open_instruct/rlvr_ppo.py {RECIPE}", flush=True)
-    rl_dir = os.path.join(out, "rlvr")
-    cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), RECIPE,
-           "--model_name_or_path", folder, "--gguf_file", gguf_file,
-           "--dataset_name_or_path", files["train"], "--output_dir", rl_dir, "--seed", str(args.seed + 1), *rlvr_overrides]
+    cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), *rlvr_args]
     timings["rlvr"], cpu["rlvr"] = run_script(cmd, os.path.join(out, "logs", "rlvr.log"), env)
 
     print("\n== held-out accuracy after RLVR (greedy, eval.verifiable)", flush=True)

@@ -44,19 +44,22 @@ def test_accuracy_rises_over_the_pipeline(quick_run):
     n = summary["accuracy"]["base"]["total"]
     assert n >= 200
     assert {summary["accuracy"][k]["total"] for k in demo.POLICIES} == {n}  # the same held-out problems for every row
+    # Seed 0 gives base 0.0%, SFT 49.1%, DPO 57.7%, RLVR 66.7% (each step +8.6 / +9.0 points, sign-test p < 1e-6).
     assert acc(summary, "base") <= 0.05  # random weights: no arithmetic
-    assert acc(summary, "sft") >= acc(summary, "base") + 0.15
-    # The last stage must beat the SFT model clearly, problem by problem and not by luck of the draw.
-    assert acc(summary, "rlvr") >= acc(summary, "sft") + 0.05
-    change = demo.paired_change(*(os.path.join(quick_run[0], "eval", k) for k in ("sft", "rlvr")))
-    assert change["fixed"] > 2 * change["broken"] and change["p_value"] < 0.01
+    assert acc(summary, "sft") >= acc(summary, "base") + 0.30
+    # DPO and then RLVR must each add accuracy, problem by problem and not by luck of the draw.
+    for before, after in (("sft", "dpo"), ("dpo", "rlvr")):
+        assert acc(summary, after) >= acc(summary, before) + 0.03, (before, after)
+        change = summary["paired_vs_previous"][after]
+        assert change == demo.paired_change(*(os.path.join(quick_run[0], "eval", k) for k in (before, after)))
+        assert change["fixed"] > change["broken"] and change["p_value"] < 0.01, (before, after, change)
 
 
 def test_reward_model_ranks_held_out_pairs_above_chance(quick_run):
     _, summary = quick_run
     rm = summary["reward_model"]
     assert rm["total"] >= 200
-    assert rm["ci95"][0] > 0.5  # the whole 95% interval above chance
+    assert rm["ci95"][0] > 0.5  # the whole 95% interval above chance (seed 0: 58.7%, 55.6%-61.7%)
     assert rm["mean_margin"] > 0
 
 
