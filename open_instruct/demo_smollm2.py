@@ -145,10 +145,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "",
         "| model | held-out accuracy | 95% CI | stopped |",
         "|---|---|---|---|",
-        f"| before (as shipped) | {before['accuracy']:.1%} ({before['correct']}/{before['total']}) | "
-        f"{before['ci95'][0]:.1%}-{before['ci95'][1]:.1%} | {before['stop_rate']:.0%} |",
-        f"| after RLVR | {after['accuracy']:.1%} ({after['correct']}/{after['total']}) | "
-        f"{after['ci95'][0]:.1%}-{after['ci95'][1]:.1%} | {after['stop_rate']:.0%} |",
+        (f"| before (as shipped) | {before['accuracy']:.1%} ({before['correct']}/{before['total']}) | "
+         f"{before['ci95'][0]:.1%}-{before['ci95'][1]:.1%} | {before['stop_rate']:.0%} |"),
+        (f"| after RLVR | {after['accuracy']:.1%} ({after['correct']}/{after['total']}) | "
+         f"{after['ci95'][0]:.1%}-{after['ci95'][1]:.1%} | {after['stop_rate']:.0%} |"),
         "",
         f"Paired: {change['fixed']} problems fixed, {change['broken']} broken (exact sign test p = {change['p_value']:.3g}).",
     ]

@@ -27,7 +27,7 @@ def acc(summary, name):
 
 
 def test_every_stage_ran_its_script_and_wrote_a_model(quick_run):
-    out, summary = quick_run
+    out, _ = quick_run
     for stage in demo.STAGES:
         assert os.path.isfile(out / stage.name / "final_model" / "config.json"), stage.name
         rows = demo.read_metrics(str(out / stage.name))
