@@ -445,18 +445,8 @@ def main(argv=None) -> None:
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         stats_step = {f"train/{k}": v / plan.mini_batch_size for k, v in runtime.global_sums(accelerator, sums).items()}
-        step_ok = runtime.is_finite(accelerator, stats_step["train/loss"], grad_norm)
-        if not step_ok:
-            runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={stats_step['train/loss']}, grad_norm={float(grad_norm)})", logger.write)
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        counters.optimizer_step += 1
-        counters.episode += plan.mini_batch_size
-        counters.epoch = counters.episode / len(train)
-        logger.advance()
+        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, stats_step["train/loss"], grad_norm, counters,
+                                       plan.mini_batch_size, len(train), logger)
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             perf = throughput.report(accelerator)

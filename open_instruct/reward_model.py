@@ -138,18 +138,8 @@ def main(argv=None) -> None:
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         totals = runtime.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
         metrics = summarize(totals, plan.mini_batch_size, "train")
-        step_ok = runtime.is_finite(accelerator, metrics["train/loss"], grad_norm)
-        if not step_ok:
-            runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={metrics['train/loss']}, grad_norm={float(grad_norm)})", logger.write)
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        counters.optimizer_step += 1
-        counters.episode += plan.mini_batch_size
-        counters.epoch = counters.episode / len(train)
-        logger.advance()
+        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, metrics["train/loss"], grad_norm, counters,
+                                       plan.mini_batch_size, len(train), logger)
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             logger.log({

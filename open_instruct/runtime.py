@@ -238,3 +238,23 @@ def finish(cfg: BaseConfig, model: Any, tokenizer: Any, accelerator: Any, counte
     if cfg.save_final_model:
         save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
     logger.close()
+
+
+def apply_update(
+    cfg: BaseConfig, accelerator: Any, optimizer: Any, scheduler: Any, loss: float, grad_norm: Any, counters: Any,
+    episodes: int, num_examples: int, logger: Any,
+) -> bool:
+    """One supervised optimizer step after the gradients are in: refuse a non-finite loss/gradient (stop, or skip
+    the update by `on_nonfinite`), step optimizer and schedule, advance the counters. Returns whether it updated."""
+    step_ok = is_finite(accelerator, loss, grad_norm)
+    if not step_ok:
+        handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={loss}, grad_norm={float(grad_norm)})", logger.write)
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    counters.optimizer_step += 1
+    counters.episode += episodes
+    counters.epoch = counters.episode / num_examples
+    logger.advance()
+    return step_ok

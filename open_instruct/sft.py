@@ -107,18 +107,8 @@ def main(argv=None) -> None:
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         loss = runtime.global_sum(accelerator, loss_sum_local) / global_tokens
-        step_ok = runtime.is_finite(accelerator, loss, grad_norm)
-        if not step_ok:
-            runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={loss}, grad_norm={float(grad_norm)})", logger.write)
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        counters.optimizer_step += 1
-        counters.episode += plan.mini_batch_size
-        counters.epoch = counters.episode / len(train)
-        logger.advance()
+        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, loss, grad_norm, counters,
+                                       plan.mini_batch_size, len(train), logger)
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             logger.log({
