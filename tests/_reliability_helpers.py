@@ -20,7 +20,6 @@ Crash points inside a child come from two places:
 from __future__ import annotations
 
 import json
-import math
 import os
 import select
 import signal
@@ -31,7 +30,6 @@ from typing import Any, Callable, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("sft", "reward_model", "dpo", "rlvr_ppo")
-VOLATILE_PREFIXES = ("perf/", "time/")  # wall-clock numbers: differ between any two runs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,21 +147,11 @@ def read_rows(output_dir: str, name: str = "metrics.jsonl") -> list[dict[str, An
     return rows
 
 
-def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in rows]
-
-
 def assert_same_rows(expected: list[dict[str, Any]], got: list[dict[str, Any]], rel: float = 1e-6) -> None:
-    """Row for row, key for key equal (floats to rel 1e-6), wall-clock keys ignored."""
-    expected, got = comparable(expected), comparable(got)
-    assert len(expected) == len(got), f"{len(expected)} rows expected, {len(got)} found"
-    for i, (x, y) in enumerate(zip(expected, got)):
-        assert x.keys() == y.keys(), f"row {i}: keys differ: {sorted(x.keys() ^ y.keys())}"
-        for k in x:
-            if isinstance(x[k], float) or isinstance(y[k], float):
-                assert math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-9), f"row {i} {k}: {x[k]} vs {y[k]}"
-            else:
-                assert x[k] == y[k], f"row {i} {k}: {x[k]!r} vs {y[k]!r}"
+    """training_helpers.assert_rows_match, imported here lazily: the zygote process sets sys.path up first."""
+    from training_helpers import assert_rows_match
+
+    assert_rows_match(expected, got, rel)
 
 
 def assert_same_weights(a_dir: str, b_dir: str, atol: float = 1e-6) -> None:

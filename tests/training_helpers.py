@@ -31,9 +31,12 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+VOLATILE_PREFIXES = ("perf/", "time/")  # wall-clock numbers: differ between any two runs
+
+
 def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Log rows without wall-clock numbers (perf/*), which differ between any two runs."""
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    """Log rows without wall-clock numbers (perf/*, time/*), which differ between any two runs."""
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE_PREFIXES)} for r in rows]
 
 
 def assert_rows_match(a: list[dict[str, Any]], b: list[dict[str, Any]], rel: float = 1e-6) -> None:
