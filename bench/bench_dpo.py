@@ -37,7 +37,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 KINDS = ("ours", "trl", "trl_pre")
 BETA = 0.1
 
@@ -58,11 +57,11 @@ def rss_mb(field: str = "VmRSS") -> float:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
-    from open_instruct import dpo, runtime
+    from open_instruct import dpo, reference_cache, runtime
     from open_instruct.tracking import read_jsonl
 
     marks: dict[str, float] = {}
-    original = dpo.reference_tables
+    original = reference_cache.reference_tables
 
     def timed_reference_tables(*a, **k):
         t0 = time.perf_counter()
@@ -81,7 +80,7 @@ def run_ours(args: argparse.Namespace) -> dict:
             cpu_at_reports.append(time.process_time())
             return super().report(accelerator)
 
-    dpo.reference_tables = timed_reference_tables
+    reference_cache.reference_tables = timed_reference_tables
     runtime.Throughput = MarkedThroughput
     out = tempfile.mkdtemp(prefix="bench_dpo_ours_")
     dpo.main([
@@ -211,8 +210,8 @@ def main() -> None:
     if args.steps % args.warmup or args.steps <= args.warmup:
         parser.error("--steps must be a multiple of --warmup and larger than it")
 
-    from open_instruct.synthetic import preference_rows, write_jsonl
-    from open_instruct.tiny import save_tiny_models
+    from demo.synthetic import preference_rows, write_jsonl
+    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_dpo_")
     data = write_jsonl(os.path.join(work, "prefs.jsonl"), preference_rows(args.steps * args.batch_size, seed=0))

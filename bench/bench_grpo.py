@@ -25,7 +25,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 GROUP = 8
 PROMPTS_PER_STEP = 16
@@ -144,8 +143,8 @@ def main() -> None:
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is not timed)")
 
-    from open_instruct import synthetic
-    from open_instruct.tiny import save_tiny_models
+    from demo import synthetic
+    from demo.tiny import save_tiny_models
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1",
            "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}

@@ -46,7 +46,6 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def mark_train_start(marks: dict) -> None:
@@ -236,8 +235,8 @@ def main() -> None:
     if args.steps % args.warmup or args.steps <= args.warmup:
         parser.error("--steps must be a multiple of --warmup and larger than it")
 
-    from open_instruct.synthetic import write_jsonl
-    from open_instruct.tiny import save_tiny_models
+    from demo.synthetic import write_jsonl
+    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_rm_")
     rows = fixed_length_pairs(args.steps * args.batch_size, args.prompt_chars, args.reply_chars)

@@ -355,7 +355,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     import torch
 
-    from open_instruct.generation import HFGenerator, make_generator
+    from open_instruct.generation import HFGenerator
+    from open_instruct.generation_backends import make_generator
     from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer
 
     if args.num_threads:
@@ -363,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     model_path, gguf_file = args.model, args.gguf_file
     if model_path == "smollm2" and not os.path.exists(model_path):
-        from open_instruct.smollm2 import smollm2_gguf_path
+        from eval.offline_models import smollm2_gguf_path
 
         model_path, gguf_file = smollm2_gguf_path()
 

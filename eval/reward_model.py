@@ -6,7 +6,7 @@ A pair counts as right when r_chosen > r_rejected (ties are wrong, as in trainin
 a 95% Wilson interval, the mean margin r_chosen - r_rejected, the mean rewards and the pair count; --output
 writes one JSON line per pair. Rows are read and tokenized exactly as the trainer does (open_instruct.data):
 `chosen`/`rejected` conversations, or `prompt` + `chosen` + `rejected` strings. Rewards are read exactly as the
-trainer reads them (open_instruct.reward_model.pair_rewards).
+trainer reads them (open_instruct.models.pair_rewards).
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def score_pairs(model: Any, examples: Sequence[dict[str, Any]], pad_id: int, batch_size: int = 16) -> list[dict[str, Any]]:
@@ -26,7 +24,7 @@ def score_pairs(model: Any, examples: Sequence[dict[str, Any]], pad_id: int, bat
     import torch
 
     from open_instruct.data import collate_preferences, micro_batches
-    from open_instruct.reward_model import pair_rewards
+    from open_instruct.models import pair_rewards
 
     device = next(model.parameters()).device
     model.eval()

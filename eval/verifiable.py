@@ -13,13 +13,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -58,7 +56,8 @@ def evaluate_verifiable(
     generator: Any = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(summary, predictions). Greedy when temperature is 0. Shared by the RLVR script's held-out eval and the CLI."""
-    from open_instruct.generation import GenerationConfig, make_generator
+    from open_instruct.generation import GenerationConfig
+    from open_instruct.generation_backends import make_generator
     from open_instruct.rewards import score_batch
 
     generator = generator or make_generator("hf", model, tokenizer, batch_size=batch_size)
@@ -129,7 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     examples = load_prompts(args.data, tokenizer, limit=args.limit)
     generator = None  # hf: built by evaluate_verifiable
     if args.generation_backend == "vllm" and examples:
-        from open_instruct.generation import make_generator
+        from open_instruct.generation_backends import make_generator
 
         longest = max(len(e["prompt_ids"]) for e in examples)
         generator = make_generator("vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed)

@@ -27,6 +27,9 @@ from typing import Any, Optional
 
 import torch
 
+from open_instruct.distributed import global_sum, maybe_dump_shard_report
+from open_instruct.errors import NonFiniteError
+
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
@@ -272,14 +275,12 @@ def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
 def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optional[int]) -> None:
     """Refuse to save weights holding NaN/inf (e.g. after an infinite learning rate: the loss and gradients of that
     step were finite, the update was not). A saved copy would be picked up by `--resume_from_checkpoint auto`."""
-    from open_instruct import runtime
-
     for name, model in models.items():
         # This rank's shard of each parameter (FSDP2 DTensor), checked in place (no float copy); agreed over ranks.
         local = (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters())
         bad = any(not bool(torch.isfinite(t).all()) for t in local)
-        if runtime.global_sum(accelerator, float(bad)) > 0:
-            raise runtime.NonFiniteError(
+        if global_sum(accelerator, float(bad)) > 0:
+            raise NonFiniteError(
                 f"non-finite weights in {name} after optimizer step {step}; not saving them (is the learning rate too high?)"
             )
 
@@ -356,8 +357,6 @@ def save_training_state(
         "config": {k: v for k, v in vars(cfg).items()},
         **(extra or {}),
     }
-    from open_instruct.distributed import maybe_dump_shard_report
-
     check_finite_weights(models, accelerator, counters.optimizer_step)
     maybe_dump_shard_report(accelerator, models, optimizers, f"step_{counters.optimizer_step}")  # only when asked (tests)
     return save_checkpoint(

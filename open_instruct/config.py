@@ -20,14 +20,15 @@ from typing import Any, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
-from open_instruct.utils import BatchPlan, ConfigError, rl_batch_plan, supervised_batch_plan
+from open_instruct.batch_math import BatchPlan, rl_batch_plan, supervised_batch_plan
+from open_instruct.errors import ConfigError
 
 T = TypeVar("T")
 
 
 @dataclass
 class BaseConfig:
-    """Knobs every script shares. Batch terms follow the glossary in open_instruct/utils.py."""
+    """Knobs every script shares. Batch terms follow the glossary in open_instruct/batch_math.py."""
 
     # --- what runs
     script: str = field(default="", metadata={"help": "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo)."})

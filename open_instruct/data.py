@@ -15,11 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from open_instruct.utils import ConfigError
-
-
-class DataError(ValueError):
-    """A bad dataset or row. The message names the file (or hub dataset) and the row."""
+from open_instruct.errors import ConfigError, DataError
 
 
 @dataclass
@@ -387,6 +383,30 @@ def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict
     attention_mask = pad([[1] * len(s) for s in seqs], 0)
     loss_mask = pad([[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)], 0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def collate_episodes(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts followed by right-padded responses, so every response starts at the same column and the
+    logits of all response tokens are the last R+1 positions. Positions count real tokens only (as in generation).
+
+    Returns input_ids/attention_mask/position_ids [B, P+R], responses [B, R] (pad 0) and mask [B, R]."""
+    width_p, width_r = max(len(p) for p in prompts), max(len(r) for r in responses)
+    n = len(prompts)
+    input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, width_p - len(p) : width_p] = torch.as_tensor(list(p), dtype=torch.long)
+        input_ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        attention_mask[i, width_p - len(p) : width_p + len(r)] = 1
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    response_mask = attention_mask[:, width_p:].float()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, width_p:] * attention_mask[:, width_p:],
+        "mask": response_mask,
+    }
 
 
 class EpisodeStream:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-from open_instruct.utils import ConfigError
+from open_instruct.errors import ConfigError
 
 CPU_FSDP_ENV = "OPEN_INSTRUCT_CPU_FSDP"
 SHARD_REPORT_ENV = "OPEN_INSTRUCT_SHARD_REPORT"
@@ -141,6 +141,15 @@ def grad_sync(accelerator: Any, model: Any, sync: bool) -> Any:
     if sync or accelerator.num_processes == 1 or is_fsdp(accelerator):
         return contextlib.nullcontext()
     return accelerator.no_sync(model)
+
+
+@contextlib.contextmanager
+def grad_sync_all(accelerator: Any, models: Iterable[Any], sync: bool) -> Iterator[None]:
+    """`grad_sync` for several models trained by one backward (a policy and its value model)."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(grad_sync(accelerator, model, sync))
+        yield
 
 
 def clip_grad_norm_(accelerator: Any, model: Any, max_norm: float) -> Any:
@@ -262,3 +271,41 @@ def maybe_dump_shard_report(accelerator: Any, models: dict[str, Any], optimizers
     path = os.path.join(folder, f"{tag}_rank{accelerator.process_index}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collectives on plain numbers: every script's metrics and token counts are summed over ranks with these.
+
+
+def global_sum(accelerator: Any, value: float) -> float:
+    """`value` summed over every rank (float64, so token counts stay exact)."""
+    if accelerator.num_processes == 1:
+        return float(value)
+    import torch
+
+    t = torch.tensor([float(value)], device=accelerator.device, dtype=torch.float64)
+    return float(accelerator.reduce(t, reduction="sum").item())
+
+
+def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
+    """Each value of a dict summed over ranks, in one collective."""
+    if accelerator.num_processes == 1 or not values:
+        return {k: float(v) for k, v in values.items()}
+    import torch
+
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], device=accelerator.device, dtype=torch.float64)
+    t = accelerator.reduce(t, reduction="sum")
+    return {k: float(x) for k, x in zip(keys, t.tolist())}
+
+
+def all_finite(accelerator: Any, *values: Any) -> bool:
+    """True when every value (tensor or float) is finite on every rank."""
+    import torch
+
+    bad = 0.0
+    for v in values:
+        t = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+        if not torch.isfinite(t).all():
+            bad = 1.0
+    return global_sum(accelerator, bad) == 0

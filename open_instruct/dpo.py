@@ -9,20 +9,9 @@ the loss functions below): dpo, dpo_norm (Tulu 3), ipo, simpo (reference-free), 
 conservative DPO. The loss is the mean over the pairs of the global mini-batch, whatever the split into devices
 and micro-batches.
 
-Reference log-probs are computed once, before training, by a no-grad pass of the initial policy over the train and
-eval sets (in batches of per_device_eval_batch_size, shared out over the processes), and cached on disk
-(safetensors) keyed by example position. The reference model is never held in memory
-during training. The cache lives in `reference_cache_dir` (default: `<output_dir>/../.ref_cache`, shared by the runs
-of a sweep over beta, lr or loss type) under a hash of what determines the numbers:
-  - the model: name/path, revision, gguf file, config, and a fingerprint of the loaded weights (shapes, dtypes and
-    the bytes of up to 4,096 evenly spaced elements of every tensor; training moves every weight, so any trained
-    model differs in the sample);
-  - the data as the model sees it: sha256 of the tokenized train and eval examples in order (chosen ids, rejected
-    ids, prompt length), which covers the files' content, the split, max_seq_length, overlong, the columns and the
-    chat template; the data sources are recorded as well;
-  - the forward's precision (mixed_precision).
-Only summed log-probs and token counts are stored, so every loss type reuses the same cache. A rerun with the same
-settings prints "reused"; any change computes a new file. simpo needs no reference and skips the pass.
+Reference log-probs come from one no-grad pass of the initial policy before training, cached on disk under a hash
+of the model, the tokenized data and the precision (`reference_cache.py`; a rerun with the same settings reuses the
+file). The reference model is never held in memory during training. simpo needs no reference and skips the pass.
 
 Logged per optimizer step (means over the pairs of the global mini-batch), and with the eval/ prefix on the held-out
 set (at step 0, then every eval_steps): train/loss; train/rewards/chosen, rejected, margin (beta times what the loss
@@ -33,28 +22,20 @@ perf/tokens_per_second, perf/pairs_per_second, and the four counters.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import sys
-import tempfile
-import time
-from array import array
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import DPOConfig
-from open_instruct.utils import ConfigError
+from open_instruct.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits before the slow import
     import torch
 
+    from open_instruct.models import PairLogps
+
 REFERENCE_FREE = ("simpo",)
 STAT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen", "logps/rejected")  # train/ and eval/
 EVAL_METRICS = tuple(f"eval/{k}" for k in STAT_KEYS)
-CACHE_FORMAT = 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,19 +86,7 @@ def wpo_weights(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor
     return (chosen_avg_logps + rejected_avg_logps).exp().detach()
 
 
-class Logps(NamedTuple):
-    """Per-pair summed response log-probs and response token counts."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    chosen_tokens: torch.Tensor
-    rejected_tokens: torch.Tensor
-
-    def averages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.chosen / self.chosen_tokens.clamp(min=1), self.rejected / self.rejected_tokens.clamp(min=1)
-
-
-def preference_loss(cfg: DPOConfig, policy: Logps, ref: Optional[Logps]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def preference_loss(cfg: DPOConfig, policy: PairLogps, ref: Optional[PairLogps]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair losses, chosen rewards, rejected rewards) for cfg.loss_type.
 
     A reward is beta times what the loss compares: the log-ratio (summed for dpo/wpo, per-token mean for dpo_norm
@@ -140,7 +109,7 @@ def preference_loss(cfg: DPOConfig, policy: Logps, ref: Optional[Logps]) -> tupl
     return losses, cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
 
 
-def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy: Logps) -> dict[str, float]:
+def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy: PairLogps) -> dict[str, float]:
     """Sums over pairs of the logged statistics (divided by the global pair count after the all-reduce).
 
     Accuracy counts a tie as half a win: before the first update the policy equals the reference, every reward is
@@ -152,209 +121,20 @@ def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_
     return dict(zip(STAT_KEYS, torch.stack([v.float().sum() for v in values]).tolist()))  # one device sync
 
 
-def policy_logps(model: Any, batch: dict[str, torch.Tensor]) -> Logps:
-    """One forward over [chosen rows; rejected rows] (data.collate_preferences), split back into the two halves."""
-    from open_instruct.models import sequence_logprobs
-
-    sums, counts, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-    n = len(sums) // 2
-    return Logps(sums[:n], sums[n:], counts[:n], counts[n:])
-
-
-def length_order(examples: list[dict]) -> list[int]:
-    """Example positions sorted by padded pair length (less padding per micro-batch), ties by position."""
-    return sorted(range(len(examples)), key=lambda i: (max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])), i))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reference log-prob cache
-
-
-def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
-    """sha256 over every tensor's name, shape, dtype and the bytes of up to `samples` evenly spaced elements."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // samples)
-        sample = flat[::step][:samples].cpu().contiguous()
-        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
-    return h.hexdigest()
-
-
-def tokens_fingerprint(examples: list[dict[str, Any]]) -> str:
-    """sha256 of the tokenized pairs in order: the data exactly as the model sees it."""
-    h = hashlib.sha256()
-    for e in examples:
-        h.update(array("q", [e["prompt_len"], len(e["chosen_ids"]), len(e["rejected_ids"])]).tobytes())
-        h.update(array("q", e["chosen_ids"]).tobytes())
-        h.update(array("q", e["rejected_ids"]).tobytes())
-    return h.hexdigest()
-
-
-def reference_cache_identity(cfg: DPOConfig, model: Any, train: list[dict], evals: list[dict]) -> dict[str, Any]:
-    """Everything the cached numbers depend on (hashed into the file name; stored in the file's metadata)."""
-    config = model.config.to_dict()
-    config.pop("_name_or_path", None)
-    return {
-        "format": CACHE_FORMAT,
-        "model": {
-            "name_or_path": cfg.model_name_or_path,
-            "revision": cfg.model_revision,
-            "gguf_file": cfg.gguf_file,
-            "config": config,
-            "weights_sha256": weights_fingerprint(model),
-        },
-        "data": {
-            "train": {"sources": cfg.dataset_name_or_path, "split": cfg.dataset_split, "pairs": len(train), "tokens_sha256": tokens_fingerprint(train)},
-            "eval": {"sources": cfg.eval_dataset_name_or_path, "split": cfg.eval_dataset_split, "pairs": len(evals), "tokens_sha256": tokens_fingerprint(evals)},
-        },
-        "forward": {"mixed_precision": cfg.mixed_precision},
-    }
-
-
-def reference_cache_path(cfg: DPOConfig, identity: dict[str, Any]) -> str:
-    folder = cfg.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), ".ref_cache")
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return os.path.join(folder, f"ref_logps_{key}.safetensors")
-
-
-def compute_reference(model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """One no-grad pass of `model` over `examples`: summed response log-probs of chosen and rejected, by position.
-
-    Examples are sorted by length (less padding) and dealt to the ranks in micro-batches; the results are
-    gathered, so every rank returns the full table."""
-    import torch
-
-    from open_instruct import data
-
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = data.dealt_micro_batches(length_order(examples), batch_size, rank, world)  # same batches on 1 or N ranks
-    index = torch.full((len(mine) * batch_size,), -1, dtype=torch.long)
-    values = torch.zeros(len(mine) * batch_size, 2)
-    model.eval()
-    with torch.no_grad():
-        for k, (group, real) in enumerate(mine):
-            batch = {key: v.to(accelerator.device) for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()}
-            with accelerator.autocast():
-                lp = policy_logps(model, batch)
-            if real:
-                rows = slice(k * batch_size, k * batch_size + len(group))
-                index[rows] = torch.tensor(group)
-                values[rows] = torch.stack([lp.chosen, lp.rejected], dim=1).float().cpu()
-    model.train()
-    if world > 1:
-        index = accelerator.gather(index.to(accelerator.device)).cpu()
-        values = accelerator.gather(values.to(accelerator.device)).cpu()
-    keep = index >= 0
-    table = torch.full((len(examples), 2), float("nan"))
-    table[index[keep]] = values[keep]
-    assert not table.isnan().any(), "reference pass missed examples"
-    return {
-        "chosen_logps": table[:, 0].contiguous(),
-        "rejected_logps": table[:, 1].contiguous(),
-        **expected_counts(examples),
-    }
-
-
-def expected_counts(examples: list[dict]) -> dict[str, torch.Tensor]:
-    """Response token counts and source rows per example (stored with the cache, checked when it is read)."""
-    import torch
-
-    return {
-        "chosen_tokens": torch.tensor([len(e["chosen_ids"]) - e["prompt_len"] for e in examples], dtype=torch.long),
-        "rejected_tokens": torch.tensor([len(e["rejected_ids"]) - e["prompt_len"] for e in examples], dtype=torch.long),
-        "row": torch.tensor([e["row"] for e in examples], dtype=torch.long),
-    }
-
-
-def read_reference_cache(path: str, splits: dict[str, list[dict]], log: Any = print) -> Optional[dict[str, dict[str, torch.Tensor]]]:
-    """The cached tables, or None when the file is missing or does not fit these examples (then it is rebuilt)."""
-    if not os.path.isfile(path):
-        return None
-    import torch
-    from safetensors.torch import load_file
-
-    try:
-        flat = load_file(path)
-    except Exception as e:  # a damaged file is rebuilt, not trusted
-        log(f"reference cache {path} is unreadable ({e}); recomputing")
-        return None
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for split, examples in splits.items():
-        table = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{split}/")}
-        expected = expected_counts(examples)
-        if not examples:
-            out[split] = {}
-            continue
-        if set(table) != {"chosen_logps", "rejected_logps", *expected} or any(not torch.equal(table[k], v) for k, v in expected.items()):
-            log(f"reference cache {path} does not match the {split} examples; recomputing")
-            return None
-        out[split] = table
-    return out
-
-
-def write_reference_cache(path: str, tables: dict[str, dict[str, torch.Tensor]], identity: dict[str, Any]) -> None:
-    """Atomic write: a temp file in the same folder, renamed into place."""
-    from safetensors.torch import save_file
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    flat = {f"{split}/{k}": v.contiguous() for split, table in tables.items() for k, v in table.items()}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".safetensors", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        save_file(flat, tmp, metadata={"identity": json.dumps(identity, sort_keys=True, default=str)})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def reference_tables(cfg: DPOConfig, model: Any, train: list[dict], evals: list[dict], identity: dict[str, Any], accelerator: Any, pad_id: int, log: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Read the cache if every rank has a valid copy; otherwise run the reference pass and write it.
-
-    `model` must hold the initial weights. Each node's local main process writes the file (nodes need not share
-    a filesystem)."""
-    path = reference_cache_path(cfg, identity)
-    splits = {"train": train, "eval": evals}
-    tables = read_reference_cache(path, splits, log)
-    if runtime.global_sum(accelerator, tables is not None) == accelerator.num_processes:
-        log(f"reference log-probs: reused {path}")
-        return tables  # type: ignore[return-value]
-    t0 = time.perf_counter()
-    tables = {split: compute_reference(model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id) if ex else {} for split, ex in splits.items()}
-    if accelerator.is_local_main_process:
-        write_reference_cache(path, tables, identity)
-    accelerator.wait_for_everyone()
-    log(f"reference log-probs: computed for {len(train)} train + {len(evals)} eval pairs in {time.perf_counter() - t0:.1f}s, saved to {path}")
-    return tables
-
-
-def reference_logps(table: dict[str, torch.Tensor], indices: list[int], device: Any) -> Logps:
-    import torch
-
-    idx = torch.tensor(indices)
-    return Logps(*(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(DPOConfig, argv)
     if cfg.best_metric and cfg.best_metric not in EVAL_METRICS:
         raise ConfigError(f"best_metric {cfg.best_metric!r} is not a DPO eval metric; choose one of {list(EVAL_METRICS)}")
 
     import torch
 
-    from open_instruct import data
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
-    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
-    from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import Counters, should_log
+    from open_instruct import data, reference_cache
+    from open_instruct.batch_math import should_log
+    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler, pair_logps
+    from open_instruct.reference_cache import length_order, reference_logps
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -371,7 +151,7 @@ def main(argv=None) -> None:
     use_reference = cfg.loss_type not in REFERENCE_FREE
     identity = None
     if use_reference:  # from the weights as loaded (the main process's copy, which FSDP loading always fills)
-        box = [reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None]
+        box = [reference_cache.reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None]
         if world > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -385,14 +165,11 @@ def main(argv=None) -> None:
     log = print if accelerator.is_main_process else (lambda *a, **k: None)
 
     # The reference pass runs on the initial weights, so it comes before any checkpoint is restored.
-    ref = reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log) if use_reference else None
+    ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log) if use_reference else None
 
-    counters = Counters()
-    state = restore_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters)
-    best = BestTracker(cfg, state)
-    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.optimizer_steps, "optimizer_step", counters.optimizer_step if state else None)
+    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
-    preemption = runtime.Preemption()
 
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -402,27 +179,24 @@ def main(argv=None) -> None:
             for group, real in data.dealt_micro_batches(length_order(evals), cfg.per_device_eval_batch_size, rank, world):
                 batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences([evals[i] for i in group], pad_id).items()}
                 with accelerator.autocast():
-                    policy = policy_logps(model, batch)
+                    policy = pair_logps(model, batch)
                 if not real:
                     continue
                 losses, chosen_r, rejected_r = preference_loss(cfg, policy, reference_logps(ref["eval"], group, accelerator.device) if ref else None)
                 for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
                     sums[k] += v
         model.train()
-        totals = runtime.global_sums(accelerator, sums)
+        totals = distributed.global_sums(accelerator, sums)
         return {f"eval/{k}": v / len(evals) for k, v in totals.items()}
 
-    def checkpoint() -> None:
-        save_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters, tokenizer, best.state())
-
-    if evals and cfg.eval_steps and state is None:  # the starting point: a baseline row at optimizer_step 0
+    if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at optimizer_step 0
         metrics = evaluate()
-        logger.log({**counters.as_log(), **metrics})
+        run.log(metrics)
         drift = (abs(metrics["eval/rewards/chosen"]) + abs(metrics["eval/rewards/rejected"])) / cfg.beta
         if ref is not None and drift > 1e-3:  # the same batches as the cached pass give exactly 0 when it is right
-            logger.write(f"WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| + "
+            run.logger.write(f"WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| + "
                          f"|mean rejected log-ratio| = {drift:.3g}); is the cache stale?")
-    throughput = runtime.Throughput()
+    run.throughput.restart()  # the baseline eval is not training time
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
         # This step's pairs: a slice of the global order, by episode position (world-size independent).
@@ -435,23 +209,26 @@ def main(argv=None) -> None:
             sync = i == len(groups) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
-                    policy = policy_logps(model, batch)
+                    policy = pair_logps(model, batch)
                 losses, chosen_r, rejected_r = preference_loss(cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None)
                 # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
                 accelerator.backward(losses.sum() * world / plan.mini_batch_size)
             for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
                 sums[k] += v
-            throughput.add(int(batch["attention_mask"].sum()), len(group))
+            run.throughput.add(int(batch["attention_mask"].sum()), len(group))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        stats_step = {f"train/{k}": v / plan.mini_batch_size for k, v in runtime.global_sums(accelerator, sums).items()}
-        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, stats_step["train/loss"], grad_norm, counters,
-                                       plan.mini_batch_size, len(train), logger)
+        stats_step = {f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums).items()}
+        step_ok = run.update_is_finite(stats_step["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
+        if step_ok:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
-            perf = throughput.report(accelerator)
-            logger.log({
-                **counters.as_log(),
+            perf = run.throughput.report(accelerator)
+            run.log({
                 **stats_step,
                 "train/grad_norm": float(grad_norm),
                 "train/skipped_update": int(not step_ok),
@@ -459,13 +236,16 @@ def main(argv=None) -> None:
                 **perf,
                 "perf/pairs_per_second": perf["perf/episodes_per_second"],
             })
-        if runtime.step_boundary(cfg, counters.optimizer_step, plan.optimizer_steps, "optimizer step", evaluate if evals else None, checkpoint,
-                                 accelerator, counters, logger, best, model, tokenizer, preemption):
-            logger.close()
+        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
-    runtime.finish(cfg, model, tokenizer, accelerator, counters, logger)
+    run.finish()
+
+
+def cli() -> None:
+    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
+    runtime.run(main)
 
 
 if __name__ == "__main__":
-    runtime.run(main)
+    cli()

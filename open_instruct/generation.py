@@ -1,11 +1,12 @@
 """Generating responses from token-id prompts: the one interface the RLVR trainer and the eval entry points share.
 
-    gen = make_generator("hf", model, tokenizer, batch_size=16)
+    gen = HFGenerator(model, tokenizer, batch_size=16)      # or generation_backends.make_generator("hf", ...)
     out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
     out.response_ids[i], out.texts[i], out.stopped[i], out.prompt_index[i]   # one row per response
 
-Callers only see `GenerationConfig`, `GenerationOutput` and the `Generator` protocol, so another backend (vLLM)
-can be added beside `HFGenerator` and chosen by name in `make_generator` without touching any caller.
+Callers only see `GenerationConfig`, `GenerationOutput` and the `Generator` protocol. This module holds that
+contract and the in-process Hugging Face backend; other backends (vLLM: `vllm_generator.py`) import the contract
+from here, and `generation_backends.make_generator` picks one by name, so no caller changes when one is added.
 
 Conventions every backend keeps:
 - Responses are ordered prompt by prompt, `n` contiguous rows per prompt: row i belongs to prompt i // n.
@@ -255,17 +256,3 @@ class HFGenerator:
             out.stopped.append(stopped)
             out.prompt_index.append(owner[j])
         return out
-
-
-BACKENDS = ("hf", "vllm")
-
-
-def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Generator:
-    """The generator for a backend name ("hf" or "vllm"). Extra keywords go to the backend."""
-    if backend == "hf":
-        return HFGenerator(model, tokenizer, **kw)
-    if backend == "vllm":  # optional extra, imported only when asked for (raises a clear error when not installed)
-        from open_instruct.vllm_generator import VLLMGenerator
-
-        return VLLMGenerator(model, tokenizer, **kw)
-    raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")

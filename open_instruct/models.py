@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-from open_instruct.utils import ConfigError
+from open_instruct.errors import ConfigError
 
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -122,6 +122,25 @@ def sequence_logprobs(
     return (per_token * mask).sum(-1), mask.sum(-1), per_token * mask
 
 
+class PairLogps(NamedTuple):
+    """Per-pair summed response log-probs and response token counts."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+    def averages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chosen / self.chosen_tokens.clamp(min=1), self.rejected / self.rejected_tokens.clamp(min=1)
+
+
+def pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> PairLogps:
+    """One forward over [chosen rows; rejected rows] (data.collate_preferences), split back into the two halves."""
+    sums, counts, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    n = len(sums) // 2
+    return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
+
+
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last non-pad token of each row, for right-padded or left-padded batches."""
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
@@ -133,6 +152,12 @@ def scalar_head_scores(model: Any, input_ids: torch.Tensor, attention_mask: torc
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache (see sequence_logprobs)
     logits = out.logits  # HF sequence classifiers already pool at the last non-pad token: [batch, 1]
     return logits.squeeze(-1).float()
+
+
+def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of the chosen and rejected halves of a `data.collate_preferences` batch, in float32."""
+    scores = scalar_head_scores(model, batch["input_ids"], batch["attention_mask"])
+    return scores.chunk(2)
 
 
 def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = False) -> tuple[Any, Any]:
@@ -175,3 +200,108 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(getattr(model.config, key, None), float):
             setattr(model.config, key, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RL forwards on collate_episodes batches (left-padded prompts, right-padded responses), with the speed plumbing:
+# completions of one prompt share its forward (the prompt runs once; its key/value cache is repeated for the
+# responses), which skips most of the tokens of every forward and backward with 8+ samples per prompt.
+
+
+class TokenValueModel(torch.nn.Module):
+    """A value (or reward) model giving one scalar per token: a sequence classifier's backbone hidden states passed
+    through its scalar head at every position (the classifier's own forward only pools the last token).
+
+    Wrapping it in a module keeps DDP/FSDP gradient hooks on the call that computes values."""
+
+    def __init__(self, seq_cls: Any) -> None:
+        super().__init__()
+        self.seq_cls = seq_cls
+        self.config = seq_cls.config
+        self._no_split_modules = getattr(seq_cls, "_no_split_modules", None)  # FSDP auto-wrap reads it
+        if not isinstance(getattr(seq_cls, "score", None), torch.nn.Module):
+            raise ValueError(f"{type(seq_cls).__name__} has no `score` head: cannot read per-token values from it")
+
+    def forward(self, batch: dict[str, torch.Tensor], num_positions: int, group: int = 1) -> torch.Tensor:
+        """Scalar outputs of the last `num_positions` (<= R+1) positions of a collate_episodes batch, float32
+        [batch, num_positions]. group > 1: runs of `group` rows share their prompt (see shared_prompt_groups)."""
+        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        parts = shared_prefix_forward(backbone, batch, group, feed_last=True) if group > 1 else None
+        if parts is not None:
+            first, rest = parts
+            hidden = first.last_hidden_state[:, -1:].repeat_interleave(group, 0)
+            if rest is not None:
+                hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+        else:
+            hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).last_hidden_state
+        return self.seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
+
+
+def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:
+    """`group` if the batch's rows come in runs of `group` identical (padded) prompts, so each prompt can be run once
+    and its key/value cache reused by its `group` responses; else 1. With 8 samples per prompt this skips most of
+    the tokens of every forward and backward. Single process only: DDP allows one forward per backward, and FSDP
+    (which works) would then round differently from DDP, whose runs it is checked against bit for bit."""
+    n, width = batch["input_ids"].shape
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return 1
+    prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
+    return group if bool((prompts == prompts[:, :1]).all()) else 1
+
+
+def shared_prefix_forward(module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool) -> Optional[tuple[Any, Any]]:
+    """Run each shared prompt once (rows 0, group, 2*group, ...) with a cache, repeat the cache `group` times and run
+    the responses on it. Returns (prompt output, response output or None), or None when the module returns no cache
+    (Hugging Face turns the cache off under activation checkpointing): callers then run the plain forward.
+    feed_last: also feed the last response column (needed for hidden states, not for next-token logits)."""
+    width = batch["input_ids"].shape[1]
+    width_p = width - batch["responses"].shape[1]
+    end = width if feed_last else width - 1
+    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    kwargs = {} if feed_last else {"logits_to_keep": 1}
+    first = module(input_ids=ids[::group, :width_p], attention_mask=mask[::group, :width_p], position_ids=pos[::group, :width_p], use_cache=True, **kwargs)
+    cache = getattr(first, "past_key_values", None)
+    if cache is None:
+        return None
+    if end == width_p:
+        return first, None
+    cache.batch_repeat_interleave(group)
+    rest = module(input_ids=ids[:, width_p:end], attention_mask=mask[:, :end], position_ids=pos[:, width_p:end], past_key_values=cache, use_cache=True)
+    return first, rest
+
+
+def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1) -> torch.Tensor:
+    """Logits (divided by the sampling temperature) predicting each response token: [B, R, vocab].
+
+    group > 1: rows may come in runs of `group` sharing a prompt, whose forward is then shared (same numbers)."""
+    width_r = batch["responses"].shape[1]
+    group = shared_prompt_groups(model, batch, group)
+    parts = shared_prefix_forward(model, batch, group, feed_last=False) if group > 1 else None
+    if parts is not None:
+        first, rest = parts
+        logits = first.logits[:, -1:].repeat_interleave(group, 0)
+        if rest is not None:
+            logits = torch.cat([logits, rest.logits], 1)
+        logits = logits.float()
+    else:
+        out = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+            logits_to_keep=width_r + 1,
+        )
+        logits = out.logits[:, :-1].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def token_values(value_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
+    """V(state before response token t) for every t: the scalar head at the position whose logits predict token t."""
+    width_r = batch["responses"].shape[1]
+    out = value_model(batch, width_r + 1, shared_prompt_groups(value_model, batch, group))
+    return out[:, :-1]
+
+
+def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
+    """Reward-model score of each prompt+response, read at the last response token."""
+    width_r = batch["responses"].shape[1]
+    out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))[:, 1:]
+    return out.gather(1, last_token_index(batch["mask"]).unsqueeze(1)).squeeze(1)

@@ -20,26 +20,29 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
-from open_instruct.utils import BatchPlan, ConfigError, count_multiples
+from open_instruct.batch_math import BatchPlan, count_multiples
+from open_instruct.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class Accelerator:
+class GPUSpec:
+    """A device's published peaks, for the time model (not accelerate's Accelerator)."""
+
     peak_flops: float  # dense bf16 FLOP/s
     memory_bandwidth: float  # bytes/s
     memory_gb: float
 
 
 # Published dense bf16 peaks and HBM bandwidth. "cpu" is this repo's 2-core test machine (measured bf16 matmul).
-ACCELERATORS: dict[str, Accelerator] = {
-    "H100": Accelerator(989e12, 3.35e12, 80),
-    "H200": Accelerator(989e12, 4.8e12, 141),
-    "B200": Accelerator(2250e12, 8.0e12, 180),
-    "A100": Accelerator(312e12, 2.04e12, 80),
-    "A100-40GB": Accelerator(312e12, 1.56e12, 40),
-    "L40S": Accelerator(362e12, 0.864e12, 48),
-    "A10G": Accelerator(125e12, 0.6e12, 24),
-    "cpu": Accelerator(1.84e12, 20e9, 24),
+GPU_SPECS: dict[str, GPUSpec] = {
+    "H100": GPUSpec(989e12, 3.35e12, 80),
+    "H200": GPUSpec(989e12, 4.8e12, 141),
+    "B200": GPUSpec(2250e12, 8.0e12, 180),
+    "A100": GPUSpec(312e12, 2.04e12, 80),
+    "A100-40GB": GPUSpec(312e12, 1.56e12, 40),
+    "L40S": GPUSpec(362e12, 0.864e12, 48),
+    "A10G": GPUSpec(125e12, 0.6e12, 24),
+    "cpu": GPUSpec(1.84e12, 20e9, 24),
 }
 
 # Row counts of the published datasets (from their dataset cards), so recipes plan offline.
@@ -123,7 +126,7 @@ def model_params(name: str, override: Optional[float]) -> tuple[Optional[float],
 
 
 def estimate(
-    cfg: BaseConfig, plan: BatchPlan, params: float, gpu: Accelerator, mfu: float, tokens_per_sample: int, fill: float
+    cfg: BaseConfig, plan: BatchPlan, params: float, gpu: GPUSpec, mfu: float, tokens_per_sample: int, fill: float
 ) -> dict[str, Any]:
     """Tokens per phase and hours. Training is compute bound (6 FLOPs/param/token, 8 with activation
     checkpointing); generation is memory-bandwidth bound (weights read once per decode step)."""
@@ -203,8 +206,8 @@ def plan_from_config(
     fill: float = 0.5,
 ) -> dict[str, Any]:
     """The plan as one flat dict (also what --json prints). Raises ConfigError on an invalid plan."""
-    if gpu_name not in ACCELERATORS:
-        raise ConfigError(f"--gpu {gpu_name!r} is not in the table; choose from {sorted(ACCELERATORS)}")
+    if gpu_name not in GPU_SPECS:
+        raise ConfigError(f"--gpu {gpu_name!r} is not in the table; choose from {sorted(GPU_SPECS)}")
     if not (0 < fill <= 1):
         raise ConfigError(f"--fill must be in (0, 1], got {fill}")
     if not (0 < mfu <= 1):
@@ -244,7 +247,7 @@ def plan_from_config(
     if params is None:
         result["estimated_hours"] = None
     else:
-        result.update(estimate(cfg, plan, params, ACCELERATORS[gpu_name], mfu, tokens_per_sample, fill))
+        result.update(estimate(cfg, plan, params, GPU_SPECS[gpu_name], mfu, tokens_per_sample, fill))
     return result
 
 
@@ -325,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num_processes", type=int, default=1, help="training processes (world_size)")
     parser.add_argument("--num_examples", type=int, default=None, help="dataset rows; skips reading the dataset")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--gpu", default="H100", help=f"one of {sorted(ACCELERATORS)}")
+    parser.add_argument("--gpu", default="H100", help=f"one of {sorted(GPU_SPECS)}")
     parser.add_argument("--model_params", type=float, default=None, help="parameter count, e.g. 8e9")
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak FLOP/s reached in training")
     parser.add_argument("--tokens_per_sample", type=int, default=None, help="average tokens per sequence")

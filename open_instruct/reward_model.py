@@ -12,11 +12,7 @@ wrong).
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+from typing import Any, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import RewardModelConfig
@@ -29,14 +25,6 @@ def bradley_terry(chosen: Any, rejected: Any) -> Any:
     import torch.nn.functional as F
 
     return -F.logsigmoid(chosen - rejected)
-
-
-def pair_rewards(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
-    """Rewards of the chosen and rejected halves of a `data.collate_preferences` batch, in float32."""
-    from open_instruct.models import scalar_head_scores
-
-    scores = scalar_head_scores(model, batch["input_ids"], batch["attention_mask"])
-    return scores.chunk(2)
 
 
 def pair_sums(losses: Any, chosen: Any, rejected: Any) -> Any:
@@ -59,16 +47,14 @@ def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, 
     }
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 
     import torch
 
     from open_instruct import data
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
-    from open_instruct.models import DTYPES, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler
-    from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import Counters, should_log
+    from open_instruct.batch_math import should_log
+    from open_instruct.models import DTYPES, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, pair_rewards
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -87,13 +73,9 @@ def main(argv=None) -> None:
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    counters = Counters()
-    state = restore_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters)
-    best = BestTracker(cfg, state)
-    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.optimizer_steps, "optimizer_step", counters.optimizer_step if state else None)
+    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
-    preemption = runtime.Preemption()
-    throughput = runtime.Throughput()
 
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -109,11 +91,8 @@ def main(argv=None) -> None:
                     sums += pair_sums(bradley_terry(chosen, rejected), chosen, rejected).cpu()
                     pairs += len(mb)
         model.train()
-        totals = runtime.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": pairs})
+        totals = distributed.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": pairs})
         return summarize(totals, totals["pairs"], "eval")
-
-    def checkpoint() -> None:
-        save_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters, tokenizer, best.state())
 
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -124,7 +103,7 @@ def main(argv=None) -> None:
 
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
         for i, batch in enumerate(batches):
-            throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2)  # counted on CPU: no device sync
+            run.throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2)  # counted on CPU: no device sync
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
@@ -136,27 +115,33 @@ def main(argv=None) -> None:
             sums += pair_sums(losses, chosen, rejected)
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        totals = runtime.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
+        totals = distributed.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
         metrics = summarize(totals, plan.mini_batch_size, "train")
-        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, metrics["train/loss"], grad_norm, counters,
-                                       plan.mini_batch_size, len(train), logger)
+        step_ok = run.update_is_finite(metrics["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
+        if step_ok:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
-            logger.log({
-                **counters.as_log(),
+            run.log({
                 **metrics,
                 "train/grad_norm": float(grad_norm),
                 "train/skipped_update": int(not step_ok),
                 "lr": scheduler.get_last_lr()[0],
-                **throughput.report(accelerator),
+                **run.throughput.report(accelerator),
             })
-        if runtime.step_boundary(cfg, counters.optimizer_step, plan.optimizer_steps, "optimizer step", evaluate if evals else None, checkpoint,
-                                 accelerator, counters, logger, best, model, tokenizer, preemption):
-            logger.close()
+        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
-    runtime.finish(cfg, model, tokenizer, accelerator, counters, logger)
+    run.finish()
+
+
+def cli() -> None:
+    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
+    runtime.run(main)
 
 
 if __name__ == "__main__":
-    runtime.run(main)
+    cli()

@@ -974,6 +974,26 @@ def combine_rewards(
     return reward
 
 
+def check_verifiers(examples: list[dict], what: str) -> None:
+    """Every row's verifier must exist and accept the row's ground truth, checked before any model loads.
+
+    Ground truths are checked by scoring an empty completion (verifiers validate the ground truth first), except for
+    `math`, whose check would start sympy for every row; a bad math ground truth is reported when first scored."""
+    from open_instruct.errors import DataError
+
+    names: dict[str, str] = {}
+    for ex in examples:
+        try:
+            if ex["verifier"] not in names:
+                names[ex["verifier"]] = normalize_verifier_name(ex["verifier"])
+            name = names[ex["verifier"]]
+            if name != "math":
+                VERIFIERS[name]("", ex["ground_truth"])
+        except ValueError as e:  # unknown verifier, or GroundTruthError
+            where = ex.get("where") or f"{what} row {ex['row']}"
+            raise DataError(f"{where}: {e}") from None
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         _worker_main()

@@ -1,13 +1,19 @@
-"""RL with verifiable rewards: PPO with a value model (default) or GRPO (`--algo grpo`). One loop, top to bottom.
+"""RL with verifiable rewards: PPO with a value model (default) or GRPO (`--algo grpo`). Read top to bottom.
 
     python open_instruct/rlvr_ppo.py configs/rlvr_tiny.yaml [--algo grpo] [--key value ...]
     accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
 
-Each rollout step: take `rollout_batch_size` prompts (by prompt position, the same whatever the world size), sample
-`num_samples_per_prompt` completions each with the generator, score them with the verifiers (plus a reward model and
-the non-stop penalty when configured), compute log-probs of the policy and of the frozen reference policy (and values
-for PPO), turn scores into advantages, then make `num_epochs` passes over the rollout in `num_mini_batches`
-optimizer steps. Losses are token means over the *global* mini-batch, so 1 or N processes give the same update.
+The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
+`main`, which loads everything and runs the phases in a loop:
+
+    collect_rollout     prompts -> generate `num_samples_per_prompt` completions each -> score them (verifiers, plus a
+                        reward model and the non-stop penalty when configured) -> no-grad log-probs of the sampling
+                        policy and the frozen reference, values (PPO)                              -> Rollout
+    compute_advantages  the one place that branches on the algorithm                               -> Advantages
+    update              num_epochs passes x num_mini_batches optimizer steps x micro-batches, the optimizer step in
+                        sight; losses are token means over the *global* mini-batch, so 1 or N processes give the
+                        same update
+    log_row             the metrics row of the rollout
 
 Per-token tensors of a rollout are *response-aligned*: column t is response token t of the row (prompt tokens are
 not stored), and `mask` marks real tokens (right padding after the response's stop).
@@ -18,20 +24,18 @@ advantages; clipped policy and value losses.
 GRPO: advantages are the group-normalised scores (r - mean_group) / (std_group + eps), no value model; the KL to the
 reference is a loss term beta * KL_t (k3 typical). A prompt's group never spans two devices or two mini-batches.
 
-Speed: completions of one prompt share its forward (the prompt runs once, its key/value cache is repeated for the
-responses; single process); GRPO with one pass over one mini-batch reuses the training forward as the old log-probs.
+Speed (in `models.py`, not here): completions of one prompt share its forward (the prompt runs once, its key/value
+cache is repeated for the responses; single process). GRPO with one pass over one mini-batch trains on exactly the
+weights that sampled, so the training forward's own log-probs serve as the old ones (no separate pass).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import sys
 import time
-from typing import Any, Optional, Sequence
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -191,511 +195,504 @@ def episode_score(verifiable: float, stopped: bool, non_stop_penalty: float, rm_
     return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Models and batches
-
-
-class TokenValueModel(torch.nn.Module):
-    """A value (or reward) model giving one scalar per token: a sequence classifier's backbone hidden states passed
-    through its scalar head at every position (the classifier's own forward only pools the last token).
-
-    Wrapping it in a module keeps DDP/FSDP gradient hooks on the call that computes values."""
-
-    def __init__(self, seq_cls: Any) -> None:
-        super().__init__()
-        self.seq_cls = seq_cls
-        self.config = seq_cls.config
-        self._no_split_modules = getattr(seq_cls, "_no_split_modules", None)  # FSDP auto-wrap reads it
-        if not isinstance(getattr(seq_cls, "score", None), torch.nn.Module):
-            raise ValueError(f"{type(seq_cls).__name__} has no `score` head: cannot read per-token values from it")
-
-    def forward(self, batch: dict[str, torch.Tensor], num_positions: int, group: int = 1) -> torch.Tensor:
-        """Scalar outputs of the last `num_positions` (<= R+1) positions of a collate_episodes batch, float32
-        [batch, num_positions]. group > 1: runs of `group` rows share their prompt (see shared_prompt_groups)."""
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
-        parts = shared_prefix_forward(backbone, batch, group, feed_last=True) if group > 1 else None
-        if parts is not None:
-            first, rest = parts
-            hidden = first.last_hidden_state[:, -1:].repeat_interleave(group, 0)
-            if rest is not None:
-                hidden = torch.cat([hidden, rest.last_hidden_state], 1)
-        else:
-            hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).last_hidden_state
-        return self.seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
-
-
-def collate_episodes(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Left-padded prompts followed by right-padded responses, so every response starts at the same column and the
-    logits of all response tokens are the last R+1 positions. Positions count real tokens only (as in generation).
-
-    Returns input_ids/attention_mask/position_ids [B, P+R], responses [B, R] (pad 0) and mask [B, R]."""
-    width_p, width_r = max(len(p) for p in prompts), max(len(r) for r in responses)
-    n = len(prompts)
-    input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, width_p - len(p) : width_p] = torch.as_tensor(list(p), dtype=torch.long)
-        input_ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-        attention_mask[i, width_p - len(p) : width_p + len(r)] = 1
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    response_mask = attention_mask[:, width_p:].float()
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "responses": input_ids[:, width_p:] * attention_mask[:, width_p:],
-        "mask": response_mask,
-    }
-
-
-def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:
-    """`group` if the batch's rows come in runs of `group` identical (padded) prompts, so each prompt can be run once
-    and its key/value cache reused by its `group` responses; else 1. With 8 samples per prompt this skips most of
-    the tokens of every forward and backward. Single process only: DDP allows one forward per backward, and FSDP
-    (which works) would then round differently from DDP, whose runs it is checked against bit for bit."""
-    n, width = batch["input_ids"].shape
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return 1
-    prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
-    return group if bool((prompts == prompts[:, :1]).all()) else 1
-
-
-def shared_prefix_forward(module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool) -> Optional[tuple[Any, Any]]:
-    """Run each shared prompt once (rows 0, group, 2*group, ...) with a cache, repeat the cache `group` times and run
-    the responses on it. Returns (prompt output, response output or None), or None when the module returns no cache
-    (Hugging Face turns the cache off under activation checkpointing): callers then run the plain forward.
-    feed_last: also feed the last response column (needed for hidden states, not for next-token logits)."""
-    width = batch["input_ids"].shape[1]
-    width_p = width - batch["responses"].shape[1]
-    end = width if feed_last else width - 1
-    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    kwargs = {} if feed_last else {"logits_to_keep": 1}
-    first = module(input_ids=ids[::group, :width_p], attention_mask=mask[::group, :width_p], position_ids=pos[::group, :width_p], use_cache=True, **kwargs)
-    cache = getattr(first, "past_key_values", None)
-    if cache is None:
-        return None
-    if end == width_p:
-        return first, None
-    cache.batch_repeat_interleave(group)
-    rest = module(input_ids=ids[:, width_p:end], attention_mask=mask[:, :end], position_ids=pos[:, width_p:end], past_key_values=cache, use_cache=True)
-    return first, rest
-
-
-def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1) -> torch.Tensor:
-    """Logits (divided by the sampling temperature) predicting each response token: [B, R, vocab].
-
-    group > 1: rows may come in runs of `group` sharing a prompt, whose forward is then shared (same numbers)."""
-    width_r = batch["responses"].shape[1]
-    group = shared_prompt_groups(model, batch, group)
-    parts = shared_prefix_forward(model, batch, group, feed_last=False) if group > 1 else None
-    if parts is not None:
-        first, rest = parts
-        logits = first.logits[:, -1:].repeat_interleave(group, 0)
-        if rest is not None:
-            logits = torch.cat([logits, rest.logits], 1)
-        logits = logits.float()
-    else:
-        out = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-            logits_to_keep=width_r + 1,
-        )
-        logits = out.logits[:, :-1].float()
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def token_values(value_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
-    """V(state before response token t) for every t: the scalar head at the position whose logits predict token t."""
-    width_r = batch["responses"].shape[1]
-    out = value_model(batch, width_r + 1, shared_prompt_groups(value_model, batch, group))
-    return out[:, :-1]
-
-
-def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
-    """Reward-model score of each prompt+response, read at the last response token."""
-    width_r = batch["responses"].shape[1]
-    out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))[:, 1:]
-    return out.gather(1, last_token_indices(batch["mask"]).unsqueeze(1)).squeeze(1)
-
-
 def derived_seed(seed: int, *parts: int) -> int:
     """A deterministic 63-bit seed from (seed, rollout_step, rank, ...): resuming at a rollout re-draws its samples."""
     return random.Random(":".join(str(p) for p in (seed, *parts))).getrandbits(63)
 
 
-def check_verifiers(examples: list[dict], what: str) -> None:
-    """Every row's verifier must exist and accept the row's ground truth, checked before any model loads.
+# ---------------------------------------------------------------------------------------------------------------------
+# The phases of one rollout step
 
-    Ground truths are checked by scoring an empty completion (verifiers validate the ground truth first), except for
-    `math`, whose check would start sympy for every row; a bad math ground truth is reported when first scored."""
+
+@dataclass
+class RLModels:
+    """The policy (trained), the value model (PPO, trained), the frozen reference (None when beta is 0) and the
+    optional frozen reward model. All prepared by accelerate (FSDP-sharded under FSDP)."""
+
+    policy: Any
+    value: Optional[Any] = None
+    reference: Optional[Any] = None
+    reward: Optional[Any] = None
+
+    def trained(self) -> dict[str, Any]:
+        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
+
+
+@dataclass
+class Rollout:
+    """This rank's share of one rollout: `num_samples_per_prompt` contiguous completions per prompt (a GRPO group).
+    Per-token tensors are response-aligned [n, R] float32 on the CPU, 0 on padding."""
+
+    episodes: list[dict]  # the prompt row (prompt_ids, ground_truth, verifier, ...) of each completion
+    response_ids: list[list[int]]
+    texts: list[str]
+    stopped: list[bool]  # False: ran into response_length without a stop
+    correct: list[float]  # verifier said right
+    verifier_timeouts: int
+    scores: torch.Tensor  # [n] the sequence score: verifiers (+ reward model) (+ non-stop penalty)
+    rm_scores: torch.Tensor  # [n] reward-model scores (0 without one)
+    mask: torch.Tensor  # [n, R] 1 on real response tokens
+    old_logp: Optional[torch.Tensor]  # the sampling policy's log-probs; None on-policy (the update's forward is exact)
+    ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
+    old_values: Optional[torch.Tensor]  # the value model's (PPO)
+    kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
+    seconds: dict[str, float] = field(default_factory=dict)  # weight_sync, generation, scoring, inference
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [n, R]
+    returns: Optional[torch.Tensor]  # [n, R] value targets (PPO)
+    kl_loss_coef: float  # beta when the KL to the reference is a loss term (GRPO), 0 when it is in the reward (PPO)
+
+
+def collect_rollout(
+    cfg: RLVRConfig, models: RLModels, generator: Any, prompts: list[dict], step: int, run: runtime.RunContext,
+    gather_for_generation: Callable[[Any], Any], on_policy: bool, pad_id: int,
+) -> Rollout:
+    """Sample `num_samples_per_prompt` completions per prompt, score them, and compute the no-grad per-token
+    log-probs of the sampling policy (skipped on-policy) and of the reference, the values and the reward-model
+    scores, in micro-batches of per_device_train_batch_size."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.generation import GenerationConfig
+    from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
+
+    accelerator, group = run.accelerator, cfg.num_samples_per_prompt
+    t_sync = time.perf_counter()
+    generator.sync_weights(accelerator.unwrap_model(models.policy))  # vLLM: load the weights of the last updates
+    t0 = time.perf_counter()
+    sampling = GenerationConfig(
+        max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, stop_strings=cfg.stop_strings,
+        n=group, seed=derived_seed(cfg.seed, step, accelerator.process_index),
+    )
+    with gather_for_generation(models.policy):
+        out = generator.generate([p["prompt_ids"] for p in prompts], sampling)
+    episodes = [prompts[i] for i in out.prompt_index]
+    t1 = time.perf_counter()
+    scored = score_texts(cfg, out.texts, episodes)
+    t2 = time.perf_counter()
+
+    n, width = len(episodes), max(len(r) for r in out.response_ids)
+    old_logp, ref_logp, old_values, mask = (torch.zeros(n, width) for _ in range(4))
+    rm_scores = torch.zeros(n)
+    with torch.no_grad():
+        for s in range(0, n, cfg.per_device_train_batch_size):
+            rows = slice(s, s + cfg.per_device_train_batch_size)
+            batch = collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id)
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            r = batch["responses"].shape[1]
+            with accelerator.autocast():
+                if not on_policy:
+                    logits = response_logits(models.policy, batch, cfg.temperature, group)
+                    old_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
+                if models.reference is not None:
+                    logits = response_logits(models.reference, batch, cfg.temperature, group)
+                    ref_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
+                if models.value is not None:
+                    old_values[rows, :r] = token_values(models.value, batch, group).cpu()
+                if models.reward is not None:
+                    rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
+            mask[rows, :r] = batch["mask"].cpu()
+    old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
+    rm_multiplier = cfg.reward_model_multiplier
+    scores = torch.tensor([
+        episode_score(v, s, cfg.non_stop_penalty, float(rm) if models.reward is not None else None, rm_multiplier)
+        for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
+    ])
+    has_ref = models.reference is not None
+    kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if has_ref and not on_policy else None
+    return Rollout(
+        episodes=episodes, response_ids=out.response_ids, texts=out.texts, stopped=out.stopped,
+        correct=list(scored.correct), verifier_timeouts=scored.num_timeouts, scores=scores, rm_scores=rm_scores,
+        mask=mask, old_logp=None if on_policy else old_logp, ref_logp=ref_logp if has_ref else None,
+        old_values=old_values if models.value is not None else None, kl=kl,
+        seconds={"weight_sync": t0 - t_sync, "generation": t1 - t0, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
+    )
+
+
+def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
+    """Verifier rewards of completions (each row's verifier, under the time limit)."""
     from open_instruct import rewards
-    from open_instruct.data import DataError
 
-    names: dict[str, str] = {}
-    for ex in examples:
-        try:
-            if ex["verifier"] not in names:
-                names[ex["verifier"]] = rewards.normalize_verifier_name(ex["verifier"])
-            name = names[ex["verifier"]]
-            if name != "math":
-                rewards.VERIFIERS[name]("", ex["ground_truth"])
-        except ValueError as e:  # unknown verifier, or GroundTruthError
-            where = ex.get("where") or f"{what} row {ex['row']}"
-            raise DataError(f"{where}: {e}") from None
+    return rewards.score_batch(
+        texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples],
+        verification_reward=cfg.verification_reward, timeout=cfg.verifier_timeout,
+    )
+
+
+def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """GRPO: group-normalised scores on every token, KL as a loss term. PPO: per-token rewards (score at the last
+    token, -beta * KL on every token) -> GAE with the value model -> whitened with statistics over every rank."""
+    from open_instruct.distributed import global_sums
+
+    mask = rollout.mask
+    if cfg.algo == "grpo":
+        advantages = group_advantages(rollout.scores, cfg.num_samples_per_prompt).unsqueeze(1) * mask
+        return Advantages(advantages, None, kl_loss_coef=cfg.beta if rollout.ref_logp is not None else 0.0)
+    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(mask)
+    rewards_t = per_token_rewards(rollout.scores, kl, mask, cfg.beta)
+    advantages, returns = gae_advantages(rewards_t, rollout.old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        m = global_sums(accelerator, {"s": float(masked_sum(advantages, mask)), "ss": float(masked_sum(advantages**2, mask)), "n": float(mask.sum())})
+        mean = m["s"] / m["n"]
+        var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
+        advantages = masked_whiten(advantages, mask, torch.tensor(mean), torch.tensor(var))
+    return Advantages(advantages, returns, kl_loss_coef=0.0)
+
+
+TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
+
+
+def micro_batch_loss(
+    cfg: RLVRConfig, models: RLModels, rollout: Rollout, adv: Advantages, rows: list[int], pad_id: int, device: Any,
+    autocast: Callable[[], Any],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed (not yet normalised) loss of one micro-batch and its summed statistics:
+
+        loss = sum_t pg_t  +  kl_loss_coef * sum_t KL_t  +  vf_coef * sum_t vf_t        over real tokens t
+    """
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import response_logits, token_logprobs, token_values
+
+    batch = collate_episodes([rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows], pad_id)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    r, mask = batch["responses"].shape[1], batch["mask"]
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
+        return x[rows, :r].to(device)
+
+    stats = dict.fromkeys(TRAIN_STATS, 0.0)
+    with autocast():
+        logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
+        logp = token_logprobs(logits, batch["responses"])
+        old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
+        pg, pg_clipped = clipped_policy_loss(logp, old_logp, take(adv.advantages), cfg.cliprange)
+        loss_sum = masked_sum(pg, mask)
+        if adv.kl_loss_coef > 0:
+            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator)
+            loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, mask)
+        if models.value is not None:
+            values = token_values(models.value, batch, cfg.num_samples_per_prompt)
+            vf, vf_clipped = clipped_value_loss(values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value)
+            loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, mask)
+    with torch.no_grad():
+        if adv.kl_loss_coef > 0:
+            stats["kl_loss"] = float(masked_sum(kl.detach(), mask))
+        if models.value is not None:
+            stats["value_loss"], stats["vf_clipfrac"] = float(masked_sum(vf.detach(), mask)), float(masked_sum(vf_clipped, mask))
+        stats["policy_loss"] = float(masked_sum(pg.detach(), mask))
+        stats["pg_clipfrac"] = float(masked_sum(pg_clipped, mask))
+        stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), mask))
+        stats["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
+    return loss_sum, stats
+
+
+def update(
+    cfg: RLVRConfig, models: RLModels, optimizers: dict[str, Any], schedulers: dict[str, Any], rollout: Rollout,
+    adv: Advantages, plan: Any, run: runtime.RunContext, pad_id: int,
+) -> dict[str, float]:
+    """num_epochs passes over the rollout, each num_mini_batches optimizer steps on a shuffled order of whole groups
+    (GRPO: required; PPO: when they fit, so micro-batches can share prompt forwards). Returns the statistics summed
+    over the updates (each a token mean over its global mini-batch) and `local_kl_sum`, this rank's summed KL term."""
+    from open_instruct.data import micro_batches
+    from open_instruct.distributed import clip_grad_norm_, global_sum, global_sums, grad_sync_all
+
+    accelerator, counters = run.accelerator, run.counters
+    world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
+    unit = group if plan.local_mini_batch_size % group == 0 else 1
+    totals = dict.fromkeys((*TRAIN_STATS, "grad_norm", "value_grad_norm", "skipped", "local_kl_sum"), 0.0)
+    for epoch in range(cfg.num_epochs):
+        units = list(range(len(rollout.episodes) // unit))
+        random.Random(derived_seed(cfg.seed, step, accelerator.process_index, epoch)).shuffle(units)
+        order = [u * unit + j for u in units for j in range(unit)]
+        for mb in range(plan.num_mini_batches):
+            mb_rows = order[mb * plan.local_mini_batch_size : (mb + 1) * plan.local_mini_batch_size]
+            global_tokens = global_sum(accelerator, float(rollout.mask[mb_rows].sum()))
+            sums = dict.fromkeys(TRAIN_STATS, 0.0)
+            micro_rows = list(micro_batches(mb_rows, cfg.per_device_train_batch_size))
+            for i, rows in enumerate(micro_rows):
+                with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
+                    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast)
+                    # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
+                    accelerator.backward(loss_sum * world / global_tokens)
+                for k, v in stats.items():
+                    sums[k] += v
+            totals["local_kl_sum"] += sums["kl_loss"]
+            sums = global_sums(accelerator, sums)
+            grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
+            value_grad_norm = clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm) if models.value is not None else torch.tensor(0.0)
+            loss = (sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]) / global_tokens
+            step_ok = run.update_is_finite(loss, grad_norm=grad_norm, value_grad_norm=value_grad_norm)  # else stop/skip
+            for name in optimizers:
+                if step_ok:
+                    optimizers[name].step()
+                schedulers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+            counters.optimizer_step += 1
+            for k in TRAIN_STATS:
+                totals[k] += sums[k] / global_tokens
+            totals["grad_norm"] += float(grad_norm)
+            totals["value_grad_norm"] += float(value_grad_norm)
+            totals["skipped"] += int(not step_ok)
+    return totals
+
+
+def log_row(cfg: RLVRConfig, rollout: Rollout, train: dict[str, float], plan: Any, run: runtime.RunContext) -> dict[str, Any]:
+    """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
+    rollout's num_epochs x num_mini_batches optimizer steps."""
+    from open_instruct.distributed import global_sums
+
+    # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
+    kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["local_kl_sum"]
+    ep = global_sums(run.accelerator, {
+        "n": len(rollout.episodes), "score": float(rollout.scores.sum()), "score_sq": float((rollout.scores**2).sum()),
+        "correct": float(sum(rollout.correct)), "non_stop": float(sum(not s for s in rollout.stopped)),
+        "length": float(rollout.mask.sum()), "kl": kl_sum, "timeouts": float(rollout.verifier_timeouts),
+        "rm": float(rollout.rm_scores.sum()),
+    })
+    n, updates = ep["n"], cfg.num_epochs * plan.num_mini_batches
+    score_mean = ep["score"] / n
+    row = {
+        "train/correct_rate": ep["correct"] / n,
+        "train/score_mean": score_mean,
+        "train/score_std": max(ep["score_sq"] / n - score_mean**2, 0.0) ** 0.5,
+        "train/non_stop_rate": ep["non_stop"] / n,
+        "train/response_length": ep["length"] / n,
+        "train/entropy": train["entropy"] / updates,
+        "train/approx_kl": train["approx_kl"] / updates,
+        "train/verifier_timeouts": ep["timeouts"],
+        "loss/policy": train["policy_loss"] / updates,
+        "clipfrac/policy": train["pg_clipfrac"] / updates,
+        "train/grad_norm": train["grad_norm"] / updates,
+        "train/skipped_updates": train["skipped"],
+        "lr": run.schedulers["policy"].get_last_lr()[0],
+    }
+    if rollout.ref_logp is not None:  # per sequence: the sum over its tokens of kl_estimator(sampling policy, ref)
+        row["train/kl"] = ep["kl"] / n
+    if "value" in run.models:
+        row["loss/value"] = train["value_loss"] / updates
+        row["clipfrac/value"] = train["vf_clipfrac"] / updates
+        row["train/value_grad_norm"] = train["value_grad_norm"] / updates
+    if cfg.algo == "grpo":
+        row["loss/kl"] = train["kl_loss"] / updates
+    if cfg.reward_model_path:
+        row["train/rm_score_mean"] = ep["rm"] / n
+    return row
+
+
+class PhaseClock:
+    """Seconds per phase and response tokens over the rollouts since the last log row (eval and checkpoint time
+    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
+
+    PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
+
+    def __init__(self) -> None:
+        self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
+
+    def add(self, seconds: dict[str, float], tokens: int) -> None:
+        for k, v in seconds.items():
+            self.seconds[k] += v
+        self.rollouts += 1
+        self.tokens += tokens
+
+    def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
+        from open_instruct.distributed import global_sum
+
+        k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
+        busy = max(sum(self.seconds.values()), 1e-9)
+        row = {f"time/{name}": v / k for name, v in self.seconds.items()}
+        row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
+        row["perf/response_tokens_per_second"] = tokens / busy
+        self.__init__()
+        return row
+
+
+def evaluate(
+    cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, tokenizer: Any, accelerator: Any,
+    gather_for_generation: Callable[[Any], Any],
+) -> dict[str, float]:
+    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks)."""
+    from open_instruct import data
+    from open_instruct.distributed import global_sums
+    from open_instruct.generation import GenerationConfig
+    from open_instruct.generation_backends import make_generator
+
+    local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
+    sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
+    if cfg.generation_backend == "vllm":
+        generator.sync_weights(accelerator.unwrap_model(policy))  # collective under FSDP: every rank, before `if local`
+    else:
+        generator = make_generator("hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size)
+    greedy = GenerationConfig(max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings)
+    with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
+        out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
+    if out is not None:
+        scored = score_texts(cfg, out.texts, local)
+        sums = {
+            "correct": float(sum(scored.correct)), "score": float(sum(scored.rewards)),
+            "length": float(sum(len(r) for r in out.response_ids)), "non_stop": float(sum(not s for s in out.stopped)),
+            "n": float(len(local)),
+        }
+    t = global_sums(accelerator, sums)
+    n = max(t["n"], 1.0)
+    return {"eval/correct_rate": t["correct"] / n, "eval/score_mean": t["score"] / n, "eval/response_length": t["length"] / n, "eval/non_stop_rate": t["non_stop"] / n}
+
+
+def sample_rows(rollout: Rollout, tokenizer: Any, k: int) -> list[dict[str, Any]]:
+    """The first k completions of this rollout, for samples.jsonl."""
+    return [
+        {"prompt": tokenizer.decode(e["prompt_ids"]), "response": rollout.texts[j], "score": float(rollout.scores[j]),
+         "ground_truth": str(e["ground_truth"]), "stopped": bool(rollout.stopped[j])}
+        for j, e in enumerate(rollout.episodes[:k])
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The script
+# Set-up and the loop
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    cfg = runtime.start(RLVRConfig, argv)
-
+def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
+    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
+    the batch plan, and the longest prompt + response a generator must hold."""
     from transformers import AutoConfig
 
-    from open_instruct import data, rewards
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
-    from open_instruct.distributed import clip_grad_norm_, full_params, grad_sync, prepare_frozen
-    from open_instruct.generation import GenerationConfig, make_generator
-    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, token_logprobs
-    from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import ConfigError, Counters, should_log
+    from open_instruct import data
+    from open_instruct.errors import ConfigError
+    from open_instruct.rewards import check_verifiers
 
-    if cfg.generation_backend == "vllm":  # optional extra: a missing or unsupported vLLM fails before any model loads
-        from open_instruct.vllm_generator import check_vllm_version
-
-        try:
-            check_vllm_version()
-        except (ImportError, RuntimeError) as e:
-            raise ConfigError(f"generation_backend vllm: {e}") from None
-
-    accelerator = runtime.make_accelerator(cfg)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    is_grpo = cfg.algo == "grpo"
-    log = print if accelerator.is_main_process else (lambda *a, **k: None)
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
     check_verifiers(train, "train")
     check_verifiers(evals, "eval")
-    plan = cfg.batch_plan(world, len(train))  # validated before any model loads
+    plan = cfg.batch_plan(accelerator.num_processes, len(train))
     if cfg.best_metric and not cfg.best_metric.startswith("eval/"):
         raise ConfigError(f"best_metric {cfg.best_metric!r}: RLVR eval metrics are eval/correct_rate, eval/score_mean, eval/response_length")
     model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest_prompt = max(len(e["prompt_ids"]) for e in train + evals)
-    eval_length = cfg.eval_response_length or cfg.response_length
-    if max_positions and longest_prompt + max(cfg.response_length, eval_length) > max_positions:
+    longest_response = max(cfg.response_length, cfg.eval_response_length or cfg.response_length)
+    if max_positions and longest_prompt + longest_response > max_positions:
         raise ConfigError(
-            f"longest prompt {longest_prompt} tokens + response_length {max(cfg.response_length, eval_length)} exceeds the "
+            f"longest prompt {longest_prompt} tokens + response_length {longest_response} exceeds the "
             f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
         )
-    log(f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {world}; plan {plan.to_dict()}")
+    if accelerator.is_main_process:
+        print(f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan {plan.to_dict()}")
+    return train, evals, plan, longest_prompt + longest_response
 
-    # Models: trained policy (+ value model for PPO), frozen reference = the initial policy (+ optional reward model).
-    dtype = DTYPES["no"]
-    policy = load_causal_lm(cfg.model_name_or_path, dtype, cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
-    disable_dropout(policy)
-    ref_policy = None  # beta 0: no KL term anywhere, so the reference is never needed
-    if cfg.beta > 0:
-        ref_policy = load_causal_lm(cfg.model_name_or_path, dtype, cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
-        disable_dropout(ref_policy)
-    value_model = None
-    if not is_grpo:
+
+def load_models(cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
+    """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
+    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
+    from open_instruct.distributed import prepare_frozen
+    from open_instruct.models import (
+        DTYPES, TokenValueModel, disable_dropout, load_causal_lm, load_sequence_classifier, make_optimizer_and_scheduler,
+    )
+
+    def causal_lm() -> Any:
+        model = load_causal_lm(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
+        disable_dropout(model)
+        return model
+
+    def scalar_model(path: str, gguf_file: Optional[str]) -> TokenValueModel:
+        classifier = load_sequence_classifier(path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id)
+        return TokenValueModel(classifier)
+
+    models = RLModels(policy=causal_lm(), reference=causal_lm() if cfg.beta > 0 else None)
+    if cfg.algo != "grpo":
         torch.manual_seed(cfg.seed)  # a fresh scalar head (value model from the policy) is initialised the same way every run
-        value_path = cfg.value_model_path or cfg.model_name_or_path
-        value_model = TokenValueModel(load_sequence_classifier(
-            value_path, dtype, None if cfg.value_model_path else cfg.gguf_file, cfg.trust_remote_code,
-            pad_token_id=tokenizer.pad_token_id,
-        ))
-        disable_dropout(value_model.seq_cls)
-    reward_model = None
+        models.value = scalar_model(cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file)
+        disable_dropout(models.value.seq_cls)
     if cfg.reward_model_path:
-        reward_model = TokenValueModel(load_sequence_classifier(cfg.reward_model_path, dtype, trust_remote_code=cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id))
+        models.reward = scalar_model(cfg.reward_model_path, None)
     if cfg.activation_checkpointing:
-        policy.gradient_checkpointing_enable()
-        if value_model is not None:
-            value_model.seq_cls.gradient_checkpointing_enable()
+        models.policy.gradient_checkpointing_enable()
+        if models.value is not None:
+            models.value.seq_cls.gradient_checkpointing_enable()
+    optimizers, schedulers = {}, {}
+    for name, model in models.trained().items():
+        optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+        prepared, optimizers[name] = accelerator.prepare(model, optimizer)
+        setattr(models, name, prepared)
+    if models.reference is not None:
+        models.reference = prepare_frozen(accelerator, models.reference)
+    if models.reward is not None:
+        models.reward = prepare_frozen(accelerator, models.reward)
+    return models, optimizers, schedulers
 
-    optimizer, scheduler = make_optimizer_and_scheduler(policy, cfg, plan.optimizer_steps)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    models, optimizers, schedulers = {"policy": policy}, {"policy": optimizer}, {"policy": scheduler}
-    if value_model is not None:
-        v_optimizer, v_scheduler = make_optimizer_and_scheduler(value_model, cfg, plan.optimizer_steps)
-        value_model, v_optimizer = accelerator.prepare(value_model, v_optimizer)
-        models["value"], optimizers["value"], schedulers["value"] = value_model, v_optimizer, v_scheduler
-    if ref_policy is not None:
-        ref_policy = prepare_frozen(accelerator, ref_policy)
-    if reward_model is not None:
-        reward_model = prepare_frozen(accelerator, reward_model)
-    gen_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    cfg = runtime.start(RLVRConfig, argv)
+
+    from open_instruct import data
+    from open_instruct.batch_math import should_log
+    from open_instruct.distributed import full_params
+    from open_instruct.generation_backends import check_backend, make_generator
+    from open_instruct.models import DTYPES, load_tokenizer
+
+    check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
+    accelerator = runtime.make_accelerator(cfg)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
+    models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
+
+    generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
     if cfg.generation_backend == "vllm":  # one colocated engine per rank for rollouts and evals (optional extra)
-        gen_kwargs.update(
-            max_model_len=longest_prompt + max(cfg.response_length, eval_length), dtype=DTYPES[cfg.mixed_precision],
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep, seed=cfg.seed,
+        generator_kwargs.update(
+            max_model_len=max_model_len, dtype=DTYPES[cfg.mixed_precision], seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
         )
-    generator = make_generator(cfg.generation_backend, accelerator.unwrap_model(policy), tokenizer, **gen_kwargs)
+    generator = make_generator(cfg.generation_backend, accelerator.unwrap_model(models.policy), tokenizer, **generator_kwargs)
     # HF generates with the live (FSDP-gathered) policy; vLLM holds its own copy, synced by sync_weights.
-    gather_for_generation = full_params if cfg.generation_backend == "hf" else (lambda m: contextlib.nullcontext())
+    gather_for_generation = full_params if cfg.generation_backend == "hf" else (lambda model: contextlib.nullcontext())
 
-    counters = Counters()
-    state = restore_training_state(cfg, accelerator, models, optimizers, schedulers, counters, log)
-    best = BestTracker(cfg, state)
-    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.num_training_steps, "rollout_step", counters.rollout_step if state else None)
+    run = runtime.RunContext(cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step")
+    counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
-    preemption = runtime.Preemption()
-    pad_id = tokenizer.pad_token_id
-    device = accelerator.device
-    group = cfg.num_samples_per_prompt
-    # GRPO with one pass in one mini-batch trains on exactly the weights that sampled: skip a separate old-log-prob pass.
-    on_policy = is_grpo and cfg.num_epochs == 1 and plan.num_mini_batches == 1
-    sample_config = dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, stop_strings=cfg.stop_strings)
+    # GRPO with one pass in one mini-batch trains on exactly the weights that sampled: no separate old-log-prob pass.
+    on_policy = cfg.algo == "grpo" and cfg.num_epochs == 1 and plan.num_mini_batches == 1
 
-    def on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(device) for k, v in batch.items()}
+    def evaluate_policy() -> dict[str, float]:
+        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, gather_for_generation)
 
-    def verify(texts: list[str], examples: list[dict]) -> Any:
-        return rewards.score_batch(
-            texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples],
-            verification_reward=cfg.verification_reward, timeout=cfg.verifier_timeout,
-        )
-
-    def evaluate() -> dict[str, float]:
-        """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks)."""
-        local = data.shard_for_eval(evals, rank, world)
-        sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
-        if cfg.generation_backend == "vllm":
-            generator.sync_weights(accelerator.unwrap_model(policy))  # collective under FSDP: every rank, before `if local`
-        out = None
-        with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
-            if local:
-                gen = generator if cfg.generation_backend == "vllm" else make_generator("hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size)
-                out = gen.generate([e["prompt_ids"] for e in local], GenerationConfig(max_new_tokens=eval_length, temperature=0.0, stop_strings=cfg.stop_strings))
-        if out is not None:
-            scored = verify(out.texts, local)
-            sums = {
-                "correct": float(sum(scored.correct)),
-                "score": float(sum(scored.rewards)),
-                "length": float(sum(len(r) for r in out.response_ids)),
-                "non_stop": float(sum(not s for s in out.stopped)),
-                "n": float(len(local)),
-            }
-        t = runtime.global_sums(accelerator, sums)
-        n = max(t["n"], 1.0)
-        return {"eval/correct_rate": t["correct"] / n, "eval/score_mean": t["score"] / n, "eval/response_length": t["length"] / n, "eval/non_stop_rate": t["non_stop"] / n}
-
-    def checkpoint() -> None:
-        save_training_state(cfg, accelerator, models, optimizers, schedulers, counters, tokenizer, best.state())
-
-    if evals and cfg.eval_steps and state is None:  # the starting point: a baseline row at rollout_step 0
-        metrics = evaluate()
-        logger.log({**counters.as_log(), **metrics})
-        best.update(metrics, policy, tokenizer, accelerator, counters)
-
-    policy.train()
-    if value_model is not None:
-        value_model.train()
-    interval = {"weight_sync": 0.0, "generation": 0.0, "scoring": 0.0, "inference": 0.0, "training": 0.0, "rollouts": 0, "tokens": 0}
+    if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
+        run.evaluate(evaluate_policy)
+    for model in models.trained().values():
+        model.train()
+    clock = PhaseClock()
     while counters.rollout_step < plan.num_training_steps:
-        step = counters.rollout_step
-        # 1. Prompts: a slice of the global prompt order, by prompt position (world-size independent).
-        global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
+        # Prompts: a slice of the global prompt order, by prompt position (world-size independent).
+        global_idx = stream.take(counters.rollout_step * plan.rollout_batch_size, plan.rollout_batch_size)
         prompts = [train[i] for i in stream.local_slice(global_idx, rank, world)]
-
-        # 2. Sample. Rows come prompt by prompt, `group` contiguous completions each (a GRPO group).
-        t_sync = time.perf_counter()
-        generator.sync_weights(accelerator.unwrap_model(policy))  # vLLM: load the weights of the last optimizer steps
+        rollout = collect_rollout(
+            cfg, models, generator, prompts, counters.rollout_step, run, gather_for_generation, on_policy, tokenizer.pad_token_id,
+        )
         t0 = time.perf_counter()
-        with gather_for_generation(policy):
-            out = generator.generate([p["prompt_ids"] for p in prompts], GenerationConfig(n=group, seed=derived_seed(cfg.seed, step, rank), **sample_config))
-        episodes = [prompts[i] for i in out.prompt_index]
+        advantages = compute_advantages(cfg, rollout, accelerator)
         t1 = time.perf_counter()
+        train_stats = update(cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id)
+        rollout.seconds["inference"] += t1 - t0
+        rollout.seconds["training"] = time.perf_counter() - t1
 
-        # 3. Scores: verifiers (+ reward model) (+ non-stop penalty).
-        scored = verify(out.texts, episodes)
-        t2 = time.perf_counter()
-
-        # 4. Log-probs of the sampling policy and the reference, values, reward-model scores: no gradients.
-        n_local = len(episodes)
-        width_r = max(len(r) for r in out.response_ids)
-        old_logp, ref_logp, old_values = (torch.zeros(n_local, width_r) for _ in range(3))
-        mask = torch.zeros(n_local, width_r)
-        rm_scores = torch.zeros(n_local)
-        micro = cfg.per_device_train_batch_size
-        with torch.no_grad():
-            for s in range(0, n_local, micro):
-                rows = slice(s, s + micro)
-                batch = on_device(collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id))
-                r = batch["responses"].shape[1]
-                with accelerator.autocast():
-                    if not on_policy:
-                        old_logp[rows, :r] = token_logprobs(response_logits(policy, batch, cfg.temperature, group), batch["responses"]).cpu()
-                    if ref_policy is not None:
-                        ref_logp[rows, :r] = token_logprobs(response_logits(ref_policy, batch, cfg.temperature, group), batch["responses"]).cpu()
-                    if value_model is not None:
-                        old_values[rows, :r] = token_values(value_model, batch, group).cpu()
-                    if reward_model is not None:
-                        rm_scores[rows] = sequence_scores(reward_model, batch, group).cpu()
-                mask[rows, :r] = batch["mask"].cpu()
-        old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
-        scores = torch.tensor([
-            episode_score(v, s, cfg.non_stop_penalty, float(rm) if reward_model is not None else None, cfg.reward_model_multiplier)
-            for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
-        ])
-
-        # 5. Advantages.
-        if is_grpo:
-            advantages = group_advantages(scores, group).unsqueeze(1) * mask
-            returns = torch.zeros_like(advantages)
-        else:
-            kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if ref_policy is not None else torch.zeros_like(mask)
-            rewards_t = per_token_rewards(scores, kl, mask, cfg.beta)
-            advantages, returns = gae_advantages(rewards_t, old_values, mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:  # with statistics over every rank's tokens
-                m = runtime.global_sums(accelerator, {"s": float(masked_sum(advantages, mask)), "ss": float(masked_sum(advantages**2, mask)), "n": float(mask.sum())})
-                mean = m["s"] / m["n"]
-                var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
-                advantages = masked_whiten(advantages, mask, torch.tensor(mean), torch.tensor(var))
-        t3 = time.perf_counter()
-
-        # 6. num_epochs passes x num_mini_batches optimizer steps, on a shuffled order.
-        # Whole groups (GRPO: required; PPO: when they fit) keep micro-batches able to share prompt forwards.
-        unit = group if plan.local_mini_batch_size % group == 0 else 1
-        train_sums = {k: 0.0 for k in ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss", "tokens", "grad_norm", "value_grad_norm", "skipped")}
-        for ppo_epoch in range(cfg.num_epochs):
-            units = list(range(n_local // unit))
-            random.Random(derived_seed(cfg.seed, step, rank, ppo_epoch)).shuffle(units)
-            order = [u * unit + j for u in units for j in range(unit)]
-            for mb in range(plan.num_mini_batches):
-                mb_rows = order[mb * plan.local_mini_batch_size : (mb + 1) * plan.local_mini_batch_size]
-                global_tokens = runtime.global_sum(accelerator, float(mask[mb_rows].sum()))
-                sums = dict.fromkeys(train_sums, 0.0)
-                micro_rows = list(data.micro_batches(mb_rows, micro))
-                for i, rows in enumerate(micro_rows):
-                    batch = on_device(collate_episodes([episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows], pad_id))
-                    r = batch["responses"].shape[1]
-                    m_ = batch["mask"]
-                    take = lambda x: x[rows, :r].to(device)  # noqa: E731 - this micro-batch's slice of a rollout tensor
-                    sync = i == len(micro_rows) - 1
-                    with contextlib.ExitStack() as stack:
-                        for model in models.values():
-                            stack.enter_context(grad_sync(accelerator, model, sync))
-                        with accelerator.autocast():
-                            logits = response_logits(policy, batch, cfg.temperature, group)
-                            logp = token_logprobs(logits, batch["responses"])
-                            if on_policy:  # the weights have not moved since sampling: the old log-probs are these
-                                old_logp[rows, :r] = logp.detach().cpu() * m_.cpu()
-                            pg, pg_clipped = clipped_policy_loss(logp, take(old_logp), take(advantages), cfg.cliprange)
-                            loss_sum = masked_sum(pg, m_)
-                            if is_grpo and cfg.beta > 0:
-                                kl_term = kl_penalty(logp, take(ref_logp), cfg.kl_estimator)
-                                loss_sum = loss_sum + cfg.beta * masked_sum(kl_term, m_)
-                            if value_model is not None:
-                                vf, vf_clipped = clipped_value_loss(token_values(value_model, batch, group), take(old_values), take(returns), cfg.cliprange_value)
-                                loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, m_)
-                        # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
-                        accelerator.backward(loss_sum * world / global_tokens)
-                    with torch.no_grad():
-                        if is_grpo and cfg.beta > 0:
-                            sums["kl_loss"] += float(masked_sum(kl_term.detach(), m_))
-                        if value_model is not None:
-                            sums["value_loss"] += float(masked_sum(vf.detach(), m_))
-                            sums["vf_clipfrac"] += float(masked_sum(vf_clipped, m_))
-                        sums["policy_loss"] += float(masked_sum(pg.detach(), m_))
-                        sums["pg_clipfrac"] += float(masked_sum(pg_clipped, m_))
-                        sums["approx_kl"] += float(masked_sum(approx_kl(logp.detach(), take(old_logp)), m_))
-                        sums["entropy"] += float(masked_sum(entropy_from_logits(logits.detach()), m_))
-                    del logits
-                sums = runtime.global_sums(accelerator, sums)
-                grad_norm = clip_grad_norm_(accelerator, policy, cfg.max_grad_norm)
-                value_grad_norm = clip_grad_norm_(accelerator, value_model, cfg.max_grad_norm) if value_model is not None else torch.tensor(0.0)
-                loss = (sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + cfg.beta * sums["kl_loss"]) / global_tokens
-                step_ok = runtime.is_finite(accelerator, loss, grad_norm, value_grad_norm)
-                if not step_ok:
-                    runtime.handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={loss}, grad_norm={float(grad_norm)}, value_grad_norm={float(value_grad_norm)})", logger.write)
-                for name in models:
-                    if step_ok:
-                        optimizers[name].step()
-                    schedulers[name].step()
-                    optimizers[name].zero_grad(set_to_none=True)
-                counters.optimizer_step += 1
-                for k in ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss"):
-                    train_sums[k] += sums[k] / global_tokens
-                train_sums["grad_norm"] += float(grad_norm)
-                train_sums["value_grad_norm"] += float(value_grad_norm)
-                train_sums["skipped"] += int(not step_ok)
-        if is_grpo:  # KL to the reference, for the logs only
-            kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if ref_policy is not None else torch.zeros_like(mask)
-        t4 = time.perf_counter()
-
-        # 7. Counters, logs, eval, checkpoint.
         counters.rollout_step += 1
         counters.episode += plan.episodes_per_rollout
         counters.epoch = counters.rollout_step * plan.rollout_batch_size / len(train)
-        logger.advance()
-        for k, dt in (("weight_sync", t0 - t_sync), ("generation", t1 - t0), ("scoring", t2 - t1), ("inference", t3 - t2), ("training", t4 - t3)):
-            interval[k] += dt
-        interval["rollouts"] += 1
-        interval["tokens"] += int(mask.sum())
-
+        run.logger.advance()
+        clock.add(rollout.seconds, int(rollout.mask.sum()))
         if should_log(counters.rollout_step, cfg.logging_steps):
-            lengths = mask.sum(1)
-            ep = runtime.global_sums(accelerator, {
-                "n": n_local, "score": float(scores.sum()), "score_sq": float((scores**2).sum()),
-                "correct": float(sum(scored.correct)), "non_stop": float(sum(not s for s in out.stopped)),
-                "length": float(lengths.sum()), "kl": float(kl.sum()), "timeouts": float(scored.num_timeouts),
-                "rm": float(rm_scores.sum()),
-            })
-            n = ep["n"]
-            score_mean = ep["score"] / n
-            updates = cfg.num_epochs * plan.num_mini_batches
-            row = {
-                **counters.as_log(),
-                "train/correct_rate": ep["correct"] / n,
-                "train/score_mean": score_mean,
-                "train/score_std": max(ep["score_sq"] / n - score_mean**2, 0.0) ** 0.5,
-                "train/non_stop_rate": ep["non_stop"] / n,
-                "train/response_length": ep["length"] / n,
-                **({"train/kl": ep["kl"] / n} if ref_policy is not None else {}),  # per sequence: sum over tokens of kl_estimator(rollout policy, ref)
-                "train/entropy": train_sums["entropy"] / updates,
-                "train/approx_kl": train_sums["approx_kl"] / updates,
-                "train/verifier_timeouts": ep["timeouts"],
-                "loss/policy": train_sums["policy_loss"] / updates,
-                "clipfrac/policy": train_sums["pg_clipfrac"] / updates,
-                "train/grad_norm": train_sums["grad_norm"] / updates,
-                "train/skipped_updates": train_sums["skipped"],
-                "lr": schedulers["policy"].get_last_lr()[0],
-            }
-            if value_model is not None:
-                row.update({
-                    "loss/value": train_sums["value_loss"] / updates,
-                    "clipfrac/value": train_sums["vf_clipfrac"] / updates,
-                    "train/value_grad_norm": train_sums["value_grad_norm"] / updates,
-                })
-            if is_grpo:
-                row["loss/kl"] = train_sums["kl_loss"] / updates
-            if reward_model is not None:
-                row["train/rm_score_mean"] = ep["rm"] / n
-            # Rates over the rollouts since the last row, eval and checkpoint time excluded (rank 0's clock).
-            k, tokens = max(interval.pop("rollouts"), 1), runtime.global_sum(accelerator, interval.pop("tokens"))
-            busy = max(sum(interval.values()), 1e-9)
-            row.update({f"time/{name}": v / k for name, v in interval.items()})
-            row["perf/episodes_per_second"] = k * plan.episodes_per_rollout / busy
-            row["perf/response_tokens_per_second"] = tokens / busy
-            interval = {"weight_sync": 0.0, "generation": 0.0, "scoring": 0.0, "inference": 0.0, "training": 0.0, "rollouts": 0, "tokens": 0}
-            logger.log(row)
+            run.log({**log_row(cfg, rollout, train_stats, plan, run), **clock.report(accelerator, plan.episodes_per_rollout)})
             if cfg.num_samples_logged and accelerator.is_main_process:
-                logger.log_samples([
-                    {"prompt": tokenizer.decode(episodes[j]["prompt_ids"]), "response": out.texts[j], "score": float(scores[j]),
-                     "ground_truth": str(episodes[j]["ground_truth"]), "stopped": bool(out.stopped[j])}
-                    for j in range(min(cfg.num_samples_logged, n_local))
-                ], counters.as_log())
-        if runtime.step_boundary(cfg, counters.rollout_step, plan.num_training_steps, "rollout step", evaluate if evals else None, checkpoint,
-                                 accelerator, counters, logger, best, policy, tokenizer, preemption):
-            logger.close()
+                run.logger.log_samples(sample_rows(rollout, tokenizer, cfg.num_samples_logged), counters.as_log())
+        if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
-    runtime.finish(cfg, policy, tokenizer, accelerator, counters, logger)
+    run.finish()
+
+
+def cli() -> None:
+    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
+    runtime.run(main)
 
 
 if __name__ == "__main__":
-    runtime.run(main)
+    cli()

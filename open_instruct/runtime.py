@@ -10,13 +10,9 @@ import time
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from open_instruct.config import BaseConfig, parse_or_exit
-from open_instruct.utils import ConfigError
+from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataError, NonFiniteError
 
 C = TypeVar("C", bound=BaseConfig)
-
-
-class NonFiniteError(RuntimeError):
-    pass
 
 
 def check_output_dir_writable(output_dir: str) -> None:
@@ -76,24 +72,19 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             cfg.batch_plan(world_size_from_env(), None)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG) from None
     return cfg
-
-
-EXIT_NONFINITE = 3
 
 
 def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
     """Script entry point: configuration and data errors print one clear line and exit with status 2; a NaN/inf
     loss, gradient or weight (on_nonfinite: stop) prints one line naming the step and exits with status 3, which a
     requeue-on-failure wrapper can tell apart from a crash (resuming would only hit it again)."""
-    from open_instruct.data import DataError
-
     try:
         main(argv)
     except (ConfigError, DataError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG) from None
     except NonFiniteError as e:
         print(f"\nNonFiniteError: {e}", file=sys.stderr)  # on its own line, not after the progress bar's
         raise SystemExit(EXIT_NONFINITE) from None
@@ -137,53 +128,13 @@ class Preemption:
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
-def is_finite(accelerator: Any, *values: Any) -> bool:
-    """True when every value (tensor or float) is finite on every rank."""
-    import torch
-
-    bad = 0.0
-    for v in values:
-        t = v.detach().float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-        if not torch.isfinite(t).all():
-            bad = 1.0
-    if accelerator.num_processes > 1:
-        bad = accelerator.reduce(torch.tensor([bad], device=accelerator.device), reduction="sum").item()
-    return bad == 0
-
-
-def handle_nonfinite(cfg: BaseConfig, step: int, what: str, log: Any) -> None:
-    """Stop (default) or skip the update, by `on_nonfinite`. Stopping raises before any checkpoint is written."""
-    message = f"non-finite {what} at optimizer step {step}"
-    if cfg.on_nonfinite == "stop":
-        raise NonFiniteError(f"{message}; stopping without saving (set on_nonfinite: skip to skip such updates)")
-    log(f"{message}: update skipped (on_nonfinite=skip)")
-
-
-def global_sum(accelerator: Any, value: float) -> float:
-    if accelerator.num_processes == 1:
-        return float(value)
-    import torch
-
-    t = torch.tensor([float(value)], device=accelerator.device, dtype=torch.float64)
-    return float(accelerator.reduce(t, reduction="sum").item())
-
-
-def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
-    """Sum a dict of floats over ranks in one collective."""
-    if accelerator.num_processes == 1 or not values:
-        return {k: float(v) for k, v in values.items()}
-    import torch
-
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], device=accelerator.device, dtype=torch.float64)
-    t = accelerator.reduce(t, reduction="sum")
-    return {k: float(x) for k, x in zip(keys, t.tolist())}
-
-
 class Throughput:
     """Tokens/s and episodes/s over the interval since the last report."""
 
     def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.episodes = 0
@@ -193,68 +144,124 @@ class Throughput:
         self.episodes += episodes
 
     def report(self, accelerator: Any) -> dict[str, float]:
+        from open_instruct.distributed import global_sums
+
         totals = global_sums(accelerator, {"tokens": self.tokens, "episodes": self.episodes})
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.__init__()
+        self.restart()
         return {"perf/tokens_per_second": totals["tokens"] / dt, "perf/episodes_per_second": totals["episodes"] / dt}
 
 
-def step_boundary(
-    cfg: BaseConfig,
-    step: int,
-    last_step: int,
-    counter_name: str,
-    evaluate: Optional[Callable[[], dict[str, float]]],
-    checkpoint: Callable[[], None],
-    accelerator: Any,
-    counters: Any,
-    logger: Any,
-    best: Any,
-    model: Any,
-    tokenizer: Any,
-    preemption: Preemption,
-) -> bool:
-    """What happens after every step (optimizer step, or rollout in RL), the same in every script: eval every
-    eval_steps and at the last step (keeping best_model), checkpoint every checkpointing_steps, and on SIGTERM
-    checkpoint and stop. Returns True when the run must stop now."""
-    from open_instruct.utils import should_fire
+class RunContext:
+    """The bookkeeping every script's loop shares, built once the models are prepared: the four counters (restored
+    with the models when resuming), the metrics logger, the best-model tracker, SIGTERM preemption, throughput, and
+    the checkpoint / end-of-step / finish calls. Not a Trainer: each script keeps its own loop, its forward and
+    backward, and its optimizer step in sight.
 
-    if evaluate is not None and should_fire(step, cfg.eval_steps, last_step if cfg.eval_steps else None):
+    `models`, `optimizers` and `schedulers` are dicts keyed alike ("policy", and "value" for PPO); "policy" is the
+    model saved as best_model and final_model. `counter` names the step counter that paces the run
+    ("optimizer_step", or "rollout_step" in RL) and `last_step` its final value."""
+
+    def __init__(
+        self,
+        cfg: BaseConfig,
+        accelerator: Any,
+        models: dict[str, Any],
+        optimizers: dict[str, Any],
+        schedulers: dict[str, Any],
+        tokenizer: Any,
+        last_step: int,
+        counter: str = "optimizer_step",
+    ) -> None:
+        from open_instruct.batch_math import Counters
+        from open_instruct.checkpoint import BestTracker, restore_training_state
+        from open_instruct.tracking import MetricsLogger
+
+        self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
+        self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
+        self.last_step, self.counter = last_step, counter
+        self.counters = Counters()
+        main = accelerator.is_main_process
+        state = restore_training_state(cfg, accelerator, models, optimizers, schedulers, self.counters, self.print)
+        self.resumed = state is not None
+        self.best = BestTracker(cfg, state)
+        self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
+        self.preemption = Preemption()
+        self.throughput = Throughput()
+
+    @property
+    def step(self) -> int:
+        """The current value of the pacing counter."""
+        return getattr(self.counters, self.counter)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only."""
+        if self.accelerator.is_main_process:
+            print(*args, **kwargs)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """One metrics row (jsonl, wandb), stamped with the four counters."""
+        self.logger.log({**self.counters.as_log(), **metrics})
+
+    def update_is_finite(self, loss: float, **grad_norms: Any) -> bool:
+        """Whether the update about to be applied is finite on every rank. When it is not: stop with
+        NonFiniteError (exit 3, before any checkpoint is written) or, with `on_nonfinite: skip`, say so and
+        return False so the caller skips `optimizer.step()`."""
+        from open_instruct.distributed import all_finite
+
+        if all_finite(self.accelerator, loss, *grad_norms.values()):
+            return True
+        norms = "".join(f", {name}={float(v)}" for name, v in grad_norms.items())
+        message = f"non-finite loss/gradient (loss={loss}{norms}) at optimizer step {self.counters.optimizer_step + 1}"
+        if self.cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"{message}; stopping without saving (set on_nonfinite: skip to skip such updates)")
+        self.logger.write(f"{message}: update skipped (on_nonfinite=skip)")
+        return False
+
+    def count_update(self, episodes: int, num_examples: int) -> None:
+        """Supervised scripts, after each optimizer step: one more step, `episodes` more examples seen."""
+        self.counters.optimizer_step += 1
+        self.counters.episode += episodes
+        self.counters.epoch = self.counters.episode / num_examples
+        self.logger.advance()
+
+    def save_checkpoint(self) -> None:
+        from open_instruct.checkpoint import save_training_state
+
+        save_training_state(
+            self.cfg, self.accelerator, self.models, self.optimizers, self.schedulers, self.counters, self.tokenizer,
+            self.best.state(),
+        )
+
+    def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Run an eval, log its row and keep best_model up to date."""
         metrics = evaluate()
-        logger.log({**counters.as_log(), **metrics})
-        best.update(metrics, model, tokenizer, accelerator, counters)
-    stopping = preemption.should_stop(accelerator)
-    if should_fire(step, cfg.checkpointing_steps) or stopping:
-        checkpoint()
-    if stopping:
-        logger.write(f"SIGTERM: checkpoint written at {counter_name} {step}; exiting")
-    return stopping
+        self.log(metrics)
+        self.best.update(metrics, self.models["policy"], self.tokenizer, self.accelerator, self.counters)
+        return metrics
 
+    def end_of_step(self, evaluate: Optional[Callable[[], dict[str, float]]]) -> bool:
+        """After every step (optimizer step, or rollout in RL), the same in every script: eval every eval_steps and
+        at the last step, checkpoint every checkpointing_steps, and on SIGTERM checkpoint and stop. Returns True
+        when the run must stop now (the logs are then closed)."""
+        from open_instruct.batch_math import should_fire
 
-def finish(cfg: BaseConfig, model: Any, tokenizer: Any, accelerator: Any, counters: Any, logger: Any) -> None:
-    """The end of a run: the final model in HF format (<output_dir>/final_model, atomic), then close the logs."""
-    from open_instruct.checkpoint import save_hf_model
+        step = self.step
+        if evaluate is not None and should_fire(step, self.cfg.eval_steps, self.last_step if self.cfg.eval_steps else None):
+            self.evaluate(evaluate)
+        stopping = self.preemption.should_stop(self.accelerator)
+        if should_fire(step, self.cfg.checkpointing_steps) or stopping:
+            self.save_checkpoint()
+        if stopping:
+            self.logger.write(f"SIGTERM: checkpoint written at {self.counter.replace('_', ' ')} {step}; exiting")
+            self.logger.close()
+        return stopping
 
-    if cfg.save_final_model:
-        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final_model"), accelerator, counters.as_log())
-    logger.close()
+    def finish(self) -> None:
+        """The end of a run: the final model in HF format (<output_dir>/final_model, atomic), then close the logs."""
+        from open_instruct.checkpoint import save_hf_model
 
-
-def apply_update(
-    cfg: BaseConfig, accelerator: Any, optimizer: Any, scheduler: Any, loss: float, grad_norm: Any, counters: Any,
-    episodes: int, num_examples: int, logger: Any,
-) -> bool:
-    """One supervised optimizer step after the gradients are in: refuse a non-finite loss/gradient (stop, or skip
-    the update by `on_nonfinite`), step optimizer and schedule, advance the counters. Returns whether it updated."""
-    step_ok = is_finite(accelerator, loss, grad_norm)
-    if not step_ok:
-        handle_nonfinite(cfg, counters.optimizer_step + 1, f"loss/gradient (loss={loss}, grad_norm={float(grad_norm)})", logger.write)
-    else:
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    counters.optimizer_step += 1
-    counters.episode += episodes
-    counters.epoch = counters.episode / num_examples
-    logger.advance()
-    return step_ok
+        if self.cfg.save_final_model:
+            path = os.path.join(self.cfg.output_dir, "final_model")
+            save_hf_model(self.models["policy"], self.tokenizer, path, self.accelerator, self.counters.as_log())
+        self.logger.close()

@@ -9,16 +9,13 @@ Trains only on assistant tokens. The loss is the mean over every trained token o
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a file or a module
+from typing import Any, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import SFTConfig
 
 
-def token_loss_sum(model, batch):
+def token_loss_sum(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
     """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are."""
     import torch.nn.functional as F
 
@@ -29,16 +26,14 @@ def token_loss_sum(model, batch):
     return loss_sum, (labels != -100).sum()
 
 
-def main(argv=None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(SFTConfig, argv)
 
     import torch
 
     from open_instruct import data
-    from open_instruct.checkpoint import BestTracker, restore_training_state, save_training_state
+    from open_instruct.batch_math import should_log
     from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
-    from open_instruct.tracking import MetricsLogger
-    from open_instruct.utils import Counters, should_log
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -54,13 +49,9 @@ def main(argv=None) -> None:
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    counters = Counters()
-    state = restore_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters)
-    best = BestTracker(cfg, state)
-    logger = MetricsLogger(cfg, accelerator.is_main_process, plan.optimizer_steps, "optimizer_step", counters.optimizer_step if state else None)
+    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
-    preemption = runtime.Preemption()
-    throughput = runtime.Throughput()
     pad_id = tokenizer.pad_token_id
 
     def evaluate() -> dict[str, float]:
@@ -77,12 +68,9 @@ def main(argv=None) -> None:
                 sums["loss"] += loss_sum.item()
                 sums["tokens"] += n.item()
         model.train()
-        totals = runtime.global_sums(accelerator, sums)
+        totals = distributed.global_sums(accelerator, sums)
         loss = totals["loss"] / max(totals["tokens"], 1)
         return {"eval/loss": loss, "eval/perplexity": float(torch.exp(torch.tensor(loss)))}
-
-    def checkpoint() -> None:
-        save_training_state(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, counters, tokenizer, best.state())
 
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -91,7 +79,7 @@ def main(argv=None) -> None:
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
         batches = [data.collate_sft(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
         local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-        global_tokens = runtime.global_sum(accelerator, local_tokens)
+        global_tokens = distributed.global_sum(accelerator, local_tokens)
 
         loss_sum_local = 0.0
         for i, batch in enumerate(batches):
@@ -103,30 +91,36 @@ def main(argv=None) -> None:
                 # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean.
                 accelerator.backward(loss_sum * world / global_tokens)
             loss_sum_local += loss_sum.item()
-            throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
+            run.throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        loss = runtime.global_sum(accelerator, loss_sum_local) / global_tokens
-        step_ok = runtime.apply_update(cfg, accelerator, optimizer, scheduler, loss, grad_norm, counters,
-                                       plan.mini_batch_size, len(train), logger)
+        loss = distributed.global_sum(accelerator, loss_sum_local) / global_tokens
+        step_ok = run.update_is_finite(loss, grad_norm=grad_norm)  # else: stop (exit 3), or skip by on_nonfinite
+        if step_ok:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.count_update(plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
-            logger.log({
-                **counters.as_log(),
+            run.log({
                 "train/loss": loss,
                 "train/grad_norm": float(grad_norm),
                 "train/skipped_update": int(not step_ok),
                 "lr": scheduler.get_last_lr()[0],
                 "train/tokens_trained": global_tokens,
-                **throughput.report(accelerator),
+                **run.throughput.report(accelerator),
             })
-        if runtime.step_boundary(cfg, counters.optimizer_step, plan.optimizer_steps, "optimizer step", evaluate if evals else None, checkpoint,
-                                 accelerator, counters, logger, best, model, tokenizer, preemption):
-            logger.close()
+        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
-    runtime.finish(cfg, model, tokenizer, accelerator, counters, logger)
+    run.finish()
+
+
+def cli() -> None:
+    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
+    runtime.run(main)
 
 
 if __name__ == "__main__":
-    runtime.run(main)
+    cli()

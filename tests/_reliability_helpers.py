@@ -199,15 +199,15 @@ def _install_faults(faults: dict[str, Any]) -> None:
 
         generation.HFGenerator.generate = generate
     if "kill_in_reference_pass" in faults:
-        from open_instruct import dpo
+        from open_instruct import reference_cache
 
-        spec, original_ref = faults["kill_in_reference_pass"], dpo.compute_reference
+        spec, original_ref = faults["kill_in_reference_pass"], reference_cache.compute_reference
 
         def compute_reference(model: Any, *args: Any, **kwargs: Any) -> Any:
             kill_at_forward(model, spec["forward"])
             return original_ref(model, *args, **kwargs)
 
-        dpo.compute_reference = compute_reference
+        reference_cache.compute_reference = compute_reference
 
 
 def _child(request: dict[str, Any], modules: dict[str, Any]) -> None:

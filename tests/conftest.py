@@ -1,12 +1,10 @@
 """Shared fixtures: tiny models and tokenizer built locally once per session (no hub access)."""
 
 import os
-import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -15,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{"causal_lm": path, "seq_cls": path}: Llama-shaped, hidden 64, 2 layers, char-level chat tokenizer."""
-    from open_instruct.tiny import save_tiny_models
+    from demo.tiny import save_tiny_models
 
     return save_tiny_models(str(tmp_path_factory.mktemp("tiny_models")))
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from open_instruct.utils import ConfigError, Counters, rl_batch_plan, should_log, supervised_batch_plan
+from open_instruct.batch_math import Counters, rl_batch_plan, should_log, supervised_batch_plan
+from open_instruct.errors import ConfigError
 
 
 def test_tulu3_8b_rlvr_layout():

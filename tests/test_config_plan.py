@@ -10,7 +10,7 @@ import pytest
 
 from open_instruct.config import DPOConfig, RLVRConfig, SFTConfig, parse_config
 from open_instruct.plan import build_plan, llama_like_params, main as plan_main
-from open_instruct.utils import ConfigError
+from open_instruct.errors import ConfigError
 
 RECIPES = ["sft_8b", "rm_8b", "dpo_8b", "rlvr_8b", "rlvr_70b"]
 

@@ -1,4 +1,4 @@
-"""The demo pipeline (open_instruct/demo.py --quick): SFT -> reward model -> DPO -> RLVR, each a real run of the real
+"""The demo pipeline (demo/pipeline.py --quick): SFT -> reward model -> DPO -> RLVR, each a real run of the real
 script on a tiny model built locally, then held-out accuracy, plots and a summary.
 
 One run (module fixture) is shared by the tests. The thresholds are well inside what the fixed seed gives (see
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from open_instruct import demo
+from demo import pipeline as demo
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-from open_instruct import dpo
+from open_instruct import dpo, reference_cache
 from open_instruct.config import DPOConfig
-from open_instruct.synthetic import preference_rows, sft_rows, write_jsonl
+from open_instruct.models import PairLogps, pair_logps
+from demo.synthetic import preference_rows, sft_rows, write_jsonl
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 from training_helpers import assert_rows_match, assert_weights_match, read_metrics, sigterm_at_step
 
@@ -32,8 +33,8 @@ def softplus(x: float) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # Losses, by hand. Two pairs; response lengths chosen so that sums and per-token means differ.
 
-POLICY = dpo.Logps(torch.tensor([-4.0, -10.0]), torch.tensor([-6.0, -9.0]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
-REF = dpo.Logps(torch.tensor([-5.0, -9.5]), torch.tensor([-5.5, -9.5]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
+POLICY = PairLogps(torch.tensor([-4.0, -10.0]), torch.tensor([-6.0, -9.0]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
+REF = PairLogps(torch.tensor([-5.0, -9.5]), torch.tensor([-5.5, -9.5]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
 
 
 def cfg_for(loss_type: str, **kw) -> DPOConfig:
@@ -88,7 +89,7 @@ def test_wpo_weights_by_hand_and_detached():
 
 
 def test_bad_best_metric_is_a_config_error(tmp_path):
-    from open_instruct.utils import ConfigError
+    from open_instruct.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval/rewards/accuracy"):
         dpo.main([RECIPE, "--output_dir", str(tmp_path / "o"), "--model_name_or_path", str(tmp_path), "--best_metric", "eval/accuracy"])
@@ -192,7 +193,7 @@ def test_cached_reference_equals_live_logps_in_shuffled_batches(runs, tiny_model
         for i in range(0, len(order), batch_size):
             idx = order[i : i + batch_size]
             with torch.no_grad():
-                live = dpo.policy_logps(model, data.collate_preferences([examples[j] for j in idx], tokenizer.pad_token_id))
+                live = pair_logps(model, data.collate_preferences([examples[j] for j in idx], tokenizer.pad_token_id))
             for name, value in (("chosen_logps", live.chosen), ("rejected_logps", live.rejected), ("chosen_tokens", live.chosen_tokens), ("rejected_tokens", live.rejected_tokens)):
                 assert torch.allclose(cache[f"{split}/{name}"][idx].double(), value.double(), atol=1e-4, rtol=0), (split, name, idx)
         assert cache[f"{split}/row"].tolist() == [e["row"] for e in examples]
@@ -277,10 +278,10 @@ def test_weights_fingerprint_sees_any_training_update(tiny_models):
     from open_instruct.models import load_causal_lm
 
     a, b = load_causal_lm(tiny_models["causal_lm"]), load_causal_lm(tiny_models["causal_lm"])
-    assert dpo.weights_fingerprint(a) == dpo.weights_fingerprint(b)
+    assert reference_cache.weights_fingerprint(a) == reference_cache.weights_fingerprint(b)
     with torch.no_grad():
         b.model.norm.weight.add_(1e-6)  # one small tensor, a tiny step
-    assert dpo.weights_fingerprint(a) != dpo.weights_fingerprint(b)
+    assert reference_cache.weights_fingerprint(a) != reference_cache.weights_fingerprint(b)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

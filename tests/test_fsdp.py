@@ -158,7 +158,7 @@ def assert_really_sharded(shard_dir: str, tag: str, model_names: tuple[str, ...]
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    from open_instruct.synthetic import write_task_files
+    from demo.synthetic import write_task_files
 
     return write_task_files(str(tmp_path_factory.mktemp("fsdp_data")), n_train=64, n_eval=9, seed=3)
 

@@ -11,8 +11,8 @@ from open_instruct.generation import (
     Generator,
     HFGenerator,
     finalize_response,
-    make_generator,
 )
+from open_instruct.generation_backends import make_generator
 from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
 
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]

@@ -12,6 +12,7 @@ import torch
 
 from open_instruct import reward_model
 from open_instruct.checkpoint import find_resume_checkpoint
+from open_instruct.models import pair_rewards
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 from training_helpers import assert_rows_match, assert_weights_match, break_checkpoints, read_metrics, sigterm_at_step
 
@@ -106,7 +107,7 @@ def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
     batch = collate_preferences(ex, tok.pad_token_id)
     assert batch["attention_mask"][0].sum() < batch["attention_mask"].shape[1]  # row 0 is right-padded
     with torch.no_grad():
-        chosen, rejected = reward_model.pair_rewards(model, batch)
+        chosen, rejected = pair_rewards(model, batch)
         assert caches == []
         model(input_ids=batch["input_ids"])
         assert caches == [1]  # the trap the scripts avoid

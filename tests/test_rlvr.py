@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from open_instruct import synthetic
+from demo import synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
@@ -194,7 +194,8 @@ def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     import torch
 
     from open_instruct.models import load_causal_lm, load_sequence_classifier
-    from open_instruct.rlvr_ppo import TokenValueModel, collate_episodes, response_logits, shared_prompt_groups, token_values
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import TokenValueModel, response_logits, shared_prompt_groups, token_values
 
     rng = random.Random(0)
     prompts = [[rng.randint(5, 90) for _ in range(rng.randint(8, 14))] for _ in range(3)]

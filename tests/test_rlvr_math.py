@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from open_instruct.data import collate_episodes
 from open_instruct.rlvr_ppo import (
     approx_kl,
     clipped_policy_loss,
     clipped_value_loss,
-    collate_episodes,
     derived_seed,
     entropy_from_logits,
     episode_score,

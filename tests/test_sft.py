@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from open_instruct import sft
-from open_instruct.synthetic import sft_rows, write_jsonl
+from demo.synthetic import sft_rows, write_jsonl
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 from training_helpers import assert_rows_match, assert_weights_match, read_metrics, sigterm_at_step
 

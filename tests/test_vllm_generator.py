@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response, make_generator
+from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response
+from open_instruct.generation_backends import make_generator
 from open_instruct.models import token_logprobs
 from open_instruct.vllm_generator import (
     ANY_VERSION_ENV,
@@ -73,7 +74,7 @@ def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_ro
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    from open_instruct.synthetic import rl_rows, write_jsonl
+    from demo.synthetic import rl_rows, write_jsonl
 
     data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(8, 0))
     cmd = [sys.executable, os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"), os.path.join(repo_root, "configs", "rlvr_tiny.yaml"),
@@ -87,7 +88,7 @@ def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_ro
 
 def test_hf_weights_names_and_values():
     """The names streamed to vLLM are the HF checkpoint names, wrappers removed, tied weights once."""
-    from open_instruct.tiny import tiny_llama_config
+    from demo.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(tiny_llama_config(40, 64, 1, tie_word_embeddings=True))
@@ -107,7 +108,7 @@ def test_hf_weights_names_and_values():
 # ------------------------------------------------------------------------------------- engine tests
 def _tiny_cpu_llama(tokenizer, seed=0, **overrides):
     """The tiny test Llama with head_dim 32: vLLM's CPU attention has no kernel for the default tiny's 16."""
-    from open_instruct.tiny import tiny_llama_config
+    from demo.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -120,7 +121,7 @@ def _tiny_cpu_llama(tokenizer, seed=0, **overrides):
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("vllm")
-    from open_instruct.tiny import build_tokenizer
+    from demo.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = _tiny_cpu_llama(tokenizer)
@@ -301,7 +302,7 @@ def test_bad_requests_fail_clearly(engine):
         gen.generate([prompts[0]], GenerationConfig(max_new_tokens=256))
     with pytest.raises(ValueError, match="at least one token"):
         gen.generate([[]], GenerationConfig())
-    from open_instruct.tiny import tiny_llama_config
+    from demo.tiny import tiny_llama_config
     from open_instruct.vllm_generator import VLLMGenerator
 
     with pytest.raises(ValueError, match="head_dim is 16"):  # the default tiny model: caught before any engine starts
@@ -340,7 +341,7 @@ def test_sleep_wake_order():
     reloaded before generating, the KV cache only for generating, and a generate after a sleep without a sync
     reloads the live policy first."""
     pytest.importorskip("vllm")
-    from open_instruct.tiny import build_tokenizer
+    from demo.tiny import build_tokenizer
     from open_instruct.vllm_generator import VLLMGenerator
 
     gen = object.__new__(VLLMGenerator)
@@ -377,8 +378,8 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
 
     from open_instruct.models import load_causal_lm, load_tokenizer
     from open_instruct.rewards import score_batch
-    from open_instruct.synthetic import rl_rows, write_jsonl
-    from open_instruct.tiny import build_tokenizer
+    from demo.synthetic import rl_rows, write_jsonl
+    from demo.tiny import build_tokenizer
     from eval.verifiable import load_prompts
 
     tokenizer = build_tokenizer()
@@ -430,7 +431,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaForCausalLM
 from open_instruct.generation import GenerationConfig, HFGenerator
-from open_instruct.tiny import build_tokenizer, tiny_llama_config
+from demo.tiny import build_tokenizer, tiny_llama_config
 from open_instruct.vllm_generator import VLLMGenerator
 
 def main():

@@ -21,9 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """An invalid configuration. The message names the parameters involved and shows the arithmetic."""
+from open_instruct.errors import ConfigError
 
 
 def _require_positive_int(name: str, value: Any) -> None:

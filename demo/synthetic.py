@@ -1,6 +1,6 @@
 """A synthetic verifiable task (small arithmetic word problems) for tests, the demo and the benchmarks.
 
-    python -m open_instruct.synthetic output/tiny     # tiny models + sft/preference/rl jsonl files
+    python -m demo.synthetic output/tiny     # tiny models + sft/preference/rl jsonl files
 
 Every problem has an exact integer answer that the `arithmetic` verifier checks (the last integer in the
 response). Responses are short ("3+4=7") so a character-level model of ~100k parameters can learn them.
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--n_train", type=int, default=2000)
     parser.add_argument("--n_eval", type=int, default=200)
     args = parser.parse_args()
-    from open_instruct.tiny import save_tiny_models
+    from demo.tiny import save_tiny_models
 
     for name, path in save_tiny_models(os.path.join(args.out_dir, "models")).items():
         print(f"{name}: {path}")

@@ -1,0 +1,216 @@
+"""DPO's reference log-probs, computed once and cached on disk: the speed plumbing of dpo.py, kept out of its loop.
+
+Reference log-probs are computed once, before training, by a no-grad pass of the initial policy over the train and
+eval sets (in batches of per_device_eval_batch_size, sorted by length and shared out over the processes), and cached
+(safetensors) keyed by example position. The reference model is never held in memory during training. The cache lives
+in `reference_cache_dir` (default: `<output_dir>/../.ref_cache`, shared by the runs of a sweep over beta, lr or loss
+type) under a hash of what determines the numbers:
+  - the model: name/path, revision, gguf file, config, and a fingerprint of the loaded weights (shapes, dtypes and
+    the bytes of up to 4,096 evenly spaced elements of every tensor; training moves every weight, so any trained
+    model differs in the sample);
+  - the data as the model sees it: sha256 of the tokenized train and eval examples in order (chosen ids, rejected
+    ids, prompt length), which covers the files' content, the split, max_seq_length, overlong, the columns and the
+    chat template; the data sources are recorded as well;
+  - the forward's precision (mixed_precision).
+Only summed log-probs and token counts are stored, so every loss type reuses the same cache. A rerun with the same
+settings prints "reused"; any change computes a new file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from array import array
+from typing import TYPE_CHECKING, Any, Optional
+
+from open_instruct.distributed import global_sum
+
+if TYPE_CHECKING:  # torch is imported inside functions: dpo.py imports this module before its config is checked
+    import torch
+
+    from open_instruct.models import PairLogps
+
+CACHE_FORMAT = 1
+
+
+
+
+def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
+    """sha256 over every tensor's name, shape, dtype and the bytes of up to `samples` evenly spaced elements."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        sample = flat[::step][:samples].cpu().contiguous()
+        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return h.hexdigest()
+
+
+def tokens_fingerprint(examples: list[dict[str, Any]]) -> str:
+    """sha256 of the tokenized pairs in order: the data exactly as the model sees it."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(array("q", [e["prompt_len"], len(e["chosen_ids"]), len(e["rejected_ids"])]).tobytes())
+        h.update(array("q", e["chosen_ids"]).tobytes())
+        h.update(array("q", e["rejected_ids"]).tobytes())
+    return h.hexdigest()
+
+
+def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: list[dict]) -> dict[str, Any]:
+    """Everything the cached numbers depend on (hashed into the file name; stored in the file's metadata)."""
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    return {
+        "format": CACHE_FORMAT,
+        "model": {
+            "name_or_path": cfg.model_name_or_path,
+            "revision": cfg.model_revision,
+            "gguf_file": cfg.gguf_file,
+            "config": config,
+            "weights_sha256": weights_fingerprint(model),
+        },
+        "data": {
+            "train": {"sources": cfg.dataset_name_or_path, "split": cfg.dataset_split, "pairs": len(train), "tokens_sha256": tokens_fingerprint(train)},
+            "eval": {"sources": cfg.eval_dataset_name_or_path, "split": cfg.eval_dataset_split, "pairs": len(evals), "tokens_sha256": tokens_fingerprint(evals)},
+        },
+        "forward": {"mixed_precision": cfg.mixed_precision},
+    }
+
+
+def reference_cache_path(cfg: Any, identity: dict[str, Any]) -> str:
+    folder = cfg.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), ".ref_cache")
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return os.path.join(folder, f"ref_logps_{key}.safetensors")
+
+
+def length_order(examples: list[dict]) -> list[int]:
+    """Example positions sorted by padded pair length (less padding per micro-batch), ties by position."""
+    return sorted(range(len(examples)), key=lambda i: (max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])), i))
+
+
+def compute_reference(model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One no-grad pass of `model` over `examples`: summed response log-probs of chosen and rejected, by position.
+
+    Examples are sorted by length (less padding) and dealt to the ranks in micro-batches; the results are
+    gathered, so every rank returns the full table."""
+    import torch
+
+    from open_instruct import data
+    from open_instruct.models import pair_logps
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = data.dealt_micro_batches(length_order(examples), batch_size, rank, world)  # same batches on 1 or N ranks
+    index = torch.full((len(mine) * batch_size,), -1, dtype=torch.long)
+    values = torch.zeros(len(mine) * batch_size, 2)
+    model.eval()
+    with torch.no_grad():
+        for k, (group, real) in enumerate(mine):
+            batch = {key: v.to(accelerator.device) for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()}
+            with accelerator.autocast():
+                lp = pair_logps(model, batch)
+            if real:
+                rows = slice(k * batch_size, k * batch_size + len(group))
+                index[rows] = torch.tensor(group)
+                values[rows] = torch.stack([lp.chosen, lp.rejected], dim=1).float().cpu()
+    model.train()
+    if world > 1:
+        index = accelerator.gather(index.to(accelerator.device)).cpu()
+        values = accelerator.gather(values.to(accelerator.device)).cpu()
+    keep = index >= 0
+    table = torch.full((len(examples), 2), float("nan"))
+    table[index[keep]] = values[keep]
+    assert not table.isnan().any(), "reference pass missed examples"
+    return {
+        "chosen_logps": table[:, 0].contiguous(),
+        "rejected_logps": table[:, 1].contiguous(),
+        **expected_counts(examples),
+    }
+
+
+def expected_counts(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """Response token counts and source rows per example (stored with the cache, checked when it is read)."""
+    import torch
+
+    return {
+        "chosen_tokens": torch.tensor([len(e["chosen_ids"]) - e["prompt_len"] for e in examples], dtype=torch.long),
+        "rejected_tokens": torch.tensor([len(e["rejected_ids"]) - e["prompt_len"] for e in examples], dtype=torch.long),
+        "row": torch.tensor([e["row"] for e in examples], dtype=torch.long),
+    }
+
+
+def read_reference_cache(path: str, splits: dict[str, list[dict]], log: Any = print) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+    """The cached tables, or None when the file is missing or does not fit these examples (then it is rebuilt)."""
+    if not os.path.isfile(path):
+        return None
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        flat = load_file(path)
+    except Exception as e:  # a damaged file is rebuilt, not trusted
+        log(f"reference cache {path} is unreadable ({e}); recomputing")
+        return None
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for split, examples in splits.items():
+        table = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{split}/")}
+        expected = expected_counts(examples)
+        if not examples:
+            out[split] = {}
+            continue
+        if set(table) != {"chosen_logps", "rejected_logps", *expected} or any(not torch.equal(table[k], v) for k, v in expected.items()):
+            log(f"reference cache {path} does not match the {split} examples; recomputing")
+            return None
+        out[split] = table
+    return out
+
+
+def write_reference_cache(path: str, tables: dict[str, dict[str, torch.Tensor]], identity: dict[str, Any]) -> None:
+    """Atomic write: a temp file in the same folder, renamed into place."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    flat = {f"{split}/{k}": v.contiguous() for split, table in tables.items() for k, v in table.items()}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".safetensors", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        save_file(flat, tmp, metadata={"identity": json.dumps(identity, sort_keys=True, default=str)})
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def reference_tables(cfg: Any, model: Any, train: list[dict], evals: list[dict], identity: dict[str, Any], accelerator: Any, pad_id: int, log: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Read the cache if every rank has a valid copy; otherwise run the reference pass and write it.
+
+    `model` must hold the initial weights. Each node's local main process writes the file (nodes need not share
+    a filesystem)."""
+    path = reference_cache_path(cfg, identity)
+    splits = {"train": train, "eval": evals}
+    tables = read_reference_cache(path, splits, log)
+    if global_sum(accelerator, tables is not None) == accelerator.num_processes:
+        log(f"reference log-probs: reused {path}")
+        return tables  # type: ignore[return-value]
+    t0 = time.perf_counter()
+    tables = {split: compute_reference(model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id) if ex else {} for split, ex in splits.items()}
+    if accelerator.is_local_main_process:
+        write_reference_cache(path, tables, identity)
+    accelerator.wait_for_everyone()
+    log(f"reference log-probs: computed for {len(train)} train + {len(evals)} eval pairs in {time.perf_counter() - t0:.1f}s, saved to {path}")
+    return tables
+
+
+def reference_logps(table: dict[str, torch.Tensor], indices: list[int], device: Any) -> PairLogps:
+    import torch
+
+    from open_instruct.models import PairLogps
+
+    idx = torch.tensor(indices)
+    return PairLogps(*(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")))
