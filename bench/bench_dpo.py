@@ -20,9 +20,10 @@ line; it is not in the pairs/s. Ours is measured with an empty cache (the pass r
 Speed: pairs per second over the optimizer steps after `--warmup` steps. Ours from the script's own
 perf/pairs_per_second rows (logging every `warmup` steps, first row dropped); TRL's from a callback timing the same
 window. Also per CPU-second of the (single-threaded) process over the same window, which a loaded machine disturbs
-far less than wall time. Memory: each run is its own fresh process; peak RSS is the kernel's high-water mark (VmHWM), which catches
-torch's CPU tensors and short peaks. Runs alternate (ours, trl, trl_pre, ours, ...) so they see the same machine
-load; ratios are per repeat, median reported. Identical runs on this shared 2-core machine differ by up to ~25%.
+far less than wall time. Memory: each run is its own fresh process; peak RSS is the kernel's high-water mark
+(VmHWM), which catches torch's CPU tensors and short peaks. Runs alternate (ours, trl, trl_pre, ours, ...) so
+they see the same machine load; ratios are per repeat, median reported. Identical runs on this shared 2-core
+machine differ by up to ~25%.
 """
 
 from __future__ import annotations
@@ -83,20 +84,54 @@ def run_ours(args: argparse.Namespace) -> dict:
     reference_cache.reference_tables = timed_reference_tables
     runtime.Throughput = MarkedThroughput
     out = tempfile.mkdtemp(prefix="bench_dpo_ours_")
-    dpo.main([
-        "--model_name_or_path", args.model, "--dataset_name_or_path", args.data, "--output_dir", os.path.join(out, "run"),
-        "--reference_cache_dir", os.path.join(out, "cache"), "--loss_type", "dpo", "--beta", str(BETA),
-        "--max_seq_length", "1024", "--per_device_train_batch_size", str(args.batch_size),
-        "--gradient_accumulation_steps", "1", "--per_device_eval_batch_size", str(args.batch_size),
-        "--total_episodes", str(args.steps * args.batch_size), "--learning_rate", str(args.learning_rate),
-        "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0", "--logging_steps", str(args.warmup),
-        "--save_final_model", "false", "--seed", "1",
-    ])
+    dpo.main(
+        [
+            "--model_name_or_path",
+            args.model,
+            "--dataset_name_or_path",
+            args.data,
+            "--output_dir",
+            os.path.join(out, "run"),
+            "--reference_cache_dir",
+            os.path.join(out, "cache"),
+            "--loss_type",
+            "dpo",
+            "--beta",
+            str(BETA),
+            "--max_seq_length",
+            "1024",
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--gradient_accumulation_steps",
+            "1",
+            "--per_device_eval_batch_size",
+            str(args.batch_size),
+            "--total_episodes",
+            str(args.steps * args.batch_size),
+            "--learning_rate",
+            str(args.learning_rate),
+            "--lr_scheduler_type",
+            "linear",
+            "--max_grad_norm",
+            "1.0",
+            "--logging_steps",
+            str(args.warmup),
+            "--save_final_model",
+            "false",
+            "--seed",
+            "1",
+        ]
+    )
     rows = [r for r in read_jsonl(os.path.join(out, "run", "metrics.jsonl")) if "perf/pairs_per_second" in r][1:]
     pairs = len(rows) * args.warmup * args.batch_size
     seconds = sum(args.warmup * args.batch_size / r["perf/pairs_per_second"] for r in rows)
     cpu_pairs_per_second = pairs / (cpu_at_reports[-1] - cpu_at_reports[0])  # the same window: steps warmup..steps
-    return {"pairs_per_second": pairs / seconds, "cpu_pairs_per_second": cpu_pairs_per_second, "final_loss": rows[-1]["train/loss"], **marks}
+    return {
+        "pairs_per_second": pairs / seconds,
+        "cpu_pairs_per_second": cpu_pairs_per_second,
+        "final_loss": rows[-1]["train/loss"],
+        **marks,
+    }
 
 
 def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
@@ -140,28 +175,60 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
                 losses.append(logs["loss"])
 
     config = DPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_dpo_trl_"), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.learning_rate, beta=BETA,
-        loss_type=["sigmoid"], lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
-        max_length=1024, precompute_ref_log_probs=precompute, precompute_ref_batch_size=args.batch_size,
-        logging_steps=args.warmup, save_strategy="no", eval_strategy="no", report_to=[], dataloader_num_workers=0,
-        seed=1, disable_dropout=True,
+        output_dir=tempfile.mkdtemp(prefix="bench_dpo_trl_"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=not torch.cuda.is_available(),
+        max_length=1024,
+        precompute_ref_log_probs=precompute,
+        precompute_ref_batch_size=args.batch_size,
+        logging_steps=args.warmup,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        seed=1,
+        disable_dropout=True,
     )
     trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
 
     # Same token ids as ours: TRL's prompt + completion equal our chosen/rejected sequences, pair for pair.
-    cfg = argparse.Namespace(chosen_column="chosen", rejected_column="rejected", prompt_column="prompt",
-                             max_seq_length=1024, overlong="drop", skip_bad_rows=False, dataset_name_or_path=args.data)
+    cfg = argparse.Namespace(
+        chosen_column="chosen",
+        rejected_column="rejected",
+        prompt_column="prompt",
+        max_seq_length=1024,
+        overlong="drop",
+        skip_bad_rows=False,
+        dataset_name_or_path=args.data,
+    )
     ours, _ = tokenize_preferences(rows, tokenizer, cfg)
     for e, t in zip(ours, trainer.train_dataset):
-        assert t["prompt_ids"] + t["chosen_ids"] == e["chosen_ids"] and t["prompt_ids"] + t["rejected_ids"] == e["rejected_ids"]
+        assert (
+            t["prompt_ids"] + t["chosen_ids"] == e["chosen_ids"]
+            and t["prompt_ids"] + t["rejected_ids"] == e["rejected_ids"]
+        )
         assert len(t["prompt_ids"]) == e["prompt_len"]
     trainer.train()
     pairs = (args.steps - args.warmup) * args.batch_size
-    return {"pairs_per_second": pairs / (marks["t1"] - marks["t0"]), "cpu_pairs_per_second": pairs / (marks["cpu1"] - marks["cpu0"]),
-            "final_loss": losses[-1] if losses else float("nan"),
-            "rss_before_train_mb": marks["rss_before_train_mb"], **({"reference_pass_s": marks["reference_pass_s"]} if precompute else {})}
+    return {
+        "pairs_per_second": pairs / (marks["t1"] - marks["t0"]),
+        "cpu_pairs_per_second": pairs / (marks["cpu1"] - marks["cpu0"]),
+        "final_loss": losses[-1] if losses else float("nan"),
+        "rss_before_train_mb": marks["rss_before_train_mb"],
+        **({"reference_pass_s": marks["reference_pass_s"]} if precompute else {}),
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -179,15 +246,40 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def spawn(kind: str, model: str, data: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch_size", str(args.batch_size),
-           "--learning_rate", str(args.learning_rate), "--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch_size",
+        str(args.batch_size),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise SystemExit(
+            f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -199,7 +291,9 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=8, help="pairs per optimizer step")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker, same for all (0: torch default)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per worker, same for all (0: torch default)"
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -215,38 +309,69 @@ def main() -> None:
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_dpo_")
     data = write_jsonl(os.path.join(work, "prefs.jsonl"), preference_rows(args.steps * args.batch_size, seed=0))
-    print(f"{args.steps} steps x {args.batch_size} pairs (synthetic arithmetic preferences, ~70 tokens per sequence), "
-          f"timed after {args.warmup} warm-up steps; sigmoid DPO beta {BETA}, fp32, no activation checkpointing, "
-          f"{args.threads or 'default'} torch thread(s) per run; {args.repeats} alternating repeats")
+    print(
+        f"{args.steps} steps x {args.batch_size} pairs (synthetic arithmetic preferences, ~70 tokens per sequence), "
+        f"timed after {args.warmup} warm-up steps; sigmoid DPO beta {BETA}, fp32, no activation checkpointing, "
+        f"{args.threads or 'default'} torch thread(s) per run; {args.repeats} alternating repeats"
+    )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)["causal_lm"]
+        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
+            "causal_lm"
+        ]
         runs: dict[str, list[dict]] = {k: [] for k in KINDS}
         for _ in range(args.repeats):
             for kind in KINDS:
                 r = spawn(kind, model, data, args)
                 runs[kind].append(r)
-                print(f"  hidden {hidden:>4} {kind:>7}: {r['pairs_per_second']:7.1f} pairs/s wall, {r['cpu_pairs_per_second']:7.1f} per "
-                      f"CPU-second, peak RSS {r['peak_rss_mb']:6.0f} MB, final loss {r['final_loss']:.4f}", flush=True)
+                print(
+                    f"  hidden {hidden:>4} {kind:>7}: {r['pairs_per_second']:7.1f} pairs/s wall, "
+                    f"{r['cpu_pairs_per_second']:7.1f} per "
+                    f"CPU-second, peak RSS {r['peak_rss_mb']:6.0f} MB, final loss {r['final_loss']:.4f}",
+                    flush=True,
+                )
         med = lambda kind, key: statistics.median(r[key] for r in runs[kind])  # noqa: E731
         ratio = lambda t, key: [o[key] / x[key] for o, x in zip(runs["ours"], runs[t])]  # noqa: E731
-        summary.append((hidden, {(k, m): med(k, m) for k in KINDS for m in ("pairs_per_second", "cpu_pairs_per_second", "peak_rss_mb")},
-                        {(t, m): ratio(t, m) for t in ("trl", "trl_pre") for m in ("pairs_per_second", "cpu_pairs_per_second")},
-                        {k: med(k, "reference_pass_s") for k in ("ours", "trl_pre")}))
+        summary.append(
+            (
+                hidden,
+                {(k, m): med(k, m) for k in KINDS for m in ("pairs_per_second", "cpu_pairs_per_second", "peak_rss_mb")},
+                {(t, m): ratio(t, m) for t in ("trl", "trl_pre") for m in ("pairs_per_second", "cpu_pairs_per_second")},
+                {k: med(k, "reference_pass_s") for k in ("ours", "trl_pre")},
+            )
+        )
 
-    print("\nSpeed ratio ours:TRL = pairs/s of open_instruct/dpo.py over TRL's (median; per repeat in brackets). 'wall' is "
-          "elapsed time, 'cpu' the process's CPU time over the same steps (single-threaded runs: robust when the machine is shared).")
-    print("hidden  measure  pairs/s ours / trl / trl_pre    ours:trl              ours:trl_pre          peak RSS MB ours / trl / trl_pre")
+    print(
+        "\nSpeed ratio ours:TRL = pairs/s of open_instruct/dpo.py over TRL's (median; per repeat in brackets). "
+        "'wall' is "
+        "elapsed time, 'cpu' the process's CPU time over the same steps (single-threaded runs: robust when the "
+        "machine is shared)."
+    )
+    print(
+        "hidden  measure  pairs/s ours / trl / trl_pre    ours:trl              ours:trl_pre          peak RSS MB "
+        "ours / trl / trl_pre"
+    )
     for hidden, med_, ratios, _ in summary:
         for m, label in (("pairs_per_second", "wall"), ("cpu_pairs_per_second", "cpu")):
             r1, r2 = ratios[("trl", m)], ratios[("trl_pre", m)]
-            mem = f"{med_[('ours', 'peak_rss_mb')]:6.0f} / {med_[('trl', 'peak_rss_mb')]:6.0f} / {med_[('trl_pre', 'peak_rss_mb')]:6.0f}" if label == "wall" else ""
-            print(f"{hidden:>6}  {label:>7}  {med_[('ours', m)]:6.1f} / {med_[('trl', m)]:6.1f} / {med_[('trl_pre', m)]:6.1f}    "
-                  f"{statistics.median(r1):5.2f}x ({', '.join(f'{x:.2f}' for x in r1):<12}) "
-                  f"{statistics.median(r2):5.2f}x ({', '.join(f'{x:.2f}' for x in r2):<12}) {mem}")
+            mem = (
+                f"{med_[('ours', 'peak_rss_mb')]:6.0f} / {med_[('trl', 'peak_rss_mb')]:6.0f} / "
+                f"{med_[('trl_pre', 'peak_rss_mb')]:6.0f}"
+                if label == "wall"
+                else ""
+            )
+            print(
+                f"{hidden:>6}  {label:>7}  {med_[('ours', m)]:6.1f} / {med_[('trl', m)]:6.1f} / "
+                f"{med_[('trl_pre', m)]:6.1f}    "
+                f"{statistics.median(r1):5.2f}x ({', '.join(f'{x:.2f}' for x in r1):<12}) "
+                f"{statistics.median(r2):5.2f}x ({', '.join(f'{x:.2f}' for x in r2):<12}) {mem}"
+            )
     for hidden, _, _, ref in summary:
-        print(f"one-off reference pass over {args.steps * args.batch_size} pairs, hidden {hidden}: ours {ref['ours']:.2f}s "
-              f"(computed and cached on disk), trl_pre {ref['trl_pre']:.2f}s (precompute_ref_log_probs)")
+        print(
+            f"one-off reference pass over {args.steps * args.batch_size} pairs, hidden {hidden}: ours "
+            f"{ref['ours']:.2f}s "
+            f"(computed and cached on disk), trl_pre {ref['trl_pre']:.2f}s (precompute_ref_log_probs)"
+        )
 
 
 if __name__ == "__main__":

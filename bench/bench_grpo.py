@@ -50,18 +50,65 @@ def run_ours(model: str, data: str, out_dir: str, steps: int) -> dict:
             stamps.append(time.perf_counter())
 
     tracking.MetricsLogger.log = log
-    rlvr_ppo.main([
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-        "--algo", "grpo", "--model_name_or_path", model, "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data,
-        "--output_dir", out_dir, "--eval_steps", "100000", "--max_eval_samples", "8", "--checkpointing_steps", "100000",  # eval: before/after the timed steps
-        "--save_final_model", "false", "--num_samples_logged", "0", "--logging_steps", "1",
-        "--num_samples_per_prompt", str(GROUP), "--local_rollout_batch_size", str(PROMPTS_PER_STEP),
-        "--per_device_train_batch_size", str(GROUP * PROMPTS_PER_STEP // 2), "--gradient_accumulation_steps", "2",
-        "--num_epochs", "1", "--total_episodes", str(steps * GROUP * PROMPTS_PER_STEP),
-        "--response_length", str(COMPLETION_TOKENS), "--temperature", "1.0", "--top_p", "1.0",
-        "--beta", str(BETA), "--kl_estimator", "k3", "--learning_rate", str(LR), "--lr_scheduler_type", "constant",
-        "--verification_reward", "1.0", "--non_stop_penalty", "0", "--seed", str(SEED),
-    ])
+    rlvr_ppo.main(
+        [
+            os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
+            "--algo",
+            "grpo",
+            "--model_name_or_path",
+            model,
+            "--dataset_name_or_path",
+            data,
+            "--eval_dataset_name_or_path",
+            data,
+            "--output_dir",
+            out_dir,
+            "--eval_steps",
+            "100000",
+            "--max_eval_samples",
+            "8",
+            "--checkpointing_steps",
+            "100000",  # eval: before/after the timed steps
+            "--save_final_model",
+            "false",
+            "--num_samples_logged",
+            "0",
+            "--logging_steps",
+            "1",
+            "--num_samples_per_prompt",
+            str(GROUP),
+            "--local_rollout_batch_size",
+            str(PROMPTS_PER_STEP),
+            "--per_device_train_batch_size",
+            str(GROUP * PROMPTS_PER_STEP // 2),
+            "--gradient_accumulation_steps",
+            "2",
+            "--num_epochs",
+            "1",
+            "--total_episodes",
+            str(steps * GROUP * PROMPTS_PER_STEP),
+            "--response_length",
+            str(COMPLETION_TOKENS),
+            "--temperature",
+            "1.0",
+            "--top_p",
+            "1.0",
+            "--beta",
+            str(BETA),
+            "--kl_estimator",
+            "k3",
+            "--learning_rate",
+            str(LR),
+            "--lr_scheduler_type",
+            "constant",
+            "--verification_reward",
+            "1.0",
+            "--non_stop_penalty",
+            "0",
+            "--seed",
+            str(SEED),
+        ]
+    )
     return {"stamps": stamps}
 
 
@@ -86,16 +133,44 @@ def run_trl(model: str, data: str, out_dir: str, steps: int) -> dict:
             stamps.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir=out_dir, report_to="none", save_strategy="no", logging_steps=1, max_steps=steps, seed=SEED,
-        use_cpu=True, bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
-        per_device_train_batch_size=GROUP * PROMPTS_PER_STEP // 2, gradient_accumulation_steps=2, num_generations=GROUP,
-        num_iterations=1, max_completion_length=COMPLETION_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-        beta=BETA, loss_type="dapo", scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, disable_dropout=True,
+        output_dir=out_dir,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=steps,
+        seed=SEED,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=GROUP * PROMPTS_PER_STEP // 2,
+        gradient_accumulation_steps=2,
+        num_generations=GROUP,
+        num_iterations=1,
+        max_completion_length=COMPLETION_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=BETA,
+        loss_type="dapo",
+        scale_rewards="group",
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        disable_dropout=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype="float32")
-    trainer = GRPOTrainer(model=policy, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Stamp()])
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Stamp()],
+    )
     trainer.train()
     return {"stamps": stamps}
 
@@ -106,19 +181,41 @@ def child(which: str, model: str, data: str, out_dir: str, steps: int) -> None:
     if len(stamps) != steps:
         raise SystemExit(f"{which}: expected {steps} step timestamps, got {len(stamps)}")
     episodes = (steps - 1) * GROUP * PROMPTS_PER_STEP
-    print("RESULT " + json.dumps({
-        "which": which,
-        "episodes_per_second": episodes / (stamps[-1] - stamps[0]),
-        "seconds_per_step": (stamps[-1] - stamps[0]) / (steps - 1),
-        "peak_rss_mb": peak_rss_mb(),
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "which": which,
+                "episodes_per_second": episodes / (stamps[-1] - stamps[0]),
+                "seconds_per_step": (stamps[-1] - stamps[0]) / (steps - 1),
+                "peak_rss_mb": peak_rss_mb(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def spawn(which: str, model: str, data: str, root: str, steps: int, env: dict) -> dict:
     out_dir = os.path.join(root, f"{which}_{time.time_ns()}")
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", which, "--model", model, "--data", data, "--out_dir", out_dir, "--steps", str(steps)],
-        cwd=REPO, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            which,
+            "--model",
+            model,
+            "--data",
+            data,
+            "--out_dir",
+            out_dir,
+            "--steps",
+            str(steps),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -129,9 +226,13 @@ def spawn(which: str, model: str, data: str, root: str, steps: int, env: dict) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per trainer (the first is not timed)")
-    parser.add_argument("--repeats", type=int, default=1, help="alternate runs per trainer; the best of each is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="alternate runs per trainer; the best of each is reported"
+    )
     parser.add_argument("--min_ratio", type=float, default=None, help="exit 1 if ours/TRL episodes/s is below this")
-    parser.add_argument("--threads", type=int, default=1, help="OMP threads per trainer (tiny models are overhead-bound)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="OMP threads per trainer (tiny models are overhead-bound)"
+    )
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -146,11 +247,19 @@ def main() -> None:
     from demo import synthetic
     from demo.tiny import save_tiny_models
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONPATH": REPO,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as root:
         model = save_tiny_models(os.path.join(root, "models"))["causal_lm"]
-        data = synthetic.write_jsonl(os.path.join(root, "rl.jsonl"), synthetic.rl_rows(PROMPTS_PER_STEP * args.steps * 2, seed=4))
+        data = synthetic.write_jsonl(
+            os.path.join(root, "rl.jsonl"), synthetic.rl_rows(PROMPTS_PER_STEP * args.steps * 2, seed=4)
+        )
         results: dict[str, list[dict]] = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for which in ("ours", "trl"):
@@ -158,7 +267,10 @@ def main() -> None:
                 print(f"  {which}: {results[which][-1]['episodes_per_second']:.1f} episodes/s", flush=True)
     best = {w: max(rs, key=lambda r: r["episodes_per_second"]) for w, rs in results.items()}
     ratio = best["ours"]["episodes_per_second"] / best["trl"]["episodes_per_second"]
-    print(f"\nGRPO, tiny Llama, {PROMPTS_PER_STEP} prompts x {GROUP} completions x {COMPLETION_TOKENS} tokens per step, {args.steps} steps, {args.threads} thread(s)")
+    print(
+        f"\nGRPO, tiny Llama, {PROMPTS_PER_STEP} prompts x {GROUP} completions x {COMPLETION_TOKENS} tokens per "
+        f"step, {args.steps} steps, {args.threads} thread(s)"
+    )
     print(f"{'trainer':<10}{'episodes/s':>12}{'s/step':>10}{'peak RSS MB':>14}")
     for which, name in (("ours", "ours"), ("trl", "TRL 1.16")):
         r = best[which]

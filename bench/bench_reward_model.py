@@ -102,21 +102,48 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     runtime.Throughput = MarkedThroughput
     out = tempfile.mkdtemp(prefix="bench_rm_ours_")
-    reward_model.main([
-        "--model_name_or_path", args.model, "--dataset_name_or_path", args.data, "--output_dir", out,
-        "--max_seq_length", "1024", "--per_device_train_batch_size", str(args.batch_size),
-        "--gradient_accumulation_steps", "1", "--total_episodes", str(args.steps * args.batch_size),
-        "--learning_rate", str(args.learning_rate), "--lr_scheduler_type", "linear", "--max_grad_norm", "1.0",
-        "--logging_steps", str(args.warmup), "--save_final_model", "false", "--seed", "1",
-    ])
+    reward_model.main(
+        [
+            "--model_name_or_path",
+            args.model,
+            "--dataset_name_or_path",
+            args.data,
+            "--output_dir",
+            out,
+            "--max_seq_length",
+            "1024",
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--gradient_accumulation_steps",
+            "1",
+            "--total_episodes",
+            str(args.steps * args.batch_size),
+            "--learning_rate",
+            str(args.learning_rate),
+            "--lr_scheduler_type",
+            "linear",
+            "--max_grad_norm",
+            "1.0",
+            "--logging_steps",
+            str(args.warmup),
+            "--save_final_model",
+            "false",
+            "--seed",
+            "1",
+        ]
+    )
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "train/loss" in r]
     shutil.rmtree(out, ignore_errors=True)
     (w0, c0), (w1, c1) = marks["reports"][0], marks["reports"][-1]
     pairs = (args.steps - args.warmup) * args.batch_size
     logged = pairs / sum(args.warmup * args.batch_size / r["perf/episodes_per_second"] for r in rows[1:])
-    return {"pairs_per_second": pairs / (w1 - w0), "pairs_per_cpu_second": pairs / (c1 - c0),
-            "logged_pairs_per_second": logged, "final_loss": rows[-1]["train/loss"],
-            **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")}}
+    return {
+        "pairs_per_second": pairs / (w1 - w0),
+        "pairs_per_cpu_second": pairs / (c1 - c0),
+        "logged_pairs_per_second": logged,
+        "final_loss": rows[-1]["train/loss"],
+        **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")},
+    }
 
 
 def run_trl(args: argparse.Namespace) -> dict:
@@ -129,10 +156,19 @@ def run_trl(args: argparse.Namespace) -> dict:
     from open_instruct.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    cfg = argparse.Namespace(chosen_column="chosen", rejected_column="rejected", prompt_column="prompt",
-                             max_seq_length=1024, overlong="drop", skip_bad_rows=False, dataset_name_or_path=args.data)
+    cfg = argparse.Namespace(
+        chosen_column="chosen",
+        rejected_column="rejected",
+        prompt_column="prompt",
+        max_seq_length=1024,
+        overlong="drop",
+        skip_bad_rows=False,
+        dataset_name_or_path=args.data,
+    )
     examples, _ = tokenize_preferences(load_rows(args.data), tokenizer, cfg)
-    train = datasets.Dataset.from_list([{"chosen_ids": e["chosen_ids"], "rejected_ids": e["rejected_ids"]} for e in examples])
+    train = datasets.Dataset.from_list(
+        [{"chosen_ids": e["chosen_ids"], "rejected_ids": e["rejected_ids"]} for e in examples]
+    )
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1, dtype=torch.float32)
 
     marks: dict[Any, Any] = {}
@@ -151,21 +187,41 @@ def run_trl(args: argparse.Namespace) -> dict:
                 losses.append(logs["loss"])
 
     config = RewardConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_rm_trl_"), per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.learning_rate,
-        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
-        max_length=1024, logging_steps=args.warmup, save_strategy="no", eval_strategy="no", report_to=[],
-        dataloader_num_workers=0, seed=1, disable_tqdm=False,
+        output_dir=tempfile.mkdtemp(prefix="bench_rm_trl_"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=not torch.cuda.is_available(),
+        max_length=1024,
+        logging_steps=args.warmup,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        seed=1,
+        disable_tqdm=False,
     )
-    trainer = RewardTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
+    trainer = RewardTrainer(
+        model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()]
+    )
     trainer.train()
     shutil.rmtree(config.output_dir, ignore_errors=True)
     (w0, c0), (w1, c1) = marks[args.warmup], marks[args.steps]
     pairs = (args.steps - args.warmup) * args.batch_size
-    return {"pairs_per_second": pairs / (w1 - w0), "pairs_per_cpu_second": pairs / (c1 - c0),
-            "final_loss": losses[-1] if losses else float("nan"),
-            **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")}}
+    return {
+        "pairs_per_second": pairs / (w1 - w0),
+        "pairs_per_cpu_second": pairs / (c1 - c0),
+        "final_loss": losses[-1] if losses else float("nan"),
+        **{k: marks[k] for k in ("rss_before_train_mb", "startup_peak_mb")},
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -190,7 +246,10 @@ def fixed_length_pairs(n: int, prompt_chars: int, reply_chars: int, seed: int = 
 
     rng = random.Random(seed)
     text = lambda k: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(k))  # noqa: E731
-    return [{"id": i, "prompt": text(prompt_chars), "chosen": text(reply_chars), "rejected": text(reply_chars)} for i in range(n)]
+    return [
+        {"id": i, "prompt": text(prompt_chars), "chosen": text(reply_chars), "rejected": text(reply_chars)}
+        for i in range(n)
+    ]
 
 
 def spawn(kind: str, model: str, data: str, args: argparse.Namespace, memory: bool = False) -> dict:
@@ -200,17 +259,40 @@ def spawn(kind: str, model: str, data: str, args: argparse.Namespace, memory: bo
     measured growth (the same loop: 226-232 MB vs 142 MB). It also slows every step (page faults), hence separate
     runs for speed (default malloc) and memory."""
     steps = 2 * args.warmup if memory else args.steps
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--model", model, "--data", data,
-           "--steps", str(steps), "--warmup", str(args.warmup), "--batch_size", str(args.batch_size),
-           "--learning_rate", str(args.learning_rate), "--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        kind,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch_size",
+        str(args.batch_size),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": REPO,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -224,7 +306,9 @@ def main() -> None:
     parser.add_argument("--prompt_chars", type=int, default=120, help="prompt length in tokens (one per character)")
     parser.add_argument("--reply_chars", type=int, default=60, help="chosen/rejected reply length in tokens")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (0: torch default; see the module doc)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per worker (0: torch default; see the module doc)"
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -241,25 +325,36 @@ def main() -> None:
     work = args.workdir or tempfile.mkdtemp(prefix="bench_rm_")
     rows = fixed_length_pairs(args.steps * args.batch_size, args.prompt_chars, args.reply_chars)
     data = write_jsonl(os.path.join(work, "prefs.jsonl"), rows)
-    print(f"{args.steps} steps x {args.batch_size} pairs, every sequence {args.prompt_chars + args.reply_chars + 8} tokens "
-          f"({args.prompt_chars}-token prompt, {args.reply_chars}-token reply, chat markup); timed after {args.warmup} "
-          f"warm-up steps; fp32, no activation checkpointing, {args.threads or 'default'} torch thread(s); "
-          f"{args.repeats} alternating repeats")
+    print(
+        f"{args.steps} steps x {args.batch_size} pairs, every sequence {args.prompt_chars + args.reply_chars + 8} "
+        "tokens "
+        f"({args.prompt_chars}-token prompt, {args.reply_chars}-token reply, chat markup); timed after {args.warmup} "
+        f"warm-up steps; fp32, no activation checkpointing, {args.threads or 'default'} torch thread(s); "
+        f"{args.repeats} alternating repeats"
+    )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)["seq_cls"]
+        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
+            "seq_cls"
+        ]
         runs: dict[str, list[dict]] = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for kind in ("ours", "trl"):
                 r = spawn(kind, model, data, args)
                 runs[kind].append(r)
                 own = f" (its own meter: {r['logged_pairs_per_second']:.1f})" if "logged_pairs_per_second" in r else ""
-                print(f"  hidden {hidden:>4} {kind:>4}: {r['pairs_per_second']:6.1f} pairs/s{own}, "
-                      f"{r['pairs_per_cpu_second']:6.1f} pairs/CPU-s, final loss {r['final_loss']:.4f}", flush=True)
+                print(
+                    f"  hidden {hidden:>4} {kind:>4}: {r['pairs_per_second']:6.1f} pairs/s{own}, "
+                    f"{r['pairs_per_cpu_second']:6.1f} pairs/CPU-s, final loss {r['final_loss']:.4f}",
+                    flush=True,
+                )
         mem = {kind: spawn(kind, model, data, args, memory=True) for kind in ("ours", "trl")}
         for kind, r in mem.items():
-            print(f"  hidden {hidden:>4} {kind:>4}: peak RSS {r['peak_rss_mb']:5.0f} MB, RSS before training "
-                  f"{r['rss_before_train_mb']:5.0f} MB, growth in training {r['train_growth_mb']:.0f} MB", flush=True)
+            print(
+                f"  hidden {hidden:>4} {kind:>4}: peak RSS {r['peak_rss_mb']:5.0f} MB, RSS before training "
+                f"{r['rss_before_train_mb']:5.0f} MB, growth in training {r['train_growth_mb']:.0f} MB",
+                flush=True,
+            )
         row: dict[str, Any] = {"hidden": hidden, "mem": mem}
         for key in ("pairs_per_second", "pairs_per_cpu_second"):
             ratios = [o[key] / t[key] for o, t in zip(runs["ours"], runs["trl"])]
@@ -269,12 +364,15 @@ def main() -> None:
     print("\nours / TRL (speed: median ratio over repeats, each repeat in brackets)")
     for row in summary:
         wall, cpu, mem = row["pairs_per_second"], row["pairs_per_cpu_second"], row["mem"]
-        print(f"  hidden {row['hidden']:>4}: speed {wall[0]:.2f}x wall ({', '.join(f'{x:.2f}' for x in wall[1])}), "
-              f"{cpu[0]:.2f}x per CPU-second ({', '.join(f'{x:.2f}' for x in cpu[1])}); "
-              f"peak RSS {mem['ours']['peak_rss_mb']:.0f} / {mem['trl']['peak_rss_mb']:.0f} MB, "
-              f"growth in training {mem['ours']['train_growth_mb']:.0f} / {mem['trl']['train_growth_mb']:.0f} MB")
+        print(
+            f"  hidden {row['hidden']:>4}: speed {wall[0]:.2f}x wall ({', '.join(f'{x:.2f}' for x in wall[1])}), "
+            f"{cpu[0]:.2f}x per CPU-second ({', '.join(f'{x:.2f}' for x in cpu[1])}); "
+            f"peak RSS {mem['ours']['peak_rss_mb']:.0f} / {mem['trl']['peak_rss_mb']:.0f} MB, "
+            f"growth in training {mem['ours']['train_growth_mb']:.0f} / {mem['trl']['train_growth_mb']:.0f} MB"
+        )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

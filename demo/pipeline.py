@@ -10,7 +10,7 @@ built from random weights by demo.tiny, so the base model knows nothing.
 
 Every stage is a real run of a real script with a recipe from configs/demo/, exactly what you would type:
 
-    python open_instruct/sft.py          configs/demo/sft.yaml  --model_name_or_path <base>        --output_dir <out>/sft
+    python open_instruct/sft.py          configs/demo/sft.yaml  --model_name_or_path <base>      --output_dir <out>/sft
     python open_instruct/reward_model.py configs/demo/rm.yaml   --model_name_or_path <out>/sft/final_model ...
     python open_instruct/dpo.py          configs/demo/dpo.yaml  --model_name_or_path <out>/sft/final_model ...
     python open_instruct/rlvr_ppo.py     configs/demo/rlvr.yaml --model_name_or_path <out>/dpo/final_model ...
@@ -123,8 +123,15 @@ def held_out_accuracy(
     tokenizer.padding_side = "left"
     model = load_causal_lm(model_path, torch.float32, gguf_file)
     examples = load_prompts(data_path, tokenizer)
-    summary, predictions = evaluate_verifiable(model, tokenizer, examples, max_new_tokens=max_new_tokens, temperature=0.0,
-                                               stop_strings=stop_strings, batch_size=batch_size)
+    summary, predictions = evaluate_verifiable(
+        model,
+        tokenizer,
+        examples,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        stop_strings=stop_strings,
+        batch_size=batch_size,
+    )
     summary["seconds"] = time.time() - start
     summary["cpu_seconds"] = time.process_time() - cpu_start
     summary["model"] = model_path if not gguf_file else os.path.join(model_path, gguf_file)
@@ -142,6 +149,7 @@ def paired_change(before_dir: str, after_dir: str) -> dict[str, Any]:
     broken (right -> wrong), with the exact two-sided sign-test p-value on those discordant problems (McNemar).
 
     A gain is only worth reporting when fixed clearly outnumbers broken; the p-value says how clearly."""
+
     def load(d: str) -> dict[int, bool]:
         with open(os.path.join(d, "predictions.jsonl")) as f:
             return {r["row"]: bool(r["correct"]) for r in map(json.loads, f)}
@@ -184,10 +192,29 @@ class Stage:
 
 STAGES = [
     Stage("sft", "SFT", "sft.py", "sft.yaml", "base", "sft_train", "sft_eval"),
-    Stage("rm", "reward model", "reward_model.py", "rm.yaml", "sft", "pref_train", "pref_eval", {"total_episodes": 4000},
-          note="transformers' load report below is expected: the SFT model's lm_head is dropped, a new `score` head is added"),
+    Stage(
+        "rm",
+        "reward model",
+        "reward_model.py",
+        "rm.yaml",
+        "sft",
+        "pref_train",
+        "pref_eval",
+        {"total_episodes": 4000},
+        note="transformers' load report below is expected: the SFT model's lm_head is dropped, "
+        "a new `score` head is added",
+    ),
     Stage("dpo", "DPO", "dpo.py", "dpo.yaml", "sft", "pref_train", "pref_eval"),
-    Stage("rlvr", "RLVR", "rlvr_ppo.py", "rlvr.yaml", "dpo", "rl_train", "rl_valid", {"total_episodes": 7680, "eval_steps": 5}),
+    Stage(
+        "rlvr",
+        "RLVR",
+        "rlvr_ppo.py",
+        "rlvr.yaml",
+        "dpo",
+        "rl_train",
+        "rl_valid",
+        {"total_episodes": 7680, "eval_steps": 5},
+    ),
 ]
 POLICIES = ["base", "sft", "dpo", "rlvr"]  # the rows of the accuracy table, in pipeline order
 
@@ -210,9 +237,19 @@ def write_data(data_dir: str, seed: int, n_train: int, n_valid: int, n_test: int
 
 
 def stage_command(stage: Stage, init_path: str, files: dict[str, str], out: str, quick: bool) -> list[str]:
-    cmd = [sys.executable, os.path.join("open_instruct", stage.script), os.path.join("configs", "demo", stage.recipe),
-           "--model_name_or_path", init_path, "--dataset_name_or_path", files[stage.train],
-           "--eval_dataset_name_or_path", files[stage.eval], "--output_dir", os.path.join(out, stage.name)]
+    cmd = [
+        sys.executable,
+        os.path.join("open_instruct", stage.script),
+        os.path.join("configs", "demo", stage.recipe),
+        "--model_name_or_path",
+        init_path,
+        "--dataset_name_or_path",
+        files[stage.train],
+        "--eval_dataset_name_or_path",
+        files[stage.eval],
+        "--output_dir",
+        os.path.join(out, stage.name),
+    ]
     if quick:
         for k, v in stage.quick.items():
             cmd += [f"--{k}", str(v)]
@@ -230,8 +267,15 @@ def reward_model_accuracy(model_path: str, data_path: str, out_dir: str) -> dict
     from open_instruct.models import load_sequence_classifier, load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
-    cfg = SimpleNamespace(chosen_column="chosen", rejected_column="rejected", prompt_column="prompt", max_seq_length=128,
-                          overlong="drop", skip_bad_rows=False, dataset_name_or_path=data_path)
+    cfg = SimpleNamespace(
+        chosen_column="chosen",
+        rejected_column="rejected",
+        prompt_column="prompt",
+        max_seq_length=128,
+        overlong="drop",
+        skip_bad_rows=False,
+        dataset_name_or_path=data_path,
+    )
     examples, _ = tokenize_preferences(load_rows(data_path, "test"), tokenizer, cfg)
     model = load_sequence_classifier(model_path, torch.float32, pad_token_id=tokenizer.pad_token_id)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -252,17 +296,25 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--n_test", type=int, default=1000, help="held-out problems in the accuracy table")
-    parser.add_argument("--num_threads", type=int, default=1,
-                        help="torch threads per stage (tiny models are overhead-bound: 1 is fastest on a busy machine)")
+    parser.add_argument(
+        "--num_threads",
+        type=int,
+        default=1,
+        help="torch threads per stage (tiny models are overhead-bound: 1 is fastest on a busy machine)",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
     args = parser.parse_args(argv)
     if args.hidden_size < 8 or args.hidden_size % 4 or args.num_layers < 1 or args.n_test < 1 or args.num_threads < 1:
-        parser.error("--hidden_size must be a multiple of 4 (4 attention heads) and >= 8; --num_layers, --n_test and "
-                     "--num_threads must be >= 1")
+        parser.error(
+            "--hidden_size must be a multiple of 4 (4 attention heads) and >= 8; --num_layers, --n_test and "
+            "--num_threads must be >= 1"
+        )
     out = os.path.abspath(args.output_dir)
     marker = os.path.join(out, ".demo_output")
     if os.path.isdir(out) and os.listdir(out) and not os.path.exists(marker):
-        raise DemoError(f"--output_dir {out} exists and was not written by the demo: it would be replaced; choose another folder")
+        raise DemoError(
+            f"--output_dir {out} exists and was not written by the demo: it would be replaced; choose another folder"
+        )
 
     import shutil
 
@@ -278,8 +330,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     torch.set_num_threads(args.num_threads)
     env = script_env(args.num_threads)
     mode = "quick" if args.quick else "full"
-    print(f"demo ({mode}): SFT -> reward model -> DPO -> RLVR on a tiny Llama (hidden {args.hidden_size}, {args.num_layers} layers)"
-          f"\noutput: {out}\n", flush=True)
+    print(
+        f"demo ({mode}): SFT -> reward model -> DPO -> RLVR on a tiny Llama (hidden {args.hidden_size}, "
+        f"{args.num_layers} layers)"
+        f"\noutput: {out}\n",
+        flush=True,
+    )
 
     from demo.tiny import save_tiny_models
 
@@ -290,22 +346,32 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     finals = {"base": base}
 
     for i, stage in enumerate(STAGES, 1):
-        print(f"\n== [{i}/{len(STAGES)}] {stage.title}: open_instruct/{stage.script} configs/demo/{stage.recipe} "
-              f"(from {stage.init})", flush=True)
+        print(
+            f"\n== [{i}/{len(STAGES)}] {stage.title}: open_instruct/{stage.script} configs/demo/{stage.recipe} "
+            f"(from {stage.init})",
+            flush=True,
+        )
         if stage.note:
             print(f"   ({stage.note})", flush=True)
         cmd = stage_command(stage, finals[stage.init], files, out, args.quick)
-        timings[stage.name], cpu[stage.name] = run_script(cmd, os.path.join(out, "logs", f"{stage.name}.log"), env, echo=not args.quiet)
+        timings[stage.name], cpu[stage.name] = run_script(
+            cmd, os.path.join(out, "logs", f"{stage.name}.log"), env, echo=not args.quiet
+        )
         finals[stage.name] = os.path.join(out, stage.name, "final_model")
         if not os.path.isdir(finals[stage.name]):
             raise DemoError(f"{stage.title} finished without writing {finals[stage.name]}")
-        print(f"   {stage.title} done in {fmt_seconds(timings[stage.name])} (CPU time {fmt_seconds(cpu[stage.name])})", flush=True)
+        print(
+            f"   {stage.title} done in {fmt_seconds(timings[stage.name])} (CPU time {fmt_seconds(cpu[stage.name])})",
+            flush=True,
+        )
 
     print(f"\n== held-out evaluation: {args.n_test} problems no stage trained or validated on (greedy)", flush=True)
     t_eval, cpu_eval = time.time(), time.process_time()
     accuracy = {}
     for name in POLICIES:
-        accuracy[name] = held_out_accuracy(finals[name], files["test"], os.path.join(out, "eval", name), max_new_tokens=16, batch_size=100)
+        accuracy[name] = held_out_accuracy(
+            finals[name], files["test"], os.path.join(out, "eval", name), max_new_tokens=16, batch_size=100
+        )
         print(f"   {name:<5} {fmt_acc(accuracy[name])}", flush=True)
     rm = reward_model_accuracy(finals["rm"], files["pref_test"], os.path.join(out, "eval", "rm"))
     print(f"   reward model: {rm['accuracy']:.1%} of {rm['total']} held-out pairs ranked right", flush=True)
@@ -340,7 +406,9 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
     m = {s.name: read_metrics(os.path.join(out, s.name)) for s in STAGES}
     paths = {}
 
-    def draw(ax: Any, rows: list[dict[str, Any]], keys: Sequence[tuple[str, str]], x: str, title: str, ylabel: str = "") -> None:
+    def draw(
+        ax: Any, rows: list[dict[str, Any]], keys: Sequence[tuple[str, str]], x: str, title: str, ylabel: str = ""
+    ) -> None:
         for key, label in keys:
             xs, ys = _series(rows, key, x)
             if xs:
@@ -354,31 +422,90 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
             ax.legend(fontsize=8)
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    draw(axes[0], m["sft"], [("train/loss", "train"), ("eval/loss", "held-out")], "optimizer_step", "SFT: token cross-entropy", "loss")
-    draw(axes[1], m["rm"], [("train/loss", "train"), ("eval/loss", "held-out")], "optimizer_step", "reward model: Bradley-Terry loss")
+    draw(
+        axes[0],
+        m["sft"],
+        [("train/loss", "train"), ("eval/loss", "held-out")],
+        "optimizer_step",
+        "SFT: token cross-entropy",
+        "loss",
+    )
+    draw(
+        axes[1],
+        m["rm"],
+        [("train/loss", "train"), ("eval/loss", "held-out")],
+        "optimizer_step",
+        "reward model: Bradley-Terry loss",
+    )
     draw(axes[2], m["dpo"], [("train/loss", "train"), ("eval/loss", "held-out")], "optimizer_step", "DPO: loss")
-    draw(axes[3], m["rlvr"], [("loss/policy", "policy (clipped surrogate)"), ("loss/kl", "KL term"), ("loss/value", "value")],
-         "rollout_step", "RLVR: losses")
+    draw(
+        axes[3],
+        m["rlvr"],
+        [("loss/policy", "policy (clipped surrogate)"), ("loss/kl", "KL term"), ("loss/value", "value")],
+        "rollout_step",
+        "RLVR: losses",
+    )
     fig.tight_layout()
     paths["losses"] = os.path.join(plot_dir, "losses.png")
     fig.savefig(paths["losses"], dpi=110)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    draw(axes[0], m["rm"], [("train/accuracy", "train"), ("eval/accuracy", "held-out")], "optimizer_step", "reward model: pair accuracy")
-    draw(axes[1], m["rm"], [("train/margin", "train"), ("eval/margin", "held-out")], "optimizer_step", "reward model: r(chosen) - r(rejected)")
-    draw(axes[2], m["dpo"], [("train/rewards/accuracy", "train"), ("eval/rewards/accuracy", "held-out")], "optimizer_step", "DPO: implicit reward accuracy")
-    draw(axes[3], m["dpo"], [("train/rewards/margin", "train"), ("eval/rewards/margin", "held-out")], "optimizer_step", "DPO: implicit reward margin")
+    draw(
+        axes[0],
+        m["rm"],
+        [("train/accuracy", "train"), ("eval/accuracy", "held-out")],
+        "optimizer_step",
+        "reward model: pair accuracy",
+    )
+    draw(
+        axes[1],
+        m["rm"],
+        [("train/margin", "train"), ("eval/margin", "held-out")],
+        "optimizer_step",
+        "reward model: r(chosen) - r(rejected)",
+    )
+    draw(
+        axes[2],
+        m["dpo"],
+        [("train/rewards/accuracy", "train"), ("eval/rewards/accuracy", "held-out")],
+        "optimizer_step",
+        "DPO: implicit reward accuracy",
+    )
+    draw(
+        axes[3],
+        m["dpo"],
+        [("train/rewards/margin", "train"), ("eval/rewards/margin", "held-out")],
+        "optimizer_step",
+        "DPO: implicit reward margin",
+    )
     fig.tight_layout()
     paths["preferences"] = os.path.join(plot_dir, "reward_model_and_dpo.png")
     fig.savefig(paths["preferences"], dpi=110)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    draw(axes[0], m["rlvr"], [("train/correct_rate", "rollouts (sampled)"), ("eval/correct_rate", "validation (greedy)")],
-         "rollout_step", "RLVR: correct rate")
-    draw(axes[1], m["rlvr"], [("train/score_mean", "mean score"), ("train/non_stop_rate", "no-stop rate")], "rollout_step", "RLVR: score")
-    draw(axes[2], m["rlvr"], [("train/kl", "KL(policy || start), per sequence")], "rollout_step", "RLVR: KL to the starting policy")
+    draw(
+        axes[0],
+        m["rlvr"],
+        [("train/correct_rate", "rollouts (sampled)"), ("eval/correct_rate", "validation (greedy)")],
+        "rollout_step",
+        "RLVR: correct rate",
+    )
+    draw(
+        axes[1],
+        m["rlvr"],
+        [("train/score_mean", "mean score"), ("train/non_stop_rate", "no-stop rate")],
+        "rollout_step",
+        "RLVR: score",
+    )
+    draw(
+        axes[2],
+        m["rlvr"],
+        [("train/kl", "KL(policy || start), per sequence")],
+        "rollout_step",
+        "RLVR: KL to the starting policy",
+    )
     fig.tight_layout()
     paths["rlvr"] = os.path.join(plot_dir, "rlvr.png")
     fig.savefig(paths["rlvr"], dpi=110)
@@ -387,7 +514,10 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     names = [n for n in POLICIES if n in accuracy]
     acc = [accuracy[n]["accuracy"] for n in names]
-    err = [[a - accuracy[n]["ci95"][0] for n, a in zip(names, acc)], [accuracy[n]["ci95"][1] - a for n, a in zip(names, acc)]]
+    err = [
+        [a - accuracy[n]["ci95"][0] for n, a in zip(names, acc)],
+        [accuracy[n]["ci95"][1] - a for n, a in zip(names, acc)],
+    ]
     ax.bar([n.upper() if n != "base" else "base" for n in names], acc, yerr=err, capsize=4, color="#4c72b0")
     for i, n in enumerate(names):
         ax.text(i, accuracy[n]["ci95"][1] + 0.02, f"{acc[i]:.1%}", ha="center", fontsize=9)
@@ -401,25 +531,48 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
     return paths
 
 
-def write_summary(out: str, args: Any, accuracy: dict[str, dict[str, Any]], rm: dict[str, Any], timings: dict[str, float],
-                  cpu: dict[str, float], plots: dict[str, str], finals: dict[str, str]) -> dict[str, Any]:
+def write_summary(
+    out: str,
+    args: Any,
+    accuracy: dict[str, dict[str, Any]],
+    rm: dict[str, Any],
+    timings: dict[str, float],
+    cpu: dict[str, float],
+    plots: dict[str, str],
+    finals: dict[str, str],
+) -> dict[str, Any]:
     titles = {"base": "base (random init)", "sft": "SFT", "dpo": "DPO (from SFT)", "rlvr": "RLVR (from DPO)"}
     changes = {}
-    lines = [(f"held-out verifiable accuracy: {accuracy['base']['total']} arithmetic problems that no stage trained or "
-              "validated on, greedy decoding (eval.verifiable)"), "",
-             f"  {'policy':<18}{'accuracy':>9}   {'95% CI':<13}  vs the row above (problems fixed / broken, sign-test p)"]
+    lines = [
+        (
+            f"held-out verifiable accuracy: {accuracy['base']['total']} arithmetic problems that no stage trained or "
+            "validated on, greedy decoding (eval.verifiable)"
+        ),
+        "",
+        f"  {'policy':<18}{'accuracy':>9}   {'95% CI':<13}  vs the row above (problems fixed / broken, sign-test p)",
+    ]
     for prev, name in zip([None] + POLICIES[:-1], POLICIES):
         s = accuracy[name]
         vs = ""
         if prev:
             c = changes[name] = paired_change(os.path.join(out, "eval", prev), os.path.join(out, "eval", name))
-            vs = f"{s['accuracy'] - accuracy[prev]['accuracy']:+.1%}  (+{c['fixed']} / -{c['broken']}, p={c['p_value']:.2g})"
+            gain = s["accuracy"] - accuracy[prev]["accuracy"]
+            vs = f"{gain:+.1%}  (+{c['fixed']} / -{c['broken']}, p={c['p_value']:.2g})"
         lines.append(f"  {titles[name]:<18}{s['accuracy']:>9.1%}   {s['ci95'][0]:.1%}-{s['ci95'][1]:.1%}   {vs}")
-    lines += ["", (f"reward model (from SFT): {rm['accuracy']:.1%} of {rm['total']} held-out pairs ranked right "
-                   f"(95% CI {rm['ci95'][0]:.1%}-{rm['ci95'][1]:.1%}; chance 50%), mean margin {rm['mean_margin']:.3f}"), ""]
+    lines += [
+        "",
+        (
+            f"reward model (from SFT): {rm['accuracy']:.1%} of {rm['total']} held-out pairs ranked right "
+            f"(95% CI {rm['ci95'][0]:.1%}-{rm['ci95'][1]:.1%}; chance 50%), mean margin {rm['mean_margin']:.3f}"
+        ),
+        "",
+    ]
     lines.append("wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()))
-    lines.append("CPU time:  " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
-                 + f"  ({os.cpu_count()} cores; wall time grows when other work shares them)")
+    lines.append(
+        "CPU time:  "
+        + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
+        + f"  ({os.cpu_count()} cores; wall time grows when other work shares them)"
+    )
     lines += ["", "artifacts:"]
     artifacts = {
         **{f"{n} model": p for n, p in finals.items() if n != "base"},
@@ -434,15 +587,28 @@ def write_summary(out: str, args: Any, accuracy: dict[str, dict[str, Any]], rm: 
     lines += [f"  {k:<20}{v}" for k, v in artifacts.items()]
     report = "\n".join(lines)
     summary = {
-        "quick": args.quick, "seed": args.seed, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
-        "accuracy": accuracy, "paired_vs_previous": changes, "reward_model": rm, "seconds": timings, "cpu_seconds": cpu,
-        "artifacts": artifacts, "report": report,
+        "quick": args.quick,
+        "seed": args.seed,
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "accuracy": accuracy,
+        "paired_vs_previous": changes,
+        "reward_model": rm,
+        "seconds": timings,
+        "cpu_seconds": cpu,
+        "artifacts": artifacts,
+        "report": report,
     }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model\n\n```\n" + report + "\n```\n\n"
-                + "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items()) + "\n")
+        f.write(
+            "# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model\n\n```\n"
+            + report
+            + "\n```\n\n"
+            + "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items())
+            + "\n"
+        )
     return summary
 
 

@@ -27,7 +27,6 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-
 from demo.pipeline import (
     REPO,
     DemoError,
@@ -55,8 +54,12 @@ def write_prompts(out_dir: str, n_train: int, n_eval: int, max_operand: int, see
         return rows
 
     return {
-        "train": write_jsonl(os.path.join(out_dir, "rl_train.jsonl"), with_instruction(rl_rows(n_train, seed, max_operand))),
-        "eval": write_jsonl(os.path.join(out_dir, "rl_eval.jsonl"), with_instruction(rl_rows(n_eval, seed + 1000, max_operand))),
+        "train": write_jsonl(
+            os.path.join(out_dir, "rl_train.jsonl"), with_instruction(rl_rows(n_train, seed, max_operand))
+        ),
+        "eval": write_jsonl(
+            os.path.join(out_dir, "rl_eval.jsonl"), with_instruction(rl_rows(n_eval, seed + 1000, max_operand))
+        ),
     }
 
 
@@ -77,14 +80,27 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     from eval.offline_models import smollm2_gguf_path
 
-    transformers.utils.logging.disable_progress_bar()  # the GGUF load draws two bars per model; the RLVR run keeps its own
+    # The GGUF load draws two bars per model; the RLVR run keeps its own.
+    transformers.utils.logging.disable_progress_bar()
 
     folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
     out = os.path.abspath(args.output_dir)
     rl_dir = os.path.join(out, "rlvr")
     train_file = os.path.join(out, "data", "rl_train.jsonl")
-    rlvr_args = [RECIPE, "--model_name_or_path", folder, "--gguf_file", gguf_file, "--dataset_name_or_path", train_file,
-                 "--output_dir", rl_dir, "--seed", str(args.seed + 1), *rlvr_overrides]
+    rlvr_args = [
+        RECIPE,
+        "--model_name_or_path",
+        folder,
+        "--gguf_file",
+        gguf_file,
+        "--dataset_name_or_path",
+        train_file,
+        "--output_dir",
+        rl_dir,
+        "--seed",
+        str(args.seed + 1),
+        *rlvr_overrides,
+    ]
     try:  # a typo in an override fails now, not after the first evaluation
         from open_instruct.config import RLVRConfig, parse_config
 
@@ -101,12 +117,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
 
     files = write_prompts(os.path.join(out, "data"), args.n_train, args.n_eval, args.max_operand, args.seed)
-    print(f"prompts: {args.n_train} train, {args.n_eval} held-out, operands 1..{args.max_operand}, '{INSTRUCTION}'", flush=True)
+    print(
+        f"prompts: {args.n_train} train, {args.n_eval} held-out, operands 1..{args.max_operand}, '{INSTRUCTION}'",
+        flush=True,
+    )
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}  # CPU seconds: what the run costs whatever else the machine is doing
 
     print("\n== held-out accuracy before RLVR (greedy, eval.verifiable)", flush=True)
-    before = held_out_accuracy(folder, files["eval"], os.path.join(out, "eval", "before"), gguf_file, args.eval_max_new_tokens)
+    before = held_out_accuracy(
+        folder, files["eval"], os.path.join(out, "eval", "before"), gguf_file, args.eval_max_new_tokens
+    )
     timings["eval before"], cpu["eval before"] = before["seconds"], before["cpu_seconds"]
     print(f"before: {fmt_acc(before)}", flush=True)
 
@@ -122,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     total = time.time() - t0
 
     rows = [r for r in read_metrics(rl_dir) if "train/correct_rate" in r]
-    first, last = rows[: max(1, len(rows) // 4)], rows[-max(1, len(rows) // 4):]
+    first, last = rows[: max(1, len(rows) // 4)], rows[-max(1, len(rows) // 4) :]
     mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / len(rs)  # noqa: E731
     summary = {
         "model": os.path.join(folder, gguf_file),
@@ -144,19 +165,30 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "",
         "| model | held-out accuracy | 95% CI | stopped |",
         "|---|---|---|---|",
-        (f"| before (as shipped) | {before['accuracy']:.1%} ({before['correct']}/{before['total']}) | "
-         f"{before['ci95'][0]:.1%}-{before['ci95'][1]:.1%} | {before['stop_rate']:.0%} |"),
-        (f"| after RLVR | {after['accuracy']:.1%} ({after['correct']}/{after['total']}) | "
-         f"{after['ci95'][0]:.1%}-{after['ci95'][1]:.1%} | {after['stop_rate']:.0%} |"),
+        (
+            f"| before (as shipped) | {before['accuracy']:.1%} ({before['correct']}/{before['total']}) | "
+            f"{before['ci95'][0]:.1%}-{before['ci95'][1]:.1%} | {before['stop_rate']:.0%} |"
+        ),
+        (
+            f"| after RLVR | {after['accuracy']:.1%} ({after['correct']}/{after['total']}) | "
+            f"{after['ci95'][0]:.1%}-{after['ci95'][1]:.1%} | {after['stop_rate']:.0%} |"
+        ),
         "",
-        f"Paired: {change['fixed']} problems fixed, {change['broken']} broken (exact sign test p = {change['p_value']:.3g}).",
+        f"Paired: {change['fixed']} problems fixed, {change['broken']} broken (exact sign test p = "
+        f"{change['p_value']:.3g}).",
     ]
     if rows:
-        lines.append(f"Training correct rate (sampled): {summary['train_correct_rate_first_quarter']:.1%} in the first quarter "
-                     f"of {len(rows)} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter.")
-    lines += ["", "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in summary["seconds"].items()),
-              "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in summary["cpu_seconds"].items()), "",
-              f"RLVR command: `{summary['rlvr_command']}`"]
+        lines.append(
+            f"Training correct rate (sampled): {summary['train_correct_rate_first_quarter']:.1%} in the first quarter "
+            f"of {len(rows)} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter."
+        )
+    lines += [
+        "",
+        "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in summary["seconds"].items()),
+        "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in summary["cpu_seconds"].items()),
+        "",
+        f"RLVR command: `{summary['rlvr_command']}`",
+    ]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -167,7 +199,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"  before RLVR  {fmt_acc(before)}")
     print(f"  after RLVR   {fmt_acc(after)}")
     print(f"  paired: {change['fixed']} fixed, {change['broken']} broken (sign test p = {change['p_value']:.3g})")
-    print(f"wall time {fmt_seconds(total)} (CPU time {fmt_seconds(sum(cpu.values()))}); summary: {os.path.join(out, 'summary.md')}; model: {final}")
+    print(
+        f"wall time {fmt_seconds(total)} (CPU time {fmt_seconds(sum(cpu.values()))}); summary: "
+        f"{os.path.join(out, 'summary.md')}; model: {final}"
+    )
     return summary
 
 

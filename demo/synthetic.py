@@ -44,10 +44,12 @@ def sft_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
         p = make_problem(rng, max_operand)
-        rows.append({"id": f"sft-{seed}-{i}", "messages": [
-            {"role": "user", "content": p["question"]},
-            {"role": "assistant", "content": p["work"]},
-        ]})
+        rows.append(
+            {
+                "id": f"sft-{seed}-{i}",
+                "messages": [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": p["work"]}],
+            }
+        )
     return rows
 
 
@@ -58,11 +60,13 @@ def preference_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, A
     for i in range(n):
         p = make_problem(rng, max_operand)
         prompt = [{"role": "user", "content": p["question"]}]
-        rows.append({
-            "id": f"pref-{seed}-{i}",
-            "chosen": prompt + [{"role": "assistant", "content": p["work"]}],
-            "rejected": prompt + [{"role": "assistant", "content": wrong_work(p, rng)}],
-        })
+        rows.append(
+            {
+                "id": f"pref-{seed}-{i}",
+                "chosen": prompt + [{"role": "assistant", "content": p["work"]}],
+                "rejected": prompt + [{"role": "assistant", "content": wrong_work(p, rng)}],
+            }
+        )
     return rows
 
 
@@ -71,12 +75,14 @@ def rl_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
         p = make_problem(rng, max_operand)
-        rows.append({
-            "id": f"rl-{seed}-{i}",
-            "messages": [{"role": "user", "content": p["question"]}],
-            "ground_truth": str(p["answer"]),
-            "dataset": "arithmetic",
-        })
+        rows.append(
+            {
+                "id": f"rl-{seed}-{i}",
+                "messages": [{"role": "user", "content": p["question"]}],
+                "ground_truth": str(p["answer"]),
+                "dataset": "arithmetic",
+            }
+        )
     return rows
 
 

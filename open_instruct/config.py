@@ -31,7 +31,9 @@ class BaseConfig:
     """Knobs every script shares. Batch terms follow the glossary in open_instruct/batch_math.py."""
 
     # --- what runs
-    script: str = field(default="", metadata={"help": "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo)."})
+    script: str = field(
+        default="", metadata={"help": "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo)."}
+    )
     exp_name: str = "run"
     output_dir: str = "output/run"
     seed: int = 1
@@ -41,19 +43,30 @@ class BaseConfig:
     model_name_or_path: str = ""
     tokenizer_name_or_path: Optional[str] = None
     model_revision: Optional[str] = None
-    gguf_file: Optional[str] = field(default=None, metadata={"help": "Load weights from this GGUF file in the model folder."})
+    gguf_file: Optional[str] = field(
+        default=None, metadata={"help": "Load weights from this GGUF file in the model folder."}
+    )
     trust_remote_code: bool = False
-    chat_template: Optional[str] = field(default=None, metadata={"help": "Jinja chat template to use if the tokenizer has none."})
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "Jinja chat template to use if the tokenizer has none."}
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     activation_checkpointing: bool = False
-    fsdp_cpu_offload: bool = field(default=False, metadata={"help": "Under FSDP: keep parameters, gradients and optimizer state in host memory."})
+    fsdp_cpu_offload: bool = field(
+        default=False, metadata={"help": "Under FSDP: keep parameters, gradients and optimizer state in host memory."}
+    )
 
     # --- data
-    dataset_name_or_path: str = field(default="", metadata={"help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated."})
+    dataset_name_or_path: str = field(
+        default="", metadata={"help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated."}
+    )
     dataset_split: str = "train"
     eval_dataset_name_or_path: Optional[str] = None
     eval_dataset_split: str = "test"
-    eval_fraction: float = field(default=0.0, metadata={"help": "Hold out this fraction of the train set for eval when no eval dataset is given."})
+    eval_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Hold out this fraction of the train set for eval when no eval dataset is given."},
+    )
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     max_seq_length: int = 2048
@@ -74,16 +87,22 @@ class BaseConfig:
     per_device_eval_batch_size: int = 8
     num_train_epochs: float = 1.0
     total_episodes: Optional[int] = None
-    on_nonfinite: Literal["stop", "skip"] = field(default="stop", metadata={"help": "On a NaN/inf loss or gradient: stop the run, or skip that update."})
+    on_nonfinite: Literal["stop", "skip"] = field(
+        default="stop", metadata={"help": "On a NaN/inf loss or gradient: stop the run, or skip that update."}
+    )
 
     # --- logging, eval, checkpoints
     logging_steps: int = 1
     eval_steps: Optional[int] = None
     checkpointing_steps: Optional[int] = None
     keep_last_n_checkpoints: int = 2
-    best_metric: Optional[str] = field(default=None, metadata={"help": "Eval metric that picks the best checkpoint (e.g. eval/accuracy)."})
+    best_metric: Optional[str] = field(
+        default=None, metadata={"help": "Eval metric that picks the best checkpoint (e.g. eval/accuracy)."}
+    )
     best_metric_mode: Literal["max", "min"] = "max"
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (latest valid in output_dir) or a checkpoint path."})
+    resume_from_checkpoint: Optional[str] = field(
+        default=None, metadata={"help": "'auto' (latest valid in output_dir) or a checkpoint path."}
+    )
     save_final_model: bool = True
     with_tracking: bool = False
     wandb_project: str = "open_instruct"
@@ -120,7 +139,9 @@ class BaseConfig:
         if self.best_metric is not None and not self.eval_steps:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
         if self.eval_steps and not (self.eval_dataset_name_or_path or self.eval_fraction > 0):
-            raise ConfigError("eval_steps is set but there is no eval data: set eval_dataset_name_or_path or eval_fraction")
+            raise ConfigError(
+                "eval_steps is set but there is no eval data: set eval_dataset_name_or_path or eval_fraction"
+            )
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return supervised_batch_plan(
@@ -161,9 +182,13 @@ class DPOConfig(PreferenceDataConfig):
     learning_rate: float = 5e-7
     loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = "dpo_norm"
     beta: float = 5.0
-    label_smoothing: float = field(default=0.0, metadata={"help": "Conservative DPO: assumed probability that a label is flipped."})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Conservative DPO: assumed probability that a label is flipped."}
+    )
     gamma_beta_ratio: float = field(default=0.0, metadata={"help": "SimPO target margin gamma, as a ratio of beta."})
-    reference_cache_dir: Optional[str] = field(default=None, metadata={"help": "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."})
+    reference_cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -199,12 +224,17 @@ class RLVRConfig(BaseConfig):
     vllm_enable_sleep: bool = False
     # rewards
     verification_reward: float = 10.0
-    non_stop_penalty: float = field(default=0.0, metadata={"help": "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."})
+    non_stop_penalty: float = field(
+        default=0.0,
+        metadata={"help": "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."},
+    )
     reward_model_path: Optional[str] = None
     reward_model_multiplier: float = 0.0
     verifier_timeout: float = 2.0
     # PPO / GRPO
-    value_model_path: Optional[str] = field(default=None, metadata={"help": "Initialise the value model from this (reward) model; default: the policy."})
+    value_model_path: Optional[str] = field(
+        default=None, metadata={"help": "Initialise the value model from this (reward) model; default: the policy."}
+    )
     beta: float = field(default=0.05, metadata={"help": "KL coefficient."})
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     gamma: float = 1.0
@@ -219,7 +249,13 @@ class RLVRConfig(BaseConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("local_rollout_batch_size", "num_samples_per_prompt", "num_epochs", "response_length", "max_prompt_length"):
+        for name in (
+            "local_rollout_batch_size",
+            "num_samples_per_prompt",
+            "num_epochs",
+            "response_length",
+            "max_prompt_length",
+        ):
             _check_positive(self, name)
         if self.total_episodes is None:
             raise ConfigError("total_episodes is required for RLVR (completions to train on)")
@@ -241,7 +277,9 @@ class RLVRConfig(BaseConfig):
         if self.algo == "grpo" and self.value_model_path:
             raise ConfigError("value_model_path is set but algo grpo uses no value model")
         if self.reward_model_multiplier and not self.reward_model_path:
-            raise ConfigError(f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not")
+            raise ConfigError(
+                f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
+            )
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return rl_batch_plan(

@@ -135,7 +135,10 @@ def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, 
             continue
         if rid in seen:
             if not skip_bad_rows:
-                raise DataError(f"{row.where()}: duplicate id {rid!r} (first at {seen[rid].where()}); set skip_bad_rows to skip repeats")
+                raise DataError(
+                    f"{row.where()}: duplicate id {rid!r} (first at {seen[rid].where()}); set skip_bad_rows to skip "
+                    "repeats"
+                )
             stats.duplicate_ids += 1
             continue
         seen[rid] = row
@@ -165,9 +168,13 @@ def _validate_messages(value: Any, column: str, where: str, need_final_assistant
         raise DataError(f"{where}: column {column!r} is an empty conversation")
     for j, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: {column}[{j}] must be an object with string 'role' and 'content', got {m!r:.120}")
+            raise DataError(
+                f"{where}: {column}[{j}] must be an object with string 'role' and 'content', got {m!r:.120}"
+            )
     if need_final_assistant and value[-1]["role"] != "assistant":
-        raise DataError(f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}")
+        raise DataError(
+            f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -275,7 +282,10 @@ def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[
         prompt = _require_column(row, cfg.prompt_column)
         for name, value in ((cfg.prompt_column, prompt), (cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
             if not isinstance(value, str):
-                raise DataError(f"{where}: column {name!r} must be a string in prompt/chosen/rejected rows, got {type(value).__name__}")
+                raise DataError(
+                    f"{where}: column {name!r} must be a string in prompt/chosen/rejected rows, got "
+                    f"{type(value).__name__}"
+                )
             if not value.strip():
                 raise DataError(f"{where}: column {name!r} is empty")
         p = [{"role": "user", "content": prompt}]
@@ -326,7 +336,9 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
     examples = []
     for row in rows:
         try:
-            msgs = _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, row.where(), False)
+            msgs = _validate_messages(
+                _require_column(row, cfg.messages_column), cfg.messages_column, row.where(), False
+            )
             if msgs[-1]["role"] == "assistant":
                 msgs = msgs[:-1]
             if not msgs:
@@ -345,7 +357,15 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 continue
             ids = ids[-cfg.max_prompt_length :]  # keep the end: the question and the generation prompt
             stats.truncated += 1
-        examples.append({"prompt_ids": ids, "ground_truth": ground_truth, "verifier": verifier, "row": row.index, "where": row.where()})
+        examples.append(
+            {
+                "prompt_ids": ids,
+                "ground_truth": ground_truth,
+                "verifier": verifier,
+                "row": row.index,
+                "where": row.where(),
+            }
+        )
     stats.kept = len(examples)
     _require_some(examples, stats, cfg.dataset_name_or_path)
     return examples, stats
@@ -385,7 +405,9 @@ def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def collate_episodes(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_episodes(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
     """Left-padded prompts followed by right-padded responses, so every response starts at the same column and the
     logits of all response tokens are the last R+1 positions. Positions count real tokens only (as in generation).
 

@@ -3,8 +3,8 @@ flags, launch checks that catch a silent fallback to unsharded training, gradien
 sharded like trained ones, full weights for generation, and a shard report the tests read.
 
 How a run gets FSDP: `accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml ...` exports the config as
-`ACCELERATE_USE_FSDP=true`, `FSDP_VERSION=2`, `FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP`, ... and `build_accelerator`
-reads them into accelerate's FullyShardedDataParallelPlugin, then applies the recipe's knobs:
+`ACCELERATE_USE_FSDP=true`, `FSDP_VERSION=2`, `FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP`, ... and
+`build_accelerator` reads them into accelerate's FullyShardedDataParallelPlugin, then applies the recipe's knobs:
 - `mixed_precision: bf16` -> bf16 compute with fp32 master weights and fp32 gradient reduction;
 - `fsdp_cpu_offload: true` -> parameters, gradients and optimizer state live in host memory;
 - `activation_checkpointing: true` -> the scripts enable Hugging Face's (non-reentrant) checkpointing, so the
@@ -49,12 +49,16 @@ def make_fsdp_plugin(cfg: Any) -> Any:
 
     version = int(os.environ.get("FSDP_VERSION", "1"))
     if version != 2:
-        raise ConfigError(f"the accelerate config sets fsdp_version {version}: these scripts support FSDP2 only (fsdp_version: 2)")
+        raise ConfigError(
+            f"the accelerate config sets fsdp_version {version}: these scripts support FSDP2 only (fsdp_version: 2)"
+        )
     kwargs: dict[str, Any] = {}
     if getattr(cfg, "fsdp_cpu_offload", False):
         kwargs["cpu_offload"] = True
     if cfg.mixed_precision == "fp16":
-        raise ConfigError("mixed_precision fp16 is not supported under FSDP here (no loss scaling in the scripts' clipping): use bf16")
+        raise ConfigError(
+            "mixed_precision fp16 is not supported under FSDP here (no loss scaling in the scripts' clipping): use bf16"
+        )
     if cfg.mixed_precision == "bf16":
         # Compute in half precision, keep fp32 master weights (the optimizer's) and reduce gradients in fp32:
         # a bf16 reduce-scatter over 40+ ranks loses bits of every gradient.
@@ -79,11 +83,17 @@ def build_accelerator(cfg: Any) -> Any:
     plugin = make_fsdp_plugin(cfg) if use_fsdp else None
     if _env_flag(CPU_FSDP_ENV):
         if torch.cuda.is_available():
-            raise ConfigError(f"{CPU_FSDP_ENV}=1 is for CPU-only machines; unset it (CUDA is available, accelerate's FSDP works as is)")
+            raise ConfigError(
+                f"{CPU_FSDP_ENV}=1 is for CPU-only machines; unset it (CUDA is available, accelerate's FSDP works as "
+                "is)"
+            )
         if plugin is None:
             raise ConfigError(f"{CPU_FSDP_ENV}=1 needs an FSDP accelerate config (ACCELERATE_USE_FSDP=true)")
         if getattr(cfg, "fsdp_cpu_offload", False):
-            raise ConfigError("fsdp_cpu_offload moves weights from an accelerator to host memory: there is no accelerator here (CPU run)")
+            raise ConfigError(
+                "fsdp_cpu_offload moves weights from an accelerator to host memory: there is no accelerator here "
+                "(CPU run)"
+            )
         accelerator = _cpu_fsdp_accelerator(cfg, plugin)
     else:
         accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
@@ -117,7 +127,8 @@ def check_launch(accelerator: Any) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise ConfigError(
-            f"{launched} processes were launched (WORLD_SIZE) but accelerate formed a group of {accelerator.num_processes}: "
+            f"{launched} processes were launched (WORLD_SIZE) but accelerate formed a group of "
+            f"{accelerator.num_processes}: "
             f"each process would train alone on the full data. No usable accelerator backend was found "
             f"(distributed_type {accelerator.distributed_type}); on a CPU-only machine set {CPU_FSDP_ENV}=1"
         )
@@ -251,7 +262,12 @@ def shard_report(models: dict[str, Any], optimizers: dict[str, Any]) -> dict[str
                         plain += 1
                         local += value.numel()
                     total += value.numel()
-            report["optimizer"] = {"local_numel": local, "global_numel": total, "dtensor_states": dtensors, "plain_states": plain}
+            report["optimizer"] = {
+                "local_numel": local,
+                "global_numel": total,
+                "dtensor_states": dtensors,
+                "plain_states": plain,
+            }
         out[name] = report
     return out
 

@@ -22,7 +22,7 @@ perf/tokens_per_second, perf/pairs_per_second, and the four counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import DPOConfig
@@ -34,15 +34,26 @@ if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits be
     from open_instruct.models import PairLogps
 
 REFERENCE_FREE = ("simpo",)
-STAT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen", "logps/rejected")  # train/ and eval/
+STAT_KEYS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margin",
+    "rewards/accuracy",
+    "logps/chosen",
+    "logps/rejected",
+)  # train/ and eval/
 EVAL_METRICS = tuple(f"eval/{k}" for k in STAT_KEYS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Losses: pure functions of per-pair tensors. "logratio" = log pi(y|x) - log pi_ref(y|x); each returns one loss per pair.
+# Losses: pure functions of per-pair tensors. "logratio" = log pi(y|x) - log pi_ref(y|x); each returns one loss per
+# pair.
 
 
-def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+def dpo_loss(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Sigmoid DPO (Rafailov et al. 2023), with conservative-DPO label smoothing eps (Mitchell 2023):
 
         h    = chosen_logratio - rejected_logratio
@@ -65,10 +76,12 @@ def ipo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, b
     return (chosen_logratios - rejected_logratios - 1 / (2 * beta)) ** 2
 
 
-def simpo_loss(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, beta: float, gamma_beta_ratio: float) -> torch.Tensor:
+def simpo_loss(
+    chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor, beta: float, gamma_beta_ratio: float
+) -> torch.Tensor:
     """SimPO (Meng et al. 2024): reference-free, on per-token mean log-probs, with target margin gamma:
 
-        loss = -log sigmoid(beta * (chosen_avg_logp - rejected_avg_logp) - gamma),   gamma = gamma_beta_ratio * beta"""
+    loss = -log sigmoid(beta * (chosen_avg_logp - rejected_avg_logp) - gamma),   gamma = gamma_beta_ratio * beta"""
     import torch.nn.functional as F
 
     return -F.logsigmoid(beta * (chosen_avg_logps - rejected_avg_logps) - gamma_beta_ratio * beta)
@@ -86,14 +99,20 @@ def wpo_weights(chosen_avg_logps: torch.Tensor, rejected_avg_logps: torch.Tensor
     return (chosen_avg_logps + rejected_avg_logps).exp().detach()
 
 
-def preference_loss(cfg: DPOConfig, policy: PairLogps, ref: Optional[PairLogps]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def preference_loss(
+    cfg: DPOConfig, policy: PairLogps, ref: Optional[PairLogps]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair losses, chosen rewards, rejected rewards) for cfg.loss_type.
 
     A reward is beta times what the loss compares: the log-ratio (summed for dpo/wpo, per-token mean for dpo_norm
     and ipo) or, for simpo, the per-token mean log-prob."""
     if cfg.loss_type == "simpo":
         chosen, rejected = policy.averages()
-        return simpo_loss(chosen, rejected, cfg.beta, cfg.gamma_beta_ratio), cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
+        return (
+            simpo_loss(chosen, rejected, cfg.beta, cfg.gamma_beta_ratio),
+            cfg.beta * chosen.detach(),
+            cfg.beta * rejected.detach(),
+        )
     assert ref is not None
     if cfg.loss_type in ("dpo_norm", "ipo"):
         (pc, pr), (rc, rr) = policy.averages(), ref.averages()
@@ -109,7 +128,9 @@ def preference_loss(cfg: DPOConfig, policy: PairLogps, ref: Optional[PairLogps])
     return losses, cfg.beta * chosen.detach(), cfg.beta * rejected.detach()
 
 
-def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy: PairLogps) -> dict[str, float]:
+def pair_stat_sums(
+    losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy: PairLogps
+) -> dict[str, float]:
     """Sums over pairs of the logged statistics (divided by the global pair count after the all-reduce).
 
     Accuracy counts a tie as half a win: before the first update the policy equals the reference, every reward is
@@ -117,7 +138,15 @@ def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_
     import torch
 
     wins = (chosen_rewards > rejected_rewards).float() + 0.5 * (chosen_rewards == rejected_rewards).float()
-    values = [losses.detach(), chosen_rewards, rejected_rewards, chosen_rewards - rejected_rewards, wins, policy.chosen.detach(), policy.rejected.detach()]
+    values = [
+        losses.detach(),
+        chosen_rewards,
+        rejected_rewards,
+        chosen_rewards - rejected_rewards,
+        wins,
+        policy.chosen.detach(),
+        policy.rejected.detach(),
+    ]
     return dict(zip(STAT_KEYS, torch.stack([v.float().sum() for v in values]).tolist()))  # one device sync
 
 
@@ -127,18 +156,29 @@ def pair_stat_sums(losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(DPOConfig, argv)
     if cfg.best_metric and cfg.best_metric not in EVAL_METRICS:
-        raise ConfigError(f"best_metric {cfg.best_metric!r} is not a DPO eval metric; choose one of {list(EVAL_METRICS)}")
+        raise ConfigError(
+            f"best_metric {cfg.best_metric!r} is not a DPO eval metric; choose one of {list(EVAL_METRICS)}"
+        )
 
     import torch
 
     from open_instruct import data, reference_cache
     from open_instruct.batch_math import should_log
-    from open_instruct.models import DTYPES, disable_dropout, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler, pair_logps
+    from open_instruct.models import (
+        DTYPES,
+        disable_dropout,
+        load_causal_lm,
+        load_tokenizer,
+        make_optimizer_and_scheduler,
+        pair_logps,
+    )
     from open_instruct.reference_cache import length_order, reference_logps
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
+    )
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_preferences)
     plan = cfg.batch_plan(world, len(train))  # validated before the model loads
     if not cfg.eval_steps:
@@ -146,12 +186,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process:
         print(f"data: {stats.summary()}; {len(evals)} held-out pairs; world_size {world}", flush=True)
 
-    model = load_causal_lm(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
+    model = load_causal_lm(
+        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+    )
     disable_dropout(model)
     use_reference = cfg.loss_type not in REFERENCE_FREE
     identity = None
     if use_reference:  # from the weights as loaded (the main process's copy, which FSDP loading always fills)
-        box = [reference_cache.reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None]
+        box = [
+            reference_cache.reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None
+        ]
         if world > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -165,9 +209,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     log = print if accelerator.is_main_process else (lambda *a, **k: None)
 
     # The reference pass runs on the initial weights, so it comes before any checkpoint is restored.
-    ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log) if use_reference else None
+    ref = (
+        reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
+        if use_reference
+        else None
+    )
 
-    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    run = runtime.RunContext(
+        cfg,
+        accelerator,
+        {"policy": model},
+        {"policy": optimizer},
+        {"policy": scheduler},
+        tokenizer,
+        plan.optimizer_steps,
+    )
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
 
@@ -176,13 +232,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sums = dict.fromkeys(STAT_KEYS, 0.0)
         with torch.no_grad():
             # The reference pass's batches: at step 0 the policy reproduces the cached numbers bit for bit.
-            for group, real in data.dealt_micro_batches(length_order(evals), cfg.per_device_eval_batch_size, rank, world):
-                batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences([evals[i] for i in group], pad_id).items()}
+            for group, real in data.dealt_micro_batches(
+                length_order(evals), cfg.per_device_eval_batch_size, rank, world
+            ):
+                batch = {
+                    k: v.to(accelerator.device)
+                    for k, v in data.collate_preferences([evals[i] for i in group], pad_id).items()
+                }
                 with accelerator.autocast():
                     policy = pair_logps(model, batch)
                 if not real:
                     continue
-                losses, chosen_r, rejected_r = preference_loss(cfg, policy, reference_logps(ref["eval"], group, accelerator.device) if ref else None)
+                losses, chosen_r, rejected_r = preference_loss(
+                    cfg, policy, reference_logps(ref["eval"], group, accelerator.device) if ref else None
+                )
                 for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
                     sums[k] += v
         model.train()
@@ -194,8 +257,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.log(metrics)
         drift = (abs(metrics["eval/rewards/chosen"]) + abs(metrics["eval/rewards/rejected"])) / cfg.beta
         if ref is not None and drift > 1e-3:  # the same batches as the cached pass give exactly 0 when it is right
-            run.logger.write(f"WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| + "
-                         f"|mean rejected log-ratio| = {drift:.3g}); is the cache stale?")
+            run.logger.write(
+                "WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen "
+                "log-ratio| + "
+                f"|mean rejected log-ratio| = {drift:.3g}); is the cache stale?"
+            )
     run.throughput.restart()  # the baseline eval is not training time
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -205,12 +271,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         sums = dict.fromkeys(STAT_KEYS, 0.0)
         for i, group in enumerate(groups):
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences([train[j] for j in group], pad_id).items()}
+            batch = {
+                k: v.to(accelerator.device)
+                for k, v in data.collate_preferences([train[j] for j in group], pad_id).items()
+            }
             sync = i == len(groups) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     policy = pair_logps(model, batch)
-                losses, chosen_r, rejected_r = preference_loss(cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None)
+                losses, chosen_r, rejected_r = preference_loss(
+                    cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None
+                )
                 # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
                 accelerator.backward(losses.sum() * world / plan.mini_batch_size)
             for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
@@ -218,7 +289,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run.throughput.add(int(batch["attention_mask"].sum()), len(group))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        stats_step = {f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums).items()}
+        stats_step = {
+            f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums).items()
+        }
         step_ok = run.update_is_finite(stats_step["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
         if step_ok:
             optimizer.step()
@@ -228,14 +301,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             perf = run.throughput.report(accelerator)
-            run.log({
-                **stats_step,
-                "train/grad_norm": float(grad_norm),
-                "train/skipped_update": int(not step_ok),
-                "lr": scheduler.get_last_lr()[0],
-                **perf,
-                "perf/pairs_per_second": perf["perf/episodes_per_second"],
-            })
+            run.log(
+                {
+                    **stats_step,
+                    "train/grad_norm": float(grad_norm),
+                    "train/skipped_update": int(not step_ok),
+                    "lr": scheduler.get_last_lr()[0],
+                    **perf,
+                    "perf/pairs_per_second": perf["perf/episodes_per_second"],
+                }
+            )
         if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 

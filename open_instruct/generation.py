@@ -96,6 +96,7 @@ def _first_stop_string_cut(ids: Sequence[int], tokenizer: Any, stop_strings: Seq
     """Smallest k such that decode(ids[:k]) contains a stop string, or None.
 
     Binary search over prefixes (a prefix that contains a stop string keeps containing it when extended)."""
+
     def contains(k: int) -> bool:
         text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
         return any(s in text for s in stop_strings)

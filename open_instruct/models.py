@@ -149,7 +149,9 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def scalar_head_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar score of each sequence read at its last non-pad token (reward model)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # no KV cache (see sequence_logprobs)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+    )  # no KV cache (see sequence_logprobs)
     logits = out.logits  # HF sequence classifiers already pool at the last non-pad token: [batch, 1]
     return logits.squeeze(-1).float()
 
@@ -160,7 +162,9 @@ def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     return scores.chunk(2)
 
 
-def make_optimizer_and_scheduler(model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = False) -> tuple[Any, Any]:
+def make_optimizer_and_scheduler(
+    model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = False
+) -> tuple[Any, Any]:
     """AdamW (no weight decay on biases and norms) and the recipe's schedule over num_optimizer_steps.
 
     fused=True runs one AdamW kernel over all parameters (CPU and CUDA, DTensor too) instead of a Python loop of
@@ -233,7 +237,9 @@ class TokenValueModel(torch.nn.Module):
             if rest is not None:
                 hidden = torch.cat([hidden, rest.last_hidden_state], 1)
         else:
-            hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).last_hidden_state
+            hidden = backbone(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+            ).last_hidden_state
         return self.seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
 
 
@@ -243,14 +249,20 @@ def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int)
     the tokens of every forward and backward. Single process only: DDP allows one forward per backward, and FSDP
     (which works) would then round differently from DDP, whose runs it is checked against bit for bit."""
     n, width = batch["input_ids"].shape
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    distributed = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
     if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return 1
     prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
     return group if bool((prompts == prompts[:, :1]).all()) else 1
 
 
-def shared_prefix_forward(module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool) -> Optional[tuple[Any, Any]]:
+def shared_prefix_forward(
+    module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool
+) -> Optional[tuple[Any, Any]]:
     """Run each shared prompt once (rows 0, group, 2*group, ...) with a cache, repeat the cache `group` times and run
     the responses on it. Returns (prompt output, response output or None), or None when the module returns no cache
     (Hugging Face turns the cache off under activation checkpointing): callers then run the plain forward.
@@ -260,14 +272,26 @@ def shared_prefix_forward(module: Any, batch: dict[str, torch.Tensor], group: in
     end = width if feed_last else width - 1
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     kwargs = {} if feed_last else {"logits_to_keep": 1}
-    first = module(input_ids=ids[::group, :width_p], attention_mask=mask[::group, :width_p], position_ids=pos[::group, :width_p], use_cache=True, **kwargs)
+    first = module(
+        input_ids=ids[::group, :width_p],
+        attention_mask=mask[::group, :width_p],
+        position_ids=pos[::group, :width_p],
+        use_cache=True,
+        **kwargs,
+    )
     cache = getattr(first, "past_key_values", None)
     if cache is None:
         return None
     if end == width_p:
         return first, None
     cache.batch_repeat_interleave(group)
-    rest = module(input_ids=ids[:, width_p:end], attention_mask=mask[:, :end], position_ids=pos[:, width_p:end], past_key_values=cache, use_cache=True)
+    rest = module(
+        input_ids=ids[:, width_p:end],
+        attention_mask=mask[:, :end],
+        position_ids=pos[:, width_p:end],
+        past_key_values=cache,
+        use_cache=True,
+    )
     return first, rest
 
 
@@ -286,7 +310,9 @@ def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: flo
         logits = logits.float()
     else:
         out = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
             logits_to_keep=width_r + 1,
         )
         logits = out.logits[:, :-1].float()

@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.batch_math import BatchPlan, count_multiples
+from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
 
 
@@ -192,7 +192,9 @@ def build_plan(
     if script not in CONFIG_CLASSES:
         raise ConfigError(f"recipe {recipe_path}: key 'script' must be one of {sorted(CONFIG_CLASSES)}, got {script!r}")
     cfg = parse_config(CONFIG_CLASSES[script], [recipe_path, *overrides])
-    return plan_from_config(cfg, num_processes, num_examples, gpu_name, model_params_override, mfu, tokens_per_sample, fill)
+    return plan_from_config(
+        cfg, num_processes, num_examples, gpu_name, model_params_override, mfu, tokens_per_sample, fill
+    )
 
 
 def plan_from_config(
@@ -275,7 +277,11 @@ def format_plan(p: dict[str, Any]) -> str:
         ("total_episodes", p["total_episodes"], "completions" if rl else "examples/pairs"),
         ("num_train_epochs", _fmt(p.get("num_train_epochs")), "passes over the data"),
         ("num_training_steps", p["num_training_steps"], "rollouts" if rl else "optimizer steps"),
-        ("optimizer_steps", p["optimizer_steps"], "= rollouts x num_epochs x num_mini_batches" if rl else "parameter updates"),
+        (
+            "optimizer_steps",
+            p["optimizer_steps"],
+            "= rollouts x num_epochs x num_mini_batches" if rl else "parameter updates",
+        ),
         ("warmup_steps", p["warmup_steps"], "optimizer steps"),
         ("log_rows", p["log_rows"], f"one per {p['logging_steps']} {p['log_counter']}"),
         ("eval_points", p["eval_points"], ""),
@@ -297,14 +303,19 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"  generation {p['generation_hours']:.1f} h, scoring + training {p['training_hours']:.1f} h")
     lines.append("Assumptions:")
     lines.append(f"  model parameters {p['model_params'] / 1e9:.2f} B ({p['model_params_source']})")
-    lines.append(f"  {p['world_size']} x {p['gpu']}, training at {p['mfu']:.0%} of peak bf16 FLOP/s (6 FLOPs/param/token)")
+    lines.append(
+        f"  {p['world_size']} x {p['gpu']}, training at {p['mfu']:.0%} of peak bf16 FLOP/s (6 FLOPs/param/token)"
+    )
     if rl:
         lines.append(
             f"  generation memory-bandwidth bound at 60% of peak, tensor parallel {p['generation_tensor_parallel']}, "
             f"prompts and responses at {p['fill']:.0%} of their max lengths on average"
         )
     else:
-        lines.append(f"  {p['tokens_per_sample']} tokens per sequence (--fill {p['fill']} of the max length; --tokens_per_sample to set)")
+        lines.append(
+            f"  {p['tokens_per_sample']} tokens per sequence (--fill {p['fill']} of the max length; "
+            "--tokens_per_sample to set)"
+        )
     lines.append("  plus weight loading at ~1 GB/s and a first step ~3x slower; eval time not included")
     return "\n".join(lines)
 
@@ -336,8 +347,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         plan = build_plan(
-            args.recipe, overrides, args.num_processes, args.num_examples, args.gpu, args.model_params, args.mfu,
-            args.tokens_per_sample, args.fill,
+            args.recipe,
+            overrides,
+            args.num_processes,
+            args.num_examples,
+            args.gpu,
+            args.model_params,
+            args.mfu,
+            args.tokens_per_sample,
+            args.fill,
         )
     except ConfigError as e:
         print(f"plan error: {e}", file=sys.stderr)

@@ -36,8 +36,6 @@ if TYPE_CHECKING:  # torch is imported inside functions: dpo.py imports this mod
 CACHE_FORMAT = 1
 
 
-
-
 def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     """sha256 over every tensor's name, shape, dtype and the bytes of up to `samples` evenly spaced elements."""
     import torch
@@ -76,8 +74,18 @@ def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: lis
             "weights_sha256": weights_fingerprint(model),
         },
         "data": {
-            "train": {"sources": cfg.dataset_name_or_path, "split": cfg.dataset_split, "pairs": len(train), "tokens_sha256": tokens_fingerprint(train)},
-            "eval": {"sources": cfg.eval_dataset_name_or_path, "split": cfg.eval_dataset_split, "pairs": len(evals), "tokens_sha256": tokens_fingerprint(evals)},
+            "train": {
+                "sources": cfg.dataset_name_or_path,
+                "split": cfg.dataset_split,
+                "pairs": len(train),
+                "tokens_sha256": tokens_fingerprint(train),
+            },
+            "eval": {
+                "sources": cfg.eval_dataset_name_or_path,
+                "split": cfg.eval_dataset_split,
+                "pairs": len(evals),
+                "tokens_sha256": tokens_fingerprint(evals),
+            },
         },
         "forward": {"mixed_precision": cfg.mixed_precision},
     }
@@ -91,10 +99,14 @@ def reference_cache_path(cfg: Any, identity: dict[str, Any]) -> str:
 
 def length_order(examples: list[dict]) -> list[int]:
     """Example positions sorted by padded pair length (less padding per micro-batch), ties by position."""
-    return sorted(range(len(examples)), key=lambda i: (max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])), i))
+    return sorted(
+        range(len(examples)), key=lambda i: (max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])), i)
+    )
 
 
-def compute_reference(model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int) -> dict[str, torch.Tensor]:
+def compute_reference(
+    model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int
+) -> dict[str, torch.Tensor]:
     """One no-grad pass of `model` over `examples`: summed response log-probs of chosen and rejected, by position.
 
     Examples are sorted by length (less padding) and dealt to the ranks in micro-batches; the results are
@@ -111,7 +123,10 @@ def compute_reference(model: Any, examples: list[dict], accelerator: Any, batch_
     model.eval()
     with torch.no_grad():
         for k, (group, real) in enumerate(mine):
-            batch = {key: v.to(accelerator.device) for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()}
+            batch = {
+                key: v.to(accelerator.device)
+                for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()
+            }
             with accelerator.autocast():
                 lp = pair_logps(model, batch)
             if real:
@@ -144,7 +159,9 @@ def expected_counts(examples: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-def read_reference_cache(path: str, splits: dict[str, list[dict]], log: Any = print) -> Optional[dict[str, dict[str, torch.Tensor]]]:
+def read_reference_cache(
+    path: str, splits: dict[str, list[dict]], log: Any = print
+) -> Optional[dict[str, dict[str, torch.Tensor]]]:
     """The cached tables, or None when the file is missing or does not fit these examples (then it is rebuilt)."""
     if not os.path.isfile(path):
         return None
@@ -163,7 +180,9 @@ def read_reference_cache(path: str, splits: dict[str, list[dict]], log: Any = pr
         if not examples:
             out[split] = {}
             continue
-        if set(table) != {"chosen_logps", "rejected_logps", *expected} or any(not torch.equal(table[k], v) for k, v in expected.items()):
+        if set(table) != {"chosen_logps", "rejected_logps", *expected} or any(
+            not torch.equal(table[k], v) for k, v in expected.items()
+        ):
             log(f"reference cache {path} does not match the {split} examples; recomputing")
             return None
         out[split] = table
@@ -187,7 +206,16 @@ def write_reference_cache(path: str, tables: dict[str, dict[str, torch.Tensor]],
         raise
 
 
-def reference_tables(cfg: Any, model: Any, train: list[dict], evals: list[dict], identity: dict[str, Any], accelerator: Any, pad_id: int, log: Any) -> dict[str, dict[str, torch.Tensor]]:
+def reference_tables(
+    cfg: Any,
+    model: Any,
+    train: list[dict],
+    evals: list[dict],
+    identity: dict[str, Any],
+    accelerator: Any,
+    pad_id: int,
+    log: Any,
+) -> dict[str, dict[str, torch.Tensor]]:
     """Read the cache if every rank has a valid copy; otherwise run the reference pass and write it.
 
     `model` must hold the initial weights. Each node's local main process writes the file (nodes need not share
@@ -199,11 +227,17 @@ def reference_tables(cfg: Any, model: Any, train: list[dict], evals: list[dict],
         log(f"reference log-probs: reused {path}")
         return tables  # type: ignore[return-value]
     t0 = time.perf_counter()
-    tables = {split: compute_reference(model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id) if ex else {} for split, ex in splits.items()}
+    tables = {
+        split: compute_reference(model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id) if ex else {}
+        for split, ex in splits.items()
+    }
     if accelerator.is_local_main_process:
         write_reference_cache(path, tables, identity)
     accelerator.wait_for_everyone()
-    log(f"reference log-probs: computed for {len(train)} train + {len(evals)} eval pairs in {time.perf_counter() - t0:.1f}s, saved to {path}")
+    log(
+        f"reference log-probs: computed for {len(train)} train + {len(evals)} eval pairs in "
+        f"{time.perf_counter() - t0:.1f}s, saved to {path}"
+    )
     return tables
 
 
@@ -213,4 +247,6 @@ def reference_logps(table: dict[str, torch.Tensor], indices: list[int], device: 
     from open_instruct.models import PairLogps
 
     idx = torch.tensor(indices)
-    return PairLogps(*(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")))
+    return PairLogps(
+        *(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens"))
+    )

@@ -31,7 +31,9 @@ def pair_sums(losses: Any, chosen: Any, rejected: Any) -> Any:
     """Sums over the pairs of a batch, in STAT_KEYS order, as one detached tensor (one sync per step, not per stat)."""
     import torch
 
-    return torch.stack([losses.sum(), (chosen > rejected).float().sum(), chosen.sum(), rejected.sum()]).detach().double()
+    return (
+        torch.stack([losses.sum(), (chosen > rejected).float().sum(), chosen.sum(), rejected.sum()]).detach().double()
+    )
 
 
 def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, float]:
@@ -54,18 +56,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from open_instruct import data
     from open_instruct.batch_math import should_log
-    from open_instruct.models import DTYPES, load_sequence_classifier, load_tokenizer, make_optimizer_and_scheduler, pair_rewards
+    from open_instruct.models import (
+        DTYPES,
+        load_sequence_classifier,
+        load_tokenizer,
+        make_optimizer_and_scheduler,
+        pair_rewards,
+    )
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
+    )
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_preferences)
     plan = cfg.batch_plan(world, len(train))  # validated before the model loads
     if accelerator.is_main_process:
         print(f"data: {stats.summary()}; {len(evals)} held-out pairs")
 
     pad_id = tokenizer.pad_token_id
-    model = load_sequence_classifier(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision, pad_id)
+    model = load_sequence_classifier(
+        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision, pad_id
+    )
     # HF pools the score at the rightmost token that is not config.pad_token_id: it must be the id we pad with.
     model.config.pad_token_id = pad_id
     if cfg.activation_checkpointing:
@@ -73,7 +85,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    run = runtime.RunContext(
+        cfg,
+        accelerator,
+        {"policy": model},
+        {"policy": optimizer},
+        {"policy": scheduler},
+        tokenizer,
+        plan.optimizer_steps,
+    )
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
 
@@ -99,11 +119,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # This step's pairs: a slice of the global order, by episode position (world-size independent).
         global_idx = stream.take(counters.episode, plan.mini_batch_size)
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
-        batches = [data.collate_preferences(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
+        batches = [
+            data.collate_preferences(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)
+        ]
 
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
         for i, batch in enumerate(batches):
-            run.throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2)  # counted on CPU: no device sync
+            run.throughput.add(
+                int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2
+            )  # counted on CPU: no device sync
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
@@ -125,13 +149,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.count_update(plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
-            run.log({
-                **metrics,
-                "train/grad_norm": float(grad_norm),
-                "train/skipped_update": int(not step_ok),
-                "lr": scheduler.get_last_lr()[0],
-                **run.throughput.report(accelerator),
-            })
+            run.log(
+                {
+                    **metrics,
+                    "train/grad_norm": float(grad_norm),
+                    "train/skipped_update": int(not step_ok),
+                    "lr": scheduler.get_last_lr()[0],
+                    **run.throughput.report(accelerator),
+                }
+            )
         if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 

@@ -325,12 +325,25 @@ def verify_math(completion: str, ground_truth: Any) -> float:
 # _KWARG_PARSERS validates the values once, before any text is looked at. All scans are linear-time.
 # --------------------------------------------------------------------------------------------------------
 _RELATIONS = {
-    "at least": ">=", "minimum": ">=", ">=": ">=",
-    "at most": "<=", "maximum": "<=", "<=": "<=",
-    "exactly": "==", "equal": "==", "equal to": "==", "==": "==",
-    "less than": "<", "fewer than": "<", "<": "<",
-    "more than": ">", "greater than": ">", ">": ">",
-    "around": "~", "about": "~", "approximately": "~",
+    "at least": ">=",
+    "minimum": ">=",
+    ">=": ">=",
+    "at most": "<=",
+    "maximum": "<=",
+    "<=": "<=",
+    "exactly": "==",
+    "equal": "==",
+    "equal to": "==",
+    "==": "==",
+    "less than": "<",
+    "fewer than": "<",
+    "<": "<",
+    "more than": ">",
+    "greater than": ">",
+    ">": ">",
+    "around": "~",
+    "about": "~",
+    "approximately": "~",
 }
 
 
@@ -737,7 +750,10 @@ class _Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "open_instruct.rewards", "--worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            bufsize=0,
         )
         os.set_blocking(self.proc.stdin.fileno(), False)  # a stuck child must not block a large write
         self._buffer = b""

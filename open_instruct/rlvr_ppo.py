@@ -54,7 +54,11 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """sum(x * mask) / sum(mask) over `dim` (all elements when None)."""
-    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1) if dim is not None else masked_sum(x, mask) / mask.sum().clamp(min=1)
+    return (
+        masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+        if dim is not None
+        else masked_sum(x, mask) / mask.sum().clamp(min=1)
+    )
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -65,7 +69,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, mean: Optional[torch.Tensor] = None, var: Optional[torch.Tensor] = None, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    mean: Optional[torch.Tensor] = None,
+    var: Optional[torch.Tensor] = None,
+    eps: float = 1e-8,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) on masked elements, 0 elsewhere.
 
@@ -81,9 +89,9 @@ def masked_whiten(
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from a token sampled from pi (Schulman's k1/k2/k3):
 
-        k1 = logp - ref_logp                       unbiased, can be negative
-        k2 = 0.5 * (logp - ref_logp)^2             biased, >= 0
-        k3 = (r - 1) - log r,  r = exp(ref_logp - logp)   unbiased, >= 0 (GRPO's choice)
+    k1 = logp - ref_logp                       unbiased, can be negative
+    k2 = 0.5 * (logp - ref_logp)^2             biased, >= 0
+    k3 = (r - 1) - log r,  r = exp(ref_logp - logp)   unbiased, >= 0 (GRPO's choice)
     """
     log_ratio = logp - ref_logp
     if estimator == "k1":
@@ -103,7 +111,7 @@ def last_token_indices(mask: torch.Tensor) -> torch.Tensor:
 def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """PPO rewards: reward_t = -beta * KL_t on every response token, and the sequence score added at the last one:
 
-        reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == last(b)]
+    reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == last(b)]
     """
     rewards = -beta * kl * mask
     rows = torch.arange(len(scores), device=scores.device)
@@ -154,8 +162,8 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token (to minimise) and where the clipped branch is the one taken:
 
-        ratio = exp(logp - old_logp)
-        loss  = max(-A * ratio, -A * clip(ratio, 1 - cliprange, 1 + cliprange))
+    ratio = exp(logp - old_logp)
+    loss  = max(-A * ratio, -A * clip(ratio, 1 - cliprange, 1 + cliprange))
     """
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
@@ -168,8 +176,8 @@ def clipped_value_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss per token and where the clipped branch is the one taken:
 
-        V_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value)
-        loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    V_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value)
+    loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
     """
     v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped, clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
@@ -187,7 +195,9 @@ def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     return 0.5 * (logp - old_logp) ** 2
 
 
-def episode_score(verifiable: float, stopped: bool, non_stop_penalty: float, rm_score: Optional[float], rm_multiplier: float) -> float:
+def episode_score(
+    verifiable: float, stopped: bool, non_stop_penalty: float, rm_score: Optional[float], rm_multiplier: float
+) -> float:
     """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used) + non_stop_penalty if the
     response hit response_length without a stop (the recipe gives the penalty signed: Tulu 3 uses -10)."""
     from open_instruct.rewards import combine_rewards
@@ -247,8 +257,15 @@ class Advantages:
 
 
 def collect_rollout(
-    cfg: RLVRConfig, models: RLModels, generator: Any, prompts: list[dict], step: int, run: runtime.RunContext,
-    gather_for_generation: Callable[[Any], Any], on_policy: bool, pad_id: int,
+    cfg: RLVRConfig,
+    models: RLModels,
+    generator: Any,
+    prompts: list[dict],
+    step: int,
+    run: runtime.RunContext,
+    gather_for_generation: Callable[[Any], Any],
+    on_policy: bool,
+    pad_id: int,
 ) -> Rollout:
     """Sample `num_samples_per_prompt` completions per prompt, score them, and compute the no-grad per-token
     log-probs of the sampling policy (skipped on-policy) and of the reference, the values and the reward-model
@@ -262,8 +279,12 @@ def collect_rollout(
     generator.sync_weights(accelerator.unwrap_model(models.policy))  # vLLM: load the weights of the last updates
     t0 = time.perf_counter()
     sampling = GenerationConfig(
-        max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p, stop_strings=cfg.stop_strings,
-        n=group, seed=derived_seed(cfg.seed, step, accelerator.process_index),
+        max_new_tokens=cfg.response_length,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        stop_strings=cfg.stop_strings,
+        n=group,
+        seed=derived_seed(cfg.seed, step, accelerator.process_index),
     )
     with gather_for_generation(models.policy):
         out = generator.generate([p["prompt_ids"] for p in prompts], sampling)
@@ -295,18 +316,34 @@ def collect_rollout(
             mask[rows, :r] = batch["mask"].cpu()
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
     rm_multiplier = cfg.reward_model_multiplier
-    scores = torch.tensor([
-        episode_score(v, s, cfg.non_stop_penalty, float(rm) if models.reward is not None else None, rm_multiplier)
-        for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
-    ])
+    scores = torch.tensor(
+        [
+            episode_score(v, s, cfg.non_stop_penalty, float(rm) if models.reward is not None else None, rm_multiplier)
+            for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
+        ]
+    )
     has_ref = models.reference is not None
     kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if has_ref and not on_policy else None
     return Rollout(
-        episodes=episodes, response_ids=out.response_ids, texts=out.texts, stopped=out.stopped,
-        correct=list(scored.correct), verifier_timeouts=scored.num_timeouts, scores=scores, rm_scores=rm_scores,
-        mask=mask, old_logp=None if on_policy else old_logp, ref_logp=ref_logp if has_ref else None,
-        old_values=old_values if models.value is not None else None, kl=kl,
-        seconds={"weight_sync": t0 - t_sync, "generation": t1 - t0, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
+        episodes=episodes,
+        response_ids=out.response_ids,
+        texts=out.texts,
+        stopped=out.stopped,
+        correct=list(scored.correct),
+        verifier_timeouts=scored.num_timeouts,
+        scores=scores,
+        rm_scores=rm_scores,
+        mask=mask,
+        old_logp=None if on_policy else old_logp,
+        ref_logp=ref_logp if has_ref else None,
+        old_values=old_values if models.value is not None else None,
+        kl=kl,
+        seconds={
+            "weight_sync": t0 - t_sync,
+            "generation": t1 - t0,
+            "scoring": t2 - t1,
+            "inference": time.perf_counter() - t2,
+        },
     )
 
 
@@ -315,8 +352,11 @@ def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
     from open_instruct import rewards
 
     return rewards.score_batch(
-        texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples],
-        verification_reward=cfg.verification_reward, timeout=cfg.verifier_timeout,
+        texts,
+        [e["ground_truth"] for e in examples],
+        [e["verifier"] for e in examples],
+        verification_reward=cfg.verification_reward,
+        timeout=cfg.verifier_timeout,
     )
 
 
@@ -333,7 +373,14 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
     rewards_t = per_token_rewards(rollout.scores, kl, mask, cfg.beta)
     advantages, returns = gae_advantages(rewards_t, rollout.old_values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        m = global_sums(accelerator, {"s": float(masked_sum(advantages, mask)), "ss": float(masked_sum(advantages**2, mask)), "n": float(mask.sum())})
+        m = global_sums(
+            accelerator,
+            {
+                "s": float(masked_sum(advantages, mask)),
+                "ss": float(masked_sum(advantages**2, mask)),
+                "n": float(mask.sum()),
+            },
+        )
         mean = m["s"] / m["n"]
         var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
         advantages = masked_whiten(advantages, mask, torch.tensor(mean), torch.tensor(var))
@@ -344,17 +391,25 @@ TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "appro
 
 
 def micro_batch_loss(
-    cfg: RLVRConfig, models: RLModels, rollout: Rollout, adv: Advantages, rows: list[int], pad_id: int, device: Any,
+    cfg: RLVRConfig,
+    models: RLModels,
+    rollout: Rollout,
+    adv: Advantages,
+    rows: list[int],
+    pad_id: int,
+    device: Any,
     autocast: Callable[[], Any],
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed (not yet normalised) loss of one micro-batch and its summed statistics:
 
-        loss = sum_t pg_t  +  kl_loss_coef * sum_t KL_t  +  vf_coef * sum_t vf_t        over real tokens t
+    loss = sum_t pg_t  +  kl_loss_coef * sum_t KL_t  +  vf_coef * sum_t vf_t        over real tokens t
     """
     from open_instruct.data import collate_episodes
     from open_instruct.models import response_logits, token_logprobs, token_values
 
-    batch = collate_episodes([rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows], pad_id)
+    batch = collate_episodes(
+        [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows], pad_id
+    )
     batch = {k: v.to(device) for k, v in batch.items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
@@ -373,13 +428,18 @@ def micro_batch_loss(
             loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, mask)
         if models.value is not None:
             values = token_values(models.value, batch, cfg.num_samples_per_prompt)
-            vf, vf_clipped = clipped_value_loss(values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value)
+            vf, vf_clipped = clipped_value_loss(
+                values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
+            )
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, mask)
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
             stats["kl_loss"] = float(masked_sum(kl.detach(), mask))
         if models.value is not None:
-            stats["value_loss"], stats["vf_clipfrac"] = float(masked_sum(vf.detach(), mask)), float(masked_sum(vf_clipped, mask))
+            stats["value_loss"], stats["vf_clipfrac"] = (
+                float(masked_sum(vf.detach(), mask)),
+                float(masked_sum(vf_clipped, mask)),
+            )
         stats["policy_loss"] = float(masked_sum(pg.detach(), mask))
         stats["pg_clipfrac"] = float(masked_sum(pg_clipped, mask))
         stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), mask))
@@ -388,8 +448,15 @@ def micro_batch_loss(
 
 
 def update(
-    cfg: RLVRConfig, models: RLModels, optimizers: dict[str, Any], schedulers: dict[str, Any], rollout: Rollout,
-    adv: Advantages, plan: Any, run: runtime.RunContext, pad_id: int,
+    cfg: RLVRConfig,
+    models: RLModels,
+    optimizers: dict[str, Any],
+    schedulers: dict[str, Any],
+    rollout: Rollout,
+    adv: Advantages,
+    plan: Any,
+    run: runtime.RunContext,
+    pad_id: int,
 ) -> dict[str, float]:
     """num_epochs passes over the rollout, each num_mini_batches optimizer steps on a shuffled order of whole groups
     (GRPO: required; PPO: when they fit, so micro-batches can share prompt forwards). Returns the statistics summed
@@ -412,7 +479,9 @@ def update(
             micro_rows = list(micro_batches(mb_rows, cfg.per_device_train_batch_size))
             for i, rows in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
-                    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast)
+                    loss_sum, stats = micro_batch_loss(
+                        cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast
+                    )
                     # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
                     accelerator.backward(loss_sum * world / global_tokens)
                 for k, v in stats.items():
@@ -420,8 +489,14 @@ def update(
             totals["local_kl_sum"] += sums["kl_loss"]
             sums = global_sums(accelerator, sums)
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
-            value_grad_norm = clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm) if models.value is not None else torch.tensor(0.0)
-            loss = (sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]) / global_tokens
+            value_grad_norm = (
+                clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm)
+                if models.value is not None
+                else torch.tensor(0.0)
+            )
+            loss = (
+                sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]
+            ) / global_tokens
             step_ok = run.update_is_finite(loss, grad_norm=grad_norm, value_grad_norm=value_grad_norm)  # else stop/skip
             for name in optimizers:
                 if step_ok:
@@ -437,19 +512,29 @@ def update(
     return totals
 
 
-def log_row(cfg: RLVRConfig, rollout: Rollout, train: dict[str, float], plan: Any, run: runtime.RunContext) -> dict[str, Any]:
+def log_row(
+    cfg: RLVRConfig, rollout: Rollout, train: dict[str, float], plan: Any, run: runtime.RunContext
+) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
     rollout's num_epochs x num_mini_batches optimizer steps."""
     from open_instruct.distributed import global_sums
 
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
     kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["local_kl_sum"]
-    ep = global_sums(run.accelerator, {
-        "n": len(rollout.episodes), "score": float(rollout.scores.sum()), "score_sq": float((rollout.scores**2).sum()),
-        "correct": float(sum(rollout.correct)), "non_stop": float(sum(not s for s in rollout.stopped)),
-        "length": float(rollout.mask.sum()), "kl": kl_sum, "timeouts": float(rollout.verifier_timeouts),
-        "rm": float(rollout.rm_scores.sum()),
-    })
+    ep = global_sums(
+        run.accelerator,
+        {
+            "n": len(rollout.episodes),
+            "score": float(rollout.scores.sum()),
+            "score_sq": float((rollout.scores**2).sum()),
+            "correct": float(sum(rollout.correct)),
+            "non_stop": float(sum(not s for s in rollout.stopped)),
+            "length": float(rollout.mask.sum()),
+            "kl": kl_sum,
+            "timeouts": float(rollout.verifier_timeouts),
+            "rm": float(rollout.rm_scores.sum()),
+        },
+    )
     n, updates = ep["n"], cfg.num_epochs * plan.num_mini_batches
     score_mean = ep["score"] / n
     row = {
@@ -508,7 +593,12 @@ class PhaseClock:
 
 
 def evaluate(
-    cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, tokenizer: Any, accelerator: Any,
+    cfg: RLVRConfig,
+    evals: list[dict],
+    policy: Any,
+    generator: Any,
+    tokenizer: Any,
+    accelerator: Any,
     gather_for_generation: Callable[[Any], Any],
 ) -> dict[str, float]:
     """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks)."""
@@ -522,27 +612,43 @@ def evaluate(
     if cfg.generation_backend == "vllm":
         generator.sync_weights(accelerator.unwrap_model(policy))  # collective under FSDP: every rank, before `if local`
     else:
-        generator = make_generator("hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size)
-    greedy = GenerationConfig(max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings)
+        generator = make_generator(
+            "hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size
+        )
+    greedy = GenerationConfig(
+        max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings
+    )
     with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
         out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
     if out is not None:
         scored = score_texts(cfg, out.texts, local)
         sums = {
-            "correct": float(sum(scored.correct)), "score": float(sum(scored.rewards)),
-            "length": float(sum(len(r) for r in out.response_ids)), "non_stop": float(sum(not s for s in out.stopped)),
+            "correct": float(sum(scored.correct)),
+            "score": float(sum(scored.rewards)),
+            "length": float(sum(len(r) for r in out.response_ids)),
+            "non_stop": float(sum(not s for s in out.stopped)),
             "n": float(len(local)),
         }
     t = global_sums(accelerator, sums)
     n = max(t["n"], 1.0)
-    return {"eval/correct_rate": t["correct"] / n, "eval/score_mean": t["score"] / n, "eval/response_length": t["length"] / n, "eval/non_stop_rate": t["non_stop"] / n}
+    return {
+        "eval/correct_rate": t["correct"] / n,
+        "eval/score_mean": t["score"] / n,
+        "eval/response_length": t["length"] / n,
+        "eval/non_stop_rate": t["non_stop"] / n,
+    }
 
 
 def sample_rows(rollout: Rollout, tokenizer: Any, k: int) -> list[dict[str, Any]]:
     """The first k completions of this rollout, for samples.jsonl."""
     return [
-        {"prompt": tokenizer.decode(e["prompt_ids"]), "response": rollout.texts[j], "score": float(rollout.scores[j]),
-         "ground_truth": str(e["ground_truth"]), "stopped": bool(rollout.stopped[j])}
+        {
+            "prompt": tokenizer.decode(e["prompt_ids"]),
+            "response": rollout.texts[j],
+            "score": float(rollout.scores[j]),
+            "ground_truth": str(e["ground_truth"]),
+            "stopped": bool(rollout.stopped[j]),
+        }
         for j, e in enumerate(rollout.episodes[:k])
     ]
 
@@ -565,8 +671,13 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
     check_verifiers(evals, "eval")
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
     if cfg.best_metric and not cfg.best_metric.startswith("eval/"):
-        raise ConfigError(f"best_metric {cfg.best_metric!r}: RLVR eval metrics are eval/correct_rate, eval/score_mean, eval/response_length")
-    model_config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file)
+        raise ConfigError(
+            f"best_metric {cfg.best_metric!r}: RLVR eval metrics are eval/correct_rate, eval/score_mean, "
+            "eval/response_length"
+        )
+    model_config = AutoConfig.from_pretrained(
+        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
+    )
     max_positions = getattr(model_config, "max_position_embeddings", None)
     longest_prompt = max(len(e["prompt_ids"]) for e in train + evals)
     longest_response = max(cfg.response_length, cfg.eval_response_length or cfg.response_length)
@@ -576,31 +687,49 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
             f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
         )
     if accelerator.is_main_process:
-        print(f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan {plan.to_dict()}")
+        print(
+            f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan "
+            f"{plan.to_dict()}"
+        )
     return train, evals, plan, longest_prompt + longest_response
 
 
-def load_models(cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
+def load_models(
+    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
+) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
     """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
     initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
     from open_instruct.distributed import prepare_frozen
     from open_instruct.models import (
-        DTYPES, TokenValueModel, disable_dropout, load_causal_lm, load_sequence_classifier, make_optimizer_and_scheduler,
+        DTYPES,
+        TokenValueModel,
+        disable_dropout,
+        load_causal_lm,
+        load_sequence_classifier,
+        make_optimizer_and_scheduler,
     )
 
     def causal_lm() -> Any:
-        model = load_causal_lm(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
+        model = load_causal_lm(
+            cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+        )
         disable_dropout(model)
         return model
 
     def scalar_model(path: str, gguf_file: Optional[str]) -> TokenValueModel:
-        classifier = load_sequence_classifier(path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id)
+        classifier = load_sequence_classifier(
+            path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id
+        )
         return TokenValueModel(classifier)
 
     models = RLModels(policy=causal_lm(), reference=causal_lm() if cfg.beta > 0 else None)
     if cfg.algo != "grpo":
-        torch.manual_seed(cfg.seed)  # a fresh scalar head (value model from the policy) is initialised the same way every run
-        models.value = scalar_model(cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file)
+        torch.manual_seed(
+            cfg.seed
+        )  # a fresh scalar head (value model from the policy) is initialised the same way every run
+        models.value = scalar_model(
+            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file
+        )
         disable_dropout(models.value.seq_cls)
     if cfg.reward_model_path:
         models.reward = scalar_model(cfg.reward_model_path, None)
@@ -632,21 +761,30 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
+    )
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
 
     generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
     if cfg.generation_backend == "vllm":  # one colocated engine per rank for rollouts and evals (optional extra)
         generator_kwargs.update(
-            max_model_len=max_model_len, dtype=DTYPES[cfg.mixed_precision], seed=cfg.seed,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
+            max_model_len=max_model_len,
+            dtype=DTYPES[cfg.mixed_precision],
+            seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep=cfg.vllm_enable_sleep,
         )
-    generator = make_generator(cfg.generation_backend, accelerator.unwrap_model(models.policy), tokenizer, **generator_kwargs)
+    generator = make_generator(
+        cfg.generation_backend, accelerator.unwrap_model(models.policy), tokenizer, **generator_kwargs
+    )
     # HF generates with the live (FSDP-gathered) policy; vLLM holds its own copy, synced by sync_weights.
     gather_for_generation = full_params if cfg.generation_backend == "hf" else (lambda model: contextlib.nullcontext())
 
-    run = runtime.RunContext(cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step")
+    run = runtime.RunContext(
+        cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
+    )
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
     # GRPO with one pass in one mini-batch trains on exactly the weights that sampled: no separate old-log-prob pass.
@@ -665,12 +803,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         global_idx = stream.take(counters.rollout_step * plan.rollout_batch_size, plan.rollout_batch_size)
         prompts = [train[i] for i in stream.local_slice(global_idx, rank, world)]
         rollout = collect_rollout(
-            cfg, models, generator, prompts, counters.rollout_step, run, gather_for_generation, on_policy, tokenizer.pad_token_id,
+            cfg,
+            models,
+            generator,
+            prompts,
+            counters.rollout_step,
+            run,
+            gather_for_generation,
+            on_policy,
+            tokenizer.pad_token_id,
         )
         t0 = time.perf_counter()
         advantages = compute_advantages(cfg, rollout, accelerator)
         t1 = time.perf_counter()
-        train_stats = update(cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id)
+        train_stats = update(
+            cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id
+        )
         rollout.seconds["inference"] += t1 - t0
         rollout.seconds["training"] = time.perf_counter() - t1
 
@@ -680,7 +828,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.logger.advance()
         clock.add(rollout.seconds, int(rollout.mask.sum()))
         if should_log(counters.rollout_step, cfg.logging_steps):
-            run.log({**log_row(cfg, rollout, train_stats, plan, run), **clock.report(accelerator, plan.episodes_per_rollout)})
+            run.log(
+                {
+                    **log_row(cfg, rollout, train_stats, plan, run),
+                    **clock.report(accelerator, plan.episodes_per_rollout),
+                }
+            )
             if cfg.num_samples_logged and accelerator.is_main_process:
                 run.logger.log_samples(sample_rows(rollout, tokenizer, cfg.num_samples_logged), counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM

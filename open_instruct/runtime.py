@@ -229,7 +229,13 @@ class RunContext:
         from open_instruct.checkpoint import save_training_state
 
         save_training_state(
-            self.cfg, self.accelerator, self.models, self.optimizers, self.schedulers, self.counters, self.tokenizer,
+            self.cfg,
+            self.accelerator,
+            self.models,
+            self.optimizers,
+            self.schedulers,
+            self.counters,
+            self.tokenizer,
             self.best.state(),
         )
 
@@ -247,7 +253,9 @@ class RunContext:
         from open_instruct.batch_math import should_fire
 
         step = self.step
-        if evaluate is not None and should_fire(step, self.cfg.eval_steps, self.last_step if self.cfg.eval_steps else None):
+        if evaluate is not None and should_fire(
+            step, self.cfg.eval_steps, self.last_step if self.cfg.eval_steps else None
+        ):
             self.evaluate(evaluate)
         stopping = self.preemption.should_stop(self.accelerator)
         if should_fire(step, self.cfg.checkpointing_steps) or stopping:

@@ -22,7 +22,9 @@ def token_loss_sum(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
     # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    loss_sum = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     return loss_sum, (labels != -100).sum()
 
 
@@ -37,19 +39,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+    tokenizer = load_tokenizer(
+        cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
+    )
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_sft)
     plan = cfg.batch_plan(world, len(train))  # validated before the model loads
     if accelerator.is_main_process:
         print(f"data: {stats.summary()}; {len(evals)} held-out examples")
 
-    model = load_causal_lm(cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision)
+    model = load_causal_lm(
+        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+    )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    run = runtime.RunContext(cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, plan.optimizer_steps)
+    run = runtime.RunContext(
+        cfg,
+        accelerator,
+        {"policy": model},
+        {"policy": optimizer},
+        {"policy": scheduler},
+        tokenizer,
+        plan.optimizer_steps,
+    )
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
     pad_id = tokenizer.pad_token_id
@@ -103,14 +117,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.count_update(plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
-            run.log({
-                "train/loss": loss,
-                "train/grad_norm": float(grad_norm),
-                "train/skipped_update": int(not step_ok),
-                "lr": scheduler.get_last_lr()[0],
-                "train/tokens_trained": global_tokens,
-                **run.throughput.report(accelerator),
-            })
+            run.log(
+                {
+                    "train/loss": loss,
+                    "train/grad_norm": float(grad_norm),
+                    "train/skipped_update": int(not step_ok),
+                    "lr": scheduler.get_last_lr()[0],
+                    "train/tokens_trained": global_tokens,
+                    **run.throughput.report(accelerator),
+                }
+            )
         if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 

@@ -106,7 +106,11 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(row)
         if self.bar is not None:
-            shown = {k.split("/")[-1]: v for k, v in row.items() if k in ("train/loss", "loss", "eval/accuracy", "train/score_mean", "train/correct_rate")}
+            shown = {
+                k.split("/")[-1]: v
+                for k, v in row.items()
+                if k in ("train/loss", "loss", "eval/accuracy", "train/score_mean", "train/correct_rate")
+            }
             if shown:
                 self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in shown.items()})
 

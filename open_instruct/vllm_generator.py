@@ -101,7 +101,9 @@ def check_vllm_version(version: Optional[str] = None) -> str:
     except Exception:
         release = None
     if release is None or len(release) < 2:
-        raise VLLMVersionError(f"cannot read the installed vLLM version {version!r}; supported: vllm {wanted} ({INSTALL_HINT})")
+        raise VLLMVersionError(
+            f"cannot read the installed vLLM version {version!r}; supported: vllm {wanted} ({INSTALL_HINT})"
+        )
     if not lo <= tuple(release[:2]) < hi and os.environ.get(ANY_VERSION_ENV) != "1":
         raise VLLMVersionError(
             f"installed vLLM {version} is outside the supported range {wanted}: {INSTALL_HINT}, "
@@ -128,8 +130,12 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     mesh_device = t.device_mesh.device_type
-    if t.device.type != mesh_device:  # FSDP2 CPU offload: shards sit in host memory, the all-gather runs on the mesh's device
-        t = DTensor.from_local(t.to_local().to(mesh_device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    if (
+        t.device.type != mesh_device
+    ):  # FSDP2 CPU offload: shards sit in host memory, the all-gather runs on the mesh's device
+        t = DTensor.from_local(
+            t.to_local().to(mesh_device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
     return t.full_tensor()
 
 
@@ -265,7 +271,11 @@ class VLLMGenerator:
             kv_cache_memory_bytes = 1 << 30  # else vLLM takes gpu_memory_utilization of the host's RAM
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             # One engine per training rank inside the existing process group (vLLM reads the rank from the env).
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = seed + torch.distributed.get_rank()
@@ -389,7 +399,9 @@ class VLLMGenerator:
         for i, res in enumerate(results):
             completions = sorted(res.outputs, key=lambda c: c.index)
             if len(completions) != config.n:
-                raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected n={config.n}")
+                raise RuntimeError(
+                    f"vLLM returned {len(completions)} completions for prompt {i}, expected n={config.n}"
+                )
             for c in completions:
                 ids, text, stopped = finalize_response(c.token_ids, self.eos_ids, self.tokenizer, config.stop_strings)
                 # vLLM matches stop strings on its incremental detokenisation; if it ended a response where the

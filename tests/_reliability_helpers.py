@@ -38,12 +38,24 @@ SCRIPTS = ("sft", "reward_model", "dpo", "rlvr_ppo")
 
 class Zygote:
     def __init__(self, start_timeout: float = 600.0) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "WANDB_MODE": "offline",
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("OPEN_INSTRUCT_FAULT", None)
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, cwd=REPO, text=True, bufsize=1,
+            [sys.executable, os.path.abspath(__file__), "--zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=REPO,
+            text=True,
+            bufsize=1,
         )
         reply = self._read(start_timeout)
         assert reply.get("ready"), reply
@@ -62,13 +74,21 @@ class Zygote:
         self.proc.stdin.flush()
         return self._read(timeout)
 
-    def spawn(self, script: str, argv: list[str], log: str, env: Optional[dict[str, str]] = None,
-              faults: Optional[dict[str, Any]] = None) -> int:
+    def spawn(
+        self,
+        script: str,
+        argv: list[str],
+        log: str,
+        env: Optional[dict[str, str]] = None,
+        faults: Optional[dict[str, Any]] = None,
+    ) -> int:
         """Start `script` (one of SCRIPTS) in a fresh child; its stdout and stderr go to `log`. Returns its pid."""
-        return self._ask({"op": "spawn", "script": script, "argv": argv, "log": log, "env": env or {}, "faults": faults or {}})["pid"]
+        return self._ask(
+            {"op": "spawn", "script": script, "argv": argv, "log": log, "env": env or {}, "faults": faults or {}}
+        )["pid"]
 
     def wait(self, pid: int, timeout: float) -> Optional[int]:
-        """Exit code of child `pid` (negative: killed by that signal), or None if it is still running after `timeout`."""
+        """Exit code of child `pid` (negative: killed by that signal), or None if still running after `timeout`."""
         return self._ask({"op": "wait", "pid": pid, "timeout": timeout}, timeout + 60)["returncode"]
 
     def close(self) -> None:
@@ -84,8 +104,15 @@ class Zygote:
 class Run:
     """One child process of a Zygote."""
 
-    def __init__(self, zygote: Zygote, script: str, argv: list[str], log: str, env: Optional[dict[str, str]] = None,
-                 faults: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        zygote: Zygote,
+        script: str,
+        argv: list[str],
+        log: str,
+        env: Optional[dict[str, str]] = None,
+        faults: Optional[dict[str, Any]] = None,
+    ) -> None:
         self.zygote, self.log = zygote, log
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
         self.pid = zygote.spawn(script, argv, log, env, faults)
@@ -121,11 +148,13 @@ class Run:
             return f.read()
 
     def signal_when(self, condition: Callable[[], bool], sig: int, delay: float = 0.0, timeout: float = 300.0) -> None:
-        """Send `sig` `delay` seconds after `condition()` first holds (polled every 10 ms). Fails if the run ends first."""
+        """Send `sig` `delay` s after `condition()` first holds (polled every 10 ms); fails if the run ends first."""
         deadline = time.monotonic() + timeout
         while not condition():
             if self.poll() is not None:
-                raise AssertionError(f"run ended (code {self.returncode}) before the signal point; log:\n{self.output()[-3000:]}")
+                raise AssertionError(
+                    f"run ended (code {self.returncode}) before the signal point; log:\n{self.output()[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError("signal point not reached")
             time.sleep(0.01)
@@ -251,9 +280,10 @@ def _serve() -> None:
     import transformers  # noqa: F401
 
     modules = {name: importlib.import_module(f"open_instruct.{name}") for name in SCRIPTS}
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
     import open_instruct.checkpoint  # noqa: F401
     import open_instruct.generation  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
 
     _send({"ready": True})
     for line in sys.stdin:

@@ -20,12 +20,29 @@ def paths(tmp_path):
 
 
 def base(paths):
-    return ["--model_name_or_path", paths["model"], "--dataset_name_or_path", paths["data"], "--output_dir", paths["out"]]
+    return [
+        "--model_name_or_path",
+        paths["model"],
+        "--dataset_name_or_path",
+        paths["data"],
+        "--output_dir",
+        paths["out"],
+    ]
 
 
 def rl(paths):
-    return base(paths) + ["--total_episodes", "64", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2",
-                          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    return base(paths) + [
+        "--total_episodes",
+        "64",
+        "--local_rollout_batch_size",
+        "4",
+        "--num_samples_per_prompt",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
 
 
 # (config class, extra argv builder, text the message must contain)
@@ -77,8 +94,25 @@ CASES = [
     (RLVRConfig, lambda p: rl(p) + ["--value_model_path", str(p["tmp"] / "missing_rm")], "value_model_path"),
     # Batch math that only the plan can check (run by --dry_run before anything loads):
     (RLVRConfig, lambda p: rl(p) + ["--per_device_train_batch_size", "3", "--dry_run", "true"], "mini_batch_size"),
-    (RLVRConfig, lambda p: rl(p) + ["--algo", "grpo", "--num_samples_per_prompt", "3", "--local_rollout_batch_size", "4",
-                                    "--gradient_accumulation_steps", "1", "--dry_run", "true"], "group size"),
+    (
+        RLVRConfig,
+        lambda p: (
+            rl(p)
+            + [
+                "--algo",
+                "grpo",
+                "--num_samples_per_prompt",
+                "3",
+                "--local_rollout_batch_size",
+                "4",
+                "--gradient_accumulation_steps",
+                "1",
+                "--dry_run",
+                "true",
+            ]
+        ),
+        "group size",
+    ),
     (SFTConfig, lambda p: base(p) + ["--per_device_train_batch_size", "8", "--dry_run", "true"], "0 optimizer steps"),
 ]
 
@@ -93,18 +127,34 @@ def test_invalid_config_exits_2_naming_the_key(cls, argv, needle, paths, capsys)
 
 
 def test_real_process_exits_2_without_loading_torch(paths, repo_root):
-    code = ("import sys; from open_instruct import runtime; from open_instruct.config import DPOConfig\n"
-            "try:\n    runtime.start(DPOConfig, sys.argv[1:])\n"
-            "finally:\n    print('TORCH_LOADED', 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code, *base(paths), "--loss_type", "ipo", "--label_smoothing", "0.1"],
-                          capture_output=True, text=True, cwd=repo_root)
+    code = (
+        "import sys; from open_instruct import runtime; from open_instruct.config import DPOConfig\n"
+        "try:\n    runtime.start(DPOConfig, sys.argv[1:])\n"
+        "finally:\n    print('TORCH_LOADED', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *base(paths), "--loss_type", "ipo", "--label_smoothing", "0.1"],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
     assert proc.returncode == 2
     assert "label_smoothing" in proc.stderr
     assert "TORCH_LOADED False" in proc.stdout
 
 
 def test_script_entry_point_exits_2(paths, repo_root):
-    proc = subprocess.run([sys.executable, os.path.join(repo_root, "open_instruct", "sft.py"), *base(paths),
-                           "--per_device_train_batch_size", "0"], capture_output=True, text=True, cwd=repo_root)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(repo_root, "open_instruct", "sft.py"),
+            *base(paths),
+            "--per_device_train_batch_size",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+    )
     assert proc.returncode == 2 and "per_device_train_batch_size must be > 0" in proc.stderr
     assert not os.path.exists(os.path.join(paths["out"], "metrics.jsonl"))

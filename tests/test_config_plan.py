@@ -9,8 +9,9 @@ import time
 import pytest
 
 from open_instruct.config import DPOConfig, RLVRConfig, SFTConfig, parse_config
-from open_instruct.plan import build_plan, llama_like_params, main as plan_main
 from open_instruct.errors import ConfigError
+from open_instruct.plan import build_plan, llama_like_params
+from open_instruct.plan import main as plan_main
 
 RECIPES = ["sft_8b", "rm_8b", "dpo_8b", "rlvr_8b", "rlvr_70b"]
 
@@ -30,7 +31,9 @@ def test_unknown_key_suggests_closest(repo_root, tmp_path):
         parse_config(DPOConfig, [_recipe(repo_root, "dpo_8b"), "--learning_rat", "1"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("script: sft\nmodel_name_or_path: m\ndataset_name_or_path: d\nper_device_batch_size: 2\n")
-    with pytest.raises(ConfigError, match=rf"unknown key 'per_device_batch_size' in recipe {bad}.*per_device_train_batch_size"):
+    with pytest.raises(
+        ConfigError, match=rf"unknown key 'per_device_batch_size' in recipe {bad}.*per_device_train_batch_size"
+    ):
         parse_config(SFTConfig, [str(bad)])
 
 
@@ -69,17 +72,46 @@ def test_published_global_batches(repo_root):
 
 
 def test_plan_json_keys_and_numbers(repo_root, capsys):
-    assert plan_main([_recipe(repo_root, "dpo_8b"), "--num_processes", "8", "--num_examples", "60000", "--json",
-                      "--gradient_accumulation_steps", "32"]) == 0
+    assert (
+        plan_main(
+            [
+                _recipe(repo_root, "dpo_8b"),
+                "--num_processes",
+                "8",
+                "--num_examples",
+                "60000",
+                "--json",
+                "--gradient_accumulation_steps",
+                "32",
+            ]
+        )
+        == 0
+    )
     p = json.loads(capsys.readouterr().out)
-    for key in ["world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "local_mini_batch_size",
-                "mini_batch_size", "total_episodes", "num_training_steps", "optimizer_steps", "log_rows", "estimated_hours"]:
+    for key in [
+        "world_size",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "local_mini_batch_size",
+        "mini_batch_size",
+        "total_episodes",
+        "num_training_steps",
+        "optimizer_steps",
+        "log_rows",
+        "estimated_hours",
+    ]:
         assert key in p
     assert (p["mini_batch_size"], p["optimizer_steps"], p["log_rows"]) == (256, 234, 234)
     assert plan_main([_recipe(repo_root, "rlvr_8b"), "--num_processes", "7", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    for key in ["local_rollout_batch_size", "rollout_batch_size", "num_samples_per_prompt", "episodes_per_rollout",
-                "num_mini_batches", "num_epochs"]:
+    for key in [
+        "local_rollout_batch_size",
+        "rollout_batch_size",
+        "num_samples_per_prompt",
+        "episodes_per_rollout",
+        "num_mini_batches",
+        "num_epochs",
+    ]:
         assert key in p
     assert (p["num_training_steps"], p["optimizer_steps"]) == (44_642, 178_568)
 
@@ -92,11 +124,18 @@ def test_invalid_plan_exits_2(repo_root, capsys):
 
 def test_plan_cli_is_fast_and_light(repo_root):
     # CPU time, not wall time: the machine may be loaded by other work, the planner's own cost is what matters.
-    code = "import sys, time; t=time.process_time(); from open_instruct.plan import main; main(sys.argv[1:]); " \
-           "print('TORCH', 'torch' in sys.modules, 'ELAPSED', time.process_time()-t)"
+    code = (
+        "import sys, time; t=time.process_time(); from open_instruct.plan import main; main(sys.argv[1:]); "
+        "print('TORCH', 'torch' in sys.modules, 'ELAPSED', time.process_time()-t)"
+    )
     start = time.time()
-    out = subprocess.run([sys.executable, "-c", code, _recipe(repo_root, "rlvr_8b"), "--num_processes", "7"],
-                         capture_output=True, text=True, cwd=repo_root, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, _recipe(repo_root, "rlvr_8b"), "--num_processes", "7"],
+        capture_output=True,
+        text=True,
+        cwd=repo_root,
+        check=True,
+    ).stdout
     assert "TORCH False" in out  # no torch, no model code
     elapsed = float(out.rsplit("ELAPSED", 1)[1])
     assert elapsed < 2.0, f"plan took {elapsed:.2f}s beyond start-up"
@@ -106,6 +145,13 @@ def test_plan_cli_is_fast_and_light(repo_root):
 
 def test_param_count_from_config():
     # Llama-3.1-8B shape: 8,030,261,248 parameters.
-    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 128256, "intermediate_size": 14336,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
+    cfg = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "vocab_size": 128256,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    }
     assert llama_like_params(cfg) == 8_030_261_248

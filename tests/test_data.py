@@ -11,7 +11,6 @@ from open_instruct.config import RewardModelConfig, SFTConfig
 from open_instruct.data import DataError
 
 
-
 def chat(user="What is 2+2?", reply="4"):
     return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
@@ -82,13 +81,16 @@ def test_empty_and_missing_files(tmp_path):
         data.load_rows(str(tmp_path / "nope.jsonl"))
 
 
-# --- column names and row contents --------------------------------------------------------------------------------------
+# --- column names and row contents
+# --------------------------------------------------------------------------------------
 
 
 def test_wrong_column_name_is_reported_with_the_columns_present(tmp_path, tokenizer):
     path, msg = sft_error(tmp_path, tokenizer, [{"conversation": chat()}])
-    assert msg == (f"{path} line 1: messages column(s) ['messages'] not found; columns are ['conversation']. "
-                   f"Set the matching *_column key in the recipe.")
+    assert msg == (
+        f"{path} line 1: messages column(s) ['messages'] not found; columns are ['conversation']. "
+        f"Set the matching *_column key in the recipe."
+    )
     # ... and the configured name is the one looked up
     ok = write_lines(tmp_path / "renamed.jsonl", [{"conversation": chat()}])
     examples, _ = data.tokenize_sft(data.load_rows(ok), tokenizer, sft_cfg(ok, messages_column="conversation"))
@@ -130,8 +132,13 @@ def test_duplicate_ids_error_or_skip_and_count(tmp_path, tokenizer):
 
 
 def test_skip_bad_rows_counts_and_keeps_the_first_errors(tmp_path, tokenizer):
-    lines = [{"messages": chat()}, {"messages": []}, {"messages": "x"}, {"messages": chat(reply="5")},
-             {"messages": chat()[:1]}]
+    lines = [
+        {"messages": chat()},
+        {"messages": []},
+        {"messages": "x"},
+        {"messages": chat(reply="5")},
+        {"messages": chat()[:1]},
+    ]
     path = write_lines(tmp_path / "mixed.jsonl", lines)
     examples, stats = data.tokenize_sft(data.load_rows(path), tokenizer, sft_cfg(path, skip_bad_rows=True))
     assert (stats.rows, stats.kept, stats.bad_rows) == (5, 2, 3)
@@ -153,14 +160,18 @@ def test_overlong_rows_dropped_or_truncated_and_counted(tmp_path, tokenizer):
     examples, stats = data.tokenize_sft(data.load_rows(path), tokenizer, sft_cfg(path, max_seq_length=60))
     assert (stats.kept, stats.dropped_overlong, stats.truncated) == (1, 1, 0)
 
-    examples, stats = data.tokenize_sft(data.load_rows(path), tokenizer, sft_cfg(path, max_seq_length=60, overlong="truncate"))
+    examples, stats = data.tokenize_sft(
+        data.load_rows(path), tokenizer, sft_cfg(path, max_seq_length=60, overlong="truncate")
+    )
     assert (stats.kept, stats.dropped_overlong, stats.truncated) == (2, 0, 1)
     assert len(examples[1]["input_ids"]) == len(examples[1]["labels"]) == 60
     assert stats.as_log()["data/truncated"] == 1
 
     # preferences: truncation keeps the pair only if some response survives (the prompt fits)
     ppath = write_lines(tmp_path / "p.jsonl", [pair(1), pair(2, chosen="y" * 100), pair(3, user="q" * 100)])
-    examples, stats = data.tokenize_preferences(data.load_rows(ppath), tokenizer, rm_cfg(ppath, max_seq_length=60, overlong="truncate"))
+    examples, stats = data.tokenize_preferences(
+        data.load_rows(ppath), tokenizer, rm_cfg(ppath, max_seq_length=60, overlong="truncate")
+    )
     assert (stats.kept, stats.truncated, stats.dropped_overlong) == (2, 1, 1)
     assert len(examples[1]["chosen_ids"]) == 60 and examples[1]["prompt_len"] < 60
 
@@ -170,7 +181,12 @@ def test_preference_tokens_and_collate(tokenizer, tmp_path):
     path = write_lines(tmp_path / "p.jsonl", [pair(1, chosen="yes"), pair(2, chosen="a longer reply", rejected="n")])
     examples, _ = data.tokenize_preferences(data.load_rows(path), tokenizer, rm_cfg(path))
     batch = data.collate_preferences(examples, tokenizer.pad_token_id)
-    lengths = [len(examples[0]["chosen_ids"]), len(examples[1]["chosen_ids"]), len(examples[0]["rejected_ids"]), len(examples[1]["rejected_ids"])]
+    lengths = [
+        len(examples[0]["chosen_ids"]),
+        len(examples[1]["chosen_ids"]),
+        len(examples[0]["rejected_ids"]),
+        len(examples[1]["rejected_ids"]),
+    ]
     assert batch["attention_mask"].sum(1).tolist() == lengths
     assert batch["input_ids"][1, : lengths[1]].tolist() == examples[1]["chosen_ids"]
     assert batch["input_ids"][3, : lengths[3]].tolist() == examples[1]["rejected_ids"]
@@ -185,7 +201,14 @@ def test_script_exits_nonzero_naming_file_and_row(tiny_models, tmp_path, capsys)
     from open_instruct import reward_model, runtime
 
     path = write_lines(tmp_path / "prefs.jsonl", [pair(1), pair(2), {"id": 3, "chosen": chat(), "rejected": []}])
-    argv = ["--model_name_or_path", tiny_models["seq_cls"], "--dataset_name_or_path", path, "--output_dir", str(tmp_path / "out")]
+    argv = [
+        "--model_name_or_path",
+        tiny_models["seq_cls"],
+        "--dataset_name_or_path",
+        path,
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     with pytest.raises(SystemExit) as e:
         runtime.run(reward_model.main, argv)
     assert e.value.code == 2

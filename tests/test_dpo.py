@@ -13,13 +13,18 @@ import sys
 
 import pytest
 import torch
+from training_helpers import (
+    assert_rows_match,
+    assert_weights_match,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    read_metrics,
+    sigterm_at_step,
+)
 
+from demo.synthetic import preference_rows, sft_rows, write_jsonl
 from open_instruct import dpo, reference_cache
 from open_instruct.config import DPOConfig
 from open_instruct.models import PairLogps, pair_logps
-from demo.synthetic import preference_rows, sft_rows, write_jsonl
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
-from training_helpers import assert_rows_match, assert_weights_match, read_metrics, sigterm_at_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "dpo_tiny.yaml")
@@ -33,8 +38,12 @@ def softplus(x: float) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # Losses, by hand. Two pairs; response lengths chosen so that sums and per-token means differ.
 
-POLICY = PairLogps(torch.tensor([-4.0, -10.0]), torch.tensor([-6.0, -9.0]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
-REF = PairLogps(torch.tensor([-5.0, -9.5]), torch.tensor([-5.5, -9.5]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0]))
+POLICY = PairLogps(
+    torch.tensor([-4.0, -10.0]), torch.tensor([-6.0, -9.0]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0])
+)
+REF = PairLogps(
+    torch.tensor([-5.0, -9.5]), torch.tensor([-5.5, -9.5]), torch.tensor([2.0, 5.0]), torch.tensor([3.0, 3.0])
+)
 
 
 def cfg_for(loss_type: str, **kw) -> DPOConfig:
@@ -49,7 +58,9 @@ def test_dpo_sigmoid_and_label_smoothing_by_hand():
     assert chosen_r.tolist() == pytest.approx([0.1, -0.05]) and rejected_r.tolist() == pytest.approx([-0.05, 0.05])
     # Conservative DPO, eps = 0.2: 0.8 * -log sigmoid(beta h) + 0.2 * -log sigmoid(-beta h)
     smoothed, _, _ = dpo.preference_loss(cfg_for("dpo", beta=beta, label_smoothing=0.2), POLICY, REF)
-    assert smoothed.tolist() == pytest.approx([0.8 * softplus(-0.15) + 0.2 * softplus(0.15), 0.8 * softplus(0.1) + 0.2 * softplus(-0.1)], abs=1e-6)
+    assert smoothed.tolist() == pytest.approx(
+        [0.8 * softplus(-0.15) + 0.2 * softplus(0.15), 0.8 * softplus(0.1) + 0.2 * softplus(-0.1)], abs=1e-6
+    )
 
 
 def test_dpo_norm_and_ipo_use_per_token_means_by_hand():
@@ -85,14 +96,26 @@ def test_wpo_weights_by_hand_and_detached():
     loss, _, _ = dpo.preference_loss(cfg_for("wpo", beta=0.1), POLICY._replace(chosen=chosen), REF)
     loss.sum().backward()
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    assert chosen.grad.tolist() == pytest.approx([-math.exp(-4) * 0.1 * sig(-0.15), -math.exp(-5) * 0.1 * sig(0.1)], rel=1e-5)
+    assert chosen.grad.tolist() == pytest.approx(
+        [-math.exp(-4) * 0.1 * sig(-0.15), -math.exp(-5) * 0.1 * sig(0.1)], rel=1e-5
+    )
 
 
 def test_bad_best_metric_is_a_config_error(tmp_path):
     from open_instruct.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eval/rewards/accuracy"):
-        dpo.main([RECIPE, "--output_dir", str(tmp_path / "o"), "--model_name_or_path", str(tmp_path), "--best_metric", "eval/accuracy"])
+        dpo.main(
+            [
+                RECIPE,
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--model_name_or_path",
+                str(tmp_path),
+                "--best_metric",
+                "eval/accuracy",
+            ]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -102,18 +125,46 @@ def test_bad_best_metric_is_a_config_error(tmp_path):
 @pytest.fixture(scope="module")
 def pref_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("dpo_data")
-    return {"train": write_jsonl(str(d / "train.jsonl"), preference_rows(64, 11)), "eval": write_jsonl(str(d / "eval.jsonl"), preference_rows(16, 12))}
+    return {
+        "train": write_jsonl(str(d / "train.jsonl"), preference_rows(64, 11)),
+        "eval": write_jsonl(str(d / "eval.jsonl"), preference_rows(16, 12)),
+    }
 
 
 def run_args(tiny_models, pref_data, output_dir, cache_dir, world=1):
     """Global batch 8 either way: 4 x 2 accumulation on 1 process, 4 x 1 on each of 2."""
     return [
-        RECIPE, "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", pref_data["train"], "--eval_dataset_name_or_path", pref_data["eval"],
-        "--output_dir", str(output_dir), "--reference_cache_dir", str(cache_dir),
-        "--total_episodes", str(8 * STEPS), "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", str(2 // world),
-        "--per_device_eval_batch_size", "6", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
-        "--logging_steps", "1", "--eval_steps", "4", "--checkpointing_steps", "4", "--keep_last_n_checkpoints", "5",
+        RECIPE,
+        "--model_name_or_path",
+        tiny_models["causal_lm"],
+        "--dataset_name_or_path",
+        pref_data["train"],
+        "--eval_dataset_name_or_path",
+        pref_data["eval"],
+        "--output_dir",
+        str(output_dir),
+        "--reference_cache_dir",
+        str(cache_dir),
+        "--total_episodes",
+        str(8 * STEPS),
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        str(2 // world),
+        "--per_device_eval_batch_size",
+        "6",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scheduler_type",
+        "constant",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "4",
+        "--keep_last_n_checkpoints",
+        "5",
     ]
 
 
@@ -129,11 +180,22 @@ def two_process_run(runs, tiny_models, pref_data):
     """The same run on 2 processes under torchrun (DDP over gloo: accelerate's MULTI_CPU), 4 pairs per rank."""
     tmp = runs["tmp"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "OPEN_INSTRUCT_"))}
-    env.update(PYTHONPATH=REPO, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    env.update(
+        PYTHONPATH=REPO, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled"
+    )
     args = run_args(tiny_models, pref_data, tmp / "two", tmp / "cache_two", world=2)
     args += ["--checkpointing_steps", str(STEPS), "--best_metric", ""]  # fewer saves; the logged rows are unaffected
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           os.path.join(REPO, "open_instruct", "dpo.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        os.path.join(REPO, "open_instruct", "dpo.py"),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return {"two": tmp / "two", "cache_two": tmp / "cache_two", "log": proc.stdout + proc.stderr}
@@ -194,8 +256,17 @@ def test_cached_reference_equals_live_logps_in_shuffled_batches(runs, tiny_model
             idx = order[i : i + batch_size]
             with torch.no_grad():
                 live = pair_logps(model, data.collate_preferences([examples[j] for j in idx], tokenizer.pad_token_id))
-            for name, value in (("chosen_logps", live.chosen), ("rejected_logps", live.rejected), ("chosen_tokens", live.chosen_tokens), ("rejected_tokens", live.rejected_tokens)):
-                assert torch.allclose(cache[f"{split}/{name}"][idx].double(), value.double(), atol=1e-4, rtol=0), (split, name, idx)
+            for name, value in (
+                ("chosen_logps", live.chosen),
+                ("rejected_logps", live.rejected),
+                ("chosen_tokens", live.chosen_tokens),
+                ("rejected_tokens", live.rejected_tokens),
+            ):
+                assert torch.allclose(cache[f"{split}/{name}"][idx].double(), value.double(), atol=1e-4, rtol=0), (
+                    split,
+                    name,
+                    idx,
+                )
         assert cache[f"{split}/row"].tolist() == [e["row"] for e in examples]
 
 
@@ -209,8 +280,21 @@ def test_step_zero_eval_is_chance_and_training_reuses_nothing_stale(runs):
     train = [r for r in rows if "train/loss" in r]
     assert [r["optimizer_step"] for r in train] == list(range(1, STEPS + 1))
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    for key in ("train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin", "train/rewards/accuracy", "train/logps/chosen",
-                "train/logps/rejected", "lr", "perf/tokens_per_second", "perf/pairs_per_second", "episode", "optimizer_step", "rollout_step", "epoch"):
+    for key in (
+        "train/rewards/chosen",
+        "train/rewards/rejected",
+        "train/rewards/margin",
+        "train/rewards/accuracy",
+        "train/logps/chosen",
+        "train/logps/rejected",
+        "lr",
+        "perf/tokens_per_second",
+        "perf/pairs_per_second",
+        "episode",
+        "optimizer_step",
+        "rollout_step",
+        "epoch",
+    ):
         assert key in train[0], key
     assert train[-1]["episode"] == 8 * STEPS and train[-1]["epoch"] == 1.5
 
@@ -221,14 +305,35 @@ def test_step_zero_eval_is_chance_and_training_reuses_nothing_stale(runs):
 
 def test_cache_is_reused_and_invalidated_by_changes(tiny_models, tmp_path, capsys):
     train = preference_rows(24, 21)
-    files = {"train": write_jsonl(str(tmp_path / "train.jsonl"), train), "eval": write_jsonl(str(tmp_path / "eval.jsonl"), preference_rows(6, 22))}
+    files = {
+        "train": write_jsonl(str(tmp_path / "train.jsonl"), train),
+        "eval": write_jsonl(str(tmp_path / "eval.jsonl"), preference_rows(6, 22)),
+    }
     cache = tmp_path / "cache"
 
     def run(*extra, data=files):
-        args = [RECIPE, "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", data["train"],
-                "--eval_dataset_name_or_path", data["eval"], "--output_dir", str(tmp_path / "out"), "--reference_cache_dir", str(cache),
-                "--total_episodes", "8", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
-                "--save_final_model", "false", *extra]
+        args = [
+            RECIPE,
+            "--model_name_or_path",
+            tiny_models["causal_lm"],
+            "--dataset_name_or_path",
+            data["train"],
+            "--eval_dataset_name_or_path",
+            data["eval"],
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--reference_cache_dir",
+            str(cache),
+            "--total_episodes",
+            "8",
+            "--per_device_train_batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "1",
+            "--save_final_model",
+            "false",
+            *extra,
+        ]
         dpo.main(args)
         return capsys.readouterr().out
 
@@ -241,7 +346,9 @@ def test_cache_is_reused_and_invalidated_by_changes(tiny_models, tmp_path, capsy
 
     # A max_seq_length that drops the longest pairs (68 tokens; the others have 63-66): other examples, a new file.
     out = run("--max_seq_length", "66")
-    assert "13/24 rows kept: 0 bad, 11 dropped as over-long" in out and "reference log-probs: computed for 13 train" in out
+    assert (
+        "13/24 rows kept: 0 bad, 11 dropped as over-long" in out and "reference log-probs: computed for 13 train" in out
+    )
     assert len(glob.glob(str(cache / "ref_logps_*"))) == 2
 
     # One rejected answer edited: new data, new file.
@@ -316,22 +423,84 @@ def test_dpo_raises_heldout_preference_accuracy_from_chance_to_above_90pct(tiny_
 
     d = tmp_path
     sft_file = write_jsonl(str(d / "sft.jsonl"), sft_rows(1000, 0, max_operand=3))
-    sft.main([os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-              "--dataset_name_or_path", sft_file, "--eval_dataset_name_or_path", sft_file, "--max_eval_samples", "32",
-              "--output_dir", str(d / "sft"), "--num_train_epochs", "2", "--learning_rate", "3e-3", "--lr_scheduler_type", "linear",
-              "--warmup_ratio", "0.05", "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2", "--seed", "1",
-              "--eval_steps", "1000", "--checkpointing_steps", "1000"])
+    sft.main(
+        [
+            os.path.join(REPO, "configs", "sft_tiny.yaml"),
+            "--model_name_or_path",
+            tiny_models["causal_lm"],
+            "--dataset_name_or_path",
+            sft_file,
+            "--eval_dataset_name_or_path",
+            sft_file,
+            "--max_eval_samples",
+            "32",
+            "--output_dir",
+            str(d / "sft"),
+            "--num_train_epochs",
+            "2",
+            "--learning_rate",
+            "3e-3",
+            "--lr_scheduler_type",
+            "linear",
+            "--warmup_ratio",
+            "0.05",
+            "--per_device_train_batch_size",
+            "16",
+            "--gradient_accumulation_steps",
+            "2",
+            "--seed",
+            "1",
+            "--eval_steps",
+            "1000",
+            "--checkpointing_steps",
+            "1000",
+        ]
+    )
     train = write_jsonl(str(d / "pref_train.jsonl"), preference_rows(1000, 2, max_operand=3))
     held_out = write_jsonl(str(d / "pref_eval.jsonl"), preference_rows(200, 3, max_operand=3))
-    dpo.main([RECIPE, "--model_name_or_path", str(d / "sft" / "final_model"), "--dataset_name_or_path", train,
-              "--eval_dataset_name_or_path", held_out, "--output_dir", str(d / "dpo"), "--loss_type", "dpo", "--beta", "0.5",
-              "--learning_rate", "1e-3", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.05", "--num_train_epochs", "1",
-              "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1", "--seed", "1",
-              "--eval_steps", "16", "--checkpointing_steps", "1000", "--best_metric", "eval/rewards/accuracy"])
+    dpo.main(
+        [
+            RECIPE,
+            "--model_name_or_path",
+            str(d / "sft" / "final_model"),
+            "--dataset_name_or_path",
+            train,
+            "--eval_dataset_name_or_path",
+            held_out,
+            "--output_dir",
+            str(d / "dpo"),
+            "--loss_type",
+            "dpo",
+            "--beta",
+            "0.5",
+            "--learning_rate",
+            "1e-3",
+            "--lr_scheduler_type",
+            "linear",
+            "--warmup_ratio",
+            "0.05",
+            "--num_train_epochs",
+            "1",
+            "--per_device_train_batch_size",
+            "16",
+            "--gradient_accumulation_steps",
+            "1",
+            "--seed",
+            "1",
+            "--eval_steps",
+            "16",
+            "--checkpointing_steps",
+            "1000",
+            "--best_metric",
+            "eval/rewards/accuracy",
+        ]
+    )
     evals = [r for r in read_metrics(d / "dpo") if "eval/loss" in r]
     acc = [r["eval/rewards/accuracy"] for r in evals]
     margin = [r["eval/rewards/margin"] for r in evals]
-    print(f"eval accuracy {acc}, margin {[round(m, 3) for m in margin]} at steps {[r['optimizer_step'] for r in evals]}")
+    print(
+        f"eval accuracy {acc}, margin {[round(m, 3) for m in margin]} at steps {[r['optimizer_step'] for r in evals]}"
+    )
     assert [r["optimizer_step"] for r in evals] == [0, 16, 32, 48, 62]
     assert acc[0] == 0.5 and margin[0] == 0.0  # policy == reference
     assert acc[-1] > 0.9

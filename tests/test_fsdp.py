@@ -47,7 +47,9 @@ def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "OPEN_INSTRUCT_"))}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env.update(PYTHONPATH=REPO, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=REPO, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"
+    )
     return env
 
 
@@ -61,10 +63,29 @@ def command(script: str, args: list[str], mode: str, shard_dir: str | None = Non
         env["OPEN_INSTRUCT_CPU_FSDP"] = "1"
         if shard_dir:
             env["OPEN_INSTRUCT_SHARD_REPORT"] = shard_dir
-        return [ACCELERATE, "launch", "--config_file", CPU_CONFIG, "--main_process_port", str(free_port()), path, *args], env
+        return [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            CPU_CONFIG,
+            "--main_process_port",
+            str(free_port()),
+            path,
+            *args,
+        ], env
     assert mode == "ddp"
     env["ACCELERATE_USE_CPU"] = "true"  # accelerate's MULTI_CPU: DDP over gloo
-    return [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), path, *args], env
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        path,
+        *args,
+    ], env
 
 
 def run_all(jobs: list[tuple[list[str], dict[str, str], str]], parallel: int = 2) -> None:
@@ -74,7 +95,9 @@ def run_all(jobs: list[tuple[list[str], dict[str, str], str]], parallel: int = 2
         while pending and len(running) < parallel:
             cmd, env, log = pending.pop(0)
             f = open(log, "w")
-            running.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT), f, log, time.time()))
+            running.append(
+                (subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT), f, log, time.time())
+            )
         time.sleep(0.2)
         for item in list(running):
             proc, f, log, t0 = item
@@ -166,16 +189,43 @@ def task(tmp_path_factory):
 def supervised_args(model: str, train: str, output_dir: str, world: int, extra: list[str]) -> list[str]:
     """Global batch 8 either way: 4 x 2 accumulation on 1 process, 4 x 1 on each of 2."""
     return [
-        "--model_name_or_path", model, "--dataset_name_or_path", train, "--output_dir", output_dir,
-        "--total_episodes", str(8 * STEPS), "--per_device_train_batch_size", "4",
-        "--gradient_accumulation_steps", str(2 // world), "--max_seq_length", "128",
-        "--learning_rate", "3e-3", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.25", "--max_grad_norm", "1.0",
-        "--logging_steps", "1", "--checkpointing_steps", "2", "--keep_last_n_checkpoints", "5", "--seed", "5",
+        "--model_name_or_path",
+        model,
+        "--dataset_name_or_path",
+        train,
+        "--output_dir",
+        output_dir,
+        "--total_episodes",
+        str(8 * STEPS),
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        str(2 // world),
+        "--max_seq_length",
+        "128",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scheduler_type",
+        "linear",
+        "--warmup_ratio",
+        "0.25",
+        "--max_grad_norm",
+        "1.0",
+        "--logging_steps",
+        "1",
+        "--checkpointing_steps",
+        "2",
+        "--keep_last_n_checkpoints",
+        "5",
+        "--seed",
+        "5",
         *extra,
     ]
 
 
-def run_pair(tmp, script: str, recipe: str, model: str, train: str, extra: list[str], extra_by_mode: dict | None = None) -> dict[str, str]:
+def run_pair(
+    tmp, script: str, recipe: str, model: str, train: str, extra: list[str], extra_by_mode: dict | None = None
+) -> dict[str, str]:
     """The same recipe on 1 process and on 2 sharded processes, side by side."""
     out = {"single": str(tmp / "single"), "fsdp": str(tmp / "fsdp"), "shards": str(tmp / "shards")}
     jobs = []
@@ -201,8 +251,12 @@ def sft_runs(tmp_path_factory, tiny_models, task):
         name = f"resume_{src}_to_{mode}"
         out[name] = str(tmp / name)
         ckpt = os.path.join(out[src], "checkpoints", "step_2")
-        args = [os.path.join(REPO, "configs", "sft_tiny.yaml"),
-                *supervised_args(tiny_models["causal_lm"], task["sft_train"], out[name], world, extra), "--resume_from_checkpoint", ckpt]
+        args = [
+            os.path.join(REPO, "configs", "sft_tiny.yaml"),
+            *supervised_args(tiny_models["causal_lm"], task["sft_train"], out[name], world, extra),
+            "--resume_from_checkpoint",
+            ckpt,
+        ]
         cmd, env = command("open_instruct/sft.py", args, mode)
         jobs.append((cmd, env, str(tmp / f"{name}.log")))
     run_all(jobs)
@@ -221,7 +275,9 @@ def test_sft_two_sharded_processes_match_one(sft_runs):
     assert len(single) == STEPS
     assert single[-1]["train/loss"] < 0.9 * single[0]["train/loss"]  # it learns, so equal losses are not trivial
     assert_same_losses(single, fsdp, ("train/loss", "train/grad_norm", "lr", "train/tokens_trained"))
-    assert_same_losses(train_rows(sft_runs["single"], "eval/loss"), train_rows(sft_runs["fsdp"], "eval/loss"), ("eval/loss",))
+    assert_same_losses(
+        train_rows(sft_runs["single"], "eval/loss"), train_rows(sft_runs["fsdp"], "eval/loss"), ("eval/loss",)
+    )
     assert_same_weights(os.path.join(sft_runs["single"], "final_model"), os.path.join(sft_runs["fsdp"], "final_model"))
     # The checkpoint is written in shards, one file per rank, each about half of the single-process file.
     state = os.path.join(sft_runs["fsdp"], "checkpoints", "step_2", "state")
@@ -229,8 +285,10 @@ def test_sft_two_sharded_processes_match_one(sft_runs):
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     whole = os.path.getsize(os.path.join(sft_runs["single"], "checkpoints", "step_2", "state", "__0_0.distcp"))
     assert all(os.path.getsize(os.path.join(state, f)) < 0.7 * whole for f in shards)
-    print(f"SFT loss {single[0]['train/loss']:.4f} -> {single[-1]['train/loss']:.4f}, 1 vs 2 sharded processes: "
-          f"max |loss diff| {max(abs(a['train/loss'] - b['train/loss']) for a, b in zip(single, fsdp)):.2g}")
+    print(
+        f"SFT loss {single[0]['train/loss']:.4f} -> {single[-1]['train/loss']:.4f}, 1 vs 2 sharded processes: "
+        f"max |loss diff| {max(abs(a['train/loss'] - b['train/loss']) for a, b in zip(single, fsdp)):.2g}"
+    )
 
 
 @pytest.mark.slow
@@ -277,7 +335,9 @@ def test_sft_resume_on_another_world_size_consumes_the_same_examples(sft_runs, d
     assert_same_losses(resumed, reference[2:], ("train/loss", "train/grad_norm", "lr"))
     losses = [r["train/loss"] for r in reference]
     assert min(abs(a - b) for i, a in enumerate(losses) for b in losses[i + 1 :]) > 1e-3
-    assert_same_weights(os.path.join(sft_runs[f"resume_{src}_to_{dst}"], "final_model"), os.path.join(sft_runs["single"], "final_model"))
+    assert_same_weights(
+        os.path.join(sft_runs[f"resume_{src}_to_{dst}"], "final_model"), os.path.join(sft_runs["single"], "final_model")
+    )
 
 
 def test_episode_stream_order_is_world_size_independent():
@@ -311,12 +371,16 @@ def test_reward_model_two_sharded_processes_match_one(tmp_path_factory, tiny_mod
     tmp = tmp_path_factory.mktemp("fsdp_rm")
     # Eval every 2 steps in batches of 4 (ranks with unequal real batches) and best_model kept by eval/accuracy.
     extra = ["--eval_dataset_name_or_path", task["pref_eval"], "--eval_steps", "2", "--per_device_eval_batch_size", "4"]
-    out = run_pair(tmp, "open_instruct/reward_model.py", "rm_tiny.yaml", tiny_models["seq_cls"], task["pref_train"], extra)
+    out = run_pair(
+        tmp, "open_instruct/reward_model.py", "rm_tiny.yaml", tiny_models["seq_cls"], task["pref_train"], extra
+    )
     assert_really_sharded(out["shards"], "step_4")
     single, fsdp = train_rows(out["single"]), train_rows(out["fsdp"])
     assert len(single) == STEPS
     assert_same_losses(single, fsdp, ("train/loss", "train/accuracy", "train/grad_norm"))
-    assert_same_losses(train_rows(out["single"], "eval/loss"), train_rows(out["fsdp"], "eval/loss"), ("eval/loss", "eval/accuracy"))
+    assert_same_losses(
+        train_rows(out["single"], "eval/loss"), train_rows(out["fsdp"], "eval/loss"), ("eval/loss", "eval/accuracy")
+    )
     assert_same_weights(os.path.join(out["single"], "best_model"), os.path.join(out["fsdp"], "best_model"))
     assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(out["fsdp"], "final_model"))
 
@@ -328,9 +392,24 @@ def test_dpo_two_sharded_processes_match_one(tmp_path_factory, tiny_models, task
     tmp = tmp_path_factory.mktemp("fsdp_dpo")
     # Each run computes the reference log-probs itself (separate caches): the sharded reference pass is tested too.
     caches = {mode: ["--reference_cache_dir", str(tmp / f"ref_{mode}")] for mode in ("single", "fsdp")}
-    out = run_pair(tmp, "open_instruct/dpo.py", "dpo_tiny.yaml", tiny_models["causal_lm"], task["pref_train"],
-                   ["--eval_dataset_name_or_path", task["pref_eval"], "--eval_steps", "2", "--per_device_eval_batch_size", "4",
-                    "--beta", "0.5"], caches)
+    out = run_pair(
+        tmp,
+        "open_instruct/dpo.py",
+        "dpo_tiny.yaml",
+        tiny_models["causal_lm"],
+        task["pref_train"],
+        [
+            "--eval_dataset_name_or_path",
+            task["pref_eval"],
+            "--eval_steps",
+            "2",
+            "--per_device_eval_batch_size",
+            "4",
+            "--beta",
+            "0.5",
+        ],
+        caches,
+    )
     assert_really_sharded(out["shards"], "step_4")
     single, fsdp = train_rows(out["single"]), train_rows(out["fsdp"])
     assert len(single) == STEPS
@@ -338,12 +417,19 @@ def test_dpo_two_sharded_processes_match_one(tmp_path_factory, tiny_models, task
     stats = [k for k in single[0] if k.endswith(("rewards/margin", "logps/chosen"))]  # named with or without "train/"
     assert len(stats) == 2, sorted(single[0])
     assert_same_losses(single, fsdp, ("train/loss", "train/grad_norm", *stats))
-    assert_same_losses(train_rows(out["single"], "eval/loss"), train_rows(out["fsdp"], "eval/loss"), ("eval/loss", "eval/rewards/accuracy"))
+    assert_same_losses(
+        train_rows(out["single"], "eval/loss"),
+        train_rows(out["fsdp"], "eval/loss"),
+        ("eval/loss", "eval/rewards/accuracy"),
+    )
     assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(out["fsdp"], "final_model"))
     # The sharded reference pass wrote the same numbers as the single-process one.
     from safetensors.torch import load_file
 
-    (a,), (b,) = [[os.path.join(tmp / f"ref_{m}", f) for f in os.listdir(tmp / f"ref_{m}") if f.endswith(".safetensors")] for m in ("single", "fsdp")]
+    (a,), (b,) = [
+        [os.path.join(tmp / f"ref_{m}", f) for f in os.listdir(tmp / f"ref_{m}") if f.endswith(".safetensors")]
+        for m in ("single", "fsdp")
+    ]
     ta, tb = load_file(a), load_file(b)
     for k in ta:
         assert torch.allclose(ta[k].double(), tb[k].double(), atol=1e-4), k
@@ -363,15 +449,43 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
     for algo, extra in algos.items():
         for mode in ("ddp", "fsdp"):
             out[algo, mode] = str(tmp / f"{algo}_{mode}")
-            # 2 rollouts of 2 ranks x 4 prompts x 2 samples = 16 completions, 2 epochs of 1 mini-batch: 4 optimizer steps.
+            # 2 rollouts of 2 ranks x 4 prompts x 2 samples = 16 completions, 2 epochs of 1 mini-batch: 4 optimizer
+            # steps.
             args = [
                 os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-                "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", task["rl_train"],
-                "--eval_dataset_name_or_path", task["rl_eval"], "--eval_steps", "2", "--best_metric", "eval/correct_rate",
-                "--output_dir", out[algo, mode], "--total_episodes", "32", "--local_rollout_batch_size", "4",
-                "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-                "--num_epochs", "2", "--response_length", "8", "--per_device_eval_batch_size", "8",
-                "--checkpointing_steps", "2", "--learning_rate", "1e-3", *extra,
+                "--model_name_or_path",
+                tiny_models["causal_lm"],
+                "--dataset_name_or_path",
+                task["rl_train"],
+                "--eval_dataset_name_or_path",
+                task["rl_eval"],
+                "--eval_steps",
+                "2",
+                "--best_metric",
+                "eval/correct_rate",
+                "--output_dir",
+                out[algo, mode],
+                "--total_episodes",
+                "32",
+                "--local_rollout_batch_size",
+                "4",
+                "--num_samples_per_prompt",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--gradient_accumulation_steps",
+                "2",
+                "--num_epochs",
+                "2",
+                "--response_length",
+                "8",
+                "--per_device_eval_batch_size",
+                "8",
+                "--checkpointing_steps",
+                "2",
+                "--learning_rate",
+                "1e-3",
+                *extra,
             ]
             cmd, env = command("open_instruct/rlvr_ppo.py", args, mode, str(tmp / f"{algo}_shards"))
             jobs.append((cmd, env, str(tmp / f"{algo}_{mode}.log")))
@@ -396,7 +510,9 @@ def test_rlvr_sharded_matches_ddp(rlvr_runs, tiny_models, algo):
         assert x.keys() == y.keys()
         for k in x:
             if isinstance(x[k], (int, float)) and not k.startswith(("perf/", "time/")):
-                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), f"rollout {x.get('rollout_step')} {k}: {x[k]} vs {y[k]}"
+                assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (
+                    f"rollout {x.get('rollout_step')} {k}: {x[k]} vs {y[k]}"
+                )
                 compared += 1
     assert compared >= 30
     final = os.path.join(rlvr_runs[algo, "fsdp"], "final_model")
@@ -429,7 +545,10 @@ def test_generation_and_frozen_models_under_fsdp(tmp_path, tiny_models):
 
 @pytest.mark.slow
 def test_fsdp_config_on_cpu_without_the_workaround_stops_instead_of_training_unsharded(tmp_path, tiny_models, task):
-    args = [os.path.join(REPO, "configs", "sft_tiny.yaml"), *supervised_args(tiny_models["causal_lm"], task["sft_train"], str(tmp_path / "out"), 2, [])]
+    args = [
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        *supervised_args(tiny_models["causal_lm"], task["sft_train"], str(tmp_path / "out"), 2, []),
+    ]
     cmd, env = command("open_instruct/sft.py", args, "fsdp")
     env.pop("OPEN_INSTRUCT_CPU_FSDP")
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
@@ -454,16 +573,26 @@ def test_rlvr_8b_dry_run_prints_the_7_process_command_and_the_224_plan():
     assert proc.returncode == 0, proc.stderr
     assert "accelerate launch --config_file configs/accelerate/fsdp_7gpu.yaml" in proc.stdout
     assert "--num_processes 7 open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml" in proc.stdout
-    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1}
+    rows = {
+        line.split()[0]: line.split()[1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ") and len(line.split()) > 1
+    }
     assert rows["world_size"] == "7" and rows["mini_batch_size"] == "224" and rows["rollout_batch_size"] == "224"
 
 
 def test_multinode_dry_run_passes_the_launcher_values_through():
     proc = dry_run("sft_8b.sh", {"NUM_MACHINES": "2", "MACHINE_RANK": "1", "MAIN_PROCESS_IP": "head-node"})
     assert proc.returncode == 0, proc.stderr
-    assert ("--config_file configs/accelerate/fsdp_multinode.yaml --num_machines 2 --machine_rank 1 "
-            "--main_process_ip head-node --main_process_port 29500 --num_processes 16") in proc.stdout
-    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1}
+    assert (
+        "--config_file configs/accelerate/fsdp_multinode.yaml --num_machines 2 --machine_rank 1 "
+        "--main_process_ip head-node --main_process_port 29500 --num_processes 16"
+    ) in proc.stdout
+    rows = {
+        line.split()[0]: line.split()[1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ") and len(line.split()) > 1
+    }
     assert rows["world_size"] == "16" and rows["mini_batch_size"] == "256"  # 1 x 16 x 16: the plan shows the change
     bad = dry_run("sft_8b.sh", {"NUM_MACHINES": "2", "MACHINE_RANK": "2"})
     assert bad.returncode == 2 and "MACHINE_RANK 2 must be below NUM_MACHINES 2" in bad.stderr
@@ -474,7 +603,11 @@ def test_rlvr_70b_layout_trains_on_5_of_6_machines_and_refuses_to_launch_without
     assert proc.returncode == 0, proc.stderr
     assert "--config_file configs/accelerate/fsdp_multinode.yaml --num_machines 5 --machine_rank 0" in proc.stdout
     assert "--num_processes 40 open_instruct/rlvr_ppo.py configs/rlvr_70b.yaml" in proc.stdout
-    rows = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.startswith("  ") and len(line.split()) > 1}
+    rows = {
+        line.split()[0]: line.split()[1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("  ") and len(line.split()) > 1
+    }
     assert rows["world_size"] == "40" and rows["mini_batch_size"] == "640"
     generation_node = dry_run("rlvr_70b.sh", {"MACHINE_RANK": "5"})
     assert generation_node.returncode == 3 and "generation node" in generation_node.stderr

@@ -6,12 +6,7 @@ import math
 import pytest
 import torch
 
-from open_instruct.generation import (
-    GenerationConfig,
-    Generator,
-    HFGenerator,
-    finalize_response,
-)
+from open_instruct.generation import GenerationConfig, Generator, HFGenerator, finalize_response
 from open_instruct.generation_backends import make_generator
 from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
 

@@ -23,11 +23,11 @@ import time
 
 import pytest
 import torch
-
 from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows
-from open_instruct import checkpoint, errors, runtime
-from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread in this process)
+
+from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
+from open_instruct import checkpoint, errors, runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fixed by default so CI is deterministic; RELIABILITY_SEED=random explores new kill moments.
@@ -49,9 +49,12 @@ def rng():
 def task(tmp_path_factory):
     d = tmp_path_factory.mktemp("reliability_data")
     files = {
-        "sft": sft_rows(64, 0), "sft_eval": sft_rows(16, 1),
-        "pref": preference_rows(64, 2), "pref_eval": preference_rows(16, 3),
-        "rl": rl_rows(64, 4), "rl_eval": rl_rows(8, 5),
+        "sft": sft_rows(64, 0),
+        "sft_eval": sft_rows(16, 1),
+        "pref": preference_rows(64, 2),
+        "pref_eval": preference_rows(16, 3),
+        "rl": rl_rows(64, 4),
+        "rl_eval": rl_rows(8, 5),
     }
     return {name: write_jsonl(str(d / f"{name}.jsonl"), rows) for name, rows in files.items()}
 
@@ -65,26 +68,95 @@ def zygote():
 
 # 16 optimizer steps of 4 conversations (2 x 2 micro-batches), linear decay with warmup: the scheduler state matters.
 def sft_argv(models, task, out, *extra):
-    return [recipe("sft_tiny.yaml"), "--model_name_or_path", models["causal_lm"], "--dataset_name_or_path", task["sft"],
-            "--eval_dataset_name_or_path", task["sft_eval"], "--output_dir", str(out),
-            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-2",
-            "--warmup_ratio", "0.1", "--logging_steps", "1", "--eval_steps", "4", "--checkpointing_steps", "3",
-            "--keep_last_n_checkpoints", "2", *extra]
+    return [
+        recipe("sft_tiny.yaml"),
+        "--model_name_or_path",
+        models["causal_lm"],
+        "--dataset_name_or_path",
+        task["sft"],
+        "--eval_dataset_name_or_path",
+        task["sft_eval"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "1e-2",
+        "--warmup_ratio",
+        "0.1",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "3",
+        "--keep_last_n_checkpoints",
+        "2",
+        *extra,
+    ]
 
 
 def dpo_argv(models, task, out, cache, *extra):
-    return [recipe("dpo_tiny.yaml"), "--model_name_or_path", models["causal_lm"], "--dataset_name_or_path", task["pref"],
-            "--eval_dataset_name_or_path", task["pref_eval"], "--output_dir", str(out), "--reference_cache_dir", str(cache),
-            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
-            "--eval_steps", "4", "--checkpointing_steps", "3", "--per_device_eval_batch_size", "8", *extra]
+    return [
+        recipe("dpo_tiny.yaml"),
+        "--model_name_or_path",
+        models["causal_lm"],
+        "--dataset_name_or_path",
+        task["pref"],
+        "--eval_dataset_name_or_path",
+        task["pref_eval"],
+        "--output_dir",
+        str(out),
+        "--reference_cache_dir",
+        str(cache),
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "3",
+        "--per_device_eval_batch_size",
+        "8",
+        *extra,
+    ]
 
 
 # 8 rollouts of 4 prompts x 2 samples, 2 PPO mini-batches each (16 optimizer steps); checkpoints every 2 rollouts.
 def rl_argv(models, task, out, *extra):
-    return [recipe("rlvr_tiny.yaml"), "--model_name_or_path", models["causal_lm"], "--dataset_name_or_path", task["rl"],
-            "--eval_dataset_name_or_path", task["rl_eval"], "--output_dir", str(out), "--total_episodes", "64",
-            "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "4",
-            "--num_epochs", "1", "--response_length", "8", "--eval_steps", "4", "--checkpointing_steps", "2", *extra]
+    return [
+        recipe("rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        models["causal_lm"],
+        "--dataset_name_or_path",
+        task["rl"],
+        "--eval_dataset_name_or_path",
+        task["rl_eval"],
+        "--output_dir",
+        str(out),
+        "--total_episodes",
+        "64",
+        "--local_rollout_batch_size",
+        "4",
+        "--num_samples_per_prompt",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_epochs",
+        "1",
+        "--response_length",
+        "8",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "2",
+        *extra,
+    ]
 
 
 def fault(spec: str) -> dict[str, str]:
@@ -105,8 +177,11 @@ def step_dirs(out) -> list[str]:
 
 def debris(out) -> list[str]:
     """Temp folders of interrupted writes anywhere under `out` (never read, must be cleaned up eventually)."""
-    return [os.path.relpath(p, out) for p in glob.glob(os.path.join(out, "**", ".tmp_*"), recursive=True)
-            + glob.glob(os.path.join(out, "**", ".old_*"), recursive=True)]
+    return [
+        os.path.relpath(p, out)
+        for p in glob.glob(os.path.join(out, "**", ".tmp_*"), recursive=True)
+        + glob.glob(os.path.join(out, "**", ".old_*"), recursive=True)
+    ]
 
 
 def start(zygote, script, argv, out, **kw) -> Run:
@@ -136,7 +211,9 @@ def sft_reference(zygote, tiny_models, task, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(zygote, sft_reference, tiny_models, task, tmp_path, rng):
+def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
+    zygote, sft_reference, tiny_models, task, tmp_path, rng
+):
     out = tmp_path / "out"
     argv = sft_argv(tiny_models, task, out)
     resume = argv + ["--resume_from_checkpoint", "auto"]
@@ -182,7 +259,9 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(zygote, s
 
 
 @pytest.mark.slow
-def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(zygote, tiny_models, task, tmp_path, rng):
+def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
+    zygote, tiny_models, task, tmp_path, rng
+):
     ref_out, out = tmp_path / "reference" / "out", tmp_path / "crashed" / "out"
     finished(zygote, "dpo", dpo_argv(tiny_models, task, ref_out, tmp_path / "cache_a"), ref_out)
     cache = tmp_path / "cache_b"
@@ -202,7 +281,9 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     # 3. SIGKILL inside the step-12 save, after the model/optimizer state is written, before the manifest.
     run = killed(start(zygote, "dpo", resume, out, env=fault("checkpoint_state:step_12")))
     assert "reference log-probs: reused" in run.output()
-    assert "step_12" not in step_dirs(out) and any(d.startswith(".tmp_step_12_") for d in os.listdir(out / "checkpoints"))
+    assert "step_12" not in step_dirs(out) and any(
+        d.startswith(".tmp_step_12_") for d in os.listdir(out / "checkpoints")
+    )
 
     # 4. Resume to the end.
     finished(zygote, "dpo", resume, out)
@@ -219,7 +300,9 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
 
 
 @pytest.mark.slow
-def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(zygote, tiny_models, task, tmp_path, rng):
+def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(
+    zygote, tiny_models, task, tmp_path, rng
+):
     ref_out, out = tmp_path / "reference" / "out", tmp_path / "crashed" / "out"
     finished(zygote, "rlvr_ppo", rl_argv(tiny_models, task, ref_out), ref_out)
     argv = rl_argv(tiny_models, task, out)
@@ -253,9 +336,28 @@ def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(z
 
 
 def rm_argv(models, task, out, *extra):  # 16 steps of 4 pairs
-    return [recipe("rm_tiny.yaml"), "--model_name_or_path", models["seq_cls"], "--dataset_name_or_path", task["pref"],
-            "--eval_dataset_name_or_path", task["pref_eval"], "--output_dir", str(out), "--per_device_train_batch_size", "2",
-            "--gradient_accumulation_steps", "2", "--logging_steps", "1", "--eval_steps", "4", "--checkpointing_steps", "3", *extra]
+    return [
+        recipe("rm_tiny.yaml"),
+        "--model_name_or_path",
+        models["seq_cls"],
+        "--dataset_name_or_path",
+        task["pref"],
+        "--eval_dataset_name_or_path",
+        task["pref_eval"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "3",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -299,12 +401,27 @@ def flip_byte(path: str, offset: int = -20) -> None:
 
 
 DAMAGE = {
-    "flipped byte in tensor data": (lambda d: flip_byte(os.path.join(d, "state", "__0_0.distcp")), "file state/__0_0.distcp fails its checksum"),
+    "flipped byte in tensor data": (
+        lambda d: flip_byte(os.path.join(d, "state", "__0_0.distcp")),
+        "file state/__0_0.distcp fails its checksum",
+    ),
     # .metadata is a pickle (torch DCP): the checksum rejects a tampered one before anything unpickles it
-    "flipped byte in DCP metadata": (lambda d: flip_byte(os.path.join(d, "state", ".metadata"), 10), "file state/.metadata fails its checksum"),
-    "truncated trainer state": (lambda d: open(os.path.join(d, checkpoint.STATE), "r+b").truncate(5), "file trainer_state.json has 5 bytes, manifest says"),
-    "missing COMPLETE": (lambda d: os.remove(os.path.join(d, checkpoint.COMPLETE)), "no COMPLETE marker (the save was interrupted)"),
-    "garbage manifest": (lambda d: open(os.path.join(d, checkpoint.MANIFEST), "w").write("{not json"), "unreadable manifest"),
+    "flipped byte in DCP metadata": (
+        lambda d: flip_byte(os.path.join(d, "state", ".metadata"), 10),
+        "file state/.metadata fails its checksum",
+    ),
+    "truncated trainer state": (
+        lambda d: open(os.path.join(d, checkpoint.STATE), "r+b").truncate(5),
+        "file trainer_state.json has 5 bytes, manifest says",
+    ),
+    "missing COMPLETE": (
+        lambda d: os.remove(os.path.join(d, checkpoint.COMPLETE)),
+        "no COMPLETE marker (the save was interrupted)",
+    ),
+    "garbage manifest": (
+        lambda d: open(os.path.join(d, checkpoint.MANIFEST), "w").write("{not json"),
+        "unreadable manifest",
+    ),
     "missing file": (lambda d: os.remove(os.path.join(d, "state", "__0_0.distcp")), "missing file state/__0_0.distcp"),
 }
 
@@ -315,13 +432,19 @@ def test_damaged_checkpoint_is_skipped_with_its_reason(sft_reference, tmp_path, 
     apply, reason = DAMAGE[damage]
     apply(str(tmp_path / "checkpoints" / "step_15"))
     messages = []
-    assert checkpoint.find_resume_checkpoint(str(tmp_path), messages.append) == str(tmp_path / "checkpoints" / "step_12")
-    assert len(messages) == 1 and messages[0].startswith(f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_15'}: {reason}")
+    assert checkpoint.find_resume_checkpoint(str(tmp_path), messages.append) == str(
+        tmp_path / "checkpoints" / "step_12"
+    )
+    assert len(messages) == 1 and messages[0].startswith(
+        f"skipping checkpoint {tmp_path / 'checkpoints' / 'step_15'}: {reason}"
+    )
     with pytest.raises(checkpoint.CheckpointError, match="resume_from_checkpoint"):  # an explicit path is never loaded
         checkpoint.resolve_resume(str(tmp_path / "checkpoints" / "step_15"), str(tmp_path))
 
 
-def test_explicit_resume_path_that_is_incomplete_exits_2_before_any_model_loads(sft_reference, tiny_models, task, tmp_path, capsys, monkeypatch):
+def test_explicit_resume_path_that_is_incomplete_exits_2_before_any_model_loads(
+    sft_reference, tiny_models, task, tmp_path, capsys, monkeypatch
+):
     from open_instruct import models, sft
 
     shutil.copytree(sft_reference / "checkpoints" / "step_15", tmp_path / "step_15")
@@ -329,14 +452,18 @@ def test_explicit_resume_path_that_is_incomplete_exits_2_before_any_model_loads(
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("a model was loaded"))
     for path, reason in ((tmp_path / "step_15", "no COMPLETE marker"), (tmp_path / "nothing", "is not a folder")):
         with pytest.raises(SystemExit) as e:
-            runtime.run(sft.main, sft_argv(tiny_models, task, tmp_path / "out") + ["--resume_from_checkpoint", str(path)])
+            runtime.run(
+                sft.main, sft_argv(tiny_models, task, tmp_path / "out") + ["--resume_from_checkpoint", str(path)]
+            )
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert f"resume_from_checkpoint {str(path)!r}" in err and reason in err
 
 
 @pytest.mark.slow
-def test_resume_falls_back_past_a_corrupt_latest_checkpoint_to_the_same_result(zygote, sft_reference, tiny_models, task, tmp_path):
+def test_resume_falls_back_past_a_corrupt_latest_checkpoint_to_the_same_result(
+    zygote, sft_reference, tiny_models, task, tmp_path
+):
     """End to end: the newest checkpoint has a flipped byte; auto resume says so, takes the previous one, and the
     re-run steps reproduce the uninterrupted run."""
     out = tmp_path / "out"
@@ -345,7 +472,10 @@ def test_resume_falls_back_past_a_corrupt_latest_checkpoint_to_the_same_result(z
     shutil.copy(sft_reference / "metrics.jsonl", out / "metrics.jsonl")
     flip_byte(str(out / "checkpoints" / "step_15" / "state" / "__0_0.distcp"))
     run = finished(zygote, "sft", sft_argv(tiny_models, task, out, "--resume_from_checkpoint", "auto"), out)
-    assert f"skipping checkpoint {out / 'checkpoints' / 'step_15'}: file state/__0_0.distcp fails its checksum" in run.output()
+    assert (
+        f"skipping checkpoint {out / 'checkpoints' / 'step_15'}: file state/__0_0.distcp fails its checksum"
+        in run.output()
+    )
     assert f"resumed from {out / 'checkpoints' / 'step_12'}" in run.output()
     assert_same_rows(read_rows(str(sft_reference)), read_rows(str(out)))
     assert_same_weights(sft_reference / "final_model", out / "final_model")
@@ -389,7 +519,12 @@ def test_full_disk_during_checkpoint_save_keeps_the_previous_checkpoint_loadable
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     accelerator, model, optimizer, step = trained_step
-    save = lambda n: checkpoint.save_checkpoint(str(tmp_path), n, {"policy": model}, {"policy": optimizer}, {"at": n}, accelerator, keep_last=2)  # noqa: E731
+
+    def save(n):
+        checkpoint.save_checkpoint(
+            str(tmp_path), n, {"policy": model}, {"policy": optimizer}, {"at": n}, accelerator, keep_last=2
+        )
+
     save(1)
     saved = snapshot(model)
     step()
@@ -410,7 +545,9 @@ def test_full_disk_during_checkpoint_save_keeps_the_previous_checkpoint_loadable
     assert os.listdir(tmp_path / "checkpoints") == ["step_1"]  # no step_2/3, no temp folders
     assert checkpoint.find_resume_checkpoint(str(tmp_path), pytest.fail) == str(tmp_path / "checkpoints" / "step_1")
     assert any(not torch.equal(saved[k], v) for k, v in model.state_dict().items())
-    state = checkpoint.load_checkpoint(str(tmp_path / "checkpoints" / "step_1"), {"policy": model}, {"policy": optimizer})
+    state = checkpoint.load_checkpoint(
+        str(tmp_path / "checkpoints" / "step_1"), {"policy": model}, {"policy": optimizer}
+    )
     assert state["at"] == 1
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
@@ -471,7 +608,9 @@ def test_unwritable_output_dir_exits_2_before_anything_loads(script, tiny_models
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     with pytest.raises(SystemExit) as e:
-        runtime.run(importlib.import_module(f"open_instruct.{script}").main, SCRIPTS[script](tiny_models, task, blocker / "out"))
+        runtime.run(
+            importlib.import_module(f"open_instruct.{script}").main, SCRIPTS[script](tiny_models, task, blocker / "out")
+        )
     assert e.value.code == 2
     assert f"output_dir {str(blocker / 'out')!r} is not writable" in capsys.readouterr().err
 
@@ -483,7 +622,9 @@ def test_metrics_file_torn_by_a_crash_is_cut_back_on_resume_and_rewritten_atomic
 
     path = tmp_path / "metrics.jsonl"
     rows = [{"optimizer_step": i, "train/loss": 1.0 / i} for i in range(1, 7)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"optimizer_step": 7, "train/lo')  # killed mid-append
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"optimizer_step": 7, "train/lo'
+    )  # killed mid-append
     cfg = SimpleNamespace(output_dir=str(tmp_path), with_tracking=False)
 
     with monkeypatch.context() as m:  # a full disk during the rewrite leaves the file as it was, and no temp file
@@ -495,7 +636,9 @@ def test_metrics_file_torn_by_a_crash_is_cut_back_on_resume_and_rewritten_atomic
     logger = tracking.MetricsLogger(cfg, True, 10, resume_step=4)  # resumed from checkpoint step 4
     logger.log({"optimizer_step": 5, "train/loss": float("nan")})
     logger.close()
-    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4] + [{"optimizer_step": 5, "train/loss": "nan"}]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:4] + [
+        {"optimizer_step": 5, "train/loss": "nan"}
+    ]
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
 
 
@@ -547,21 +690,56 @@ def nan_in_training(monkeypatch, module, name: str, at_call: int, poison):
 
 
 def short_sft(models, task, out, *extra):  # 8 steps of 4, a checkpoint after every step
-    return sft_argv(models, task, out, "--max_train_samples", "32", "--gradient_accumulation_steps", "1", "--per_device_train_batch_size", "4",
-                    "--checkpointing_steps", "1", "--keep_last_n_checkpoints", "10", "--eval_steps", "8", *extra)
+    return sft_argv(
+        models,
+        task,
+        out,
+        "--max_train_samples",
+        "32",
+        "--gradient_accumulation_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "4",
+        "--checkpointing_steps",
+        "1",
+        "--keep_last_n_checkpoints",
+        "10",
+        "--eval_steps",
+        "8",
+        *extra,
+    )
 
 
 NAN_CASES = {
     "sft": (lambda m, t, out: short_sft(m, t, out), "token_loss_sum", lambda out: (out[0] * float("nan"), out[1])),
-    "reward_model": (lambda m, t, out: rm_argv(m, t, out, "--max_train_samples", "32", "--per_device_train_batch_size", "4",
-                                               "--gradient_accumulation_steps", "1", "--checkpointing_steps", "1",
-                                               "--keep_last_n_checkpoints", "10", "--eval_steps", "8"),
-                     "models.pair_rewards", lambda out: (out[0] * float("nan"), out[1])),
+    "reward_model": (
+        lambda m, t, out: rm_argv(
+            m,
+            t,
+            out,
+            "--max_train_samples",
+            "32",
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "1",
+            "--checkpointing_steps",
+            "1",
+            "--keep_last_n_checkpoints",
+            "10",
+            "--eval_steps",
+            "8",
+        ),
+        "models.pair_rewards",
+        lambda out: (out[0] * float("nan"), out[1]),
+    ),
 }
 
 
 @pytest.mark.parametrize("script", list(NAN_CASES))
-def test_nan_loss_stops_naming_the_step_and_saves_nothing_after_it(script, tiny_models, task, tmp_path, monkeypatch, capsys):
+def test_nan_loss_stops_naming_the_step_and_saves_nothing_after_it(
+    script, tiny_models, task, tmp_path, monkeypatch, capsys
+):
     import importlib
 
     module = importlib.import_module(f"open_instruct.{script}")
@@ -575,8 +753,15 @@ def test_nan_loss_stops_naming_the_step_and_saves_nothing_after_it(script, tiny_
     with pytest.raises(SystemExit) as e:
         runtime.run(module.main, argv(tiny_models, task, out))
     assert e.value.code == errors.EXIT_NONFINITE
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "NonFiniteError: non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 3; stopping without saving")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "NonFiniteError: non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 3; stopping "
+            "without saving"
+        )
+    )
     assert step_dirs(out) == ["step_1", "step_2"] and not (out / "final_model").exists()
     assert max_counter(out) == 2
 
@@ -640,11 +825,21 @@ def test_infinite_learning_rate_is_a_config_error(tiny_models, task, tmp_path, c
     assert e.value.code == 2 and "learning_rate must be a finite number" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, what, saved", [
-    # finite but huge weights after step 1; the step-2 forward overflows
-    (["--learning_rate", "1e30"], "non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 2", ["step_1"]),
-], ids=["1e30"])
-def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(extra, what, saved, tiny_models, task, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "extra, what, saved",
+    [
+        # finite but huge weights after step 1; the step-2 forward overflows
+        (
+            ["--learning_rate", "1e30"],
+            "non-finite loss/gradient (loss=nan, grad_norm=nan) at optimizer step 2",
+            ["step_1"],
+        )
+    ],
+    ids=["1e30"],
+)
+def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(
+    extra, what, saved, tiny_models, task, tmp_path, capsys
+):
     from open_instruct import sft
 
     out = tmp_path / "out"
@@ -655,7 +850,11 @@ def test_overflowing_learning_rate_stops_without_a_poisoned_checkpoint(extra, wh
     assert (step_dirs(out) if (out / "checkpoints").exists() else []) == saved
     assert not (out / "final_model").exists() and not (out / "best_model").exists()
     for name in saved:
-        assert all(torch.isfinite(v).all() for k, v in flat_tensors(read_dcp(str(out / "checkpoints" / name), tmp_path)).items() if k.startswith("/model"))
+        assert all(
+            torch.isfinite(v).all()
+            for k, v in flat_tensors(read_dcp(str(out / "checkpoints" / name), tmp_path)).items()
+            if k.startswith("/model")
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -668,22 +867,52 @@ def chat(user="What is 2+2?", reply="4"):
 
 BAD_DATA = {
     # script, train rows (bytes are written as they are), where the eval file is bad instead, expected message
-    "sft non-UTF-8": ("sft", [{"id": 1, "messages": chat()}, b'{"id": 2, "messages": "\xff\xfe"}\n'], False, "{path} line 2: not valid UTF-8"),
+    "sft non-UTF-8": (
+        "sft",
+        [{"id": 1, "messages": chat()}, b'{"id": 2, "messages": "\xff\xfe"}\n'],
+        False,
+        "{path} line 2: not valid UTF-8",
+    ),
     "sft empty file": ("sft", [], False, "dataset '{path}' (split 'train') is empty"),
-    "sft empty messages": ("sft", [{"id": 1, "messages": chat()}, {"id": 2, "messages": []}], False, "{path} line 2: column 'messages' is an empty conversation"),
-    "rm all rows over-long": ("reward_model", [{"id": 1, "chosen": chat(reply="x" * 300), "rejected": chat(reply="y" * 300)}], False,
-                              "dataset '{path}': no usable rows (0/1 rows kept: 0 bad, 1 dropped as over-long"),
-    "dpo duplicate ids": ("dpo", [{"id": 7, "chosen": chat(), "rejected": chat(reply="5")}] * 2, False, "{path} line 2: duplicate id 7 (first at {path} line 1)"),
+    "sft empty messages": (
+        "sft",
+        [{"id": 1, "messages": chat()}, {"id": 2, "messages": []}],
+        False,
+        "{path} line 2: column 'messages' is an empty conversation",
+    ),
+    "rm all rows over-long": (
+        "reward_model",
+        [{"id": 1, "chosen": chat(reply="x" * 300), "rejected": chat(reply="y" * 300)}],
+        False,
+        "dataset '{path}': no usable rows (0/1 rows kept: 0 bad, 1 dropped as over-long",
+    ),
+    "dpo duplicate ids": (
+        "dpo",
+        [{"id": 7, "chosen": chat(), "rejected": chat(reply="5")}] * 2,
+        False,
+        "{path} line 2: duplicate id 7 (first at {path} line 1)",
+    ),
     "dpo bad eval file": ("dpo", [b'{"id": 1, "chosen": [}\n'], True, "{path} line 1: not valid JSON"),
-    "rlvr wrong column": ("rlvr_ppo", [{"id": 1, "messages": chat()[:1], "answer": "4", "dataset": "arithmetic"}], False,
-                          "{path} line 1: RL prompt column(s) ['ground_truth'] not found; columns are ['answer', 'dataset', 'id', 'messages']"),
-    "rlvr no prompt turn": ("rlvr_ppo", [{"id": 1, "messages": [{"role": "assistant", "content": "4"}], "ground_truth": "4", "dataset": "arithmetic"}], False,
-                            "{path} line 1: column 'messages' has no prompt turn"),
+    "rlvr wrong column": (
+        "rlvr_ppo",
+        [{"id": 1, "messages": chat()[:1], "answer": "4", "dataset": "arithmetic"}],
+        False,
+        "{path} line 1: RL prompt column(s) ['ground_truth'] not found; columns are ['answer', 'dataset', 'id', "
+        "'messages']",
+    ),
+    "rlvr no prompt turn": (
+        "rlvr_ppo",
+        [{"id": 1, "messages": [{"role": "assistant", "content": "4"}], "ground_truth": "4", "dataset": "arithmetic"}],
+        False,
+        "{path} line 1: column 'messages' has no prompt turn",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
-def test_bad_data_exits_2_naming_file_and_row_before_any_model_loads(case, tiny_models, task, tmp_path, monkeypatch, capsys):
+def test_bad_data_exits_2_naming_file_and_row_before_any_model_loads(
+    case, tiny_models, task, tmp_path, monkeypatch, capsys
+):
     import importlib
 
     from open_instruct import models
@@ -694,7 +923,9 @@ def test_bad_data_exits_2_naming_file_and_row_before_any_model_loads(case, tiny_
         for line in lines:
             f.write(line if isinstance(line, bytes) else (json.dumps(line) + "\n").encode())
     for loader in ("load_causal_lm", "load_sequence_classifier"):
-        monkeypatch.setattr(models, loader, lambda *a, **k: pytest.fail("a model was loaded before the data was checked"))
+        monkeypatch.setattr(
+            models, loader, lambda *a, **k: pytest.fail("a model was loaded before the data was checked")
+        )
     out = tmp_path / "out"
     argv = SCRIPTS[script](tiny_models, task, out) + ["--max_seq_length", "128"] * (script != "rlvr_ppo")
     argv += ["--eval_dataset_name_or_path" if in_eval else "--dataset_name_or_path", path]
@@ -714,38 +945,85 @@ def rlvr_scores(texts, ground_truths, verifiers, stopped, rm_scores, cfg):
     """What rlvr_ppo.main does with a rollout: rewards.score_batch, then episode_score (combine_rewards) per episode."""
     from open_instruct import rewards, rlvr_ppo
 
-    scored = rewards.score_batch(texts, ground_truths, verifiers, verification_reward=cfg["verification_reward"], timeout=0.5)
-    return scored, [rlvr_ppo.episode_score(v, s, cfg["non_stop_penalty"], rm, cfg["rm_multiplier"])
-                    for v, s, rm in zip(scored.rewards, stopped, rm_scores)]
+    scored = rewards.score_batch(
+        texts, ground_truths, verifiers, verification_reward=cfg["verification_reward"], timeout=0.5
+    )
+    return scored, [
+        rlvr_ppo.episode_score(v, s, cfg["non_stop_penalty"], rm, cfg["rm_multiplier"])
+        for v, s, rm in zip(scored.rewards, stopped, rm_scores)
+    ]
 
 
-GROUND_TRUTHS = [("arithmetic", "7"), ("gsm8k", "1,000"), ("math", "\\frac{1}{2}"),
-                 ("ifeval", json.dumps({"func_name": "validate_lowercase"})), ("allenai/GSM8K_train", 42)]
+GROUND_TRUTHS = [
+    ("arithmetic", "7"),
+    ("gsm8k", "1,000"),
+    ("math", "\\frac{1}{2}"),
+    ("ifeval", json.dumps({"func_name": "validate_lowercase"})),
+    ("allenai/GSM8K_train", 42),
+]
 
 
 def test_reward_pipeline_survives_arbitrary_model_text():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    adversarial = st.sampled_from([
-        "", "\x00" * 50, "\\boxed{" * 200, "9" * 5000, "1e999999", "nan", "-inf", "\\frac{1}{0}", "</think>" * 30,
-        "__import__('os').system('true')", "\\boxed{__import__('os')}", "```python\nimport os\n```", "{{7*7}}",
-        "\ud800", "(" * 3000 + ")" * 3000, "x**9**9**9", "$$\\int_0^\\infty e^{-x^2}dx$$", "#### 1,000", "7" + " " * 20000,
-    ])
-    text = st.one_of(st.text(max_size=300), adversarial, st.builds(lambda a, b: a + b, adversarial, st.text(max_size=40)))
+    adversarial = st.sampled_from(
+        [
+            "",
+            "\x00" * 50,
+            "\\boxed{" * 200,
+            "9" * 5000,
+            "1e999999",
+            "nan",
+            "-inf",
+            "\\frac{1}{0}",
+            "</think>" * 30,
+            "__import__('os').system('true')",
+            "\\boxed{__import__('os')}",
+            "```python\nimport os\n```",
+            "{{7*7}}",
+            "\ud800",
+            "(" * 3000 + ")" * 3000,
+            "x**9**9**9",
+            "$$\\int_0^\\infty e^{-x^2}dx$$",
+            "#### 1,000",
+            "7" + " " * 20000,
+        ]
+    )
+    text = st.one_of(
+        st.text(max_size=300), adversarial, st.builds(lambda a, b: a + b, adversarial, st.text(max_size=40))
+    )
 
     @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(
-        episodes=st.lists(st.tuples(text, st.sampled_from(GROUND_TRUTHS), st.booleans(),
-                                    st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6)),
-                          min_size=1, max_size=4),
-        cfg=st.fixed_dictionaries({"verification_reward": st.sampled_from([1.0, 10.0]), "non_stop_penalty": st.sampled_from([0.0, -1.0, -10.0]),
-                                   "rm_multiplier": st.sampled_from([0.0, 0.5])}),
+        episodes=st.lists(
+            st.tuples(
+                text,
+                st.sampled_from(GROUND_TRUTHS),
+                st.booleans(),
+                st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6),
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        cfg=st.fixed_dictionaries(
+            {
+                "verification_reward": st.sampled_from([1.0, 10.0]),
+                "non_stop_penalty": st.sampled_from([0.0, -1.0, -10.0]),
+                "rm_multiplier": st.sampled_from([0.0, 0.5]),
+            }
+        ),
     )
     def check(episodes, cfg):
         texts = [t for t, _, _, _ in episodes]
-        scored, scores = rlvr_scores(texts, [gt for _, (_, gt), _, _ in episodes], [v for _, (v, _), _, _ in episodes],
-                                     [s for _, _, s, _ in episodes], [rm for *_, rm in episodes], cfg)
+        scored, scores = rlvr_scores(
+            texts,
+            [gt for _, (_, gt), _, _ in episodes],
+            [v for _, (v, _), _, _ in episodes],
+            [s for _, _, s, _ in episodes],
+            [rm for *_, rm in episodes],
+            cfg,
+        )
         assert len(scores) == len(texts)
         for reward, correct, (_, _, stopped, rm), score in zip(scored.rewards, scored.correct, episodes, scores):
             assert reward == (cfg["verification_reward"] if correct else 0.0)
@@ -758,10 +1036,20 @@ def test_reward_pipeline_survives_arbitrary_model_text():
 @pytest.mark.parametrize("verifier, gt", GROUND_TRUTHS[:4])
 def test_model_text_is_never_executed(verifier, gt, tmp_path):
     canary = tmp_path / "pwned"
-    payloads = [f"__import__('pathlib').Path({str(canary)!r}).touch()", f"exec(\"open({str(canary)!r}, 'w')\")",
-                f"\\boxed{{__import__('pathlib').Path({str(canary)!r}).touch()}}", f"#### eval(\"open({str(canary)!r},'w')\")"]
-    _, scores = rlvr_scores(payloads, [gt] * 4, [verifier] * 4, [True] * 4, [0.0] * 4,
-                            {"verification_reward": 10.0, "non_stop_penalty": 0.0, "rm_multiplier": 0.0})
+    payloads = [
+        f"__import__('pathlib').Path({str(canary)!r}).touch()",
+        f"exec(\"open({str(canary)!r}, 'w')\")",
+        f"\\boxed{{__import__('pathlib').Path({str(canary)!r}).touch()}}",
+        f"#### eval(\"open({str(canary)!r},'w')\")",
+    ]
+    _, scores = rlvr_scores(
+        payloads,
+        [gt] * 4,
+        [verifier] * 4,
+        [True] * 4,
+        [0.0] * 4,
+        {"verification_reward": 10.0, "non_stop_penalty": 0.0, "rm_multiplier": 0.0},
+    )
     assert not canary.exists()
     assert all(score in (0.0, 10.0) for score in scores)
 
@@ -789,8 +1077,11 @@ def test_every_model_and_tokenizer_load_in_the_scripts_passes_the_config_flag():
     for script in ("sft", "reward_model", "dpo", "rlvr_ppo"):
         with open(os.path.join(REPO, "open_instruct", f"{script}.py")) as f:
             tree = ast.parse(f.read())
-        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-                 and (getattr(n.func, "id", None) or getattr(n.func, "attr", None)) in loaders]
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and (getattr(n.func, "id", None) or getattr(n.func, "attr", None)) in loaders
+        ]
         assert calls, script
         for call in calls:
             assert "cfg.trust_remote_code" in ast.unparse(call), f"{script}.py line {call.lineno}: {ast.unparse(call)}"
@@ -802,7 +1093,11 @@ def test_loaders_pass_trust_remote_code_and_prefer_safetensors(tiny_models, monk
     from open_instruct import models
 
     seen = []
-    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification, transformers.AutoTokenizer):
+    for cls in (
+        transformers.AutoModelForCausalLM,
+        transformers.AutoModelForSequenceClassification,
+        transformers.AutoTokenizer,
+    ):
         original = cls.from_pretrained.__func__
 
         def spy(klass, *args, _original=original, **kwargs):
@@ -814,7 +1109,10 @@ def test_loaders_pass_trust_remote_code_and_prefer_safetensors(tiny_models, monk
     models.load_causal_lm(tiny_models["causal_lm"])
     models.load_sequence_classifier(tiny_models["seq_cls"], trust_remote_code=True)
     assert [(name, trust) for name, trust, _ in seen] == [
-        ("AutoTokenizer", False), ("AutoModelForCausalLM", False), ("AutoModelForSequenceClassification", True)]
+        ("AutoTokenizer", False),
+        ("AutoModelForCausalLM", False),
+        ("AutoModelForSequenceClassification", True),
+    ]
     assert all(use in (None, True) for name, _, use in seen if name != "AutoTokenizer")  # never use_safetensors=False
 
 
@@ -854,7 +1152,9 @@ def test_final_and_best_models_hold_no_pickle_and_checkpoint_pickles_are_checksu
     for folder in ("final_model", "best_model"):
         names = os.listdir(sft_reference / folder)
         assert "model.safetensors" in names
-        assert all(n.endswith((".safetensors", ".json", ".jinja", ".txt")) or n == checkpoint.COMPLETE for n in names), names
+        assert all(
+            n.endswith((".safetensors", ".json", ".jinja", ".txt")) or n == checkpoint.COMPLETE for n in names
+        ), names
     for step in step_dirs(sft_reference):
         folder = sft_reference / "checkpoints" / step
         files = {os.path.relpath(os.path.join(r, n), folder) for r, _, ns in os.walk(folder) for n in ns}

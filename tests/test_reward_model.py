@@ -9,12 +9,18 @@ import random
 
 import pytest
 import torch
+from training_helpers import (
+    assert_rows_match,
+    assert_weights_match,
+    break_checkpoints,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    read_metrics,
+    sigterm_at_step,
+)
 
 from open_instruct import reward_model
 from open_instruct.checkpoint import find_resume_checkpoint
 from open_instruct.models import pair_rewards
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
-from training_helpers import assert_rows_match, assert_weights_match, break_checkpoints, read_metrics, sigterm_at_step
 
 STEPS = 12  # 192 pairs / (8 per micro-batch x 2 accumulation)
 
@@ -27,11 +33,13 @@ def case_rows(n: int, seed: int) -> list[dict]:
     for i in range(n):
         word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
         prompt = [{"role": "user", "content": rng.choice(["Say a word.", "Any word?", "Give me one word."])}]
-        rows.append({
-            "id": f"case-{seed}-{i}",
-            "chosen": prompt + [{"role": "assistant", "content": word}],
-            "rejected": prompt + [{"role": "assistant", "content": word.upper()}],
-        })
+        rows.append(
+            {
+                "id": f"case-{seed}-{i}",
+                "chosen": prompt + [{"role": "assistant", "content": word}],
+                "rejected": prompt + [{"role": "assistant", "content": word.upper()}],
+            }
+        )
     return rows
 
 
@@ -45,7 +53,10 @@ def write_jsonl(path, rows):
 @pytest.fixture(scope="module")
 def rm_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("rm_data")
-    return {"train": write_jsonl(d / "train.jsonl", case_rows(192, 0)), "eval": write_jsonl(d / "eval.jsonl", case_rows(64, 1))}
+    return {
+        "train": write_jsonl(d / "train.jsonl", case_rows(192, 0)),
+        "eval": write_jsonl(d / "eval.jsonl", case_rows(64, 1)),
+    }
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,13 +65,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def rm_args(tiny_models, rm_data, output_dir):
     return [
         os.path.join(REPO, "configs", "rm_tiny.yaml"),
-        "--model_name_or_path", tiny_models["seq_cls"],
-        "--dataset_name_or_path", rm_data["train"],
-        "--eval_dataset_name_or_path", rm_data["eval"],
-        "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
-        "--learning_rate", "2e-3", "--warmup_ratio", "0",
-        "--logging_steps", "1", "--eval_steps", "6", "--checkpointing_steps", "4", "--keep_last_n_checkpoints", "2",
+        "--model_name_or_path",
+        tiny_models["seq_cls"],
+        "--dataset_name_or_path",
+        rm_data["train"],
+        "--eval_dataset_name_or_path",
+        rm_data["eval"],
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "2e-3",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "6",
+        "--checkpointing_steps",
+        "4",
+        "--keep_last_n_checkpoints",
+        "2",
     ]
 
 
@@ -103,7 +131,13 @@ def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
 
     tok = load_tokenizer(tiny_models["seq_cls"])
     model = load_sequence_classifier(tiny_models["seq_cls"], pad_token_id=tok.pad_token_id).eval()
-    ex = [{"chosen_ids": tok.encode("hello there"), "rejected_ids": tok.encode("a much longer reply, padded"), "prompt_len": 1}]
+    ex = [
+        {
+            "chosen_ids": tok.encode("hello there"),
+            "rejected_ids": tok.encode("a much longer reply, padded"),
+            "prompt_len": 1,
+        }
+    ]
     batch = collate_preferences(ex, tok.pad_token_id)
     assert batch["attention_mask"][0].sum() < batch["attention_mask"].shape[1]  # row 0 is right-padded
     with torch.no_grad():
@@ -125,13 +159,26 @@ def test_rm_learns_a_rule_on_held_out_pairs(full_run):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["optimizer_step"] for r in train] == list(range(1, STEPS + 1))
     assert [r["optimizer_step"] for r in evals] == [6, 12]
-    for key in ("train/accuracy", "train/chosen_reward", "train/rejected_reward", "train/margin", "lr",
-                "perf/tokens_per_second", "perf/episodes_per_second", "episode", "optimizer_step", "rollout_step", "epoch"):
+    for key in (
+        "train/accuracy",
+        "train/chosen_reward",
+        "train/rejected_reward",
+        "train/margin",
+        "lr",
+        "perf/tokens_per_second",
+        "perf/episodes_per_second",
+        "episode",
+        "optimizer_step",
+        "rollout_step",
+        "epoch",
+    ):
         assert key in train[-1], key
     assert train[-1]["episode"] == STEPS * 16 and train[-1]["epoch"] == 1.0
     final = evals[-1]
-    print(f"held-out accuracy {final['eval/accuracy']:.3f}, margin {final['eval/margin']:.3f}, "
-          f"train loss {train[0]['train/loss']:.3f} -> {train[-1]['train/loss']:.3f}")
+    print(
+        f"held-out accuracy {final['eval/accuracy']:.3f}, margin {final['eval/margin']:.3f}, "
+        f"train loss {train[0]['train/loss']:.3f} -> {train[-1]['train/loss']:.3f}"
+    )
     assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=0.05)  # untrained: rewards nearly equal
     assert final["eval/accuracy"] >= 0.95
     assert final["eval/margin"] > 0.5
@@ -140,7 +187,9 @@ def test_rm_learns_a_rule_on_held_out_pairs(full_run):
     assert os.path.isdir(full_run / "best_model") and os.path.isdir(full_run / "final_model")
 
 
-def test_rm_resume_after_preemption_matches_uninterrupted_run(full_run, tiny_models, rm_data, tmp_path, monkeypatch, capsys):
+def test_rm_resume_after_preemption_matches_uninterrupted_run(
+    full_run, tiny_models, rm_data, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "rm_preempted"
     args = rm_args(tiny_models, rm_data, out)
     with sigterm_at_step(monkeypatch, 6):
@@ -195,7 +244,9 @@ def test_export_and_final_model_reproduce_the_trained_model(full_run, rm_data, t
     scores = {}
     for name, path in (("exported", exported), ("final", final)):
         model = AutoModelForSequenceClassification.from_pretrained(path)
-        summary = rm_eval.main([path, rm_data["eval"], "--batch_size", "16", "--output", str(tmp_path / f"{name}.jsonl")])
+        summary = rm_eval.main(
+            [path, rm_data["eval"], "--batch_size", "16", "--output", str(tmp_path / f"{name}.jsonl")]
+        )
         assert summary["total"] == 64
         assert summary["accuracy"] == logged["eval/accuracy"]
         assert summary["mean_chosen_reward"] == pytest.approx(logged["eval/chosen_reward"], abs=1e-5)
@@ -215,12 +266,15 @@ def test_export_and_final_model_reproduce_the_trained_model(full_run, rm_data, t
 def test_eval_summary_numbers():
     from eval.reward_model import summarize_scores
 
-    scores = [{"chosen_reward": c, "rejected_reward": r, "margin": c - r, "correct": c > r}
-              for c, r in [(1.0, 0.0), (2.0, 1.5), (0.0, 0.0), (-1.0, 1.0)]]
+    scores = [
+        {"chosen_reward": c, "rejected_reward": r, "margin": c - r, "correct": c > r}
+        for c, r in [(1.0, 0.0), (2.0, 1.5), (0.0, 0.0), (-1.0, 1.0)]
+    ]
     s = summarize_scores(scores)
     assert (s["correct"], s["total"], s["ties"]) == (2, 4, 1)
     assert s["accuracy"] == 0.5 and s["mean_margin"] == pytest.approx((1 + 0.5 + 0 - 2) / 4)
-    # Wilson 95% interval for 2/4: centre (0.5 + z^2/8) / (1 + z^2/4) = 0.5, half-width z*sqrt(1/16 + z^2/64)/(1 + z^2/4)
+    # Wilson 95% interval for 2/4: centre (0.5 + z^2/8) / (1 + z^2/4) = 0.5, half-width z*sqrt(1/16 + z^2/64)/(1 +
+    # z^2/4)
     z = 1.96
     half = z * math.sqrt(0.25 / 4 + z * z / 64) / (1 + z * z / 4)
     assert s["ci95"] == pytest.approx((0.5 - half, 0.5 + half))

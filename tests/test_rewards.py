@@ -121,7 +121,9 @@ def full_scan_last_number(text):
     return R._number_token(last) if last else None
 
 
-NUMBERISH = st.lists(st.sampled_from(["1", "5", "999", ",", ".", "-", "\u2212", " ", "a", "_", ")", "(", "\n"]), max_size=200)
+NUMBERISH = st.lists(
+    st.sampled_from(["1", "5", "999", ",", ".", "-", "\u2212", " ", "a", "_", ")", "(", "\n"]), max_size=200
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -298,8 +300,18 @@ IFEVAL_CASES = [
     ("validate_title", {}, "My Title\nbody << >>", 0.0),
     ("validate_quotation", {}, '"Wrapped in quotes."', 1.0),
     ("validate_quotation", {}, 'Not "wrapped".', 0.0),
-    ("validate_end", {"end_phrase": "Is there anything else I can help with?"}, "Done. Is there anything else I can help with?\n", 1.0),
-    ("validate_end", {"end_phrase": "Is there anything else I can help with?"}, "Is there anything else I can help with? Bye.", 0.0),
+    (
+        "validate_end",
+        {"end_phrase": "Is there anything else I can help with?"},
+        "Done. Is there anything else I can help with?\n",
+        1.0,
+    ),
+    (
+        "validate_end",
+        {"end_phrase": "Is there anything else I can help with?"},
+        "Is there anything else I can help with? Bye.",
+        0.0,
+    ),
     ("validate_json_format", {}, '{"a": 1}', 1.0),
     ("validate_json_format", {}, '```json\n{"a": [1, 2]}\n```', 1.0),
     ("validate_json_format", {}, "{'a': 1}", 0.0),
@@ -313,7 +325,12 @@ IFEVAL_CASES = [
     ("validate_sections", {"N": 2, "section_splitter": "Section"}, "Section 1\nfoo\nSection 2\nbar", 1.0),
     ("validate_sections", {"N": 2, "section_splitter": "SECTION"}, "## Section 1\na\n## Section 2\nb", 1.0),
     ("validate_sections", {"N": 2, "section_splitter": "Section"}, "Section 1\na\nSee Section 2.", 0.0),
-    ("validate_repeat_prompt", {"original_prompt": "Write a poem about cats."}, "Write a poem about cats. Soft paws.", 1.0),
+    (
+        "validate_repeat_prompt",
+        {"original_prompt": "Write a poem about cats."},
+        "Write a poem about cats. Soft paws.",
+        1.0,
+    ),
     ("validate_repeat_prompt", {"original_prompt": "Write a poem about cats."}, "Here is a poem.", 0.0),
     ("validate_two_responses", {}, "Yes.\n******\nNo.", 1.0),
     ("validate_two_responses", {}, "Yes. ****** Yes.", 0.0),
@@ -352,8 +369,21 @@ def test_ifeval_cases_cover_every_supported_func_name():
 
 def test_ifeval_dataset_row_shape_with_null_kwargs():
     # Rows of allenai/RLVR-GSM-MATH-IF-Mixed-Constraints carry every kwarg key, null when unused.
-    keys = ["N", "quantifier", "end_phrase", "keyword_list", "word", "forbidden_words", "letter", "i",
-            "first_word", "postscript_marker", "options", "section_splitter", "original_prompt"]
+    keys = [
+        "N",
+        "quantifier",
+        "end_phrase",
+        "keyword_list",
+        "word",
+        "forbidden_words",
+        "letter",
+        "i",
+        "first_word",
+        "postscript_marker",
+        "options",
+        "section_splitter",
+        "original_prompt",
+    ]
     row = json.dumps({"func_name": "validate_word_constraint", **dict.fromkeys(keys), "N": 3, "quantifier": "at least"})
     assert R.score_completion("one two three", row, "ifeval") == (10.0, True)
     assert R.score_completion("one two", row, "ifeval") == (0.0, False)
@@ -551,8 +581,37 @@ IFEVAL_GTS = [{"func_name": f, **kw} for f, kw, _, _ in IFEVAL_CASES] + [
     {"func_name": "validate_response_language", "language": "en"}
 ]
 LATEXISH = st.lists(
-    st.sampled_from(["\\frac{", "\\boxed{", "}", "{", "^", "_", "9", "1", "0.5", "-", "+", "/", "$", "\\sqrt", "x",
-                     "=", "(", ")", ",", " ", "\\", "\\infty", "\\pi", "!", "\x00", "é", "The answer is "]),
+    st.sampled_from(
+        [
+            "\\frac{",
+            "\\boxed{",
+            "}",
+            "{",
+            "^",
+            "_",
+            "9",
+            "1",
+            "0.5",
+            "-",
+            "+",
+            "/",
+            "$",
+            "\\sqrt",
+            "x",
+            "=",
+            "(",
+            ")",
+            ",",
+            " ",
+            "\\",
+            "\\infty",
+            "\\pi",
+            "!",
+            "\x00",
+            "é",
+            "The answer is ",
+        ]
+    ),
     max_size=60,
 ).map("".join)
 ANY_TEXT = st.one_of(st.text(max_size=300), LATEXISH)
@@ -599,7 +658,9 @@ def test_module_never_evaluates_text():
         if isinstance(node, ast.Call):
             func = node.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-            is_re_compile = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "re"
+            is_re_compile = (
+                isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "re"
+            )
             if name in banned and not is_re_compile:
                 offenders.append(f"line {node.lineno}: {name}(...)")
         if isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -22,7 +22,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
 RECIPE = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
 # Tiny models are overhead-bound; on a shared 2-core machine two OpenMP threads per process can be 10x slower.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": REPO,
+    "HF_HUB_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def noisy_sft_rows(n: int, seed: int, off_by_one: float) -> list[dict]:
@@ -33,7 +40,12 @@ def noisy_sft_rows(n: int, seed: int, off_by_one: float) -> list[dict]:
         work = p["work"]
         if rng.random() < off_by_one:
             work = f"{work.split('=')[0]}={p['answer'] + 1}"
-        rows.append({"id": f"noisy-{i}", "messages": [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": work}]})
+        rows.append(
+            {
+                "id": f"noisy-{i}",
+                "messages": [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": work}],
+            }
+        )
     return rows
 
 
@@ -55,26 +67,56 @@ def task(tmp_path_factory, tiny_models):
     files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
     sft_data = synthetic.write_jsonl(os.path.join(root, "data", "sft_noisy.jsonl"), noisy_sft_rows(2000, 0, 0.6))
     sft_dir = os.path.join(root, "sft")
-    run([
-        os.path.join(REPO, "open_instruct", "sft.py"), os.path.join(REPO, "configs", "sft_tiny.yaml"),
-        "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", sft_data,
-        "--eval_dataset_name_or_path", files["sft_eval"], "--output_dir", sft_dir, "--num_train_epochs", "4",
-        "--eval_steps", "1000", "--checkpointing_steps", "1000",
-    ])
-    return {"policy": os.path.join(sft_dir, "final_model"), "train": files["rl_train"], "eval": files["rl_eval"], "root": root}
+    run(
+        [
+            os.path.join(REPO, "open_instruct", "sft.py"),
+            os.path.join(REPO, "configs", "sft_tiny.yaml"),
+            "--model_name_or_path",
+            tiny_models["causal_lm"],
+            "--dataset_name_or_path",
+            sft_data,
+            "--eval_dataset_name_or_path",
+            files["sft_eval"],
+            "--output_dir",
+            sft_dir,
+            "--num_train_epochs",
+            "4",
+            "--eval_steps",
+            "1000",
+            "--checkpointing_steps",
+            "1000",
+        ]
+    )
+    return {
+        "policy": os.path.join(sft_dir, "final_model"),
+        "train": files["rl_train"],
+        "eval": files["rl_eval"],
+        "root": root,
+    }
 
 
 def rl_args(task: dict, output_dir: str, *extra: str) -> list[str]:
     return [
-        SCRIPT, RECIPE, "--model_name_or_path", task["policy"], "--dataset_name_or_path", task["train"],
-        "--eval_dataset_name_or_path", task["eval"], "--output_dir", output_dir, *extra,
+        SCRIPT,
+        RECIPE,
+        "--model_name_or_path",
+        task["policy"],
+        "--dataset_name_or_path",
+        task["train"],
+        "--eval_dataset_name_or_path",
+        task["eval"],
+        "--output_dir",
+        output_dir,
+        *extra,
     ]
 
 
 def learning_run(task: dict, name: str, *extra: str) -> tuple[list[float], list[dict], float]:
     out_dir = os.path.join(task["root"], name)
     t0 = time.perf_counter()
-    run(rl_args(task, out_dir, "--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "1000", *extra))
+    run(
+        rl_args(task, out_dir, "--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "1000", *extra)
+    )
     seconds = time.perf_counter() - t0
     rows = read_rows(out_dir)
     evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
@@ -92,11 +134,26 @@ def test_ppo_raises_heldout_accuracy(task):
     assert evals[-1] >= evals[0] + 0.2, evals
     # Every PPO quantity is logged and sane.
     row = train[-1]
-    for key in ("train/score_std", "train/non_stop_rate", "train/response_length", "train/kl", "train/entropy", "loss/policy",
-                "loss/value", "clipfrac/policy", "clipfrac/value", "train/approx_kl", "lr", "perf/episodes_per_second",
-                "time/generation", "time/training"):
+    for key in (
+        "train/score_std",
+        "train/non_stop_rate",
+        "train/response_length",
+        "train/kl",
+        "train/entropy",
+        "loss/policy",
+        "loss/value",
+        "clipfrac/policy",
+        "clipfrac/value",
+        "train/approx_kl",
+        "lr",
+        "perf/episodes_per_second",
+        "time/generation",
+        "time/training",
+    ):
         assert key in row, key
-    assert row["episode"] == 1024 and row["rollout_step"] == 8 and row["optimizer_step"] == 8 * 2 * 2  # epochs x mini-batches
+    assert (
+        row["episode"] == 1024 and row["rollout_step"] == 8 and row["optimizer_step"] == 8 * 2 * 2
+    )  # epochs x mini-batches
     assert 0 < row["train/entropy"] < 5 and 0 <= row["clipfrac/policy"] <= 1 and row["train/response_length"] < 12
 
 
@@ -104,7 +161,16 @@ def test_ppo_raises_heldout_accuracy(task):
 def test_grpo_raises_heldout_accuracy(task):
     # Measured (fixed seed): 0.37 -> ~0.8 after 4 rollouts of 16 prompts x 8 completions.
     evals, train, _ = learning_run(
-        task, "grpo", "--algo", "grpo", "--num_samples_per_prompt", "8", "--local_rollout_batch_size", "16", "--kl_estimator", "k3",
+        task,
+        "grpo",
+        "--algo",
+        "grpo",
+        "--num_samples_per_prompt",
+        "8",
+        "--local_rollout_batch_size",
+        "16",
+        "--kl_estimator",
+        "k3",
     )
     assert len(evals) == 3
     assert 0.2 <= evals[0] <= 0.6, evals
@@ -118,16 +184,39 @@ def test_grpo_raises_heldout_accuracy(task):
 
 @pytest.mark.slow
 def test_resume_after_preemption_matches_uninterrupted(task):
-    small = ["--local_rollout_batch_size", "8", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8",
-             "--total_episodes", "128", "--checkpointing_steps", "1", "--eval_steps", "4", "--max_eval_samples", "32"]
+    small = [
+        "--local_rollout_batch_size",
+        "8",
+        "--num_samples_per_prompt",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--total_episodes",
+        "128",
+        "--checkpointing_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--max_eval_samples",
+        "32",
+    ]
     full_dir, cut_dir = os.path.join(task["root"], "full"), os.path.join(task["root"], "cut")
     run(rl_args(task, full_dir, *small))
 
     # Same run, SIGTERM once a few rollouts are logged: it checkpoints at the next rollout boundary and exits 0.
-    proc = subprocess.Popen([sys.executable, *rl_args(task, cut_dir, *small)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *rl_args(task, cut_dir, *small)],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(os.path.join(cut_dir, "metrics.jsonl")) and any(r.get("rollout_step", 0) >= 2 for r in read_rows(cut_dir)):
+        if os.path.exists(os.path.join(cut_dir, "metrics.jsonl")) and any(
+            r.get("rollout_step", 0) >= 2 for r in read_rows(cut_dir)
+        ):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -164,7 +253,16 @@ def _exit_message(argv: list[str], capsys) -> str:
 
 
 def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
-    base = ["--model_name_or_path", task["policy"], "--dataset_name_or_path", task["train"], "--eval_dataset_name_or_path", task["eval"], "--output_dir", str(tmp_path / "out")]
+    base = [
+        "--model_name_or_path",
+        task["policy"],
+        "--dataset_name_or_path",
+        task["train"],
+        "--eval_dataset_name_or_path",
+        task["eval"],
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     # An unknown verifier name in a row names the file's row.
     bad = tmp_path / "bad.jsonl"
     rows = [json.loads(line) for line in open(task["train"])][:40]
@@ -181,7 +279,21 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     err = _exit_message([RECIPE, *base, "--response_length", "5000"], capsys)
     assert "max_position_embeddings" in err
     # GRPO groups that a device's mini-batch would split.
-    err = _exit_message([RECIPE, *base, "--algo", "grpo", "--num_samples_per_prompt", "3", "--local_rollout_batch_size", "8", "--per_device_train_batch_size", "4"], capsys)
+    err = _exit_message(
+        [
+            RECIPE,
+            *base,
+            "--algo",
+            "grpo",
+            "--num_samples_per_prompt",
+            "3",
+            "--local_rollout_batch_size",
+            "8",
+            "--per_device_train_batch_size",
+            "4",
+        ],
+        capsys,
+    )
     assert "group size" in err
     # best_metric must be an RLVR eval metric.
     err = _exit_message([RECIPE, *base, "--best_metric", "train/loss"], capsys)
@@ -193,9 +305,15 @@ def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     gradients; it is used only when rows really come in runs of identical prompts."""
     import torch
 
-    from open_instruct.models import load_causal_lm, load_sequence_classifier
     from open_instruct.data import collate_episodes
-    from open_instruct.models import TokenValueModel, response_logits, shared_prompt_groups, token_values
+    from open_instruct.models import (
+        TokenValueModel,
+        load_causal_lm,
+        load_sequence_classifier,
+        response_logits,
+        shared_prompt_groups,
+        token_values,
+    )
 
     rng = random.Random(0)
     prompts = [[rng.randint(5, 90) for _ in range(rng.randint(8, 14))] for _ in range(3)]
@@ -212,4 +330,6 @@ def test_shared_prompt_forward_matches_plain_forward(tiny_models):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.manual_seed(0)
     value = TokenValueModel(load_sequence_classifier(tiny_models["causal_lm"]))
-    torch.testing.assert_close(token_values(value, batch, 4)[mask], token_values(value, batch)[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        token_values(value, batch, 4)[mask], token_values(value, batch)[mask], rtol=1e-5, atol=1e-5
+    )

@@ -6,11 +6,16 @@ import os
 
 import pytest
 import torch
+from training_helpers import (
+    assert_rows_match,
+    assert_weights_match,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    read_metrics,
+    sigterm_at_step,
+)
 
-from open_instruct import sft
 from demo.synthetic import sft_rows, write_jsonl
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
-from training_helpers import assert_rows_match, assert_weights_match, read_metrics, sigterm_at_step
+from open_instruct import sft
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 20  # 160 conversations / 8 per step
@@ -19,19 +24,41 @@ STEPS = 20  # 160 conversations / 8 per step
 @pytest.fixture(scope="module")
 def sft_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft_data")
-    return {"train": write_jsonl(str(d / "train.jsonl"), sft_rows(160, 0)), "eval": write_jsonl(str(d / "eval.jsonl"), sft_rows(48, 1))}
+    return {
+        "train": write_jsonl(str(d / "train.jsonl"), sft_rows(160, 0)),
+        "eval": write_jsonl(str(d / "eval.jsonl"), sft_rows(48, 1)),
+    }
 
 
 def sft_args(tiny_models, sft_data, output_dir):
     return [
         os.path.join(REPO, "configs", "sft_tiny.yaml"),
-        "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", sft_data["train"],
-        "--eval_dataset_name_or_path", sft_data["eval"],
-        "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--warmup_ratio", "0",
-        "--logging_steps", "1", "--eval_steps", "10", "--checkpointing_steps", "5", "--keep_last_n_checkpoints", "2",
+        "--model_name_or_path",
+        tiny_models["causal_lm"],
+        "--dataset_name_or_path",
+        sft_data["train"],
+        "--eval_dataset_name_or_path",
+        sft_data["eval"],
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "1e-2",
+        "--lr_scheduler_type",
+        "constant",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "10",
+        "--checkpointing_steps",
+        "5",
+        "--keep_last_n_checkpoints",
+        "2",
     ]
 
 
@@ -55,7 +82,9 @@ def test_sft_loss_falls_by_half(full_run):
     assert train[-1]["episode"] == STEPS * 8 and train[-1]["epoch"] == 1.0
 
 
-def test_sft_resume_after_preemption_matches_uninterrupted_run(full_run, tiny_models, sft_data, tmp_path, monkeypatch, capsys):
+def test_sft_resume_after_preemption_matches_uninterrupted_run(
+    full_run, tiny_models, sft_data, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "sft_preempted"
     args = sft_args(tiny_models, sft_data, out)
     with sigterm_at_step(monkeypatch, 12):

@@ -77,9 +77,21 @@ def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_ro
     from demo.synthetic import rl_rows, write_jsonl
 
     data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(8, 0))
-    cmd = [sys.executable, os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"), os.path.join(repo_root, "configs", "rlvr_tiny.yaml"),
-           "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data,
-           "--output_dir", str(tmp_path / "out"), "--generation_backend", "vllm"]
+    cmd = [
+        sys.executable,
+        os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"),
+        os.path.join(repo_root, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        tiny_models["causal_lm"],
+        "--dataset_name_or_path",
+        data,
+        "--eval_dataset_name_or_path",
+        data,
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--generation_backend",
+        "vllm",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": repo_root})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "generation_backend vllm" in proc.stderr and "requirements-vllm.txt" in proc.stderr
@@ -88,8 +100,9 @@ def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_ro
 
 def test_hf_weights_names_and_values():
     """The names streamed to vLLM are the HF checkpoint names, wrappers removed, tied weights once."""
-    from demo.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
+
+    from demo.tiny import tiny_llama_config
 
     model = LlamaForCausalLM(tiny_llama_config(40, 64, 1, tie_word_embeddings=True))
     wrapped = torch.nn.Module()
@@ -101,18 +114,23 @@ def test_hf_weights_names_and_values():
     untied = dict(hf_weights(wrapped, untie=True))  # for an engine whose lm_head is its own tensor
     assert untied.keys() == want.keys() | {"lm_head.weight"}
     assert torch.equal(untied["lm_head.weight"], want["model.embed_tokens.weight"])
-    assert dict(hf_weights(LlamaForCausalLM(tiny_llama_config(40, 64, 1)), untie=True)).keys() == dict(
-        LlamaForCausalLM(tiny_llama_config(40, 64, 1)).named_parameters()).keys()  # untied model: nothing extra
+    assert (
+        dict(hf_weights(LlamaForCausalLM(tiny_llama_config(40, 64, 1)), untie=True)).keys()
+        == dict(LlamaForCausalLM(tiny_llama_config(40, 64, 1)).named_parameters()).keys()
+    )  # untied model: nothing extra
 
 
 # ------------------------------------------------------------------------------------- engine tests
 def _tiny_cpu_llama(tokenizer, seed=0, **overrides):
     """The tiny test Llama with head_dim 32: vLLM's CPU attention has no kernel for the default tiny's 16."""
-    from demo.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
+    from demo.tiny import tiny_llama_config
+
     torch.manual_seed(seed)
-    cfg = tiny_llama_config(len(tokenizer), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **overrides)
+    cfg = tiny_llama_config(
+        len(tokenizer), 64, 2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **overrides
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = cfg.eos_token_id
     return model
@@ -130,7 +148,10 @@ def engine():
     expected_draw = torch.rand(4)
     torch.manual_seed(123)
     gen = make_generator("vllm", model, tokenizer, max_model_len=256, seed=0, kv_cache_memory_bytes=256 << 20)
-    side_effects = {"rng_kept": torch.equal(torch.rand(4), expected_draw), "threads_kept": torch.get_num_threads() == threads}
+    side_effects = {
+        "rng_kept": torch.equal(torch.rand(4), expected_draw),
+        "threads_kept": torch.get_num_threads() == threads,
+    }
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         for q in QUESTIONS
@@ -221,7 +242,10 @@ def test_sampling_groups_and_seeds(engine):
     assert torch.equal(torch.rand(3), expected_draw)  # seeded: the global RNG is untouched
     assert a.prompt_index == [i for i in range(len(prompts)) for _ in range(3)] and len(a) == 12
     assert a.response_ids == gen.generate(prompts, cfg).response_ids  # same seed, same samples
-    assert a.response_ids != gen.generate(prompts, GenerationConfig(max_new_tokens=8, temperature=1.0, n=3, seed=8)).response_ids
+    assert (
+        a.response_ids
+        != gen.generate(prompts, GenerationConfig(max_new_tokens=8, temperature=1.0, n=3, seed=8)).response_ids
+    )
     assert len({tuple(r) for r in a.response_ids[:3]}) > 1  # the n samples of a prompt differ
     for ids, text, stopped in zip(a.response_ids, a.texts, a.stopped):  # already cut: cutting again changes nothing
         assert (ids, text, stopped) == finalize_response(ids, gen.eos_ids, tokenizer, None)
@@ -251,10 +275,16 @@ def test_samples_follow_the_policy_distribution(engine):
         out = gen.generate([prompt], GenerationConfig(max_new_tokens=1, temperature=temperature, n=n, seed=3))
         freq = torch.bincount(torch.tensor([r[0] for r in out.response_ids]), minlength=vocab).double() / n
         g = torch.Generator().manual_seed(0)  # the TV distance pure sampling noise gives at this n
-        noise = sum(
-            0.5 * (torch.bincount(torch.multinomial(probs, n, True, generator=g), minlength=vocab) / n - probs).abs().sum()
-            for _ in range(20)
-        ).item() / 20
+        noise = (
+            sum(
+                0.5
+                * (torch.bincount(torch.multinomial(probs, n, True, generator=g), minlength=vocab) / n - probs)
+                .abs()
+                .sum()
+                for _ in range(20)
+            ).item()
+            / 20
+        )
         tv = 0.5 * (freq - probs).abs().sum().item()
         tv_t1 = 0.5 * (freq - torch.softmax(logits.double(), -1)).abs().sum().item()  # the sampler without temperature
         print(f"first-token TV vs policy {tv:.4f}, vs T=1 {tv_t1:.4f}, sampling noise {noise:.4f}")
@@ -264,10 +294,12 @@ def test_samples_follow_the_policy_distribution(engine):
         top_p = 0.6  # nucleus: the fewest most likely tokens whose mass reaches top_p
         order = torch.argsort(probs, descending=True)
         keep = int((torch.cumsum(probs[order], 0) < top_p).sum().item()) + 1
-        out = gen.generate([prompt], GenerationConfig(max_new_tokens=1, temperature=temperature, top_p=top_p, n=500, seed=4))
+        out = gen.generate(
+            [prompt], GenerationConfig(max_new_tokens=1, temperature=temperature, top_p=top_p, n=500, seed=4)
+        )
         seen = {r[0] for r in out.response_ids}
         print(f"top_p {top_p}: nucleus of {keep} tokens, {len(seen)} seen")
-        assert seen <= set(order[:keep].tolist()) and len(seen) > 1, (seen, order[:keep + 2].tolist())
+        assert seen <= set(order[:keep].tolist()) and len(seen) > 1, (seen, order[: keep + 2].tolist())
     finally:
         with torch.no_grad():
             model.lm_head.weight.copy_(saved)
@@ -333,7 +365,9 @@ class _FakeLLM:
         from types import SimpleNamespace
 
         self.calls.append("generate")
-        return [SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[1], finish_reason="stop")]) for _ in prompts]
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[1], finish_reason="stop")]) for _ in prompts
+        ]
 
 
 def test_sleep_wake_order():
@@ -354,16 +388,34 @@ def test_sleep_wake_order():
     gen.llm.calls.clear()
     gen.sync_weights(policy)  # after the optimizer steps
     out = gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
-    assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
+    assert gen.llm.calls == [
+        "wake:weights",
+        "reload_weights",
+        "reset_prefix_cache",
+        "wake:kv_cache",
+        "generate",
+        "sleep2",
+    ]
     assert out.response_ids == [[1]] and out.stopped == [True]
     gen.llm.calls.clear()
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))  # no sync since the last sleep
-    assert gen.llm.calls == ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
+    assert gen.llm.calls == [
+        "wake:weights",
+        "reload_weights",
+        "reset_prefix_cache",
+        "wake:kv_cache",
+        "generate",
+        "sleep2",
+    ]
     gen.llm.calls.clear()
     gen.sync_weights(policy)  # a rank with no eval prompts syncs twice without generating: weights woken once
     gen.sync_weights(policy)
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
-    assert gen.llm.calls == ["wake:weights"] + ["reload_weights", "reset_prefix_cache"] * 2 + ["wake:kv_cache", "generate", "sleep2"]
+    assert gen.llm.calls == ["wake:weights"] + ["reload_weights", "reset_prefix_cache"] * 2 + [
+        "wake:kv_cache",
+        "generate",
+        "sleep2",
+    ]
 
 
 # ------------------------------------------------------------------------------------- the RLVR script on vLLM
@@ -376,11 +428,11 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
     import json
     import subprocess
 
-    from open_instruct.models import load_causal_lm, load_tokenizer
-    from open_instruct.rewards import score_batch
     from demo.synthetic import rl_rows, write_jsonl
     from demo.tiny import build_tokenizer
     from eval.verifiable import load_prompts
+    from open_instruct.models import load_causal_lm, load_tokenizer
+    from open_instruct.rewards import score_batch
 
     tokenizer = build_tokenizer()
     init = str(tmp_path / "init")
@@ -391,11 +443,35 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
     out_dir = tmp_path / "run"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [
-        sys.executable, os.path.join(repo, "open_instruct", "rlvr_ppo.py"), os.path.join(repo, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path", init, "--dataset_name_or_path", train, "--eval_dataset_name_or_path", evals,
-        "--output_dir", str(out_dir), "--generation_backend", "vllm", "--total_episodes", "64",
-        "--local_rollout_batch_size", "16", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16",
-        "--learning_rate", "3e-3", "--eval_steps", "2", "--checkpointing_steps", "100", "--save_final_model", "true",
+        sys.executable,
+        os.path.join(repo, "open_instruct", "rlvr_ppo.py"),
+        os.path.join(repo, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        init,
+        "--dataset_name_or_path",
+        train,
+        "--eval_dataset_name_or_path",
+        evals,
+        "--output_dir",
+        str(out_dir),
+        "--generation_backend",
+        "vllm",
+        "--total_episodes",
+        "64",
+        "--local_rollout_batch_size",
+        "16",
+        "--num_samples_per_prompt",
+        "2",
+        "--per_device_train_batch_size",
+        "16",
+        "--learning_rate",
+        "3e-3",
+        "--eval_steps",
+        "2",
+        "--checkpointing_steps",
+        "100",
+        "--save_final_model",
+        "true",
     ]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": repo}
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
@@ -412,13 +488,17 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
         out = HFGenerator(load_causal_lm(path), tok, batch_size=16).generate(
             [e["prompt_ids"] for e in examples], GenerationConfig(max_new_tokens=12, temperature=0)
         )
-        correct = score_batch(out.texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples]).correct
+        correct = score_batch(
+            out.texts, [e["ground_truth"] for e in examples], [e["verifier"] for e in examples]
+        ).correct
         return sum(map(len, out.response_ids)) / len(examples), sum(correct) / len(examples)
 
     final = str(out_dir / "final_model")
     for row, path in ((eval_rows[0], init), (eval_rows[1], final)):
         length, correct = hf_eval(path)
-        assert row["eval/response_length"] == pytest.approx(length) and row["eval/correct_rate"] == pytest.approx(correct)
+        assert row["eval/response_length"] == pytest.approx(length) and row["eval/correct_rate"] == pytest.approx(
+            correct
+        )
     assert hf_eval(init) != hf_eval(final)  # training changed the policy, so the last comparison has teeth
 
 
@@ -488,8 +568,16 @@ def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "REPO": repo, "OUT": str(tmp_path), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result == {"backend": "external_launcher", "sharded": 21, "first": True, "stale_differs": True, "synced": True}
+        assert result == {
+            "backend": "external_launcher",
+            "sharded": 21,
+            "first": True,
+            "stale_differs": True,
+            "synced": True,
+        }
