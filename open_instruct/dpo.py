@@ -22,7 +22,7 @@ perf/tokens_per_second, perf/pairs_per_second, and the four counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import DPOConfig
@@ -153,14 +153,42 @@ def pair_stat_sums(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def evaluate(
+    cfg: DPOConfig, model: Any, evals: list[dict], ref_table: Optional[dict], accelerator: Any, pad_id: int
+) -> dict[str, float]:
+    """Held-out statistics (eval/loss, rewards, accuracy, log-probs), means over the pairs. The batches are the
+    reference pass's, so at step 0 the policy reproduces the cached numbers bit for bit."""
+    import torch
+
+    from open_instruct import data
+    from open_instruct.models import pair_logps
+    from open_instruct.reference_cache import length_order, reference_logps
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    model.eval()
+    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    with torch.no_grad():
+        # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+        for group, real in data.dealt_micro_batches(length_order(evals), cfg.per_device_eval_batch_size, rank, world):
+            batch = data.collate_preferences([evals[i] for i in group], pad_id)
+            with accelerator.autocast():
+                policy = pair_logps(model, {k: v.to(accelerator.device) for k, v in batch.items()})
+            if not real:
+                continue
+            ref = reference_logps(ref_table, group, accelerator.device) if ref_table else None
+            for k, v in pair_stat_sums(*preference_loss(cfg, policy, ref), policy).items():
+                sums[k] += v
+    model.train()
+    totals = distributed.global_sums(accelerator, sums)
+    return {f"eval/{k}": v / len(evals) for k, v in totals.items()}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(DPOConfig, argv)
     if cfg.best_metric and cfg.best_metric not in EVAL_METRICS:
         raise ConfigError(
             f"best_metric {cfg.best_metric!r} is not a DPO eval metric; choose one of {list(EVAL_METRICS)}"
         )
-
-    import torch
 
     from open_instruct import data, reference_cache
     from open_instruct.batch_math import should_log
@@ -172,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         make_optimizer_and_scheduler,
         pair_logps,
     )
-    from open_instruct.reference_cache import length_order, reference_logps
+    from open_instruct.reference_cache import reference_logps
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -191,16 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     disable_dropout(model)
     use_reference = cfg.loss_type not in REFERENCE_FREE
-    identity = None
-    if use_reference:  # from the weights as loaded (the main process's copy, which FSDP loading always fills)
-        box = [
-            reference_cache.reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None
-        ]
-        if world > 1:
-            from accelerate.utils import broadcast_object_list
-
-            broadcast_object_list(box, from_process=0)
-        identity = box[0]
+    identity = reference_cache.shared_identity(cfg, model, train, evals, accelerator) if use_reference else None
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
@@ -209,11 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     log = print if accelerator.is_main_process else (lambda *a, **k: None)
 
     # The reference pass runs on the initial weights, so it comes before any checkpoint is restored.
-    ref = (
-        reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
-        if use_reference
-        else None
-    )
+    ref = None
+    if use_reference:
+        ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
 
     run = runtime.RunContext(
         cfg,
@@ -227,40 +244,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        sums = dict.fromkeys(STAT_KEYS, 0.0)
-        with torch.no_grad():
-            # The reference pass's batches: at step 0 the policy reproduces the cached numbers bit for bit.
-            for group, real in data.dealt_micro_batches(
-                length_order(evals), cfg.per_device_eval_batch_size, rank, world
-            ):
-                batch = {
-                    k: v.to(accelerator.device)
-                    for k, v in data.collate_preferences([evals[i] for i in group], pad_id).items()
-                }
-                with accelerator.autocast():
-                    policy = pair_logps(model, batch)
-                if not real:
-                    continue
-                losses, chosen_r, rejected_r = preference_loss(
-                    cfg, policy, reference_logps(ref["eval"], group, accelerator.device) if ref else None
-                )
-                for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
-                    sums[k] += v
-        model.train()
-        totals = distributed.global_sums(accelerator, sums)
-        return {f"eval/{k}": v / len(evals) for k, v in totals.items()}
+    def evaluate_policy() -> dict[str, float]:
+        return evaluate(cfg, model, evals, ref["eval"] if ref else None, accelerator, pad_id)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at optimizer_step 0
-        metrics = evaluate()
+        metrics = evaluate_policy()
         run.log(metrics)
         drift = (abs(metrics["eval/rewards/chosen"]) + abs(metrics["eval/rewards/rejected"])) / cfg.beta
         if ref is not None and drift > 1e-3:  # the same batches as the cached pass give exactly 0 when it is right
             run.logger.write(
-                "WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen "
-                "log-ratio| + "
-                f"|mean rejected log-ratio| = {drift:.3g}); is the cache stale?"
+                "WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| "
+                f"+ |mean rejected log-ratio| = {drift:.3g}); is the cache stale?"
             )
     run.throughput.restart()  # the baseline eval is not training time
     model.train()
@@ -311,16 +305,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     "perf/pairs_per_second": perf["perf/episodes_per_second"],
                 }
             )
-        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
+        if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
     run.finish()
 
 
-def cli() -> None:
-    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
-    runtime.run(main)
-
-
 if __name__ == "__main__":
-    cli()
+    runtime.run(main)

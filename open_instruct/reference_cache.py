@@ -91,6 +91,17 @@ def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: lis
     }
 
 
+def shared_identity(cfg: Any, model: Any, train: list[dict], evals: list[dict], accelerator: Any) -> dict[str, Any]:
+    """`reference_cache_identity` from the main process's weights as loaded (FSDP loading always fills that copy),
+    broadcast so every rank names the same file. Call it before the model is prepared."""
+    box = [reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
 def reference_cache_path(cfg: Any, identity: dict[str, Any]) -> str:
     folder = cfg.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), ".ref_cache")
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]

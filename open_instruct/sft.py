@@ -133,10 +133,5 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     run.finish()
 
 
-def cli() -> None:
-    """Console entry point: exit 2 on a bad config or data, 3 on a non-finite update."""
-    runtime.run(main)
-
-
 if __name__ == "__main__":
-    cli()
+    runtime.run(main)
