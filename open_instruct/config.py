@@ -204,7 +204,12 @@ class DPOConfig(PreferenceDataConfig):
 @dataclass
 class RLVRConfig(BaseConfig):
     script: str = "rlvr_ppo"
-    algo: Literal["ppo", "grpo"] = "ppo"
+    algo: Literal["ppo", "grpo"] = field(
+        default="ppo",
+        metadata={
+            "help": "Preset: ppo = gae advantages (value model), KL in the reward; grpo = group advantages, KL loss."
+        },
+    )
     learning_rate: float = 3e-7
     # data: prompt messages, ground truth and verifier name per row
     messages_column: str = "messages"
@@ -224,6 +229,9 @@ class RLVRConfig(BaseConfig):
     vllm_enable_sleep: bool = False
     # rewards
     verification_reward: float = 10.0
+    non_stop_penalty_mode: Literal["add", "replace"] = field(
+        default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
+    )
     non_stop_penalty: float = field(
         default=0.0,
         metadata={"help": "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."},
@@ -231,7 +239,45 @@ class RLVRConfig(BaseConfig):
     reward_model_path: Optional[str] = None
     reward_model_multiplier: float = 0.0
     verifier_timeout: float = 2.0
-    # PPO / GRPO
+    # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
+    advantage_estimator: Optional[Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]] = field(
+        default=None,
+        metadata={
+            "help": "gae (value model), grpo, dr_grpo, rloo (group baselines), reinforce_pp; default: from algo."
+        },
+    )
+    policy_loss: Literal["ppo", "gspo", "cispo"] = field(
+        default="ppo",
+        metadata={"help": "ppo (token ratio, clip), gspo (sequence ratio, clip), cispo (clipped IS weight)."},
+    )
+    cliprange_low: Optional[float] = field(default=None, metadata={"help": "Lower clip 1 - low (default: cliprange)."})
+    cliprange_high: Optional[float] = field(
+        default=None, metadata={"help": "Upper clip 1 + high (default: cliprange); > low is DAPO's clip-higher."}
+    )
+    dual_clip_c: Optional[float] = field(
+        default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0 (off: null)."}
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
+        default="token_mean",
+        metadata={"help": "How token losses become the mini-batch loss (see aggregation_weights)."},
+    )
+    loss_norm_length: Optional[int] = field(
+        default=None, metadata={"help": "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length."}
+    )
+    filter_zero_std_groups: bool = field(
+        default=False, metadata={"help": "Drop groups whose completions all scored the same from the update."}
+    )
+    overlong_buffer_length: int = field(
+        default=0,
+        metadata={"help": "DAPO soft overlong punishment over the last N tokens of response_length (0: off)."},
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0, metadata={"help": "Largest overlong punishment (at the limit)."}
+    )
+    truncated_importance_sampling: bool = field(
+        default=False, metadata={"help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap)."}
+    )
+    tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
     value_model_path: Optional[str] = field(
         default=None, metadata={"help": "Initialise the value model from this (reward) model; default: the policy."}
     )
@@ -246,6 +292,21 @@ class RLVRConfig(BaseConfig):
     # eval: greedy verifiable accuracy on held-out prompts
     eval_response_length: Optional[int] = None
     num_samples_logged: int = 4
+
+    @property
+    def uses_value_model(self) -> bool:
+        """GAE needs a learned value model; every other estimator is value-free."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def uses_groups(self) -> bool:
+        """Group baselines (grpo, dr_grpo, rloo): a prompt's completions must stay together."""
+        return self.advantage_estimator in ("grpo", "dr_grpo", "rloo")
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """gae and reinforce_pp put -beta * KL_t in the per-token reward; group estimators add beta * KL as a loss."""
+        return self.advantage_estimator in ("gae", "reinforce_pp")
 
     def validate(self) -> None:
         super().validate()
@@ -269,13 +330,42 @@ class RLVRConfig(BaseConfig):
             _check_positive(self, name)
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
-        if self.algo == "grpo" and self.num_samples_per_prompt < 2:
+        if self.advantage_estimator is None:  # the preset
+            self.advantage_estimator = "gae" if self.algo == "ppo" else "grpo"
+        for name in ("cliprange_low", "cliprange_high"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.cliprange)
+            _check_positive(self, name)
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
+        if self.dual_clip_c is not None and self.policy_loss == "cispo":
+            raise ConfigError("dual_clip_c applies to policy_loss ppo/gspo, not cispo (its weight is already capped)")
+        if self.loss_norm_length is None:
+            self.loss_norm_length = self.response_length
+        _check_positive(self, "loss_norm_length")
+        _check_positive(self, "overlong_buffer_length", allow_zero=True)
+        if self.overlong_buffer_length > self.response_length:
             raise ConfigError(
-                f"algo grpo needs num_samples_per_prompt >= 2 (group-normalised advantages of a group of "
-                f"{self.num_samples_per_prompt} are all zero)"
+                f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
             )
-        if self.algo == "grpo" and self.value_model_path:
-            raise ConfigError("value_model_path is set but algo grpo uses no value model")
+        _check_positive(self, "overlong_penalty_factor", allow_zero=True)
+        if self.tis_cap < 1:
+            raise ConfigError(
+                f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
+            )
+        if self.uses_groups and self.num_samples_per_prompt < 2:
+            raise ConfigError(
+                f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "
+                f"of a group of {self.num_samples_per_prompt} are all zero)"
+            )
+        if self.filter_zero_std_groups and not self.uses_groups:
+            raise ConfigError(
+                f"filter_zero_std_groups needs a group estimator (grpo, dr_grpo, rloo), not {self.advantage_estimator}"
+            )
+        if not self.uses_value_model and self.value_model_path:
+            raise ConfigError(
+                f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
+            )
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
@@ -291,7 +381,7 @@ class RLVRConfig(BaseConfig):
             num_epochs=self.num_epochs,
             total_episodes=self.total_episodes,
             num_examples=num_examples,
-            group_size=self.num_samples_per_prompt if self.algo == "grpo" else None,
+            group_size=self.num_samples_per_prompt if self.uses_groups else None,
         )
 
 

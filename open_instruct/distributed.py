@@ -315,6 +315,17 @@ def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
     return {k: float(x) for k, x in zip(keys, t.tolist())}
 
 
+def global_max(accelerator: Any, value: float) -> float:
+    """The largest `value` over ranks."""
+    if accelerator.num_processes == 1:
+        return float(value)
+    import torch
+
+    t = torch.tensor([float(value)], device=accelerator.device, dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_finite(accelerator: Any, *values: Any) -> bool:
     """True when every value (tensor or float) is finite on every rank."""
     import torch

@@ -18,6 +18,8 @@ Conventions every backend keeps:
 - Sampling is the plain policy distribution: logits / temperature, then top-p. No top-k, no repetition penalty,
   whatever the model's own generation_config says, so log-probs re-scored with `models.token_logprobs(...,
   temperature)` describe the sampler (top_p < 1 truncates it).
+- `logprobs[i][t]` is the sampler's own log-probability of `response_ids[i][t]` (same length), as the engine
+  computed it: the trainer's re-scored log-probs differ from it by kernels, precision and top-p truncation.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class GenerationOutput:
     texts: list[str] = field(default_factory=list)  # decoded response, trailing EOS token removed
     stopped: list[bool] = field(default_factory=list)  # True: EOS or a stop string ended it; False: max_new_tokens
     prompt_index: list[int] = field(default_factory=list)  # which prompt each response answers (n contiguous rows)
+    # log p(token) of each response token under the distribution the sampler drew it from (after temperature and
+    # top-p): what truncated importance sampling compares with the trainer's log-probs. Greedy: the raw model's.
+    logprobs: list[list[float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -136,6 +141,29 @@ def finalize_response(
     return ids, tokenizer.decode(text_ids, skip_special_tokens=False), stopped
 
 
+class _SampledLogprobs:
+    """HF logits processor (run after the temperature and top-p warpers) that records the log-probability of each
+    sampled token under the final distribution. A step's token is only known at the next call (it is then the last
+    input id), so one step's log-softmax is held at a time: memory [batch, vocab], not [steps, batch, vocab]."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+        self.pending: Optional[torch.Tensor] = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def per_token(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[batch, generated] log-probs, given generate's output (whose last id is the last step's token)."""
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, sequences[:, -1:]).squeeze(1))
+            self.pending = None
+        return torch.stack(self.steps, 1) if self.steps else torch.zeros(len(sequences), 0)
+
+
 class _StopOnStrings:
     """Stopping criterion for HF generate: marks a row finished once its new tokens contain a stop string.
 
@@ -199,11 +227,25 @@ class HFGenerator:
         )
         if config.greedy:
             kwargs.update(do_sample=False)
-        else:  # explicit values so the model's own generation_config (top_k=50, penalties, ...) cannot leak in
-            kwargs.update(do_sample=True, temperature=float(config.temperature), top_p=float(config.top_p), top_k=0)
+        else:  # explicit values so the model's own generation_config (top_k=50, penalties, ...) cannot leak in;
+            # temperature and top-p are applied by `_warpers` instead, ahead of the log-prob recorder
+            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
         return HFGenerationConfig(**kwargs)
 
-    def _generate_chunk(self, rows: list[list[int]], config: GenerationConfig, hf_config: Any) -> list[list[int]]:
+    @staticmethod
+    def _warpers(config: GenerationConfig) -> list[Any]:
+        """Temperature then top-p (HF's own warpers), passed as custom processors: generate runs custom processors
+        before the warpers it builds itself, so this is how the recorder after them sees the final distribution."""
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+        if config.greedy:
+            return []
+        warpers: list[Any] = [TemperatureLogitsWarper(float(config.temperature))] if config.temperature != 1.0 else []
+        return warpers + ([TopPLogitsWarper(top_p=float(config.top_p))] if config.top_p < 1.0 else [])
+
+    def _generate_chunk(
+        self, rows: list[list[int]], config: GenerationConfig, hf_config: Any
+    ) -> tuple[list[list[int]], list[list[float]]]:
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -211,19 +253,22 @@ class HFGenerator:
             if r:
                 input_ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
                 attention_mask[i, width - len(r) :] = 1
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
         extra: dict[str, Any] = {}
         if config.stop_strings:
-            from transformers import StoppingCriteriaList
-
-            stop = _StopOnStrings(self.tokenizer, config.stop_strings, width)
-            extra["stopping_criteria"] = StoppingCriteriaList([stop])
+            extra["stopping_criteria"] = StoppingCriteriaList(
+                [_StopOnStrings(self.tokenizer, config.stop_strings, width)]
+            )
+        recorder = _SampledLogprobs()  # after the warpers: it sees the distribution the token is drawn from
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=hf_config,
+            logits_processor=LogitsProcessorList([*self._warpers(config), recorder]),
             **extra,
         )
-        return out[:, width:].tolist()
+        return out[:, width:].tolist(), recorder.per_token(out).tolist()
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
@@ -234,6 +279,7 @@ class HFGenerator:
         order = sorted(range(len(rows)), key=lambda j: len(rows[j]))  # stable: the n copies stay together
         hf_config = self._hf_generation_config(config)
         raw: list[Optional[list[int]]] = [None] * len(rows)
+        raw_logprobs: list[list[float]] = [[] for _ in rows]
 
         was_training = self.model.training
         self.model.eval()
@@ -244,8 +290,9 @@ class HFGenerator:
                     torch.manual_seed(config.seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
-                    for j, gen in zip(chunk, self._generate_chunk([rows[j] for j in chunk], config, hf_config)):
-                        raw[j] = gen
+                    ids, logprobs = self._generate_chunk([rows[j] for j in chunk], config, hf_config)
+                    for j, gen, lp in zip(chunk, ids, logprobs):
+                        raw[j], raw_logprobs[j] = gen, lp
         finally:
             self.model.train(was_training)
 
@@ -256,4 +303,5 @@ class HFGenerator:
             out.texts.append(text)
             out.stopped.append(stopped)
             out.prompt_index.append(owner[j])
+            out.logprobs.append(raw_logprobs[j][: len(ids)])
         return out

@@ -327,7 +327,16 @@ def token_values(value_model: Any, batch: dict[str, torch.Tensor], group: int = 
 
 
 def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:
-    """Reward-model score of each prompt+response, read at the last response token."""
+    """Reward-model score of each prompt+response, read where reward-model training read it: Hugging Face sequence
+    classifiers pool at the last token that is not `config.pad_token_id`. Usually that is the last response token;
+    when pad == eos (a tokenizer without a pad token), a trailing EOS counts as padding and the score is read at the
+    token before it (the last prompt token if the response is only EOS)."""
     width_r = batch["responses"].shape[1]
-    out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))[:, 1:]
-    return out.gather(1, last_token_index(batch["mask"]).unsqueeze(1)).squeeze(1)
+    out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))  # [B, R+1]
+    # Position 0: the last prompt token (always real, left padding); 1..R: the response tokens.
+    tokens = torch.cat([batch["input_ids"][:, -width_r - 1 : -width_r], batch["responses"]], 1)
+    real = torch.cat([torch.ones_like(batch["mask"][:, :1]), batch["mask"]], 1)
+    pad_id = getattr(getattr(reward_model, "config", None), "pad_token_id", None)
+    if pad_id is not None:
+        real = real * (tokens != pad_id)
+    return out.gather(1, last_token_index(real).unsqueeze(1)).squeeze(1)

@@ -156,7 +156,7 @@ def estimate(
         decode_seconds = resp * (2 * params) / (tp * gpu.memory_bandwidth * 0.6)
         prefill_seconds = plan.episodes_per_rollout * prompt_tokens * 2 * params / cluster_flops
         gen_seconds_per_rollout = decode_seconds + prefill_seconds
-        value_params = 0 if cfg.algo == "grpo" else params
+        value_params = params if cfg.uses_value_model else 0
         score_flops = plan.episodes_per_rollout * seq * 2 * (params + params + value_params)  # old logp, ref, value
         train_flops = plan.episodes_per_rollout * seq * cfg.num_epochs * (train_flops_per_token + value_params * 6)
         train_seconds_per_rollout = (score_flops + train_flops) / cluster_flops

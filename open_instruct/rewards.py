@@ -974,14 +974,20 @@ def combine_rewards(
     non_stop_penalty: float,
     rm_score: Optional[float] = None,
     rm_multiplier: float = 0.0,
+    non_stop_penalty_mode: str = "add",
 ) -> float:
     """Total RL reward of one completion:
 
         reward = verifiable + rm_multiplier * rm_score          (rm term omitted when rm_score is None)
-                 + (non_stop_penalty if not stopped else 0)
+        not stopped, mode add:      reward + non_stop_penalty
+        not stopped, mode replace:  non_stop_penalty            (Tulu 3: where(stopped, score, penalty))
 
     `stopped` means the completion ended with EOS/stop string rather than hitting the length limit.
-    non_stop_penalty is signed and added, as in the recipes (Tulu 3: -10)."""
+    non_stop_penalty is signed, as in the recipes (Tulu 3: -10)."""
+    if non_stop_penalty_mode not in ("add", "replace"):
+        raise ValueError(f"non_stop_penalty_mode must be add or replace, got {non_stop_penalty_mode!r}")
+    if not stopped and non_stop_penalty_mode == "replace":
+        return float(non_stop_penalty)
     reward = float(verifiable)
     if rm_score is not None:
         reward += rm_multiplier * float(rm_score)

@@ -144,31 +144,164 @@ def gae_advantages(
     return advantages, (advantages + values) * mask
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each completion's score against its prompt's group of `group_size` contiguous completions:
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO (scale=True) and Dr. GRPO (scale=False): each completion's score against its prompt's group of
+    `group_size` contiguous completions:
 
-        A_i = (r_i - mean(group)) / (std(group) + eps)     (std with Bessel's correction, n - 1)
+        grpo:     A_i = (r_i - mean(group)) / (std(group) + eps)     (std with Bessel's correction, n - 1)
+        dr_grpo:  A_i =  r_i - mean(group)                           (no std: no bias towards easy/hard prompts)
 
     A group whose completions all score the same gets advantage 0 (no signal)."""
     if scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
     groups = scores.float().view(-1, group_size)
-    mean, std = groups.mean(1, keepdim=True), groups.std(1, keepdim=True)
-    return ((groups - mean) / (std + eps)).view(-1)
+    centred = groups - groups.mean(1, keepdim=True)
+    return (centred / (groups.std(1, keepdim=True) + eps) if scale else centred).view(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: each completion's score against the mean of the *other* completions of its group (leave one out):
+
+    A_i = r_i - (sum_j r_j - r_i) / (k - 1)  =  k / (k - 1) * (r_i - mean(group)),   k = group_size >= 2
+    """
+    if group_size < 2 or scores.numel() % group_size != 0:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
+    groups = scores.float().view(-1, group_size)
+    others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others_mean).view(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns over response tokens, backwards in t (no value model, no bootstrap):
+
+    G_t = r_t + gamma * G_{t+1},   G = 0 after the last real token
+    """
+    rewards, mask = rewards.float(), mask.float()
+    returns = torch.zeros_like(rewards)
+    carry = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        carry = (rewards[:, t] + gamma * carry) * mask[:, t]
+        returns[:, t] = carry
+    return returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the score of a response of L tokens (L_max = response_length,
+    B = buffer_length):
+
+    penalty = 0                                   if L <= L_max - B
+            = factor * (L_max - B - L) / B        if L_max - B < L <= L_max      (0 down to -factor)
+    """
+    over = (lengths.float() - (max_length - buffer_length)).clamp(min=0)
+    return -factor * over / buffer_length
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token (to minimise), with asymmetric clipping (clip-higher: clip_high > clip_low
+    keeps low-probability tokens able to grow) and optional dual clip, and where a clipped branch is the one taken:
+
+    ratio = exp(logp - old_logp)
+    loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+    dual clip (c > 1), tokens with A < 0:  loss = min(loss, -c * A)   (bounds the loss of a huge ratio)
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss, was_clipped = torch.maximum(unclipped, clipped), (clipped > unclipped)
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss, was_clipped = torch.where(dual, bound, loss), was_clipped | dual
+    return loss, was_clipped.float()
 
 
 def clipped_policy_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, cliprange: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token (to minimise) and where the clipped branch is the one taken:
+    """The symmetric PPO clip: ppo_policy_loss with clip_low = clip_high = cliprange."""
+    return ppo_policy_loss(logp, old_logp, advantages, cliprange, cliprange)
 
-    ratio = exp(logp - old_logp)
-    loss  = max(-A * ratio, -A * clip(ratio, 1 - cliprange, 1 + cliprange))
+
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the importance ratio of a whole sequence (geometric mean of its token ratios), clipped per sequence,
+    in its token form so it aggregates like the other losses:
+
+    s_i    = exp( sum_t m_it (logp_it - old_it) / sum_t m_it )
+    s_it   = sg[s_i] * exp(logp_it - sg[logp_it])          (value s_i; gradient s_i * grad logp_it)
+    loss_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - clip_low, 1 + clip_high))
+    """
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=1).unsqueeze(1)
+    log_ratio = seq_log_ratio.detach() + logp - logp.detach()
+    return ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high)
+
+
+def cispo_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: REINFORCE with a clipped, detached importance weight, so every token keeps a gradient (PPO's clip
+    zeroes the gradient of clipped tokens):
+
+    loss = -sg[min(exp(logp - old_logp), 1 + clip_high)] * A * logp
     """
     ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    weight = torch.clamp(ratio, max=1.0 + clip_high).detach()
+    return -weight * advantages * logp, (ratio > 1.0 + clip_high).float()
+
+
+def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: the sampling engine's log-probs differ from the trainer's (another kernel,
+    bf16, another engine), so each token's loss is re-weighted towards the trainer's policy, capped:
+
+    w_t = min(exp(old_logp_t - sampler_logp_t), cap)       (no gradient)
+    """
+    return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
+
+
+def aggregation_weights(
+    mask: torch.Tensor, aggregation: str, loss_norm_length: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How per-token losses l_it of a mini-batch become one number: per-token weights w and per-row units u, so that
+
+    loss = sum_it w_it * l_it / U,     U = sum of u_i over the *global* mini-batch (all ranks, all micro-batches)
+
+    token_mean:               w_it = m_it,          u_i = sum_t m_it    ->  sum_it l_it / (number of tokens)
+    seq_mean_token_mean:      w_it = m_it / L_i,    u_i = 1             ->  mean over sequences of their token mean
+    seq_mean_token_sum_norm:  w_it = m_it / C,      u_i = 1             ->  mean over sequences of sum_t l_it / C
+                                                                            (Dr. GRPO; C = loss_norm_length)
+    A row with no tokens (u_i = 0 in every form) adds nothing. The split into ranks and micro-batches does not change
+    the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP average the gradients."""
+    mask = mask.float()
+    lengths = mask.sum(1, keepdim=True)
+    if aggregation == "token_mean":
+        return mask, lengths.squeeze(1)
+    alive = (lengths > 0).float()
+    if aggregation == "seq_mean_token_mean":
+        return mask / lengths.clamp(min=1), alive.squeeze(1)
+    if aggregation == "seq_mean_token_sum_norm":
+        return mask / loss_norm_length, alive.squeeze(1)
+    raise ValueError(f"unknown loss_aggregation {aggregation!r}")
+
+
+def zero_std_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per completion, True when every completion of its group scored the same (no learning signal for any group
+    estimator): DAPO's dynamic-sampling filter drops these groups from the update."""
+    groups = scores.view(-1, group_size)
+    same = (groups == groups[:, :1]).all(1, keepdim=True)
+    return same.expand_as(groups).reshape(-1)
 
 
 def clipped_value_loss(
@@ -196,13 +329,19 @@ def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
 
 
 def episode_score(
-    verifiable: float, stopped: bool, non_stop_penalty: float, rm_score: Optional[float], rm_multiplier: float
+    verifiable: float,
+    stopped: bool,
+    non_stop_penalty: float,
+    rm_score: Optional[float],
+    rm_multiplier: float,
+    non_stop_penalty_mode: str = "add",
 ) -> float:
-    """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used) + non_stop_penalty if the
-    response hit response_length without a stop (the recipe gives the penalty signed: Tulu 3 uses -10)."""
+    """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used), and for a response that hit
+    response_length without a stop: + non_stop_penalty (mode add), or the penalty alone (mode replace, Tulu 3's
+    where(stopped, score, penalty)). The recipe gives the penalty signed: Tulu 3 uses -10."""
     from open_instruct.rewards import combine_rewards
 
-    return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier)
+    return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -242,7 +381,8 @@ class Rollout:
     scores: torch.Tensor  # [n] the sequence score: verifiers (+ reward model) (+ non-stop penalty)
     rm_scores: torch.Tensor  # [n] reward-model scores (0 without one)
     mask: torch.Tensor  # [n, R] 1 on real response tokens
-    old_logp: Optional[torch.Tensor]  # the sampling policy's log-probs; None on-policy (the update's forward is exact)
+    old_logp: Optional[torch.Tensor]  # the trainer's log-probs before the update; None on-policy (the update's forward)
+    sampler_logp: torch.Tensor  # [n, R] the generator's log-probs of what it sampled (vLLM/HF sampling kernels)
     ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
     old_values: Optional[torch.Tensor]  # the value model's (PPO)
     kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
@@ -252,8 +392,9 @@ class Rollout:
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # [n, R]
-    returns: Optional[torch.Tensor]  # [n, R] value targets (PPO)
-    kl_loss_coef: float  # beta when the KL to the reference is a loss term (GRPO), 0 when it is in the reward (PPO)
+    returns: Optional[torch.Tensor]  # [n, R] value targets (gae)
+    kl_loss_coef: float  # beta when the KL to the reference is a loss term (group estimators), 0 when in the reward
+    keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
 
 
 def collect_rollout(
@@ -294,7 +435,9 @@ def collect_rollout(
     t2 = time.perf_counter()
 
     n, width = len(episodes), max(len(r) for r in out.response_ids)
-    old_logp, ref_logp, old_values, mask = (torch.zeros(n, width) for _ in range(4))
+    old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
+    for i, logprobs in enumerate(out.logprobs):
+        sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
     rm_scores = torch.zeros(n)
     with torch.no_grad():
         for s in range(0, n, cfg.per_device_train_batch_size):
@@ -315,13 +458,18 @@ def collect_rollout(
                     rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
             mask[rows, :r] = batch["mask"].cpu()
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
-    rm_multiplier = cfg.reward_model_multiplier
+    rm_multiplier, mode = cfg.reward_model_multiplier, cfg.non_stop_penalty_mode
     scores = torch.tensor(
         [
-            episode_score(v, s, cfg.non_stop_penalty, float(rm) if models.reward is not None else None, rm_multiplier)
+            episode_score(v, s, cfg.non_stop_penalty, rm if models.reward is not None else None, rm_multiplier, mode)
             for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
         ]
     )
+    if cfg.overlong_buffer_length:
+        lengths = mask.sum(1)
+        scores = scores + overlong_penalty(
+            lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
+        )
     has_ref = models.reference is not None
     kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if has_ref and not on_policy else None
     return Rollout(
@@ -335,6 +483,7 @@ def collect_rollout(
         rm_scores=rm_scores,
         mask=mask,
         old_logp=None if on_policy else old_logp,
+        sampler_logp=sampler_logp * mask,
         ref_logp=ref_logp if has_ref else None,
         old_values=old_values if models.value is not None else None,
         kl=kl,
@@ -361,33 +510,63 @@ def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """GRPO: group-normalised scores on every token, KL as a loss term. PPO: per-token rewards (score at the last
-    token, -beta * KL on every token) -> GAE with the value model -> whitened with statistics over every rank."""
-    from open_instruct.distributed import global_sums
+    """The one place that branches on the advantage estimator:
 
-    mask = rollout.mask
-    if cfg.algo == "grpo":
-        advantages = group_advantages(rollout.scores, cfg.num_samples_per_prompt).unsqueeze(1) * mask
-        return Advantages(advantages, None, kl_loss_coef=cfg.beta if rollout.ref_logp is not None else 0.0)
+    grpo / dr_grpo / rloo  a group baseline on the sequence score, the same advantage on every token; KL is a loss
+    gae                    per-token rewards (score at the last token, -beta * KL_t on every token) -> GAE with the
+                           value model -> whitened with statistics over every rank (whiten_advantages)
+    reinforce_pp           the same per-token rewards -> discounted returns -> whitened over the global batch
+    """
+    mask, scores, group = rollout.mask, rollout.scores, cfg.num_samples_per_prompt
+    keep = torch.ones(len(scores), dtype=torch.bool)
+    if cfg.uses_groups:
+        if cfg.advantage_estimator == "rloo":
+            advantages = rloo_advantages(scores, group)
+        else:
+            advantages = group_advantages(scores, group, scale=cfg.advantage_estimator == "grpo")
+        if cfg.filter_zero_std_groups:
+            keep = ~zero_std_groups(scores, group)
+        kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
+        return Advantages(advantages.unsqueeze(1) * mask, None, kl_loss_coef, keep)
     kl = rollout.kl if rollout.kl is not None else torch.zeros_like(mask)
-    rewards_t = per_token_rewards(rollout.scores, kl, mask, cfg.beta)
+    rewards_t = per_token_rewards(scores, kl, mask, cfg.beta)
+    if cfg.advantage_estimator == "reinforce_pp":
+        returns = discounted_returns(rewards_t, mask, cfg.gamma)
+        return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
     advantages, returns = gae_advantages(rewards_t, rollout.old_values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        m = global_sums(
-            accelerator,
-            {
-                "s": float(masked_sum(advantages, mask)),
-                "ss": float(masked_sum(advantages**2, mask)),
-                "n": float(mask.sum()),
-            },
-        )
-        mean = m["s"] / m["n"]
-        var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
-        advantages = masked_whiten(advantages, mask, torch.tensor(mean), torch.tensor(var))
-    return Advantages(advantages, returns, kl_loss_coef=0.0)
+        advantages = whiten_over_ranks(advantages, mask, accelerator)
+    return Advantages(advantages, returns, 0.0, keep)
 
 
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> torch.Tensor:
+    """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree."""
+    from open_instruct.distributed import global_sums
+
+    m = global_sums(
+        accelerator, {"s": float(masked_sum(x, mask)), "ss": float(masked_sum(x**2, mask)), "n": float(mask.sum())}
+    )
+    mean = m["s"] / m["n"]
+    var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
+    return masked_whiten(x, mask, torch.tensor(mean), torch.tensor(var))
+
+
+def token_policy_loss(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token policy loss and clip indicator of cfg.policy_loss (formulas in the functions above)."""
+    low, high = cfg.cliprange_low, cfg.cliprange_high
+    if cfg.policy_loss == "gspo":
+        return gspo_policy_loss(logp, old_logp, advantages, mask, low, high)
+    if cfg.policy_loss == "cispo":
+        return cispo_policy_loss(logp, old_logp, advantages, high)
+    return ppo_policy_loss(logp, old_logp, advantages, low, high, cfg.dual_clip_c)
+
+
+# Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
 TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
+# Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
+TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff")
 
 
 def micro_batch_loss(
@@ -400,50 +579,54 @@ def micro_batch_loss(
     device: Any,
     autocast: Callable[[], Any],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The summed (not yet normalised) loss of one micro-batch and its summed statistics:
+    """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics:
 
-    loss = sum_t pg_t  +  kl_loss_coef * sum_t KL_t  +  vf_coef * sum_t vf_t        over real tokens t
-    """
+    loss = sum_t w_t * (tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
+
+    w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
     from open_instruct.data import collate_episodes
     from open_instruct.models import response_logits, token_logprobs, token_values
 
-    batch = collate_episodes(
-        [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows], pad_id
-    )
-    batch = {k: v.to(device) for k, v in batch.items()}
+    prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
+    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id).items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
         return x[rows, :r].to(device)
 
-    stats = dict.fromkeys(TRAIN_STATS, 0.0)
+    kept = mask * adv.keep[rows].to(device).unsqueeze(1)
+    w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
     with autocast():
         logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
         logp = token_logprobs(logits, batch["responses"])
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
-        pg, pg_clipped = clipped_policy_loss(logp, old_logp, take(adv.advantages), cfg.cliprange)
-        loss_sum = masked_sum(pg, mask)
+        pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
+        if cfg.truncated_importance_sampling:
+            pg = pg * truncated_is_weights(old_logp, take(rollout.sampler_logp), cfg.tis_cap)
+        loss_sum = masked_sum(pg, w)
         if adv.kl_loss_coef > 0:
             kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator)
-            loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, mask)
+            loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, w)
         if models.value is not None:
             values = token_values(models.value, batch, cfg.num_samples_per_prompt)
             vf, vf_clipped = clipped_value_loss(
                 values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
             )
-            loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, mask)
+            loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w)
+    stats = dict.fromkeys(TRAIN_STATS + TOKEN_SUMS, 0.0)
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
-            stats["kl_loss"] = float(masked_sum(kl.detach(), mask))
+            stats["kl_loss"], stats["kl_sum"] = float(masked_sum(kl, w)), float(masked_sum(kl, mask))
         if models.value is not None:
-            stats["value_loss"], stats["vf_clipfrac"] = (
-                float(masked_sum(vf.detach(), mask)),
-                float(masked_sum(vf_clipped, mask)),
-            )
-        stats["policy_loss"] = float(masked_sum(pg.detach(), mask))
-        stats["pg_clipfrac"] = float(masked_sum(pg_clipped, mask))
-        stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), mask))
-        stats["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
+            stats["value_loss"], stats["vf_clipfrac"] = float(masked_sum(vf, w)), float(masked_sum(vf_clipped, w))
+        stats["policy_loss"] = float(masked_sum(pg.detach(), w))
+        stats["pg_clipfrac"] = float(masked_sum(pg_clipped, w))
+        stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), w))
+        stats["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), w))
+        # How far the sampling engine's log-probs are from the trainer's (what truncated IS corrects).
+        log_ratio = (old_logp - take(rollout.sampler_logp)) * mask
+        stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
+        stats["sampler_ratio_max"] = float(torch.exp(log_ratio.max())) if mask.any() else 0.0
     return loss_sum, stats
 
 
@@ -459,22 +642,31 @@ def update(
     pad_id: int,
 ) -> dict[str, float]:
     """num_epochs passes over the rollout, each num_mini_batches optimizer steps on a shuffled order of whole groups
-    (GRPO: required; PPO: when they fit, so micro-batches can share prompt forwards). Returns the statistics summed
-    over the updates (each a token mean over its global mini-batch) and `local_kl_sum`, this rank's summed KL term."""
+    (group estimators: required; gae: when they fit, so micro-batches can share prompt forwards). Each step's loss is
+    sum(w * loss) / U over its global mini-batch (aggregation_weights). Returns the TRAIN_STATS summed over the
+    steps, this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
     from open_instruct.data import micro_batches
     from open_instruct.distributed import clip_grad_norm_, global_sum, global_sums, grad_sync_all
 
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
-    totals = dict.fromkeys((*TRAIN_STATS, "grad_norm", "value_grad_norm", "skipped", "local_kl_sum"), 0.0)
+    _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
+    names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", "sampler_ratio_max")
+    totals = dict.fromkeys(names, 0.0)
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
         random.Random(derived_seed(cfg.seed, step, accelerator.process_index, epoch)).shuffle(units)
         order = [u * unit + j for u in units for j in range(unit)]
         for mb in range(plan.num_mini_batches):
             mb_rows = order[mb * plan.local_mini_batch_size : (mb + 1) * plan.local_mini_batch_size]
-            global_tokens = global_sum(accelerator, float(rollout.mask[mb_rows].sum()))
+            global_units = global_sum(accelerator, float(row_units[mb_rows].sum()))
+            if global_units == 0:  # every group of this mini-batch was filtered out on every rank: nothing to learn
+                for name in schedulers:
+                    schedulers[name].step()
+                counters.optimizer_step += 1
+                totals["empty"] += 1
+                continue
             sums = dict.fromkeys(TRAIN_STATS, 0.0)
             micro_rows = list(micro_batches(mb_rows, cfg.per_device_train_batch_size))
             for i, rows in enumerate(micro_rows):
@@ -482,22 +674,22 @@ def update(
                     loss_sum, stats = micro_batch_loss(
                         cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast
                     )
-                    # Token mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
-                    accelerator.backward(loss_sum * world / global_tokens)
-                for k, v in stats.items():
-                    sums[k] += v
-            totals["local_kl_sum"] += sums["kl_loss"]
+                    # sum(w * loss) / U over the global mini-batch; DDP/FSDP average gradients, hence x world.
+                    accelerator.backward(loss_sum * world / global_units)
+                for k in TRAIN_STATS:
+                    sums[k] += stats[k]
+                for k in TOKEN_SUMS if epoch == 0 else ():
+                    totals[k] += stats[k]
+                totals["sampler_ratio_max"] = max(totals["sampler_ratio_max"], stats["sampler_ratio_max"])
             sums = global_sums(accelerator, sums)
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
-            value_grad_norm = (
-                clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm)
-                if models.value is not None
-                else torch.tensor(0.0)
+            value_grad_norm = torch.tensor(0.0)
+            if models.value is not None:
+                value_grad_norm = clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm)
+            loss_terms = sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]
+            step_ok = run.update_is_finite(
+                loss_terms / global_units, grad_norm=grad_norm, value_grad_norm=value_grad_norm
             )
-            loss = (
-                sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]
-            ) / global_tokens
-            step_ok = run.update_is_finite(loss, grad_norm=grad_norm, value_grad_norm=value_grad_norm)  # else stop/skip
             for name in optimizers:
                 if step_ok:
                     optimizers[name].step()
@@ -505,7 +697,7 @@ def update(
                 optimizers[name].zero_grad(set_to_none=True)
             counters.optimizer_step += 1
             for k in TRAIN_STATS:
-                totals[k] += sums[k] / global_tokens
+                totals[k] += sums[k] / global_units
             totals["grad_norm"] += float(grad_norm)
             totals["value_grad_norm"] += float(value_grad_norm)
             totals["skipped"] += int(not step_ok)
@@ -513,14 +705,14 @@ def update(
 
 
 def log_row(
-    cfg: RLVRConfig, rollout: Rollout, train: dict[str, float], plan: Any, run: runtime.RunContext
+    cfg: RLVRConfig, rollout: Rollout, adv: Advantages, train: dict[str, float], plan: Any, run: runtime.RunContext
 ) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
-    rollout's num_epochs x num_mini_batches optimizer steps."""
-    from open_instruct.distributed import global_sums
+    rollout's num_epochs x num_mini_batches optimizer steps (those that had data)."""
+    from open_instruct.distributed import global_max, global_sums
 
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
-    kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["local_kl_sum"]
+    kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["kl_sum"]
     ep = global_sums(
         run.accelerator,
         {
@@ -533,9 +725,12 @@ def log_row(
             "kl": kl_sum,
             "timeouts": float(rollout.verifier_timeouts),
             "rm": float(rollout.rm_scores.sum()),
+            "dropped": float((~adv.keep).sum()),
+            "tokens": train["tokens"],
+            "sampler_abs_diff": train["sampler_abs_diff"],
         },
     )
-    n, updates = ep["n"], cfg.num_epochs * plan.num_mini_batches
+    n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
     score_mean = ep["score"] / n
     row = {
         "train/correct_rate": ep["correct"] / n,
@@ -551,14 +746,20 @@ def log_row(
         "train/grad_norm": train["grad_norm"] / updates,
         "train/skipped_updates": train["skipped"],
         "lr": run.schedulers["policy"].get_last_lr()[0],
+        # the sampling engine vs the trainer: mean |old_logp - sampler_logp| per token and max exp(old - sampler)
+        "train/sampler_logp_abs_diff": ep["sampler_abs_diff"] / max(ep["tokens"], 1.0),
+        "train/sampler_ratio_max": global_max(run.accelerator, train["sampler_ratio_max"]),
     }
+    if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
+        row["train/filtered_groups_fraction"] = ep["dropped"] / n
+        row["train/empty_updates"] = train["empty"]
     if rollout.ref_logp is not None:  # per sequence: the sum over its tokens of kl_estimator(sampling policy, ref)
         row["train/kl"] = ep["kl"] / n
     if "value" in run.models:
         row["loss/value"] = train["value_loss"] / updates
         row["clipfrac/value"] = train["vf_clipfrac"] / updates
         row["train/value_grad_norm"] = train["value_grad_norm"] / updates
-    if cfg.algo == "grpo":
+    if not cfg.kl_in_reward:
         row["loss/kl"] = train["kl_loss"] / updates
     if cfg.reward_model_path:
         row["train/rm_score_mean"] = ep["rm"] / n
@@ -723,10 +924,9 @@ def load_models(
         return TokenValueModel(classifier)
 
     models = RLModels(policy=causal_lm(), reference=causal_lm() if cfg.beta > 0 else None)
-    if cfg.algo != "grpo":
-        torch.manual_seed(
-            cfg.seed
-        )  # a fresh scalar head (value model from the policy) is initialised the same way every run
+    if cfg.uses_value_model:
+        # A fresh scalar head (value model from the policy) is initialised the same way every run.
+        torch.manual_seed(cfg.seed)
         models.value = scalar_model(
             cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file
         )
@@ -787,8 +987,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     counters = run.counters
     stream = data.EpisodeStream(len(train), cfg.seed)
-    # GRPO with one pass in one mini-batch trains on exactly the weights that sampled: no separate old-log-prob pass.
-    on_policy = cfg.algo == "grpo" and cfg.num_epochs == 1 and plan.num_mini_batches == 1
+    # One pass in one mini-batch trains on exactly the weights that sampled: the training forward gives the old
+    # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
+    on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)
 
     def evaluate_policy() -> dict[str, float]:
         return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, gather_for_generation)
@@ -830,7 +1031,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if should_log(counters.rollout_step, cfg.logging_steps):
             run.log(
                 {
-                    **log_row(cfg, rollout, train_stats, plan, run),
+                    **log_row(cfg, rollout, advantages, train_stats, plan, run),
                     **clock.report(accelerator, plan.episodes_per_rollout),
                 }
             )

@@ -266,6 +266,8 @@ class VLLMGenerator:
             enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,  # CPU: compiling costs minutes
             enable_sleep_mode=self.sleep_enabled,
             generation_config="vllm",  # ignore the model's generation_config defaults (top_k, penalties)
+            # Returned log-probs of the distribution actually sampled (after temperature and top-p), like HFGenerator's.
+            logprobs_mode="processed_logprobs",
         )
         if self.on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = 1 << 30  # else vLLM takes gpu_memory_utilization of the host's RAM
@@ -362,6 +364,7 @@ class VLLMGenerator:
             skip_special_tokens=False,  # stop strings are matched on the same text finalize_response decodes
             spaces_between_special_tokens=False,
             seed=seed,
+            logprobs=0,  # the sampled token's log-prob (processed: after temperature/top-p, see logprobs_mode)
         )
 
     @torch.no_grad()
@@ -410,6 +413,7 @@ class VLLMGenerator:
                 out.response_ids.append(ids)
                 out.texts.append(text)
                 out.stopped.append(stopped)
+                out.logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)])
                 out.prompt_index.append(i)
         return out
 

@@ -1,0 +1,327 @@
+"""The GRPO/PPO variants of open_instruct/rlvr_ppo.py: every estimator, policy loss, aggregation, filter and
+correction against numbers worked by hand; the aggregations' independence of ranks and micro-batches on the real
+micro-batch loss; the sampler's own log-probs; the reward-model read position when pad == eos; and a smoke run of
+the script for every estimator and every loss."""
+
+import contextlib
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from open_instruct.rlvr_ppo import (
+    Advantages,
+    RLModels,
+    Rollout,
+    aggregation_weights,
+    cispo_policy_loss,
+    discounted_returns,
+    episode_score,
+    group_advantages,
+    gspo_policy_loss,
+    micro_batch_loss,
+    overlong_penalty,
+    ppo_policy_loss,
+    rloo_advantages,
+    truncated_is_weights,
+    zero_std_groups,
+)
+
+T = torch.tensor
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Advantage estimators
+
+
+def test_group_estimators_by_hand():
+    scores = T([1.0, 0.0, 3.0, 1.0, 2.0, 2.0])  # groups of 2: [1, 0], [3, 1], [2, 2]
+    # grpo: (r - mean) / (std + eps), std with n - 1: [1, 0] -> mean .5, std .7071
+    assert close(group_advantages(scores, 2), [0.70711, -0.70711, 0.70711, -0.70711, 0.0, 0.0])
+    # dr_grpo: r - mean only
+    assert close(group_advantages(scores, 2, scale=False), [0.5, -0.5, 1.0, -1.0, 0.0, 0.0])
+    # rloo with k = 3: [3, 1, 2] -> 3 - (1+2)/2 = 1.5, 1 - 2.5 = -1.5, 2 - 2 = 0
+    assert close(rloo_advantages(T([3.0, 1.0, 2.0]), 3), [1.5, -1.5, 0.0])
+    # k = 2: the other completion is the whole baseline
+    assert close(rloo_advantages(scores, 2), [1.0, -1.0, 2.0, -2.0, 0.0, 0.0])
+    # a flat group has no signal in any estimator, and the filter finds exactly it
+    assert zero_std_groups(scores, 2).tolist() == [False, False, False, False, True, True]
+    with pytest.raises(ValueError):
+        rloo_advantages(T([1.0, 2.0, 3.0]), 2)
+
+
+def test_reinforce_pp_returns_by_hand():
+    rewards = T([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the 9 sits on padding and must not leak
+    # gamma .5: row 0 -> G2 = 1, G1 = .5, G0 = .25; row 1 -> G1 = 2, G0 = 1
+    assert close(discounted_returns(rewards, mask, 0.5), [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
+    assert close(discounted_returns(rewards, mask, 1.0), [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]])
+
+
+def test_overlong_penalty_by_hand():
+    lengths = T([6.0, 7.0, 8.0, 10.0])  # L_max 10, buffer 4: free up to 6, then linear down to -factor at 10
+    assert close(overlong_penalty(lengths, 10, 4, 1.0), [0.0, -0.25, -0.5, -1.0])
+    assert close(overlong_penalty(lengths, 10, 4, 2.0), [0.0, -0.5, -1.0, -2.0])
+
+
+def test_non_stop_penalty_add_or_replace():
+    # a right answer (10) that ran out of tokens: Tulu 3 replaces the score with the penalty, "add" sums them
+    assert episode_score(10.0, False, -10.0, None, 0.0, "add") == 0.0
+    assert episode_score(10.0, False, -10.0, None, 0.0, "replace") == -10.0
+    assert episode_score(10.0, True, -10.0, None, 0.0, "replace") == 10.0  # stopped: untouched
+    assert episode_score(0.0, False, -10.0, 2.0, 0.5, "replace") == -10.0  # the RM term is replaced too
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Policy losses
+
+
+def test_ppo_loss_clip_higher_and_dual_clip_by_hand():
+    lp = lambda ratio: T([math.log(ratio)])  # noqa: E731
+    zero = T([0.0])
+    # A > 0, ratio 1.3: symmetric 0.2 clips at 1.2; clip-higher 0.28 clips at 1.28
+    assert close(ppo_policy_loss(lp(1.3), zero, T([1.0]), 0.2, 0.2)[0], [-1.2])
+    assert close(ppo_policy_loss(lp(1.3), zero, T([1.0]), 0.2, 0.28)[0], [-1.28])
+    # A < 0, ratio 0.7: the lower clip (0.8) is the max
+    loss, clipped = ppo_policy_loss(lp(0.7), zero, T([-1.0]), 0.2, 0.28)
+    assert close(loss, [0.8]) and clipped.item() == 1.0
+    # A < 0, ratio 5: PPO's loss is 5 (unclipped branch); dual clip c = 3 bounds it at -c * A = 3
+    assert close(ppo_policy_loss(lp(5.0), zero, T([-1.0]), 0.2, 0.2)[0], [5.0])
+    loss, clipped = ppo_policy_loss(lp(5.0), zero, T([-1.0]), 0.2, 0.2, dual_clip_c=3.0)
+    assert close(loss, [3.0]) and clipped.item() == 1.0
+    # A > 0 is untouched by the dual clip
+    assert close(ppo_policy_loss(lp(5.0), zero, T([1.0]), 0.2, 0.2, dual_clip_c=3.0)[0], [-1.2])
+
+
+def test_gspo_uses_the_sequence_ratio_by_hand():
+    logp = T([[math.log(1.1), math.log(1.3), 5.0]], requires_grad=True)  # third token is padding
+    old, mask, adv = torch.zeros(1, 3), T([[1.0, 1.0, 0.0]]), T([[1.0, 1.0, 1.0]])
+    loss, clipped = gspo_policy_loss(logp, old, adv, mask, 0.2, 0.2)
+    s = math.sqrt(1.1 * 1.3)  # geometric mean of the real tokens' ratios: 1.19583 (< 1.2: not clipped)
+    assert close(loss[0, :2], [-s, -s]) and clipped[0, :2].tolist() == [0.0, 0.0]
+    (loss * mask).sum().backward()
+    assert close(logp.grad[0, :2], [-s, -s])  # d/dlogp_t of -A * s_it = -A * s_i
+    # with clip_high 0.1 the sequence is clipped at 1.1: value -1.1 and no gradient
+    logp2 = logp.detach().clone().requires_grad_(True)
+    loss2, clipped2 = gspo_policy_loss(logp2, old, adv, mask, 0.2, 0.1)
+    (loss2 * mask).sum().backward()
+    assert close(loss2[0, :2], [-1.1, -1.1]) and clipped2[0, 0].item() == 1.0 and close(logp2.grad, [[0.0, 0.0, 0.0]])
+
+
+def test_cispo_keeps_a_gradient_on_clipped_tokens_by_hand():
+    logp = T([-0.5], requires_grad=True)
+    old = T([-0.5 - math.log(1.5)])  # ratio 1.5
+    loss, clipped = cispo_policy_loss(logp, old, T([2.0]), 0.2)
+    assert close(loss, [1.2]) and clipped.item() == 1.0  # -min(1.5, 1.2) * 2 * (-0.5)
+    loss.sum().backward()
+    assert close(logp.grad, [-2.4])  # -w * A: clipped, yet not zero (PPO's clip would give 0)
+
+
+def test_truncated_is_weights_by_hand():
+    w = truncated_is_weights(T([math.log(3.0), math.log(0.5), 0.0]), torch.zeros(3), 2.0)
+    assert close(w, [2.0, 0.5, 1.0]) and not w.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loss aggregation
+
+
+def test_aggregations_by_hand():
+    mask = T([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # the last row is empty
+    losses = T([[1.0, 2.0, 3.0, 100.0], [4.0, 100.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
+    expected = {
+        "token_mean": (1 + 2 + 3 + 4) / 4,
+        "seq_mean_token_mean": ((1 + 2 + 3) / 3 + 4) / 2,
+        "seq_mean_token_sum_norm": ((1 + 2 + 3) / 4 + 4 / 4) / 2,  # C = 4
+    }
+    for aggregation, value in expected.items():
+        w, units = aggregation_weights(mask, aggregation, 4)
+        assert close((w * losses).sum() / units.sum(), value), aggregation
+        assert units[2].item() == 0.0
+    with pytest.raises(ValueError):
+        aggregation_weights(mask, "sum", 4)
+
+
+def _fake_rollout(tokenizer, n_prompts: int, group: int, seed: int) -> Rollout:
+    rng = random.Random(seed)
+    episodes, responses = [], []
+    for p in range(n_prompts):
+        prompt = tokenizer.encode(f"what is {p}+{rng.randint(0, 9)}?")
+        for _ in range(group):
+            episodes.append({"prompt_ids": prompt})
+            responses.append(tokenizer.encode("x" * rng.randint(1, 7)))  # very different lengths
+    n, width = len(responses), max(map(len, responses))
+    mask = torch.zeros(n, width)
+    for i, r in enumerate(responses):
+        mask[i, : len(r)] = 1
+    g = torch.Generator().manual_seed(seed)
+    noise = lambda: torch.randn(n, width, generator=g) * mask  # noqa: E731
+    return Rollout(
+        episodes=episodes, response_ids=responses, texts=[""] * n, stopped=[True] * n, correct=[0.0] * n,
+        verifier_timeouts=0, scores=torch.zeros(n), rm_scores=torch.zeros(n), mask=mask,
+        old_logp=noise() * 0.1 - 2.0, sampler_logp=noise() * 0.1 - 2.0, ref_logp=noise() * 0.1 - 2.0,
+        old_values=None, kl=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_aggregation_is_independent_of_ranks_and_micro_batches(tiny_models, aggregation):
+    """The real micro-batch loss: one process on all 8 rows in one micro-batch, versus 2 'ranks' of 4 rows in
+    micro-batches of 2, each backpropagating sum(w * l) * world / U, gradients averaged as DDP does. With a flat
+    group filtered out, GSPO, clip-higher, TIS and the KL term all on."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.models import load_causal_lm, load_tokenizer
+
+    cfg = parse_config(RLVRConfig, [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path",
+                                    tiny_models["causal_lm"], "--algo", "grpo", "--num_samples_per_prompt", "2",
+                                    "--loss_aggregation", aggregation, "--loss_norm_length", "5",
+                                    "--policy_loss", "gspo", "--cliprange_high", "0.28",
+                                    "--truncated_importance_sampling", "true"])  # fmt: skip
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    model = load_causal_lm(tiny_models["causal_lm"])
+    rollout = _fake_rollout(tokenizer, 4, 2, seed=3)
+    advantages = torch.randn(8, generator=torch.Generator().manual_seed(1)).unsqueeze(1) * rollout.mask
+    keep = torch.tensor([True, True, False, False, True, True, True, True])  # group 1 dropped
+    adv = Advantages(advantages, None, 0.05, keep)
+    models = RLModels(policy=model)
+    _, units = aggregation_weights(rollout.mask * keep.unsqueeze(1), aggregation, 5)
+    total_units = float(units.sum())
+
+    def gradients(parts: list[list[list[int]]]) -> list[torch.Tensor]:
+        """parts[rank] = that rank's micro-batches; DDP averages the ranks' gradients."""
+        per_rank = []
+        for micro_batches in parts:
+            model.zero_grad(set_to_none=True)
+            for rows in micro_batches:
+                loss_sum, _ = micro_batch_loss(
+                    cfg, models, rollout, adv, rows, tokenizer.pad_token_id, "cpu", contextlib.nullcontext
+                )
+                (loss_sum * len(parts) / total_units).backward()
+            per_rank.append([p.grad.clone() for p in model.parameters()])
+        return [sum(g) / len(parts) for g in zip(*per_rank)]
+
+    one = gradients([[list(range(8))]])
+    two = gradients([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    assert max((a - b).abs().max().item() for a, b in zip(one, two)) < 1e-6
+    assert max(a.abs().max().item() for a in one) > 1e-4  # there is a gradient to compare
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generator's own log-probs, and where the reward model is read
+
+
+def test_hf_generator_returns_the_sampled_tokens_log_probs(tiny_models):
+    """logprobs[i][t] = log softmax(logits / temperature)[token] under top-p truncation: with top_p 1 it equals the
+    trainer's re-scored log-probs of the same tokens (same weights, fp32) up to kernel noise."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.generation import GenerationConfig, HFGenerator
+    from open_instruct.models import load_causal_lm, load_tokenizer, response_logits, token_logprobs
+
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    model = load_causal_lm(tiny_models["causal_lm"]).eval()
+    prompts = [tokenizer.encode("hello"), tokenizer.encode("what is 2+2?")]
+    out = HFGenerator(model, tokenizer, batch_size=8).generate(
+        prompts, GenerationConfig(max_new_tokens=6, temperature=0.7, n=3, seed=5)
+    )
+    assert [len(lp) for lp in out.logprobs] == [len(r) for r in out.response_ids]
+    batch = collate_episodes([prompts[i] for i in out.prompt_index], out.response_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        rescored = token_logprobs(response_logits(model, batch, 0.7), batch["responses"])
+    for i, lp in enumerate(out.logprobs):
+        assert close(rescored[i, : len(lp)], lp, tol=1e-4)
+    # top-p truncation renormalises the sampler's distribution: its log-probs are >= the untruncated ones
+    nucleus = HFGenerator(model, tokenizer, batch_size=8).generate(
+        prompts, GenerationConfig(max_new_tokens=6, temperature=0.7, top_p=0.5, n=3, seed=5)
+    )
+    batch = collate_episodes([prompts[i] for i in nucleus.prompt_index], nucleus.response_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        full = token_logprobs(response_logits(model, batch, 0.7), batch["responses"])
+    gaps = [lp[t] - full[i, t].item() for i, lp in enumerate(nucleus.logprobs) for t in range(len(lp))]
+    assert min(gaps) > -1e-4 and max(gaps) > 1e-3
+
+
+def test_reward_model_is_read_where_training_read_it_when_pad_is_eos(tiny_models):
+    """With pad == eos, HF's sequence classifier pools at the last non-pad token, so a response ending in EOS is
+    scored at the token before the EOS; sequence_scores must read the same place (not the EOS)."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import TokenValueModel, load_sequence_classifier, load_tokenizer, sequence_scores
+
+    tokenizer = load_tokenizer(tiny_models["seq_cls"])
+    eos = tokenizer.eos_token_id
+    classifier = load_sequence_classifier(tiny_models["seq_cls"]).eval()
+    classifier.config.pad_token_id = eos  # a tokenizer without a pad token: load_tokenizer sets pad = eos
+    prompts = [tokenizer.encode("what is 1+1?"), tokenizer.encode("hi")]
+    responses = [tokenizer.encode("2") + [eos], tokenizer.encode("hello there") + [eos]]
+    batch = collate_episodes(prompts, responses, eos)
+    with torch.no_grad():
+        ours = sequence_scores(TokenValueModel(classifier), batch)
+        hf = [classifier(input_ids=torch.tensor([p + r])).logits[0, 0].item() for p, r in zip(prompts, responses)]
+        at_eos = [
+            classifier(input_ids=torch.tensor([p + r[:-1]])).logits[0, 0].item() for p, r in zip(prompts, responses)
+        ]
+    assert close(ours, hf, tol=1e-5) and close(ours, at_eos, tol=1e-5)  # HF skipped the EOS, so do we
+    classifier.config.pad_token_id = eos + 1 if eos + 1 < classifier.config.vocab_size else eos - 1
+    with torch.no_grad():  # a distinct pad: the EOS is a real token and is read
+        hf = [classifier(input_ids=torch.tensor([p + r])).logits[0, 0].item() for p, r in zip(prompts, responses)]
+        assert close(sequence_scores(TokenValueModel(classifier), batch), hf, tol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The script runs with every estimator and every loss
+
+
+@pytest.fixture(scope="module")
+def rl_files(tmp_path_factory):
+    from demo import synthetic
+
+    root = tmp_path_factory.mktemp("variants")
+    return {
+        "train": synthetic.write_jsonl(str(root / "train.jsonl"), synthetic.rl_rows(64, 0)),
+        "eval": synthetic.write_jsonl(str(root / "eval.jsonl"), synthetic.rl_rows(8, 1)),
+    }
+
+
+VARIANTS = {
+    "gae": ["--advantage_estimator", "gae"],
+    "grpo": ["--advantage_estimator", "grpo", "--filter_zero_std_groups", "true"],
+    "dr_grpo": ["--advantage_estimator", "dr_grpo", "--loss_aggregation", "seq_mean_token_sum_norm"],
+    "rloo": ["--advantage_estimator", "rloo", "--loss_aggregation", "seq_mean_token_mean"],
+    "reinforce_pp": ["--advantage_estimator", "reinforce_pp", "--overlong_buffer_length", "4"],
+    "gspo": ["--algo", "grpo", "--policy_loss", "gspo", "--cliprange_low", "3e-4", "--cliprange_high", "4e-4"],
+    "cispo": ["--algo", "grpo", "--policy_loss", "cispo", "--cliprange_high", "0.28",
+              "--truncated_importance_sampling", "true"],
+    "ppo_dual_clip": ["--cliprange_high", "0.28", "--dual_clip_c", "3"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_script_runs_every_estimator_and_loss(variant, tiny_models, rl_files, tmp_path):
+    from open_instruct import rlvr_ppo, runtime
+
+    out = tmp_path / "out"
+    runtime.run(rlvr_ppo.main, [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+        "--dataset_name_or_path", rl_files["train"], "--eval_dataset_name_or_path", rl_files["eval"],
+        "--output_dir", str(out), "--total_episodes", "32", "--local_rollout_batch_size", "4",
+        "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+        "--response_length", "8", "--eval_steps", "2", "--checkpointing_steps", "100", "--save_final_model", "false",
+        *VARIANTS[variant],
+    ])  # fmt: skip
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in rows if "loss/policy" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    for r in train:
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+        assert r["train/sampler_logp_abs_diff"] < 1e-3  # HF samples and trains with the same fp32 weights
+    assert ("loss/value" in train[0]) == (variant in ("gae", "ppo_dual_clip"))
+    assert ("loss/kl" in train[0]) == (variant not in ("gae", "ppo_dual_clip", "reinforce_pp"))
+    if variant == "grpo":
+        assert 0.0 <= train[0]["train/filtered_groups_fraction"] <= 1.0
