@@ -53,6 +53,21 @@ def sft_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     return rows
 
 
+def noisy_sft_rows(n: int, seed: int, off_by_one: float) -> list[dict[str, Any]]:
+    """SFT rows of which a fraction `off_by_one` answers one too many ("3+4=8"): a model SFT'd on them copies the
+    operands but puts only part of its mass on the right result, which RL can then fix (tests, RL comparisons)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = make_problem(rng)
+        work = p["work"]
+        if rng.random() < off_by_one:
+            work = f"{work.split('=')[0]}={p['answer'] + 1}"
+        messages = [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": work}]
+        rows.append({"id": f"noisy-{i}", "messages": messages})
+    return rows
+
+
 def preference_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     """chosen = correct working, rejected = the same working with a wrong result."""
     rng = random.Random(seed)

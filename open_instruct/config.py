@@ -264,6 +264,10 @@ class RLVRConfig(BaseConfig):
     loss_norm_length: Optional[int] = field(
         default=None, metadata={"help": "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length."}
     )
+    score_placement: Literal["last_token", "after_last_token"] = field(
+        default="last_token",
+        metadata={"help": "gae: the score at the last response token, or one after it with a value there (Tulu 3)."},
+    )
     filter_zero_std_groups: bool = field(
         default=False, metadata={"help": "Drop groups whose completions all scored the same from the update."}
     )
@@ -357,6 +361,11 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(
                 f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "
                 f"of a group of {self.num_samples_per_prompt} are all zero)"
+            )
+        if self.score_placement == "after_last_token" and self.advantage_estimator != "gae":
+            raise ConfigError(
+                f"score_placement after_last_token needs advantage_estimator gae (a value there carries the score "
+                f"back), not {self.advantage_estimator}"
             )
         if self.filter_zero_std_groups and not self.uses_groups:
             raise ConfigError(

@@ -406,13 +406,14 @@ def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict
 
 
 def collate_episodes(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, extra_columns: int = 0
 ) -> dict[str, torch.Tensor]:
     """Left-padded prompts followed by right-padded responses, so every response starts at the same column and the
     logits of all response tokens are the last R+1 positions. Positions count real tokens only (as in generation).
+    `extra_columns` pad columns after the longest response give a value for the state after its last token.
 
     Returns input_ids/attention_mask/position_ids [B, P+R], responses [B, R] (pad 0) and mask [B, R]."""
-    width_p, width_r = max(len(p) for p in prompts), max(len(r) for r in responses)
+    width_p, width_r = max(len(p) for p in prompts), max(len(r) for r in responses) + extra_columns
     n = len(prompts)
     input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)

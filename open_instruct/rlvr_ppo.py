@@ -108,15 +108,33 @@ def last_token_indices(mask: torch.Tensor) -> torch.Tensor:
     return (mask.sum(1).long() - 1).clamp(min=0)
 
 
-def per_token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
-    """PPO rewards: reward_t = -beta * KL_t on every response token, and the sequence score added at the last one:
+def per_token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float, score_index: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """PPO rewards: reward_t = -beta * KL_t on every response token, and the sequence score added at one position,
+    by default the last real token:
 
-    reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == last(b)]
+    reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == score_index(b)]
     """
     rewards = -beta * kl * mask
     rows = torch.arange(len(scores), device=scores.device)
-    rewards[rows, last_token_indices(mask)] += scores.to(rewards.dtype)
+    index = last_token_indices(mask) if score_index is None else score_index
+    rewards[rows, index] += scores.to(rewards.dtype)
     return rewards
+
+
+def after_last_token(mask: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tulu 3's score placement: one position after the last real token (the last one itself when the response ran
+    to max_length), with a value kept there so GAE carries the score back. Returns (score index, value mask =
+    mask plus that position). `mask` needs a spare column after the longest response.
+
+    L_b = sum_t mask[b, t];   index_b = L_b if L_b < max_length else L_b - 1
+    """
+    lengths = mask.sum(1).long()
+    index = torch.where(lengths < max_length, lengths, lengths - 1).clamp(min=0)
+    value_mask = mask.clone()
+    value_mask[torch.arange(len(mask)), index] = 1.0
+    return index, value_mask
 
 
 def gae_advantages(
@@ -381,6 +399,8 @@ class Rollout:
     scores: torch.Tensor  # [n] the sequence score: verifiers (+ reward model) (+ non-stop penalty)
     rm_scores: torch.Tensor  # [n] reward-model scores (0 without one)
     mask: torch.Tensor  # [n, R] 1 on real response tokens
+    value_mask: torch.Tensor  # [n, R] where values are kept: mask, plus the score position after_last_token
+    score_index: Optional[torch.Tensor]  # [n] where the score goes (after_last_token); None: the last real token
     old_logp: Optional[torch.Tensor]  # the trainer's log-probs before the update; None on-policy (the update's forward)
     sampler_logp: torch.Tensor  # [n, R] the generator's log-probs of what it sampled (vLLM/HF sampling kernels)
     ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
@@ -434,7 +454,8 @@ def collect_rollout(
     scored = score_texts(cfg, out.texts, episodes)
     t2 = time.perf_counter()
 
-    n, width = len(episodes), max(len(r) for r in out.response_ids)
+    extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
+    n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
     for i, logprobs in enumerate(out.logprobs):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
@@ -442,7 +463,7 @@ def collect_rollout(
     with torch.no_grad():
         for s in range(0, n, cfg.per_device_train_batch_size):
             rows = slice(s, s + cfg.per_device_train_batch_size)
-            batch = collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id)
+            batch = collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id, extra)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             r = batch["responses"].shape[1]
             with accelerator.autocast():
@@ -457,7 +478,8 @@ def collect_rollout(
                 if models.reward is not None:
                     rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
             mask[rows, :r] = batch["mask"].cpu()
-    old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * mask
+    score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
+    old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     rm_multiplier, mode = cfg.reward_model_multiplier, cfg.non_stop_penalty_mode
     scores = torch.tensor(
         [
@@ -482,6 +504,8 @@ def collect_rollout(
         scores=scores,
         rm_scores=rm_scores,
         mask=mask,
+        value_mask=value_mask,
+        score_index=score_index,
         old_logp=None if on_policy else old_logp,
         sampler_logp=sampler_logp * mask,
         ref_logp=ref_logp if has_ref else None,
@@ -529,11 +553,13 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
         kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
         return Advantages(advantages.unsqueeze(1) * mask, None, kl_loss_coef, keep)
     kl = rollout.kl if rollout.kl is not None else torch.zeros_like(mask)
-    rewards_t = per_token_rewards(scores, kl, mask, cfg.beta)
+    rewards_t = per_token_rewards(scores, kl, mask, cfg.beta, rollout.score_index)
     if cfg.advantage_estimator == "reinforce_pp":
         returns = discounted_returns(rewards_t, mask, cfg.gamma)
         return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
-    advantages, returns = gae_advantages(rewards_t, rollout.old_values, mask, cfg.gamma, cfg.lam)
+    # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
+    advantages, returns = gae_advantages(rewards_t, rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam)
+    advantages = advantages * mask
     if cfg.whiten_advantages:
         advantages = whiten_over_ranks(advantages, mask, accelerator)
     return Advantages(advantages, returns, 0.0, keep)
@@ -588,7 +614,8 @@ def micro_batch_loss(
     from open_instruct.models import response_logits, token_logprobs, token_values
 
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
-    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id).items()}
+    extra = 1 if cfg.score_placement == "after_last_token" else 0
+    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra).items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -612,13 +639,17 @@ def micro_batch_loss(
             vf, vf_clipped = clipped_value_loss(
                 values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
             )
-            loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w)
+            # over the value mask (after_last_token: one position more per row), normalised like the other terms
+            value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
+            w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
+            loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
     stats = dict.fromkeys(TRAIN_STATS + TOKEN_SUMS, 0.0)
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
             stats["kl_loss"], stats["kl_sum"] = float(masked_sum(kl, w)), float(masked_sum(kl, mask))
         if models.value is not None:
-            stats["value_loss"], stats["vf_clipfrac"] = float(masked_sum(vf, w)), float(masked_sum(vf_clipped, w))
+            stats["value_loss"] = float(masked_sum(vf, w_value))
+            stats["vf_clipfrac"] = float(masked_sum(vf_clipped, w_value))
         stats["policy_loss"] = float(masked_sum(pg.detach(), w))
         stats["pg_clipfrac"] = float(masked_sum(pg_clipped, w))
         stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), w))

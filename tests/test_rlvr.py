@@ -32,23 +32,6 @@ ENV = {
 }
 
 
-def noisy_sft_rows(n: int, seed: int, off_by_one: float) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        p = synthetic.make_problem(rng)
-        work = p["work"]
-        if rng.random() < off_by_one:
-            work = f"{work.split('=')[0]}={p['answer'] + 1}"
-        rows.append(
-            {
-                "id": f"noisy-{i}",
-                "messages": [{"role": "user", "content": p["question"]}, {"role": "assistant", "content": work}],
-            }
-        )
-    return rows
-
-
 def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
@@ -65,7 +48,9 @@ def task(tmp_path_factory, tiny_models):
     """RL prompt files and the SFT'd starting policy."""
     root = str(tmp_path_factory.mktemp("rlvr"))
     files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
-    sft_data = synthetic.write_jsonl(os.path.join(root, "data", "sft_noisy.jsonl"), noisy_sft_rows(2000, 0, 0.6))
+    sft_data = synthetic.write_jsonl(
+        os.path.join(root, "data", "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6)
+    )
     sft_dir = os.path.join(root, "sft")
     run(
         [

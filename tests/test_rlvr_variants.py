@@ -16,14 +16,17 @@ from open_instruct.rlvr_ppo import (
     Advantages,
     RLModels,
     Rollout,
+    after_last_token,
     aggregation_weights,
     cispo_policy_loss,
     discounted_returns,
     episode_score,
+    gae_advantages,
     group_advantages,
     gspo_policy_loss,
     micro_batch_loss,
     overlong_penalty,
+    per_token_rewards,
     ppo_policy_loss,
     rloo_advantages,
     truncated_is_weights,
@@ -70,6 +73,22 @@ def test_overlong_penalty_by_hand():
     lengths = T([6.0, 7.0, 8.0, 10.0])  # L_max 10, buffer 4: free up to 6, then linear down to -factor at 10
     assert close(overlong_penalty(lengths, 10, 4, 1.0), [0.0, -0.25, -0.5, -1.0])
     assert close(overlong_penalty(lengths, 10, 4, 2.0), [0.0, -0.5, -1.0, -2.0])
+
+
+def test_tulu3_score_placement_by_hand():
+    mask = T([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # lengths 2 and 4 (the second ran to max_length 4)
+    index, value_mask = after_last_token(mask, 4)
+    assert index.tolist() == [2, 3] and value_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    # One row, score 10, values 0, no KL, gamma 1, lam .95: the last real token's advantage is the score with the
+    # textbook placement, lam * score with Tulu 3's (the value after the last token, 0 here, is bootstrapped):
+    # the difference (1 - lam) * (V_after - score) is at most (1 - lam) * score = 0.5.
+    row = T([[1.0, 1.0, 0.0]])
+    scores, zeros = T([10.0]), torch.zeros(1, 3)
+    ours, _ = gae_advantages(per_token_rewards(scores, zeros, row, 0.0), zeros, row, 1.0, 0.95)
+    index, value_mask = after_last_token(row, 8)
+    tulu, returns = gae_advantages(per_token_rewards(scores, zeros, row, 0.0, index), zeros, value_mask, 1.0, 0.95)
+    assert close(ours[0, :2], [9.5, 10.0]) and close(tulu[0, :2], [9.025, 9.5])
+    assert close(returns[0, 2], 10.0)  # the value there is trained towards the score
 
 
 def test_non_stop_penalty_add_or_replace():
@@ -167,6 +186,7 @@ def _fake_rollout(tokenizer, n_prompts: int, group: int, seed: int) -> Rollout:
     return Rollout(
         episodes=episodes, response_ids=responses, texts=[""] * n, stopped=[True] * n, correct=[0.0] * n,
         verifier_timeouts=0, scores=torch.zeros(n), rm_scores=torch.zeros(n), mask=mask,
+        value_mask=mask, score_index=None,
         old_logp=noise() * 0.1 - 2.0, sampler_logp=noise() * 0.1 - 2.0, ref_logp=noise() * 0.1 - 2.0,
         old_values=None, kl=None,
     )  # fmt: skip
@@ -299,6 +319,7 @@ VARIANTS = {
     "cispo": ["--algo", "grpo", "--policy_loss", "cispo", "--cliprange_high", "0.28",
               "--truncated_importance_sampling", "true"],
     "ppo_dual_clip": ["--cliprange_high", "0.28", "--dual_clip_c", "3"],
+    "ppo_tulu3": ["--score_placement", "after_last_token", "--non_stop_penalty_mode", "replace"],
 }  # fmt: skip
 
 
@@ -321,7 +342,7 @@ def test_script_runs_every_estimator_and_loss(variant, tiny_models, rl_files, tm
     for r in train:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
         assert r["train/sampler_logp_abs_diff"] < 1e-3  # HF samples and trains with the same fp32 weights
-    assert ("loss/value" in train[0]) == (variant in ("gae", "ppo_dual_clip"))
-    assert ("loss/kl" in train[0]) == (variant not in ("gae", "ppo_dual_clip", "reinforce_pp"))
+    assert ("loss/value" in train[0]) == (variant in ("gae", "ppo_dual_clip", "ppo_tulu3"))
+    assert ("loss/kl" in train[0]) == (variant not in ("gae", "ppo_dual_clip", "ppo_tulu3", "reinforce_pp"))
     if variant == "grpo":
         assert 0.0 <= train[0]["train/filtered_groups_fraction"] <= 1.0
