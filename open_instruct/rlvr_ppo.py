@@ -1,4 +1,4 @@
-"""RL with verifiable rewards: PPO with a value model (default) or GRPO (`--algo grpo`). Read top to bottom.
+"""RL with verifiable rewards: PPO with a value model (default), GRPO (`--algo grpo`) and their 2025 variants.
 
     python open_instruct/rlvr_ppo.py configs/rlvr_tiny.yaml [--algo grpo] [--key value ...]
     accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
@@ -6,27 +6,30 @@
 The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
 `main`, which loads everything and runs the phases in a loop:
 
-    collect_rollout     prompts -> generate `num_samples_per_prompt` completions each -> score them (verifiers, plus a
-                        reward model and the non-stop penalty when configured) -> no-grad log-probs of the sampling
-                        policy and the frozen reference, values (PPO)                              -> Rollout
-    compute_advantages  the one place that branches on the algorithm                               -> Advantages
+    collect_rollout     prompts -> generate `num_samples_per_prompt` completions each (with the sampler's own
+                        log-probs) -> score them (verifiers, plus a reward model, the non-stop penalty and the
+                        overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
+                        reference, values (gae)                                                   -> Rollout
+    compute_advantages  the one place that branches on the advantage estimator                    -> Advantages
     update              num_epochs passes x num_mini_batches optimizer steps x micro-batches, the optimizer step in
-                        sight; losses are token means over the *global* mini-batch, so 1 or N processes give the
-                        same update
+                        sight; each step's loss is aggregated over the *global* mini-batch, so 1 or N processes
+                        give the same update
     log_row             the metrics row of the rollout
 
 Per-token tensors of a rollout are *response-aligned*: column t is response token t of the row (prompt tokens are
 not stored), and `mask` marks real tokens (right padding after the response's stop).
 
-PPO (Tulu 3): reward_t = -beta * KL_t, plus the score at the last response token; GAE(gamma, lam) with a value model
-(a scalar head on the backbone's hidden states, initialised from `value_model_path` or the policy); whitened
-advantages; clipped policy and value losses.
-GRPO: advantages are the group-normalised scores (r - mean_group) / (std_group + eps), no value model; the KL to the
-reference is a loss term beta * KL_t (k3 typical). A prompt's group never spans two devices or two mini-batches.
+advantage_estimator: gae (PPO, Tulu 3: reward_t = -beta * KL_t plus the score at the last token; GAE(gamma, lam)
+with a value model, a scalar head on the backbone initialised from `value_model_path` or the policy; whitened),
+grpo (group-normalised scores), dr_grpo (group-centred), rloo (leave-one-out baseline), reinforce_pp (discounted
+per-token rewards, globally whitened). policy_loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio),
+cispo (clipped detached IS weight). loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm.
+The group estimators add the KL to the reference as a loss term beta * KL_t (k3 typical); a prompt's group never
+spans two devices or two mini-batches.
 
 Speed (in `models.py`, not here): completions of one prompt share its forward (the prompt runs once, its key/value
-cache is repeated for the responses; single process). GRPO with one pass over one mini-batch trains on exactly the
-weights that sampled, so the training forward's own log-probs serve as the old ones (no separate pass).
+cache is repeated for the responses; single process). One pass over one mini-batch trains on exactly the weights
+that sampled, so the training forward's own log-probs serve as the old ones (no separate pass).
 """
 
 from __future__ import annotations
