@@ -179,6 +179,27 @@ def test_greedy_matches_hf(engine):
     assert all(len(r) == 20 for r in got.response_ids) and not any(got.stopped)  # random model: no EOS
 
 
+def test_sampler_log_probs_are_the_sampled_distributions(engine):
+    """vLLM returns the log-prob of each sampled token after temperature and top-p (logprobs_mode processed), the
+    quantity truncated importance sampling compares: at top_p 1 it equals the HF trainer's re-scored log-probs of
+    the same tokens up to kernel noise; with top_p < 1 the renormalised nucleus makes it >= the full log-prob."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import response_logits, token_logprobs
+
+    gen, model, tokenizer, prompts, _ = engine
+    for top_p in (1.0, 0.5):
+        out = gen.generate(prompts, GenerationConfig(max_new_tokens=8, temperature=0.7, top_p=top_p, n=2, seed=3))
+        assert [len(lp) for lp in out.logprobs] == [len(r) for r in out.response_ids]
+        batch = collate_episodes([prompts[i] for i in out.prompt_index], out.response_ids, tokenizer.pad_token_id)
+        with torch.no_grad():
+            rescored = token_logprobs(response_logits(model, batch, 0.7), batch["responses"])
+        gaps = [lp[t] - rescored[i, t].item() for i, lp in enumerate(out.logprobs) for t in range(len(lp))]
+        if top_p == 1.0:
+            assert max(abs(g) for g in gaps) < 2e-3, max(abs(g) for g in gaps)
+        else:
+            assert min(gaps) > -2e-3 and max(gaps) > 1e-3
+
+
 def test_weight_sync_follows_the_policy(engine):
     """After the policy changes, the engine samples the old weights until sync_weights, then the new ones exactly."""
     gen, model, tokenizer, prompts, _ = engine
