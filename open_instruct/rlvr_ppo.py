@@ -660,7 +660,7 @@ def micro_batch_loss(
         # How far the sampling engine's log-probs are from the trainer's (what truncated IS corrects).
         log_ratio = (old_logp - take(rollout.sampler_logp)) * mask
         stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
-        stats["sampler_ratio_max"] = float(torch.exp(log_ratio.max())) if mask.any() else 0.0
+        stats["sampler_ratio_max"] = float(torch.exp(log_ratio[mask > 0].max())) if mask.any() else 0.0
     return loss_sum, stats
 
 
