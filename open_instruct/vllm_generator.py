@@ -413,7 +413,7 @@ class VLLMGenerator:
                 out.response_ids.append(ids)
                 out.texts.append(text)
                 out.stopped.append(stopped)
-                out.logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)])
+                out.logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids)])  # logprobs=0
                 out.prompt_index.append(i)
         return out
 

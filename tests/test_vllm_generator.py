@@ -387,7 +387,14 @@ class _FakeLLM:
 
         self.calls.append("generate")
         return [
-            SimpleNamespace(outputs=[SimpleNamespace(index=0, token_ids=[1], finish_reason="stop")]) for _ in prompts
+            SimpleNamespace(
+                outputs=[
+                    SimpleNamespace(
+                        index=0, token_ids=[1], finish_reason="stop", logprobs=[{1: SimpleNamespace(logprob=-0.5)}]
+                    )
+                ]
+            )
+            for _ in prompts
         ]
 
 
