@@ -174,6 +174,24 @@ class PreferenceDataConfig(BaseConfig):
 class RewardModelConfig(PreferenceDataConfig):
     script: str = "reward_model"
     learning_rate: float = 3e-6
+    margin_column: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Column holding a per-pair target margin m (a number): loss -log sigmoid(r_c - r_r - m), as "
+            "TRL's `margin` column. Unset: m = 0. Every row must then carry a finite number."
+        },
+    )
+    center_rewards_coefficient: float = field(
+        default=0.0,
+        metadata={
+            "help": "Adds coef * mean((r_chosen + r_rejected)^2) to the loss (TRL's center_rewards_coefficient; "
+            "0.01 is the value in its docs), keeping rewards centred on 0. 0 = off."
+        },
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        _check_positive(self, "center_rewards_coefficient", allow_zero=True)
 
 
 @dataclass

@@ -8,6 +8,7 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -299,13 +300,26 @@ def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[
     return chosen[:-1], chosen, rejected
 
 
+def pair_margin(row: Row, column: str) -> float:
+    """The row's target margin (reward model `margin_column`): a finite number."""
+    value = _require_column(row, column)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{row.where()}: column {column!r} must be a finite number (the target margin), got {value!r}")
+    return float(value)
+
+
 def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
-    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:])."""
+    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:]), plus `margin`
+    when the config names a margin column (reward model only)."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
+    margin_column = getattr(cfg, "margin_column", None)
+    if margin_column:
+        check_columns(rows, [margin_column], "margin")
     examples = []
     for row in rows:
         try:
+            margin = pair_margin(row, margin_column) if margin_column else None
             prompt, chosen, rejected = preference_messages(row, cfg)
             prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
             chosen_ids, rejected_ids = chat_ids(tokenizer, chosen), chat_ids(tokenizer, rejected)
@@ -320,9 +334,8 @@ def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[lis
                 continue
             chosen_ids, rejected_ids = chosen_ids[: cfg.max_seq_length], rejected_ids[: cfg.max_seq_length]
             stats.truncated += 1
-        examples.append(
-            {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids), "row": row.index}
-        )
+        example = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids)}
+        examples.append({**example, "row": row.index, **({} if margin is None else {"margin": margin})})
     stats.kept = len(examples)
     _require_some(examples, stats, cfg.dataset_name_or_path)
     return examples, stats
@@ -396,13 +409,16 @@ def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, to
 def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Chosen rows first, then rejected rows, in one right-padded batch (one forward for both).
 
-    loss_mask marks response tokens (after the prompt, before padding)."""
+    loss_mask marks response tokens (after the prompt, before padding); `margin` [pairs] when the pairs carry one."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     prompt_lens = [e["prompt_len"] for e in examples] * 2
     input_ids = pad(seqs, pad_id)
     attention_mask = pad([[1] * len(s) for s in seqs], 0)
     loss_mask = pad([[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)], 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if "margin" in examples[0]:
+        batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
+    return batch
 
 
 def collate_episodes(
