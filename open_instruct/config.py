@@ -22,6 +22,7 @@ import yaml
 
 from open_instruct.batch_math import BatchPlan, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
+from open_instruct.mixture import parse_mixer_list
 
 T = TypeVar("T")
 
@@ -58,10 +59,25 @@ class BaseConfig:
 
     # --- data
     dataset_name_or_path: str = field(
-        default="", metadata={"help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated."}
+        default="",
+        metadata={
+            "help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated (all rows of each). "
+            "Or use dataset_mixer_list."
+        },
+    )
+    dataset_mixer_list: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "A mixture instead of dataset_name_or_path: source, amount, source, amount, ... An amount with "
+            "a decimal point is a fraction of that source (1.0 = all rows), an integer >= 2 a row count (above "
+            "the size: repeats). Rows are drawn from the seed; see open_instruct/mixture.py."
+        },
     )
     dataset_split: str = "train"
     eval_dataset_name_or_path: Optional[str] = None
+    eval_dataset_mixer_list: Optional[list[str]] = field(
+        default=None, metadata={"help": "The held-out set as a mixture (same form as dataset_mixer_list)."}
+    )
     eval_dataset_split: str = "test"
     eval_fraction: float = field(
         default=0.0,
@@ -134,14 +150,41 @@ class BaseConfig:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
-        if not self.dataset_name_or_path:
-            raise ConfigError("dataset_name_or_path is required (a hub name or local .jsonl/.json/.parquet files)")
+        self._validate_data_sources()
         if self.best_metric is not None and not self.eval_steps:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
-        if self.eval_steps and not (self.eval_dataset_name_or_path or self.eval_fraction > 0):
+        if self.eval_steps and not (
+            self.eval_dataset_name_or_path or self.eval_dataset_mixer_list or self.eval_fraction
+        ):
             raise ConfigError(
-                "eval_steps is set but there is no eval data: set eval_dataset_name_or_path or eval_fraction"
+                "eval_steps is set but there is no eval data: set eval_dataset_name_or_path, eval_dataset_mixer_list "
+                "or eval_fraction"
             )
+
+    def _validate_data_sources(self) -> None:
+        """One way to name the train data (a path/name or a mixture), mixtures well formed, before anything loads."""
+        if self.dataset_mixer_list is not None and self.dataset_name_or_path:
+            raise ConfigError("set dataset_name_or_path or dataset_mixer_list, not both")
+        if self.eval_dataset_mixer_list is not None and self.eval_dataset_name_or_path:
+            raise ConfigError("set eval_dataset_name_or_path or eval_dataset_mixer_list, not both")
+        if self.dataset_mixer_list is None and not self.dataset_name_or_path:
+            raise ConfigError(
+                "dataset_name_or_path or dataset_mixer_list is required (a hub name or local .jsonl/.json/.parquet "
+                "files)"
+            )
+        if self.dataset_mixer_list is not None:
+            parse_mixer_list(self.dataset_mixer_list, "dataset_mixer_list")
+            if self.max_train_samples is not None:
+                raise ConfigError(
+                    "max_train_samples would cut a mixture in list order; give smaller amounts in dataset_mixer_list"
+                )
+        if self.eval_dataset_mixer_list is not None:
+            parse_mixer_list(self.eval_dataset_mixer_list, "eval_dataset_mixer_list")
+            if self.max_eval_samples is not None:
+                raise ConfigError(
+                    "max_eval_samples would cut a mixture in list order; give smaller amounts in "
+                    "eval_dataset_mixer_list"
+                )
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return supervised_batch_plan(

@@ -82,6 +82,46 @@ def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, 
     }
 
 
+def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
+    """Held-out means per pair (eval/loss, accuracy, rewards, margin), and the same per source as
+    eval/<source>/... when the held-out set mixes sources."""
+    import torch
+
+    from open_instruct import data
+    from open_instruct.models import pair_rewards
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sources = data.mixed_sources(evals)
+    groups = {"": torch.zeros(len(STAT_KEYS), dtype=torch.float64)}
+    groups.update({s: torch.zeros(len(STAT_KEYS), dtype=torch.float64) for s in sources})
+    pairs = dict.fromkeys(groups, 0.0)
+    model.eval()
+    with torch.no_grad():
+        # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
+            with accelerator.autocast():
+                chosen, rejected = pair_rewards(model, batch)
+            if not real:
+                continue
+            margin = batch.get("margin")
+            losses, center = pair_losses(chosen, rejected, margin, cfg.center_rewards_coefficient)
+            for name in groups:
+                keep = torch.tensor([not name or e["source"] == name for e in mb], device=chosen.device)
+                picked = [t[keep] if t is not None else None for t in (losses, chosen, rejected, center, margin)]
+                groups[name] += pair_sums(*picked).cpu()
+                pairs[name] += float(keep.sum())
+    model.train()
+    flat = {f"{name}|{k}": v for name, sums in groups.items() for k, v in zip(STAT_KEYS, sums.tolist())}
+    flat.update({f"{name}|pairs": n for name, n in pairs.items()})
+    totals = distributed.global_sums(accelerator, flat)
+    out = {}
+    for name in groups:
+        per_group = {k: totals[f"{name}|{k}"] for k in STAT_KEYS}
+        out.update(summarize(per_group, totals[f"{name}|pairs"], f"eval/{name}" if name else "eval"))
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 
@@ -128,25 +168,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plan.optimizer_steps,
     )
     counters = run.counters
-    stream = data.EpisodeStream(len(train), cfg.seed)
+    stream = data.episode_stream(train, cfg)
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-        pairs = 0
-        with torch.no_grad():
-            # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-            for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-                batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
-                with accelerator.autocast():
-                    chosen, rejected = pair_rewards(model, batch)
-                if real:
-                    losses, center = pair_losses(chosen, rejected, batch.get("margin"), cfg.center_rewards_coefficient)
-                    sums += pair_sums(losses, chosen, rejected, center, batch.get("margin")).cpu()
-                    pairs += len(mb)
-        model.train()
-        totals = distributed.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": pairs})
-        return summarize(totals, totals["pairs"], "eval")
+    def evaluate_model() -> dict[str, float]:
+        return evaluate(cfg, model, evals, accelerator, pad_id)
 
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -192,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     **run.throughput.report(accelerator),
                 }
             )
-        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
+        if run.end_of_step(evaluate_model if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
     run.finish()
