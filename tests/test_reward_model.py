@@ -169,6 +169,34 @@ def test_margin_column_is_read_checked_and_logged(tiny_models, rm_data, tmp_path
         )
 
 
+def test_mixed_eval_set_reports_each_source(tiny_models, rm_data, tmp_path):
+    rows = [json.loads(line) for line in open(rm_data["eval"])]
+    upper = write_jsonl(tmp_path / "eval_upper.jsonl", rows[:40])
+    lower = write_jsonl(tmp_path / "eval_lower.jsonl", rows[40:])  # 24 rows
+    out = tmp_path / "run"
+    args = rm_args(tiny_models, rm_data, out)
+    at = args.index("--eval_dataset_name_or_path")
+    args[at : at + 2] = ["--eval_dataset_name_or_path", "null", "--max_train_samples", "32"]
+    args += [
+        "--eval_dataset_mixer_list",
+        upper,
+        "1.0",
+        lower,
+        "12",
+        "--eval_steps",
+        "2",
+        "--checkpointing_steps",
+        "100",
+    ]
+    reward_model.main(args)
+    row = [m for m in read_metrics(out) if "eval/loss" in m][-1]
+    for key in ("loss", "accuracy", "margin"):
+        # 40 pairs from one source, 12 from the other: the overall number is their pair-weighted mean.
+        mixed = (40 * row[f"eval/eval_upper/{key}"] + 12 * row[f"eval/eval_lower/{key}"]) / 52
+        assert row[f"eval/{key}"] == pytest.approx(mixed, rel=1e-6, abs=1e-9), key  # float32 sums per batch
+    assert row["eval/eval_upper/accuracy"] * 40 == pytest.approx(round(row["eval/eval_upper/accuracy"] * 40))
+
+
 def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
     """HF's sequence classifier pools at the last non-pad token when config.pad_token_id is our pad id: a row's
     reward must not depend on the padding added for longer rows, and must equal the head applied by hand.
