@@ -15,6 +15,7 @@ import difflib
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
@@ -453,7 +454,10 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
                 raise _unknown_key_error(key, valid, "command-line overrides")
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
-    optional = {f.name for f in dataclasses.fields(cls) if "Optional" in str(f.type)}
+    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
+    # str), so a second parse in the same process would no longer see which keys are optional.
+    hints = typing.get_type_hints(cls)
+    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
     for i, token in enumerate(argv[:-1]):
         key = token[2:]
         if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):

@@ -3,9 +3,11 @@
     python -m open_instruct.plan configs/rlvr_8b.yaml --num_processes 7
     python -m open_instruct.plan configs/dpo_8b.yaml --num_processes 8 --num_examples 60000 --json
 
-Planner flags (`--num_processes`, `--num_examples`, `--json`, `--gpu`, `--model_params`, `--mfu`,
-`--tokens_per_sample`) are read here; every other `--key value` is a recipe override. Invalid plans exit 2.
-Imports neither torch nor model code.
+Planner flags (`--num_processes`, `--num_examples`, `--json`, `--model_params` and one flag per field of
+`TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `--generation_gpus`, ... see `--help`) are read
+here; every other `--key value` is a recipe override. Invalid plans exit 2. The time is a sum of per-phase costs;
+the plan names the phase that dominates and the flag that governs it (README: "The time model and its
+calibration"). Imports neither torch nor model code.
 """
 
 from __future__ import annotations
@@ -591,7 +593,9 @@ def print_dry_run(cfg: BaseConfig, world_size: int, num_examples: Optional[int] 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("recipe")
     parser.add_argument("--num_processes", type=int, default=1, help="training processes (world_size)")
     parser.add_argument("--num_examples", type=int, default=None, help="dataset rows; skips reading the dataset")

@@ -178,3 +178,47 @@ def test_plan_shows_rows_per_source(sources, tmp_path):
     text = format_plan(plan)
     assert "math_a" in text and "150" in text and "fraction 0.5 of 300 rows" in text
     json.dumps(plan)  # --json stays serialisable
+
+
+def _metrics(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_sft_and_dpo_report_eval_metrics_per_source(tiny_models, tmp_path):
+    """A mixed held-out set: eval/<source>/... per source, and each overall number is the weighted mean of the
+    per-source ones (SFT: weighted by trained tokens, DPO: by pairs)."""
+    import torch
+
+    from open_instruct import dpo, sft
+
+    torch.set_num_threads(1)
+    sft_a = synthetic.write_jsonl(str(tmp_path / "sft_a.jsonl"), synthetic.sft_rows(40, 21))
+    sft_b = synthetic.write_jsonl(str(tmp_path / "sft_b.jsonl"), synthetic.sft_rows(40, 22))
+    out = tmp_path / "sft"
+    sft.main(
+        [os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
+        + ["--dataset_name_or_path", "", "--dataset_mixer_list", sft_a, "1.0", sft_b, "8"]
+        + ["--eval_dataset_name_or_path", "null", "--eval_dataset_mixer_list", sft_a, "0.25", sft_b, "10"]
+        + ["--output_dir", str(out), "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
+        + ["--eval_steps", "3", "--checkpointing_steps", "100", "--logging_steps", "1", "--best_metric", "null"]
+    )
+    row = [m for m in _metrics(out) if "eval/loss" in m][-1]
+    a, b = row["eval/sft_a/loss"], row["eval/sft_b/loss"]
+    assert min(a, b) - 1e-9 <= row["eval/loss"] <= max(a, b) + 1e-9 and a != b
+
+    pref_a = synthetic.write_jsonl(str(tmp_path / "pref_a.jsonl"), synthetic.preference_rows(24, 31))
+    pref_b = synthetic.write_jsonl(str(tmp_path / "pref_b.jsonl"), synthetic.preference_rows(24, 32))
+    out = tmp_path / "dpo"
+    dpo.main(
+        [os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
+        + ["--dataset_name_or_path", "", "--dataset_mixer_list", pref_a, "1.0", pref_b, "8"]
+        + ["--eval_dataset_name_or_path", "null", "--eval_dataset_mixer_list", pref_a, "0.5", pref_b, "4"]
+        + ["--output_dir", str(out), "--reference_cache_dir", str(tmp_path / "cache")]
+        + ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--learning_rate", "3e-3"]
+        + ["--eval_steps", "4", "--checkpointing_steps", "100", "--logging_steps", "1", "--best_metric", "null"]
+    )
+    row = [m for m in _metrics(out) if "eval/loss" in m][-1]
+    for key in ("loss", "rewards/accuracy", "rewards/margin"):
+        mixed = (12 * row[f"eval/pref_a/{key}"] + 4 * row[f"eval/pref_b/{key}"]) / 16
+        assert row[f"eval/{key}"] == pytest.approx(mixed, rel=1e-5, abs=1e-7), key
