@@ -15,6 +15,7 @@ import difflib
 import math
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
@@ -22,6 +23,7 @@ import yaml
 
 from open_instruct.batch_math import BatchPlan, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
+from open_instruct.mixture import parse_mixer_list
 
 T = TypeVar("T")
 
@@ -58,10 +60,25 @@ class BaseConfig:
 
     # --- data
     dataset_name_or_path: str = field(
-        default="", metadata={"help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated."}
+        default="",
+        metadata={
+            "help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated (all rows of each). "
+            "Or use dataset_mixer_list."
+        },
+    )
+    dataset_mixer_list: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "A mixture instead of dataset_name_or_path: source, amount, source, amount, ... An amount with "
+            "a decimal point is a fraction of that source (1.0 = all rows), an integer >= 2 a row count (above "
+            "the size: repeats). Rows are drawn from the seed; see open_instruct/mixture.py."
+        },
     )
     dataset_split: str = "train"
     eval_dataset_name_or_path: Optional[str] = None
+    eval_dataset_mixer_list: Optional[list[str]] = field(
+        default=None, metadata={"help": "The held-out set as a mixture (same form as dataset_mixer_list)."}
+    )
     eval_dataset_split: str = "test"
     eval_fraction: float = field(
         default=0.0,
@@ -134,14 +151,41 @@ class BaseConfig:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
-        if not self.dataset_name_or_path:
-            raise ConfigError("dataset_name_or_path is required (a hub name or local .jsonl/.json/.parquet files)")
+        self._validate_data_sources()
         if self.best_metric is not None and not self.eval_steps:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
-        if self.eval_steps and not (self.eval_dataset_name_or_path or self.eval_fraction > 0):
+        if self.eval_steps and not (
+            self.eval_dataset_name_or_path or self.eval_dataset_mixer_list or self.eval_fraction
+        ):
             raise ConfigError(
-                "eval_steps is set but there is no eval data: set eval_dataset_name_or_path or eval_fraction"
+                "eval_steps is set but there is no eval data: set eval_dataset_name_or_path, eval_dataset_mixer_list "
+                "or eval_fraction"
             )
+
+    def _validate_data_sources(self) -> None:
+        """One way to name the train data (a path/name or a mixture), mixtures well formed, before anything loads."""
+        if self.dataset_mixer_list is not None and self.dataset_name_or_path:
+            raise ConfigError("set dataset_name_or_path or dataset_mixer_list, not both")
+        if self.eval_dataset_mixer_list is not None and self.eval_dataset_name_or_path:
+            raise ConfigError("set eval_dataset_name_or_path or eval_dataset_mixer_list, not both")
+        if self.dataset_mixer_list is None and not self.dataset_name_or_path:
+            raise ConfigError(
+                "dataset_name_or_path or dataset_mixer_list is required (a hub name or local .jsonl/.json/.parquet "
+                "files)"
+            )
+        if self.dataset_mixer_list is not None:
+            parse_mixer_list(self.dataset_mixer_list, "dataset_mixer_list")
+            if self.max_train_samples is not None:
+                raise ConfigError(
+                    "max_train_samples would cut a mixture in list order; give smaller amounts in dataset_mixer_list"
+                )
+        if self.eval_dataset_mixer_list is not None:
+            parse_mixer_list(self.eval_dataset_mixer_list, "eval_dataset_mixer_list")
+            if self.max_eval_samples is not None:
+                raise ConfigError(
+                    "max_eval_samples would cut a mixture in list order; give smaller amounts in "
+                    "eval_dataset_mixer_list"
+                )
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return supervised_batch_plan(
@@ -174,6 +218,24 @@ class PreferenceDataConfig(BaseConfig):
 class RewardModelConfig(PreferenceDataConfig):
     script: str = "reward_model"
     learning_rate: float = 3e-6
+    margin_column: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Column holding a per-pair target margin m (a number): loss -log sigmoid(r_c - r_r - m), as "
+            "TRL's `margin` column. Unset: m = 0. Every row must then carry a finite number."
+        },
+    )
+    center_rewards_coefficient: float = field(
+        default=0.0,
+        metadata={
+            "help": "Adds coef * mean((r_chosen + r_rejected)^2) to the loss (TRL's center_rewards_coefficient; "
+            "0.01 is the value in its docs), keeping rewards centred on 0. 0 = off."
+        },
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        _check_positive(self, "center_rewards_coefficient", allow_zero=True)
 
 
 @dataclass
@@ -491,7 +553,10 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
                 raise _unknown_key_error(key, valid, "command-line overrides")
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
-    optional = {f.name for f in dataclasses.fields(cls) if "Optional" in str(f.type)}
+    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
+    # str), so a second parse in the same process would no longer see which keys are optional.
+    hints = typing.get_type_hints(cls)
+    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
     for i, token in enumerate(argv[:-1]):
         key = token[2:]
         if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):

@@ -8,6 +8,7 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.mixture import LOCAL_FILE_SUFFIXES, mixture_summary, parse_mixer_list, select_rows, source_labels
 
 
 @dataclass
@@ -24,6 +26,7 @@ class Row:
     index: int  # 0-based row index in the source
     line: Optional[int]  # 1-based line number for .jsonl files
     data: dict[str, Any]
+    label: str = ""  # the source's short name (mixture.source_labels): examples carry it as "source"
 
     def where(self) -> str:
         return f"{self.source} line {self.line}" if self.line is not None else f"{self.source} row {self.index}"
@@ -38,16 +41,27 @@ class DataStats:
     truncated: int = 0
     duplicate_ids: int = 0
     first_errors: list[str] = field(default_factory=list)
+    sources: list[dict[str, Any]] = field(default_factory=list)  # per source: label, amount, available, rows, kept
 
     def as_log(self, prefix: str = "data/") -> dict[str, int]:
         keys = ("rows", "kept", "bad_rows", "dropped_overlong", "truncated", "duplicate_ids")
         return {f"{prefix}{k}": getattr(self, k) for k in keys}
 
     def summary(self) -> str:
-        return (
+        text = (
             f"{self.kept}/{self.rows} rows kept: {self.bad_rows} bad, {self.dropped_overlong} dropped as over-long, "
             f"{self.truncated} truncated, {self.duplicate_ids} duplicate ids"
         )
+        if len(self.sources) > 1:
+            text += "; per source: " + ", ".join(
+                f"{s['label']} {s['kept']} kept of {s['rows']} taken ({s['amount']} of {s['available']})"
+                for s in self.sources
+            )
+        return text
+
+    def count_kept_per_source(self, examples: list[dict[str, Any]]) -> None:
+        for s in self.sources:
+            s["kept"] = sum(1 for e in examples if e["source"] == s["label"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -99,29 +113,43 @@ def _read_with_datasets(name: str, split: str, **kwargs: Any) -> list[Row]:
     return [Row(name, i, None, dict(r)) for i, r in enumerate(ds)]
 
 
-def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
-    """Rows from local .jsonl/.json/.parquet file(s) (comma separated) or a hub dataset split."""
-    rows: list[Row] = []
-    for part in [p.strip() for p in name_or_path.split(",") if p.strip()]:
-        if part.endswith((".jsonl", ".json", ".parquet")) and not os.path.exists(part):
-            raise DataError(f"dataset file {part!r} does not exist")
-        if part.endswith(".jsonl"):
-            part_rows = _read_jsonl(part)
-        elif part.endswith(".json"):
-            part_rows = _read_json(part)
-        elif part.endswith(".parquet"):
-            part_rows = _read_with_datasets("parquet", "train", data_files=part)
-            part_rows = [Row(part, r.index, None, r.data) for r in part_rows]
-        elif os.path.isdir(part):
-            part_rows = _read_with_datasets(part, split)
-        else:
-            part_rows = _read_with_datasets(part, split)
-        if not part_rows:
-            raise DataError(f"dataset {part!r} (split {split!r}) is empty")
-        rows.extend(part_rows)
-    if max_samples is not None:
-        rows = rows[:max_samples]
+def load_source(name: str, split: str, label: str = "") -> list[Row]:
+    """Every row of one source: a local .jsonl/.json/.parquet file, a local dataset folder or a hub dataset split."""
+    if name.endswith(LOCAL_FILE_SUFFIXES) and not os.path.exists(name):
+        raise DataError(f"dataset file {name!r} does not exist")
+    if name.endswith(".jsonl"):
+        rows = _read_jsonl(name)
+    elif name.endswith(".json"):
+        rows = _read_json(name)
+    elif name.endswith(".parquet"):
+        rows = [Row(name, r.index, None, r.data) for r in _read_with_datasets("parquet", "train", data_files=name)]
+    else:
+        rows = _read_with_datasets(name, split)
+    if not rows:
+        raise DataError(f"dataset {name!r} (split {split!r}) is empty")
+    for row in rows:
+        row.label = label or source_labels([name])[0]
     return rows
+
+
+def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
+    """Rows from local .jsonl/.json/.parquet file(s) (comma separated) or a hub dataset split: all rows of each."""
+    parts = [p.strip() for p in name_or_path.split(",") if p.strip()]
+    rows = [row for part, label in zip(parts, source_labels(parts)) for row in load_source(part, split, label)]
+    return rows if max_samples is None else rows[:max_samples]
+
+
+def load_mixture(mixer_list: Sequence[str], split: str, seed: int, key: str) -> tuple[list[Row], list[dict]]:
+    """The rows a `dataset_mixer_list` asks for (mixture.select_rows: seeded, world-size independent), in list order,
+    and the rows per source (label, amount, available, rows) for the summary."""
+    rows: list[Row] = []
+    per_source = []
+    entries = parse_mixer_list(mixer_list, key)
+    for entry in entries:
+        source_rows = load_source(entry.source, split, entry.label)
+        rows.extend(source_rows[i] for i in select_rows(entry, len(source_rows), seed))
+        per_source += mixture_summary([entry], [len(source_rows)])
+    return rows, per_source
 
 
 def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, id_column: str = "id") -> list[Row]:
@@ -253,9 +281,9 @@ def tokenize_sft(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[s
         if all(lab == -100 for lab in labels[1:]):
             stats.dropped_overlong += 1  # truncation removed every trained token
             continue
-        examples.append({"input_ids": ids, "labels": labels, "row": row.index})
+        examples.append({"input_ids": ids, "labels": labels, "row": row.index, "source": row.label})
     stats.kept = len(examples)
-    _require_some(examples, stats, cfg.dataset_name_or_path)
+    _require_some(examples, stats, rows)
     return examples, stats
 
 
@@ -267,9 +295,10 @@ def _bad_row(stats: DataStats, error: DataError, skip: bool) -> None:
         stats.first_errors.append(str(error))
 
 
-def _require_some(examples: list[Any], stats: DataStats, name: str) -> None:
+def _require_some(examples: list[Any], stats: DataStats, rows: list[Row]) -> None:
     if not examples:
-        raise DataError(f"dataset {name!r}: no usable rows ({stats.summary()})")
+        names = ", ".join(repr(n) for n in dict.fromkeys(r.source for r in rows)) or "(no rows)"
+        raise DataError(f"dataset {names}: no usable rows ({stats.summary()})")
 
 
 def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
@@ -299,13 +328,26 @@ def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[
     return chosen[:-1], chosen, rejected
 
 
+def pair_margin(row: Row, column: str) -> float:
+    """The row's target margin (reward model `margin_column`): a finite number."""
+    value = _require_column(row, column)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{row.where()}: column {column!r} must be a finite number (the target margin), got {value!r}")
+    return float(value)
+
+
 def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
-    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:])."""
+    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:]), plus `margin`
+    when the config names a margin column (reward model only)."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
+    margin_column = getattr(cfg, "margin_column", None)
+    if margin_column:
+        check_columns(rows, [margin_column], "margin")
     examples = []
     for row in rows:
         try:
+            margin = pair_margin(row, margin_column) if margin_column else None
             prompt, chosen, rejected = preference_messages(row, cfg)
             prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
             chosen_ids, rejected_ids = chat_ids(tokenizer, chosen), chat_ids(tokenizer, rejected)
@@ -320,11 +362,12 @@ def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[lis
                 continue
             chosen_ids, rejected_ids = chosen_ids[: cfg.max_seq_length], rejected_ids[: cfg.max_seq_length]
             stats.truncated += 1
+        example = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids)}
         examples.append(
-            {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids), "row": row.index}
+            {**example, "row": row.index, "source": row.label, **({} if margin is None else {"margin": margin})}
         )
     stats.kept = len(examples)
-    _require_some(examples, stats, cfg.dataset_name_or_path)
+    _require_some(examples, stats, rows)
     return examples, stats
 
 
@@ -363,11 +406,12 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 "ground_truth": ground_truth,
                 "verifier": verifier,
                 "row": row.index,
+                "source": row.label,
                 "where": row.where(),
             }
         )
     stats.kept = len(examples)
-    _require_some(examples, stats, cfg.dataset_name_or_path)
+    _require_some(examples, stats, rows)
     return examples, stats
 
 
@@ -396,13 +440,16 @@ def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, to
 def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
     """Chosen rows first, then rejected rows, in one right-padded batch (one forward for both).
 
-    loss_mask marks response tokens (after the prompt, before padding)."""
+    loss_mask marks response tokens (after the prompt, before padding); `margin` [pairs] when the pairs carry one."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     prompt_lens = [e["prompt_len"] for e in examples] * 2
     input_ids = pad(seqs, pad_id)
     attention_mask = pad([[1] * len(s) for s in seqs], 0)
     loss_mask = pad([[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)], 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if "margin" in examples[0]:
+        batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
+    return batch
 
 
 def collate_episodes(
@@ -437,23 +484,48 @@ class EpisodeStream:
 
     Position is counted in episodes (examples consumed, summed over processes), so a run checkpointed on N
     processes continues on M with no example skipped or repeated: step k of any run with global batch B reads
-    stream[k*B : (k+1)*B], and rank r takes its contiguous slice of that."""
+    stream[k*B : (k+1)*B], and rank r takes its contiguous slice of that.
 
-    def __init__(self, num_examples: int, seed: int, shuffle: bool = True):
+    With `strata` (a mixture: each example's source id), each source is shuffled on its own and the sources are
+    interleaved evenly: the j-th of a source's n rows in an epoch sits at fraction (j + 0.5) / n of the epoch (ties
+    by source id). Each source then holds its share of every stretch of the stream, not only of whole epochs: with
+    two sources, the first N episodes of an epoch hold N x share of each, rounded up or down (tests/test_mixture.py).
+    """
+
+    def __init__(self, num_examples: int, seed: int, shuffle: bool = True, strata: Optional[Sequence[int]] = None):
         if num_examples <= 0:
             raise ConfigError("the dataset has no examples")
+        if strata is not None and len(strata) != num_examples:
+            raise ValueError(f"strata has {len(strata)} entries for {num_examples} examples")
         self.num_examples = num_examples
         self.seed = seed
         self.shuffle = shuffle
+        self.strata = list(strata) if strata is not None else None
         self._cache: dict[int, list[int]] = {}
 
     def _epoch_order(self, epoch: int) -> list[int]:
         if epoch not in self._cache:
-            order = list(range(self.num_examples))
-            if self.shuffle:
-                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            rng = random.Random(self.seed * 1_000_003 + epoch)
+            if self.strata is None:
+                order = list(range(self.num_examples))
+                if self.shuffle:
+                    rng.shuffle(order)
+            else:
+                order = self._interleaved(rng)
             self._cache = {epoch: order}  # keep only the current epoch
         return self._cache[epoch]
+
+    def _interleaved(self, rng: random.Random) -> list[int]:
+        members: dict[int, list[int]] = {}
+        for i, stratum in enumerate(self.strata or []):
+            members.setdefault(stratum, []).append(i)
+        keyed = []
+        for stratum in sorted(members):
+            rows = members[stratum]
+            if self.shuffle:
+                rng.shuffle(rows)
+            keyed += [((j + 0.5) / len(rows), stratum, i) for j, i in enumerate(rows)]
+        return [i for _, _, i in sorted(keyed)]
 
     def take(self, start_episode: int, count: int) -> list[int]:
         out: list[int] = []
@@ -505,14 +577,41 @@ Tokenizer = Callable[[list[Row], Any, Any], tuple[list[dict[str, Any]], DataStat
 
 
 def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
-    """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction)."""
-    train_rows = load_rows(cfg.dataset_name_or_path, cfg.dataset_split, cfg.max_train_samples)
+    """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction).
+    Either set may be a mixture (`dataset_mixer_list`); every example carries its source's label as "source"."""
+    sources: list[dict] = []
+    if cfg.dataset_mixer_list is not None:
+        train_rows, sources = load_mixture(cfg.dataset_mixer_list, cfg.dataset_split, cfg.seed, "dataset_mixer_list")
+    else:
+        train_rows = load_rows(cfg.dataset_name_or_path, cfg.dataset_split, cfg.max_train_samples)
     train, stats = tokenize(train_rows, tokenizer, cfg)
+    stats.sources = sources
+    stats.count_kept_per_source(train)
     eval_examples: list[dict] = []
-    if cfg.eval_dataset_name_or_path:
+    if cfg.eval_dataset_mixer_list is not None:
+        eval_rows, _ = load_mixture(
+            cfg.eval_dataset_mixer_list, cfg.eval_dataset_split, cfg.seed, "eval_dataset_mixer_list"
+        )
+        eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)
+    elif cfg.eval_dataset_name_or_path:
         eval_rows = load_rows(cfg.eval_dataset_name_or_path, cfg.eval_dataset_split, cfg.max_eval_samples)
         eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)
     elif cfg.eval_fraction > 0:
         train, eval_examples = split_train_eval(train, cfg.eval_fraction, cfg.seed)
         eval_examples = maybe_limit(eval_examples, cfg.max_eval_samples)
     return train, eval_examples, stats
+
+
+def episode_stream(train: list[dict], cfg: Any) -> "EpisodeStream":
+    """The train order of a script: a mixture's sources are interleaved evenly (see EpisodeStream)."""
+    if cfg.dataset_mixer_list is None:
+        return EpisodeStream(len(train), cfg.seed)
+    labels = sorted({e["source"] for e in train})
+    return EpisodeStream(len(train), cfg.seed, strata=[labels.index(e["source"]) for e in train])
+
+
+def mixed_sources(examples: list[dict]) -> list[str]:
+    """The source labels of a held-out set drawn from several sources (sorted; [] for one source). Every rank
+    holds the whole set, so every rank gets the same list: per-source sums can be all-reduced key by key."""
+    labels = sorted({e.get("source", "") for e in examples})
+    return labels if len(labels) > 1 else []

@@ -129,9 +129,14 @@ def preference_loss(
 
 
 def pair_stat_sums(
-    losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, policy: PairLogps
+    losses: torch.Tensor,
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    policy: PairLogps,
+    keep: Optional[torch.Tensor] = None,
 ) -> dict[str, float]:
-    """Sums over pairs of the logged statistics (divided by the global pair count after the all-reduce).
+    """Sums over pairs of the logged statistics (divided by the global pair count after the all-reduce); with
+    `keep` (a 0/1 weight per pair), over the kept pairs only (per-source eval).
 
     Accuracy counts a tie as half a win: before the first update the policy equals the reference, every reward is
     0 and the accuracy is 0.5 (chance), not 0."""
@@ -147,7 +152,8 @@ def pair_stat_sums(
         policy.chosen.detach(),
         policy.rejected.detach(),
     ]
-    return dict(zip(STAT_KEYS, torch.stack([v.float().sum() for v in values]).tolist()))  # one device sync
+    weights = [v.float() if keep is None else v.float() * keep for v in values]
+    return dict(zip(STAT_KEYS, torch.stack([w.sum() for w in weights]).tolist()))  # one device sync
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,8 +171,9 @@ def evaluate(
     from open_instruct.reference_cache import length_order, reference_logps
 
     rank, world = accelerator.process_index, accelerator.num_processes
+    sources = data.mixed_sources(evals)
+    sums = {f"{name}|{k}": 0.0 for name in ["", *sources] for k in (*STAT_KEYS, "pairs")}
     model.eval()
-    sums = dict.fromkeys(STAT_KEYS, 0.0)
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
         for group, real in data.dealt_micro_batches(length_order(evals), cfg.per_device_eval_batch_size, rank, world):
@@ -176,11 +183,21 @@ def evaluate(
             if not real:
                 continue
             ref = reference_logps(ref_table, group, accelerator.device) if ref_table else None
-            for k, v in pair_stat_sums(*preference_loss(cfg, policy, ref), policy).items():
-                sums[k] += v
+            stats = preference_loss(cfg, policy, ref)
+            for name in ["", *sources]:
+                keep = torch.tensor(
+                    [float(not name or evals[i]["source"] == name) for i in group], device=policy.chosen.device
+                )
+                for k, v in pair_stat_sums(*stats, policy, keep if name else None).items():
+                    sums[f"{name}|{k}"] += v
+                sums[f"{name}|pairs"] += float(keep.sum())
     model.train()
     totals = distributed.global_sums(accelerator, sums)
-    return {f"eval/{k}": v / len(evals) for k, v in totals.items()}
+    out = {}
+    for name in ["", *sources]:
+        prefix = f"eval/{name}/" if name else "eval/"
+        out.update({f"{prefix}{k}": totals[f"{name}|{k}"] / max(totals[f"{name}|pairs"], 1.0) for k in STAT_KEYS})
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -242,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plan.optimizer_steps,
     )
     counters = run.counters
-    stream = data.EpisodeStream(len(train), cfg.seed)
+    stream = data.episode_stream(train, cfg)
 
     def evaluate_policy() -> dict[str, float]:
         return evaluate(cfg, model, evals, ref["eval"] if ref else None, accelerator, pad_id)

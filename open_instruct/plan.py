@@ -3,14 +3,17 @@
     python -m open_instruct.plan configs/rlvr_8b.yaml --num_processes 7
     python -m open_instruct.plan configs/dpo_8b.yaml --num_processes 8 --num_examples 60000 --json
 
-Planner flags (`--num_processes`, `--num_examples`, `--json`, `--gpu`, `--model_params`, `--mfu`,
-`--tokens_per_sample`) are read here; every other `--key value` is a recipe override. Invalid plans exit 2.
-Imports neither torch nor model code.
+Planner flags (`--num_processes`, `--num_examples`, `--json`, `--model_params` and one flag per field of
+`TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `--generation_gpus`, ... see `--help`) are read
+here; every other `--key value` is a recipe override. Invalid plans exit 2. The time is a sum of per-phase costs;
+the plan names the phase that dominates and the flag that governs it (README: "The time model and its
+calibration"). Imports neither torch nor model code.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +25,7 @@ from typing import Any, Optional, Sequence
 from open_instruct.batch_math import BatchPlan, count_multiples
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.mixture import mixture_summary, parse_mixer_list
 
 
 @dataclass(frozen=True)
@@ -125,55 +129,290 @@ def model_params(name: str, override: Optional[float]) -> tuple[Optional[float],
     return None, "unknown: pass --model_params"
 
 
-def estimate(
-    cfg: BaseConfig, plan: BatchPlan, params: float, gpu: GPUSpec, mfu: float, tokens_per_sample: int, fill: float
-) -> dict[str, Any]:
-    """Tokens per phase and hours. Training is compute bound (6 FLOPs/param/token, 8 with activation
-    checkpointing); generation is memory-bandwidth bound (weights read once per decode step)."""
-    train_flops_per_token = (8 if cfg.activation_checkpointing else 6) * params
-    cluster_flops = plan.world_size * gpu.peak_flops * mfu
+# Bytes of KV cache per token (K and V, bf16, every layer) of the published Llama 3.1 shapes: 2 x 2 bytes x layers x
+# kv_heads x head_dim. Other models: from their local config.json, else the 8B ratio (16 kB per billion parameters).
+KV_BYTES_PER_TOKEN = {8: 2 * 2 * 32 * 8 * 128, 70: 2 * 2 * 80 * 8 * 128}
+LAYERS = {8: 32, 70: 80}  # transformer layers of the Llama 3.1 shapes (per-layer overheads)
+
+# Mean prompt tokens (chat template included) of the published RL prompt sets, for generation and training lengths.
+# Estimates, not measured here (no hub access): GSM8K / MATH / IFEval-style prompts are short questions.
+KNOWN_PROMPT_TOKENS: dict[str, int] = {"allenai/RLVR-GSM-MATH-IF-Mixed-Constraints": 200, "allenai/RLVR-GSM": 150}
+
+
+@dataclass
+class TimeAssumptions:
+    """Every assumption of the time model, each a `plan` flag of the same name (see `ASSUMPTION_HELP`)."""
+
+    gpu: str = "H100"
+    mfu: float = 0.3
+    fill: float = 0.5
+    tokens_per_sample: Optional[int] = None
+    prompt_tokens: Optional[int] = None
+    response_fill: float = 0.5
+    rl_padding: str = "max"
+    interconnect_gb_s: float = 150.0
+    layer_overhead_ms: float = 6.0
+    pair_padding: float = 1.25
+    host_gb_s: float = 12.0
+    load_gb_s: float = 1.0
+    decode_efficiency: float = 0.6
+    first_step_factor: float = 3.0
+    generation_gpus: Optional[int] = None
+    overlap_generation: bool = False
+    stop_at_episode: Optional[int] = None
+
+    def check(self) -> None:
+        if self.gpu not in GPU_SPECS:
+            raise ConfigError(f"--gpu {self.gpu!r} is not in the table; choose from {sorted(GPU_SPECS)}")
+        for name in ("mfu", "fill", "response_fill", "decode_efficiency"):
+            if not (0 < getattr(self, name) <= 1):
+                raise ConfigError(f"--{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.layer_overhead_ms < 0:
+            raise ConfigError(f"--layer_overhead_ms must be >= 0, got {self.layer_overhead_ms}")
+        for name in ("interconnect_gb_s", "host_gb_s", "load_gb_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.pair_padding < 1:
+            raise ConfigError(f"--pair_padding must be >= 1, got {self.pair_padding}")
+        if self.first_step_factor < 1:
+            raise ConfigError(f"--first_step_factor must be >= 1, got {self.first_step_factor}")
+        if self.rl_padding not in ("max", "mean"):
+            raise ConfigError(f"--rl_padding must be 'max' or 'mean', got {self.rl_padding!r}")
+        for name in ("generation_gpus", "stop_at_episode", "tokens_per_sample", "prompt_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+
+
+ASSUMPTION_HELP = {
+    "gpu": f"device, one of {sorted(GPU_SPECS)}",
+    "mfu": "fraction of peak bf16 FLOP/s reached by forward/backward compute at micro-batches of 1-2 sequences "
+    "(default 0.3)",
+    "fill": "supervised: mean sequence length as a fraction of max_seq_length (default 0.5)",
+    "tokens_per_sample": "supervised: mean tokens per sequence (overrides --fill)",
+    "prompt_tokens": "RL: mean prompt tokens (default: the dataset table, else max_prompt_length / 4)",
+    "response_fill": "RL: mean response length as a fraction of response_length, for KV-cache traffic (0.5)",
+    "rl_padding": "RL training/scoring length: 'max' = prompt + response_length (a rollout is padded to its "
+    "longest response, which reaches the limit at temperature 1), 'mean' = prompt + mean response",
+    "interconnect_gb_s": "effective per-GPU bandwidth of FSDP/ZeRO-3 all-gathers and reduce-scatters, GB/s (150)",
+    "layer_overhead_ms": "fixed cost per layer per training micro-batch (forward + backward), ms: per-layer gather/"
+    "reduce launches, hooks and activation-checkpoint bookkeeping that no compute hides (default 6)",
+    "pair_padding": "RM/DPO: chosen and rejected share one padded batch, so each costs the longer one: E[max of two "
+    "lengths] / mean (default 1.25, lengths with a coefficient of variation ~0.45)",
+    "host_gb_s": "host <-> device bandwidth for fsdp_cpu_offload, GB/s (12)",
+    "load_gb_s": "weight loading from disk or network, GB/s (1)",
+    "decode_efficiency": "fraction of HBM bandwidth reached while decoding (0.6)",
+    "first_step_factor": "the first step costs this many steps (allocator warm-up, compilation, caches) (3)",
+    "generation_gpus": "RL: GPUs that generate (default: the training processes, colocated; Tulu 3 8B used 1, 70B 4)",
+    "overlap_generation": "RL: generation runs beside training (dedicated generation GPUs, one-step off-policy)",
+    "stop_at_episode": "plan a run stopped at this episode (an early checkpoint) instead of the whole schedule",
+}
+
+
+def kv_bytes_per_token(name: str, params: float) -> tuple[float, str]:
+    cfg_path = os.path.join(name, "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            c = json.load(f)
+        heads = c.get("num_attention_heads", 1)
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        return 4.0 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads) * head_dim, "local config.json"
+    size = round(params / 1e9)
+    if size in KV_BYTES_PER_TOKEN:
+        return float(KV_BYTES_PER_TOKEN[size]), f"Llama 3.1 {size}B shape"
+    return 16.4e3 * params / 1e9, "16 kB per billion parameters (Llama 3.1 8B ratio)"
+
+
+def fsdp_gather_seconds(params: float, world: int, passes: float, a: TimeAssumptions) -> float:
+    """FSDP/ZeRO-3 traffic: each pass moves the bf16 weights' (world-1)/world through every GPU's link. A training
+    micro-batch makes 3 passes (all-gather for forward, again for backward, reduce-scatter of gradients), a
+    no-grad forward 1. Prefetching overlaps it with compute: a micro-batch costs the slower of the two."""
+    if world <= 1:
+        return 0.0
+    return passes * 2 * params * (world - 1) / world / (a.interconnect_gb_s * 1e9)
+
+
+def num_layers(name: str, params: float) -> int:
+    cfg_path = os.path.join(name, "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    size = round(params / 1e9)
+    return LAYERS.get(size, max(1, round(32 * (params / 8e9) ** (1 / 3))))
+
+
+def micro_batch_phases(
+    compute: float, comm: float, layers: int, training: bool, a: TimeAssumptions
+) -> dict[str, float]:
+    """One micro-batch's seconds by phase: compute, the FSDP traffic that prefetching does not hide behind it
+    (a micro-batch costs the slower of the two), and the fixed per-layer overhead (a no-grad forward: a third)."""
+    return {
+        "training compute": compute,
+        "FSDP communication": max(0.0, comm - compute),
+        "per-layer overhead": layers * a.layer_overhead_ms / 1e3 * (1 if training else 1 / 3),
+    }
+
+
+def add_phases(total: dict[str, float], part: dict[str, float], times: float) -> None:
+    for name, seconds in part.items():
+        total[name] = total.get(name, 0.0) + times * seconds
+
+
+def optimizer_seconds(cfg: BaseConfig, params: float, world: int, gpu: GPUSpec, a: TimeAssumptions) -> float:
+    """One AdamW step on this device's shard: fp32 weights, gradients and two moments read and written (HBM bound);
+    with fsdp_cpu_offload the shard's gradients go down and weights come back over the host link as well."""
+    shard = params / world
+    seconds = shard * 32 / gpu.memory_bandwidth
+    if cfg.fsdp_cpu_offload:
+        seconds += shard * 16 / (a.host_gb_s * 1e9)
+    return seconds
+
+
+def estimate(cfg: BaseConfig, plan: BatchPlan, params: float, a: TimeAssumptions) -> dict[str, Any]:
+    """Seconds per phase, summed over the run. Training compute: 6 FLOPs/parameter/token (8 with activation
+    checkpointing) at `mfu` of peak; FSDP communication per micro-batch; the optimizer step; RL generation bound by
+    memory bandwidth (weights + KV cache read per decoded token); weight loading; a costlier first step."""
+    gpu = GPU_SPECS[a.gpu]
+    w = plan.world_size
+    k = 8 if cfg.activation_checkpointing else 6
+    flops_rate = gpu.peak_flops * a.mfu  # per GPU
+    phases: dict[str, float] = {}
     out: dict[str, Any] = {}
     if not plan.is_rl:
-        seqs_per_sample = 1 if cfg.script == "sft" else 2  # RM and DPO: chosen + rejected
-        train_tokens = plan.optimizer_steps * plan.mini_batch_size * seqs_per_sample * tokens_per_sample
-        seconds = train_tokens * train_flops_per_token / cluster_flops
-        out["train_tokens"] = train_tokens
+        seqs = 1 if cfg.script == "sft" else 2  # RM and DPO: chosen + rejected
+        tokens = a.tokens_per_sample or max(1, int(cfg.max_seq_length * a.fill))
+        if seqs == 2:  # a pair is padded to its longer sequence
+            tokens = min(cfg.max_seq_length, int(tokens * a.pair_padding))
+        steps = plan.optimizer_steps
+        if a.stop_at_episode:
+            steps = min(steps, -(-a.stop_at_episode // plan.mini_batch_size))
+        compute = cfg.per_device_train_batch_size * seqs * tokens * k * params / flops_rate
+        layers = num_layers(cfg.model_name_or_path, params)
+        micro = micro_batch_phases(compute, fsdp_gather_seconds(params, w, 3, a), layers, True, a)
+        add_phases(phases, micro, steps * cfg.gradient_accumulation_steps)
+        phases["optimizer step"] = steps * optimizer_seconds(cfg, params, w, gpu, a)
+        out["train_tokens"] = steps * plan.mini_batch_size * seqs * tokens
         if cfg.script == "dpo" and getattr(cfg, "loss_type", "") != "simpo":
-            ref_tokens = (plan.num_examples or plan.total_episodes) * seqs_per_sample * tokens_per_sample
+            ref_tokens = (plan.num_examples or plan.total_episodes) * seqs * tokens
             out["reference_cache_tokens"] = ref_tokens
-            out["reference_cache_hours"] = ref_tokens * 2 * params / cluster_flops / 3600
-            seconds += ref_tokens * 2 * params / cluster_flops
-        step_seconds = seconds / plan.optimizer_steps
+            phases["reference pass"] = ref_tokens * 2 * params / (w * flops_rate)
+        models_loaded = 1
     else:
         assert isinstance(cfg, RLVRConfig)
-        prompt_tokens = int(cfg.max_prompt_length * fill)
-        resp = int(cfg.response_length * fill)
-        seq = prompt_tokens + resp
-        n_rollouts = plan.num_training_steps
-        gen_tokens = n_rollouts * plan.episodes_per_rollout * resp
-        # Tensor-parallel degree so the bf16 weights take at most half of one device's memory.
-        tp = max(1, 2 ** math.ceil(math.log2(max(1.0, 2 * params / (0.5 * gpu.memory_gb * 1e9)))))
-        decode_seconds = resp * (2 * params) / (tp * gpu.memory_bandwidth * 0.6)
-        prefill_seconds = plan.episodes_per_rollout * prompt_tokens * 2 * params / cluster_flops
-        gen_seconds_per_rollout = decode_seconds + prefill_seconds
-        value_params = params if cfg.uses_value_model else 0
-        score_flops = plan.episodes_per_rollout * seq * 2 * (params + params + value_params)  # old logp, ref, value
-        train_flops = plan.episodes_per_rollout * seq * cfg.num_epochs * (train_flops_per_token + value_params * 6)
-        train_seconds_per_rollout = (score_flops + train_flops) / cluster_flops
-        step_seconds = gen_seconds_per_rollout + train_seconds_per_rollout
-        seconds = n_rollouts * step_seconds
-        out.update(
-            generation_tokens=gen_tokens,
-            train_tokens=n_rollouts * plan.episodes_per_rollout * seq * cfg.num_epochs,
-            generation_hours=n_rollouts * gen_seconds_per_rollout / 3600,
-            training_hours=n_rollouts * train_seconds_per_rollout / 3600,
-            generation_tensor_parallel=tp,
-        )
-    load_seconds = 2 * params / 1e9  # bf16 weights at ~1 GB/s from disk or network
-    first_step_extra = 2 * step_seconds  # first step ~3x: allocator warm-up, kernel autotuning, cache fills
-    out["seconds_per_step"] = step_seconds
-    out["estimated_hours"] = (seconds + load_seconds + first_step_extra) / 3600
+        phases, details, steps = rl_phases(cfg, plan, params, a, gpu, k, flops_rate)
+        out.update(details)
+        models_loaded = 2 + cfg.uses_value_model + bool(cfg.reward_model_multiplier)
+    step_seconds = sum(phases.values()) / max(steps, 1)
+    phases["weight loading"] = models_loaded * 2 * params / (a.load_gb_s * 1e9)
+    phases["first step"] = (a.first_step_factor - 1) * step_seconds
+    total = sum(phases.values())
+    dominant = max(phases, key=phases.get)
+    out.update(
+        planned_steps=steps,
+        flops_per_param_token=k,
+        seconds_per_step=step_seconds,
+        estimated_hours=total / 3600,
+        phase_hours={name: s / 3600 for name, s in phases.items()},
+        dominant_phase=dominant,
+        dominant_share=phases[dominant] / total,
+        dominant_assumption=DOMINANT_ASSUMPTION[dominant],
+    )
     return out
+
+
+DOMINANT_ASSUMPTION = {
+    "training compute": "--mfu and the sequence lengths (--fill / --tokens_per_sample / --rl_padding)",
+    "FSDP communication": "--interconnect_gb_s (weights re-gathered every micro-batch: fewer, larger micro-batches)",
+    "optimizer step": "--host_gb_s (fsdp_cpu_offload) or HBM bandwidth",
+    "per-layer overhead": "--layer_overhead_ms (many small micro-batches: raise per_device_train_batch_size)",
+    "reference pass": "--mfu and the sequence lengths",
+    "generation": "--response_fill / --decode_efficiency / --generation_gpus (memory-bandwidth bound decoding)",
+    "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
+    "weight loading": "--load_gb_s",
+    "first step": "--first_step_factor",
+}
+
+
+def rl_phases(
+    cfg: RLVRConfig, plan: BatchPlan, params: float, a: TimeAssumptions, gpu: GPUSpec, k: int, flops_rate: float
+) -> tuple[dict[str, float], dict[str, Any], int]:
+    """Per-phase seconds of an RL run: generation (decode bound by HBM bandwidth: each decoded token reads the
+    weights and the KV cache of every sequence in flight), scoring (no-grad forwards), training (policy and value
+    model, `num_epochs` passes) and FSDP communication. The value model is the size of value_model_path's model
+    when the name tells (Tulu 3 70B uses the 8B reward model), else the policy's."""
+    w = plan.world_size
+    episodes = plan.episodes_per_rollout
+    rollouts = plan.num_training_steps
+    if a.stop_at_episode:
+        rollouts = min(rollouts, -(-a.stop_at_episode // episodes))
+    prompt = a.prompt_tokens or KNOWN_PROMPT_TOKENS.get(cfg.dataset_name_or_path, cfg.max_prompt_length // 4)
+    mean_response = a.response_fill * cfg.response_length
+    train_len = prompt + (cfg.response_length if a.rl_padding == "max" else mean_response)
+    value = 0.0
+    if cfg.uses_value_model:
+        value = model_params(cfg.value_model_path, None)[0] if cfg.value_model_path else params
+        value = value or params
+    reward = params if cfg.reward_model_multiplier else 0.0
+
+    # Generation: engines of `tp` GPUs each (tp: weights take at most half a GPU's memory), sequences in waves that
+    # fit the KV cache.
+    gen_gpus = a.generation_gpus or w
+    tp = max(1, 2 ** math.ceil(math.log2(max(1.0, 2 * params / (0.5 * gpu.memory_gb * 1e9)))))
+    engines = max(1, gen_gpus // tp)
+    kv_token, kv_source = kv_bytes_per_token(cfg.model_name_or_path, params)
+    seqs = episodes / engines
+    kv_room = max(tp * gpu.memory_gb * 1e9 * 0.9 - 2 * params, 1e9)
+    waves = max(1, math.ceil(seqs * (prompt + cfg.response_length) * kv_token / kv_room))
+    per_wave = seqs / waves
+    step_bytes = (2 * params + per_wave * (prompt + mean_response) * kv_token) / tp
+    decode = waves * cfg.response_length * step_bytes / (gpu.memory_bandwidth * a.decode_efficiency)
+    prefill = seqs * prompt * 2 * params / (tp * flops_rate)
+    generation = decode + prefill + fsdp_gather_seconds(params, 2, 1, a)  # + weight sync to the engines
+
+    # Training side, per device: micro-batches of per_device_train_batch_size episodes. Scoring: no-grad forwards of
+    # the policy (old log-probs), reference, value and reward models; training: num_epochs forward/backward passes of
+    # the policy and the value model.
+    micro_batches = episodes / w / cfg.per_device_train_batch_size
+    tokens = cfg.per_device_train_batch_size * train_len
+    layers = num_layers(cfg.model_name_or_path, params)
+    value_layers = num_layers(cfg.value_model_path or "", value) if value else 0
+    train_side: dict[str, float] = {}
+    for size, n_layers, forwards in ((params, layers, 2), (value, value_layers, 1), (reward, layers, 1)):
+        if size:
+            score = micro_batch_phases(
+                tokens * 2 * size / flops_rate, fsdp_gather_seconds(size, w, 1, a), n_layers, False, a
+            )
+            add_phases(
+                train_side,
+                {"scoring" if n == "training compute" else n: v for n, v in score.items()},
+                forwards * micro_batches,
+            )
+    for size, n_layers in ((params, layers), (value, value_layers)):
+        if size:
+            step = micro_batch_phases(
+                tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
+            )
+            add_phases(train_side, step, cfg.num_epochs * micro_batches)
+    optimizer_steps_per_rollout = plan.optimizer_steps / plan.num_training_steps
+    train_side["optimizer step"] = optimizer_steps_per_rollout * (
+        optimizer_seconds(cfg, params, w, gpu, a) + (optimizer_seconds(cfg, value, w, gpu, a) if value else 0.0)
+    )
+    if a.overlap_generation:  # a rollout costs the slower of the two; the overlap is taken off generation
+        generation = max(0.0, generation - sum(train_side.values()))
+    phases = {"generation": rollouts * generation, **{n: rollouts * v for n, v in train_side.items()}}
+    details = {
+        "generation_tokens": int(rollouts * episodes * mean_response),
+        "train_tokens": int(rollouts * episodes * train_len * cfg.num_epochs),
+        "generation_hours": phases["generation"] / 3600,
+        "training_hours": sum(v for n, v in phases.items() if n != "generation") / 3600,
+        "generation_tensor_parallel": tp,
+        "generation_engines": engines,
+        "generation_waves": waves,
+        "prompt_tokens": prompt,
+        "value_params": value,
+        "kv_bytes_per_token": kv_token,
+        "kv_bytes_source": kv_source,
+    }
+    return phases, details, rollouts
 
 
 def build_plan(
@@ -181,57 +420,58 @@ def build_plan(
     overrides: Sequence[str],
     num_processes: int,
     num_examples: Optional[int],
-    gpu_name: str = "H100",
     model_params_override: Optional[float] = None,
-    mfu: float = 0.4,
-    tokens_per_sample: Optional[int] = None,
-    fill: float = 0.5,
+    assumptions: Optional[TimeAssumptions] = None,
 ) -> dict[str, Any]:
     recipe = load_recipe(recipe_path)
     script = recipe.get("script")
     if script not in CONFIG_CLASSES:
         raise ConfigError(f"recipe {recipe_path}: key 'script' must be one of {sorted(CONFIG_CLASSES)}, got {script!r}")
     cfg = parse_config(CONFIG_CLASSES[script], [recipe_path, *overrides])
-    return plan_from_config(
-        cfg, num_processes, num_examples, gpu_name, model_params_override, mfu, tokens_per_sample, fill
-    )
+    return plan_from_config(cfg, num_processes, num_examples, model_params_override, assumptions)
+
+
+def training_size(cfg: BaseConfig) -> tuple[Optional[int], str, list[dict]]:
+    """(rows, where the number came from, rows per source of a mixture) of the train set."""
+    if cfg.dataset_mixer_list is None:
+        rows, source = dataset_size(cfg.dataset_name_or_path, cfg.dataset_split)
+        if rows is not None and cfg.max_train_samples:
+            rows = min(rows, cfg.max_train_samples)
+        return rows, source, []
+    entries = parse_mixer_list(cfg.dataset_mixer_list)
+    sizes = [dataset_size(e.source, cfg.dataset_split) for e in entries]
+    per_source = mixture_summary(entries, [n for n, _ in sizes])
+    for row, (_, how) in zip(per_source, sizes):
+        row["available_source"] = how
+    if any(row["rows"] is None for row in per_source):
+        unknown = [row["source"] for row in per_source if row["rows"] is None]
+        return None, f"mixture with unsized fraction source(s) {unknown}", per_source
+    return sum(row["rows"] for row in per_source), "mixture: rows per source below", per_source
 
 
 def plan_from_config(
     cfg: BaseConfig,
     num_processes: int,
     num_examples: Optional[int] = None,
-    gpu_name: str = "H100",
     model_params_override: Optional[float] = None,
-    mfu: float = 0.4,
-    tokens_per_sample: Optional[int] = None,
-    fill: float = 0.5,
+    assumptions: Optional[TimeAssumptions] = None,
 ) -> dict[str, Any]:
     """The plan as one flat dict (also what --json prints). Raises ConfigError on an invalid plan."""
-    if gpu_name not in GPU_SPECS:
-        raise ConfigError(f"--gpu {gpu_name!r} is not in the table; choose from {sorted(GPU_SPECS)}")
-    if not (0 < fill <= 1):
-        raise ConfigError(f"--fill must be in (0, 1], got {fill}")
-    if not (0 < mfu <= 1):
-        raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
-    source = "--num_examples"
+    a = assumptions or TimeAssumptions()
+    a.check()
+    source, per_source = "--num_examples", []
     if num_examples is None:
-        num_examples, source = dataset_size(cfg.dataset_name_or_path, cfg.dataset_split)
-        if num_examples is not None and cfg.max_train_samples:
-            num_examples = min(num_examples, cfg.max_train_samples)
+        num_examples, source, per_source = training_size(cfg)
     if num_examples is None and not isinstance(cfg, RLVRConfig) and cfg.total_episodes is None:
-        raise ConfigError(
-            f"cannot size dataset {cfg.dataset_name_or_path!r} ({source}): pass --num_examples N or set total_episodes"
-        )
+        raise ConfigError(f"cannot size the train set ({source}): pass --num_examples N or set total_episodes")
     plan = cfg.batch_plan(num_processes, num_examples)
     steps_for_events = plan.num_training_steps
     params, params_source = model_params(cfg.model_name_or_path, model_params_override)
-    if tokens_per_sample is None:
-        tokens_per_sample = max(1, int(cfg.max_seq_length * fill))
     result: dict[str, Any] = {"script": cfg.script, "recipe_model": cfg.model_name_or_path, **plan.to_dict()}
     result.update(
         num_examples=num_examples,
         num_examples_source=source,
+        sources=per_source,
         logging_steps=cfg.logging_steps,
         log_rows=plan.log_rows(cfg.logging_steps),
         log_counter="rollout_step" if plan.is_rl else "optimizer_step",
@@ -241,15 +481,12 @@ def plan_from_config(
         learning_rate=cfg.learning_rate,
         model_params=params,
         model_params_source=params_source,
-        gpu=gpu_name,
-        mfu=mfu,
-        tokens_per_sample=tokens_per_sample,
-        fill=fill,
+        assumptions=dataclasses.asdict(a),
     )
     if params is None:
         result["estimated_hours"] = None
     else:
-        result.update(estimate(cfg, plan, params, GPU_SPECS[gpu_name], mfu, tokens_per_sample, fill))
+        result.update(estimate(cfg, plan, params, a))
     return result
 
 
@@ -289,6 +526,12 @@ def format_plan(p: dict[str, Any]) -> str:
     ]
     width = max(len(r[0]) for r in rows)
     lines += [f"  {k:<{width}}  {_fmt(v):>14}  {note}" for k, v, note in rows]
+    if p.get("sources"):
+        lines += ["", "Rows per source (dataset_mixer_list)"]
+        for src in p["sources"]:
+            available = "unknown size" if src["available"] is None else f"{src['available']:,} rows"
+            taken = "?" if src["rows"] is None else f"{src['rows']:,}"
+            lines.append(f"  {src['label']:<24} {taken:>12}  ({src['amount']} of {available})  {src['source']}")
     lines.append("")
     if p.get("estimated_hours") is None:
         lines.append(f"Time estimate: unavailable, model size {p['model_params_source']}")
@@ -298,25 +541,41 @@ def format_plan(p: dict[str, Any]) -> str:
         if key in p:
             lines.append(f"  {key:<24} {p[key]:>18,}")
     lines.append("")
-    lines.append(f"Estimated wall clock: {p['estimated_hours']:.1f} h  ({p['seconds_per_step']:.2f} s per step)")
-    if rl:
-        lines.append(f"  generation {p['generation_hours']:.1f} h, scoring + training {p['training_hours']:.1f} h")
-    lines.append("Assumptions:")
+    a = p["assumptions"]
+    stopped = f", stopped at episode {a['stop_at_episode']:,}" if a["stop_at_episode"] else ""
+    lines.append(
+        f"Estimated wall clock: {p['estimated_hours']:.1f} h  ({p['seconds_per_step']:.2f} s per "
+        f"{'rollout' if rl else 'step'}, {p['planned_steps']:,} {'rollouts' if rl else 'steps'}{stopped})"
+    )
+    total = sum(p["phase_hours"].values())
+    for name, hours in sorted(p["phase_hours"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<20} {hours:8.2f} h  {hours / total:6.1%}")
+    lines.append(
+        f"Dominant: {p['dominant_phase']} ({p['dominant_share']:.0%} of the time); its assumption: "
+        f"{p['dominant_assumption']}"
+    )
+    lines.append("Assumptions (each a flag of `python -m open_instruct.plan`):")
     lines.append(f"  model parameters {p['model_params'] / 1e9:.2f} B ({p['model_params_source']})")
     lines.append(
-        f"  {p['world_size']} x {p['gpu']}, training at {p['mfu']:.0%} of peak bf16 FLOP/s (6 FLOPs/param/token)"
+        f"  --gpu {a['gpu']} x {p['world_size']} training, --mfu {a['mfu']} of peak bf16 FLOP/s "
+        f"({p['flops_per_param_token']} FLOPs/parameter/token: 6, 8 with activation checkpointing)"
     )
     if rl:
         lines.append(
-            f"  generation memory-bandwidth bound at 60% of peak, tensor parallel {p['generation_tensor_parallel']}, "
-            f"prompts and responses at {p['fill']:.0%} of their max lengths on average"
+            f"  --prompt_tokens {p['prompt_tokens']}, --response_fill {a['response_fill']}, --rl_padding "
+            f"{a['rl_padding']}; generation: {p['generation_engines']} engine(s) x TP {p['generation_tensor_parallel']}"
+            f" on --generation_gpus {a['generation_gpus'] or p['world_size']}, {p['generation_waves']} wave(s), "
+            f"--decode_efficiency {a['decode_efficiency']}, KV {p['kv_bytes_per_token'] / 1e3:.0f} kB/token "
+            f"({p['kv_bytes_source']}), --overlap_generation {a['overlap_generation']}"
         )
     else:
-        lines.append(
-            f"  {p['tokens_per_sample']} tokens per sequence (--fill {p['fill']} of the max length; "
-            "--tokens_per_sample to set)"
-        )
-    lines.append("  plus weight loading at ~1 GB/s and a first step ~3x slower; eval time not included")
+        tokens = a["tokens_per_sample"] or f"--fill {a['fill']} of the max length"
+        lines.append(f"  sequence length: {tokens} (--tokens_per_sample to set)")
+    lines.append(
+        f"  --interconnect_gb_s {a['interconnect_gb_s']} (FSDP gathers per micro-batch), --host_gb_s "
+        f"{a['host_gb_s']} (CPU offload), --load_gb_s {a['load_gb_s']}, --first_step_factor "
+        f"{a['first_step_factor']}; eval time not included"
+    )
     return "\n".join(lines)
 
 
@@ -334,29 +593,24 @@ def print_dry_run(cfg: BaseConfig, world_size: int, num_examples: Optional[int] 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("recipe")
     parser.add_argument("--num_processes", type=int, default=1, help="training processes (world_size)")
     parser.add_argument("--num_examples", type=int, default=None, help="dataset rows; skips reading the dataset")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--gpu", default="H100", help=f"one of {sorted(GPU_SPECS)}")
     parser.add_argument("--model_params", type=float, default=None, help="parameter count, e.g. 8e9")
-    parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak FLOP/s reached in training")
-    parser.add_argument("--tokens_per_sample", type=int, default=None, help="average tokens per sequence")
-    parser.add_argument("--fill", type=float, default=0.5, help="average sequence length as a fraction of the max")
+    for f in dataclasses.fields(TimeAssumptions):
+        if f.type in ("bool", bool):
+            parser.add_argument(f"--{f.name}", action="store_true", help=ASSUMPTION_HELP[f.name])
+        else:
+            kind = {"float": float, "str": str}.get(str(f.type), int)
+            parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=ASSUMPTION_HELP[f.name])
     args, overrides = parser.parse_known_args(argv)
+    assumptions = TimeAssumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TimeAssumptions)})
     try:
-        plan = build_plan(
-            args.recipe,
-            overrides,
-            args.num_processes,
-            args.num_examples,
-            args.gpu,
-            args.model_params,
-            args.mfu,
-            args.tokens_per_sample,
-            args.fill,
-        )
+        plan = build_plan(args.recipe, overrides, args.num_processes, args.num_examples, args.model_params, assumptions)
     except ConfigError as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2

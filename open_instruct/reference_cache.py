@@ -75,13 +75,13 @@ def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: lis
         },
         "data": {
             "train": {
-                "sources": cfg.dataset_name_or_path,
+                "sources": cfg.dataset_name_or_path or cfg.dataset_mixer_list,
                 "split": cfg.dataset_split,
                 "pairs": len(train),
                 "tokens_sha256": tokens_fingerprint(train),
             },
             "eval": {
-                "sources": cfg.eval_dataset_name_or_path,
+                "sources": cfg.eval_dataset_name_or_path or cfg.eval_dataset_mixer_list,
                 "split": cfg.eval_dataset_split,
                 "pairs": len(evals),
                 "tokens_sha256": tokens_fingerprint(evals),

@@ -4,10 +4,12 @@
     accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/reward_model.py configs/rm_8b.yaml
 
 The model is a sequence classifier with one output. A conversation's reward is read at its last non-pad token.
-Chosen and rejected conversations go through ONE forward (chosen rows first, then rejected rows). The loss is
--log sigmoid(r_chosen - r_rejected) averaged over every pair of the global mini-batch (the same number whatever
-the split into devices and micro-batches). Accuracy counts a pair as right when r_chosen > r_rejected (ties are
-wrong).
+Chosen and rejected conversations go through ONE forward (chosen rows first, then rejected rows). The per-pair loss
+is -log sigmoid(r_chosen - r_rejected - margin) + center_rewards_coefficient * (r_chosen + r_rejected)^2, averaged
+over every pair of the global mini-batch (the same number whatever the split into devices and micro-batches).
+`margin` is the optional per-pair column named by `margin_column` (0 without it); both terms are TRL
+RewardTrainer's definitions. Accuracy counts a pair as right when r_chosen > r_rejected (ties are wrong; the
+margin does not enter it).
 """
 
 from __future__ import annotations
@@ -17,22 +19,51 @@ from typing import Any, Optional, Sequence
 from open_instruct import distributed, runtime
 from open_instruct.config import RewardModelConfig
 
-STAT_KEYS = ("loss", "correct", "chosen_reward", "rejected_reward")  # summed over pairs, see pair_sums
+# Summed over pairs, see pair_sums. "loss" is the total (Bradley-Terry + centering), "center_loss" its centering term.
+STAT_KEYS = ("loss", "correct", "chosen_reward", "rejected_reward", "center_loss", "target_margin")
 
 
-def bradley_terry(chosen: Any, rejected: Any) -> Any:
-    """Per-pair loss -log sigmoid(r_chosen - r_rejected) (logsigmoid is stable for large margins)."""
+def bradley_terry(chosen: Any, rejected: Any, margin: Any = None) -> Any:
+    """Per-pair loss -log sigmoid(r_chosen - r_rejected - margin) (logsigmoid is stable for large margins).
+
+    `margin` (per pair, or None for 0) asks the chosen reward to exceed the rejected one by at least that much
+    before the loss flattens out (Llama 2's margin loss, TRL's `margin` column)."""
     import torch.nn.functional as F
 
-    return -F.logsigmoid(chosen - rejected)
+    diff = chosen - rejected
+    return -F.logsigmoid(diff if margin is None else diff - margin)
 
 
-def pair_sums(losses: Any, chosen: Any, rejected: Any) -> Any:
+def center_penalty(chosen: Any, rejected: Any, coefficient: float) -> Any:
+    """Per-pair coefficient * (r_chosen + r_rejected)^2: pulls each pair's mean reward to 0 so rewards stay on a
+    common scale (Eisenstein et al. 2023). Averaged over pairs it is TRL's coef * mean((r_c + r_r)^2)."""
+    return coefficient * (chosen + rejected) ** 2
+
+
+def pair_losses(chosen: Any, rejected: Any, margin: Any, center_coefficient: float) -> tuple[Any, Any]:
+    """(total per-pair loss, its centering term): the one loss that training and evaluation both use."""
+    center = center_penalty(chosen, rejected, center_coefficient)
+    return bradley_terry(chosen, rejected, margin) + center, center
+
+
+def pair_sums(losses: Any, chosen: Any, rejected: Any, center: Any = None, margin: Any = None) -> Any:
     """Sums over the pairs of a batch, in STAT_KEYS order, as one detached tensor (one sync per step, not per stat)."""
     import torch
 
+    zero = losses.sum() * 0
     return (
-        torch.stack([losses.sum(), (chosen > rejected).float().sum(), chosen.sum(), rejected.sum()]).detach().double()
+        torch.stack(
+            [
+                losses.sum(),
+                (chosen > rejected).float().sum(),
+                chosen.sum(),
+                rejected.sum(),
+                zero if center is None else center.sum(),
+                zero if margin is None else margin.sum(),
+            ]
+        )
+        .detach()
+        .double()
     )
 
 
@@ -46,7 +77,49 @@ def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, 
         f"{prefix}/chosen_reward": chosen,
         f"{prefix}/rejected_reward": rejected,
         f"{prefix}/margin": chosen - rejected,
+        f"{prefix}/center_loss": totals["center_loss"] / n,
+        f"{prefix}/target_margin": totals["target_margin"] / n,
     }
+
+
+def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
+    """Held-out means per pair (eval/loss, accuracy, rewards, margin), and the same per source as
+    eval/<source>/... when the held-out set mixes sources."""
+    import torch
+
+    from open_instruct import data
+    from open_instruct.models import pair_rewards
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sources = data.mixed_sources(evals)
+    groups = {"": torch.zeros(len(STAT_KEYS), dtype=torch.float64)}
+    groups.update({s: torch.zeros(len(STAT_KEYS), dtype=torch.float64) for s in sources})
+    pairs = dict.fromkeys(groups, 0.0)
+    model.eval()
+    with torch.no_grad():
+        # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
+            with accelerator.autocast():
+                chosen, rejected = pair_rewards(model, batch)
+            if not real:
+                continue
+            margin = batch.get("margin")
+            losses, center = pair_losses(chosen, rejected, margin, cfg.center_rewards_coefficient)
+            for name in groups:
+                keep = torch.tensor([not name or e["source"] == name for e in mb], device=chosen.device)
+                picked = [t[keep] if t is not None else None for t in (losses, chosen, rejected, center, margin)]
+                groups[name] += pair_sums(*picked).cpu()
+                pairs[name] += float(keep.sum())
+    model.train()
+    flat = {f"{name}|{k}": v for name, sums in groups.items() for k, v in zip(STAT_KEYS, sums.tolist())}
+    flat.update({f"{name}|pairs": n for name, n in pairs.items()})
+    totals = distributed.global_sums(accelerator, flat)
+    out = {}
+    for name in groups:
+        per_group = {k: totals[f"{name}|{k}"] for k in STAT_KEYS}
+        out.update(summarize(per_group, totals[f"{name}|pairs"], f"eval/{name}" if name else "eval"))
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -95,24 +168,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plan.optimizer_steps,
     )
     counters = run.counters
-    stream = data.EpisodeStream(len(train), cfg.seed)
+    stream = data.episode_stream(train, cfg)
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-        pairs = 0
-        with torch.no_grad():
-            # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-            for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-                batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
-                with accelerator.autocast():
-                    chosen, rejected = pair_rewards(model, batch)
-                if real:
-                    sums += pair_sums(bradley_terry(chosen, rejected), chosen, rejected).cpu()
-                    pairs += len(mb)
-        model.train()
-        totals = distributed.global_sums(accelerator, {**dict(zip(STAT_KEYS, sums.tolist())), "pairs": pairs})
-        return summarize(totals, totals["pairs"], "eval")
+    def evaluate_model() -> dict[str, float]:
+        return evaluate(cfg, model, evals, accelerator, pad_id)
 
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -133,10 +192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     chosen, rejected = pair_rewards(model, batch)
-                losses = bradley_terry(chosen, rejected)
+                losses, center = pair_losses(chosen, rejected, batch.get("margin"), cfg.center_rewards_coefficient)
                 # Mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence the world factor.
                 accelerator.backward(losses.sum() * (world / plan.mini_batch_size))
-            sums += pair_sums(losses, chosen, rejected)
+            sums += pair_sums(losses, chosen, rejected, center, batch.get("margin"))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         totals = distributed.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
@@ -158,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     **run.throughput.report(accelerator),
                 }
             )
-        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
+        if run.end_of_step(evaluate_model if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
     run.finish()

@@ -836,7 +836,8 @@ def evaluate(
     accelerator: Any,
     gather_for_generation: Callable[[Any], Any],
 ) -> dict[str, float]:
-    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks)."""
+    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
+    (eval/<source>/correct_rate) when the held-out set mixes sources."""
     from open_instruct import data
     from open_instruct.distributed import global_sums
     from open_instruct.generation import GenerationConfig
@@ -855,15 +856,21 @@ def evaluate(
     )
     with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
         out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
+    sources = data.mixed_sources(evals)
+    sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
     if out is not None:
         scored = score_texts(cfg, out.texts, local)
-        sums = {
-            "correct": float(sum(scored.correct)),
-            "score": float(sum(scored.rewards)),
-            "length": float(sum(len(r) for r in out.response_ids)),
-            "non_stop": float(sum(not s for s in out.stopped)),
-            "n": float(len(local)),
-        }
+        sums.update(
+            correct=float(sum(scored.correct)),
+            score=float(sum(scored.rewards)),
+            length=float(sum(len(r) for r in out.response_ids)),
+            non_stop=float(sum(not s for s in out.stopped)),
+            n=float(len(local)),
+        )
+        for example, correct in zip(local, scored.correct):
+            if sources:
+                sums[f"{example['source']}/correct"] += float(correct)
+                sums[f"{example['source']}/n"] += 1.0
     t = global_sums(accelerator, sums)
     n = max(t["n"], 1.0)
     return {
@@ -871,6 +878,7 @@ def evaluate(
         "eval/score_mean": t["score"] / n,
         "eval/response_length": t["length"] / n,
         "eval/non_stop_rate": t["non_stop"] / n,
+        **{f"eval/{s}/correct_rate": t[f"{s}/correct"] / max(t[f"{s}/n"], 1.0) for s in sources},
     }
 
 
@@ -1020,7 +1028,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
     )
     counters = run.counters
-    stream = data.EpisodeStream(len(train), cfg.seed)
+    stream = data.episode_stream(train, cfg)
     # One pass in one mini-batch trains on exactly the weights that sampled: the training forward gives the old
     # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
     on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)

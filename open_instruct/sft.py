@@ -15,23 +15,57 @@ from open_instruct import distributed, runtime
 from open_instruct.config import SFTConfig
 
 
-def token_loss_sum(model: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
-    """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are."""
+def token_loss_sum(model: Any, batch: dict[str, Any], per_row: bool = False) -> tuple[Any, Any]:
+    """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are; with per_row,
+    both per row of the batch ([B] each: per-source eval sums)."""
     import torch.nn.functional as F
 
     # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
-    loss_sum = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-    return loss_sum, (labels != -100).sum()
+    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if per_row:
+        losses = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
+        return losses.view(labels.shape).sum(1), (labels != -100).sum(1)
+    return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
+
+
+def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
+    """Held-out loss per trained token and perplexity; eval/<source>/loss too when the set mixes sources."""
+    import math
+
+    import torch
+
+    from open_instruct import data
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    sources = data.mixed_sources(evals)
+    sums = {f"{name}|{k}": 0.0 for name in ["", *sources] for k in ("loss", "tokens")}
+    model.eval()
+    with torch.no_grad():
+        # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
+        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
+            with accelerator.autocast():
+                row_losses, row_tokens = token_loss_sum(model, batch, per_row=True)
+            if not real:
+                continue
+            for example, loss, tokens in zip(mb, row_losses.tolist(), row_tokens.tolist()):
+                for name in ["", example["source"]] if sources else [""]:
+                    sums[f"{name}|loss"] += loss
+                    sums[f"{name}|tokens"] += tokens
+    model.train()
+    totals = distributed.global_sums(accelerator, sums)
+    losses = {name: totals[f"{name}|loss"] / max(totals[f"{name}|tokens"], 1) for name in ["", *sources]}
+    return {
+        "eval/loss": losses[""],
+        "eval/perplexity": math.exp(losses[""]),
+        **{f"eval/{name}/loss": losses[name] for name in sources},
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(SFTConfig, argv)
-
-    import torch
 
     from open_instruct import data
     from open_instruct.batch_math import should_log
@@ -65,26 +99,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plan.optimizer_steps,
     )
     counters = run.counters
-    stream = data.EpisodeStream(len(train), cfg.seed)
+    stream = data.episode_stream(train, cfg)
     pad_id = tokenizer.pad_token_id
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        sums = {"loss": 0.0, "tokens": 0.0}
-        with torch.no_grad():
-            # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-            for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-                batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
-                with accelerator.autocast():
-                    loss_sum, n = token_loss_sum(model, batch)
-                if not real:
-                    continue
-                sums["loss"] += loss_sum.item()
-                sums["tokens"] += n.item()
-        model.train()
-        totals = distributed.global_sums(accelerator, sums)
-        loss = totals["loss"] / max(totals["tokens"], 1)
-        return {"eval/loss": loss, "eval/perplexity": float(torch.exp(torch.tensor(loss)))}
+    def evaluate_model() -> dict[str, float]:
+        return evaluate(cfg, model, evals, accelerator, pad_id)
 
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -127,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     **run.throughput.report(accelerator),
                 }
             )
-        if run.end_of_step(evaluate if evals else None):  # eval, best model, checkpoint; True on SIGTERM
+        if run.end_of_step(evaluate_model if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             return
 
     run.finish()

@@ -155,3 +155,39 @@ def test_param_count_from_config():
         "tie_word_embeddings": False,
     }
     assert llama_like_params(cfg) == 8_030_261_248
+
+
+# The published Tulu 3 runs (../shared/reference/tulu3.md) as the planner must reproduce them with its default
+# assumptions: (recipe, training processes, the published layout's flags, published hours).
+# The 8B RLVR figure is for an early checkpoint whose episode is not published; the check assumes 300,000
+# episodes (1,340 rollouts of 224), so it tests the time per rollout more than the run length.
+PUBLISHED_RUNS = [
+    ("rm_8b", 8, [], 9.0),
+    ("rlvr_8b", 7, ["--generation_gpus", "1", "--overlap_generation", "--stop_at_episode", "300000"], 65.0),
+    ("rlvr_70b", 40, ["--generation_gpus", "4", "--overlap_generation"], 60.0),
+]
+
+
+@pytest.mark.parametrize("name, world, layout, published", PUBLISHED_RUNS)
+def test_plan_reproduces_published_hours_within_30_percent(repo_root, capsys, name, world, layout, published):
+    assert plan_main([_recipe(repo_root, name), "--num_processes", str(world), *layout, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert abs(p["estimated_hours"] / published - 1) <= 0.30, (name, p["estimated_hours"], p["phase_hours"])
+    assert p["dominant_phase"] in p["phase_hours"] and 0 < p["dominant_share"] <= 1
+    text = (plan_main([_recipe(repo_root, name), "--num_processes", str(world), *layout]), capsys.readouterr().out)[1]
+    assert "Dominant:" in text and "--mfu 0.3" in text
+
+
+def test_each_assumption_is_a_flag_that_moves_the_estimate(repo_root, capsys):
+    def hours(*flags):
+        assert plan_main([_recipe(repo_root, "rm_8b"), "--num_processes", "8", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["estimated_hours"]
+
+    base = hours()
+    assert hours("--mfu", "0.6") < base < hours("--mfu", "0.15")
+    assert hours("--fill", "0.25") < base < hours("--fill", "1.0")
+    assert hours("--layer_overhead_ms", "0") < base < hours("--layer_overhead_ms", "20")
+    assert hours("--pair_padding", "1.0") < base
+    assert hours("--fsdp_cpu_offload", "true") > base  # a recipe override: the offload cost appears
+    assert plan_main([_recipe(repo_root, "rm_8b"), "--mfu", "1.5"]) == 2
+    assert "--mfu must be in (0, 1]" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from training_helpers import (
 
 from open_instruct import reward_model
 from open_instruct.checkpoint import find_resume_checkpoint
+from open_instruct.errors import DataError
 from open_instruct.models import pair_rewards
 
 STEPS = 12  # 192 pairs / (8 per micro-batch x 2 accumulation)
@@ -114,6 +115,86 @@ def test_bradley_terry_against_hand_worked_values():
     assert metrics["train/chosen_reward"] == pytest.approx(33 / 4)
     assert metrics["train/rejected_reward"] == pytest.approx(-27 / 4)
     assert metrics["train/margin"] == pytest.approx(15.0)
+
+
+def test_margin_and_centering_against_hand_worked_values():
+    """TRL's RewardTrainer: loss = mean(-log sigmoid(r_c - r_r - margin)) + coef * mean((r_c + r_r)^2)."""
+    chosen = torch.tensor([1.0, 0.0, 2.0])
+    rejected = torch.tensor([0.0, 0.0, 3.0])
+    margin = torch.tensor([0.5, -1.0, 1.0])
+    # r_c - r_r - margin = 0.5, 1, -2 -> log(1 + e^-0.5) = 0.474077, log(1 + e^-1) = 0.313262, log(1 + e^2) = 2.126928
+    bt = [0.4740770, 0.3132617, 2.1269280]
+    assert reward_model.bradley_terry(chosen, rejected, margin).tolist() == pytest.approx(bt, abs=1e-6)
+    # centering, coef 0.1: (1 + 0)^2 = 1, (0 + 0)^2 = 0, (2 + 3)^2 = 25 -> 0.1, 0, 2.5
+    losses, center = reward_model.pair_losses(chosen, rejected, margin, 0.1)
+    assert center.tolist() == pytest.approx([0.1, 0.0, 2.5], abs=1e-6)
+    assert losses.tolist() == pytest.approx([0.5740770, 0.3132617, 4.6269280], abs=1e-6)
+    sums = reward_model.pair_sums(losses, chosen, rejected, center, margin)
+    metrics = reward_model.summarize(dict(zip(reward_model.STAT_KEYS, sums.tolist())), 3, "train")
+    # (0.474077 + 0.313262 + 2.126928) / 3 = 0.971422, + 0.1 * (1 + 0 + 25) / 3 = 0.866667 -> 1.838089
+    assert metrics["train/loss"] == pytest.approx(1.838089, abs=1e-6)
+    assert metrics["train/center_loss"] == pytest.approx(0.866667, abs=1e-6)
+    assert metrics["train/target_margin"] == pytest.approx(0.5 / 3, abs=1e-6)
+    assert metrics["train/accuracy"] == pytest.approx(1 / 3)  # only 1 > 0; the margin does not change accuracy
+    # Without a margin and with coef 0 the loss is plain Bradley-Terry: margin 1, 0, -1.
+    losses, center = reward_model.pair_losses(chosen, rejected, None, 0.0)
+    assert losses.tolist() == pytest.approx([0.313262, 0.693147, 1.313262], abs=1e-6) and center.sum() == 0
+
+
+def test_margin_column_is_read_checked_and_logged(tiny_models, rm_data, tmp_path):
+    rows = [json.loads(line) for line in open(rm_data["train"])][:32]
+    for i, r in enumerate(rows):
+        r["score_gap"] = 0.25 * (i % 4)  # margins 0, 0.25, 0.5, 0.75: mean 0.375 over the 32 rows
+    train = write_jsonl(tmp_path / "margins.jsonl", rows)
+    out = tmp_path / "run"
+    args = rm_args(tiny_models, rm_data, out)
+    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--margin_column", "score_gap"]
+    args += ["--center_rewards_coefficient", "0.01"]
+    args += ["--eval_steps", "2", "--checkpointing_steps", "100"]
+    reward_model.main(args)
+    metrics = read_metrics(out)
+    train_rows = [m for m in metrics if "train/loss" in m]
+    assert len(train_rows) == 2  # 32 pairs / 16 per step
+    # The two steps cover the epoch (all 32 rows, shuffled): their mean target margin is the file's mean.
+    assert sum(m["train/target_margin"] for m in train_rows) / 2 == pytest.approx(0.375)
+    assert all(m["train/center_loss"] > 0 for m in train_rows)
+    eval_row = next(m for m in metrics if "eval/loss" in m)
+    assert eval_row["eval/target_margin"] == pytest.approx(0.375) and eval_row["eval/center_loss"] > 0
+    rows[5]["score_gap"] = "big"
+    bad = write_jsonl(tmp_path / "bad_margin.jsonl", rows)
+    with pytest.raises(DataError, match=r"bad_margin.jsonl line 6: column 'score_gap' must be a finite number"):
+        reward_model.main(
+            rm_args(tiny_models, rm_data, tmp_path / "bad")
+            + ["--dataset_name_or_path", bad, "--margin_column", "score_gap"]
+        )
+
+
+def test_mixed_eval_set_reports_each_source(tiny_models, rm_data, tmp_path):
+    rows = [json.loads(line) for line in open(rm_data["eval"])]
+    upper = write_jsonl(tmp_path / "eval_upper.jsonl", rows[:40])
+    lower = write_jsonl(tmp_path / "eval_lower.jsonl", rows[40:])  # 24 rows
+    out = tmp_path / "run"
+    args = rm_args(tiny_models, rm_data, out)
+    at = args.index("--eval_dataset_name_or_path")
+    args[at : at + 2] = ["--eval_dataset_name_or_path", "null", "--max_train_samples", "32"]
+    args += [
+        "--eval_dataset_mixer_list",
+        upper,
+        "1.0",
+        lower,
+        "12",
+        "--eval_steps",
+        "2",
+        "--checkpointing_steps",
+        "100",
+    ]
+    reward_model.main(args)
+    row = [m for m in read_metrics(out) if "eval/loss" in m][-1]
+    for key in ("loss", "accuracy", "margin"):
+        # 40 pairs from one source, 12 from the other: the overall number is their pair-weighted mean.
+        mixed = (40 * row[f"eval/eval_upper/{key}"] + 12 * row[f"eval/eval_lower/{key}"]) / 52
+        assert row[f"eval/{key}"] == pytest.approx(mixed, rel=1e-6, abs=1e-9), key  # float32 sums per batch
+    assert row["eval/eval_upper/accuracy"] * 40 == pytest.approx(round(row["eval/eval_upper/accuracy"] * 40))
 
 
 def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):

@@ -318,3 +318,29 @@ def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     torch.testing.assert_close(
         token_values(value, batch, 4)[mask], token_values(value, batch)[mask], rtol=1e-5, atol=1e-5
     )
+
+
+def test_mixture_trains_and_reports_correct_rate_per_source(task):
+    """Train on a two-file mixture and evaluate on a two-file mixture: eval/<source>/correct_rate per source, and
+    the overall rate is their prompt-weighted mean."""
+    rows = [json.loads(line) for line in open(task["eval"])]
+    d = os.path.join(task["root"], "mix")
+    gsm = synthetic.write_jsonl(os.path.join(d, "eval_gsm.jsonl"), rows[:120])
+    ifx = synthetic.write_jsonl(os.path.join(d, "eval_if.jsonl"), rows[120:])  # 80 rows, 40 taken
+    train = [json.loads(line) for line in open(task["train"])]
+    part_a = synthetic.write_jsonl(os.path.join(d, "train_a.jsonl"), train[:1000])
+    part_b = synthetic.write_jsonl(os.path.join(d, "train_b.jsonl"), train[1000:])
+    out = os.path.join(d, "run")
+    args = rl_args(task, out, "--total_episodes", "128", "--eval_steps", "1", "--checkpointing_steps", "1000")
+    at = args.index("--dataset_name_or_path")
+    args[at : at + 4] = ["--dataset_name_or_path", "", "--eval_dataset_name_or_path", "null"]
+    args += ["--dataset_mixer_list", part_a, "0.75", part_b, "250"]
+    args += ["--eval_dataset_mixer_list", gsm, "1.0", ifx, "40"]
+    proc = run(args)
+    assert "per source: train_a 750 kept of 750 taken (fraction 0.75 of 1000), train_b 250 kept" in proc.stdout
+    evals = [r for r in read_rows(out) if "eval/correct_rate" in r]
+    assert len(evals) == 2  # the baseline at rollout 0 and after the one rollout
+    for r in evals:
+        mixed = (120 * r["eval/eval_gsm/correct_rate"] + 40 * r["eval/eval_if/correct_rate"]) / 160
+        assert r["eval/correct_rate"] == pytest.approx(mixed, abs=1e-12)
+        assert 0 < r["eval/correct_rate"] < 1  # the SFT'd policy gets some right, so the check is not 0 == 0
