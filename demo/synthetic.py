@@ -101,6 +101,65 @@ def rl_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     return rows
 
 
+# A broader family for generalisation (the SmolLM2 demo): training and held-out problems differ in phrasing and in
+# operand ranges, so a held-out gain is not template fitting. {n} name, {i} item, {a} {b} operands.
+BROAD_TEMPLATES = {
+    "train": {
+        "+": [
+            "{n} has {a} {i} and gets {b} more. How many {i} now?",
+            "{n} collected {a} {i} on Monday and {b} on Tuesday. How many {i} in total?",
+            "What is {a} plus {b}?",
+        ],
+        "-": [
+            "{n} has {a} {i} and gives away {b}. How many {i} now?",
+            "A box held {a} {i}. {n} took {b} out. How many {i} are left in the box?",
+            "What is {a} minus {b}?",
+        ],
+        "*": ["{n} has {a} bags with {b} {i} in each. How many {i} in all?", "What is {a} times {b}?"],
+    },
+    "held_out": {
+        "+": ["After buying {b} more {i}, {n}, who started with {a}, owns how many {i}?", "Add {a} and {b}."],
+        "-": ["{n} owed {a} {i} and paid back {b}. How many {i} does {n} still owe?", "Subtract {b} from {a}."],
+        "*": ["There are {a} rows of chairs with {b} chairs per row. How many chairs?", "Multiply {a} by {b}."],
+    },
+}
+# (low, high) operand ranges per operation: held-out sums and differences use larger numbers than training.
+BROAD_RANGES = {
+    "train": {"+": (1, 30), "-": (1, 30), "*": (2, 9)},
+    "held_out": {"+": (31, 60), "-": (31, 60), "*": (11, 15)},
+}
+
+
+def broad_problem(rng: random.Random, split: str) -> dict[str, Any]:
+    """A word problem of the broad family: split 'train' or 'held_out' picks the templates and operand ranges."""
+    op = rng.choice(["+", "-", "*"])
+    low, high = BROAD_RANGES[split][op]
+    a, b = rng.randint(low, high), rng.randint(low, high) if op != "*" else rng.randint(2, 9)
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    template = rng.choice(BROAD_TEMPLATES[split][op])
+    question = template.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b)
+    return {"question": question, "work": f"{a}{op}{b}={answer}", "answer": answer}
+
+
+def broad_rl_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+    """RL prompt rows of the broad family (messages + ground truth + dataset=arithmetic)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = broad_problem(rng, split)
+        rows.append(
+            {
+                "id": f"broad-{split}-{seed}-{i}",
+                "messages": [{"role": "user", "content": p["question"]}],
+                "ground_truth": str(p["answer"]),
+                "dataset": "arithmetic",
+            }
+        )
+    return rows
+
+
 def write_jsonl(path: str, rows: list[dict[str, Any]]) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

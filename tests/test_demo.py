@@ -6,6 +6,7 @@ the printed table) and still fail when a stage stops learning."""
 
 import json
 import os
+import random
 
 import pytest
 
@@ -77,3 +78,24 @@ def test_plots_and_summary_files(quick_run):
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["accuracy"]["rlvr"]["correct"] == summary["accuracy"]["rlvr"]["correct"]
     assert on_disk["quick"] is True
+
+
+def test_broad_family_held_out_problems_are_new_in_phrasing_and_range():
+    """The SmolLM2 demo's generalisation check: held-out problems share no template and (for + and -) no operand
+    range with training, and every ground truth is the true result."""
+    import re
+
+    from demo.synthetic import BROAD_TEMPLATES, broad_problem
+
+    rng = random.Random(0)
+    for split in ("train", "held_out"):
+        for _ in range(300):
+            p = broad_problem(rng, split)
+            a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)=\d+", p["work"]).groups()
+            a, b = int(a), int(b)
+            assert p["answer"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
+            if op in "+-":
+                assert (max(a, b) <= 30) == (split == "train") and (min(a, b) >= 31) == (split == "held_out")
+    train = {t for ts in BROAD_TEMPLATES["train"].values() for t in ts}
+    held_out = {t for ts in BROAD_TEMPLATES["held_out"].values() for t in ts}
+    assert not train & held_out
