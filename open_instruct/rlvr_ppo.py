@@ -31,6 +31,12 @@ weights that sampled, so the training forward's own log-probs serve as the old o
 
 from __future__ import annotations
 
+from open_instruct import runtime
+from open_instruct.config import RLVRConfig
+
+if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
+    runtime.start_before_imports(RLVRConfig)
+
 import contextlib
 import random
 import time
@@ -39,9 +45,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from open_instruct import runtime
-from open_instruct.config import RLVRConfig
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
@@ -670,11 +673,6 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
     check_verifiers(train, "train")
     check_verifiers(evals, "eval")
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
-    if cfg.best_metric and not cfg.best_metric.startswith("eval/"):
-        raise ConfigError(
-            f"best_metric {cfg.best_metric!r}: RLVR eval metrics are eval/correct_rate, eval/score_mean, "
-            "eval/response_length"
-        )
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
     )
