@@ -99,6 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         rl_dir,
         "--seed",
         str(args.seed + 1),
+        "--overwrite_output_dir",  # the demo reruns from scratch: a previous demo's RL run is replaced
+        "true",
         *rlvr_overrides,
     ]
     try:  # a typo in an override fails now, not after the first evaluation

@@ -216,15 +216,14 @@ def save_checkpoint(
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             # Configs and tokenizer make the checkpoint self-contained for `open_instruct.export`.
-            classes, prefixes = {}, {}
+            classes = {}
             for name, model in models.items():
                 unwrapped = accelerator.unwrap_model(model)
                 unwrapped.config.save_pretrained(os.path.join(tmp, "hf", name))
                 classes[name] = _auto_class_name(unwrapped)
-                prefixes[name] = _state_prefix(unwrapped)
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "hf", "tokenizer"))
-            trainer_state = {**trainer_state, "model_classes": classes, "state_prefixes": prefixes}
+            trainer_state = {**trainer_state, "model_classes": classes}
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(trainer_state, f, indent=1)
             write_manifest(tmp)
@@ -299,10 +298,6 @@ def _auto_class_name(model: Any) -> str:
         else "AutoModelForCausalLM"
     )
 
-
-def _state_prefix(model: Any) -> str:
-    """Prefix of the model's state-dict keys before the HF model's own (a TokenValueModel's are `seq_cls.`)."""
-    return "seq_cls." if hasattr(model, "seq_cls") else ""
 
 
 def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
