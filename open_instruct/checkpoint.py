@@ -299,7 +299,6 @@ def _auto_class_name(model: Any) -> str:
     )
 
 
-
 def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
     if accelerator.num_processes == 1:
         assert value is not None

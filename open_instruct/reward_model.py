@@ -49,6 +49,9 @@ def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, 
     }
 
 
+assert RewardModelConfig.eval_metrics == tuple(summarize(dict.fromkeys(STAT_KEYS, 0.0), 1.0, "eval"))  # best_metric
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 

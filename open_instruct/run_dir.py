@@ -121,11 +121,15 @@ def _now() -> str:
 
 
 def run_files(output_dir: str) -> list[str]:
-    """The run files present in `output_dir` (an empty checkpoints/ folder does not count), for messages."""
+    """The results of a run present in `output_dir`, for messages: metrics, samples, checkpoints (an empty
+    checkpoints/ folder does not count), final and best model. run.json alone is not a result: a run that stopped
+    before producing any (a bad dataset row, a crash while loading) does not block the next start."""
     if not os.path.isdir(output_dir):
         return []
     found = []
     for name in RUN_FILES:
+        if name in (RUN_FILE, ".wandb_run_id"):
+            continue
         path = os.path.join(output_dir, name)
         if name == "checkpoints" and os.path.isdir(path):
             steps = sorted(n for n in os.listdir(path) if n.startswith("step_"))

@@ -251,14 +251,14 @@ class RunContext:
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
         self.last_step, self.counter = last_step, counter
+        self.preemption = preemption()
+        self.preemption.stop_if_requested(accelerator, "start-up (model load)")
         self.counters = Counters()
         main = accelerator.is_main_process
         state = restore_training_state(cfg, accelerator, models, optimizers, schedulers, self.counters, self.print)
         self.resumed = state is not None
         self.best = BestTracker(cfg, state)
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
-        self.preemption = preemption()
-        self.preemption.stop_if_requested(accelerator, "start-up (model load)")
         self.throughput = Throughput()
 
     @property
