@@ -317,6 +317,8 @@ def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
 def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optional[int]) -> None:
     """Refuse to save weights holding NaN/inf (e.g. after an infinite learning rate: the loss and gradients of that
     step were finite, the update was not). A saved copy would be picked up by `--resume_from_checkpoint auto`."""
+    import torch
+
     for name, model in models.items():
         # This rank's shard of each parameter (FSDP2 DTensor), checked in place (no float copy); agreed over ranks.
         local = (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters())

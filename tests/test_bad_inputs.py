@@ -283,7 +283,7 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
         bad = corrupt_copy(sft_ckpt, str(tmp / "corrupt" / "step_4"))
         return "sft", sft_argv(m, f, out, "--resume_from_checkpoint", bad), ["fails its checksum", bad], None
     if name == "adam_epsilon_negative":
-        return "sft", sft_argv(m, f, out, "--adam_epsilon", "-1e-8"), ["adam_epsilon must be >= 0"], None
+        return "sft", sft_argv(m, f, out, "--adam_epsilon", "-0.1"), ["adam_epsilon must be >= 0"], None
     if name == "eval_response_length_negative":
         return "rlvr_ppo", rl_argv(m, f, out, "--eval_response_length", "-1"), ["eval_response_length"], None
     if name == "sft_best_metric_typo":
@@ -384,7 +384,15 @@ def test_bad_input_exits_2_naming_it_before_any_model_loads(
 ):
     target = tmp_path / "finished_copy"
     shutil.copytree(finished_sft, target)
-    t = Setting(models=tiny_models, files=files, tmp=tmp_path, sft=finished_sft, ppo=finished_ppo, target=target)
+    t = Setting(
+        models=tiny_models,
+        files=files,
+        tmp=tmp_path,
+        sft=finished_sft,
+        ppo=finished_ppo,
+        target=target,
+        live=live_process,
+    )
     script, argv, needles, intact = build_case(name, t)
     neighbours = {str(finished_sft): snapshot(finished_sft), str(finished_ppo): snapshot(finished_ppo)}
     before = snapshot(intact) if intact else None
