@@ -227,6 +227,7 @@ def save_checkpoint(
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(trainer_state, f, indent=1)
             write_manifest(tmp)
+            run_dir.apply_umask_tree(tmp)  # what rank 0 can see; shard files of other nodes keep their writers' modes
             fault_point("checkpoint_write", step)
             if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
                 shutil.rmtree(final)
@@ -371,6 +372,7 @@ def write_hf_folder(
             with open(os.path.join(tmp, "training_info.json"), "w") as f:
                 json.dump(extra, f, indent=1)
         write_manifest(tmp)
+        run_dir.apply_umask_tree(tmp)
         fault_point(f"{os.path.basename(os.path.normpath(out_dir))}_write", (extra or {}).get("optimizer_step"))
         old = None
         if os.path.exists(out_dir):

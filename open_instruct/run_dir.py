@@ -63,6 +63,14 @@ def apply_umask(path: str) -> None:
     os.chmod(path, base & ~current_umask())
 
 
+def apply_umask_tree(folder: str) -> None:
+    """apply_umask on a folder and everything in it (some writers, e.g. safetensors, create files 0600)."""
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            apply_umask(os.path.join(root, name))
+    apply_umask(folder)
+
+
 def make_temp_dir(prefix: str, parent: str) -> str:
     """tempfile.mkdtemp with the user's umask instead of 0700, so teammates can read what is renamed into place."""
     path = tempfile.mkdtemp(prefix=prefix, dir=parent)

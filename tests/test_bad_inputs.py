@@ -617,7 +617,7 @@ def test_every_model_of_a_ppo_checkpoint_exports_and_loads(finished_ppo, tmp_pat
     AutoModelForCausalLM.from_pretrained(policy)
     value = export_checkpoint(step, str(tmp_path / "value"), "value")
     model, info = AutoModelForSequenceClassification.from_pretrained(value, output_loading_info=True)
-    assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and model.config.num_labels == 1
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.num_labels == 1
     # The exported head is the trained one stored in the checkpoint (under the TokenValueModel's `seq_cls.` prefix).
     import torch
     import torch.distributed.checkpoint as dcp
@@ -635,7 +635,11 @@ def test_outputs_are_made_with_the_users_umask(finished_sft, tmp_path, umask_022
     for folder in ("final_model", "best_model", "checkpoints/step_4", exported):
         path = os.path.join(finished_sft, folder)
         assert oct(os.stat(path).st_mode & 0o777) == oct(0o755), folder
-    for file in ("metrics.jsonl", "run.json", "final_model/model.safetensors", "checkpoints/step_4/trainer_state.json"):
+    files = ["metrics.jsonl", "run.json", "final_model/model.safetensors", "checkpoints/step_4/trainer_state.json"]
+    files += [
+        os.path.join("checkpoints/step_4/state", n) for n in os.listdir(finished_sft / "checkpoints/step_4/state")
+    ]
+    for file in files:
         assert oct(os.stat(os.path.join(finished_sft, file)).st_mode & 0o777) == oct(0o644), file
 
 
