@@ -136,7 +136,7 @@ class BaseConfig:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         if not self.dataset_name_or_path:
             raise ConfigError("dataset_name_or_path is required (a hub name or local .jsonl/.json/.parquet files)")
-        if self.best_metric is not None and self.eval_metrics and self.best_metric not in self.eval_metrics:
+        if self.best_metric and self.eval_metrics and self.best_metric not in self.eval_metrics:  # '' = none
             close = difflib.get_close_matches(self.best_metric, self.eval_metrics, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
