@@ -1,6 +1,6 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
-present and not truncated, the GGUF file, a trained reward head), dataset files, the output folder, an explicit
-resume checkpoint. `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
+present and not truncated, the GGUF file, a trained reward head), dataset files, the chat template's syntax, the
+output folder. `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
 weights have loaded. Hub names (not local paths) pass here and are checked by their loaders."""
 
 from __future__ import annotations
@@ -148,6 +148,18 @@ def check_output_dir_writable(output_dir: str) -> None:
         probe_writable(checkpoints, "checkpoints folder")
 
 
+def check_chat_template(template: Optional[str]) -> None:
+    """A given chat template must at least be valid Jinja (the tokenizer compiles it only at the first use)."""
+    if not template:
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"chat_template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+
+
 def check_inputs(cfg: Any) -> None:
     """Every model and dataset path of the config (see the module docstring)."""
     check_model_folder(cfg.model_name_or_path, "model_name_or_path", cfg.gguf_file)
@@ -161,3 +173,4 @@ def check_inputs(cfg: Any) -> None:
         check_trained_score_head(cfg.reward_model_path, "reward_model_path")
     check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
     check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
+    check_chat_template(cfg.chat_template)

@@ -28,7 +28,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from open_instruct.errors import ConfigError
 
@@ -292,7 +292,7 @@ def _ways_forward(output_dir: str, what: str) -> str:
     )
 
 
-def describe(output_dir: str, run: Optional[dict[str, Any]], files: list[str]) -> str:
+def describe(run: Optional[dict[str, Any]], files: list[str]) -> str:
     """'run 1a2b (sft, started ..., finished): metrics.jsonl, final_model/' for messages."""
     if run is None:
         return f"files of a run with no {RUN_FILE} (an unknown or older run): {', '.join(files)}"
@@ -302,7 +302,11 @@ def describe(output_dir: str, run: Optional[dict[str, Any]], files: list[str]) -
 
 
 def claim(
-    output_dir: str, script: str, resume_from_checkpoint: Optional[str], overwrite: bool, checkpoint_run_id: Any
+    output_dir: str,
+    script: str,
+    resume_from_checkpoint: Optional[str],
+    overwrite: bool,
+    checkpoint_run_id: Callable[[], Optional[str]],
 ) -> Claim:
     """Lock the folder and decide whose run this is (see the module docstring). `checkpoint_run_id` is a callable
     returning the run id recorded in an explicit resume checkpoint (None for older checkpoints). Raises ConfigError
@@ -324,21 +328,21 @@ def claim(
             run, files = None, []
         if resume_from_checkpoint == "auto":
             if files and run is None:
-                raise ConfigError(_ways_forward(output_dir, describe(output_dir, run, files)))
+                raise ConfigError(_ways_forward(output_dir, describe(run, files)))
             if run is not None:
                 return Claim(run["run_id"], True, bool(run.get("finished")), lock)
         elif explicit:
             run_id = checkpoint_run_id() or uuid.uuid4().hex[:12]
             if files and (run is None or run["run_id"] != run_id):
                 raise ConfigError(
-                    _ways_forward(output_dir, describe(output_dir, run, files))
+                    _ways_forward(output_dir, describe(run, files))
                     + f"\n(the checkpoint {resume_from_checkpoint!r} belongs to run {run_id})"
                 )
             if run is None:
                 _start_run(output_dir, run_id, script)
             return Claim(run_id, True, False, lock)  # explicit: resumed even if the run had finished
         elif files:
-            raise ConfigError(_ways_forward(output_dir, describe(output_dir, run, files)))
+            raise ConfigError(_ways_forward(output_dir, describe(run, files)))
         run_id = uuid.uuid4().hex[:12]
         _start_run(output_dir, run_id, script)
         return Claim(run_id, False, False, lock)

@@ -24,22 +24,15 @@ def is_main_process_from_env() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def resume_checkpoint_at_start(cfg: BaseConfig, run_id: str) -> Optional[str]:
-    """The checkpoint this start will resume from, checked before any model loads: an explicit path must be
-    complete and pass its checksums; `auto` takes this run's newest valid one (or none: a fresh start)."""
+def check_explicit_checkpoint(path: str) -> None:
+    """An explicit resume checkpoint must be a complete folder that passes its checksums (before any model loads)."""
     from open_instruct import checkpoint
 
-    path = cfg.resume_from_checkpoint
-    if not path:
-        return None
-    if path == "auto":
-        return checkpoint.find_resume_checkpoint(cfg.output_dir, lambda message: None, run_id)
     if not os.path.isdir(path):
         raise ConfigError(f"resume_from_checkpoint {path!r} is not a folder")
     reason = checkpoint.validate(path, deep=True)
     if reason is not None:
         raise ConfigError(f"resume_from_checkpoint {path!r}: {reason}")
-    return path
 
 
 def claim_output_dir(cfg: BaseConfig) -> None:
@@ -47,15 +40,16 @@ def claim_output_dir(cfg: BaseConfig) -> None:
     checkpoint to resume against this config. Exits 0 at once when `auto` finds its run already finished."""
     from open_instruct import checkpoint, run_dir
 
-    explicit = cfg.resume_from_checkpoint not in (None, "", "auto")
-    if explicit and not os.path.isdir(cfg.resume_from_checkpoint):
-        raise ConfigError(f"resume_from_checkpoint {cfg.resume_from_checkpoint!r} is not a folder")
+    resume = cfg.resume_from_checkpoint
+    explicit = resume not in (None, "", "auto")
+    if explicit:
+        check_explicit_checkpoint(resume)
     claim = run_dir.claim(
         cfg.output_dir,
         cfg.script,
-        cfg.resume_from_checkpoint,
+        resume,
         cfg.overwrite_output_dir,
-        lambda: checkpoint.read_state(cfg.resume_from_checkpoint).get("run_id") if explicit else None,
+        lambda: checkpoint.read_state(resume).get("run_id"),
     )
     try:
         if claim.finished:
@@ -66,9 +60,10 @@ def claim_output_dir(cfg: BaseConfig) -> None:
                 "--resume_from_checkpoint PATH); --overwrite_output_dir true starts this one over."
             )
             raise SystemExit(0)
-        path = resume_checkpoint_at_start(cfg, claim.run_id)
-        if path is not None:
-            checkpoint.check_resume_compatible(path, cfg, world_size_from_env())
+        if resume == "auto":  # this run's newest valid checkpoint, or none (a fresh start)
+            resume = checkpoint.find_resume_checkpoint(cfg.output_dir, lambda message: None, claim.run_id)
+        if resume:
+            checkpoint.check_resume_compatible(resume, cfg, world_size_from_env())
     except BaseException:
         claim.lock.release()
         raise

@@ -340,6 +340,9 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "reward_model_path_is_a_causal_lm":
         argv = rl_argv(m, f, out, "--reward_model_path", m["causal_lm"], "--reward_model_multiplier", "1")
         return "rlvr_ppo", argv, ["reward_model_path", m["causal_lm"], "not a trained reward model"], None
+    if name == "invalid_chat_template":
+        argv = sft_argv(m, f, out, "--chat_template", "{% for m in messages %}{{ m.content }}")
+        return "sft", argv, ["chat_template is not a valid Jinja template"], None
     raise KeyError(name)
 
 
@@ -370,6 +373,7 @@ CASES = [
     "dpo_pair_with_chosen_equal_rejected",
     "recipe_after_the_flags",
     "reward_model_path_is_a_causal_lm",
+    "invalid_chat_template",
 ]
 
 
