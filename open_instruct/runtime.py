@@ -86,7 +86,7 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
 
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
-        from open_instruct import preflight
+        from open_instruct import preflight, run_dir
 
         preflight.check_inputs(cfg)
         preflight.check_output_dir_writable(cfg.output_dir)
@@ -94,6 +94,8 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             cfg.batch_plan(world_size_from_env(), None)
         if is_main_process_from_env():
             claim_output_dir(cfg)
+        elif cfg.resume_from_checkpoint == "auto" and (run_dir.read_run(cfg.output_dir) or {}).get("finished"):
+            raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
