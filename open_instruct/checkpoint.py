@@ -156,7 +156,8 @@ def find_resume_checkpoint(output_dir: str, log: Any = print, run_id: Optional[s
         reason = validate(path)
         if reason is None and run_id is not None:
             written_by = read_state(path).get("run_id")
-            reason = None if written_by == run_id else f"written by run {written_by}, not this run {run_id}"
+            writer = f"run {written_by}" if written_by else "a run that recorded no run_id"
+            reason = None if written_by == run_id else f"written by {writer}, not this run {run_id}"
         if reason is None:
             return path
         log(f"skipping checkpoint {path}: {reason}")

@@ -427,6 +427,15 @@ def test_every_best_metric_the_configs_accept_is_what_the_scripts_log(finished_s
     )
 
 
+def test_identical_pairs_are_skipped_and_counted_with_skip_bad_rows(files):
+    from demo.tiny import build_tokenizer
+
+    cfg = DPOConfig(model_name_or_path="m", dataset_name_or_path=files["pref_same"], skip_bad_rows=True)
+    examples, stats = data.tokenize_preferences(data.load_rows(files["pref_same"]), build_tokenizer(), cfg)
+    assert len(examples) == 15 and stats.bad_rows == 1 and 2 not in [e["row"] for e in examples]
+    assert "line 3: chosen and rejected are identical" in stats.first_errors[0]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_checkpoints_folder_exits_2_at_start(tiny_models, files, finished_sft, tmp_path, capsys):
     out = tmp_path / "out"
