@@ -165,13 +165,19 @@ def remove_run_files(output_dir: str) -> None:
 # The lock
 
 
-def _process_start_time(pid: int) -> Optional[str]:
-    """Start time of a process in clock ticks since boot (Linux), to tell a live owner from a reused pid."""
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (Linux): [0] the state, [19] the start time."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _process_start_time(pid: int) -> Optional[str]:
+    """Start time of a process in clock ticks since boot, to tell a live owner from a reused pid."""
+    stat = _proc_stat(pid)
+    return stat[19] if stat and len(stat) > 19 else None
 
 
 def _alive(pid: int, start_time: Optional[str]) -> bool:
@@ -181,8 +187,10 @@ def _alive(pid: int, start_time: Optional[str]) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    now = _process_start_time(pid)
-    return start_time is None or now is None or now == start_time
+    stat = _proc_stat(pid)
+    if stat is None:  # no /proc: trust kill(0)
+        return True
+    return stat[0] != "Z" and (start_time is None or _process_start_time(pid) == start_time)  # Z: dead, not reaped
 
 
 @dataclass
@@ -233,6 +241,8 @@ def acquire_lock(output_dir: str) -> Lock:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             holder = _read_lock(path)
+            if holder is None and _age_seconds(path) < 5:  # just created by a run that is writing it right now
+                holder = {"pid": "?", "host": "?", "started_at": "just now"}
             if holder is not None and not _stale(holder, me):
                 raise ConfigError(
                     f"output_dir {output_dir!r} is in use by another run (pid {holder.get('pid')} on "
@@ -261,12 +271,20 @@ def _read_lock(path: str) -> Optional[dict[str, Any]]:
     return holder if isinstance(holder, dict) else None
 
 
+def _age_seconds(path: str) -> float:
+    try:
+        return time.time() - os.path.getmtime(path)
+    except OSError:
+        return float("inf")
+
+
 def _stale(holder: dict[str, Any], me: dict[str, Any]) -> bool:
     if holder.get("host") != me["host"]:
         return False  # cannot see another machine's processes: only the user can say it is gone
-    if holder.get("pid") == me["pid"]:
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == me["pid"]:  # unreadable, or left by this very process
         return True
-    return not _alive(int(holder.get("pid", -1)), holder.get("start_time"))
+    return not _alive(pid, holder.get("start_time"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
