@@ -18,10 +18,11 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def looks_local(name_or_path: str) -> bool:
-    """A path rather than a hub name `org/name`: starts with . / ~, has more than one separator, or exists."""
+    """A path rather than a hub name (`name` or `org/name`): starts with . / ~, has two or more separators, or
+    exists."""
     return (
         name_or_path.startswith((".", "/", "~"))
-        or os.sep in name_or_path.strip("/").split("/", 2)[-1]
+        or name_or_path.strip("/").count("/") >= 2
         or os.path.exists(name_or_path)
     )
 

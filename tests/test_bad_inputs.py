@@ -340,6 +340,9 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "reward_model_path_is_a_causal_lm":
         argv = rl_argv(m, f, out, "--reward_model_path", m["causal_lm"], "--reward_model_multiplier", "1")
         return "rlvr_ppo", argv, ["reward_model_path", m["causal_lm"], "not a trained reward model"], None
+    if name == "missing_model_folder_as_a_relative_path":
+        argv = sft_argv(m, f, out, "--model_name_or_path", "output/no_such_run/final_model")
+        return "sft", argv, ["model_name_or_path 'output/no_such_run/final_model' does not exist"], None
     if name == "invalid_chat_template":
         argv = sft_argv(m, f, out, "--chat_template", "{% for m in messages %}{{ m.content }}")
         return "sft", argv, ["chat_template is not a valid Jinja template"], None
@@ -374,6 +377,7 @@ CASES = [
     "recipe_after_the_flags",
     "reward_model_path_is_a_causal_lm",
     "invalid_chat_template",
+    "missing_model_folder_as_a_relative_path",
 ]
 
 
