@@ -714,9 +714,14 @@ def load_models(
         disable_dropout(model)
         return model
 
-    def scalar_model(path: str, gguf_file: Optional[str]) -> TokenValueModel:
+    def scalar_model(path: str, gguf_file: Optional[str], trained_head: bool = False) -> TokenValueModel:
         classifier = load_sequence_classifier(
-            path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id
+            path,
+            DTYPES["no"],
+            gguf_file,
+            cfg.trust_remote_code,
+            pad_token_id=tokenizer.pad_token_id,
+            require_trained_head=trained_head,  # a reward model's head must be trained; a value head starts fresh
         )
         return TokenValueModel(classifier)
 
@@ -730,7 +735,7 @@ def load_models(
         )
         disable_dropout(models.value.seq_cls)
     if cfg.reward_model_path:
-        models.reward = scalar_model(cfg.reward_model_path, None)
+        models.reward = scalar_model(cfg.reward_model_path, None, trained_head=True)
     if cfg.activation_checkpointing:
         models.policy.gradient_checkpointing_enable()
         if models.value is not None:

@@ -440,6 +440,16 @@ def test_identical_pairs_are_skipped_and_counted_with_skip_bad_rows(files):
     assert "line 3: chosen and rejected are identical" in stats.first_errors[0]
 
 
+def test_a_reward_model_without_a_trained_head_is_refused_after_loading_too(tiny_models):
+    """For hub names (not checkable before loading) the loader refuses a head that transformers had to initialise."""
+    from open_instruct.errors import ConfigError
+    from open_instruct.models import load_sequence_classifier
+
+    with pytest.raises(ConfigError, match=r"not a trained reward model: its weights have no \['score.weight'\]"):
+        load_sequence_classifier(tiny_models["causal_lm"], require_trained_head=True)
+    load_sequence_classifier(tiny_models["seq_cls"], require_trained_head=True)  # a trained head loads
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_checkpoints_folder_exits_2_at_start(tiny_models, files, finished_sft, tmp_path, capsys):
     out = tmp_path / "out"
