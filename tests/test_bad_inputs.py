@@ -450,6 +450,22 @@ def test_a_reward_model_without_a_trained_head_is_refused_after_loading_too(tiny
     load_sequence_classifier(tiny_models["seq_cls"], require_trained_head=True)  # a trained head loads
 
 
+def test_plan_counts_the_evaluations_a_run_makes_and_names_a_missing_local_file(finished_sft, finished_ppo):
+    from open_instruct.batch_math import count_eval_points
+    from open_instruct.plan import dataset_size
+
+    def evals(out):
+        return sum(1 for row in read_metrics(str(out)) if any(k.startswith("eval/") for k in row))
+
+    assert evals(finished_sft) == count_eval_points(4, 2, baseline=False) == 2  # steps 2 and 4
+    assert evals(finished_ppo) == count_eval_points(4, 2, baseline=True) == 3  # rollout 0 (baseline), 2, 4
+    assert count_eval_points(5, 2, baseline=False) == 3  # 2, 4 and the last step 5
+    assert dataset_size("output/no_such/train.jsonl", "train") == (
+        None,
+        "local file 'output/no_such/train.jsonl' does not exist",
+    )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_checkpoints_folder_exits_2_at_start(tiny_models, files, finished_sft, tmp_path, capsys):
     out = tmp_path / "out"
