@@ -85,6 +85,14 @@ def count_multiples(last_step: int, every: int) -> int:
     return last_step // every if every and every > 0 else 0
 
 
+def count_eval_points(last_step: int, every: int, baseline: bool) -> int:
+    """Evaluations a run makes (the gate is `should_fire(step, every, last_step)`): the multiples of `every`, the
+    last step when it is not one, and the step-0 baseline the scripts that have one log first (DPO, RLVR)."""
+    if not every or every <= 0 or last_step <= 0:
+        return 0
+    return int(baseline) + last_step // every + int(last_step % every != 0)
+
+
 def supervised_batch_plan(
     *,
     per_device_train_batch_size: int,

@@ -10,6 +10,8 @@ Layout under <output_dir>:
     final_model/                   HF-format model at the end of training (atomic).
 
 Randomness in the scripts is derived from (seed, counters), so no RNG pickles are needed to resume exactly.
+trainer_state.json records the run_id of <output_dir>/run.json (run_dir.py): `auto` resumes only this run's
+checkpoints, and `check_resume_compatible` compares a checkpoint with the config before any model loads.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
+from open_instruct import run_dir
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
-from open_instruct.errors import NonFiniteError
+from open_instruct.errors import ConfigError, NonFiniteError
+
+if TYPE_CHECKING:  # torch is imported where tensors are touched: start-up reads checkpoints before the slow import
+    import torch
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -139,10 +143,21 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_resume_checkpoint(output_dir: str, log: Any = print) -> Optional[str]:
-    """The newest valid checkpoint; invalid ones are reported and skipped (falling back to older ones)."""
+def read_state(path: str) -> dict[str, Any]:
+    """A checkpoint's trainer_state.json (counters, config, run_id, model classes): plain JSON, no torch."""
+    with open(os.path.join(path, STATE)) as f:
+        return json.load(f)
+
+
+def find_resume_checkpoint(output_dir: str, log: Any = print, run_id: Optional[str] = None) -> Optional[str]:
+    """The newest valid checkpoint (of run `run_id`, when given); invalid ones and other runs' are reported and
+    skipped (falling back to older ones)."""
     for step, path in reversed(list_checkpoints(output_dir)):
         reason = validate(path)
+        if reason is None and run_id is not None:
+            written_by = read_state(path).get("run_id")
+            writer = f"run {written_by}" if written_by else "a run that recorded no run_id"
+            reason = None if written_by == run_id else f"written by {writer}, not this run {run_id}"
         if reason is None:
             return path
         log(f"skipping checkpoint {path}: {reason}")
@@ -150,10 +165,12 @@ def find_resume_checkpoint(output_dir: str, log: Any = print) -> Optional[str]:
 
 
 def resolve_resume(resume_from_checkpoint: Optional[str], output_dir: str, log: Any = print) -> Optional[str]:
+    """The checkpoint to resume from: `auto` -> the newest valid one of this folder's run (run.json), a path -> that
+    path (CheckpointError if it is not complete and intact), unset -> None."""
     if not resume_from_checkpoint:
         return None
     if resume_from_checkpoint == "auto":
-        return find_resume_checkpoint(output_dir, log)
+        return find_resume_checkpoint(output_dir, log, run_dir.run_id_of(output_dir))
     reason = validate(resume_from_checkpoint)
     if reason is not None:
         raise CheckpointError(f"resume_from_checkpoint {resume_from_checkpoint}: {reason}")
@@ -192,7 +209,7 @@ def save_checkpoint(
     tmp = None
     if accelerator.is_main_process:
         os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=root)
+        tmp = run_dir.make_temp_dir(f".tmp_step_{step}_", root)
     tmp = _broadcast_str(tmp, accelerator)
     try:
         dcp.save(_state_dicts(models, optimizers), checkpoint_id=os.path.join(tmp, "state"))
@@ -211,6 +228,7 @@ def save_checkpoint(
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(trainer_state, f, indent=1)
             write_manifest(tmp)
+            run_dir.apply_umask_tree(tmp)  # what rank 0 can see; shard files of other nodes keep their writers' modes
             fault_point("checkpoint_write", step)
             if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
                 shutil.rmtree(final)
@@ -218,12 +236,33 @@ def save_checkpoint(
             _fsync_dir(root)
             fault_point("checkpoint_prune", step)
             prune_checkpoints(output_dir, keep_last)
-    except BaseException:
+    except BaseException as e:
         if accelerator.is_main_process and tmp and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+        raise_plainly_if_disk_full(e, root)
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def raise_plainly_if_disk_full(error: BaseException, folder: str) -> None:
+    """Torch reports a full disk as e.g. "PytorchStreamWriter failed writing file ... inline_container": when the
+    failure was a full disk (ENOSPC anywhere in the chain, or under 1 MiB left), say so in those words."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC and "No space left" in str(error):
+        return  # already plain
+    if enospc or (free is not None and free < (1 << 20)):
+        free_text = f"{free} bytes free" if free is not None else "free space unknown"
+        message = f"No space left on device while writing {folder} ({free_text}): {type(error).__name__}: {error}"
+        raise OSError(errno.ENOSPC, message) from error
 
 
 def prune_checkpoints(output_dir: str, keep_last: int) -> None:
@@ -249,14 +288,15 @@ def load_checkpoint(path: str, models: dict[str, Any], optimizers: dict[str, Any
             model_state_dict=state[f"model.{name}"],
             optim_state_dict=state.get(f"optim.{name}", {}),
         )
-    with open(os.path.join(path, STATE)) as f:
-        return json.load(f)
+    return read_state(path)
 
 
 def _auto_class_name(model: Any) -> str:
+    """The transformers Auto class that rebuilds `model` (a TokenValueModel is its wrapped sequence classifier)."""
+    inner = getattr(model, "seq_cls", model)
     return (
         "AutoModelForSequenceClassification"
-        if "SequenceClassification" in type(model).__name__
+        if "SequenceClassification" in type(inner).__name__
         else "AutoModelForCausalLM"
     )
 
@@ -279,6 +319,8 @@ def _broadcast_str(value: Optional[str], accelerator: Any) -> str:
 def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optional[int]) -> None:
     """Refuse to save weights holding NaN/inf (e.g. after an infinite learning rate: the loss and gradients of that
     step were finite, the update was not). A saved copy would be picked up by `--resume_from_checkpoint auto`."""
+    import torch
+
     for name, model in models.items():
         # This rank's shard of each parameter (FSDP2 DTensor), checked in place (no float copy); agreed over ranks.
         local = (p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters())
@@ -322,7 +364,7 @@ def write_hf_folder(
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     _clear_hf_debris(out_dir)
-    tmp = tempfile.mkdtemp(prefix=f".tmp_{os.path.basename(out_dir)}_", dir=parent)
+    tmp = run_dir.make_temp_dir(f".tmp_{os.path.basename(out_dir)}_", parent)
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
@@ -331,6 +373,7 @@ def write_hf_folder(
             with open(os.path.join(tmp, "training_info.json"), "w") as f:
                 json.dump(extra, f, indent=1)
         write_manifest(tmp)
+        run_dir.apply_umask_tree(tmp)
         fault_point(f"{os.path.basename(os.path.normpath(out_dir))}_write", (extra or {}).get("optimizer_step"))
         old = None
         if os.path.exists(out_dir):
@@ -340,8 +383,9 @@ def write_hf_folder(
         _fsync_dir(parent)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise_plainly_if_disk_full(e, out_dir)
         raise
 
 
@@ -364,6 +408,7 @@ def save_training_state(
         "schedulers": {name: s.state_dict() for name, s in schedulers.items()},
         "world_size": accelerator.num_processes,
         "config": {k: v for k, v in vars(cfg).items()},
+        "run_id": run_dir.run_id_of(cfg.output_dir),
         **(extra or {}),
     }
     check_finite_weights(models, accelerator, counters.optimizer_step)
@@ -391,10 +436,12 @@ def restore_training_state(
     counters: Any,
     log: Any = print,
 ) -> Optional[dict[str, Any]]:
-    """Resume per `resume_from_checkpoint` (auto|PATH); returns the trainer state, or None for a fresh start."""
-    path = resolve_resume(
-        cfg.resume_from_checkpoint, cfg.output_dir, log if accelerator.is_main_process else (lambda m: None)
-    )
+    """Resume per `resume_from_checkpoint` (auto|PATH); returns the trainer state, or None for a fresh start. The
+    main process picks the checkpoint (it owns run.json and the folder's lock) and tells the others."""
+    path = None
+    if accelerator.is_main_process:
+        path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir, log)
+    path = _broadcast_str(path or "", accelerator) or None
     if path is None:
         if cfg.resume_from_checkpoint == "auto":
             log("resume_from_checkpoint=auto: no valid checkpoint yet, starting fresh")
@@ -405,6 +452,92 @@ def restore_training_state(
         scheduler.load_state_dict(state["schedulers"][name])
     log(f"resumed from {path} at {counters.as_log()} (saved with world_size {state['world_size']})")
     return state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resume compatibility: read from the checkpoint's JSON before any model loads
+
+# Config keys that fix the model's shape: a checkpoint of another shape cannot be loaded into this model.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[Any, str]]:
+    """What a resumed run must share with its checkpoint so that the data stream continues where it stopped (the
+    position is counted in episodes/prompts and the order drawn from seed and data size) and the counters and
+    schedules mean the same: name -> (value, how it is made). Global quantities, so a new world size with the same
+    global batch resumes exactly."""
+    per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
+    layout: dict[str, tuple[Any, str]] = {
+        "script": (config.get("script"), ""),
+        "seed": (config.get("seed"), "the data order"),
+        "max_train_samples": (config.get("max_train_samples"), "the data order"),
+        "mini_batch_size": (
+            per_device * accumulation * world_size,
+            f"per_device_train_batch_size {per_device} x gradient_accumulation_steps {accumulation} x world_size "
+            f"{world_size}",
+        ),
+    }
+    if config.get("script") == "rlvr_ppo":
+        local = config["local_rollout_batch_size"]
+        layout["algo"] = (config.get("algo"), "")
+        layout["rollout_batch_size"] = (
+            local * world_size,
+            f"local_rollout_batch_size {local} x world_size {world_size}",
+        )
+        for key in ("num_samples_per_prompt", "num_epochs"):
+            layout[key] = (config.get(key), "")
+    return layout
+
+
+def _model_config(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def check_resume_compatible(checkpoint: str, cfg: Any, world_size: int) -> None:
+    """Exit-2 error (ConfigError) naming every difference between the checkpoint and this run that would make the
+    resume wrong: another script or algorithm, another batch layout or data order, another model shape."""
+    state = read_state(checkpoint)
+    saved, now = resume_layout(state["config"], state["world_size"]), resume_layout(vars(cfg), world_size)
+    differences = []
+    for key, (value, made_of) in saved.items():
+        current, current_made_of = now.get(key, (None, ""))
+        if value != current:
+            differences.append(
+                f"{key}: checkpoint {_explained(value, made_of)}, now {_explained(current, current_made_of)}"
+            )
+    if saved["script"] == now["script"]:
+        checkpoint_model = _model_config(os.path.join(checkpoint, "hf", "policy"))
+        model = _model_config(cfg.model_name_or_path) if os.path.isdir(cfg.model_name_or_path) else None
+        if checkpoint_model and model:
+            differences += [
+                f"model {key}: checkpoint {checkpoint_model.get(key)!r}, now {model.get(key)!r} "
+                f"(model_name_or_path {cfg.model_name_or_path})"
+                for key in ARCHITECTURE_KEYS
+                if checkpoint_model.get(key) != model.get(key)
+            ]
+    if differences:
+        raise ConfigError(
+            f"cannot resume from {checkpoint}: it does not match this run:\n  "
+            + "\n  ".join(differences)
+            + "\nResume with the checkpoint's settings, or start a new run (another --output_dir, or "
+            "--overwrite_output_dir true)"
+        )
+
+
+def _explained(value: Any, made_of: str) -> str:
+    return f"{value!r} ({made_of})" if made_of else repr(value)
 
 
 class BestTracker:

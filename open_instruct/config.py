@@ -17,7 +17,7 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence, TypeVar
+from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
@@ -28,102 +28,98 @@ from open_instruct.mixture import parse_mixer_list
 T = TypeVar("T")
 
 
+def opt(default: Any, help: str) -> Any:
+    """A config field with its --help text (every option has one; tests/test_bad_inputs.py checks)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class BaseConfig:
     """Knobs every script shares. Batch terms follow the glossary in open_instruct/batch_math.py."""
 
+    # The eval metric names the script logs (best_metric must be one of them); set per script.
+    eval_metrics: ClassVar[tuple[str, ...]] = ()
+
     # --- what runs
-    script: str = field(
-        default="", metadata={"help": "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo)."}
+    script: str = opt("", "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo).")
+    exp_name: str = opt("run", "Run name (wandb).")
+    output_dir: str = opt("output/run", "Folder of this run: metrics.jsonl, checkpoints/, best_model/, final_model/.")
+    overwrite_output_dir: bool = opt(
+        False, "Delete a previous run's files in output_dir and start a new run there (else such a folder is refused)."
     )
-    exp_name: str = "run"
-    output_dir: str = "output/run"
-    seed: int = 1
-    dry_run: bool = field(default=False, metadata={"help": "Print the plan (batch math, steps, time) and exit."})
+    seed: int = opt(1, "Random seed: data order, sampling and freshly initialised heads.")
+    dry_run: bool = opt(False, "Print the plan (batch math, steps, time) and exit.")
 
     # --- model
-    model_name_or_path: str = ""
-    tokenizer_name_or_path: Optional[str] = None
-    model_revision: Optional[str] = None
-    gguf_file: Optional[str] = field(
-        default=None, metadata={"help": "Load weights from this GGUF file in the model folder."}
-    )
-    trust_remote_code: bool = False
-    chat_template: Optional[str] = field(
-        default=None, metadata={"help": "Jinja chat template to use if the tokenizer has none."}
-    )
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    activation_checkpointing: bool = False
-    fsdp_cpu_offload: bool = field(
-        default=False, metadata={"help": "Under FSDP: keep parameters, gradients and optimizer state in host memory."}
-    )
+    model_name_or_path: str = opt("", "Hub model name or local model folder (with config.json) to start from.")
+    tokenizer_name_or_path: Optional[str] = opt(None, "Tokenizer to use (default: the model's).")
+    model_revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of the model.")
+    gguf_file: Optional[str] = opt(None, "Load weights from this GGUF file in the model folder.")
+    trust_remote_code: bool = opt(False, "Allow model code from the hub to run (off: only transformers' own code).")
+    chat_template: Optional[str] = opt(None, "Jinja chat template to use if the tokenizer has none.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "Compute precision (master weights stay fp32).")
+    activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+    fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
 
     # --- data
-    dataset_name_or_path: str = field(
-        default="",
-        metadata={
-            "help": "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated (all rows of each). "
-            "Or use dataset_mixer_list."
-        },
+    dataset_name_or_path: str = opt(
+        "", "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated. Or use dataset_mixer_list."
     )
-    dataset_mixer_list: Optional[list[str]] = field(
-        default=None,
-        metadata={
-            "help": "A mixture instead of dataset_name_or_path: source, amount, source, amount, ... An amount with "
-            "a decimal point is a fraction of that source (1.0 = all rows), an integer >= 2 a row count (above "
-            "the size: repeats). Rows are drawn from the seed; see open_instruct/mixture.py."
-        },
+    dataset_mixer_list: Optional[list[str]] = opt(
+        None,
+        "A mixture instead of dataset_name_or_path: source, amount, source, amount, ... An amount with a decimal "
+        "point is a fraction of that source (1.0 = all rows), an integer >= 2 a row count (above the size: repeats). "
+        "Rows are drawn from the seed; see open_instruct/mixture.py.",
     )
-    dataset_split: str = "train"
-    eval_dataset_name_or_path: Optional[str] = None
-    eval_dataset_mixer_list: Optional[list[str]] = field(
-        default=None, metadata={"help": "The held-out set as a mixture (same form as dataset_mixer_list)."}
+    dataset_split: str = opt("train", "Split of a hub training dataset.")
+    eval_dataset_name_or_path: Optional[str] = opt(None, "Held-out dataset (same forms as dataset_name_or_path).")
+    eval_dataset_mixer_list: Optional[list[str]] = opt(
+        None, "The held-out set as a mixture (same form as dataset_mixer_list)."
     )
-    eval_dataset_split: str = "test"
-    eval_fraction: float = field(
-        default=0.0,
-        metadata={"help": "Hold out this fraction of the train set for eval when no eval dataset is given."},
+    eval_dataset_split: str = opt("test", "Split of a hub eval dataset.")
+    eval_fraction: float = opt(
+        0.0, "Hold out this fraction of the train set for eval (only when no eval dataset is given)."
     )
-    max_train_samples: Optional[int] = None
-    max_eval_samples: Optional[int] = None
-    max_seq_length: int = 2048
-    overlong: Literal["drop", "truncate"] = "drop"
-    skip_bad_rows: bool = False
+    max_train_samples: Optional[int] = opt(None, "Use only the first N training rows.")
+    max_eval_samples: Optional[int] = opt(None, "Use only the first N held-out rows.")
+    max_seq_length: int = opt(2048, "Longest tokenized example kept (see overlong).")
+    overlong: Literal["drop", "truncate"] = opt("drop", "What to do with examples longer than max_seq_length.")
+    skip_bad_rows: bool = opt(False, "Skip (and count) malformed rows instead of stopping with the file and row.")
 
     # --- optimisation
-    learning_rate: float = 1e-5
-    lr_scheduler_type: Literal["linear", "constant", "cosine", "constant_with_warmup"] = "linear"
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    per_device_eval_batch_size: int = 8
-    num_train_epochs: float = 1.0
-    total_episodes: Optional[int] = None
-    on_nonfinite: Literal["stop", "skip"] = field(
-        default="stop", metadata={"help": "On a NaN/inf loss or gradient: stop the run, or skip that update."}
+    learning_rate: float = opt(1e-5, "Peak AdamW learning rate.")
+    lr_scheduler_type: Literal["linear", "constant", "cosine", "constant_with_warmup"] = opt(
+        "linear", "Learning-rate schedule over the run."
+    )
+    warmup_ratio: float = opt(0.0, "Fraction of the optimizer steps spent warming up the learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay (not on biases and norms).")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.999, "AdamW beta2.")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon (>= 0).")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this.")
+    per_device_train_batch_size: int = opt(1, "Micro batch: samples per forward/backward on one device.")
+    gradient_accumulation_steps: int = opt(1, "Micro batches per optimizer step on one device.")
+    per_device_eval_batch_size: int = opt(8, "Samples per eval forward on one device.")
+    num_train_epochs: float = opt(1.0, "Passes over the training data (SFT/RM/DPO, when total_episodes is unset).")
+    total_episodes: Optional[int] = opt(None, "Samples to train on (RL: completions; required there).")
+    on_nonfinite: Literal["stop", "skip"] = opt(
+        "stop", "On a NaN/inf loss or gradient: stop the run (exit 3), or skip that update."
     )
 
     # --- logging, eval, checkpoints
-    logging_steps: int = 1
-    eval_steps: Optional[int] = None
-    checkpointing_steps: Optional[int] = None
-    keep_last_n_checkpoints: int = 2
-    best_metric: Optional[str] = field(
-        default=None, metadata={"help": "Eval metric that picks the best checkpoint (e.g. eval/accuracy)."}
+    logging_steps: int = opt(1, "Log a metrics row every N optimizer steps (RL: rollouts).")
+    eval_steps: Optional[int] = opt(None, "Evaluate every N steps (and at the first and last step).")
+    checkpointing_steps: Optional[int] = opt(None, "Write a checkpoint every N steps (RL: rollouts).")
+    keep_last_n_checkpoints: int = opt(2, "How many checkpoints to keep.")
+    best_metric: Optional[str] = opt(None, "Eval metric that picks best_model/ (one of the script's eval metrics).")
+    best_metric_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower best_metric is better.")
+    resume_from_checkpoint: Optional[str] = opt(
+        None, "'auto' (this output_dir's run: its latest valid checkpoint) or a checkpoint path."
     )
-    best_metric_mode: Literal["max", "min"] = "max"
-    resume_from_checkpoint: Optional[str] = field(
-        default=None, metadata={"help": "'auto' (latest valid in output_dir) or a checkpoint path."}
-    )
-    save_final_model: bool = True
-    with_tracking: bool = False
-    wandb_project: str = "open_instruct"
-    wandb_entity: Optional[str] = None
+    save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
+    with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
+    wandb_project: str = opt("open_instruct", "wandb project.")
+    wandb_entity: Optional[str] = opt(None, "wandb entity (team or user).")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -145,18 +141,29 @@ class BaseConfig:
         _check_range(self, "eval_fraction", 0.0, 0.9)
         _check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
         _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check_positive(self, "weight_decay", allow_zero=True)
+        _check_positive(self, "adam_epsilon", allow_zero=True)
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         self._validate_data_sources()
+        if self.best_metric and self.eval_metrics and self.best_metric not in self.eval_metrics:  # '' = none
+            close = difflib.get_close_matches(self.best_metric, self.eval_metrics, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"best_metric {self.best_metric!r} is not a {self.script} eval metric{hint} "
+                f"(choose one of {list(self.eval_metrics)})"
+            )
         if self.best_metric is not None and not self.eval_steps:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
-        if self.eval_steps and not (
-            self.eval_dataset_name_or_path or self.eval_dataset_mixer_list or self.eval_fraction
-        ):
+        held_out = self.eval_dataset_name_or_path or self.eval_dataset_mixer_list
+        if held_out and self.eval_fraction > 0:
+            raise ConfigError(
+                f"eval_fraction {self.eval_fraction} and an eval dataset ({held_out!r}) are both set: eval_fraction "
+                "would be ignored; keep one"
+            )
+        if self.eval_steps and not (held_out or self.eval_fraction > 0):
             raise ConfigError(
                 "eval_steps is set but there is no eval data: set eval_dataset_name_or_path, eval_dataset_mixer_list "
                 "or eval_fraction"
@@ -200,37 +207,38 @@ class BaseConfig:
 
 @dataclass
 class SFTConfig(BaseConfig):
-    script: str = "sft"
-    messages_column: str = "messages"
-    learning_rate: float = 5e-6
+    eval_metrics: ClassVar[tuple[str, ...]] = ("eval/loss", "eval/perplexity")
+    script: str = opt("sft", "Which script this recipe is for.")
+    messages_column: str = opt("messages", "Column holding the chat (a list of {role, content}).")
+    learning_rate: float = opt(5e-6, "Peak AdamW learning rate.")
 
 
 @dataclass
 class PreferenceDataConfig(BaseConfig):
     """Preference rows: `chosen`/`rejected` message lists, or `prompt` + `chosen` + `rejected` strings."""
 
-    chosen_column: str = "chosen"
-    rejected_column: str = "rejected"
-    prompt_column: str = "prompt"
+    chosen_column: str = opt("chosen", "Column of the preferred response (messages or a string).")
+    rejected_column: str = opt("rejected", "Column of the dispreferred response (messages or a string).")
+    prompt_column: str = opt("prompt", "Column of the prompt, for rows whose chosen/rejected are strings.")
 
 
 @dataclass
 class RewardModelConfig(PreferenceDataConfig):
-    script: str = "reward_model"
-    learning_rate: float = 3e-6
-    margin_column: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "Column holding a per-pair target margin m (a number): loss -log sigmoid(r_c - r_r - m), as "
-            "TRL's `margin` column. Unset: m = 0. Every row must then carry a finite number."
-        },
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
+        f"eval/{k}"
+        for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
     )
-    center_rewards_coefficient: float = field(
-        default=0.0,
-        metadata={
-            "help": "Adds coef * mean((r_chosen + r_rejected)^2) to the loss (TRL's center_rewards_coefficient; "
-            "0.01 is the value in its docs), keeping rewards centred on 0. 0 = off."
-        },
+    script: str = opt("reward_model", "Which script this recipe is for.")
+    learning_rate: float = opt(3e-6, "Peak AdamW learning rate.")
+    margin_column: Optional[str] = opt(
+        None,
+        "Column holding a per-pair target margin m (a number): loss -log sigmoid(r_c - r_r - m), as TRL's `margin` "
+        "column. Unset: m = 0. Every row must then carry a finite number.",
+    )
+    center_rewards_coefficient: float = opt(
+        0.0,
+        "Adds coef * mean((r_chosen + r_rejected)^2) to the loss (TRL's center_rewards_coefficient; 0.01 is the "
+        "value in its docs), keeping rewards centred on 0. 0 = off.",
     )
 
     def validate(self) -> None:
@@ -240,16 +248,28 @@ class RewardModelConfig(PreferenceDataConfig):
 
 @dataclass
 class DPOConfig(PreferenceDataConfig):
-    script: str = "dpo"
-    learning_rate: float = 5e-7
-    loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = "dpo_norm"
-    beta: float = 5.0
-    label_smoothing: float = field(
-        default=0.0, metadata={"help": "Conservative DPO: assumed probability that a label is flipped."}
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
+        f"eval/{k}"
+        for k in (
+            "loss",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margin",
+            "rewards/accuracy",
+            "logps/chosen",
+            "logps/rejected",
+        )
     )
-    gamma_beta_ratio: float = field(default=0.0, metadata={"help": "SimPO target margin gamma, as a ratio of beta."})
-    reference_cache_dir: Optional[str] = field(
-        default=None, metadata={"help": "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."}
+    script: str = opt("dpo", "Which script this recipe is for.")
+    learning_rate: float = opt(5e-7, "Peak AdamW learning rate.")
+    loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = opt(
+        "dpo_norm", "Preference loss (formulas in dpo.py)."
+    )
+    beta: float = opt(5.0, "Inverse temperature of the preference loss (> 0).")
+    label_smoothing: float = opt(0.0, "Conservative DPO: assumed probability that a label is flipped.")
+    gamma_beta_ratio: float = opt(0.0, "SimPO target margin gamma, as a ratio of beta.")
+    reference_cache_dir: Optional[str] = opt(
+        None, "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."
     )
 
     def validate(self) -> None:
@@ -265,42 +285,46 @@ class DPOConfig(PreferenceDataConfig):
 
 @dataclass
 class RLVRConfig(BaseConfig):
-    script: str = "rlvr_ppo"
-    algo: Literal["ppo", "grpo"] = field(
-        default="ppo",
-        metadata={
-            "help": "Preset: ppo = gae advantages (value model), KL in the reward; grpo = group advantages, KL loss."
-        },
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "eval/correct_rate",
+        "eval/score_mean",
+        "eval/response_length",
+        "eval/non_stop_rate",
     )
-    learning_rate: float = 3e-7
+    script: str = opt("rlvr_ppo", "Which script this recipe is for.")
+    algo: Literal["ppo", "grpo"] = opt(
+        "ppo", "Preset: ppo = gae advantages (value model), KL in the reward; grpo = group advantages, KL loss."
+    )
+    learning_rate: float = opt(3e-7, "Peak AdamW learning rate.")
     # data: prompt messages, ground truth and verifier name per row
-    messages_column: str = "messages"
-    ground_truth_column: str = "ground_truth"
-    verifier_column: str = "dataset"
-    max_prompt_length: int = 512
+    messages_column: str = opt("messages", "Column of the prompt messages.")
+    ground_truth_column: str = opt("ground_truth", "Column of the answer the verifier checks against.")
+    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic).")
+    max_prompt_length: int = opt(512, "Longest prompt in tokens.")
     # rollouts
-    local_rollout_batch_size: int = 8
-    num_samples_per_prompt: int = 1
-    num_epochs: int = field(default=4, metadata={"help": "PPO/GRPO passes over each rollout."})
-    response_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_strings: Optional[list[str]] = None
-    generation_backend: Literal["hf", "vllm"] = "hf"
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_enable_sleep: bool = False
+    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
+    num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
+    num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
+    response_length: int = opt(256, "Most new tokens per completion.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0).")
+    top_p: float = opt(1.0, "Nucleus sampling threshold, in (0, 1].")
+    stop_strings: Optional[list[str]] = opt(None, "Strings that end a completion (besides EOS).")
+    generation_backend: Literal["hf", "vllm"] = opt("hf", "Generate rollouts with transformers or a colocated vLLM.")
+    vllm_gpu_memory_utilization: float = opt(0.5, "Fraction of GPU memory the vLLM engine may take.")
+    vllm_enable_sleep: bool = opt(False, "Let the vLLM engine sleep during training (frees its memory).")
     # rewards
-    verification_reward: float = 10.0
+    verification_reward: float = opt(10.0, "Score of a completion the verifier accepts.")
+    non_stop_penalty: float = opt(
+        0.0, "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."
+    )
+    reward_model_path: Optional[str] = opt(
+        None, "A trained reward model (sequence classifier with a trained score head) added to the score."
+    )
+    reward_model_multiplier: float = opt(0.0, "Weight of the reward model's score.")
+    verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
     non_stop_penalty_mode: Literal["add", "replace"] = field(
         default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
     )
-    non_stop_penalty: float = field(
-        default=0.0,
-        metadata={"help": "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."},
-    )
-    reward_model_path: Optional[str] = None
-    reward_model_multiplier: float = 0.0
-    verifier_timeout: float = 2.0
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
     advantage_estimator: Optional[Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]] = field(
         default=None,
@@ -344,20 +368,20 @@ class RLVRConfig(BaseConfig):
         default=False, metadata={"help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap)."}
     )
     tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
-    value_model_path: Optional[str] = field(
-        default=None, metadata={"help": "Initialise the value model from this (reward) model; default: the policy."}
+    value_model_path: Optional[str] = opt(
+        None, "Initialise the value model from this (reward) model; default: the policy."
     )
-    beta: float = field(default=0.05, metadata={"help": "KL coefficient."})
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    whiten_advantages: bool = True
+    beta: float = opt(0.05, "KL coefficient.")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator (Schulman's k1/k2/k3).")
+    gamma: float = opt(1.0, "PPO discount.")
+    lam: float = opt(0.95, "PPO GAE lambda.")
+    cliprange: float = opt(0.2, "Policy ratio clip range.")
+    cliprange_value: float = opt(0.2, "Value clip range.")
+    vf_coef: float = opt(0.1, "Value loss coefficient.")
+    whiten_advantages: bool = opt(True, "Whiten PPO advantages over the rollout.")
     # eval: greedy verifiable accuracy on held-out prompts
-    eval_response_length: Optional[int] = None
-    num_samples_logged: int = 4
+    eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
+    num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
 
     @property
     def uses_value_model(self) -> bool:
@@ -384,6 +408,8 @@ class RLVRConfig(BaseConfig):
             "max_prompt_length",
         ):
             _check_positive(self, name)
+        if self.eval_response_length is not None:
+            _check_positive(self, "eval_response_length")
         if self.total_episodes is None:
             raise ConfigError("total_episodes is required for RLVR (completions to train on)")
         if self.temperature <= 0:
@@ -516,12 +542,32 @@ def _yaml_to_tokens(recipe: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     return tokens, none_defaults
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last value silently)."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(
+                f"recipe {key_node.start_mark.name}: key {key!r} is given twice (line {seen[key]} and line {line})"
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
 def load_recipe(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file {path!r} does not exist")
     with open(path) as f:
         try:
-            recipe = yaml.safe_load(f) or {}
+            recipe = yaml.load(f, Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
     if not isinstance(recipe, dict):
@@ -529,16 +575,50 @@ def load_recipe(path: str) -> dict[str, Any]:
     return recipe
 
 
-def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
-    """Parse `[RECIPE.yaml] [--key value ...]` into `cls`. Raises ConfigError (see `parse_or_exit`)."""
+def _option_key(token: str) -> str:
+    """`--learning-rate=1e-4` -> `learning_rate` (the dashed aliases that --help lists are accepted)."""
+    return token[2:].split("=", 1)[0].replace("-", "_")
+
+
+def _accepted_keys(cls: type) -> set[str]:
+    """Field names, plus `no_<name>` for booleans that default to True (HfArgumentParser adds those flags)."""
+    fields = dataclasses.fields(cls)
+    return {f.name for f in fields} | {f"no_{f.name}" for f in fields if f.type in ("bool", bool) and f.default is True}
+
+
+def _parser(cls: type) -> Any:
     from transformers import HfArgumentParser  # light: does not import torch
 
+    script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
+    return HfArgumentParser(
+        cls,
+        prog=f"{script}.py",
+        usage="%(prog)s [RECIPE.yaml] [--key value ...]",
+        description=(
+            "Options come from the YAML recipe (first argument, optional) and then from --key value overrides (the "
+            "last value wins). Booleans take true/false. Every option:"
+        ),
+    )
+
+
+def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
+    """Parse `[RECIPE.yaml] [--key value ...]` into `cls`. Raises ConfigError (see `parse_or_exit`); `-h`/`--help`
+    prints every option with its help text and exits 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        _parser(cls).print_help()
+        raise SystemExit(0)
     recipe: dict[str, Any] = {}
     recipe_path = None
     if argv and not argv[0].startswith("-"):
         recipe_path = argv.pop(0)
         recipe = load_recipe(recipe_path)
+    late_recipe = next((t for t in argv if t.endswith((".yaml", ".yml")) and not t.startswith("-")), None)
+    if late_recipe is not None:
+        raise ConfigError(
+            f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
+            f"(script.py {late_recipe} [--key value ...])"
+        )
     expected_script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
     if recipe.get("script", expected_script) != expected_script:
         raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
@@ -546,11 +626,10 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     for key in recipe:
         if key not in valid:
             raise _unknown_key_error(key, valid, f"recipe {recipe_path}")
+    accepted = _accepted_keys(cls)
     for token in argv:
-        if token.startswith("--"):
-            key = token[2:].split("=", 1)[0]
-            if key not in valid:
-                raise _unknown_key_error(key, valid, "command-line overrides")
+        if token.startswith("--") and _option_key(token) not in accepted:
+            raise _unknown_key_error(_option_key(token), valid, "command-line overrides")
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
     # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
@@ -558,13 +637,13 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     hints = typing.get_type_hints(cls)
     optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
     for i, token in enumerate(argv[:-1]):
-        key = token[2:]
+        key = _option_key(token)
         if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):
             recipe[key] = None
             argv[i : i + 2] = [None, None]
     argv = [t for t in argv if t is not None]
     recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
-    parser = HfArgumentParser(cls)
+    parser = _parser(cls)
     parser.set_defaults(**none_defaults)
     for action in parser._actions:  # recipe values satisfy required fields
         if action.dest in recipe:

@@ -353,6 +353,8 @@ def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[lis
             chosen_ids, rejected_ids = chat_ids(tokenizer, chosen), chat_ids(tokenizer, rejected)
             _prefix_checked(prompt_ids, chosen_ids, row.where())
             _prefix_checked(prompt_ids, rejected_ids, row.where())
+            if chosen_ids == rejected_ids:  # its loss gradient is ~0, which Adam would blow up to an lr-sized step
+                raise DataError(f"{row.where()}: chosen and rejected are identical (a pair that prefers nothing)")
         except DataError as e:
             _bad_row(stats, e, cfg.skip_bad_rows)
             continue

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from open_instruct import distributed, runtime
 from open_instruct.config import DPOConfig
-from open_instruct.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits before the slow import
     import torch
@@ -43,7 +42,7 @@ STAT_KEYS = (
     "logps/chosen",
     "logps/rejected",
 )  # train/ and eval/
-EVAL_METRICS = tuple(f"eval/{k}" for k in STAT_KEYS)
+assert DPOConfig.eval_metrics == tuple(f"eval/{k}" for k in STAT_KEYS)  # what evaluate() logs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,11 +200,7 @@ def evaluate(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    cfg = runtime.start(DPOConfig, argv)
-    if cfg.best_metric and cfg.best_metric not in EVAL_METRICS:
-        raise ConfigError(
-            f"best_metric {cfg.best_metric!r} is not a DPO eval metric; choose one of {list(EVAL_METRICS)}"
-        )
+    cfg = runtime.start(DPOConfig, argv)  # best_metric is checked there against DPOConfig.eval_metrics
 
     from open_instruct import data, reference_cache
     from open_instruct.batch_math import should_log

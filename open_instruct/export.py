@@ -16,7 +16,18 @@ import torch
 from open_instruct.checkpoint import STATE, validate, write_hf_folder
 
 
+def _stored_prefix(checkpoint: str, model_name: str) -> str:
+    """`seq_cls.` when the checkpoint stores the model wrapped in a TokenValueModel (PPO's value model), else ''.
+    Read from the checkpoint's own key names, so checkpoints written before this was recorded export too."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(os.path.join(checkpoint, "state")).read_metadata().state_dict_metadata
+    return "seq_cls." if any(k.startswith(f"model.{model_name}.seq_cls.") for k in keys) else ""
+
+
 def export_checkpoint(checkpoint: str, out_dir: str, model_name: str = "policy") -> str:
+    """Write model `model_name` of `checkpoint` as an HF folder that `from_pretrained` loads (a policy as a causal
+    LM; a reward or PPO value model as a sequence classifier with its trained score head)."""
     import torch.distributed.checkpoint as dcp
     import transformers
 
@@ -27,12 +38,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_name: str = "policy")
         classes = json.load(f)["model_classes"]
     if model_name not in classes:
         raise SystemExit(f"export: checkpoint has models {sorted(classes)}, not {model_name!r}")
+    prefix = _stored_prefix(checkpoint, model_name)
+    class_name = "AutoModelForSequenceClassification" if prefix else classes[model_name]
     config = transformers.AutoConfig.from_pretrained(os.path.join(checkpoint, "hf", model_name))
-    auto_cls = getattr(transformers, classes[model_name])
-    model = auto_cls.from_config(config, dtype=torch.float32)
-    state = {f"model.{model_name}": model.state_dict()}
+    model = getattr(transformers, class_name).from_config(config, dtype=torch.float32)
+    state = {f"model.{model_name}": {prefix + k: v for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
-    model.load_state_dict(state[f"model.{model_name}"])
+    model.load_state_dict({k[len(prefix) :]: v for k, v in state[f"model.{model_name}"].items()})
     tokenizer = None
     tok_dir = os.path.join(checkpoint, "hf", "tokenizer")
     if os.path.isdir(tok_dir):
@@ -45,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("out_dir")
-    parser.add_argument("--model", default="policy", help="which model of the checkpoint (policy, value, ...)")
+    parser.add_argument("--model", default="policy", help="which model of the checkpoint (policy; value for PPO)")
     args = parser.parse_args()
     print(export_checkpoint(args.checkpoint, args.out_dir, args.model))
 

@@ -81,13 +81,27 @@ def load_sequence_classifier(
     trust_remote_code: bool = False,
     revision: Optional[str] = None,
     pad_token_id: Optional[int] = None,
+    require_trained_head: bool = False,
 ) -> Any:
-    """A scalar-head model (num_labels=1): reward model, or value model initialised from a policy or RM."""
+    """A scalar-head model (num_labels=1): reward model, or value model initialised from a policy or RM.
+
+    require_trained_head: refuse (ConfigError) a model whose score head transformers had to initialise because the
+    weights lack it (a causal LM given as a reward model: its scores would be noise). Local folders are refused
+    before loading already (preflight.check_trained_score_head); this catches hub models."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        name_or_path, num_labels=1, **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision)
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        name_or_path,
+        num_labels=1,
+        output_loading_info=True,
+        **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision),
     )
+    untrained = sorted(k for k in info["missing_keys"] if k.split(".")[0] == "score")
+    if require_trained_head and untrained:
+        raise ConfigError(
+            f"{name_or_path!r} is not a trained reward model: its weights have no {untrained} (the score head would "
+            "be randomly initialised)"
+        )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForSequenceClassification)
     if pad_token_id is not None and model.config.pad_token_id is None:

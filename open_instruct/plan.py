@@ -22,10 +22,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from open_instruct.batch_math import BatchPlan, count_multiples
+from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import mixture_summary, parse_mixer_list
+from open_instruct.preflight import DATASET_EXTENSIONS, looks_local
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ def dataset_size(name: str, split: str) -> tuple[Optional[int], str]:
     first = name.split(",")[0].strip()
     if os.path.exists(first):
         return count_local_rows(name), "counted in the local file(s)"
+    if first.endswith(DATASET_EXTENSIONS) or looks_local(first):
+        return None, f"local file {first!r} does not exist"
     if name in KNOWN_DATASET_SIZES:
         return KNOWN_DATASET_SIZES[name], "published size from the dataset card"
     if os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -475,7 +478,7 @@ def plan_from_config(
         logging_steps=cfg.logging_steps,
         log_rows=plan.log_rows(cfg.logging_steps),
         log_counter="rollout_step" if plan.is_rl else "optimizer_step",
-        eval_points=count_multiples(steps_for_events, cfg.eval_steps or 0),
+        eval_points=count_eval_points(steps_for_events, cfg.eval_steps or 0, cfg.script in ("dpo", "rlvr_ppo")),
         checkpoint_points=count_multiples(steps_for_events, cfg.checkpointing_steps or 0),
         warmup_steps=int(cfg.warmup_ratio * plan.optimizer_steps),
         learning_rate=cfg.learning_rate,

@@ -26,6 +26,7 @@ import time
 from array import array
 from typing import TYPE_CHECKING, Any, Optional
 
+from open_instruct import run_dir
 from open_instruct.distributed import global_sum
 
 if TYPE_CHECKING:  # torch is imported inside functions: dpo.py imports this module before its config is checked
@@ -124,16 +125,18 @@ def compute_reference(
     gathered, so every rank returns the full table."""
     import torch
 
-    from open_instruct import data
+    from open_instruct import data, runtime
     from open_instruct.models import pair_logps
 
     rank, world = accelerator.process_index, accelerator.num_processes
+    preemption = runtime.preemption()
     mine = data.dealt_micro_batches(length_order(examples), batch_size, rank, world)  # same batches on 1 or N ranks
     index = torch.full((len(mine) * batch_size,), -1, dtype=torch.long)
     values = torch.zeros(len(mine) * batch_size, 2)
     model.eval()
     with torch.no_grad():
         for k, (group, real) in enumerate(mine):
+            preemption.stop_if_requested(accelerator, "the DPO reference pass")  # the pass is redone on resume
             batch = {
                 key: v.to(accelerator.device)
                 for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()
@@ -210,6 +213,7 @@ def write_reference_cache(path: str, tables: dict[str, dict[str, torch.Tensor]],
     os.close(fd)
     try:
         save_file(flat, tmp, metadata={"identity": json.dumps(identity, sort_keys=True, default=str)})
+        run_dir.apply_umask(tmp)  # mkstemp makes it 0600 whatever the umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -122,6 +122,9 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
     return out
 
 
+assert RewardModelConfig.eval_metrics == tuple(summarize(dict.fromkeys(STAT_KEYS, 0.0), 1.0, "eval"))  # best_metric
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 

@@ -34,6 +34,12 @@ that sampled, so the training forward's own log-probs serve as the old ones (no 
 
 from __future__ import annotations
 
+from open_instruct import runtime
+from open_instruct.config import RLVRConfig
+
+if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
+    runtime.start_before_imports(RLVRConfig)
+
 import contextlib
 import random
 import time
@@ -42,9 +48,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from open_instruct import runtime
-from open_instruct.config import RLVRConfig
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
@@ -913,11 +916,6 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
     check_verifiers(train, "train")
     check_verifiers(evals, "eval")
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
-    if cfg.best_metric and not cfg.best_metric.startswith("eval/"):
-        raise ConfigError(
-            f"best_metric {cfg.best_metric!r}: RLVR eval metrics are eval/correct_rate, eval/score_mean, "
-            "eval/response_length"
-        )
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
     )
@@ -959,9 +957,14 @@ def load_models(
         disable_dropout(model)
         return model
 
-    def scalar_model(path: str, gguf_file: Optional[str]) -> TokenValueModel:
+    def scalar_model(path: str, gguf_file: Optional[str], trained_head: bool = False) -> TokenValueModel:
         classifier = load_sequence_classifier(
-            path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id
+            path,
+            DTYPES["no"],
+            gguf_file,
+            cfg.trust_remote_code,
+            pad_token_id=tokenizer.pad_token_id,
+            require_trained_head=trained_head,  # a reward model's head must be trained; a value head starts fresh
         )
         return TokenValueModel(classifier)
 
@@ -974,7 +977,7 @@ def load_models(
         )
         disable_dropout(models.value.seq_cls)
     if cfg.reward_model_path:
-        models.reward = scalar_model(cfg.reward_model_path, None)
+        models.reward = scalar_model(cfg.reward_model_path, None, trained_head=True)
     if cfg.activation_checkpointing:
         models.policy.gradient_checkpointing_enable()
         if models.value is not None:

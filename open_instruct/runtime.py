@@ -15,46 +15,70 @@ from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataE
 C = TypeVar("C", bound=BaseConfig)
 
 
-def check_output_dir_writable(output_dir: str) -> None:
-    """Fail before any model loads when the output folder cannot be created or written."""
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        probe = os.path.join(output_dir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"output_dir {output_dir!r} is not writable: {e.strerror or e}") from None
-
-
-def check_model_path(name_or_path: str, what: str = "model_name_or_path") -> None:
-    """Fail early (before any weights load) when a path-looking model location does not exist."""
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 2)[-1]
-    if looks_local and not os.path.exists(os.path.expanduser(name_or_path)):
-        raise ConfigError(f"{what} {name_or_path!r} does not exist")
-
-
-def check_resume_path(resume_from_checkpoint: Optional[str]) -> None:
-    """An explicit checkpoint path must exist and be complete before any model loads (its checksums are verified
-    when it is restored). `auto` needs no check: it falls back to older checkpoints, or a fresh start."""
-    if not resume_from_checkpoint or resume_from_checkpoint == "auto":
-        return
-    if not os.path.isdir(resume_from_checkpoint):
-        raise ConfigError(f"resume_from_checkpoint {resume_from_checkpoint!r} is not a folder")
-    from open_instruct.checkpoint import validate
-
-    reason = validate(resume_from_checkpoint, deep=False)
-    if reason is not None:
-        raise ConfigError(f"resume_from_checkpoint {resume_from_checkpoint!r}: {reason}")
-
-
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def is_main_process_from_env() -> bool:
+    """Rank 0 of the launch (torchrun/accelerate set RANK), known before the process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def check_explicit_checkpoint(path: str) -> None:
+    """An explicit resume checkpoint must be a complete folder that passes its checksums (before any model loads)."""
+    from open_instruct import checkpoint
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"resume_from_checkpoint {path!r} is not a folder")
+    reason = checkpoint.validate(path, deep=True)
+    if reason is not None:
+        raise ConfigError(f"resume_from_checkpoint {path!r}: {reason}")
+
+
+def claim_output_dir(cfg: BaseConfig) -> None:
+    """On the main process: lock the output folder, make sure it holds no other run (run_dir.claim), and check the
+    checkpoint to resume against this config. Exits 0 at once when `auto` finds its run already finished."""
+    from open_instruct import checkpoint, run_dir
+
+    resume = cfg.resume_from_checkpoint
+    explicit = resume not in (None, "", "auto")
+    if explicit:
+        check_explicit_checkpoint(resume)
+    claim = run_dir.claim(
+        cfg.output_dir,
+        cfg.script,
+        resume,
+        cfg.overwrite_output_dir,
+        lambda: checkpoint.read_state(resume).get("run_id"),
+    )
+    try:
+        if claim.finished:
+            run = run_dir.read_run(cfg.output_dir) or {}
+            print(
+                f"run {claim.run_id} in {cfg.output_dir} already finished ({run.get('final_counters')}); nothing to "
+                "do. To train further, start a new run from one of its checkpoints (another --output_dir and "
+                "--resume_from_checkpoint PATH); --overwrite_output_dir true starts this one over."
+            )
+            raise SystemExit(0)
+        if resume == "auto":  # this run's newest valid checkpoint, or none (a fresh start)
+            resume = checkpoint.find_resume_checkpoint(cfg.output_dir, lambda message: None, claim.run_id)
+        if resume:
+            checkpoint.check_resume_compatible(resume, cfg, world_size_from_env())
+    except BaseException:
+        claim.lock.release()
+        raise
+
+
 def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
-    """Parse the config (exit 2 on errors), print the plan and exit on --dry_run, check the output folder
-    and the model path. Nothing heavy has been loaded when this returns."""
+    """Parse the config (exit 2 on errors), print the plan and exit on --dry_run, check every input that needs no
+    model (preflight.py), claim the output folder (one run at a time, no mixing with another run's files) and check
+    the checkpoint to resume. Nothing heavy has been loaded when this returns; SIGTERM is caught from here on.
+
+    After `start_before_imports(cls)`, `start(cls)` returns that config (parsed and checked once)."""
+    global _started
+    if argv is None and _started is not None and isinstance(_started, cls):
+        cfg, _started = _started, None
+        return cfg
     cfg = parse_or_exit(cls, argv)
     try:
         if cfg.dry_run:
@@ -62,24 +86,40 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
 
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
-        check_model_path(cfg.model_name_or_path)
-        for key in ("value_model_path", "reward_model_path"):
-            if getattr(cfg, key, None):
-                check_model_path(getattr(cfg, key), key)
-        check_output_dir_writable(cfg.output_dir)
-        check_resume_path(cfg.resume_from_checkpoint)
+        from open_instruct import preflight, run_dir
+
+        preflight.check_inputs(cfg)
+        preflight.check_output_dir_writable(cfg.output_dir)
         if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
             cfg.batch_plan(world_size_from_env(), None)
+        if is_main_process_from_env():
+            claim_output_dir(cfg)
+        elif cfg.resume_from_checkpoint == "auto" and (run_dir.read_run(cfg.output_dir) or {}).get("finished"):
+            raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
+    preemption().requested = False  # from here a SIGTERM (e.g. during the model load) is noticed, not fatal
     return cfg
+
+
+_started: Optional[BaseConfig] = None  # the config `start_before_imports` parsed, handed to the script's `main`
+
+
+def start_before_imports(cls: type[BaseConfig]) -> None:
+    """For a script run as `__main__` whose module imports torch at the top (rlvr_ppo.py): parse and check the
+    config first, so a bad one exits 2 before the slow import. The script's `main` gets this same config from
+    `start(cls)`."""
+    global _started
+    _started = start(cls)
 
 
 def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
     """Script entry point: configuration and data errors print one clear line and exit with status 2; a NaN/inf
     loss, gradient or weight (on_nonfinite: stop) prints one line naming the step and exits with status 3, which a
     requeue-on-failure wrapper can tell apart from a crash (resuming would only hit it again)."""
+    from open_instruct import run_dir
+
     try:
         main(argv)
     except (ConfigError, DataError) as e:
@@ -88,6 +128,10 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
     except NonFiniteError as e:
         print(f"\nNonFiniteError: {e}", file=sys.stderr)  # on its own line, not after the progress bar's
         raise SystemExit(EXIT_NONFINITE) from None
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+    finally:
+        run_dir.release_all()  # the output folder's lock (also released at exit; a killed run's lock is stale)
 
 
 def make_accelerator(cfg: BaseConfig) -> Any:
@@ -105,8 +149,13 @@ def make_accelerator(cfg: BaseConfig) -> Any:
     return accelerator
 
 
+class Preempted(Exception):
+    """SIGTERM arrived before training started (model load, DPO reference pass): exit 0 with a message."""
+
+
 class Preemption:
-    """SIGTERM (a scheduler's preemption notice) asks the loop to checkpoint at the next step boundary and exit."""
+    """SIGTERM (a scheduler's preemption notice) asks the loop to checkpoint at the next step boundary and exit.
+    One per process (`preemption()`), installed by `start` so a SIGTERM during the model load is not fatal."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -120,12 +169,31 @@ class Preemption:
 
     def should_stop(self, accelerator: Any) -> bool:
         """Agreed across ranks, so every process stops at the same step."""
+        return self._agreed(accelerator)
+
+    def stop_if_requested(self, accelerator: Any, during: str) -> None:
+        """Before training starts (nothing to checkpoint yet): raise Preempted when SIGTERM has arrived."""
+        if self._agreed(accelerator):
+            raise Preempted(f"SIGTERM during {during}: stopped before training started; nothing new to save")
+
+    def _agreed(self, accelerator: Any) -> bool:
         if accelerator.num_processes == 1:
             return self.requested
         import torch
 
         flag = torch.tensor([1.0 if self.requested else 0.0], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+_preemption: Optional[Preemption] = None
+
+
+def preemption() -> Preemption:
+    """This process's SIGTERM handler (installed on first use)."""
+    global _preemption
+    if _preemption is None or signal.getsignal(signal.SIGTERM) != _preemption._handle:
+        _preemption = Preemption()
+    return _preemption
 
 
 class Throughput:
@@ -180,13 +248,14 @@ class RunContext:
         self.cfg, self.accelerator, self.tokenizer = cfg, accelerator, tokenizer
         self.models, self.optimizers, self.schedulers = models, optimizers, schedulers
         self.last_step, self.counter = last_step, counter
+        self.preemption = preemption()
+        self.preemption.stop_if_requested(accelerator, "start-up (model load)")
         self.counters = Counters()
         main = accelerator.is_main_process
         state = restore_training_state(cfg, accelerator, models, optimizers, schedulers, self.counters, self.print)
         self.resumed = state is not None
         self.best = BestTracker(cfg, state)
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
-        self.preemption = Preemption()
         self.throughput = Throughput()
 
     @property
@@ -266,10 +335,14 @@ class RunContext:
         return stopping
 
     def finish(self) -> None:
-        """The end of a run: the final model in HF format (<output_dir>/final_model, atomic), then close the logs."""
+        """The end of a run: the final model in HF format (<output_dir>/final_model, atomic), the run marked finished
+        in run.json (`auto` then has nothing left to do), then close the logs."""
+        from open_instruct import run_dir
         from open_instruct.checkpoint import save_hf_model
 
         if self.cfg.save_final_model:
             path = os.path.join(self.cfg.output_dir, "final_model")
             save_hf_model(self.models["policy"], self.tokenizer, path, self.accelerator, self.counters.as_log())
+        if self.accelerator.is_main_process:
+            run_dir.mark_finished(self.cfg.output_dir, self.counters.as_log())
         self.logger.close()

@@ -12,6 +12,8 @@ import os
 import tempfile
 from typing import Any, Optional
 
+from open_instruct import run_dir
+
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
@@ -47,6 +49,7 @@ def rewrite_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
                 f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        run_dir.apply_umask(tmp)  # mkstemp makes it 0600; the file it replaces was made with the user's umask
         os.replace(tmp, path)
     except BaseException:  # e.g. a full disk: the original file is untouched; leave no temp file behind
         if os.path.exists(tmp):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from training_helpers import write_fake_model
 
 from open_instruct import runtime
 from open_instruct.config import DPOConfig, RewardModelConfig, RLVRConfig, SFTConfig
@@ -13,7 +14,7 @@ from open_instruct.config import DPOConfig, RewardModelConfig, RLVRConfig, SFTCo
 @pytest.fixture()
 def paths(tmp_path):
     model = tmp_path / "model"
-    model.mkdir()
+    write_fake_model(str(model))  # config.json + a valid (tiny) safetensors file: passes the folder checks
     data = tmp_path / "data.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     return {"model": str(model), "data": str(data), "out": str(tmp_path / "out"), "tmp": tmp_path}

@@ -101,10 +101,9 @@ def test_wpo_weights_by_hand_and_detached():
     )
 
 
-def test_bad_best_metric_is_a_config_error(tmp_path):
-    from open_instruct.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="eval/rewards/accuracy"):
+def test_bad_best_metric_is_a_config_error(tmp_path, capsys):
+    """Checked when the config is parsed (DPOConfig.eval_metrics), before anything loads."""
+    with pytest.raises(SystemExit) as e:
         dpo.main(
             [
                 RECIPE,
@@ -116,6 +115,7 @@ def test_bad_best_metric_is_a_config_error(tmp_path):
                 "eval/accuracy",
             ]
         )
+    assert e.value.code == 2 and "eval/rewards/accuracy" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -332,6 +332,8 @@ def test_cache_is_reused_and_invalidated_by_changes(tiny_models, tmp_path, capsy
             "1",
             "--save_final_model",
             "false",
+            "--overwrite_output_dir",  # each call is a new run into the same folder
+            "true",
             *extra,
         ]
         dpo.main(args)

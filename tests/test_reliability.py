@@ -27,7 +27,7 @@ from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weig
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread in this process)
 
 from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
-from open_instruct import checkpoint, errors, runtime
+from open_instruct import checkpoint, errors, run_dir, runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fixed by default so CI is deterministic; RELIABILITY_SEED=random explores new kill moments.
@@ -470,6 +470,8 @@ def test_resume_falls_back_past_a_corrupt_latest_checkpoint_to_the_same_result(
     os.makedirs(out)
     shutil.copytree(sft_reference / "checkpoints", out / "checkpoints")
     shutil.copy(sft_reference / "metrics.jsonl", out / "metrics.jsonl")
+    run = run_dir.read_run(str(sft_reference))  # the run's identity: `auto` resumes its checkpoints only
+    run_dir.write_run(str(out), {**run, "finished": False})
     flip_byte(str(out / "checkpoints" / "step_15" / "state" / "__0_0.distcp"))
     run = finished(zygote, "sft", sft_argv(tiny_models, task, out, "--resume_from_checkpoint", "auto"), out)
     assert (

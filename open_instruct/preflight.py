@@ -1,0 +1,177 @@
+"""Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
+present and not truncated, the GGUF file, a trained reward head), dataset files, the chat template's syntax, the
+output folder. `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
+weights have loaded. Hub names (not local paths) pass here and are checked by their loaders."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Optional
+
+from open_instruct.errors import ConfigError
+
+DATASET_EXTENSIONS = (".jsonl", ".json", ".parquet")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def looks_local(name_or_path: str) -> bool:
+    """A path rather than a hub name (`name` or `org/name`): starts with . / ~, has two or more separators, or
+    exists."""
+    return (
+        name_or_path.startswith((".", "/", "~"))
+        or name_or_path.strip("/").count("/") >= 2
+        or os.path.exists(name_or_path)
+    )
+
+
+def _listing(folder: str) -> str:
+    names = sorted(os.listdir(folder))
+    return ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
+
+
+def safetensors_keys(path: str) -> list[str]:
+    """Tensor names of a .safetensors file, from its JSON header; ConfigError if the file is cut short."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"weights file {path} is truncated ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ConfigError(f"weights file {path} is truncated ({size} bytes, header says {8 + header_len}+)")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            raise ConfigError(f"weights file {path} has an unreadable header (not a safetensors file?)") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    if 8 + header_len + end != size:
+        raise ConfigError(f"weights file {path} is truncated: {size} bytes, its header needs {8 + header_len + end}")
+    return list(tensors)
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The weight files a folder's model loads from (shards listed in an index, or the single file)."""
+    for index in WEIGHT_INDEXES:
+        path = os.path.join(folder, index)
+        if os.path.isfile(path):
+            with open(path) as f:
+                shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+            if missing:
+                raise ConfigError(f"model folder {folder}: {index} lists missing weight files {missing}")
+            return [os.path.join(folder, s) for s in shards]
+    return [os.path.join(folder, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+
+
+def check_model_folder(name_or_path: str, key: str, gguf_file: Optional[str] = None) -> None:
+    """A local model folder must exist and hold config.json and complete weights (or the named GGUF file)."""
+    if not looks_local(name_or_path):
+        return  # a hub name: its loader reports what is wrong
+    path = os.path.expanduser(name_or_path)
+    if not os.path.exists(path):
+        raise ConfigError(f"{key} {name_or_path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key} {name_or_path!r} is a file, not a model folder")
+    if gguf_file:
+        if not os.path.isfile(os.path.join(path, gguf_file)):
+            raise ConfigError(f"gguf_file {gguf_file!r} is not in {key} {name_or_path!r} (it holds: {_listing(path)})")
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        what = "is empty" if not os.listdir(path) else f"has no config.json (it holds: {_listing(path)})"
+        raise ConfigError(f"{key} {name_or_path!r} {what}: not a Hugging Face model folder")
+    weights = _weight_files(path)
+    if not weights:
+        raise ConfigError(f"{key} {name_or_path!r} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
+    for file in weights:
+        if file.endswith(".safetensors"):
+            safetensors_keys(file)
+
+
+def check_trained_score_head(name_or_path: str, key: str) -> None:
+    """A reward model used for scoring must be a sequence classifier whose `score` head was trained and saved: a
+    causal LM folder (e.g. an SFT model) would get a freshly initialised random head, and its 'rewards' would be
+    noise."""
+    if not looks_local(name_or_path) or not os.path.isdir(name_or_path):
+        return
+    with open(os.path.join(name_or_path, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    keys = [k for file in _weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
+    has_head = any(k == "score.weight" or k.endswith(".score.weight") for k in keys)
+    if not any("ForSequenceClassification" in a for a in architectures) or (keys and not has_head):
+        raise ConfigError(
+            f"{key} {name_or_path!r} is not a trained reward model (architectures {architectures}, "
+            f"{'a' if has_head else 'no'} score.weight in its weights): its score head would be randomly initialised. "
+            "Train one with reward_model.py and pass its final_model/"
+        )
+
+
+def check_dataset(name_or_path: Optional[str], key: str) -> None:
+    """Each comma-separated part: a local file with a known extension that exists, or a hub name."""
+    if not name_or_path:
+        return
+    for part in [p.strip() for p in name_or_path.split(",") if p.strip()]:
+        if os.path.isdir(part):
+            continue  # a local dataset folder (datasets.load_dataset reads it)
+        extension = os.path.splitext(part)[1]
+        if os.path.isfile(part) and extension not in DATASET_EXTENSIONS:
+            raise ConfigError(
+                f"{key} {part!r}: unknown file type {extension or '(no extension)'!r}; "
+                f"use {', '.join(DATASET_EXTENSIONS)}"
+            )
+        if not os.path.exists(part) and (extension in DATASET_EXTENSIONS or looks_local(part)):
+            raise ConfigError(f"{key}: dataset file {part!r} does not exist")
+
+
+def probe_writable(folder: str, key: str) -> None:
+    """Write and delete a small file in `folder` (created if missing); ConfigError saying plainly why not."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok" * 512)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"{key} {folder!r} is not writable: {e.strerror or e}") from None
+
+
+def check_output_dir_writable(output_dir: str) -> None:
+    """The output folder, and its checkpoints/ folder when one exists (a read-only checkpoints/ would otherwise
+    only fail at the first save)."""
+    probe_writable(output_dir, "output_dir")
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    if os.path.isdir(checkpoints):
+        probe_writable(checkpoints, "checkpoints folder")
+
+
+def check_chat_template(template: Optional[str]) -> None:
+    """A given chat template must at least be valid Jinja (the tokenizer compiles it only at the first use)."""
+    if not template:
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"chat_template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+
+
+def check_inputs(cfg: Any) -> None:
+    """Every model and dataset path of the config (see the module docstring)."""
+    check_model_folder(cfg.model_name_or_path, "model_name_or_path", cfg.gguf_file)
+    if cfg.tokenizer_name_or_path and looks_local(cfg.tokenizer_name_or_path):
+        if not os.path.isdir(cfg.tokenizer_name_or_path):
+            raise ConfigError(f"tokenizer_name_or_path {cfg.tokenizer_name_or_path!r} is not a folder")
+    for key in ("value_model_path", "reward_model_path"):
+        if getattr(cfg, key, None):
+            check_model_folder(getattr(cfg, key), key)
+    if getattr(cfg, "reward_model_path", None):
+        check_trained_score_head(cfg.reward_model_path, "reward_model_path")
+    check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
+    check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
+    check_chat_template(cfg.chat_template)

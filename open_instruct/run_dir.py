@@ -1,0 +1,381 @@
+"""Who owns an output folder: one run at a time, never two runs' files mixed, `auto` resumes only its own run.
+
+    <output_dir>/run.json    this run's identity, written when it first starts: run_id, script, start time, command;
+                             `finished` set once final_model is written. Checkpoints record the same run_id.
+    <output_dir>/.lock       held while a run uses the folder: pid, host and the process start time. A lock whose
+                             process is gone (same host) is stale and taken over; a live one makes a second run
+                             exit 2.
+
+`claim` (called by `runtime.start` on the main process, before any model loads) decides what a start may do:
+
+    folder empty (or absent)                 a new run: run.json written
+    holds a run, no resume flag              exit 2, naming what is there and the ways forward
+    holds a run, --resume_from_checkpoint    continue that run (its run_id); if it already finished: exit 0, nothing
+        auto                                 touched
+    --overwrite_output_dir true              the old run's files are deleted first, then a new run
+
+Imports only the standard library (start-up code: no torch)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from open_instruct.errors import ConfigError
+
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+# What a run writes into its output folder (removed by --overwrite_output_dir; anything else is left alone).
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final_model", "best_model", RUN_FILE, ".wandb_run_id")
+RUN_DEBRIS_PREFIXES = (".tmp_", ".old_")  # temp files and folders of interrupted writes (checkpoint.py, tracking.py)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Folder permissions: what the user's umask allows (tempfile.mkdtemp/mkstemp create 0700/0600 whatever the umask)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask can only be read by setting it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str) -> None:
+    """Give a folder (or file) made by tempfile the mode a plain mkdir (open) would have given it."""
+    base = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, base & ~current_umask())
+
+
+def apply_umask_tree(folder: str) -> None:
+    """apply_umask on a folder and everything in it (some writers, e.g. safetensors, create files 0600)."""
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            apply_umask(os.path.join(root, name))
+    apply_umask(folder)
+
+
+def make_temp_dir(prefix: str, parent: str) -> str:
+    """tempfile.mkdtemp with the user's umask instead of 0700, so teammates can read what is renamed into place."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    apply_umask(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run.json
+
+
+def read_run(output_dir: str) -> Optional[dict[str, Any]]:
+    """This folder's run record, or None when there is none (or it is unreadable)."""
+    try:
+        with open(os.path.join(output_dir, RUN_FILE)) as f:
+            run = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) and "run_id" in run else None
+
+
+def run_id_of(output_dir: str) -> Optional[str]:
+    run = read_run(output_dir)
+    return run["run_id"] if run else None
+
+
+def write_run(output_dir: str, run: dict[str, Any]) -> None:
+    """Atomic (temp file + rename): a crash leaves the old record or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_run_", dir=output_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(run, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        apply_umask(tmp)
+        os.replace(tmp, os.path.join(output_dir, RUN_FILE))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def mark_finished(output_dir: str, counters: dict[str, Any]) -> None:
+    """Record that the run ended normally (final model written): `auto` then finds nothing left to do."""
+    run = read_run(output_dir)
+    if run is not None:
+        write_run(output_dir, {**run, "finished": True, "finished_at": _now(), "final_counters": counters})
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What is in the folder
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The results of a run present in `output_dir`, for messages: metrics, samples, checkpoints (an empty
+    checkpoints/ folder does not count), final and best model. run.json alone is not a result: a run that stopped
+    before producing any (a bad dataset row, a crash while loading) does not block the next start."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in RUN_FILES:
+        if name in (RUN_FILE, ".wandb_run_id"):
+            continue
+        path = os.path.join(output_dir, name)
+        if name == "checkpoints" and os.path.isdir(path):
+            steps = sorted(n for n in os.listdir(path) if n.startswith("step_"))
+            if steps:
+                found.append(f"checkpoints/ ({', '.join(steps)})")
+        elif os.path.isdir(path):
+            found.append(name + "/")
+        elif os.path.exists(path):
+            found.append(name)
+    return found
+
+
+def remove_run_files(output_dir: str) -> None:
+    """Delete a previous run's files (and the debris of its interrupted writes), nothing else in the folder."""
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name in RUN_FILES or name == "wandb" or name.startswith(RUN_DEBRIS_PREFIXES):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The lock
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (Linux): [0] the state, [19] the start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start_time(pid: int) -> Optional[str]:
+    """Start time of a process in clock ticks since boot, to tell a live owner from a reused pid."""
+    stat = _proc_stat(pid)
+    return stat[19] if stat and len(stat) > 19 else None
+
+
+def _alive(pid: int, start_time: Optional[str]) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    stat = _proc_stat(pid)
+    if stat is None:  # no /proc: trust kill(0)
+        return True
+    return stat[0] != "Z" and (start_time is None or _process_start_time(pid) == start_time)  # Z: dead, not reaped
+
+
+@dataclass
+class Lock:
+    path: str
+    token: str
+
+    def release(self) -> None:
+        """Remove the lock file if it is still ours (never another run's)."""
+        try:
+            with open(self.path) as f:
+                if json.load(f).get("token") != self.token:
+                    return
+            os.remove(self.path)
+        except (OSError, ValueError):
+            pass
+        if self in _held:
+            _held.remove(self)
+
+
+_held: list[Lock] = []
+
+
+def release_all() -> None:
+    """Release every lock this process holds (runtime.run calls it on the way out; atexit too)."""
+    for lock in list(_held):
+        lock.release()
+
+
+atexit.register(release_all)
+
+
+def acquire_lock(output_dir: str) -> Lock:
+    """Take <output_dir>/.lock, or exit 2 (ConfigError) naming the run that holds it. A lock left by a process that
+    no longer exists on this host (killed, crashed) is stale and taken over; so is one left by this very process (a
+    previous in-process run, e.g. in tests or a notebook)."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "start_time": _process_start_time(os.getpid()),
+        "started_at": _now(),
+        "token": uuid.uuid4().hex,
+        "command": sys.argv,
+    }
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder is None and _age_seconds(path) < 5:  # just created by a run that is writing it right now
+                holder = {"pid": "?", "host": "?", "started_at": "just now"}
+            if holder is not None and not _stale(holder, me):
+                raise ConfigError(
+                    f"output_dir {output_dir!r} is in use by another run (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, since {holder.get('started_at')}): two runs must not write one folder. "
+                    f"Wait for it, use another --output_dir, or delete {path} if that run is gone"
+                ) from None
+            try:
+                os.remove(path)  # stale (its process is gone) or unreadable (torn by a crash mid-write)
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        lock = Lock(path, me["token"])
+        _held.append(lock)
+        return lock
+    raise ConfigError(f"output_dir {output_dir!r}: could not take the lock {path} (another run is starting there?)")
+
+
+def _read_lock(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _age_seconds(path: str) -> float:
+    try:
+        return time.time() - os.path.getmtime(path)
+    except OSError:
+        return float("inf")
+
+
+def _stale(holder: dict[str, Any], me: dict[str, Any]) -> bool:
+    if holder.get("host") != me["host"]:
+        return False  # cannot see another machine's processes: only the user can say it is gone
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid == me["pid"]:  # unreadable, or left by this very process
+        return True
+    return not _alive(pid, holder.get("start_time"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Claiming the folder at start
+
+
+@dataclass
+class Claim:
+    """What `claim` decided: the run id, whether the folder's run is to be continued, whether it already finished."""
+
+    run_id: str
+    resuming: bool
+    finished: bool
+    lock: Lock
+
+
+def _ways_forward(output_dir: str, what: str) -> str:
+    return (
+        f"output_dir {output_dir!r} holds {what}; not starting a new run over it. Either:\n"
+        "  --resume_from_checkpoint auto   continue that run (if it finished: nothing to do)\n"
+        "  --overwrite_output_dir true     delete that run's files and start a new run here\n"
+        "  --output_dir <another folder>   keep them and start elsewhere"
+    )
+
+
+def describe(run: Optional[dict[str, Any]], files: list[str]) -> str:
+    """'run 1a2b (sft, started ..., finished): metrics.jsonl, final_model/' for messages."""
+    if run is None:
+        return f"files of a run with no {RUN_FILE} (an unknown or older run): {', '.join(files)}"
+    state = "finished" if run.get("finished") else "not finished"
+    head = f"run {run['run_id']} ({run.get('script', '?')}, started {run.get('started_at', '?')}, {state})"
+    return f"{head}: {', '.join(files)}"
+
+
+def claim(
+    output_dir: str,
+    script: str,
+    resume_from_checkpoint: Optional[str],
+    overwrite: bool,
+    checkpoint_run_id: Callable[[], Optional[str]],
+) -> Claim:
+    """Lock the folder and decide whose run this is (see the module docstring). `checkpoint_run_id` is a callable
+    returning the run id recorded in an explicit resume checkpoint (None for older checkpoints). Raises ConfigError
+    (exit 2) with the ways forward when the folder holds another run's files."""
+    os.makedirs(output_dir, exist_ok=True)
+    lock = acquire_lock(output_dir)
+    try:
+        run, files = read_run(output_dir), run_files(output_dir)
+        explicit = resume_from_checkpoint not in (None, "", "auto")
+        if overwrite:
+            if resume_from_checkpoint == "auto" or (
+                explicit and _inside(resume_from_checkpoint, os.path.join(output_dir, "checkpoints"))
+            ):
+                raise ConfigError(
+                    "overwrite_output_dir deletes this folder's checkpoints: it cannot be combined with "
+                    f"resume_from_checkpoint {resume_from_checkpoint!r} from the same folder"
+                )
+            remove_run_files(output_dir)
+            run, files = None, []
+        if resume_from_checkpoint == "auto":
+            if files and run is None:
+                raise ConfigError(_ways_forward(output_dir, describe(run, files)))
+            if run is not None:
+                return Claim(run["run_id"], True, bool(run.get("finished")), lock)
+        elif explicit:
+            run_id = checkpoint_run_id() or uuid.uuid4().hex[:12]
+            if files and (run is None or run["run_id"] != run_id):
+                raise ConfigError(
+                    _ways_forward(output_dir, describe(run, files))
+                    + f"\n(the checkpoint {resume_from_checkpoint!r} belongs to run {run_id})"
+                )
+            if run is None:
+                _start_run(output_dir, run_id, script)
+            return Claim(run_id, True, False, lock)  # explicit: resumed even if the run had finished
+        elif files:
+            raise ConfigError(_ways_forward(output_dir, describe(run, files)))
+        run_id = uuid.uuid4().hex[:12]
+        _start_run(output_dir, run_id, script)
+        return Claim(run_id, False, False, lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _start_run(output_dir: str, run_id: str, script: str) -> None:
+    write_run(
+        output_dir,
+        {"run_id": run_id, "script": script, "started_at": _now(), "host": socket.gethostname(), "command": sys.argv},
+    )
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
