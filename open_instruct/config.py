@@ -159,9 +159,10 @@ class BaseConfig:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
         held_out = self.eval_dataset_name_or_path or self.eval_dataset_mixer_list
         if held_out and self.eval_fraction > 0:
+            key = "eval_dataset_name_or_path" if self.eval_dataset_name_or_path else "eval_dataset_mixer_list"
             raise ConfigError(
-                f"eval_fraction {self.eval_fraction} and an eval dataset ({held_out!r}) are both set: eval_fraction "
-                "would be ignored; keep one"
+                f"eval_fraction {self.eval_fraction} and {key} {held_out!r} are both set: eval_fraction would be "
+                "ignored; keep one"
             )
         if self.eval_steps and not (held_out or self.eval_fraction > 0):
             raise ConfigError(
