@@ -89,7 +89,7 @@ def merged_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(plain HF name, merged tensor) for every tensor of a peft model's state dict or named parameters, in order.
 
-    W' = W + (B @ A) * scaling for an adapted layer (computed in float32, returned in W's dtype); LoRA factors and
+    W' = W + (B @ A) * scaling for an adapted layer (computed in float64, rounded once to W's dtype); LoRA factors and
     the frozen originals of trained heads are left out. `full` turns a (sharded) value into the whole tensor; it is
     called in the same order on every rank (it may be a collective)."""
     for key, value in tensors.items():
@@ -98,9 +98,9 @@ def merged_tensors(
         value = full(value)
         module, _, leaf = key.rpartition(".base_layer.")
         if leaf == "weight" and f"{module}.lora_A.{ADAPTER}.weight" in tensors:
-            a = full(tensors[f"{module}.lora_A.{ADAPTER}.weight"]).float()
-            b = full(tensors[f"{module}.lora_B.{ADAPTER}.weight"]).float()
-            value = (value.float() + (b @ a) * scaling[module]).to(value.dtype)
+            a = full(tensors[f"{module}.lora_A.{ADAPTER}.weight"]).double()
+            b = full(tensors[f"{module}.lora_B.{ADAPTER}.weight"]).double()
+            value = (value.double() + (b @ a) * scaling[module]).to(value.dtype)
         yield base_name(key), value
 
 

@@ -1,0 +1,492 @@
+"""LoRA (peft) in every script, on the tiny model: learning, frozen base weights, exact resume, merged and adapter
+saves, the adapter-disabled reference, the merged weights vLLM receives, and the optimizer memory saved.
+
+All runs start from one SFT'd tiny model (module fixture `task`), as LoRA starts from a trained model in practice
+(on random weights a rank-16 adapter without the output head barely moves the loss)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from training_helpers import (
+    assert_rows_match,
+    assert_weights_match,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    read_metrics,
+    sigterm_at_step,
+)
+
+from demo import synthetic
+from open_instruct import dpo, lora, reward_model, sft
+from open_instruct.config import SFTConfig
+from open_instruct.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA = ["--use_lora", "true", "--lora_rank", "8", "--lora_alpha", "16"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory, tiny_models):
+    """Task files and a fully SFT'd starting model (noisy answers: room left for every stage to learn)."""
+    root = tmp_path_factory.mktemp("lora")
+    files = synthetic.write_task_files(str(root / "data"), n_train=640, n_eval=96)
+    noisy = synthetic.write_jsonl(str(root / "data" / "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6))
+    sft.main(
+        [
+            os.path.join(REPO, "configs", "sft_tiny.yaml"),
+            "--model_name_or_path",
+            tiny_models["causal_lm"],
+            "--dataset_name_or_path",
+            noisy,
+            "--eval_dataset_name_or_path",
+            files["sft_eval"],
+            "--output_dir",
+            str(root / "base"),
+            "--num_train_epochs",
+            "4",
+            "--eval_steps",
+            "1000",
+            "--checkpointing_steps",
+            "1000",
+        ]
+    )
+    return {**files, "base": str(root / "base" / "final_model"), "root": root}
+
+
+def base_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def checkpoint_model_state(step_dir: str, name: str = "policy") -> dict[str, torch.Tensor]:
+    """The model state dict a checkpoint holds (the DCP files converted to one torch file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(step_dir, "..", f"converted_{os.path.basename(step_dir)}.pt")
+    dcp_to_torch_save(os.path.join(step_dir, "state"), out)
+    return torch.load(out, weights_only=False)[f"model.{name}"]
+
+
+def assert_only_lora_changed(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], head: bool = False):
+    """Every base weight in the checkpoint equals the start; the adapters (and the trained head) moved."""
+    lora_keys = [k for k in state if ".lora_" in k or ".modules_to_save." in k]
+    assert lora_keys and any(".lora_B." in k for k in lora_keys)
+    for key, value in state.items():
+        if key in lora_keys:
+            continue
+        name = lora.base_name(key).replace(".original_module.", ".")
+        if name in start:
+            assert torch.equal(value, start[name]), f"base weight {key} changed"
+    moved = [k for k in lora_keys if ".lora_B." in k and state[k].abs().max() > 0]
+    assert moved, "no LoRA B factor moved from its zero init"
+
+
+def eval_loss(model, rows_path: str, tokenizer_path: str) -> float:
+    from open_instruct import data
+    from open_instruct.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    cfg = SFTConfig(model_name_or_path=tokenizer_path, dataset_name_or_path=rows_path, max_seq_length=128)
+    examples, _ = data.tokenize_sft(data.load_rows(rows_path), tokenizer, cfg)
+    batch = data.collate_sft(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        loss_sum, tokens = sft.token_loss_sum(model.eval(), batch)
+    return (loss_sum / tokens).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize(
+    "key,value", [("lora_rank", "0"), ("lora_alpha", "0"), ("lora_alpha", "-1"), ("lora_dropout", "1.0")]
+)
+def test_bad_lora_values_name_the_key(key, value):
+    from open_instruct.config import parse_config
+
+    with pytest.raises(ConfigError, match=key):
+        parse_config(SFTConfig, ["--model_name_or_path", "m", "--dataset_name_or_path", "d", f"--{key}", value])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SFT
+
+
+def sft_args(task, out, *extra):
+    return [
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        "--model_name_or_path",
+        task["base"],
+        "--dataset_name_or_path",
+        task["sft_train"],
+        "--eval_dataset_name_or_path",
+        task["sft_eval"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "16",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scheduler_type",
+        "constant",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "10",
+        "--checkpointing_steps",
+        "5",
+        "--best_metric",
+        "eval/loss",
+        "--best_metric_mode",
+        "min",
+        *LORA,
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def sft_run(task):
+    out = task["root"] / "sft_lora"
+    sft.main(sft_args(task, out))
+    return out
+
+
+def test_sft_lora_learns_and_trains_only_the_adapters(task, sft_run):
+    from transformers import AutoModelForCausalLM
+
+    before = eval_loss(AutoModelForCausalLM.from_pretrained(task["base"]), task["sft_eval"], task["base"])
+    evals = [r["eval/loss"] for r in read_metrics(sft_run) if "eval/loss" in r]
+    after = eval_loss(AutoModelForCausalLM.from_pretrained(sft_run / "final_model"), task["sft_eval"], task["base"])
+    print(f"SFT LoRA held-out loss: base {before:.4f} -> evals {[round(x, 4) for x in evals]}; final_model {after:.4f}")
+    assert after == pytest.approx(evals[-1], rel=1e-5)  # the merged final model is the trained model
+    assert after < before - 0.05
+    state = checkpoint_model_state(str(sft_run / "checkpoints" / "step_20"))
+    assert_only_lora_changed(state, base_weights(task["base"]))
+
+
+def test_sft_lora_resume_after_preemption_is_exact(task, sft_run, tmp_path, monkeypatch):
+    out = tmp_path / "preempted"
+    args = sft_args(task, out)
+    with sigterm_at_step(monkeypatch, 12):
+        sft.main(args)
+    assert not (out / "final_model").exists()
+    sft.main(args + ["--resume_from_checkpoint", "auto"])
+    assert_rows_match(read_metrics(sft_run), read_metrics(out), rel=0)
+    assert_weights_match(sft_run / "final_model", out / "final_model", atol=0)
+
+
+def test_sft_merged_and_adapter_saves_give_the_same_logits(task, sft_run, tmp_path):
+    """final_model/ (merged) loads without peft; a run with lora_save=adapter writes an adapter that peft loads on
+    the base model; both give the same logits (the runs are deterministic)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "adapter"
+    sft.main(sft_args(task, out, "--lora_save", "adapter", "--checkpointing_steps", "1000"))
+    files = set(os.listdir(out / "final_model"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    assert "adapter_config.json" in os.listdir(out / "best_model")
+    merged = AutoModelForCausalLM.from_pretrained(sft_run / "final_model").eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(task["base"]), out / "final_model").eval()
+    ids = torch.randint(3, merged.config.vocab_size, (4, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, adapter(input_ids=ids).logits
+        with adapter.disable_adapter():
+            base = adapter(input_ids=ids).logits
+    print(f"merged vs adapter max |logit diff| {(a - b).abs().max().item():.2e}; vs base {(a - base).abs().max():.2e}")
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert not torch.allclose(a, base, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Merged weights (final_model and vLLM) against peft's own merge
+
+
+def test_merged_weights_match_peft_merge_and_unload(task):
+    from transformers import AutoModelForCausalLM
+
+    from open_instruct.vllm_generator import hf_weights
+
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=4, lora_alpha=12)
+    model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(task["base"]), cfg, "CAUSAL_LM")
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            p.data.normal_(0, 0.1)  # a trained-looking adapter (B starts at zero)
+    streamed = dict(hf_weights(model))
+    saved = lora.merged_state_dict(model, model.state_dict())
+    reference = {n: p.detach() for n, p in model.merge_and_unload().named_parameters()}
+    assert streamed.keys() == reference.keys()
+    assert set(saved) >= set(reference) and not any("lora" in k or "base_layer" in k for k in saved)
+    for name, value in reference.items():
+        assert torch.allclose(streamed[name], value, atol=1e-6, rtol=0), name
+        assert torch.allclose(saved[name], value, atol=1e-6, rtol=0), name
+    assert any(not torch.equal(streamed[n], v) for n, v in base_weights(task["base"]).items() if n in streamed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward model
+
+
+def rm_args(task, out, *extra):
+    return [
+        os.path.join(REPO, "configs", "rm_tiny.yaml"),
+        "--model_name_or_path",
+        task["base"],
+        "--dataset_name_or_path",
+        task["pref_train"],
+        "--eval_dataset_name_or_path",
+        task["pref_eval"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "16",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "10",
+        "--checkpointing_steps",
+        "10",
+        "--num_train_epochs",
+        "1",
+        *LORA,
+        *extra,
+    ]
+
+
+def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm"
+    reward_model.main(rm_args(task, out))
+    rows = read_metrics(out)
+    acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    train = [r["train/accuracy"] for r in rows if "train/accuracy" in r]
+    print(f"RM LoRA held-out accuracy by eval {acc}; train accuracy first {train[0]:.3f} last {train[-1]:.3f}")
+    assert acc[-1] >= 0.65 and acc[-1] > train[0] + 0.1
+    state = checkpoint_model_state(str(out / "checkpoints" / "step_20"))
+    assert any(".score.modules_to_save." in k for k in state)  # the scalar head is trained in full
+    assert_only_lora_changed(state, base_weights(task["base"]), head=True)
+
+    resumed = tmp_path / "rm_resumed"
+    with sigterm_at_step(monkeypatch, 7):
+        reward_model.main(rm_args(task, resumed))
+    reward_model.main(rm_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    assert_rows_match(rows, read_metrics(resumed), rel=0)
+    assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
+
+    # The merged final model is a plain sequence classifier with the adapter model's scores.
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "final_model").eval()
+    adapter_run = tmp_path / "rm_adapter"
+    reward_model.main(rm_args(task, adapter_run, "--lora_save", "adapter", "--checkpointing_steps", "1000"))
+    from peft import PeftModel
+
+    base = AutoModelForSequenceClassification.from_pretrained(task["base"], num_labels=1)
+    base.config.pad_token_id = merged.config.pad_token_id
+    adapter = PeftModel.from_pretrained(base, adapter_run / "final_model").eval()
+    ids = torch.randint(3, merged.config.vocab_size, (4, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, adapter(input_ids=ids).logits
+    print(f"RM merged vs adapter max |score diff| {(a - b).abs().max().item():.2e}")
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DPO
+
+
+def dpo_args(task, out, *extra):
+    return [
+        os.path.join(REPO, "configs", "dpo_tiny.yaml"),
+        "--model_name_or_path",
+        task["base"],
+        "--dataset_name_or_path",
+        task["pref_train"],
+        "--eval_dataset_name_or_path",
+        task["pref_eval"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "16",
+        "--gradient_accumulation_steps",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "10",
+        "--checkpointing_steps",
+        "10",
+        *LORA,
+        *extra,
+    ]
+
+
+def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from open_instruct import data
+    from open_instruct.models import load_tokenizer, pair_logps
+
+    out = tmp_path / "dpo"
+    dpo.main(dpo_args(task, out))
+    assert "differ from the cached reference" not in capsys.readouterr().out  # step 0: policy == reference
+    rows = read_metrics(out)
+    evals = [r for r in rows if "eval/rewards/margins" in r]
+    margins = [round(r["eval/rewards/margins"], 4) for r in evals]
+    accs = [r["eval/rewards/accuracy"] for r in evals]
+    print(f"DPO LoRA held-out reward margin by eval {margins}, accuracy {accs}")
+    assert margins[0] == 0.0 and margins[-1] > 0.5 and accs[-1] > accs[0] + 0.1
+    state = checkpoint_model_state(str(out / "checkpoints" / "step_20"))
+    assert_only_lora_changed(state, base_weights(task["base"]))
+
+    # The adapter-disabled trained model is the reference: its log-probs equal the base model's.
+    tokenizer = load_tokenizer(task["base"])
+    cfg = dpo.DPOConfig(model_name_or_path=task["base"], dataset_name_or_path=task["pref_eval"], max_seq_length=128)
+    pairs, _ = data.tokenize_preferences(data.load_rows(task["pref_eval"])[:16], tokenizer, cfg)
+    batch = data.collate_preferences(pairs, tokenizer.pad_token_id)
+    cfg_lora = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=8, lora_alpha=16)
+    from peft import set_peft_model_state_dict
+
+    model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(task["base"]), cfg_lora, "CAUSAL_LM").eval()
+    model.load_state_dict(state)
+    assert set_peft_model_state_dict is not None
+    with torch.no_grad():
+        trained = pair_logps(model, batch)
+        with lora.adapter_disabled(model):
+            ref = pair_logps(model, batch)
+        base = pair_logps(AutoModelForCausalLM.from_pretrained(task["base"]).eval(), batch)
+    assert torch.allclose(ref.chosen, base.chosen, atol=1e-5) and torch.allclose(ref.rejected, base.rejected, atol=1e-5)
+    assert not torch.allclose(trained.chosen, base.chosen, atol=1e-3)
+
+    resumed = tmp_path / "dpo_resumed"
+    with sigterm_at_step(monkeypatch, 13):
+        dpo.main(dpo_args(task, resumed))
+    dpo.main(dpo_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    assert_rows_match(rows, read_metrics(resumed), rel=0)
+    assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory: optimizer state and gradients, with and without LoRA
+
+
+def adam_state_bytes(model) -> tuple[int, int]:
+    """(trainable parameters, bytes of AdamW state after one step) for the script's optimizer on `model`."""
+    from open_instruct.models import make_optimizer_and_scheduler
+
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d")
+    optimizer, _ = make_optimizer_and_scheduler(model, cfg, 10)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return lora.count_trainable(model)[0], state
+
+
+def test_lora_memory_saved(task):
+    """Trainable parameters and AdamW state bytes, full fine-tuning vs LoRA (rank 8 tiny, rank 16 on Llama-3.1-8B
+    shapes built on the meta device: counts only, no memory)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    full_n, full_bytes = adam_state_bytes(AutoModelForCausalLM.from_pretrained(task["base"]))
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=8, lora_alpha=16)
+    lora_model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(task["base"]), cfg, "CAUSAL_LM")
+    lora_n, lora_bytes = adam_state_bytes(lora_model)
+    print(f"tiny: full {full_n} trainable params, Adam {full_bytes} B; LoRA r8 {lora_n} params, Adam {lora_bytes} B")
+    assert full_bytes == 8 * full_n and lora_bytes == 8 * lora_n  # two float32 moments per trainable parameter
+    assert lora_n < full_n / 2
+
+    llama8b = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        big = AutoModelForCausalLM.from_config(llama8b)
+    total = sum(p.numel() for p in big.parameters())
+    big = lora.apply_lora(big, SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True), "CAUSAL_LM")
+    trainable, _ = lora.count_trainable(big)
+    gib = 2**30
+    print(
+        f"Llama-3.1-8B: full {total / 1e9:.2f}B trainable, AdamW state {8 * total / gib:.1f} GiB + fp32 grads "
+        f"{4 * total / gib:.1f} GiB; LoRA r16 all-linear {trainable / 1e6:.1f}M trainable, AdamW state "
+        f"{8 * trainable / gib:.2f} GiB + grads {4 * trainable / gib:.2f} GiB"
+    )
+    assert total == pytest.approx(8.03e9, rel=0.01)
+    # r * (in + out) per adapted linear: q,o 4096+4096; k,v 4096+1024; gate,up,down 4096+14336; 32 layers, r 16
+    assert trainable == 16 * 32 * (2 * 8192 + 2 * 5120 + 3 * 18432)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RLVR
+
+
+def test_rlvr_lora_trains_with_the_adapter_disabled_reference(task):
+    """GRPO with LoRA (beta > 0: the reference is the policy with its adapters disabled, no second copy)."""
+    out = str(task["root"] / "rl_lora")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    args = [
+        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        task["base"],
+        "--dataset_name_or_path",
+        task["rl_train"],
+        "--eval_dataset_name_or_path",
+        task["rl_eval"],
+        "--output_dir",
+        out,
+        "--algo",
+        "grpo",
+        "--num_samples_per_prompt",
+        "8",
+        "--local_rollout_batch_size",
+        "16",
+        "--kl_estimator",
+        "k3",
+        "--total_episodes",
+        "1024",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "1000",
+        "--learning_rate",
+        "2e-3",
+        *LORA,
+    ]
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
+    train = [r for r in rows if "train/correct_rate" in r]
+    kls = [r["train/kl"] for r in train if "train/kl" in r]
+    print(f"RLVR LoRA (GRPO): held-out greedy correct rate by eval {evals}; train/kl {[round(k, 5) for k in kls]}")
+    assert evals[-1] >= evals[0] + 0.1, evals
+    assert kls and kls[0] == pytest.approx(0.0, abs=1e-6) and max(kls) > 0  # reference = the untouched base
