@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from test_reward_model import case_rows
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
@@ -240,22 +241,26 @@ def test_merged_weights_match_peft_merge_and_unload(task):
 
 
 def rm_args(task, out, *extra):
+    """The case rule of tests/test_reward_model.py (chosen: a lowercase word, rejected: the same word uppercase)."""
+    if "case_train" not in task:
+        task["case_train"] = synthetic.write_jsonl(str(task["root"] / "data" / "case_train.jsonl"), case_rows(320, 0))
+        task["case_eval"] = synthetic.write_jsonl(str(task["root"] / "data" / "case_eval.jsonl"), case_rows(64, 1))
     return [
         os.path.join(REPO, "configs", "rm_tiny.yaml"),
         "--model_name_or_path",
         task["base"],
         "--dataset_name_or_path",
-        task["pref_train"],
+        task["case_train"],
         "--eval_dataset_name_or_path",
-        task["pref_eval"],
+        task["case_eval"],
         "--output_dir",
         str(out),
         "--per_device_train_batch_size",
-        "16",
+        "8",
         "--gradient_accumulation_steps",
         "2",
         "--learning_rate",
-        "3e-3",
+        "1e-2",
         "--warmup_ratio",
         "0",
         "--logging_steps",
