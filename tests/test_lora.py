@@ -74,7 +74,7 @@ def checkpoint_model_state(step_dir: str, name: str = "policy") -> dict[str, tor
     return torch.load(out, weights_only=False)[f"model.{name}"]
 
 
-def assert_only_lora_changed(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], head: bool = False):
+def assert_only_lora_changed(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> None:
     """Every base weight in the checkpoint equals the start; the adapters (and the trained head) moved."""
     lora_keys = [k for k in state if ".lora_" in k or ".modules_to_save." in k]
     assert lora_keys and any(".lora_B." in k for k in lora_keys)
@@ -288,7 +288,7 @@ def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch)
     assert acc[-1] >= 0.65 and acc[-1] > train[0] + 0.1
     state = checkpoint_model_state(str(out / "checkpoints" / "step_20"))
     assert any(".score.modules_to_save." in k for k in state)  # the scalar head is trained in full
-    assert_only_lora_changed(state, base_weights(task["base"]), head=True)
+    assert_only_lora_changed(state, base_weights(task["base"]))
 
     resumed = tmp_path / "rm_resumed"
     with sigterm_at_step(monkeypatch, 7):
@@ -357,8 +357,8 @@ def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, mon
     dpo.main(dpo_args(task, out))
     assert "differ from the cached reference" not in capsys.readouterr().out  # step 0: policy == reference
     rows = read_metrics(out)
-    evals = [r for r in rows if "eval/rewards/margins" in r]
-    margins = [round(r["eval/rewards/margins"], 4) for r in evals]
+    evals = [r for r in rows if "eval/rewards/margin" in r]
+    margins = [round(r["eval/rewards/margin"], 4) for r in evals]
     accs = [r["eval/rewards/accuracy"] for r in evals]
     print(f"DPO LoRA held-out reward margin by eval {margins}, accuracy {accs}")
     assert margins[0] == 0.0 and margins[-1] > 0.5 and accs[-1] > accs[0] + 0.1
@@ -371,11 +371,8 @@ def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, mon
     pairs, _ = data.tokenize_preferences(data.load_rows(task["pref_eval"])[:16], tokenizer, cfg)
     batch = data.collate_preferences(pairs, tokenizer.pad_token_id)
     cfg_lora = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=8, lora_alpha=16)
-    from peft import set_peft_model_state_dict
-
     model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(task["base"]), cfg_lora, "CAUSAL_LM").eval()
     model.load_state_dict(state)
-    assert set_peft_model_state_dict is not None
     with torch.no_grad():
         trained = pair_logps(model, batch)
         with lora.adapter_disabled(model):
