@@ -492,3 +492,65 @@ def test_rlvr_lora_trains_with_the_adapter_disabled_reference(task):
     print(f"RLVR LoRA (GRPO): held-out greedy correct rate by eval {evals}; train/kl {[round(k, 5) for k in kls]}")
     assert evals[-1] >= evals[0] + 0.1, evals
     assert kls and kls[0] == pytest.approx(0.0, abs=1e-6) and max(kls) > 0  # reference = the untouched base
+
+
+def test_rlvr_lora_models_share_the_policy_as_reference(task):
+    """load_models with LoRA and beta > 0: the reference IS the policy (run with adapters disabled), the PPO value
+    model gets adapters + a trained head, and the optimizers hold only the trainable parameters."""
+    from types import SimpleNamespace
+
+    from open_instruct import rlvr_ppo, runtime
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.models import load_tokenizer
+
+    argv = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", task["base"]]
+    argv += ["--dataset_name_or_path", task["rl_train"], "--output_dir", str(task["root"] / "rl_models"), *LORA]
+    cfg = parse_config(RLVRConfig, argv)
+    assert cfg.algo == "ppo" and cfg.beta > 0
+    models, optimizers, _ = rlvr_ppo.load_models(
+        cfg, load_tokenizer(task["base"]), runtime.make_accelerator(cfg), SimpleNamespace(optimizer_steps=4)
+    )
+    assert models.reference is models.policy and lora.is_peft(models.policy)
+    assert lora.is_peft(models.value.seq_cls)
+    head = [n for n, p in models.value.named_parameters() if p.requires_grad and "modules_to_save" in n]
+    assert head and all(".score." in n for n in head)
+    for name, model in models.trained().items():
+        in_optimizer = sum(p.numel() for g in optimizers[name].param_groups for p in g["params"])
+        trainable, total = lora.count_trainable(model)
+        assert in_optimizer == trainable < total / 3, name
+
+
+def test_ppo_lora_value_model_trains(task):
+    """PPO with LoRA on the policy and on the value model (adapters + its scalar head)."""
+    out = str(task["root"] / "ppo_lora")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    args = [
+        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        task["base"],
+        "--dataset_name_or_path",
+        task["rl_train"],
+        "--eval_dataset_name_or_path",
+        task["rl_eval"],
+        "--output_dir",
+        out,
+        "--total_episodes",
+        "1024",
+        "--eval_steps",
+        "4",
+        "--checkpointing_steps",
+        "1000",
+        "--learning_rate",
+        "2e-3",
+        *LORA,
+    ]
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
+    value_losses = [r["loss/value"] for r in rows if "loss/value" in r]
+    print(f"PPO LoRA: held-out greedy correct rate by eval {evals}; loss/value {[round(v, 4) for v in value_losses]}")
+    assert evals[-1] >= evals[0] + 0.1, evals
+    assert value_losses[-1] < value_losses[0]
