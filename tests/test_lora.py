@@ -554,3 +554,48 @@ def test_ppo_lora_value_model_trains(task):
     print(f"PPO LoRA: held-out greedy correct rate by eval {evals}; loss/value {[round(v, 4) for v in value_losses]}")
     assert evals[-1] >= evals[0] + 0.1, evals
     assert value_losses[-1] < value_losses[0]
+
+
+def test_sft_lora_under_fsdp2_matches_one_process(tmp_path, tiny_models):
+    """LoRA under FSDP2 (2 CPU processes, tests/test_fsdp.py's launcher): same per-step losses as one process, the
+    gathered merged final model equals the single-process one, and a 2-process checkpoint resumes on 1 process."""
+    from test_fsdp import (
+        assert_same_losses,
+        assert_same_weights,
+        command,
+        run_all,
+        run_pair,
+        supervised_args,
+        train_rows,
+    )
+
+    files = synthetic.write_task_files(str(tmp_path / "data"), n_train=64, n_eval=9, seed=3)
+    extra = [*LORA, "--learning_rate", "1e-2", "--eval_dataset_name_or_path", files["sft_eval"], "--eval_steps", "2"]
+    extra += ["--per_device_eval_batch_size", "4"]
+    out = run_pair(
+        tmp_path, "open_instruct/sft.py", "sft_tiny.yaml", tiny_models["causal_lm"], files["sft_train"], extra
+    )
+    single, fsdp = train_rows(out["single"]), train_rows(out["fsdp"])
+    print(
+        f"SFT LoRA loss 1 process {[round(r['train/loss'], 4) for r in single]}, 2 FSDP2 processes "
+        f"{[round(r['train/loss'], 4) for r in fsdp]}"
+    )
+    assert single[-1]["train/loss"] < single[0]["train/loss"]
+    assert_same_losses(single, fsdp, ("train/loss", "train/grad_norm", "lr"))
+    for rank in (0, 1):  # the shard report (trained parameters): LoRA factors are sharded DTensors, Adam state too
+        with open(os.path.join(out["shards"], f"step_2_rank{rank}.json")) as f:
+            report = json.load(f)["models"]["policy"]
+        assert report["params"] and all(".lora_" in k and v["dtensor"] for k, v in report["params"].items())
+        assert report["optimizer"]["local_numel"] * 2 == report["optimizer"]["global_numel"] > 0
+    assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(out["fsdp"], "final_model"))
+    resumed = str(tmp_path / "resumed")
+    args = [
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        *supervised_args(tiny_models["causal_lm"], files["sft_train"], resumed, 1, extra),
+        "--resume_from_checkpoint",
+        os.path.join(out["fsdp"], "checkpoints", "step_2"),
+    ]
+    cmd, env = command("open_instruct/sft.py", args, "single")
+    run_all([(cmd, env, str(tmp_path / "resumed.log"))])
+    assert_same_losses(single[2:], train_rows(resumed), ("train/loss", "train/grad_norm", "lr"))
+    assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(resumed, "final_model"))
