@@ -173,6 +173,11 @@ def test_sft_lora_learns_and_trains_only_the_adapters(task, sft_run):
     assert after < before - 0.05
     state = checkpoint_model_state(str(sft_run / "checkpoints" / "step_20"))
     assert_only_lora_changed(state, base_weights(task["base"]))
+    # The last checkpoint exported (merged) is the final model.
+    from open_instruct.export import export_checkpoint
+
+    exported = export_checkpoint(str(sft_run / "checkpoints" / "step_20"), str(sft_run / "exported"))
+    assert_weights_match(exported, sft_run / "final_model", atol=0)
 
 
 def test_sft_lora_resume_after_preemption_is_exact(task, sft_run, tmp_path, monkeypatch):
