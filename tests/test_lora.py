@@ -191,6 +191,13 @@ def test_sft_lora_resume_after_preemption_is_exact(task, sft_run, tmp_path, monk
     assert_weights_match(sft_run / "final_model", out / "final_model", atol=0)
 
 
+def test_sft_lora_with_activation_checkpointing_matches(task, sft_run, tmp_path):
+    """peft + HF gradient checkpointing (frozen embeddings: peft makes the inputs require grad): same run."""
+    out = tmp_path / "ac"
+    sft.main(sft_args(task, out, "--activation_checkpointing", "true", "--checkpointing_steps", "1000"))
+    assert_rows_match(read_metrics(sft_run), read_metrics(out), rel=1e-6)
+
+
 def test_sft_merged_and_adapter_saves_give_the_same_logits(task, sft_run, tmp_path):
     """final_model/ (merged) loads without peft; a run with lora_save=adapter writes an adapter that peft loads on
     the base model; both give the same logits (the runs are deterministic)."""
