@@ -71,7 +71,7 @@ def checkpoint_model_state(step_dir: str, name: str = "policy") -> dict[str, tor
 
     out = os.path.join(step_dir, "..", f"converted_{os.path.basename(step_dir)}.pt")
     dcp_to_torch_save(os.path.join(step_dir, "state"), out)
-    return torch.load(out, weights_only=False)[f"model.{name}"]
+    return torch.load(out, weights_only=True)[f"model.{name}"]
 
 
 def assert_only_lora_changed(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> None:
