@@ -240,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     identity = reference_cache.shared_identity(cfg, model, train, evals, accelerator) if use_reference else None
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    model = apply_lora(model, cfg, "CAUSAL_LM")  # use_lora: adapters only are trained
+    model = apply_lora(model, cfg, "CAUSAL_LM", dropout=False)  # use_lora: adapters only are trained
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     pad_id = tokenizer.pad_token_id

@@ -24,10 +24,11 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
 
 
-def apply_lora(model: Any, cfg: Any, task_type: str) -> Any:
+def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> Any:
     """The model with LoRA adapters (a peft model) when cfg.use_lora, else the model unchanged.
 
-    task_type: "CAUSAL_LM" (policy) or "SEQ_CLS" (reward/value model: peft keeps its `score` head trainable)."""
+    task_type: "CAUSAL_LM" (policy) or "SEQ_CLS" (reward/value model: peft keeps its `score` head trainable).
+    dropout=False: no dropout on the adapters either (DPO and RL, whose log-probs must be reproducible)."""
     if not cfg.use_lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -35,7 +36,7 @@ def apply_lora(model: Any, cfg: Any, task_type: str) -> Any:
     config = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
+        lora_dropout=cfg.lora_dropout if dropout else 0.0,
         target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
         task_type=task_type,
     )

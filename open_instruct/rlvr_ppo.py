@@ -973,11 +973,11 @@ def load_models(
         classifier = load_sequence_classifier(
             path, DTYPES["no"], gguf_file, cfg.trust_remote_code, pad_token_id=tokenizer.pad_token_id
         )
-        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS") if trained else classifier)
+        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
 
     # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
     models = RLModels(
-        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM"),
+        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
         reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
     )
     if cfg.uses_value_model:

@@ -517,13 +517,15 @@ def test_rlvr_lora_models_share_the_policy_as_reference(task):
 
     argv = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", task["base"]]
     argv += ["--dataset_name_or_path", task["rl_train"], "--output_dir", str(task["root"] / "rl_models"), *LORA]
-    cfg = parse_config(RLVRConfig, argv)
+    cfg = parse_config(RLVRConfig, [*argv, "--lora_dropout", "0.1"])
     assert cfg.algo == "ppo" and cfg.beta > 0
     models, optimizers, _ = rlvr_ppo.load_models(
         cfg, load_tokenizer(task["base"]), runtime.make_accelerator(cfg), SimpleNamespace(optimizer_steps=4)
     )
     assert models.reference is models.policy and lora.is_peft(models.policy)
     assert lora.is_peft(models.value.seq_cls)
+    dropouts = [m.p for m in [*models.policy.modules(), *models.value.modules()] if isinstance(m, torch.nn.Dropout)]
+    assert dropouts == [0.0] * len(dropouts)  # RL's log-probs must be reproducible: lora_dropout is not applied
     head = [n for n, p in models.value.named_parameters() if p.requires_grad and "modules_to_save" in n]
     assert head and all(".score." in n for n in head)
     for name, model in models.trained().items():
