@@ -332,14 +332,24 @@ def check_finite_weights(models: dict[str, Any], accelerator: Any, step: Optiona
             )
 
 
-def save_hf_model(model: Any, tokenizer: Any, out_dir: str, accelerator: Any, extra: Optional[dict] = None) -> None:
-    """Gather the full state dict (rank 0 under FSDP) and write an HF-format folder atomically."""
+def save_hf_model(
+    model: Any, tokenizer: Any, out_dir: str, accelerator: Any, extra: Optional[dict] = None, lora_save: str = "merged"
+) -> None:
+    """Gather the full state dict (rank 0 under FSDP) and write an HF-format folder atomically.
+
+    A LoRA (peft) model is written merged (a plain HF model: W + B @ A * scaling, loadable without peft) or, with
+    lora_save="adapter", as its adapter (adapter_config.json + adapter_model.safetensors, loaded with peft)."""
+    from open_instruct import lora
+
     check_finite_weights(
         {os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step")
     )
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
+        if lora.is_peft(unwrapped) and lora_save == "merged":
+            state_dict = lora.merged_state_dict(unwrapped, state_dict)
+            unwrapped = lora.plain_model(unwrapped)
         write_hf_folder(unwrapped, state_dict, tokenizer, out_dir, extra)
     accelerator.wait_for_everyone()
 
@@ -548,6 +558,7 @@ class BestTracker:
         self.mode = cfg.best_metric_mode
         self.best: Optional[float] = (state or {}).get("best_metric_value")
         self.path = os.path.join(cfg.output_dir, "best_model")
+        self.lora_save = getattr(cfg, "lora_save", "merged")
 
     def update(self, metrics: dict[str, Any], model: Any, tokenizer: Any, accelerator: Any, counters: Any) -> bool:
         if not self.metric:
@@ -558,7 +569,9 @@ class BestTracker:
         better = self.best is None or (value > self.best if self.mode == "max" else value < self.best)
         if better:
             self.best = value
-            save_hf_model(model, tokenizer, self.path, accelerator, {self.metric: value, **counters.as_log()})
+            save_hf_model(
+                model, tokenizer, self.path, accelerator, {self.metric: value, **counters.as_log()}, self.lora_save
+            )
         return better
 
     def state(self) -> dict[str, Any]:

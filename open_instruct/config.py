@@ -61,6 +61,31 @@ class BaseConfig:
     activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
 
+    # --- LoRA (peft; open_instruct/lora.py)
+    use_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Train LoRA adapters (peft) instead of all weights: the trained model (the RL policy and PPO "
+            "value model too) gets low-rank adapters, a scalar head stays fully trained."
+        },
+    )
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
+    lora_alpha: float = field(default=32, metadata={"help": "LoRA alpha: the update B@A is scaled by alpha / r."})
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too)."}
+    )
+    lora_target_modules: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."},
+    )
+    lora_save: Literal["merged", "adapter"] = field(
+        default="merged",
+        metadata={
+            "help": "final_model/ and best_model/ hold the merged model (plain HF format, no peft needed) or only "
+            "the adapter (load with peft)."
+        },
+    )
+
     # --- data
     dataset_name_or_path: str = opt(
         "", "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated. Or use dataset_mixer_list."
@@ -143,6 +168,11 @@ class BaseConfig:
         _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
         _check_positive(self, "weight_decay", allow_zero=True)
         _check_positive(self, "adam_epsilon", allow_zero=True)
+        _check_positive(self, "lora_rank")
+        _check_positive(self, "lora_alpha")
+        _check_range(self, "lora_dropout", 0.0, 1.0, high_open=True)
+        if self.lora_target_modules is not None and not self.lora_target_modules:
+            raise ConfigError("lora_target_modules must name at least one module (or be unset: all linear layers)")
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if not self.model_name_or_path:

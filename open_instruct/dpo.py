@@ -204,6 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from open_instruct import data, reference_cache
     from open_instruct.batch_math import should_log
+    from open_instruct.lora import adapter_disabled, apply_lora
     from open_instruct.models import (
         DTYPES,
         disable_dropout,
@@ -234,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     identity = reference_cache.shared_identity(cfg, model, train, evals, accelerator) if use_reference else None
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    model = apply_lora(model, cfg, "CAUSAL_LM", dropout=False)  # use_lora: adapters only are trained
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     pad_id = tokenizer.pad_token_id
@@ -242,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # The reference pass runs on the initial weights, so it comes before any checkpoint is restored.
     ref = None
     if use_reference:
-        ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
+        with adapter_disabled(model):  # LoRA: the reference is the adapter-disabled policy (= the initial weights)
+            ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
 
     run = runtime.RunContext(
         cfg,

@@ -1,4 +1,5 @@
-"""Turn a training checkpoint into a Hugging Face model folder (the policy alone by default).
+"""Turn a training checkpoint into a Hugging Face model folder (the policy alone by default;
+a LoRA run's checkpoint is exported merged).
 
     python -m open_instruct.export output/run/checkpoints/step_100 exported_model [--model policy]
 
@@ -13,6 +14,7 @@ import sys
 
 import torch
 
+from open_instruct import lora
 from open_instruct.checkpoint import STATE, validate, write_hf_folder
 
 
@@ -35,21 +37,30 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_name: str = "policy")
     if reason is not None:
         raise SystemExit(f"export: {checkpoint} is not a complete checkpoint: {reason}")
     with open(os.path.join(checkpoint, STATE)) as f:
-        classes = json.load(f)["model_classes"]
+        trainer_state = json.load(f)
+    classes = trainer_state["model_classes"]
     if model_name not in classes:
         raise SystemExit(f"export: checkpoint has models {sorted(classes)}, not {model_name!r}")
     prefix = _stored_prefix(checkpoint, model_name)
     class_name = "AutoModelForSequenceClassification" if prefix else classes[model_name]
     config = transformers.AutoConfig.from_pretrained(os.path.join(checkpoint, "hf", model_name))
     model = getattr(transformers, class_name).from_config(config, dtype=torch.float32)
+    run_cfg = argparse.Namespace(**{"use_lora": False, **trainer_state.get("config", {})})
+    task_type = "SEQ_CLS" if "SequenceClassification" in class_name else "CAUSAL_LM"
+    model = lora.apply_lora(model, run_cfg, task_type)  # a LoRA run's checkpoint holds the peft model's state
     state = {f"model.{model_name}": {prefix + k: v for k, v in model.state_dict().items()}}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
     model.load_state_dict({k[len(prefix) :]: v for k, v in state[f"model.{model_name}"].items()})
+    if lora.is_peft(model):  # exported merged: a plain HF model
+        merged = lora.merged_state_dict(model, model.state_dict())
+        model = lora.plain_model(model)
+    else:
+        merged = model.state_dict()
     tokenizer = None
     tok_dir = os.path.join(checkpoint, "hf", "tokenizer")
     if os.path.isdir(tok_dir):
         tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    write_hf_folder(model, model.state_dict(), tokenizer, out_dir, {"exported_from": os.path.abspath(checkpoint)})
+    write_hf_folder(model, merged, tokenizer, out_dir, {"exported_from": os.path.abspath(checkpoint)})
     return out_dir
 
 

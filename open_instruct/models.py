@@ -243,7 +243,9 @@ class TokenValueModel(torch.nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], num_positions: int, group: int = 1) -> torch.Tensor:
         """Scalar outputs of the last `num_positions` (<= R+1) positions of a collate_episodes batch, float32
         [batch, num_positions]. group > 1: runs of `group` rows share their prompt (see shared_prompt_groups)."""
-        backbone = getattr(self.seq_cls, self.seq_cls.base_model_prefix)
+        # LoRA (peft) wraps the classifier: its adapted layers and trained head live in the plain model it holds.
+        seq_cls = self.seq_cls.get_base_model() if hasattr(self.seq_cls, "get_base_model") else self.seq_cls
+        backbone = getattr(seq_cls, seq_cls.base_model_prefix)
         parts = shared_prefix_forward(backbone, batch, group, feed_last=True) if group > 1 else None
         if parts is not None:
             first, rest = parts
@@ -254,7 +256,7 @@ class TokenValueModel(torch.nn.Module):
             hidden = backbone(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
             ).last_hidden_state
-        return self.seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
+        return seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
 
 
 def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:

@@ -132,6 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from open_instruct import data
     from open_instruct.batch_math import should_log
+    from open_instruct.lora import apply_lora
     from open_instruct.models import (
         DTYPES,
         load_sequence_classifier,
@@ -158,6 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model.config.pad_token_id = pad_id
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    model = apply_lora(model, cfg, "SEQ_CLS")  # use_lora: adapters + the score head are trained
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)
 

@@ -477,7 +477,7 @@ def collect_rollout(
                     logits = response_logits(models.policy, batch, cfg.temperature, group)
                     old_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
                 if models.reference is not None:
-                    logits = response_logits(models.reference, batch, cfg.temperature, group)
+                    logits = reference_logits(models.reference, batch, cfg.temperature, group)
                     ref_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
                 if models.value is not None:
                     old_values[rows, :r] = token_values(models.value, batch, group).cpu()
@@ -935,12 +935,22 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
     return train, evals, plan, longest_prompt + longest_response
 
 
+def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
+    """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
+    from open_instruct.lora import adapter_disabled
+    from open_instruct.models import response_logits
+
+    with adapter_disabled(reference):
+        return response_logits(reference, batch, temperature, group)
+
+
 def load_models(
     cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
 ) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
     """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
     initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
     from open_instruct.distributed import prepare_frozen
+    from open_instruct.lora import apply_lora
     from open_instruct.models import (
         DTYPES,
         TokenValueModel,
@@ -957,27 +967,31 @@ def load_models(
         disable_dropout(model)
         return model
 
-    def scalar_model(path: str, gguf_file: Optional[str], trained_head: bool = False) -> TokenValueModel:
+    def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
         classifier = load_sequence_classifier(
             path,
             DTYPES["no"],
             gguf_file,
             cfg.trust_remote_code,
             pad_token_id=tokenizer.pad_token_id,
-            require_trained_head=trained_head,  # a reward model's head must be trained; a value head starts fresh
+            require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
         )
-        return TokenValueModel(classifier)
+        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
 
-    models = RLModels(policy=causal_lm(), reference=causal_lm() if cfg.beta > 0 else None)
+    # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
+    models = RLModels(
+        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
+        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
+    )
     if cfg.uses_value_model:
         # A fresh scalar head (value model from the policy) is initialised the same way every run.
         torch.manual_seed(cfg.seed)
         models.value = scalar_model(
-            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file
+            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file, True
         )
         disable_dropout(models.value.seq_cls)
     if cfg.reward_model_path:
-        models.reward = scalar_model(cfg.reward_model_path, None, trained_head=True)
+        models.reward = scalar_model(cfg.reward_model_path, None, False)
     if cfg.activation_checkpointing:
         models.policy.gradient_checkpointing_enable()
         if models.value is not None:
@@ -989,6 +1003,8 @@ def load_models(
         setattr(models, name, prepared)
     if models.reference is not None:
         models.reference = prepare_frozen(accelerator, models.reference)
+    elif cfg.use_lora and cfg.beta > 0:
+        models.reference = models.policy  # collect_rollout runs it with the adapters disabled
     if models.reward is not None:
         models.reward = prepare_frozen(accelerator, models.reward)
     return models, optimizers, schedulers

@@ -342,7 +342,8 @@ class RunContext:
 
         if self.cfg.save_final_model:
             path = os.path.join(self.cfg.output_dir, "final_model")
-            save_hf_model(self.models["policy"], self.tokenizer, path, self.accelerator, self.counters.as_log())
+            model, log = self.models["policy"], self.counters.as_log()
+            save_hf_model(model, self.tokenizer, path, self.accelerator, log, getattr(self.cfg, "lora_save", "merged"))
         if self.accelerator.is_main_process:
             run_dir.mark_finished(self.cfg.output_dir, self.counters.as_log())
         self.logger.close()

@@ -69,6 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from open_instruct import data
     from open_instruct.batch_math import should_log
+    from open_instruct.lora import apply_lora
     from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
 
     accelerator = runtime.make_accelerator(cfg)
@@ -86,6 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    model = apply_lora(model, cfg, "CAUSAL_LM")  # use_lora: adapters only are trained (else the model as is)
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 

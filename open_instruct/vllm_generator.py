@@ -148,15 +148,23 @@ def _clean(name: str) -> str:
 def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter, one at a time; a shared tensor once under its first name, or, with
     `untie`, the output embedding also under its own name (for an engine whose lm_head is a separate tensor)."""
+    from open_instruct import lora
+
     model = _unwrapped(model)
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    named = dict(model.named_parameters())
+    for p in named.values():
         seen.add(id(p))
-        yield _clean(name), _full_tensor(p.detach())
+    if lora.is_peft(model):  # LoRA: the merged weights W + B @ A * scaling under the base names, factors left out
+        pairs = lora.merged_tensors({k: p.detach() for k, p in named.items()}, lora.scalings(model), _full_tensor)
+    else:
+        pairs = ((name, _full_tensor(p.detach())) for name, p in named.items())
+    for name, tensor in pairs:
+        yield _clean(lora.base_name(name)), tensor
     out = model.get_output_embeddings() if untie and hasattr(model, "get_output_embeddings") else None
     if out is not None and id(out.weight) in seen:  # tied: named_parameters gave it under the input embedding's name
         name = next(n for n, m in model.named_modules() if m is out)
-        yield _clean(f"{name}.weight"), _full_tensor(out.weight.detach())
+        yield _clean(lora.base_name(f"{name}.weight")), _full_tensor(out.weight.detach())
 
 
 def _prompt_seed(base: int, prompt_index: int) -> int:

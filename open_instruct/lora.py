@@ -1,0 +1,116 @@
+"""LoRA through peft: adapters on the trained model, the adapter-disabled model as the reference, merged weights.
+
+With `use_lora`, every script wraps its trained model right after it loads (before accelerate.prepare):
+`apply_lora(model, cfg, "CAUSAL_LM")` for a policy, `"SEQ_CLS"` for a reward or value model (the `score` head is
+then a peft `modules_to_save` copy, fully trained). Base weights are frozen, so the optimizer (which only takes
+parameters with requires_grad) holds Adam state for the adapters (and head) only.
+
+Names: peft puts the HF model under `base_model.model.`, an adapted linear's weight under `<module>.base_layer.weight`
+with its factors in `<module>.lora_A.default.weight` [r, in] and `<module>.lora_B.default.weight` [out, r], and a
+trained head under `score.modules_to_save.default.*` (its frozen original in `score.original_module.*`).
+`merged_tensors` maps these back to the base names with W + B @ A * scaling (what peft's merge_and_unload computes):
+used for merged final/best models (checkpoint.save_hf_model) and for the weights streamed to vLLM
+(vllm_generator.hf_weights). Checkpoints keep the peft model's own state dict (base + adapters), so resume is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"
+
+
+def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> Any:
+    """The model with LoRA adapters (a peft model) when cfg.use_lora, else the model unchanged.
+
+    task_type: "CAUSAL_LM" (policy) or "SEQ_CLS" (reward/value model: peft keeps its `score` head trainable).
+    dropout=False: no dropout on the adapters either (DPO and RL, whose log-probs must be reproducible)."""
+    if not cfg.use_lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout if dropout else 0.0,
+        target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
+        task_type=task_type,
+    )
+    return get_peft_model(model, config)
+
+
+def unwrap(model: Any) -> Any:
+    """Under DDP / torch.compile wrappers (FSDP2 wraps in place)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def is_peft(model: Any) -> bool:
+    return hasattr(unwrap(model), "peft_config") and hasattr(unwrap(model), "get_base_model")
+
+
+def adapter_disabled(model: Any) -> Any:
+    """Context: the forward of the model without its LoRA deltas (the initial weights: the frozen reference of DPO and
+    RL, with no second copy in memory). A no-op for a model without adapters (e.g. a separate reference model)."""
+    return unwrap(model).disable_adapter() if is_peft(model) else contextlib.nullcontext()
+
+
+def plain_model(model: Any) -> Any:
+    """The HF model inside a peft model (its adapted linears still hold the adapters), else the model itself."""
+    model = unwrap(model)
+    return model.get_base_model() if is_peft(model) else model
+
+
+def scalings(model: Any) -> dict[str, float]:
+    """Raw module name (as in the peft model's state dict) -> alpha / r of each adapted layer."""
+    return {
+        name: float(module.scaling[ADAPTER])
+        for name, module in unwrap(model).named_modules()
+        if isinstance(getattr(module, "scaling", None), dict) and ADAPTER in module.scaling
+    }
+
+
+def base_name(name: str) -> str:
+    """The plain HF name of a peft parameter name."""
+    name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    return name.replace(f".modules_to_save.{ADAPTER}.", ".")
+
+
+def merged_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    scaling: Mapping[str, float],
+    full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(plain HF name, merged tensor) for every tensor of a peft model's state dict or named parameters, in order.
+
+    W' = W + (B @ A) * scaling for an adapted layer (computed in float64, rounded once to W's dtype); LoRA factors and
+    the frozen originals of trained heads are left out. `full` turns a (sharded) value into the whole tensor; it is
+    called in the same order on every rank (it may be a collective)."""
+    for key, value in tensors.items():
+        if ".lora_A." in key or ".lora_B." in key or ".original_module." in key or ".lora_embedding_" in key:
+            continue
+        value = full(value)
+        module, _, leaf = key.rpartition(".base_layer.")
+        if leaf == "weight" and f"{module}.lora_A.{ADAPTER}.weight" in tensors:
+            a = full(tensors[f"{module}.lora_A.{ADAPTER}.weight"]).double()
+            b = full(tensors[f"{module}.lora_B.{ADAPTER}.weight"]).double()
+            value = (value.double() + (b @ a) * scaling[module]).to(value.dtype)
+        yield base_name(key), value
+
+
+def merged_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain HF state dict of a peft model with its adapters merged in (from its full state dict)."""
+    return dict(merged_tensors(state_dict, scalings(model)))
+
+
+def count_trainable(model: Any) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    params = list(unwrap(model).parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
