@@ -247,15 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with adapter_disabled(model):  # LoRA: the reference is the adapter-disabled policy (= the initial weights)
             ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
 
-    run = runtime.RunContext(
-        cfg,
-        accelerator,
-        {"policy": model},
-        {"policy": optimizer},
-        {"policy": scheduler},
-        tokenizer,
-        plan.optimizer_steps,
-    )
+    run = runtime.RunContext.for_model(cfg, accelerator, model, optimizer, scheduler, tokenizer, plan.optimizer_steps)
     counters = run.counters
     stream = data.episode_stream(train, cfg)
 

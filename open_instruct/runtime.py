@@ -258,6 +258,22 @@ class RunContext:
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
         self.throughput = Throughput()
 
+    @classmethod
+    def for_model(
+        cls,
+        cfg: BaseConfig,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        tokenizer: Any,
+        last_step: int,
+    ) -> "RunContext":
+        """The supervised scripts' case: one trained model (the "policy"), paced by optimizer steps."""
+        return cls(
+            cfg, accelerator, {"policy": model}, {"policy": optimizer}, {"policy": scheduler}, tokenizer, last_step
+        )
+
     @property
     def step(self) -> int:
         """The current value of the pacing counter."""

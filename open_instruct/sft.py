@@ -91,15 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    run = runtime.RunContext(
-        cfg,
-        accelerator,
-        {"policy": model},
-        {"policy": optimizer},
-        {"policy": scheduler},
-        tokenizer,
-        plan.optimizer_steps,
-    )
+    run = runtime.RunContext.for_model(cfg, accelerator, model, optimizer, scheduler, tokenizer, plan.optimizer_steps)
     counters = run.counters
     stream = data.episode_stream(train, cfg)
     pad_id = tokenizer.pad_token_id
