@@ -85,20 +85,15 @@ def preference_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, A
     return rows
 
 
+def rl_row(row_id: str, problem: dict[str, Any]) -> dict[str, Any]:
+    """An RL prompt row: the question as a user message, the answer as the `arithmetic` verifier's ground truth."""
+    messages = [{"role": "user", "content": problem["question"]}]
+    return {"id": row_id, "messages": messages, "ground_truth": str(problem["answer"]), "dataset": "arithmetic"}
+
+
 def rl_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        p = make_problem(rng, max_operand)
-        rows.append(
-            {
-                "id": f"rl-{seed}-{i}",
-                "messages": [{"role": "user", "content": p["question"]}],
-                "ground_truth": str(p["answer"]),
-                "dataset": "arithmetic",
-            }
-        )
-    return rows
+    return [rl_row(f"rl-{seed}-{i}", make_problem(rng, max_operand)) for i in range(n)]
 
 
 # A broader family for generalisation (the SmolLM2 demo): training and held-out problems differ in phrasing and in
@@ -134,7 +129,8 @@ def broad_problem(rng: random.Random, split: str) -> dict[str, Any]:
     """A word problem of the broad family: split 'train' or 'held_out' picks the templates and operand ranges."""
     op = rng.choice(["+", "-", "*"])
     low, high = BROAD_RANGES[split][op]
-    a, b = rng.randint(low, high), rng.randint(low, high) if op != "*" else rng.randint(2, 9)
+    a = rng.randint(low, high)
+    b = rng.randint(2, 9) if op == "*" else rng.randint(low, high)  # a product's second factor stays small
     if op == "-":
         a, b = max(a, b), min(a, b)
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -146,18 +142,7 @@ def broad_problem(rng: random.Random, split: str) -> dict[str, Any]:
 def broad_rl_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     """RL prompt rows of the broad family (messages + ground truth + dataset=arithmetic)."""
     rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        p = broad_problem(rng, split)
-        rows.append(
-            {
-                "id": f"broad-{split}-{seed}-{i}",
-                "messages": [{"role": "user", "content": p["question"]}],
-                "ground_truth": str(p["answer"]),
-                "dataset": "arithmetic",
-            }
-        )
-    return rows
+    return [rl_row(f"broad-{split}-{seed}-{i}", broad_problem(rng, split)) for i in range(n)]
 
 
 def write_jsonl(path: str, rows: list[dict[str, Any]]) -> str:

@@ -36,6 +36,18 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
+def unwrap_model(model: Any) -> Any:
+    """The module under DDP / accelerate / torch.compile wrappers (FSDP2 wraps in place): its parameter names are
+    the HF checkpoint's."""
+    import torch
+
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
 def fsdp_requested() -> bool:
     """True when the launcher's accelerate config asks for FSDP."""
     return _env_flag("ACCELERATE_USE_FSDP")

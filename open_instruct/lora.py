@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from open_instruct.distributed import unwrap_model
+
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
 
@@ -43,28 +45,19 @@ def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> An
     return get_peft_model(model, config)
 
 
-def unwrap(model: Any) -> Any:
-    """Under DDP / torch.compile wrappers (FSDP2 wraps in place)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
 def is_peft(model: Any) -> bool:
-    return hasattr(unwrap(model), "peft_config") and hasattr(unwrap(model), "get_base_model")
+    return hasattr(unwrap_model(model), "peft_config") and hasattr(unwrap_model(model), "get_base_model")
 
 
 def adapter_disabled(model: Any) -> Any:
     """Context: the forward of the model without its LoRA deltas (the initial weights: the frozen reference of DPO and
     RL, with no second copy in memory). A no-op for a model without adapters (e.g. a separate reference model)."""
-    return unwrap(model).disable_adapter() if is_peft(model) else contextlib.nullcontext()
+    return unwrap_model(model).disable_adapter() if is_peft(model) else contextlib.nullcontext()
 
 
 def plain_model(model: Any) -> Any:
     """The HF model inside a peft model (its adapted linears still hold the adapters), else the model itself."""
-    model = unwrap(model)
+    model = unwrap_model(model)
     return model.get_base_model() if is_peft(model) else model
 
 
@@ -72,7 +65,7 @@ def scalings(model: Any) -> dict[str, float]:
     """Raw module name (as in the peft model's state dict) -> alpha / r of each adapted layer."""
     return {
         name: float(module.scaling[ADAPTER])
-        for name, module in unwrap(model).named_modules()
+        for name, module in unwrap_model(model).named_modules()
         if isinstance(getattr(module, "scaling", None), dict) and ADAPTER in module.scaling
     }
 
@@ -112,5 +105,5 @@ def merged_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor]) -> dic
 
 def count_trainable(model: Any) -> tuple[int, int]:
     """(trainable parameters, all parameters)."""
-    params = list(unwrap(model).parameters())
+    params = list(unwrap_model(model).parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)

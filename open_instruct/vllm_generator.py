@@ -56,6 +56,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from open_instruct.distributed import unwrap_model
 from open_instruct.generation import GenerationConfig, GenerationOutput, default_eos_token_ids, finalize_response
 
 # Tested with 0.32. The weight-sync path (Worker.reload_weights via collective_rpc) and the CPU/V1 engine internals
@@ -112,13 +113,6 @@ def check_vllm_version(version: Optional[str] = None) -> str:
     return version
 
 
-def _unwrapped(model: Any) -> Any:
-    """The module whose parameter names are the HF checkpoint names (DDP/accelerate wrappers removed)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 # Wrapper prefixes that torch/accelerate insert into parameter names; vLLM expects the HF checkpoint names.
 _NAME_NOISE = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
@@ -150,7 +144,7 @@ def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Ten
     `untie`, the output embedding also under its own name (for an engine whose lm_head is a separate tensor)."""
     from open_instruct import lora
 
-    model = _unwrapped(model)
+    model = unwrap_model(model)
     seen: set[int] = set()
     named = dict(model.named_parameters())
     for p in named.values():
@@ -237,7 +231,7 @@ class VLLMGenerator:
         from vllm.platforms import current_platform
 
         self.tokenizer = tokenizer
-        policy = _unwrapped(model)
+        policy = unwrap_model(model)
         hf_config = policy.config
         self.eos_ids = [int(i) for i in eos_token_ids] if eos_token_ids else default_eos_token_ids(policy, tokenizer)
         self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 0) or 4096)
