@@ -495,9 +495,17 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
             f"{world_size}",
         ),
     }
+    # What the saved parameters are: LoRA adapters of a given shape, or the whole model.
+    layout["use_lora"] = (bool(config.get("use_lora", False)), "adapters or the whole model in the saved state")
+    if config.get("use_lora"):
+        for key in ("lora_rank", "lora_target_modules"):
+            layout[key] = (config.get(key), "the saved adapters' shapes")
     if config.get("script") == "rlvr_ppo":
         local = config["local_rollout_batch_size"]
         layout["algo"] = (config.get("algo"), "")
+        # gae trains a value model, the other estimators none (a checkpoint from before the knob: from algo)
+        estimator = config.get("advantage_estimator") or ("gae" if config.get("algo", "ppo") == "ppo" else "grpo")
+        layout["advantage_estimator"] = (estimator, "")
         layout["rollout_batch_size"] = (
             local * world_size,
             f"local_rollout_batch_size {local} x world_size {world_size}",

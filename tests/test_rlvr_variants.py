@@ -346,3 +346,19 @@ def test_script_runs_every_estimator_and_loss(variant, tiny_models, rl_files, tm
     assert ("loss/kl" in train[0]) == (variant not in ("gae", "ppo_dual_clip", "ppo_tulu3", "reinforce_pp"))
     if variant == "grpo":
         assert 0.0 <= train[0]["train/filtered_groups_fraction"] <= 1.0
+
+
+def test_resume_layout_tells_apart_what_the_saved_state_holds():
+    """A value model exists only with gae and the parameters are adapters only with LoRA: resuming across either
+    change is refused before any model loads (a checkpoint from before these knobs reads as their defaults)."""
+    from open_instruct.checkpoint import resume_layout
+
+    base = {"script": "rlvr_ppo", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "seed": 1,
+            "local_rollout_batch_size": 4, "num_samples_per_prompt": 2, "num_epochs": 1, "algo": "grpo"}  # fmt: skip
+    old = resume_layout(base, 1)
+    assert old["advantage_estimator"][0] == "grpo" and old["use_lora"][0] is False
+    assert resume_layout({**base, "advantage_estimator": "grpo", "use_lora": False}, 1) == old
+    assert resume_layout({**base, "advantage_estimator": "gae"}, 1)["advantage_estimator"][0] == "gae"
+    lora = resume_layout({**base, "use_lora": True, "lora_rank": 8, "lora_target_modules": None}, 1)
+    assert lora["use_lora"][0] is True and lora["lora_rank"][0] == 8
+    assert resume_layout({**base, "use_lora": True, "lora_rank": 16, "lora_target_modules": None}, 1) != lora
