@@ -414,7 +414,7 @@ class RLVRConfig(BaseConfig):
     truncated_importance_sampling: Optional[bool] = field(
         default=None,
         metadata={
-            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on iff async_steps."
+            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
         },
     )
     tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
@@ -532,8 +532,8 @@ class RLVRConfig(BaseConfig):
                 f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines generate "
                 f"while the trainer updates); {self.generation_backend!r} generates on the training devices"
             )
-        if self.async_steps > 2:
-            raise ConfigError(f"async_steps must be 0, 1 or 2 (policy lag in rollouts), got {self.async_steps}")
+        if self.async_steps > 1:  # deeper pipelines need in-flight weight updates (several versions per response)
+            raise ConfigError(f"async_steps must be 0 (synchronous) or 1 (one-step off-policy), got {self.async_steps}")
         if self.vllm_server_urls is not None:
             if self.generation_backend != "vllm_server":
                 raise ConfigError("vllm_server_urls is set but generation_backend is not vllm_server")
