@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -65,16 +66,30 @@ class GlooBroadcastGroup:
         self.group = None
 
 
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(NCCLWeightTransferInitInfo):
+    """The NCCL worker init info plus how long a broadcast may wait for its peers (a dead trainer or engine then
+    fails the transfer instead of hanging it)."""
+
+    timeout_s: float = 600.0
+
+
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """Engine-worker side: join the trainer's gloo group, then receive and load one parameter at a time."""
 
-    def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
+    init_info_cls = GlooWeightTransferInitInfo
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.packed = False  # packing is a CUDA-stream optimisation; gloo sends each tensor as it is
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         assert init_info.master_address is not None and init_info.master_port is not None
         self.model_update_group = GlooBroadcastGroup(
-            init_info.master_address, init_info.master_port, worker_rank + init_info.rank_offset, init_info.world_size
+            init_info.master_address,
+            init_info.master_port,
+            worker_rank + init_info.rank_offset,
+            init_info.world_size,
+            init_info.timeout_s,
         )
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
@@ -86,8 +101,10 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             self.model.load_weights([(name, weight)])
 
 
+@dataclass
 class GlooTrainerInitInfo(NCCLTrainerInitInfo):
     backend = BACKEND
+    timeout_s: float = 600.0
 
 
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
@@ -105,19 +122,20 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
         if not engine.is_sender:
             return engine
-        worker_info = NCCLWeightTransferInitInfo(
+        worker_info = GlooWeightTransferInitInfo(
             master_address=init_info.master_address,
             master_port=init_info.master_port,
             rank_offset=1,
             world_size=init_info.world_size,
             packed=False,
+            timeout_s=init_info.timeout_s,
         )
         # The workers block in init_weight_transfer_engine until every rank has joined the group: run that RPC
         # beside opening our end (rank 0, the store's host).
         with ThreadPoolExecutor(max_workers=1) as pool:
             future = pool.submit(engine.client.init_weight_transfer_engine, worker_init_payload(worker_info))
             engine.model_update_group = GlooBroadcastGroup(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size
+                init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
             )
             future.result()
         return engine

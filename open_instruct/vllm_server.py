@@ -191,6 +191,8 @@ class ServerGenerator:
         world = 1 + len(self.urls) * tensor_parallel_size  # trainer rank 0 + every worker of every engine
         port = free_port() if rank == 0 else 0  # only rank 0 hosts the group's store
         info = InitInfo(master_address=transfer_address, master_port=port, world_size=world, rank=rank)
+        if transfer == "gloo":
+            info.timeout_s = timeout
         self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.fleet, source=self.source)
 
     # ------------------------------------------------------------------------------------------------ weights
