@@ -36,7 +36,8 @@ from typing import Any, Optional, Sequence
 from open_instruct.errors import ConfigError
 
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-CPU_KV_CACHE_GB = "1"  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM takes a share of the host's RAM)
+CPU_KV_CACHE_GB = "1"
+CPU_BATCHED_TOKENS = 16384  # tokens per engine step on CPU (whole prompts: no chunked prefill there)  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM takes a share of the host's RAM)
 
 
 class EngineError(RuntimeError):
@@ -135,7 +136,10 @@ def engine_specs(
         ]  # fmt: skip
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if mine is None:
-            argv.append("--enforce-eager")  # CPU: graph capture and compilation cost minutes
+            # CPU: graph capture and compilation cost minutes; and vLLM 0.32 rewinds a seeded request's generator
+            # after a partial (chunked) prefill with a CUDA-only call, which kills a CPU engine: whole prefills only.
+            argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
+            argv += ["--max-num-batched-tokens", str(max(max_model_len, CPU_BATCHED_TOKENS))]
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GB)
         else:
             argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
