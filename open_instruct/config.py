@@ -351,6 +351,9 @@ class RLVRConfig(BaseConfig):
     vllm_server_urls: Optional[list[str]] = opt(
         None, "vllm_server: URLs of engines already running (other nodes); default: start them on this node."
     )
+    vllm_engine_devices: Optional[list[int]] = opt(
+        None, "vllm_server: GPUs of the engines started here (default: those after the training processes')."
+    )
     vllm_weight_transfer: Literal["auto", "nccl", "gloo"] = opt(
         "auto", "vllm_server: weight broadcast transport (auto: nccl with CUDA, gloo on CPU)."
     )
@@ -542,6 +545,13 @@ class RLVRConfig(BaseConfig):
             ):
                 raise ConfigError(f"vllm_server_urls must be a list of http(s):// URLs, got {self.vllm_server_urls!r}")
             self.vllm_num_engines = len(self.vllm_server_urls)
+        if self.vllm_engine_devices is not None:
+            need = self.vllm_num_engines * self.vllm_tensor_parallel_size
+            if len(self.vllm_engine_devices) != need or any(d < 0 for d in self.vllm_engine_devices):
+                raise ConfigError(
+                    f"vllm_engine_devices {self.vllm_engine_devices} must list {need} GPU ids (vllm_num_engines "
+                    f"{self.vllm_num_engines} x vllm_tensor_parallel_size {self.vllm_tensor_parallel_size})"
+                )
         if self.truncated_importance_sampling is None:  # off-policy by construction when generation runs ahead
             self.truncated_importance_sampling = self.async_steps > 0
 

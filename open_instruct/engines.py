@@ -36,8 +36,8 @@ from typing import Any, Optional, Sequence
 from open_instruct.errors import ConfigError
 
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-CPU_KV_CACHE_GB = "1"
-CPU_BATCHED_TOKENS = 16384  # tokens per engine step on CPU (whole prompts: no chunked prefill there)  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM takes a share of the host's RAM)
+CPU_KV_CACHE_GB = "1"  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM takes a share of the host's RAM)
+CPU_BATCHED_TOKENS = 16384  # tokens per engine step on CPU (whole prompts: no chunked prefill there)
 
 
 class EngineError(RuntimeError):

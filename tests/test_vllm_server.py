@@ -283,3 +283,76 @@ def test_sigkill_of_the_trainer_then_resume_completes(task):
     rows = read_rows(out_dir)
     assert rows[-1]["rollout_step"] == 8 and evals(rows)
     assert not healthy("http://127.0.0.1:1")  # sanity of the probe itself
+
+
+_FSDP_WORKER = """
+import json, os
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from open_instruct.generation import GenerationConfig, HFGenerator
+from open_instruct.vllm_server import ServerGenerator
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+path = os.environ["POLICY"]
+tok = AutoTokenizer.from_pretrained(path)
+full = AutoModelForCausalLM.from_pretrained(path).eval()  # unsharded reference
+policy = AutoModelForCausalLM.from_pretrained(path).eval()
+mesh = init_device_mesh("cpu", (world,))
+for layer in policy.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(policy, mesh=mesh)
+gen = ServerGenerator([os.environ["URL"]], tok, [tok.eos_token_id], policy, rank=rank, num_ranks=world,
+                      transfer="gloo", untie=True, max_model_len=256, timeout=120)
+prompts = [[5 + rank, 40, 50, 60, 4], [7, 8, 9 + rank]]  # each rank generates for its own prompts
+g = GenerationConfig(max_new_tokens=12, temperature=0)
+noise = torch.Generator().manual_seed(5)  # the same update on every rank: on the shards and on the reference
+with torch.no_grad():
+    for p, q in zip(policy.parameters(), full.parameters()):
+        delta = torch.randn(q.shape, generator=noise) * 0.3
+        q.add_(delta)
+        p.add_(distribute_tensor(delta, p.device_mesh, p.placements) if isinstance(p, DTensor) else delta)
+gen.sync_weights(policy, version=7)  # collective: both ranks gather, rank 0 broadcasts
+out = gen.generate(prompts, g)
+result = dict(
+    sharded=sum(isinstance(p, DTensor) for p in policy.parameters()),
+    synced=out.response_ids == HFGenerator(full, tok).generate(prompts, g).response_ids,
+    versions=out.weight_versions, bytes=gen.last_sync_bytes,
+)
+with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+dist.barrier()
+"""
+
+
+def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
+    """Two training processes (torchrun, gloo) with an FSDP2-sharded policy and one engine: sync_weights gathers the
+    shards one parameter at a time on both ranks, rank 0 broadcasts, and both ranks' generations then equal what
+    the unsharded updated model generates, labelled with the version sent."""
+    policy = str(tmp_path / "policy")
+    tiny_policy(policy, seed=1, tie=True)
+    model_dir, _ = write_engine_model(policy, str(tmp_path / "engine_model"))
+    specs = engine_specs(
+        model_dir, num_engines=1, tensor_parallel_size=1, max_model_len=256, dtype="float32", seed=0,
+        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=18351,
+    )  # fmt: skip
+    engines = LocalEngines(specs, str(tmp_path / "logs"), start_timeout=600)
+    try:
+        worker = tmp_path / "worker.py"
+        worker.write_text(_FSDP_WORKER)
+        env = {**ENV, "POLICY": policy, "URL": engines.urls[0], "OUT": str(tmp_path)}
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        proc = subprocess.run(
+            [torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-5000:]
+    finally:
+        engines.close()
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sharded"] > 0 and result["synced"] and result["versions"] == [7, 7]
+    # rank 0 sent the weights (+ the untied lm_head), in float32
+    assert json.loads((tmp_path / "rank0.json").read_text())["bytes"] > 0
