@@ -414,7 +414,8 @@ class RLVRConfig(BaseConfig):
     truncated_importance_sampling: Optional[bool] = field(
         default=None,
         metadata={
-            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on iff async_steps."
+            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); "
+            "default: on iff async_steps."
         },
     )
     tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
