@@ -79,7 +79,7 @@ bench-dpo: install
 bench-grpo: install
 	$(PY) bench/bench_grpo.py
 
-# Published recipes. DRY_RUN=1 prints the accelerate command and the plan without GPUs.
+# Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:
 	bash scripts/sft_8b.sh $(ARGS)
 rm-8b:

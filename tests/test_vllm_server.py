@@ -223,7 +223,8 @@ def test_async_grpo_learns_and_matches_sync(task):
     assert train_async[0]["train/policy_lag_mean"] == 0 and all(
         r["train/policy_lag_mean"] == 1 for r in train_async[1:]
     )
-    assert all(r["perf/weight_sync_bytes"] > 0 for r in train_async[1:])
+    sent = [r["perf/weight_sync_bytes"] for r in train_async[1:]]  # 0 where an eval had just sent these weights
+    assert len(set(sent) - {0}) == 1 and sent.count(0) <= 2, sent  # the whole model each time
     assert all(r["perf/generation_hidden_fraction"] == 0 for r in train_sync)
     hidden = [r["perf/generation_hidden_fraction"] for r in train_async[1:]]
     assert sum(hidden) / len(hidden) > 0.5, hidden  # most of the engine's time is behind training
