@@ -1,13 +1,16 @@
 """RL with verifiable rewards: PPO with a value model (default), GRPO (`--algo grpo`) and their 2025 variants.
 
     python open_instruct/rlvr_ppo.py configs/rlvr_tiny.yaml [--algo grpo] [--key value ...]
-    accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
+    accelerate launch --config_file configs/accelerate/fsdp_7gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
+                        (7 training GPUs; the trainer starts the vLLM engine on GPU 7: scripts/rlvr_8b.sh)
 
 The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
 `main`, which loads everything and runs the phases in a loop:
 
-    collect_rollout     prompts -> generate `num_samples_per_prompt` completions each (with the sampler's own
-                        log-probs) -> score them (verifiers, plus a reward model, the non-stop penalty and the
+    RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
+                        generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
+                        generation submitted one rollout earlier                                   -> completions
+    collect_rollout     completions -> score them (verifiers, plus a reward model, the non-stop penalty and the
                         overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
                         reference, values (gae)                                                   -> Rollout
     compute_advantages  the one place that branches on the advantage estimator                    -> Advantages
