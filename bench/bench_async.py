@@ -1,6 +1,7 @@
 """Synchronous vs one-step off-policy (async) RL on a dedicated vLLM engine: episodes/s on the same workload.
 
     .venv-vllm/bin/python bench/bench_async.py [--hidden_size 256] [--layers 4] [--rollouts 10] [--repeats 2]
+        [--mixed_precision bf16 --vllm_engine_devices 0 ...: other options go to rlvr_ppo.py]
 
 Runs open_instruct/rlvr_ppo.py with generation_backend vllm_server twice per repeat, alternating: async_steps 0 and
 async_steps 1, on the same prompts, seeds and model (a Llama built from a config, random weights, no hub): GRPO,
@@ -64,7 +65,7 @@ def run_once(model: str, data: dict, out_dir: str, async_steps: int, args: argpa
         "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "4", "--num_epochs", "1",
         "--response_length", str(args.response_length), "--total_episodes", str(128 * args.rollouts),
         "--eval_steps", "1000", "--checkpointing_steps", "1000", "--save_final_model", "false",
-        "--generation_backend", "vllm_server", "--async_steps", str(async_steps),
+        "--generation_backend", "vllm_server", "--async_steps", str(async_steps), *args.rlvr_args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None, help="results.json goes here (default: a temporary folder)")
-    args = parser.parse_args()
+    args, args.rlvr_args = parser.parse_known_args()  # the rest goes to rlvr_ppo.py (--vllm_engine_devices 0 ...)
     root = args.out or tempfile.mkdtemp(prefix="bench_async_")
     os.makedirs(root, exist_ok=True)
     model = build_model(os.path.join(root, "model"), args.hidden_size, args.layers)
