@@ -514,3 +514,57 @@ def test_rlvr_end_to_end_packed_matches_padded(variant, tiny_models, varied, tmp
     same = [r["train/response_length"] for r in padded if "loss/policy" in r]
     assert same == [r["train/response_length"] for r in packed if "loss/policy" in r]  # the same completions
     assert len(train) == 2 and max(train) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Several processes: ranks pack into different numbers of micro-batches and run dummies to keep FSDP in step
+
+
+def micro_batch_counts(train_file: str, tokenizer_dir: str, budget: int, steps: int) -> list[list[int]]:
+    """Per optimizer step, the packed micro-batches each of 2 ranks builds (what sft.py does with global batch 8)."""
+    from open_instruct.config import SFTConfig
+    from open_instruct.models import load_tokenizer
+
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path=train_file, max_seq_length=96)
+    train, _ = data.tokenize_sft(data.load_rows(train_file), load_tokenizer(tokenizer_dir), cfg)
+    stream = data.episode_stream(train, SFTConfig(model_name_or_path="m", dataset_name_or_path=train_file, seed=5))
+    counts = []
+    for step in range(steps):
+        idx = stream.take(step * 8, 8)
+        ranks = [[train[i] for i in data.EpisodeStream.local_slice(idx, r, 2)] for r in (0, 1)]
+        counts.append([len(data.micro_batches(mb, 4, [data.packed_length(e) for e in mb], budget)) for mb in ranks])
+    return counts
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_packed_match_one_process(tiny_models, varied, tmp_path):
+    """SFT and DPO (its reference pass too) on 2 FSDP2 processes with packing log what one padded process logs; the
+    ranks pack into different numbers of micro-batches, so the one with fewer runs dummies (else FSDP would hang)."""
+    from test_fsdp import command, metrics, run_all, supervised_args
+
+    counts = micro_batch_counts(varied["sft"], tiny_models["causal_lm"], 100, 4)
+    print(f"packed micro-batches per step on ranks 0 and 1: {counts}")
+    assert any(a != b for a, b in counts)
+    runs = {}
+    jobs = []
+    for script, recipe, model, train, budget in (
+        ("sft", "sft_tiny.yaml", tiny_models["causal_lm"], varied["sft"], 100),
+        ("dpo", "dpo_tiny.yaml", tiny_models["causal_lm"], varied["pref"], 160),
+    ):
+        held_out = varied["sft_eval" if script == "sft" else "pref_eval"]
+        extra = ["--max_seq_length", "96" if script == "sft" else "64", "--save_final_model", "false"]
+        extra += ["--eval_dataset_name_or_path", held_out, "--eval_steps", "2", "--per_device_eval_batch_size", "4"]
+        for mode, world, knob in (("single", 1, []), ("fsdp", 2, ["--max_tokens_per_micro_batch", str(budget)])):
+            out = runs[script, mode] = str(tmp_path / script / mode / "out")  # own reference caches
+            args = [os.path.join(REPO, "configs", recipe), *supervised_args(model, train, out, world, extra + knob)]
+            cmd, env = command(f"open_instruct/{script}.py", args, mode)
+            jobs.append((cmd, env, str(tmp_path / f"{script}_{mode}.log")))
+    run_all(jobs)
+    for script, keys in (("sft", ("train/loss", "train/grad_norm")), ("dpo", ("train/loss", "train/logps/chosen"))):
+        single, fsdp = ([r for r in metrics(runs[script, mode]) if "train/loss" in r] for mode in ("single", "fsdp"))
+        gaps = compare(single, fsdp, keys)
+        evals = [[r for r in metrics(runs[script, mode]) if "eval/loss" in r] for mode in ("single", "fsdp")]
+        eval_gaps = compare(*evals, ("eval/loss",))
+        print(f"{script}: 1 padded process vs 2 packed FSDP2 processes, relative differences per step {gaps}, "
+              f"eval {eval_gaps}")  # fmt: skip
+        assert len(gaps) == 4 and max(gaps) < 1e-4 and max(eval_gaps) < 1e-4
