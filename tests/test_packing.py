@@ -538,8 +538,9 @@ def micro_batch_counts(train_file: str, tokenizer_dir: str, budget: int, steps: 
 
 @pytest.mark.slow
 def test_two_sharded_processes_packed_match_one_process(tiny_models, varied, tmp_path):
-    """SFT and DPO (its reference pass too) on 2 FSDP2 processes with packing log what one padded process logs; the
-    ranks pack into different numbers of micro-batches, so the one with fewer runs dummies (else FSDP would hang)."""
+    """SFT, the reward model and DPO (its reference pass too) on 2 FSDP2 processes with packing log what one padded
+    process logs; the ranks pack into different numbers of micro-batches, so the one with fewer runs dummies (else
+    FSDP would hang)."""
     from test_fsdp import command, metrics, run_all, supervised_args
 
     counts = micro_batch_counts(varied["sft"], tiny_models["causal_lm"], 100, 4)
@@ -549,6 +550,7 @@ def test_two_sharded_processes_packed_match_one_process(tiny_models, varied, tmp
     jobs = []
     for script, recipe, model, train, budget in (
         ("sft", "sft_tiny.yaml", tiny_models["causal_lm"], varied["sft"], 100),
+        ("reward_model", "rm_tiny.yaml", tiny_models["seq_cls"], varied["pref"], 160),
         ("dpo", "dpo_tiny.yaml", tiny_models["causal_lm"], varied["pref"], 160),
     ):
         held_out = varied["sft_eval" if script == "sft" else "pref_eval"]
@@ -560,7 +562,11 @@ def test_two_sharded_processes_packed_match_one_process(tiny_models, varied, tmp
             cmd, env = command(f"open_instruct/{script}.py", args, mode)
             jobs.append((cmd, env, str(tmp_path / f"{script}_{mode}.log")))
     run_all(jobs)
-    for script, keys in (("sft", ("train/loss", "train/grad_norm")), ("dpo", ("train/loss", "train/logps/chosen"))):
+    for script, keys in (
+        ("sft", ("train/loss", "train/grad_norm")),
+        ("reward_model", ("train/loss", "train/chosen_reward", "train/grad_norm")),
+        ("dpo", ("train/loss", "train/logps/chosen", "train/grad_norm")),
+    ):
         single, fsdp = ([r for r in metrics(runs[script, mode]) if "train/loss" in r] for mode in ("single", "fsdp"))
         gaps = compare(single, fsdp, keys)
         evals = [[r for r in metrics(runs[script, mode]) if "eval/loss" in r] for mode in ("single", "fsdp")]
@@ -568,3 +574,59 @@ def test_two_sharded_processes_packed_match_one_process(tiny_models, varied, tmp
         print(f"{script}: 1 padded process vs 2 packed FSDP2 processes, relative differences per step {gaps}, "
               f"eval {eval_gaps}")  # fmt: skip
         assert len(gaps) == 4 and max(gaps) < 1e-4 and max(eval_gaps) < 1e-4
+
+
+@pytest.mark.slow
+def test_rlvr_two_sharded_processes_packed_match_ddp_padded(tiny_models, varied, tmp_path):
+    """PPO with every RL forward (policy, reference, value model, reward model; all sharded under FSDP2) packed on 2
+    processes logs what 2 padded DDP processes log (same ranks: the same sampled completions)."""
+    from test_fsdp import command, metrics, run_all
+
+    base = [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+        "--dataset_name_or_path", varied["rl"], "--eval_dataset_name_or_path", varied["rl_eval"],
+        "--reward_model_path", tiny_models["seq_cls"], "--reward_model_multiplier", "0.5",
+        "--score_placement", "after_last_token", "--max_prompt_length", "110", "--response_length", "10",
+        "--total_episodes", "32", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
+        "--eval_steps", "100", "--checkpointing_steps", "100", "--save_final_model", "false", "--learning_rate", "1e-3",
+    ]  # fmt: skip
+    runs, jobs = {}, []
+    for mode, knob in (("ddp", []), ("fsdp", ["--max_tokens_per_micro_batch", "160"])):
+        runs[mode] = str(tmp_path / mode)
+        cmd, env = command("open_instruct/rlvr_ppo.py", [*base, "--output_dir", runs[mode], *knob], mode)
+        jobs.append((cmd, env, str(tmp_path / f"{mode}.log")))
+    run_all(jobs)
+    ddp, fsdp = ([r for r in metrics(runs[m]) if "loss/policy" in r] for m in ("ddp", "fsdp"))
+    keys = tuple(k for k, v in ddp[0].items() if isinstance(v, float) and not k.startswith(("perf/", "time/")))
+    gaps = compare(ddp, fsdp, keys)
+    print(f"RLVR PPO, 2 padded DDP vs 2 packed FSDP2 processes over {len(keys)} logged numbers: {gaps}")
+    assert len(gaps) == 2 and len(keys) >= 20 and max(gaps) < 1e-4
+
+
+def test_packing_with_lora_and_activation_checkpointing():
+    """A LoRA reward model (the head is peft's trained copy, hooked through the wrapper) and an SFT model under
+    activation checkpointing give the same numbers packed and padded."""
+    from open_instruct.config import RewardModelConfig
+    from open_instruct.lora import apply_lora
+    from open_instruct.sft import token_loss_sum
+
+    cfg = RewardModelConfig(model_name_or_path="m", dataset_name_or_path="d.jsonl", use_lora=True, lora_rank=4)
+    model = apply_lora(classifier(), cfg, "SEQ_CLS")
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: give the adapters an effect
+            p.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    padded, packed = both(data.collate_preferences, pairs(random.Random(4)), PAD)
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = torch.cat(models.pair_rewards(model, padded))
+        lora = [torch.cat(models.pair_rewards(model, batch)) for batch in (padded, packed)]
+    assert (lora[0] - base).abs().max().item() > 1e-3  # the adapters change the scores ...
+    assert (lora[1] - lora[0]).abs().max().item() < 1e-5  # ... and packed reads them like padded
+
+    lm = causal_lm()
+    lm.gradient_checkpointing_enable()
+    lm.train()
+    padded, packed = both(data.collate_sft, sft_examples(random.Random(3)), PAD)
+    (loss_a, n_a), (loss_b, n_b) = token_loss_sum(lm, padded), token_loss_sum(lm, packed)
+    assert n_a == n_b and (loss_a / n_a).item() == pytest.approx((loss_b / n_b).item(), rel=1e-6)
