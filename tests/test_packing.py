@@ -630,3 +630,15 @@ def test_packing_with_lora_and_activation_checkpointing():
     padded, packed = both(data.collate_sft, sft_examples(random.Random(3)), PAD)
     (loss_a, n_a), (loss_b, n_b) = token_loss_sum(lm, padded), token_loss_sum(lm, packed)
     assert n_a == n_b and (loss_a / n_a).item() == pytest.approx((loss_b / n_b).item(), rel=1e-6)
+
+
+def test_attn_implementation_reaches_every_loaded_model(tiny_models):
+    """--attn_implementation picks the kernel of the models the scripts load (flash_attention_2 on GPU for packing)."""
+    from open_instruct.config import SFTConfig
+
+    assert SFTConfig(model_name_or_path="m", dataset_name_or_path="d.jsonl").attn_implementation is None
+    lm = models.load_causal_lm(tiny_models["causal_lm"], attn_implementation="eager")
+    rm = models.load_sequence_classifier(tiny_models["seq_cls"], attn_implementation="eager")
+    default = models.load_causal_lm(tiny_models["causal_lm"])
+    assert (lm.config._attn_implementation, rm.config._attn_implementation) == ("eager", "eager")
+    assert default.config._attn_implementation == "sdpa"  # transformers' default, on CPU and GPU
