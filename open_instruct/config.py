@@ -371,9 +371,28 @@ class RLVRConfig(BaseConfig):
     temperature: float = opt(1.0, "Sampling temperature (> 0).")
     top_p: float = opt(1.0, "Nucleus sampling threshold, in (0, 1].")
     stop_strings: Optional[list[str]] = opt(None, "Strings that end a completion (besides EOS).")
-    generation_backend: Literal["hf", "vllm"] = opt("hf", "Generate rollouts with transformers or a colocated vLLM.")
+    generation_backend: Literal["hf", "vllm", "vllm_server"] = opt(
+        "hf", "Generate with transformers, a vLLM engine inside each training process, or dedicated vLLM servers."
+    )
     vllm_gpu_memory_utilization: float = opt(0.5, "Fraction of GPU memory the vLLM engine may take.")
     vllm_enable_sleep: bool = opt(False, "Let the vLLM engine sleep during training (frees its memory).")
+    # vllm_server: dedicated engines (`vllm serve`), weights broadcast after each rollout's updates
+    vllm_num_engines: int = opt(1, "vllm_server: engines (each vllm_tensor_parallel_size devices).")
+    vllm_tensor_parallel_size: int = opt(1, "vllm_server: devices per engine (tensor parallel).")
+    vllm_server_urls: Optional[list[str]] = opt(
+        None, "vllm_server: URLs of engines already running (other nodes); default: start them on this node."
+    )
+    vllm_engine_devices: Optional[list[int]] = opt(
+        None, "vllm_server: GPUs of the engines started here (default: those after the training processes')."
+    )
+    vllm_weight_transfer: Literal["auto", "nccl", "gloo"] = opt(
+        "auto", "vllm_server: weight broadcast transport (auto: nccl with CUDA, gloo on CPU)."
+    )
+    vllm_server_timeout: float = opt(600.0, "vllm_server: seconds an engine may take to answer before the run stops.")
+    vllm_engine_start_timeout: float = opt(900.0, "vllm_server: seconds an engine may take to start.")
+    async_steps: int = opt(
+        0, "Rollouts generated ahead of training on dedicated engines (0: synchronous; 1: one-step off-policy)."
+    )
     # rewards
     verification_reward: float = opt(10.0, "Score of a completion the verifier accepts.")
     non_stop_penalty: float = opt(
@@ -426,8 +445,11 @@ class RLVRConfig(BaseConfig):
     overlong_penalty_factor: float = field(
         default=1.0, metadata={"help": "Largest overlong punishment (at the limit)."}
     )
-    truncated_importance_sampling: bool = field(
-        default=False, metadata={"help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap)."}
+    truncated_importance_sampling: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
+        },
     )
     tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
     value_model_path: Optional[str] = opt(
@@ -536,6 +558,40 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
             )
+        self._validate_engines()
+
+    def _validate_engines(self) -> None:
+        """Dedicated vLLM engines and async rollouts: counts, URLs, and async only where generation has its own
+        devices (a colocated engine or HF generation shares the trainer's, so there is nothing to overlap)."""
+        for name in ("vllm_num_engines", "vllm_tensor_parallel_size"):
+            _check_positive(self, name)
+        for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
+            _check_positive(self, name)
+        _check_positive(self, "async_steps", allow_zero=True)
+        if self.async_steps and self.generation_backend != "vllm_server":
+            raise ConfigError(
+                f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines generate "
+                f"while the trainer updates); {self.generation_backend!r} generates on the training devices"
+            )
+        if self.async_steps > 1:  # deeper pipelines need in-flight weight updates (several versions per response)
+            raise ConfigError(f"async_steps must be 0 (synchronous) or 1 (one-step off-policy), got {self.async_steps}")
+        if self.vllm_server_urls is not None:
+            if self.generation_backend != "vllm_server":
+                raise ConfigError("vllm_server_urls is set but generation_backend is not vllm_server")
+            if not self.vllm_server_urls or any(
+                not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in self.vllm_server_urls
+            ):
+                raise ConfigError(f"vllm_server_urls must be a list of http(s):// URLs, got {self.vllm_server_urls!r}")
+            self.vllm_num_engines = len(self.vllm_server_urls)
+        if self.vllm_engine_devices is not None:
+            need = self.vllm_num_engines * self.vllm_tensor_parallel_size
+            if len(self.vllm_engine_devices) != need or any(d < 0 for d in self.vllm_engine_devices):
+                raise ConfigError(
+                    f"vllm_engine_devices {self.vllm_engine_devices} must list {need} GPU ids (vllm_num_engines "
+                    f"{self.vllm_num_engines} x vllm_tensor_parallel_size {self.vllm_tensor_parallel_size})"
+                )
+        if self.truncated_importance_sampling is None:  # off-policy by construction when generation runs ahead
+            self.truncated_importance_sampling = self.async_steps > 0
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return rl_batch_plan(

@@ -67,6 +67,9 @@ class GenerationOutput:
     # log p(token) of each response token under the distribution the sampler drew it from (after temperature and
     # top-p): what truncated importance sampling compares with the trainer's log-probs. Greedy: the raw model's.
     logprobs: list[list[float]] = field(default_factory=list)
+    # vllm_server only: per response, the weight version the engine sampled it with (what the policy lag is
+    # measured from); empty for backends that always sample from the weights they were just given.
+    weight_versions: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)

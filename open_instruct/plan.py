@@ -3,11 +3,12 @@
     python -m open_instruct.plan configs/rlvr_8b.yaml --num_processes 7
     python -m open_instruct.plan configs/dpo_8b.yaml --num_processes 8 --num_examples 60000 --json
 
-Planner flags (`--num_processes`, `--num_examples`, `--json`, `--model_params` and one flag per field of
-`TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `--generation_gpus`, ... see `--help`) are read
-here; every other `--key value` is a recipe override. Invalid plans exit 2. The time is a sum of per-phase costs;
-the plan names the phase that dominates and the flag that governs it (README: "The time model and its
-calibration"). Imports neither torch nor model code.
+Planner flags (`--num_processes`, `--num_examples`, `--json`, `--model_params`, `--engine_layout` and one flag per
+field of `TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `--generation_gpus`, ... see `--help`)
+are read here; every other `--key value` is a recipe override. RL plans read the generation layout from the recipe
+(generation_backend, vllm_num_engines x vllm_tensor_parallel_size, vllm_server_urls, async_steps). Invalid plans
+and layouts that cannot start exit 2. The time is a sum of per-phase costs; the plan names the phase that dominates
+and the flag that governs it (README: "The time model and its calibration"). Imports neither torch nor model code.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ class TimeAssumptions:
     load_gb_s: float = 1.0
     decode_efficiency: float = 0.6
     first_step_factor: float = 3.0
-    generation_gpus: Optional[int] = None
-    overlap_generation: bool = False
+    generation_gpus: Optional[int] = None  # None: the recipe's layout
+    overlap_generation: Optional[bool] = None  # None: the recipe's async_steps
+    network_gb_s: float = 25.0
+    gpus_per_node: int = 8
     stop_at_episode: Optional[int] = None
 
     def check(self) -> None:
@@ -172,7 +175,7 @@ class TimeAssumptions:
                 raise ConfigError(f"--{name} must be in (0, 1], got {getattr(self, name)}")
         if self.layer_overhead_ms < 0:
             raise ConfigError(f"--layer_overhead_ms must be >= 0, got {self.layer_overhead_ms}")
-        for name in ("interconnect_gb_s", "host_gb_s", "load_gb_s"):
+        for name in ("interconnect_gb_s", "host_gb_s", "load_gb_s", "network_gb_s", "gpus_per_node"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
         if self.pair_padding < 1:
@@ -205,8 +208,14 @@ ASSUMPTION_HELP = {
     "load_gb_s": "weight loading from disk or network, GB/s (1)",
     "decode_efficiency": "fraction of HBM bandwidth reached while decoding (0.6)",
     "first_step_factor": "the first step costs this many steps (allocator warm-up, compilation, caches) (3)",
-    "generation_gpus": "RL: GPUs that generate (default: the training processes, colocated; Tulu 3 8B used 1, 70B 4)",
-    "overlap_generation": "RL: generation runs beside training (dedicated generation GPUs, one-step off-policy)",
+    "generation_gpus": "RL: GPUs that generate, overriding the recipe's layout (vllm_server: vllm_num_engines x "
+    "vllm_tensor_parallel_size, dedicated; hf/vllm: the training GPUs)",
+    "overlap_generation": "RL: plan generation beside training (one-step off-policy) whatever the recipe's async_steps "
+    "(default: async_steps > 0; needs dedicated engines)",
+    "network_gb_s": "RL: bandwidth of the weight broadcast to engines on other nodes (vllm_server_urls), GB/s (25: "
+    "one 200-400 Gb/s NIC, effective); engines on the training node use --interconnect_gb_s",
+    "gpus_per_node": "GPUs per node: engines started by the trainer (vllm_server_urls unset) must fit beside its "
+    "training processes on its node (8)",
     "stop_at_episode": "plan a run stopped at this episode (an early checkpoint) instead of the whole schedule",
 }
 
@@ -223,6 +232,127 @@ def kv_bytes_per_token(name: str, params: float) -> tuple[float, str]:
     if size in KV_BYTES_PER_TOKEN:
         return float(KV_BYTES_PER_TOKEN[size]), f"Llama 3.1 {size}B shape"
     return 16.4e3 * params / 1e9, "16 kB per billion parameters (Llama 3.1 8B ratio)"
+
+
+# Attention heads (query, key/value) of the published Llama 3.1 shapes: tensor parallelism splits them.
+ATTENTION_HEADS = {8: (32, 8), 70: (64, 8)}
+
+
+def attention_heads(name: str, params: float) -> Optional[tuple[int, int, str]]:
+    """(query heads, key/value heads, where from) when the planner knows the model's shape, else None."""
+    cfg_path = os.path.join(name, "config.json")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            c = json.load(f)
+        if "num_attention_heads" not in c:
+            return None
+        heads = c["num_attention_heads"]
+        return heads, c.get("num_key_value_heads", heads), "local config.json"
+    size = round(params / 1e9)
+    if size in ATTENTION_HEADS:
+        return (*ATTENTION_HEADS[size], f"Llama 3.1 {size}B shape")
+    return None
+
+
+@dataclass(frozen=True)
+class GenerationLayout:
+    """Where RL rollouts are generated: the recipe's backend and engines, with the plan flags' overrides applied."""
+
+    backend: str
+    engines: int
+    tensor_parallel: int
+    dedicated: bool  # engines on GPUs of their own (vllm_server), not the training GPUs
+    remote: bool  # engines on other nodes (vllm_server_urls set), reached over the network
+    async_steps: int  # rollouts generated ahead of training: the policy lag; > 0 overlaps generation with training
+
+    @property
+    def gpus(self) -> int:
+        return self.engines * self.tensor_parallel
+
+    @property
+    def overlap(self) -> bool:
+        return self.async_steps > 0
+
+
+def generation_layout(cfg: RLVRConfig, world: int, params: float, a: TimeAssumptions) -> GenerationLayout:
+    """The recipe's generation layout: vllm_server = vllm_num_engines engines of vllm_tensor_parallel_size GPUs each,
+    dedicated, overlapping training when async_steps > 0; hf/vllm = every training GPU generates (colocated, engines
+    of the TP the weights need, never overlapping). `--generation_gpus` / `--overlap_generation` override it."""
+    if cfg.generation_backend == "vllm_server":
+        tp, engines = cfg.vllm_tensor_parallel_size, cfg.vllm_num_engines
+        if a.generation_gpus:
+            if a.generation_gpus % tp:
+                raise ConfigError(
+                    f"--generation_gpus {a.generation_gpus} is not a multiple of vllm_tensor_parallel_size {tp}: "
+                    f"engines take whole groups of {tp} GPUs"
+                )
+            engines = a.generation_gpus // tp
+        async_steps = cfg.async_steps or (1 if a.overlap_generation else 0)
+        return GenerationLayout("vllm_server", engines, tp, True, cfg.vllm_server_urls is not None, async_steps)
+    if a.overlap_generation:
+        raise ConfigError(
+            f"--overlap_generation needs dedicated engines (generation_backend vllm_server); generation_backend "
+            f"{cfg.generation_backend!r} generates on the training GPUs, between updates"
+        )
+    gpu = GPU_SPECS[a.gpu]
+    # colocated: the smallest power-of-two TP whose bf16 weights take at most half of each GPU
+    tp = max(1, 2 ** math.ceil(math.log2(max(1.0, 2 * params / (0.5 * gpu.memory_gb * 1e9)))))
+    gpus = a.generation_gpus or world
+    return GenerationLayout(cfg.generation_backend, max(1, gpus // tp), tp, False, False, 0)
+
+
+def check_generation_layout(
+    layout: GenerationLayout, cfg: RLVRConfig, world: Optional[int], params: Optional[float], a: TimeAssumptions
+) -> None:
+    """Refuse (ConfigError) a dedicated-engine layout that cannot start: TP not splitting the attention heads, an
+    engine larger than a node or than its GPUs' memory, or (given the training world size) engines that do not fit
+    beside the training processes on the trainer's node when it starts them itself (vllm_server_urls unset)."""
+    if not layout.dedicated:
+        return
+    tp, gpn = layout.tensor_parallel, a.gpus_per_node
+    shape = attention_heads(cfg.model_name_or_path, params or 0.0)
+    if shape is not None:
+        heads, kv_heads, source = shape
+        # vLLM: query heads split evenly; key/value heads split evenly or, when fewer than tp, replicated evenly
+        kv_ok = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+        if heads % tp or not kv_ok:
+            valid = [t for t in range(1, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
+            raise ConfigError(
+                f"vllm_tensor_parallel_size {tp} does not split the attention heads of {cfg.model_name_or_path} "
+                f"({heads} query heads, {kv_heads} key/value heads, {source}): vLLM needs a TP that divides {heads} "
+                f"and divides or is a multiple of {kv_heads}: {', '.join(map(str, valid))}"
+            )
+    if tp > gpn:
+        raise ConfigError(
+            f"vllm_tensor_parallel_size {tp} > --gpus_per_node {gpn}: an engine runs on the GPUs of one node"
+        )
+    gpu = GPU_SPECS[a.gpu]
+    weights_gb = 2 * (params or 0.0) / 1e9 / tp
+    if weights_gb > 0.9 * gpu.memory_gb:
+        raise ConfigError(
+            f"vllm_tensor_parallel_size {tp}: each engine GPU would hold {weights_gb:.0f} GB of bf16 weights "
+            f"({params / 1e9:.1f} B parameters / {tp}), more than 90% of a {a.gpu}'s {gpu.memory_gb:.0f} GB (the "
+            f"KV cache needs the rest): raise vllm_tensor_parallel_size"
+        )
+    if world is not None and not layout.remote:
+        local = min(world, gpn)  # training processes on the trainer's node (nodes are filled first)
+        if local + layout.gpus > gpn:
+            raise ConfigError(
+                f"the engines do not fit on the trainer's node: vllm_server_urls is unset, so its rank 0 starts "
+                f"vllm_num_engines {layout.engines} x vllm_tensor_parallel_size {tp} = {layout.gpus} GPU(s) beside "
+                f"its {local} training processes: {local} + {layout.gpus} = {local + layout.gpus} > --gpus_per_node "
+                f"{gpn}. Train on fewer processes per node, or start the engines on nodes of their own "
+                f"(python -m open_instruct.engines RECIPE) and pass --vllm_server_urls (scripts/rlvr_70b.sh does)"
+            )
+
+
+def weight_sync_seconds(params: float, layout: GenerationLayout, world: int, a: TimeAssumptions) -> float:
+    """Seconds per rollout to put the updated bf16 weights into the engines. Dedicated engines: the trainer gathers
+    its shards and broadcasts them layer by layer (pipelined), so the bytes cross the slower link once: the network
+    to other nodes, the node's interconnect to local engines. Colocated: every training GPU gathers the whole model."""
+    if layout.dedicated:
+        return 2 * params / ((a.network_gb_s if layout.remote else a.interconnect_gb_s) * 1e9)
+    return fsdp_gather_seconds(params, world, 1, a)
 
 
 def fsdp_gather_seconds(params: float, world: int, passes: float, a: TimeAssumptions) -> float:
@@ -353,20 +483,30 @@ DOMINANT_ASSUMPTION = {
     "optimizer step": "--host_gb_s (fsdp_cpu_offload) or HBM bandwidth",
     "per-layer overhead": "--layer_overhead_ms (many small micro-batches: raise per_device_train_batch_size)",
     "reference pass": "--mfu and the sequence lengths",
-    "generation": "--response_fill / --decode_efficiency / --generation_gpus (memory-bandwidth bound decoding)",
+    "generation": "--response_fill / --decode_efficiency / the engines (vllm_num_engines x vllm_tensor_parallel_size; "
+    "memory-bandwidth bound decoding), or async_steps 1 to hide it behind training",
+    "weight sync": "--network_gb_s (engines on other nodes) or --interconnect_gb_s (engines on the training node)",
     "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
     "weight loading": "--load_gb_s",
     "first step": "--first_step_factor",
 }
 
 
+def rollout_seconds(generation: float, training: float, weight_sync: float, overlap: bool) -> float:
+    """One rollout's wall clock. Synchronous: generate, then sync the weights, then train. Overlapped (async_steps
+    > 0): the engines generate the next rollout while the trainer trains on this one, so the slower of the two
+    sets the pace; the weight sync between them is hidden by neither."""
+    return (max(generation, training) if overlap else generation + training) + weight_sync
+
+
 def rl_phases(
     cfg: RLVRConfig, plan: BatchPlan, params: float, a: TimeAssumptions, gpu: GPUSpec, k: int, flops_rate: float
 ) -> tuple[dict[str, float], dict[str, Any], int]:
     """Per-phase seconds of an RL run: generation (decode bound by HBM bandwidth: each decoded token reads the
-    weights and the KV cache of every sequence in flight), scoring (no-grad forwards), training (policy and value
-    model, `num_epochs` passes) and FSDP communication. The value model is the size of value_model_path's model
-    when the name tells (Tulu 3 70B uses the 8B reward model), else the policy's."""
+    weights and the KV cache of every sequence in flight) on the recipe's generation layout, the weight sync to the
+    engines, scoring (no-grad forwards), training (policy and value model, `num_epochs` passes) and FSDP
+    communication; generation hidden behind training when async_steps > 0. The value model is the size of
+    value_model_path's model when the name tells (Tulu 3 70B uses the 8B reward model), else the policy's."""
     w = plan.world_size
     episodes = plan.episodes_per_rollout
     rollouts = plan.num_training_steps
@@ -381,11 +521,9 @@ def rl_phases(
         value = value or params
     reward = params if cfg.reward_model_multiplier else 0.0
 
-    # Generation: engines of `tp` GPUs each (tp: weights take at most half a GPU's memory), sequences in waves that
-    # fit the KV cache.
-    gen_gpus = a.generation_gpus or w
-    tp = max(1, 2 ** math.ceil(math.log2(max(1.0, 2 * params / (0.5 * gpu.memory_gb * 1e9)))))
-    engines = max(1, gen_gpus // tp)
+    # Generation: the recipe's engines of `tp` GPUs each, sequences in waves that fit the KV cache.
+    layout = generation_layout(cfg, w, params, a)  # checked in plan_from_config
+    tp, engines = layout.tensor_parallel, layout.engines
     kv_token, kv_source = kv_bytes_per_token(cfg.model_name_or_path, params)
     seqs = episodes / engines
     kv_room = max(tp * gpu.memory_gb * 1e9 * 0.9 - 2 * params, 1e9)
@@ -394,7 +532,8 @@ def rl_phases(
     step_bytes = (2 * params + per_wave * (prompt + mean_response) * kv_token) / tp
     decode = waves * cfg.response_length * step_bytes / (gpu.memory_bandwidth * a.decode_efficiency)
     prefill = seqs * prompt * 2 * params / (tp * flops_rate)
-    generation = decode + prefill + fsdp_gather_seconds(params, 2, 1, a)  # + weight sync to the engines
+    generation = decode + prefill
+    weight_sync = weight_sync_seconds(params, layout, w, a)
 
     # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
     # their tokens fill). Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models;
@@ -424,14 +563,39 @@ def rl_phases(
     train_side["optimizer step"] = optimizer_steps_per_rollout * (
         optimizer_seconds(cfg, params, w, gpu, a) + (optimizer_seconds(cfg, value, w, gpu, a) if value else 0.0)
     )
-    if a.overlap_generation:  # a rollout costs the slower of the two; the overlap is taken off generation
-        generation = max(0.0, generation - sum(train_side.values()))
-    phases = {"generation": rollouts * generation, **{n: rollouts * v for n, v in train_side.items()}}
+    # A rollout: synchronous = generation + weight sync + training; with async_steps > 0 the engines generate the
+    # next rollout while the trainer updates on this one, so it costs the slower of the two, plus the weight sync
+    # that neither hides (the trainer sends, the engines wait for the new weights). The overlap is taken off
+    # generation in the phase table, so the phases still add up to the total.
+    training = sum(train_side.values())
+    sync_rollout = rollout_seconds(generation, training, weight_sync, overlap=False)
+    async_rollout = rollout_seconds(generation, training, weight_sync, overlap=True)
+    visible_generation = max(0.0, generation - training) if layout.overlap else generation
+    phases = {
+        "generation": rollouts * visible_generation,
+        "weight sync": rollouts * weight_sync,
+        **{n: rollouts * v for n, v in train_side.items()},
+    }
     details = {
         "generation_tokens": int(rollouts * episodes * mean_response),
         "train_tokens": int(rollouts * episodes * train_len * cfg.num_epochs),
-        "generation_hours": phases["generation"] / 3600,
-        "training_hours": sum(v for n, v in phases.items() if n != "generation") / 3600,
+        "generation_hours": rollouts * generation / 3600,
+        "generation_hidden_hours": rollouts * (generation - visible_generation) / 3600,
+        "weight_sync_hours": phases["weight sync"] / 3600,
+        "training_hours": rollouts * training / 3600,
+        "generation_backend": layout.backend,
+        "generation_dedicated": layout.dedicated,
+        "generation_remote": layout.remote,
+        "generation_gpus": layout.gpus if layout.dedicated else w,
+        "total_gpus": w + (layout.gpus if layout.dedicated else 0),
+        "async_steps": layout.async_steps,
+        "policy_lag_optimizer_steps": layout.async_steps * plan.optimizer_steps // plan.num_training_steps,
+        "generation_seconds_per_rollout": generation,
+        "training_seconds_per_rollout": training,
+        "weight_sync_seconds_per_rollout": weight_sync,
+        "weight_sync_gb_s": (a.network_gb_s if layout.remote else a.interconnect_gb_s) if layout.dedicated else None,
+        "rollout_seconds_sync": sync_rollout,
+        "rollout_seconds_async": async_rollout,
         "generation_tensor_parallel": tp,
         "generation_engines": engines,
         "generation_waves": waves,
@@ -451,12 +615,37 @@ def build_plan(
     model_params_override: Optional[float] = None,
     assumptions: Optional[TimeAssumptions] = None,
 ) -> dict[str, Any]:
+    cfg = recipe_config(recipe_path, overrides)
+    return plan_from_config(cfg, num_processes, num_examples, model_params_override, assumptions)
+
+
+def engine_layout(
+    recipe_path: str,
+    overrides: Sequence[str],
+    num_processes: Optional[int],
+    model_params_override: Optional[float] = None,
+    assumptions: Optional[TimeAssumptions] = None,
+) -> tuple[str, int, int, str]:
+    """(generation_backend, vllm_num_engines, vllm_tensor_parallel_size, "local" or "remote") of an RL recipe after
+    overrides, checked like the plan checks them (the node fit only when the training world size is given)."""
+    a = assumptions or TimeAssumptions()
+    a.check()
+    cfg = recipe_config(recipe_path, overrides)
+    if not isinstance(cfg, RLVRConfig):
+        raise ConfigError(f"--engine_layout: {recipe_path} is a {cfg.script} recipe, not an RL one")
+    params = model_params(cfg.model_name_or_path, model_params_override)[0]
+    check_generation_layout(generation_layout(cfg, num_processes or 1, params or 0.0, a), cfg, num_processes, params, a)
+    where = "remote" if cfg.vllm_server_urls else "local"
+    return cfg.generation_backend, cfg.vllm_num_engines, cfg.vllm_tensor_parallel_size, where
+
+
+def recipe_config(recipe_path: str, overrides: Sequence[str]) -> BaseConfig:
+    """The recipe parsed (and checked) by the config class its `script` key names."""
     recipe = load_recipe(recipe_path)
     script = recipe.get("script")
     if script not in CONFIG_CLASSES:
         raise ConfigError(f"recipe {recipe_path}: key 'script' must be one of {sorted(CONFIG_CLASSES)}, got {script!r}")
-    cfg = parse_config(CONFIG_CLASSES[script], [recipe_path, *overrides])
-    return plan_from_config(cfg, num_processes, num_examples, model_params_override, assumptions)
+    return parse_config(CONFIG_CLASSES[script], [recipe_path, *overrides])
 
 
 def training_size(cfg: BaseConfig) -> tuple[Optional[int], str, list[dict]]:
@@ -495,6 +684,8 @@ def plan_from_config(
     plan = cfg.batch_plan(num_processes, num_examples)
     steps_for_events = plan.num_training_steps
     params, params_source = model_params(cfg.model_name_or_path, model_params_override)
+    if isinstance(cfg, RLVRConfig):  # a generation layout that cannot start is refused like an invalid batch
+        check_generation_layout(generation_layout(cfg, num_processes, params or 0.0, a), cfg, num_processes, params, a)
     result: dict[str, Any] = {"script": cfg.script, "recipe_model": cfg.model_name_or_path, **plan.to_dict()}
     result.update(
         num_examples=num_examples,
@@ -583,6 +774,8 @@ def format_plan(p: dict[str, Any]) -> str:
         if key in p:
             lines.append(f"  {key:<24} {p[key]:>18,}")
     lines.append("")
+    if rl:
+        lines += generation_layout_lines(p) + [""]
     a = p["assumptions"]
     stopped = f", stopped at episode {a['stop_at_episode']:,}" if a["stop_at_episode"] else ""
     lines.append(
@@ -605,10 +798,10 @@ def format_plan(p: dict[str, Any]) -> str:
     if rl:
         lines.append(
             f"  --prompt_tokens {p['prompt_tokens']}, --response_fill {a['response_fill']}, --rl_padding "
-            f"{a['rl_padding']}; generation: {p['generation_engines']} engine(s) x TP {p['generation_tensor_parallel']}"
-            f" on --generation_gpus {a['generation_gpus'] or p['world_size']}, {p['generation_waves']} wave(s), "
-            f"--decode_efficiency {a['decode_efficiency']}, KV {p['kv_bytes_per_token'] / 1e3:.0f} kB/token "
-            f"({p['kv_bytes_source']}), --overlap_generation {a['overlap_generation']}"
+            f"{a['rl_padding']}; generation: {p['generation_waves']} wave(s) per engine, --decode_efficiency "
+            f"{a['decode_efficiency']}, KV {p['kv_bytes_per_token'] / 1e3:.0f} kB/token ({p['kv_bytes_source']}); "
+            f"layout overrides: --generation_gpus {a['generation_gpus']}, --overlap_generation "
+            f"{a['overlap_generation']}, --network_gb_s {a['network_gb_s']}, --gpus_per_node {a['gpus_per_node']}"
         )
     else:
         tokens = a["tokens_per_sample"] or f"--fill {a['fill']} of the max length"
@@ -619,6 +812,50 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{a['first_step_factor']}; eval time not included"
     )
     return "\n".join(lines)
+
+
+def generation_layout_lines(p: dict[str, Any]) -> list[str]:
+    """The RL plan's generation layout and the time of one rollout, synchronous and with async overlap."""
+    engines, tp, world = p["generation_engines"], p["generation_tensor_parallel"], p["world_size"]
+    lines = ["Generation layout"]
+    if p["generation_dedicated"]:
+        where = "on other nodes (vllm_server_urls)" if p["generation_remote"] else "started by the trainer on its node"
+        lines.append(
+            f"  {p['generation_backend']}: {engines} engine(s) x TP {tp} = {p['generation_gpus']} dedicated GPU(s), "
+            f"{where}; {world} training + {p['generation_gpus']} generation = {p['total_gpus']} GPUs"
+        )
+    else:
+        lines.append(
+            f"  {p['generation_backend']}: colocated, every training GPU generates between updates ({engines} "
+            f"engine(s) x TP {tp} on the {world} training GPUs); {p['total_gpus']} GPUs"
+        )
+    steps = p["async_steps"]
+    if steps:
+        lines.append(
+            f"  async_steps {steps}: the engines generate rollout k+{steps} while the trainer updates on rollout k; "
+            f"policy lag {steps} rollout(s) = {p['policy_lag_optimizer_steps']} optimizer steps"
+        )
+    elif p["generation_dedicated"]:
+        lines.append("  async_steps 0: synchronous, on-policy (the engines wait while the trainer updates)")
+    else:
+        lines.append("  synchronous, on-policy: generation and training take turns on the training GPUs")
+    sync_gb_s = p["weight_sync_gb_s"]
+    link = f"at {sync_gb_s:g} GB/s" if sync_gb_s else "gathered on every training GPU"
+    g, t, w = (
+        p[k]
+        for k in ("generation_seconds_per_rollout", "training_seconds_per_rollout", "weight_sync_seconds_per_rollout")
+    )
+    lines.append(
+        f"  per rollout: generation {g:.1f} s, training {t:.1f} s (scoring + updates), weight sync {w:.1f} s "
+        f"({p['model_params'] * 2 / 1e9:.0f} GB bf16 {link})"
+    )
+    chosen = "async" if steps else "synchronous"
+    lines.append(
+        f"  synchronous: generation + weight sync + training = {p['rollout_seconds_sync']:.1f} s; async: "
+        f"max(generation, training) + weight sync = {p['rollout_seconds_async']:.1f} s"
+        + (f"  (planned: {chosen})" if p["generation_dedicated"] else "  (colocated: synchronous only)")
+    )
+    return lines
 
 
 def _fmt(v: Any) -> str:
@@ -639,20 +876,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("recipe")
-    parser.add_argument("--num_processes", type=int, default=1, help="training processes (world_size)")
+    parser.add_argument("--num_processes", type=int, default=None, help="training processes (world_size; 1)")
     parser.add_argument("--num_examples", type=int, default=None, help="dataset rows; skips reading the dataset")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--model_params", type=float, default=None, help="parameter count, e.g. 8e9")
+    parser.add_argument(
+        "--engine_layout",
+        action="store_true",
+        help="print the RL recipe's `generation_backend vllm_num_engines vllm_tensor_parallel_size local|remote` "
+        "(after overrides) and exit, what "
+        "scripts/rlvr_*.sh read to place the engines; exit 2 if the engines cannot start (with --num_processes: "
+        "also if the trainer's node cannot hold them)",
+    )
     for f in dataclasses.fields(TimeAssumptions):
-        if f.type in ("bool", bool):
-            parser.add_argument(f"--{f.name}", action="store_true", help=ASSUMPTION_HELP[f.name])
+        if "bool" in str(f.type):  # a switch; unset (None) leaves the recipe's setting
+            parser.add_argument(
+                f"--{f.name}", action="store_const", const=True, default=None, help=ASSUMPTION_HELP[f.name]
+            )
         else:
             kind = {"float": float, "str": str}.get(str(f.type), int)
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=ASSUMPTION_HELP[f.name])
     args, overrides = parser.parse_known_args(argv)
     assumptions = TimeAssumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TimeAssumptions)})
     try:
-        plan = build_plan(args.recipe, overrides, args.num_processes, args.num_examples, args.model_params, assumptions)
+        if args.engine_layout:
+            print(*engine_layout(args.recipe, overrides, args.num_processes, args.model_params, assumptions))
+            return 0
+        world = args.num_processes or 1
+        plan = build_plan(args.recipe, overrides, world, args.num_examples, args.model_params, assumptions)
     except ConfigError as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2

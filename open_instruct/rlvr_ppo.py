@@ -1,13 +1,16 @@
 """RL with verifiable rewards: PPO with a value model (default), GRPO (`--algo grpo`) and their 2025 variants.
 
     python open_instruct/rlvr_ppo.py configs/rlvr_tiny.yaml [--algo grpo] [--key value ...]
-    accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
+    accelerate launch --config_file configs/accelerate/fsdp_7gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
+                        (7 training GPUs; the trainer starts the vLLM engine on GPU 7: scripts/rlvr_8b.sh)
 
 The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
 `main`, which loads everything and runs the phases in a loop:
 
-    collect_rollout     prompts -> generate `num_samples_per_prompt` completions each (with the sampler's own
-                        log-probs) -> score them (verifiers, plus a reward model, the non-stop penalty and the
+    RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
+                        generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
+                        generation submitted one rollout earlier                                   -> completions
+    collect_rollout     completions -> score them (verifiers, plus a reward model, the non-stop penalty and the
                         overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
                         reference, values (gae)                                                   -> Rollout
     compute_advantages  the one place that branches on the advantage estimator                    -> Advantages
@@ -412,7 +415,9 @@ class Rollout:
     ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
     old_values: Optional[torch.Tensor]  # the value model's (PPO)
     kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
-    seconds: dict[str, float] = field(default_factory=dict)  # weight_sync, generation, scoring, inference
+    policy_lag: list[int] = field(default_factory=list)  # per completion: updates since the weights that sampled it
+    # weight_sync, generation (waited for), generation_engine (engine wall time), scoring, inference
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -423,47 +428,120 @@ class Advantages:
     keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
 
 
-def collect_rollout(
-    cfg: RLVRConfig,
-    models: RLModels,
-    generator: Any,
-    prompts: list[dict],
-    step: int,
-    run: runtime.RunContext,
-    gather_for_generation: Callable[[Any], Any],
-    on_policy: bool,
-    pad_id: int,
-) -> Rollout:
-    """Sample `num_samples_per_prompt` completions per prompt, score them, and compute the no-grad per-token
-    log-probs of the sampling policy (skipped on-policy) and of the reference, the values and the reward-model
-    scores, in micro-batches of per_device_train_batch_size."""
-    from open_instruct.data import collate_episodes, micro_batches
-    from open_instruct.distributed import equal_micro_batch_count
+def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
+    """The rollout's sampling: num_samples_per_prompt completions per prompt, a seed per (step, rank)."""
     from open_instruct.generation import GenerationConfig
-    from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
 
-    accelerator, group = run.accelerator, cfg.num_samples_per_prompt
-    t_sync = time.perf_counter()
-    generator.sync_weights(accelerator.unwrap_model(models.policy))  # vLLM: load the weights of the last updates
-    t0 = time.perf_counter()
-    sampling = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=cfg.response_length,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         stop_strings=cfg.stop_strings,
-        n=group,
-        seed=derived_seed(cfg.seed, step, accelerator.process_index),
+        n=cfg.num_samples_per_prompt,
+        seed=derived_seed(cfg.seed, step, rank),
     )
-    with gather_for_generation(models.policy):
-        out = generator.generate([p["prompt_ids"] for p in prompts], sampling)
+
+
+class RolloutSampler:
+    """Where each rollout's completions come from.
+
+    async_steps 0: at rollout k, sync the engine to the policy (version k = rollouts trained on), then generate.
+    async_steps 1 (dedicated engines): when rollout k's completions are taken, rollout k+1 is submitted with the
+    weights of version k, and generates while the trainer updates on rollout k; so rollout k+1 is trained on by
+    version k+1 weights, one update after the weights that sampled it (policy lag 1; truncated IS corrects it).
+    Weights are only sent when no generation is in flight. A rollout in flight when the run stops (SIGTERM, kill)
+    is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
+
+    def __init__(
+        self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
+        self.num_rollouts = num_rollouts
+        self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
+        self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
+        self.synced: Optional[int] = None
+        self.bytes_sent = 0  # weight bytes broadcast to the engines (vllm_server), read by the log row
+
+    def sync(self, version: int) -> float:
+        """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
+        if version == self.synced:
+            return 0.0
+        t0 = time.perf_counter()
+        policy = self.accelerator.unwrap_model(self.policy)
+        if self.cfg.generation_backend == "vllm_server":
+            self.generator.sync_weights(policy, version=version)
+        else:
+            self.generator.sync_weights(policy)
+        self.synced = version
+        self.bytes_sent += getattr(self.generator, "last_sync_bytes", 0)
+        return time.perf_counter() - t0
+
+    def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        config = sampling_config(self.cfg, step, self.accelerator.process_index)
+        return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
+
+    def take(self, step: int, gather_for_generation: Callable) -> tuple[list[dict], Any, dict[str, float]]:
+        """This rank's prompts of rollout `step`, their completions, and the seconds spent: weight_sync,
+        generation (what the trainer waited for) and generation_engine (the engines' wall time for it)."""
+        seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
+        t0 = time.perf_counter()
+        if self.pending is not None and self.pending[0] == step:
+            _, prompts, future = self.pending
+            out, engine_seconds = future.result()
+        else:  # synchronous, the first rollout, or the first after a resume
+            seconds["weight_sync"] += self.sync(step)
+            t0 = time.perf_counter()
+            prompts = self.prompts_for(step)
+            with gather_for_generation(self.policy):
+                out, engine_seconds = self._generate(step, prompts)
+        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
+        self.pending = None
+        if self.pool is not None and step + 1 < self.num_rollouts:
+            seconds["weight_sync"] += self.sync(step)
+            prompts_next = self.prompts_for(step + 1)
+            self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
+        seconds["weight_sync_bytes"] = self.bytes_sent - bytes_before
+        return prompts, out, seconds
+
+    def idle(self) -> None:
+        """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
+        if self.pending is not None:
+            self.pending[2].result()
+
+
+def collect_rollout(
+    cfg: RLVRConfig,
+    models: RLModels,
+    prompts: list[dict],
+    out: Any,
+    seconds: dict[str, float],
+    step: int,
+    run: runtime.RunContext,
+    on_policy: bool,
+    pad_id: int,
+) -> Rollout:
+    """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
+    policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
+    per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens)."""
+    from open_instruct.data import collate_episodes, micro_batches
+    from open_instruct.distributed import equal_micro_batch_count
+    from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
+
+    accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     episodes = [prompts[i] for i in out.prompt_index]
     t1 = time.perf_counter()
     scored = score_texts(cfg, out.texts, episodes)
     t2 = time.perf_counter()
+    # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
+    lags = [step - v for v in out.weight_versions] if out.weight_versions else [0] * len(episodes)
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
-    lengths = episode_lengths(episodes, out.response_ids)
+    packed_lengths = episode_lengths(episodes, out.response_ids)
     old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
     for i, logprobs in enumerate(out.logprobs):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
@@ -471,7 +549,9 @@ def collect_rollout(
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
-    groups = micro_batches(list(range(n)), cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
+    groups = micro_batches(
+        list(range(n)), cfg.per_device_train_batch_size, packed_lengths, cfg.max_tokens_per_micro_batch
+    )
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
@@ -523,12 +603,8 @@ def collect_rollout(
         ref_logp=ref_logp if has_ref else None,
         old_values=old_values if models.value is not None else None,
         kl=kl,
-        seconds={
-            "weight_sync": t0 - t_sync,
-            "generation": t1 - t0,
-            "scoring": t2 - t1,
-            "inference": time.perf_counter() - t2,
-        },
+        policy_lag=lags,
+        seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
     )
 
 
@@ -789,6 +865,7 @@ def log_row(
             "dropped": float((~adv.keep).sum()),
             "tokens": train["tokens"],
             "sampler_abs_diff": train["sampler_abs_diff"],
+            "lag": float(sum(rollout.policy_lag)),
         },
     )
     n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
@@ -810,6 +887,9 @@ def log_row(
         # the sampling engine vs the trainer: mean |old_logp - sampler_logp| per token and max exp(old - sampler)
         "train/sampler_logp_abs_diff": ep["sampler_abs_diff"] / max(ep["tokens"], 1.0),
         "train/sampler_ratio_max": global_max(run.accelerator, train["sampler_ratio_max"]),
+        # updates between the weights that sampled a completion and the update that trains on it
+        "train/policy_lag_mean": ep["lag"] / n,
+        "train/policy_lag_max": global_max(run.accelerator, float(max(rollout.policy_lag, default=0))),
     }
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
         row["train/filtered_groups_fraction"] = ep["dropped"] / n
@@ -835,10 +915,15 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
+        self.engine_seconds, self.sync_bytes = 0.0, 0
 
     def add(self, seconds: dict[str, float], tokens: int) -> None:
         for k, v in seconds.items():
-            self.seconds[k] += v
+            if k in self.seconds:
+                self.seconds[k] += v
+        # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
+        self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
+        self.sync_bytes += seconds.get("weight_sync_bytes", 0)
         self.rollouts += 1
         self.tokens += tokens
 
@@ -848,6 +933,11 @@ class PhaseClock:
         k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
         busy = max(sum(self.seconds.values()), 1e-9)
         row = {f"time/{name}": v / k for name, v in self.seconds.items()}
+        row["time/generation_engine"] = self.engine_seconds / k
+        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (vllm_server)
+        # async: the share of the engines' generation time hidden behind training (0 when synchronous)
+        waited = self.seconds["generation"]
+        row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
         row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
         row["perf/response_tokens_per_second"] = tokens / busy
         self.__init__()
@@ -872,9 +962,7 @@ def evaluate(
 
     local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
     sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
-    if cfg.generation_backend == "vllm":
-        generator.sync_weights(accelerator.unwrap_model(policy))  # collective under FSDP: every rank, before `if local`
-    else:
+    if cfg.generation_backend == "hf":  # the other backends hold their own copy, synced by the caller
         generator = make_generator(
             "hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size
         )
@@ -1059,6 +1147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
 
     generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
+    if cfg.generation_backend == "vllm_server":  # dedicated engines: started here on rank 0, or reached at URLs
+        generator_kwargs = {"cfg": cfg, "accelerator": accelerator, "max_model_len": max_model_len}
     if cfg.generation_backend == "vllm":  # one colocated engine per rank for rollouts and evals (optional extra)
         generator_kwargs.update(
             max_model_len=max_model_len,
@@ -1082,7 +1172,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
     on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)
 
+    def prompts_for(step: int) -> list[dict]:  # a slice of the global prompt order, by position (world-size free)
+        global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
+        return [train[i] for i in stream.local_slice(global_idx, rank, world)]
+
+    sampler = RolloutSampler(cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps)
+
     def evaluate_policy() -> dict[str, float]:
+        if cfg.generation_backend != "hf":  # the engine evaluates the current weights once no rollout is in flight
+            sampler.idle()
+            sampler.sync(counters.rollout_step)
         return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, gather_for_generation)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
@@ -1091,19 +1190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model.train()
     clock = PhaseClock()
     while counters.rollout_step < plan.num_training_steps:
-        # Prompts: a slice of the global prompt order, by prompt position (world-size independent).
-        global_idx = stream.take(counters.rollout_step * plan.rollout_batch_size, plan.rollout_batch_size)
-        prompts = [train[i] for i in stream.local_slice(global_idx, rank, world)]
+        prompts, out, seconds = sampler.take(counters.rollout_step, gather_for_generation)
         rollout = collect_rollout(
-            cfg,
-            models,
-            generator,
-            prompts,
-            counters.rollout_step,
-            run,
-            gather_for_generation,
-            on_policy,
-            tokenizer.pad_token_id,
+            cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
         )
         t0 = time.perf_counter()
         advantages = compute_advantages(cfg, rollout, accelerator)
@@ -1129,9 +1218,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if cfg.num_samples_logged and accelerator.is_main_process:
                 run.logger.log_samples(sample_rows(rollout, tokenizer, cfg.num_samples_logged), counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
-            return
-
-    run.finish()
+            break
+    else:
+        run.finish()
+    if hasattr(generator, "close") and cfg.generation_backend == "vllm_server":
+        generator.close()  # stops the engines this run started (a rollout in flight is dropped)
 
 
 if __name__ == "__main__":

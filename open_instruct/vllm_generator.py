@@ -33,12 +33,9 @@ How it works
   between the sync and the next rollout), `generate` re-syncs from the last model it was given first.
 - On CPU (tests here) the KV cache size is `kv_cache_memory_bytes` (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GB).
 
-A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is not this colocated class; with vLLM 0.32 it is a
-server plus NCCL: `CUDA_VISIBLE_DEVICES=7 vllm serve <policy> --weight-transfer-config '{"backend": "nccl"}'`, the
-trainer (accelerate on GPUs 0-6) sends prompts over HTTP and, after each rollout's optimizer steps, gathers the full
-weights on rank 0 and pushes them through the server's /start_weight_update, /update_weights, /finish_weight_update
-endpoints (vLLM's NCCL trainer-side engine broadcasts the tensors). That backend would implement the same Generator
-protocol (generate over HTTP, sync_weights = the push); it is not implemented here. The colocated layout shares
+A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is the other backend, `vllm_server.ServerGenerator`
+(`generation_backend: vllm_server`): vLLM's own server on devices of its own, weights broadcast through vLLM's
+weight-transfer engines, optionally one rollout ahead of the trainer (async_steps 1). This colocated class shares
 every GPU between training and generation through `gpu_memory_utilization` (and sleep mode).
 """
 

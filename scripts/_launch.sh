@@ -10,6 +10,7 @@
 #   ACCELERATE_CONFIG  accelerate config file (default: the script's, or configs/accelerate/fsdp_multinode.yaml
 #                      when NUM_MACHINES > 1)
 #   PYTHON             interpreter (default: .venv/bin/python if present, else python3)
+#   GPUS_PER_NODE      GPUs per node, passed to the plan (8): engines the trainer starts must fit beside it
 #   DRY_RUN=1          print the command and `python -m open_instruct.plan` for this world size, then exit
 # Arguments after the script name are recipe overrides, passed through: --learning_rate 1e-6 --output_dir ...
 
@@ -17,14 +18,35 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
+# The interpreter: $PYTHON, else the repo's .venv, else python3.
+launcher_python() {
+  if [[ -n "${PYTHON:-}" ]]; then
+    echo "$PYTHON"
+  elif [[ -x "$REPO/.venv/bin/python" ]]; then
+    echo "$REPO/.venv/bin/python"
+  else
+    echo python3
+  fi
+}
+
+# show_engine_dry_run DEVICES ENGINE_COMMAND...: what `python -m open_instruct.engines ... --dry_run` would start
+# (the `vllm serve` command lines), or a note where that module is not installed in this checkout.
+show_engine_dry_run() {
+  local devices=$1
+  shift
+  if [[ -f "$REPO/open_instruct/engines.py" ]]; then
+    CUDA_VISIBLE_DEVICES=$devices "$@" --dry_run | sed 's/^/#   /'
+  else
+    echo "#   (open_instruct/engines.py is not in this checkout: its --dry_run prints one \`vllm serve\` line per engine)"
+  fi
+}
+
 # launch SCRIPT RECIPE PROCESSES_PER_NODE DEFAULT_CONFIG [overrides...]
 launch() {
   local script=$1 recipe=$2 per_node=$3 default_config=$4
   shift 4
-  local python=${PYTHON:-}
-  if [[ -z "$python" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then python="$REPO/.venv/bin/python"; else python=python3; fi
-  fi
+  local python
+  python=$(launcher_python)
   local num_machines=${NUM_MACHINES:-1}
   local machine_rank=${MACHINE_RANK:-0}
   local main_ip=${MAIN_PROCESS_IP:-127.0.0.1}
@@ -56,7 +78,9 @@ launch() {
     printf '%q ' "${cmd[@]}"
     echo
     echo
-    "$python" -m open_instruct.plan "$recipe" --num_processes "$num_processes" "$@"
+    local plan_args=(--num_processes "$num_processes")
+    [[ -n "${GPUS_PER_NODE:-}" ]] && plan_args+=(--gpus_per_node "$GPUS_PER_NODE")
+    "$python" -m open_instruct.plan "$recipe" "${plan_args[@]}" "$@"
     return $?
   fi
   local accelerate_bin

