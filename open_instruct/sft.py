@@ -20,13 +20,16 @@ def token_loss_sum(model: Any, batch: dict[str, Any], per_row: bool = False) -> 
     both per row of the batch ([B] each: per-source eval sums)."""
     import torch.nn.functional as F
 
+    from open_instruct.models import forward_inputs, sequence_sums
+
     # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
+    # (and would not keep the sequences of a packed row apart, see models.forward_inputs)
+    logits = model(**forward_inputs(batch), use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    if per_row:
+    if per_row:  # per sequence: a padded batch's rows, a packed row's sequences
         losses = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
-        return losses.view(labels.shape).sum(1), (labels != -100).sum(1)
+        return sequence_sums(losses.view(labels.shape), batch), sequence_sums((labels != -100).long(), batch)
     return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
 
 
@@ -44,8 +47,12 @@ def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pa
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
+        lengths = [data.packed_length(e) for e in evals]
+        mine = data.dealt_micro_batches(
+            evals, cfg.per_device_eval_batch_size, rank, world, lengths, cfg.max_tokens_per_micro_batch
+        )
+        for mb, real in mine:
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id, cfg.packing).items()}
             with accelerator.autocast():
                 row_losses, row_tokens = token_loss_sum(model, batch, per_row=True)
             if not real:
@@ -83,7 +90,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"data: {stats.summary()}; {len(evals)} held-out examples")
 
     model = load_causal_lm(
-        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+        cfg.model_name_or_path,
+        DTYPES["no"],
+        cfg.gguf_file,
+        cfg.trust_remote_code,
+        cfg.model_revision,
+        attn_implementation=cfg.attn_implementation,
     )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
@@ -104,21 +116,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # This step's examples: a slice of the global order, by episode position (world-size independent).
         global_idx = stream.take(counters.episode, plan.mini_batch_size)
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
-        batches = [data.collate_sft(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
-        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        # Micro-batches of per_device_train_batch_size rows, or packed rows of max_tokens_per_micro_batch tokens.
+        groups = data.micro_batches(
+            local,
+            cfg.per_device_train_batch_size,
+            [data.packed_length(e) for e in local],
+            cfg.max_tokens_per_micro_batch,
+        )
+        batches = [
+            (data.collate_sft(mb, pad_id, cfg.packing), real)
+            for mb, real in distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
+        ]
+        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b, real in batches if real)
         global_tokens = distributed.global_sum(accelerator, local_tokens)
 
         loss_sum_local = 0.0
-        for i, batch in enumerate(batches):
+        for i, (batch, real) in enumerate(batches):
+            if real:  # counted on the CPU batch: no device sync
+                run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
-                # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean.
-                accelerator.backward(loss_sum * world / global_tokens)
-            loss_sum_local += loss_sum.item()
-            run.throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
+                # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean; a
+                # dummy micro-batch (packing: this rank has fewer than another) counts 0.
+                accelerator.backward(loss_sum * (world / global_tokens if real else 0.0))
+            loss_sum_local += loss_sum.item() if real else 0.0
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         loss = distributed.global_sum(accelerator, loss_sum_local) / global_tokens
