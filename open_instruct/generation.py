@@ -84,6 +84,19 @@ class Generator(Protocol):
         ...
 
 
+def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, max_model_len: int) -> None:
+    """ValueError for an empty prompt, or one whose length + max_new_tokens exceeds an engine's max_model_len."""
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+    too_long = [i for i, p in enumerate(prompt_ids) if len(p) + max_new_tokens > max_model_len]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {max_new_tokens} exceeds the engine's "
+            f"max_model_len {max_model_len} ({len(too_long)} prompts do)"
+        )
+
+
 def default_eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """Every token id that ends a response: the tokenizer's EOS and the model's generation_config EOS id(s)."""
     ids: list[int] = []

@@ -54,7 +54,13 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from open_instruct.distributed import unwrap_model
-from open_instruct.generation import GenerationConfig, GenerationOutput, default_eos_token_ids, finalize_response
+from open_instruct.generation import (
+    GenerationConfig,
+    GenerationOutput,
+    check_prompts,
+    default_eos_token_ids,
+    finalize_response,
+)
 
 # Tested with 0.32. The weight-sync path (Worker.reload_weights via collective_rpc) and the CPU/V1 engine internals
 # it relies on move between minor releases, so other versions are refused instead of failing mid-run.
@@ -368,15 +374,7 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
-        too_long = [i for i, p in enumerate(prompt_ids) if len(p) + config.max_new_tokens > self.max_model_len]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {config.max_new_tokens} exceeds the "
-                f"engine's max_model_len {self.max_model_len} ({len(too_long)} prompts do)"
-            )
+        check_prompts(prompt_ids, config.max_new_tokens, self.max_model_len)
         from vllm.inputs import TokensPrompt
 
         # seed None: draw the base from the global torch RNG, so a caller that seeds torch gets repeatable rollouts.

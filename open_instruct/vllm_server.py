@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from open_instruct.engines import EngineError
-from open_instruct.generation import GenerationConfig, GenerationOutput, finalize_response
+from open_instruct.generation import GenerationConfig, GenerationOutput, check_prompts, finalize_response
 
 
 def free_port() -> int:
@@ -236,15 +236,7 @@ class ServerGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
-        too_long = [i for i, p in enumerate(prompt_ids) if len(p) + config.max_new_tokens > self.max_model_len]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {config.max_new_tokens} exceeds the "
-                f"engines' max_model_len {self.max_model_len} ({len(too_long)} prompts do)"
-            )
+        check_prompts(prompt_ids, config.max_new_tokens, self.max_model_len)
         from open_instruct.vllm_generator import _prompt_seed
 
         self._check_engines()
