@@ -74,6 +74,28 @@ def load_causal_lm(
     return model
 
 
+def _fp32_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Linear.forward in float32 whatever autocast says (the instance's `forward`, see fp32_head)."""
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(head: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """Make a scalar head (reward model, value model: hidden -> 1) compute in float32 under bf16 autocast.
+
+    A score is one dot product over the hidden size: in bf16 it keeps 8 significant bits, so a reward near 10 is
+    only known to +-0.03 (PPO's value targets and a reward model's margins live at that scale). In fp32 it costs
+    nothing (hidden x 1). The instance's `forward` is replaced, so parameter names and checkpoints are unchanged;
+    copies (peft's modules_to_save) rebind it to themselves. Under FSDP2 mixed precision the weight arrives in bf16
+    and is upcast here: the product and its sum are still fp32."""
+    import types
+
+    if isinstance(head, torch.nn.Linear):
+        head.forward = types.MethodType(_fp32_linear_forward, head)
+    return head
+
+
 def load_sequence_classifier(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
@@ -104,6 +126,7 @@ def load_sequence_classifier(
         )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForSequenceClassification)
+    fp32_head(getattr(model, "score", None))  # scores in fp32 under bf16 autocast
     if pad_token_id is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     return model
