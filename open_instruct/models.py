@@ -64,6 +64,7 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     revision: Optional[str] = None,
 ) -> Any:
+    """A causal LM whose forward also takes `logprob_labels` (add_logprob_head)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -71,7 +72,117 @@ def load_causal_lm(
     )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForCausalLM)
+    return add_logprob_head(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Log-probs of chosen tokens straight from the last hidden states: only the scored positions go through the output
+# layer, a chunk of tokens at a time, and no [tokens, vocab] logits are kept for the backward (it recomputes them).
+# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding); at a 128k vocabulary
+# the logits of 4k tokens are 2 GB in fp32.
+
+LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once (128 MB at a 16k vocabulary)
+# Output-layer transforms of some architectures (Gemma 2 soft-capping, Cohere/Granite scaling): models that set one
+# keep the plain path (full logits from their own forward).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(label) per row of `hidden` [K, d] under the output layer (weight [V, d], bias), float32 [K].
+
+    The matmuls run in `dtype` (bf16 under autocast: the product accumulates in fp32 inside the GEMM), the
+    log-softmax in fp32. The forward keeps only each row's logsumexp; the backward recomputes a chunk's logits and
+    forms d logp / d z = onehot(label) - softmax(z) for it: one more output-layer matmul, [chunk, V] memory."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        chunk: int,
+    ) -> torch.Tensor:  # noqa: E501
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        out = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, len(hidden), chunk):
+            logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w, b).float()
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            out[s : s + chunk] = logits.gather(1, labels[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.dtype, ctx.chunk = dtype, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        for s in range(0, len(hidden), ctx.chunk):
+            h, g_out = hidden[s : s + ctx.chunk].to(ctx.dtype), grad_out[s : s + ctx.chunk, None].float()
+            logits = torch.nn.functional.linear(h, w, b).float()
+            g = torch.exp(logits.sub_(lse[s : s + ctx.chunk, None])).mul_(-g_out)  # -g * softmax
+            g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)  # + g at the label
+            g = g.to(ctx.dtype)
+            grad_hidden[s : s + ctx.chunk] = g @ w
+            grad_weight += (g.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += g.float().sum(0)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int = LOGPROB_CHUNK_TOKENS
+) -> torch.Tensor:
+    """log p(labels) [K] (float32) of hidden states [K, d] under the output layer `head`, chunk by chunk."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    weight, bias = head.weight, head.bias
+    if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on the output layer ...): its own forward
+        return token_logprobs(head(hidden)[None], labels[None])[0]
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, dtype, chunk)
+
+
+def _forward_with_logprobs(self: Any, *args: Any, logprob_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+    """The model's own forward, or with `logprob_labels` ([B, T] token ids, -100 where nothing is scored, aligned
+    with input_ids): log p(logprob_labels[b, t] | tokens < t) at every scored position, float32 [K] in row-major
+    order. Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any forward."""
+    if logprob_labels is None:
+        return type(self).forward(self, *args, **kwargs)
+    labels = logprob_labels[:, 1:]
+    scored = labels != -100
+    kwargs["use_cache"] = False  # left as None, transformers fills a KV cache in training too
+    if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
+        logits = type(self).forward(self, *args, **kwargs).logits[:, :-1]
+        return token_logprobs(logits, labels)[scored]
+    hidden = getattr(self, self.base_model_prefix)(*args, **kwargs).last_hidden_state[:, :-1]
+    return chunked_token_logprobs(hidden[scored], self.get_output_embeddings(), labels[scored])
+
+
+def add_logprob_head(model: Any) -> Any:
+    """Give a causal LM the `logprob_labels` forward (see _forward_with_logprobs); its plain forward is unchanged
+    (generation, export). Set on the instance, so checkpoints and parameter names are untouched; LoRA (peft) and
+    DDP/FSDP/accelerate wrap it afterwards and pass the keyword through."""
+    import functools
+    import types
+
+    forward = functools.wraps(type(model).forward)(_forward_with_logprobs)  # generate() reads the signature
+    model.forward = types.MethodType(forward, model)
     return model
+
+
+def scored_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [K] of the positions whose label is not -100, their row indices [K]) in one forward."""
+    logps = model(input_ids=input_ids, attention_mask=attention_mask, logprob_labels=labels, **kwargs)
+    rows = (labels[:, 1:] != -100).nonzero()[:, 0]
+    return logps, rows
 
 
 def _fp32_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -146,17 +257,15 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
 
 
 def sequence_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence sums of log p(token) over positions where loss_mask is 1 (responses only).
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of log p(token) over positions where loss_mask is 1 (responses only), and their counts.
 
-    loss_mask[b, t] marks input_ids[b, t] as a scored token. Returns (summed logps, token counts, per-token logps
-    aligned to input_ids[:, 1:])."""
-    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    per_token = token_logprobs(logits, input_ids[:, 1:], temperature)
-    mask = loss_mask[:, 1:].to(per_token.dtype)
-    return (per_token * mask).sum(-1), mask.sum(-1), per_token * mask
+    loss_mask[b, t] marks input_ids[b, t] as a scored token; only those go through the output layer."""
+    labels = input_ids.masked_fill(loss_mask == 0, -100)
+    logps, rows = scored_logprobs(model, input_ids, attention_mask, labels)
+    sums = torch.zeros(len(input_ids), dtype=logps.dtype, device=logps.device).index_add_(0, rows, logps)
+    return sums, loss_mask[:, 1:].to(sums.dtype).sum(-1)
 
 
 class PairLogps(NamedTuple):
@@ -173,7 +282,7 @@ class PairLogps(NamedTuple):
 
 def pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> PairLogps:
     """One forward over [chosen rows; rejected rows] (data.collate_preferences), split back into the two halves."""
-    sums, counts, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    sums, counts = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
     n = len(sums) // 2
     return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 

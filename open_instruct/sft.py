@@ -16,18 +16,16 @@ from open_instruct.config import SFTConfig
 
 
 def token_loss_sum(model: Any, batch: dict[str, Any], per_row: bool = False) -> tuple[Any, Any]:
-    """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are; with per_row,
-    both per row of the batch ([B] each: per-source eval sums)."""
-    import torch.nn.functional as F
+    """Sum of next-token cross-entropy (fp32) over trained (label != -100) tokens, and how many there are; with
+    per_row, both per row of the batch ([B] each: per-source eval sums). Only trained positions reach the output
+    layer (models.scored_logprobs)."""
+    from open_instruct.models import scored_logprobs
 
-    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    logps, rows = scored_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    counts = (batch["labels"][:, 1:] != -100).sum(1)
     if per_row:
-        losses = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
-        return losses.view(labels.shape).sum(1), (labels != -100).sum(1)
-    return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
+        return -logps.new_zeros(len(counts)).index_add_(0, rows, logps), counts
+    return -logps.sum(), counts.sum()
 
 
 def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
