@@ -12,6 +12,12 @@ All counts are in samples. One sample (an *episode*) is one prompt+completion in
                           = total_episodes // episodes_per_rollout   (RL: rollouts)
     optimizer_steps       = num_training_steps x num_epochs x num_mini_batches           (RL)
 
+Padding-free packing (`max_tokens_per_micro_batch`, off by default) changes how a device's local_mini_batch_size
+samples are cut into forward/backward passes, not how many samples an optimizer step takes: instead of
+gradient_accumulation_steps micro-batches of per_device_train_batch_size padded rows, as many packed rows of at
+most max_tokens_per_micro_batch tokens as the samples need (the same count on every rank: the most any rank needs).
+Losses are still normalised over the global mini-batch, so an optimizer step is the same update either way.
+
 This module imports nothing heavy (no torch) so the planner can use it in a fraction of a second.
 """
 
@@ -63,6 +69,8 @@ class BatchPlan:
     num_mini_batches: Optional[int] = None
     num_epochs: Optional[int] = None
     local_episodes_per_rollout: Optional[int] = None
+    # packing: micro-batches by tokens (None: padded micro-batches of per_device_train_batch_size rows)
+    max_tokens_per_micro_batch: Optional[int] = None
 
     @property
     def is_rl(self) -> bool:
@@ -93,6 +101,19 @@ def count_eval_points(last_step: int, every: int, baseline: bool) -> int:
     return int(baseline) + last_step // every + int(last_step % every != 0)
 
 
+def check_token_budget(max_tokens: Optional[int], longest: int, longest_what: str) -> None:
+    """max_tokens_per_micro_batch (None or 0: off) must hold the longest item a micro-batch may get in one piece:
+    packing never splits a sequence (or a preference pair)."""
+    if max_tokens is None or max_tokens == 0:
+        return
+    _require_positive_int("max_tokens_per_micro_batch", max_tokens)
+    if max_tokens < longest:
+        raise ConfigError(
+            f"max_tokens_per_micro_batch {max_tokens} is smaller than the longest item a micro-batch must hold in "
+            f"one piece: {longest_what} = {longest} tokens; set it to at least {longest}, or 0 to turn packing off"
+        )
+
+
 def supervised_batch_plan(
     *,
     per_device_train_batch_size: int,
@@ -101,6 +122,7 @@ def supervised_batch_plan(
     num_examples: Optional[int] = None,
     num_train_epochs: Optional[float] = None,
     total_episodes: Optional[int] = None,
+    max_tokens_per_micro_batch: Optional[int] = None,
 ) -> BatchPlan:
     """Batch math for SFT, RM and DPO. total_episodes defaults to num_train_epochs x num_examples."""
     _require_positive_int("per_device_train_batch_size", per_device_train_batch_size)
@@ -128,6 +150,7 @@ def supervised_batch_plan(
         optimizer_steps=steps,
         num_examples=num_examples,
         num_train_epochs=(total_episodes / num_examples) if num_examples else None,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
     )
 
 
@@ -142,6 +165,7 @@ def rl_batch_plan(
     total_episodes: Optional[int],
     num_examples: Optional[int] = None,
     group_size: Optional[int] = None,
+    max_tokens_per_micro_batch: Optional[int] = None,
 ) -> BatchPlan:
     """Batch math for RLVR. `group_size` (GRPO) must divide every batch a group could be split across."""
     for name, value in [
@@ -203,6 +227,7 @@ def rl_batch_plan(
         num_mini_batches=num_mini_batches,
         num_epochs=num_epochs,
         local_episodes_per_rollout=local_episodes,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
     )
 
 

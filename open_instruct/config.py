@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
-from open_instruct.batch_math import BatchPlan, rl_batch_plan, supervised_batch_plan
+from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list
 
@@ -58,6 +58,11 @@ class BaseConfig:
     trust_remote_code: bool = opt(False, "Allow model code from the hub to run (off: only transformers' own code).")
     chat_template: Optional[str] = opt(None, "Jinja chat template to use if the tokenizer has none.")
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "Compute precision (master weights stay fp32).")
+    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2"]] = opt(
+        None,
+        "Attention kernel of every model loaded (transformers' attn_implementation); unset: transformers' default "
+        "(sdpa). flash_attention_2 (GPU, flash-attn installed) runs packed rows with its varlen kernel.",
+    )
     activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
 
@@ -125,6 +130,14 @@ class BaseConfig:
     per_device_train_batch_size: int = opt(1, "Micro batch: samples per forward/backward on one device.")
     gradient_accumulation_steps: int = opt(1, "Micro batches per optimizer step on one device.")
     per_device_eval_batch_size: int = opt(8, "Samples per eval forward on one device.")
+    max_tokens_per_micro_batch: Optional[int] = opt(
+        None,
+        "Padding-free packing: every forward/backward (and eval, reference and scoring forward) takes ONE row per "
+        "device of whole sequences concatenated up to this many tokens, attention kept inside each sequence. The "
+        "samples per optimizer step stay per_device_train_batch_size x gradient_accumulation_steps per device; the "
+        "split into micro-batches is by tokens. Must hold the longest sequence (a preference pair: both). Unset or 0: "
+        "off (padded micro-batches of per_device_train_batch_size rows).",
+    )
     num_train_epochs: float = opt(1.0, "Passes over the training data (SFT/RM/DPO, when total_episodes is unset).")
     total_episodes: Optional[int] = opt(None, "Samples to train on (RL: completions; required there).")
     on_nonfinite: Literal["stop", "skip"] = opt(
@@ -148,6 +161,16 @@ class BaseConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        check_token_budget(self.max_tokens_per_micro_batch, *self.longest_packed_item())  # after every field check
+
+    @property
+    def packing(self) -> bool:
+        """Padding-free micro-batches (max_tokens_per_micro_batch set and > 0)."""
+        return bool(self.max_tokens_per_micro_batch)
+
+    def longest_packed_item(self) -> tuple[int, str]:
+        """The most tokens one item a micro-batch cannot split can have, and how that number comes about."""
+        return self.max_seq_length, f"max_seq_length {self.max_seq_length}"
 
     def validate(self) -> None:
         """Value checks that need no dataset and no model. Subclasses extend it."""
@@ -233,6 +256,7 @@ class BaseConfig:
             num_examples=num_examples,
             num_train_epochs=self.num_train_epochs,
             total_episodes=self.total_episodes,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch or None,
         )
 
 
@@ -251,6 +275,13 @@ class PreferenceDataConfig(BaseConfig):
     chosen_column: str = opt("chosen", "Column of the preferred response (messages or a string).")
     rejected_column: str = opt("rejected", "Column of the dispreferred response (messages or a string).")
     prompt_column: str = opt("prompt", "Column of the prompt, for rows whose chosen/rejected are strings.")
+
+    def longest_packed_item(self) -> tuple[int, str]:
+        """A pair: its chosen and rejected sequences go into the same micro-batch (the pair's loss needs both)."""
+        return (
+            2 * self.max_seq_length,
+            f"a preference pair, chosen + rejected = 2 x max_seq_length {self.max_seq_length}",
+        )
 
 
 @dataclass
@@ -414,6 +445,13 @@ class RLVRConfig(BaseConfig):
     eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
     num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
 
+    def longest_packed_item(self) -> tuple[int, str]:
+        longest = self.max_prompt_length + self.response_length
+        return (
+            longest,
+            f"an episode, max_prompt_length {self.max_prompt_length} + response_length {self.response_length}",
+        )
+
     @property
     def uses_value_model(self) -> bool:
         """GAE needs a learned value model; every other estimator is value-free."""
@@ -510,6 +548,7 @@ class RLVRConfig(BaseConfig):
             total_episodes=self.total_episodes,
             num_examples=num_examples,
             group_size=self.num_samples_per_prompt if self.uses_groups else None,
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch or None,
         )
 
 

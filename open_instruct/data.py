@@ -7,12 +7,13 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -432,36 +433,113 @@ def pad(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right") -> t
     return out
 
 
-def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+def packed_row(seqs: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Sequences concatenated into ONE row of T = sum of their lengths tokens (no padding at all):
+
+    input_ids [1, T]; position_ids [1, T] restarting at 0 at every sequence start (transformers reads the restarts
+    to keep attention inside each sequence, see models.forward_inputs); sequence_ids [1, T], the index of the
+    sequence each token belongs to; sequence_lengths [n]."""
+    lengths = [len(s) for s in seqs]
+    return {
+        "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.long).unsqueeze(0),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+        "sequence_ids": torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths)).unsqueeze(0),
+        "sequence_lengths": torch.tensor(lengths, dtype=torch.long),
+    }
+
+
+def is_packed(batch: dict[str, torch.Tensor]) -> bool:
+    """True for a packed row (packed_row), False for a padded batch."""
+    return "sequence_ids" in batch
+
+
+def batch_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Real (non-padding) tokens of a batch, for throughput."""
+    return batch["input_ids"].numel() if is_packed(batch) else int(batch["attention_mask"].sum())
+
+
+def batch_sequences(batch: dict[str, torch.Tensor]) -> int:
+    """Sequences in a batch: a padded batch's rows, a packed row's sequences."""
+    return len(batch["sequence_lengths"]) if is_packed(batch) else len(batch["input_ids"])
+
+
+def _sequence_starts(lengths: Sequence[int]) -> list[int]:
+    """Where each sequence of a packed row starts."""
+    return [0, *itertools.accumulate(lengths)][:-1]
+
+
+def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded rows (input_ids, labels -100 on padding, attention_mask), or with `packed` one packed_row whose
+    labels are -100 at every sequence start: the shifted loss then never predicts a sequence's first token from the
+    sequence before it (a padded row never predicts its first token either)."""
+    if packed:
+        batch = packed_row([e["input_ids"] for e in examples])
+        labels = torch.tensor([t for e in examples for t in e["labels"]], dtype=torch.long)
+        labels[_sequence_starts([len(e["input_ids"]) for e in examples])] = -100
+        return {**batch, "labels": labels.unsqueeze(0)}
     input_ids = pad([e["input_ids"] for e in examples], pad_id)
     labels = pad([e["labels"] for e in examples], -100)
     attention_mask = pad([[1] * len(e["input_ids"]) for e in examples], 0)
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def collate_preferences(examples: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Chosen rows first, then rejected rows, in one right-padded batch (one forward for both).
+def collate_preferences(
+    examples: Sequence[dict[str, Any]], pad_id: int, packed: bool = False
+) -> dict[str, torch.Tensor]:
+    """Chosen sequences first, then rejected ones, in one right-padded batch (one forward for both), or with `packed`
+    in one packed_row (sequence i < n: chosen of pair i; n + i: rejected of pair i).
 
     loss_mask marks response tokens (after the prompt, before padding); `margin` [pairs] when the pairs carry one."""
     seqs = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     prompt_lens = [e["prompt_len"] for e in examples] * 2
-    input_ids = pad(seqs, pad_id)
-    attention_mask = pad([[1] * len(s) for s in seqs], 0)
-    loss_mask = pad([[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)], 0)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    loss_mask = [[0] * p + [1] * (len(s) - p) for s, p in zip(seqs, prompt_lens)]
+    if packed:
+        batch = packed_row(seqs)
+        flat = torch.tensor([m for row in loss_mask for m in row], dtype=torch.long)
+        flat[_sequence_starts([len(s) for s in seqs])] = 0  # never scored from the sequence before (see collate_sft)
+        batch["loss_mask"] = flat.unsqueeze(0)
+    else:
+        batch = {"input_ids": pad(seqs, pad_id), "attention_mask": pad([[1] * len(s) for s in seqs], 0)}
+        batch["loss_mask"] = pad(loss_mask, 0)
     if "margin" in examples[0]:
         batch["margin"] = torch.tensor([e["margin"] for e in examples], dtype=torch.float32)
     return batch
 
 
 def collate_episodes(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, extra_columns: int = 0
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    extra_columns: int = 0,
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Left-padded prompts followed by right-padded responses, so every response starts at the same column and the
     logits of all response tokens are the last R+1 positions. Positions count real tokens only (as in generation).
     `extra_columns` pad columns after the longest response give a value for the state after its last token.
 
-    Returns input_ids/attention_mask/position_ids [B, P+R], responses [B, R] (pad 0) and mask [B, R]."""
+    Returns input_ids/attention_mask/position_ids [B, P+R], responses [B, R] (pad 0) and mask [B, R].
+
+    packed: prompt+response of every episode in one packed_row, and the same responses and mask, plus
+    window_index [B, R+1]: where in the row sit the R+1 positions the padded layout ends with (column j: the token
+    before response token j, i.e. the last prompt token for j = 0), repeating the episode's last token past its end
+    (those columns are masked, as padding is)."""
+    if not packed:
+        return _padded_episodes(prompts, responses, pad_id, extra_columns)
+    width_r = max(len(r) for r in responses) + extra_columns
+    batch = packed_row([list(p) + list(r) for p, r in zip(prompts, responses)])
+    starts = _sequence_starts(batch["sequence_lengths"].tolist())
+    columns = torch.arange(width_r + 1)
+    window, resp = [], torch.zeros(len(prompts), width_r, dtype=torch.long)
+    for i, (start, p, r) in enumerate(zip(starts, prompts, responses)):
+        window.append(start + len(p) - 1 + columns.clamp(max=len(r)))
+        resp[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in responses]).unsqueeze(1)
+    return {**batch, "window_index": torch.stack(window), "responses": resp, "mask": (columns[:-1] < lengths).float()}
+
+
+def _padded_episodes(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, extra_columns: int
+) -> dict[str, torch.Tensor]:
     width_p, width_r = max(len(p) for p in prompts), max(len(r) for r in responses) + extra_columns
     n = len(prompts)
     input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
@@ -545,9 +623,52 @@ class EpisodeStream:
         return global_indices[rank * per_rank : (rank + 1) * per_rank]
 
 
-def micro_batches(items: list[Any], size: int) -> Iterable[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+# ---------------------------------------------------------------------------------------------------------------------
+# Micro-batches: a fixed number of rows (padded), or a token budget (packed: max_tokens_per_micro_batch)
+
+
+def packed_length(example: dict[str, Any]) -> int:
+    """Tokens an SFT example or a preference pair takes in a packed row: a pair counts both its sequences, which
+    always share a micro-batch (the pair's loss needs both)."""
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    return len(example["chosen_ids"]) + len(example["rejected_ids"])
+
+
+def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into as few packs as best-fit decreasing finds, each summing to at most `budget`:
+    the longest item first, each into the fullest pack that still has room (a new pack when none has). Deterministic
+    (ties by index); each pack lists its indices in increasing order. O(n log n): it also packs whole datasets (the
+    DPO reference pass)."""
+    import bisect
+
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"item {i} has {n} tokens, more than the token budget {budget}")
+    packs: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # (room left, pack index), sorted: the first with room >= n fits best
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        k = bisect.bisect_left(rooms, (lengths[i], -1))
+        if k == len(rooms):
+            packs.append([])
+            room, pack = budget, len(packs) - 1
+        else:
+            room, pack = rooms.pop(k)
+        packs[pack].append(i)
+        bisect.insort(rooms, (room - lengths[i], pack))
+    return [sorted(p) for p in packs]
+
+
+def micro_batches(
+    items: list[Any], size: int, lengths: Optional[Sequence[int]] = None, max_tokens: Optional[int] = None
+) -> list[list[Any]]:
+    """One device's micro-batches of `items`: consecutive runs of `size` items, or, with a token budget
+    `max_tokens` (and each item's length), packs of items holding at most that many tokens (pack_by_token_budget)."""
+    if max_tokens:
+        assert lengths is not None and len(lengths) == len(items)
+        return [[items[i] for i in pack] for pack in pack_by_token_budget(lengths, max_tokens)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def shard_for_eval(items: list[Any], rank: int, world_size: int) -> list[Any]:
@@ -555,14 +676,22 @@ def shard_for_eval(items: list[Any], rank: int, world_size: int) -> list[Any]:
     return items[rank::world_size]
 
 
-def dealt_micro_batches(items: list[Any], batch_size: int, rank: int, world_size: int) -> list[tuple[list[Any], bool]]:
-    """This rank's eval micro-batches as (batch, is_real): consecutive batches of `items` dealt round-robin.
+def dealt_micro_batches(
+    items: list[Any],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    lengths: Optional[Sequence[int]] = None,
+    max_tokens: Optional[int] = None,
+) -> list[tuple[list[Any], bool]]:
+    """This rank's eval micro-batches as (batch, is_real): micro_batches of `items` (consecutive runs of batch_size,
+    or packs of at most max_tokens tokens) dealt round-robin.
 
     Every rank gets the same number of batches, because an FSDP forward is collective (each layer all-gathers its
     shards): a rank with fewer batches would leave the others waiting forever. A rank with none left repeats the
     first batch with is_real False (run the forward, drop the result). The batches themselves do not depend on the
     world size, so each item is scored with the same batch-mates and padding on 1 or N processes."""
-    groups = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+    groups = micro_batches(items, batch_size, lengths, max_tokens)
     rounds = -(-len(groups) // world_size)
     out = []
     for k in range(rounds):

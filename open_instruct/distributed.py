@@ -350,6 +350,18 @@ def global_max(accelerator: Any, value: float) -> float:
     return float(t.item())
 
 
+def equal_micro_batch_count(accelerator: Any, groups: list[Any], packed: bool) -> list[tuple[Any, bool]]:
+    """This rank's micro-batches as (group, True), then, when `packed`, copies of the first as (group, False) until it
+    has as many as the rank with the most.
+
+    FSDP forwards and backwards are collectives (each layer gathers its shards) and DDP all-reduces on a rank's last
+    backward, so every rank must run the same number per optimizer step. Padded micro-batches (a fixed row count)
+    come out equal; packed ones (a token budget) differ in number between ranks, and the copies are dummies: they
+    run, and their loss counts at weight 0."""
+    count = int(global_max(accelerator, len(groups))) if packed else len(groups)
+    return [(g, True) for g in groups] + [(groups[0], False)] * (count - len(groups))
+
+
 def all_finite(accelerator: Any, *values: Any) -> bool:
     """True when every value (tensor or float) is finite on every rank."""
     import torch

@@ -167,7 +167,7 @@ def evaluate(
 
     from open_instruct import data
     from open_instruct.models import pair_logps
-    from open_instruct.reference_cache import length_order, reference_logps
+    from open_instruct.reference_cache import reference_batches, reference_logps
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = data.mixed_sources(evals)
@@ -175,8 +175,9 @@ def evaluate(
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-        for group, real in data.dealt_micro_batches(length_order(evals), cfg.per_device_eval_batch_size, rank, world):
-            batch = data.collate_preferences([evals[i] for i in group], pad_id)
+        mine = reference_batches(evals, cfg.per_device_eval_batch_size, cfg.max_tokens_per_micro_batch, rank, world)
+        for group, real in mine:
+            batch = data.collate_preferences([evals[i] for i in group], pad_id, cfg.packing)
             with accelerator.autocast():
                 policy = pair_logps(model, {k: v.to(accelerator.device) for k, v in batch.items()})
             if not real:
@@ -228,7 +229,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"data: {stats.summary()}; {len(evals)} held-out pairs; world_size {world}", flush=True)
 
     model = load_causal_lm(
-        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+        cfg.model_name_or_path,
+        DTYPES["no"],
+        cfg.gguf_file,
+        cfg.trust_remote_code,
+        cfg.model_revision,
+        attn_implementation=cfg.attn_implementation,
     )
     disable_dropout(model)
     use_reference = cfg.loss_type not in REFERENCE_FREE
@@ -268,14 +274,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     while counters.optimizer_step < plan.optimizer_steps:
         # This step's pairs: a slice of the global order, by episode position (world-size independent).
         local_idx = data.EpisodeStream.local_slice(stream.take(counters.episode, plan.mini_batch_size), rank, world)
-        groups = list(data.micro_batches(local_idx, cfg.per_device_train_batch_size))
+        lengths = [data.packed_length(train[j]) for j in local_idx]  # packing: micro-batches by tokens
+        groups = data.micro_batches(local_idx, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
+        groups = distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
 
         sums = dict.fromkeys(STAT_KEYS, 0.0)
-        for i, group in enumerate(groups):
-            batch = {
-                k: v.to(accelerator.device)
-                for k, v in data.collate_preferences([train[j] for j in group], pad_id).items()
-            }
+        for i, (group, real) in enumerate(groups):
+            batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
+            if real:  # counted on the CPU batch: no device sync
+                run.throughput.add(data.batch_tokens(batch), len(group))
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(groups) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
@@ -283,11 +291,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 losses, chosen_r, rejected_r = preference_loss(
                     cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None
                 )
-                # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world.
-                accelerator.backward(losses.sum() * world / plan.mini_batch_size)
-            for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
-                sums[k] += v
-            run.throughput.add(int(batch["attention_mask"].sum()), len(group))
+                # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world. A dummy
+                # micro-batch (packing: this rank has fewer than another) counts 0.
+                accelerator.backward(losses.sum() * (world / plan.mini_batch_size if real else 0.0))
+            if real:
+                for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
+                    sums[k] += v
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         stats_step = {

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from open_instruct.data import is_packed
 from open_instruct.errors import ConfigError
 
 DTYPES = {"no": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,9 +36,15 @@ def load_tokenizer(
 
 
 def _pretrained_kwargs(
-    gguf_file: Optional[str], dtype: torch.dtype, trust_remote_code: bool, revision: Optional[str]
+    gguf_file: Optional[str],
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    revision: Optional[str],
+    attn_implementation: Optional[str] = None,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     else:
@@ -63,12 +70,13 @@ def load_causal_lm(
     gguf_file: Optional[str] = None,
     trust_remote_code: bool = False,
     revision: Optional[str] = None,
+    attn_implementation: Optional[str] = None,
 ) -> Any:
     """A causal LM whose forward also takes `logprob_labels` (add_logprob_head)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision)
+        name_or_path, **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation)
     )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForCausalLM)
@@ -176,15 +184,6 @@ def add_logprob_head(model: Any) -> Any:
     return model
 
 
-def scored_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [K] of the positions whose label is not -100, their row indices [K]) in one forward."""
-    logps = model(input_ids=input_ids, attention_mask=attention_mask, logprob_labels=labels, **kwargs)
-    rows = (labels[:, 1:] != -100).nonzero()[:, 0]
-    return logps, rows
-
-
 def _fp32_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """Linear.forward in float32 whatever autocast says (the instance's `forward`, see fp32_head)."""
     with torch.autocast(x.device.type, enabled=False):
@@ -215,6 +214,7 @@ def load_sequence_classifier(
     revision: Optional[str] = None,
     pad_token_id: Optional[int] = None,
     require_trained_head: bool = False,
+    attn_implementation: Optional[str] = None,
 ) -> Any:
     """A scalar-head model (num_labels=1): reward model, or value model initialised from a policy or RM.
 
@@ -227,7 +227,7 @@ def load_sequence_classifier(
         name_or_path,
         num_labels=1,
         output_loading_info=True,
-        **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision),
+        **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation),
     )
     untrained = sorted(k for k in info["missing_keys"] if k.split(".")[0] == "score")
     if require_trained_head and untrained:
@@ -256,16 +256,62 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return torch.gather(logits, 2, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def sequence_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sums of log p(token) over positions where loss_mask is 1 (responses only), and their counts.
+def forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model inputs of a batch: a padded one's input_ids and attention_mask (and position_ids when it has them),
+    or a packed row's (data.packed_row) input_ids and position_ids with NO attention mask.
 
-    loss_mask[b, t] marks input_ids[b, t] as a scored token; only those go through the output layer."""
-    labels = input_ids.masked_fill(loss_mask == 0, -100)
-    logps, rows = scored_logprobs(model, input_ids, attention_mask, labels)
-    sums = torch.zeros(len(input_ids), dtype=logps.dtype, device=logps.device).index_add_(0, rows, logps)
-    return sums, loss_mask[:, 1:].to(sums.dtype).sum(-1)
+    Packed rows rely on transformers: given position_ids that restart at 0, no 2D attention mask and no KV cache,
+    its masking_utils (find_packed_sequence_indices) builds a block-diagonal causal mask for sdpa and eager, and
+    flash_attention_2 runs its varlen kernel with the sequence boundaries read from the position ids: no token attends
+    across a boundary (tests/test_packing.py proves it). So the forward must get use_cache=False: with a cache (the
+    default, config.use_cache) transformers skips the detection and each sequence would attend to those before it."""
+    if is_packed(batch):
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    keys = ("input_ids", "attention_mask", "position_ids")
+    return {k: batch[k] for k in keys if k in batch}
+
+
+def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sequence sums of values aligned to input_ids[:, 1:] (one per predicted token): row sums of a padded batch
+    [rows, T-1]; for a packed row [1, T-1], the sum over each sequence's predicted tokens (the masks zero every
+    sequence's first token, which would be predicted from the sequence before it).
+
+    A 0/1 [sequences, T-1] matrix product: deterministic (no atomic adds) and needs no host sync."""
+    if not is_packed(batch):
+        return values.sum(-1)
+    return owner_sums(values.reshape(-1), batch["sequence_ids"][0, 1:], len(batch["sequence_lengths"]))
+
+
+def owner_sums(values: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] sums of values [K] by owner [K] (in 0..n-1), as a 0/1 matrix product (deterministic, unlike index_add
+    on GPUs)."""
+    members = owner.unsqueeze(0) == torch.arange(n, device=owner.device).unsqueeze(1)
+    return members.to(values.dtype) @ values
+
+
+def scored_logprobs(
+    model: Any, batch: dict[str, torch.Tensor], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One forward (padded or packed batch) in which only the positions with a label (`labels` aligned with
+    input_ids, -100 where nothing is scored) reach the output layer: their log-probs [K] (float32, row-major
+    order), the sequence each belongs to [K] (a padded batch's row, a packed row's sequence) and how many sequences
+    the batch holds."""
+    from open_instruct.data import batch_sequences
+
+    logps = model(**forward_inputs(batch), logprob_labels=labels, use_cache=False)
+    scored = labels[:, 1:] != -100
+    if not isinstance(logps, torch.Tensor):  # a model without add_logprob_head ignored the keyword: full logits
+        logps = token_logprobs(logps.logits[:, :-1], labels[:, 1:])[scored]
+    owner = batch["sequence_ids"][:, 1:][scored] if is_packed(batch) else scored.nonzero()[:, 0]
+    return logps, owner, batch_sequences(batch)
+
+
+def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of log p(token) over the tokens batch["loss_mask"] marks (responses only), padded or packed,
+    and their counts. Only those tokens' positions go through the output layer (scored_logprobs)."""
+    loss_mask = batch["loss_mask"]
+    logps, owner, n = scored_logprobs(model, batch, batch["input_ids"].masked_fill(loss_mask == 0, -100))
+    return owner_sums(logps, owner, n), sequence_sums(loss_mask[:, 1:].float(), batch)
 
 
 class PairLogps(NamedTuple):
@@ -281,8 +327,9 @@ class PairLogps(NamedTuple):
 
 
 def pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> PairLogps:
-    """One forward over [chosen rows; rejected rows] (data.collate_preferences), split back into the two halves."""
-    sums, counts = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    """One forward over [chosen sequences; rejected sequences] (data.collate_preferences, padded or packed), split
+    back into the two halves."""
+    sums, counts = sequence_logprobs(model, batch)
     n = len(sums) // 2
     return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 
@@ -293,18 +340,47 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long() * positions).argmax(dim=1)
 
 
-def scalar_head_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar score of each sequence read at its last non-pad token (reward model)."""
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-    )  # no KV cache (see sequence_logprobs)
-    logits = out.logits  # HF sequence classifiers already pool at the last non-pad token: [batch, 1]
-    return logits.squeeze(-1).float()
+def pooled_positions(batch: dict[str, torch.Tensor], pad_id: Optional[int]) -> torch.Tensor:
+    """Where a sequence classifier pools each sequence of a packed row: its last token that is not `pad_id` (its
+    last token when pad_id is None), or its first token when every token is pad_id. That is Hugging Face's pooling
+    of a padded row (the rightmost non-pad token; index 0 when there is none), so packed and padded scores agree
+    also when pad == eos and a trailing EOS is skipped."""
+    ids, owner, lengths = batch["input_ids"][0], batch["sequence_ids"][0], batch["sequence_lengths"]
+    positions = torch.arange(len(ids), device=ids.device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    candidates = positions if pad_id is None else torch.where(ids != pad_id, positions, starts[owner])
+    members = owner.unsqueeze(0) == torch.arange(len(lengths), device=ids.device).unsqueeze(1)
+    return torch.where(members, candidates.unsqueeze(0), -1).max(1).values
+
+
+def _classifier(model: Any) -> Any:
+    """The Hugging Face sequence classifier under DDP / peft wrappers (its `score` is peft's trained copy)."""
+    from open_instruct.distributed import unwrap_model
+
+    inner = unwrap_model(model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def scalar_head_scores(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Scalar score of each sequence (reward model), float32: for a padded batch, Hugging Face's sequence classifier
+    pools at the last non-pad token of each row; a packed row holds many sequences, so the head's output at every
+    token is read (a hook on the head, during the classifier's own forward: FSDP and peft run as usual) and taken at
+    each sequence's pooled_positions."""
+    if not is_packed(batch):
+        out = model(**forward_inputs(batch), use_cache=False)  # no KV cache (see sequence_logprobs)
+        return out.logits.squeeze(-1).float()  # HF sequence classifiers pool at the last non-pad token: [batch, 1]
+    classifier, per_token = _classifier(model), []
+    hook = classifier.score.register_forward_hook(lambda module, args, output: per_token.append(output))
+    try:
+        model(**forward_inputs(batch), use_cache=False)
+    finally:
+        hook.remove()
+    return per_token[0][0, :, 0][pooled_positions(batch, classifier.config.pad_token_id)].float()
 
 
 def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards of the chosen and rejected halves of a `data.collate_preferences` batch, in float32."""
-    scores = scalar_head_scores(model, batch["input_ids"], batch["attention_mask"])
+    """Rewards of the chosen and rejected halves of a `data.collate_preferences` batch (padded or packed), float32."""
+    scores = scalar_head_scores(model, batch)
     return scores.chunk(2)
 
 
@@ -384,6 +460,8 @@ class TokenValueModel(torch.nn.Module):
             hidden = first.last_hidden_state[:, -1:].repeat_interleave(group, 0)
             if rest is not None:
                 hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+        elif is_packed(batch):  # the padded layout's last R+1 positions, read out of the packed row: [B, R+1, H]
+            hidden = backbone(**forward_inputs(batch), use_cache=False).last_hidden_state[0][batch["window_index"]]
         else:
             hidden = backbone(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
@@ -396,6 +474,8 @@ def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int)
     and its key/value cache reused by its `group` responses; else 1. With 8 samples per prompt this skips most of
     the tokens of every forward and backward. Single process only: DDP allows one forward per backward, and FSDP
     (which works) would then round differently from DDP, whose runs it is checked against bit for bit."""
+    if is_packed(batch):  # packing and prompt sharing exclude each other: a packed row already holds no padding
+        return 1
     n, width = batch["input_ids"].shape
     distributed = (
         torch.distributed.is_available()
@@ -446,11 +526,17 @@ def shared_prefix_forward(
 def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1) -> torch.Tensor:
     """Logits (divided by the sampling temperature) predicting each response token: [B, R, vocab].
 
-    group > 1: rows may come in runs of `group` sharing a prompt, whose forward is then shared (same numbers)."""
+    group > 1: rows may come in runs of `group` sharing a prompt, whose forward is then shared (same numbers).
+    A packed batch (collate_episodes(packed=True)) runs as one row; the head runs only at the positions that predict
+    response tokens (window_index), laid out [B, R] as in the padded layout."""
     width_r = batch["responses"].shape[1]
     group = shared_prompt_groups(model, batch, group)
     parts = shared_prefix_forward(model, batch, group, feed_last=False) if group > 1 else None
-    if parts is not None:
+    if is_packed(batch):
+        keep = batch["window_index"][:, :-1]
+        out = model(**forward_inputs(batch), logits_to_keep=keep.reshape(-1), use_cache=False)
+        logits = out.logits.view(*keep.shape, -1).float()
+    elif parts is not None:
         first, rest = parts
         logits = first.logits[:, -1:].repeat_interleave(group, 0)
         if rest is not None:
@@ -482,7 +568,10 @@ def sequence_scores(reward_model: Any, batch: dict[str, torch.Tensor], group: in
     width_r = batch["responses"].shape[1]
     out = reward_model(batch, width_r + 1, shared_prompt_groups(reward_model, batch, group))  # [B, R+1]
     # Position 0: the last prompt token (always real, left padding); 1..R: the response tokens.
-    tokens = torch.cat([batch["input_ids"][:, -width_r - 1 : -width_r], batch["responses"]], 1)
+    if is_packed(batch):
+        tokens = batch["input_ids"][0][batch["window_index"]]  # past a response's end: repeats, masked below
+    else:
+        tokens = torch.cat([batch["input_ids"][:, -width_r - 1 : -width_r], batch["responses"]], 1)
     real = torch.cat([torch.ones_like(batch["mask"][:, :1]), batch["mask"]], 1)
     pad_id = getattr(getattr(reward_model, "config", None), "pad_token_id", None)
     if pad_id is not None:

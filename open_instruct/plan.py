@@ -270,6 +270,33 @@ def optimizer_seconds(cfg: BaseConfig, params: float, world: int, gpu: GPUSpec, 
     return seconds
 
 
+def train_tokens_per_sample(cfg: BaseConfig, a: TimeAssumptions) -> float:
+    """Tokens one sample puts through a training forward. Supervised: the assumed sequence length (--fill or
+    --tokens_per_sample), twice for a pair, whose padded batch costs the longer sequence twice (--pair_padding).
+    RL: prompt + response, the response padded to response_length with --rl_padding max. Packing
+    (max_tokens_per_micro_batch) leaves no padding: the mean lengths."""
+    if isinstance(cfg, RLVRConfig):
+        padded = a.rl_padding == "max" and not cfg.packing
+        return rl_prompt_tokens(cfg, a) + (cfg.response_length if padded else a.response_fill * cfg.response_length)
+    tokens = a.tokens_per_sample or max(1, int(cfg.max_seq_length * a.fill))
+    if cfg.script == "sft":
+        return tokens
+    return 2 * (tokens if cfg.packing else min(cfg.max_seq_length, int(tokens * a.pair_padding)))
+
+
+def rl_prompt_tokens(cfg: RLVRConfig, a: TimeAssumptions) -> int:
+    return a.prompt_tokens or KNOWN_PROMPT_TOKENS.get(cfg.dataset_name_or_path, cfg.max_prompt_length // 4)
+
+
+def micro_batches_per_update(cfg: BaseConfig, plan: BatchPlan, a: TimeAssumptions) -> int:
+    """Forward/backward passes per optimizer step on one device: gradient_accumulation_steps, or with packing the
+    packed rows the local mini-batch's tokens fill (packs assumed full: best-fit decreasing leaves little room)."""
+    if not cfg.packing:
+        return plan.gradient_accumulation_steps
+    tokens = plan.local_mini_batch_size * train_tokens_per_sample(cfg, a)
+    return max(1, math.ceil(tokens / cfg.max_tokens_per_micro_batch))
+
+
 def estimate(cfg: BaseConfig, plan: BatchPlan, params: float, a: TimeAssumptions) -> dict[str, Any]:
     """Seconds per phase, summed over the run. Training compute: 6 FLOPs/parameter/token (8 with activation
     checkpointing) at `mfu` of peak; FSDP communication per micro-batch; the optimizer step; RL generation bound by
@@ -281,21 +308,19 @@ def estimate(cfg: BaseConfig, plan: BatchPlan, params: float, a: TimeAssumptions
     phases: dict[str, float] = {}
     out: dict[str, Any] = {}
     if not plan.is_rl:
-        seqs = 1 if cfg.script == "sft" else 2  # RM and DPO: chosen + rejected
-        tokens = a.tokens_per_sample or max(1, int(cfg.max_seq_length * a.fill))
-        if seqs == 2:  # a pair is padded to its longer sequence
-            tokens = min(cfg.max_seq_length, int(tokens * a.pair_padding))
+        tokens = train_tokens_per_sample(cfg, a)  # RM and DPO: chosen + rejected
         steps = plan.optimizer_steps
         if a.stop_at_episode:
             steps = min(steps, -(-a.stop_at_episode // plan.mini_batch_size))
-        compute = cfg.per_device_train_batch_size * seqs * tokens * k * params / flops_rate
+        micro_batches = micro_batches_per_update(cfg, plan, a)
+        compute = plan.local_mini_batch_size * tokens * k * params / flops_rate / micro_batches
         layers = num_layers(cfg.model_name_or_path, params)
         micro = micro_batch_phases(compute, fsdp_gather_seconds(params, w, 3, a), layers, True, a)
-        add_phases(phases, micro, steps * cfg.gradient_accumulation_steps)
+        add_phases(phases, micro, steps * micro_batches)
         phases["optimizer step"] = steps * optimizer_seconds(cfg, params, w, gpu, a)
-        out["train_tokens"] = steps * plan.mini_batch_size * seqs * tokens
+        out["train_tokens"] = int(steps * plan.mini_batch_size * tokens)
         if cfg.script == "dpo" and getattr(cfg, "loss_type", "") != "simpo":
-            ref_tokens = (plan.num_examples or plan.total_episodes) * seqs * tokens
+            ref_tokens = int((plan.num_examples or plan.total_episodes) * tokens)
             out["reference_cache_tokens"] = ref_tokens
             phases["reference pass"] = ref_tokens * 2 * params / (w * flops_rate)
         models_loaded = 1
@@ -347,9 +372,9 @@ def rl_phases(
     rollouts = plan.num_training_steps
     if a.stop_at_episode:
         rollouts = min(rollouts, -(-a.stop_at_episode // episodes))
-    prompt = a.prompt_tokens or KNOWN_PROMPT_TOKENS.get(cfg.dataset_name_or_path, cfg.max_prompt_length // 4)
+    prompt = rl_prompt_tokens(cfg, a)
     mean_response = a.response_fill * cfg.response_length
-    train_len = prompt + (cfg.response_length if a.rl_padding == "max" else mean_response)
+    train_len = train_tokens_per_sample(cfg, a)
     value = 0.0
     if cfg.uses_value_model:
         value = model_params(cfg.value_model_path, None)[0] if cfg.value_model_path else params
@@ -371,11 +396,11 @@ def rl_phases(
     prefill = seqs * prompt * 2 * params / (tp * flops_rate)
     generation = decode + prefill + fsdp_gather_seconds(params, 2, 1, a)  # + weight sync to the engines
 
-    # Training side, per device: micro-batches of per_device_train_batch_size episodes. Scoring: no-grad forwards of
-    # the policy (old log-probs), reference, value and reward models; training: num_epochs forward/backward passes of
-    # the policy and the value model.
-    micro_batches = episodes / w / cfg.per_device_train_batch_size
-    tokens = cfg.per_device_train_batch_size * train_len
+    # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
+    # their tokens fill). Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models;
+    # training: num_epochs forward/backward passes of the policy and the value model.
+    micro_batches = episodes / w / plan.local_mini_batch_size * micro_batches_per_update(cfg, plan, a)
+    tokens = episodes / w * train_len / micro_batches
     layers = num_layers(cfg.model_name_or_path, params)
     value_layers = num_layers(cfg.value_model_path or "", value) if value else 0
     train_side: dict[str, float] = {}
@@ -481,6 +506,7 @@ def plan_from_config(
         eval_points=count_eval_points(steps_for_events, cfg.eval_steps or 0, cfg.script in ("dpo", "rlvr_ppo")),
         checkpoint_points=count_multiples(steps_for_events, cfg.checkpointing_steps or 0),
         warmup_steps=int(cfg.warmup_ratio * plan.optimizer_steps),
+        micro_batches_per_update=micro_batches_per_update(cfg, plan, a),
         learning_rate=cfg.learning_rate,
         model_params=params,
         model_params_source=params_source,
@@ -502,6 +528,19 @@ def format_plan(p: dict[str, Any]) -> str:
         ("gradient_accumulation_steps", p["gradient_accumulation_steps"], "micro batches per update per device"),
         ("local_mini_batch_size", p["local_mini_batch_size"], "= micro x accumulation (per device, per update)"),
         ("mini_batch_size", p["mini_batch_size"], "= local_mini x world_size (global samples per update)"),
+    ]
+    budget = p.get("max_tokens_per_micro_batch")
+    rows += [
+        (
+            "max_tokens_per_micro_batch",
+            budget or "off",
+            "packing: one row per device of whole sequences, cut by tokens" if budget else "padded micro batches",
+        ),
+        (
+            "micro_batches_per_update",
+            p["micro_batches_per_update"],
+            "forward/backward passes per update per device" + (" (estimated from the lengths)" if budget else ""),
+        ),
     ]
     if rl:
         rows += [

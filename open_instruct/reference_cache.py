@@ -1,7 +1,8 @@
 """DPO's reference log-probs, computed once and cached on disk: the speed plumbing of dpo.py, kept out of its loop.
 
 Reference log-probs are computed once, before training, by a no-grad pass of the initial policy over the train and
-eval sets (in batches of per_device_eval_batch_size, sorted by length and shared out over the processes), and cached
+eval sets (in batches of per_device_eval_batch_size, or packed rows of max_tokens_per_micro_batch tokens, sorted by
+length and shared out over the processes), and cached
 (safetensors) keyed by example position. The reference model is never held in memory during training. The cache lives
 in `reference_cache_dir` (default: `<output_dir>/../.ref_cache`, shared by the runs of a sweep over beta, lr or loss
 type) under a hash of what determines the numbers:
@@ -116,13 +117,28 @@ def length_order(examples: list[dict]) -> list[int]:
     )
 
 
+def reference_batches(
+    examples: list[dict], batch_size: int, max_tokens: Optional[int], rank: int, world: int
+) -> list[tuple[list[int], bool]]:
+    """This rank's batches of the reference pass, as example positions: sorted by length (less padding), cut into
+    batch_size pairs or packed rows of at most max_tokens tokens (max_tokens_per_micro_batch), dealt round-robin
+    (data.dealt_micro_batches: the same batches on 1 or N ranks). DPO's eval uses these batches too, so at step 0 the
+    policy reproduces the cached numbers bit for bit."""
+    from open_instruct import data
+
+    order = length_order(examples)
+    lengths = [data.packed_length(examples[i]) for i in order]
+    return data.dealt_micro_batches(order, batch_size, rank, world, lengths, max_tokens)
+
+
 def compute_reference(
-    model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int
+    model: Any, examples: list[dict], accelerator: Any, batch_size: int, pad_id: int, max_tokens: Optional[int] = None
 ) -> dict[str, torch.Tensor]:
     """One no-grad pass of `model` over `examples`: summed response log-probs of chosen and rejected, by position.
 
-    Examples are sorted by length (less padding) and dealt to the ranks in micro-batches; the results are
-    gathered, so every rank returns the full table."""
+    Batches: reference_batches (padded, or packed with max_tokens). Each rank fills the rows of its batches and the
+    tables are summed over ranks (each row is filled by exactly one rank, the others add 0), so every rank returns
+    the full table."""
     import torch
 
     from open_instruct import data, runtime
@@ -130,31 +146,25 @@ def compute_reference(
 
     rank, world = accelerator.process_index, accelerator.num_processes
     preemption = runtime.preemption()
-    mine = data.dealt_micro_batches(length_order(examples), batch_size, rank, world)  # same batches on 1 or N ranks
-    index = torch.full((len(mine) * batch_size,), -1, dtype=torch.long)
-    values = torch.zeros(len(mine) * batch_size, 2)
+    table, filled = torch.zeros(len(examples), 2), torch.zeros(len(examples))
     model.eval()
     with torch.no_grad():
-        for k, (group, real) in enumerate(mine):
+        for group, real in reference_batches(examples, batch_size, max_tokens, rank, world):
             preemption.stop_if_requested(accelerator, "the DPO reference pass")  # the pass is redone on resume
             batch = {
                 key: v.to(accelerator.device)
-                for key, v in data.collate_preferences([examples[i] for i in group], pad_id).items()
+                for key, v in data.collate_preferences([examples[i] for i in group], pad_id, bool(max_tokens)).items()
             }
             with accelerator.autocast():
                 lp = pair_logps(model, batch)
             if real:
-                rows = slice(k * batch_size, k * batch_size + len(group))
-                index[rows] = torch.tensor(group)
-                values[rows] = torch.stack([lp.chosen, lp.rejected], dim=1).float().cpu()
+                table[group] = torch.stack([lp.chosen, lp.rejected], dim=1).float().cpu()
+                filled[group] += 1
     model.train()
     if world > 1:
-        index = accelerator.gather(index.to(accelerator.device)).cpu()
-        values = accelerator.gather(values.to(accelerator.device)).cpu()
-    keep = index >= 0
-    table = torch.full((len(examples), 2), float("nan"))
-    table[index[keep]] = values[keep]
-    assert not table.isnan().any(), "reference pass missed examples"
+        table = accelerator.reduce(table.to(accelerator.device), reduction="sum").cpu()
+        filled = accelerator.reduce(filled.to(accelerator.device), reduction="sum").cpu()
+    assert bool((filled == 1).all()), "reference pass missed examples"
     return {
         "chosen_logps": table[:, 0].contiguous(),
         "rejected_logps": table[:, 1].contiguous(),
@@ -243,7 +253,11 @@ def reference_tables(
         return tables  # type: ignore[return-value]
     t0 = time.perf_counter()
     tables = {
-        split: compute_reference(model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id) if ex else {}
+        split: compute_reference(
+            model, ex, accelerator, cfg.per_device_eval_batch_size, pad_id, cfg.max_tokens_per_micro_batch
+        )
+        if ex
+        else {}
         for split, ex in splits.items()
     }
     if accelerator.is_local_main_process:

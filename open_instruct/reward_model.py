@@ -98,8 +98,12 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id).items()}
+        lengths = [data.packed_length(e) for e in evals]
+        mine = data.dealt_micro_batches(
+            evals, cfg.per_device_eval_batch_size, rank, world, lengths, cfg.max_tokens_per_micro_batch
+        )
+        for mb, real in mine:
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id, cfg.packing).items()}
             with accelerator.autocast():
                 chosen, rejected = pair_rewards(model, batch)
             if not real:
@@ -153,7 +157,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     pad_id = tokenizer.pad_token_id
     model = load_sequence_classifier(
-        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision, pad_id
+        cfg.model_name_or_path,
+        DTYPES["no"],
+        cfg.gguf_file,
+        cfg.trust_remote_code,
+        cfg.model_revision,
+        pad_id,
+        attn_implementation=cfg.attn_implementation,
     )
     # HF pools the score at the rightmost token that is not config.pad_token_id: it must be the id we pad with.
     model.config.pad_token_id = pad_id
@@ -175,24 +185,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # This step's pairs: a slice of the global order, by episode position (world-size independent).
         global_idx = stream.take(counters.episode, plan.mini_batch_size)
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
+        # Micro-batches of per_device_train_batch_size pairs, or packed rows of max_tokens_per_micro_batch tokens.
+        groups = data.micro_batches(
+            local,
+            cfg.per_device_train_batch_size,
+            [data.packed_length(e) for e in local],
+            cfg.max_tokens_per_micro_batch,
+        )
         batches = [
-            data.collate_preferences(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)
+            (data.collate_preferences(mb, pad_id, cfg.packing), real)
+            for mb, real in distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
         ]
 
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
-        for i, batch in enumerate(batches):
-            run.throughput.add(
-                int(batch["attention_mask"].sum()), len(batch["input_ids"]) // 2
-            )  # counted on CPU: no device sync
+        for i, (batch, real) in enumerate(batches):
+            if real:  # counted on the CPU batch: no device sync
+                run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch) // 2)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     chosen, rejected = pair_rewards(model, batch)
                 losses, center = pair_losses(chosen, rejected, batch.get("margin"), cfg.center_rewards_coefficient)
-                # Mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence the world factor.
-                accelerator.backward(losses.sum() * (world / plan.mini_batch_size))
-            sums += pair_sums(losses, chosen, rejected, center, batch.get("margin"))
+                # Mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence the world factor. A
+                # dummy micro-batch (packing: this rank has fewer than another) counts 0.
+                accelerator.backward(losses.sum() * (world / plan.mini_batch_size if real else 0.0))
+            if real:
+                sums += pair_sums(losses, chosen, rejected, center, batch.get("margin"))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         totals = distributed.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))

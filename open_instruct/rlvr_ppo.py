@@ -437,7 +437,8 @@ def collect_rollout(
     """Sample `num_samples_per_prompt` completions per prompt, score them, and compute the no-grad per-token
     log-probs of the sampling policy (skipped on-policy) and of the reference, the values and the reward-model
     scores, in micro-batches of per_device_train_batch_size."""
-    from open_instruct.data import collate_episodes
+    from open_instruct.data import collate_episodes, micro_batches
+    from open_instruct.distributed import equal_micro_batch_count
     from open_instruct.generation import GenerationConfig
     from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
 
@@ -462,14 +463,19 @@ def collect_rollout(
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
+    lengths = episode_lengths(episodes, out.response_ids)
     old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
     for i, logprobs in enumerate(out.logprobs):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
     rm_scores = torch.zeros(n)
+    # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
+    # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
+    # rank makes as many forwards (FSDP forwards are collectives).
+    groups = micro_batches(list(range(n)), cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
     with torch.no_grad():
-        for s in range(0, n, cfg.per_device_train_batch_size):
-            rows = slice(s, s + cfg.per_device_train_batch_size)
-            batch = collate_episodes([e["prompt_ids"] for e in episodes[rows]], out.response_ids[rows], pad_id, extra)
+        for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
+            prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
+            batch = collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             r = batch["responses"].shape[1]
             with accelerator.autocast():
@@ -524,6 +530,11 @@ def collect_rollout(
             "inference": time.perf_counter() - t2,
         },
     )
+
+
+def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:
+    """Tokens of each episode (prompt + response): what it takes in a packed row."""
+    return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
 def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
@@ -621,7 +632,7 @@ def micro_batch_loss(
 
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra).items()}
+    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -683,12 +694,19 @@ def update(
     sum(w * loss) / U over its global mini-batch (aggregation_weights). Returns the TRAIN_STATS summed over the
     steps, this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
     from open_instruct.data import micro_batches
-    from open_instruct.distributed import clip_grad_norm_, global_sum, global_sums, grad_sync_all
+    from open_instruct.distributed import (
+        clip_grad_norm_,
+        equal_micro_batch_count,
+        global_sum,
+        global_sums,
+        grad_sync_all,
+    )
 
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
+    lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", "sampler_ratio_max")
     totals = dict.fromkeys(names, 0.0)
     for epoch in range(cfg.num_epochs):
@@ -705,14 +723,20 @@ def update(
                 totals["empty"] += 1
                 continue
             sums = dict.fromkeys(TRAIN_STATS, 0.0)
-            micro_rows = list(micro_batches(mb_rows, cfg.per_device_train_batch_size))
-            for i, rows in enumerate(micro_rows):
+            micro_rows = micro_batches(
+                mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
+            )
+            micro_rows = equal_micro_batch_count(accelerator, micro_rows, cfg.packing)
+            for i, (rows, real) in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
                     loss_sum, stats = micro_batch_loss(
                         cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast
                     )
-                    # sum(w * loss) / U over the global mini-batch; DDP/FSDP average gradients, hence x world.
-                    accelerator.backward(loss_sum * world / global_units)
+                    # sum(w * loss) / U over the global mini-batch; DDP/FSDP average gradients, hence x world. A dummy
+                    # micro-batch (packing: this rank has fewer than another) counts 0.
+                    accelerator.backward(loss_sum * (world / global_units if real else 0.0))
+                if not real:
+                    continue
                 for k in TRAIN_STATS:
                     sums[k] += stats[k]
                 for k in TOKEN_SUMS if epoch == 0 else ():
@@ -962,7 +986,12 @@ def load_models(
 
     def causal_lm() -> Any:
         model = load_causal_lm(
-            cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+            cfg.model_name_or_path,
+            DTYPES["no"],
+            cfg.gguf_file,
+            cfg.trust_remote_code,
+            cfg.model_revision,
+            attn_implementation=cfg.attn_implementation,
         )
         disable_dropout(model)
         return model
@@ -975,6 +1004,7 @@ def load_models(
             cfg.trust_remote_code,
             pad_token_id=tokenizer.pad_token_id,
             require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
+            attn_implementation=cfg.attn_implementation,
         )
         return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
 

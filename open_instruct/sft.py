@@ -17,15 +17,15 @@ from open_instruct.config import SFTConfig
 
 def token_loss_sum(model: Any, batch: dict[str, Any], per_row: bool = False) -> tuple[Any, Any]:
     """Sum of next-token cross-entropy (fp32) over trained (label != -100) tokens, and how many there are; with
-    per_row, both per row of the batch ([B] each: per-source eval sums). Only trained positions reach the output
-    layer (models.scored_logprobs)."""
-    from open_instruct.models import scored_logprobs
+    per_row, both per sequence of the batch ([B] each: per-source eval sums), padded or packed. Only trained
+    positions reach the output layer (models.scored_logprobs)."""
+    from open_instruct.models import owner_sums, scored_logprobs, sequence_sums
 
-    logps, rows = scored_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    counts = (batch["labels"][:, 1:] != -100).sum(1)
-    if per_row:
-        return -logps.new_zeros(len(counts)).index_add_(0, rows, logps), counts
-    return -logps.sum(), counts.sum()
+    logps, owner, n = scored_logprobs(model, batch, batch["labels"])
+    if per_row:  # per sequence: a padded batch's rows, a packed row's sequences
+        trained = (batch["labels"][:, 1:] != -100).long()
+        return -owner_sums(logps, owner, n), sequence_sums(trained, batch)
+    return -logps.sum(), (batch["labels"][:, 1:] != -100).sum()
 
 
 def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
@@ -42,8 +42,12 @@ def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pa
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
-        for mb, real in data.dealt_micro_batches(evals, cfg.per_device_eval_batch_size, rank, world):
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id).items()}
+        lengths = [data.packed_length(e) for e in evals]
+        mine = data.dealt_micro_batches(
+            evals, cfg.per_device_eval_batch_size, rank, world, lengths, cfg.max_tokens_per_micro_batch
+        )
+        for mb, real in mine:
+            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id, cfg.packing).items()}
             with accelerator.autocast():
                 row_losses, row_tokens = token_loss_sum(model, batch, per_row=True)
             if not real:
@@ -81,7 +85,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"data: {stats.summary()}; {len(evals)} held-out examples")
 
     model = load_causal_lm(
-        cfg.model_name_or_path, DTYPES["no"], cfg.gguf_file, cfg.trust_remote_code, cfg.model_revision
+        cfg.model_name_or_path,
+        DTYPES["no"],
+        cfg.gguf_file,
+        cfg.trust_remote_code,
+        cfg.model_revision,
+        attn_implementation=cfg.attn_implementation,
     )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
@@ -102,21 +111,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # This step's examples: a slice of the global order, by episode position (world-size independent).
         global_idx = stream.take(counters.episode, plan.mini_batch_size)
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
-        batches = [data.collate_sft(mb, pad_id) for mb in data.micro_batches(local, cfg.per_device_train_batch_size)]
-        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        # Micro-batches of per_device_train_batch_size rows, or packed rows of max_tokens_per_micro_batch tokens.
+        groups = data.micro_batches(
+            local,
+            cfg.per_device_train_batch_size,
+            [data.packed_length(e) for e in local],
+            cfg.max_tokens_per_micro_batch,
+        )
+        batches = [
+            (data.collate_sft(mb, pad_id, cfg.packing), real)
+            for mb, real in distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
+        ]
+        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b, real in batches if real)
         global_tokens = distributed.global_sum(accelerator, local_tokens)
 
         loss_sum_local = 0.0
-        for i, batch in enumerate(batches):
+        for i, (batch, real) in enumerate(batches):
+            if real:  # counted on the CPU batch: no device sync
+                run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
                     loss_sum, _ = token_loss_sum(model, batch)
-                # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean.
-                accelerator.backward(loss_sum * world / global_tokens)
-            loss_sum_local += loss_sum.item()
-            run.throughput.add(int(batch["attention_mask"].sum()), len(batch["input_ids"]))
+                # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean; a
+                # dummy micro-batch (packing: this rank has fewer than another) counts 0.
+                accelerator.backward(loss_sum * (world / global_tokens if real else 0.0))
+            loss_sum_local += loss_sum.item() if real else 0.0
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         loss = distributed.global_sum(accelerator, loss_sum_local) / global_tokens

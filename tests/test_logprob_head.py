@@ -45,7 +45,7 @@ def test_model_scored_logprobs_equal_full_forward(tiny_models):
     loss_mask = torch.zeros_like(ids)
     loss_mask[0, 5:] = loss_mask[1, 12:] = loss_mask[2, 8:15] = 1
 
-    sums, counts = sequence_logprobs(model, ids, attention, loss_mask)
+    sums, counts = sequence_logprobs(model, {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask})
     sums.sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
