@@ -678,10 +678,10 @@ def run(a: argparse.Namespace, p: Preset) -> dict:
         device = f"{name} (peak bf16 {a.gpu_peak / 1e12:.0f} TFLOP/s)" if a.gpu_peak else f"{name} (peak unknown)"
     n_examples = p.steps * p.batch_size
     print(
-        f"{a.preset}: Llama hidden {p.hidden}, {p.layers} layers, vocab {p.vocab}: N = {n_params['causal_lm'] / 1e6:.1f}M "
-        f"(without the input embedding); {device}; precision {a.precision}; {p.steps} steps of {p.batch_size} "
-        f"(timed after {p.warmup}); lengths 32..{p.max_length} (log-normal, median {p.median_length}); "
-        f"load average {os.getloadavg()[0]:.2f}",
+        f"{a.preset}: Llama hidden {p.hidden}, {p.layers} layers, vocab {p.vocab}: "
+        f"N = {n_params['causal_lm'] / 1e6:.1f}M (without the input embedding); {device}; precision {a.precision}; "
+        f"{p.steps} steps of {p.batch_size} (timed after {p.warmup}); lengths 32..{p.max_length} (log-normal, "
+        f"median {p.median_length}); load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     if "ours_packed" not in variants and "ours_packed" in a.variants:
@@ -722,8 +722,8 @@ def line(r: dict, workload: str) -> str:
     mfu_ = f"MFU {100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "MFU n/a"
     ref = f", reference pass {r['reference_pass_s']:.1f}s" if r.get("reference_pass_s") else ""
     return (
-        f"{r['tokens_per_second']:9.0f} tokens/s, {r['episodes_per_second']:7.2f} {unit}, CPU {r['cpu_s_per_step']:6.2f} "
-        f"s/step, {mfu_}, peak memory {r['peak_memory_mb']:6.0f} MB{ref}"
+        f"{r['tokens_per_second']:9.0f} tokens/s, {r['episodes_per_second']:7.2f} {unit}, "
+        f"CPU {r['cpu_s_per_step']:6.2f} s/step, {mfu_}, peak memory {r['peak_memory_mb']:6.0f} MB{ref}"
     )
 
 
