@@ -6,6 +6,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from open_instruct import attention
 from open_instruct.data import is_packed
 from open_instruct.errors import ConfigError
 
@@ -44,6 +45,8 @@ def _pretrained_kwargs(
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
     if attn_implementation:
+        if attn_implementation == attention.NAME:
+            attention.register()
         kwargs["attn_implementation"] = attn_implementation
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

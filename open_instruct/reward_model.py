@@ -163,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.trust_remote_code,
         cfg.model_revision,
         pad_id,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attention_kernel,
     )
     # HF pools the score at the rightmost token that is not config.pad_token_id: it must be the id we pad with.
     model.config.pad_token_id = pad_id

@@ -90,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.gguf_file,
         cfg.trust_remote_code,
         cfg.model_revision,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attention_kernel,
     )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
