@@ -83,7 +83,7 @@ class Preset:
 
 PRESETS = {
     # 25.2M parameters (18.9M without the input embedding); a 16k vocabulary keeps the output layer ~1/3 of the FLOPs.
-    "cpu": Preset(384, 8, 6, 2, 1024, 16384, 8, 10, 2, 4096, ("sft", "rm", "dpo"), "no", 2),
+    "cpu": Preset(384, 8, 6, 2, 1024, 16384, 8, 10, 2, 4096, ("sft", "rm", "dpo"), "no", 1),
     # 0.64B parameters (0.59B without the input embedding), Llama-shaped (GQA 12/4 heads of 128).
     "gpu": Preset(1536, 22, 12, 4, 4096, 32000, 16, 12, 2, 16384, ("sft", "rm", "dpo", "grpo"), "bf16", 0),
     # Every code path in a couple of minutes on CPU (the GPU preset's workloads on a tiny model).

@@ -50,7 +50,7 @@ def varlen_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [1, H, T, D], key/value [1, H_kv, T, D] -> ([1, T, H, D],
     None). One causal sdpa per sequence of a packed row; everything else is transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
     packed_row = (
@@ -70,16 +70,25 @@ def varlen_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # Split along the sequence axis of the [1, T, H, D] layout the projections produced: every piece is a view, and
+    # the backward of a split is one concatenation (slicing would zero-fill a full-size gradient per sequence).
+    sizes = [e - s for s, e in bounds]
+    pieces = [t.transpose(1, 2).split(sizes, dim=1) for t in (query, key, value)]
     dropout = dropout if module.training else 0.0
+    gqa = query.shape[1] != key.shape[1]
     out = [
         torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling
-        )
-        for s, e in bounds
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        ).transpose(1, 2)
+        for q, k, v in zip(*pieces)
     ]
-    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(out, dim=1), None
 
 
 def varlen_mask(*args: Any, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:

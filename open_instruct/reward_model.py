@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
     model = apply_lora(model, cfg, "SEQ_CLS")  # use_lora: adapters + the score head are trained
-    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
+    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     run = runtime.RunContext.for_model(cfg, accelerator, model, optimizer, scheduler, tokenizer, plan.optimizer_steps)
