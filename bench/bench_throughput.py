@@ -236,10 +236,20 @@ def gpu_peak() -> tuple[str, Optional[float]]:
     from open_instruct.plan import GPU_SPECS
 
     name = torch.cuda.get_device_name(0)
-    for key, spec in GPU_SPECS.items():
-        if key != "cpu" and key.replace("-", " ").lower() in name.replace("-", " ").lower():
-            return name, spec.peak_flops
-    return name, None
+    known = [k for k in GPU_SPECS if k != "cpu" and k.replace("-", " ").lower() in name.replace("-", " ").lower()]
+    if not known:
+        return name, None
+    return name, GPU_SPECS[max(known, key=len)].peak_flops  # the most specific name (A100-40GB over A100)
+
+
+def flash_attention() -> Optional[str]:
+    """flash_attention_2 on a GPU with flash-attn installed (varlen kernel for packed rows, TRL's padding_free
+    needs it too), else None (sdpa; ours packs with sdpa_varlen)."""
+    import importlib.util
+
+    import torch
+
+    return "flash_attention_2" if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") else None
 
 
 def mfu(flops_n: int, tokens_per_second: float, peak: Optional[float]) -> Optional[float]:
@@ -287,6 +297,8 @@ def ours_args(a: argparse.Namespace, p: Preset) -> list[str]:
         args += ["--per_device_train_batch_size", str(p.batch_size), "--total_episodes", str(p.steps * p.batch_size)]
     if a.variant == "ours_packed":
         args += [f"--{PACKING_KNOB}", str(p.max_tokens)]
+    if flash_attention():
+        args += ["--attn_implementation", flash_attention()]
     if a.workload == "dpo":
         args += ["--loss_type", "dpo", "--beta", str(BETA), "--reference_cache_dir", os.path.join(out, "cache")]
     return args
@@ -448,6 +460,7 @@ def run_trl(a: argparse.Namespace, p: Preset) -> dict:
     tokenizer = load_tokenizer(a.models["causal_lm"])
     rows = in_our_order([json.loads(line) for line in open(a.data)], a.order) if a.workload != "grpo" else None
     dtype = torch.float32  # master weights fp32; bf16=True autocasts, as ours
+    load = {"dtype": dtype, "attn_implementation": flash_attention()}
     if a.workload == "sft":
         from transformers import AutoModelForCausalLM
         from trl import SFTConfig, SFTTrainer
@@ -456,7 +469,7 @@ def run_trl(a: argparse.Namespace, p: Preset) -> dict:
             [{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in rows]
         )
         config = SFTConfig(**trl_common(a, p), max_length=None, padding_free=True)
-        model = AutoModelForCausalLM.from_pretrained(a.models["causal_lm"], dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(a.models["causal_lm"], **load)
         trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
         check_sft_tokens(trainer, rows, tokenizer)
     elif a.workload == "rm":
@@ -465,7 +478,7 @@ def run_trl(a: argparse.Namespace, p: Preset) -> dict:
 
         train = datasets.Dataset.from_list([{"chosen": r["chosen"], "rejected": r["rejected"]} for r in rows])
         config = RewardConfig(**trl_common(a, p), max_length=None, center_rewards_coefficient=None)
-        model = AutoModelForSequenceClassification.from_pretrained(a.models["seq_cls"], num_labels=1, dtype=dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(a.models["seq_cls"], num_labels=1, **load)
         model.config.pad_token_id = tokenizer.pad_token_id
         trainer = RewardTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     elif a.workload == "dpo":
@@ -491,7 +504,7 @@ def run_trl(a: argparse.Namespace, p: Preset) -> dict:
             precompute_ref_batch_size=p.batch_size,
             disable_dropout=True,
         )
-        model = AutoModelForCausalLM.from_pretrained(a.models["causal_lm"], dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(a.models["causal_lm"], **load)
         trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     else:
         run_trl_grpo(a, p, callback)
@@ -536,7 +549,9 @@ def run_trl_grpo(a: argparse.Namespace, p: Preset, callback: Any) -> None:
         loss_type="dapo",
         disable_dropout=True,
     )
-    model = AutoModelForCausalLM.from_pretrained(a.models["causal_lm"], dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(
+        a.models["causal_lm"], dtype="float32", attn_implementation=flash_attention()
+    )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
