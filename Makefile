@@ -8,8 +8,9 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo \
-        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm bench-async
+.PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo bench-throughput \
+        bench-throughput-bf16 bench-gpu bench-tiny bench-async \
+        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -78,6 +79,15 @@ bench-dpo: install
 	$(PY) bench/bench_dpo.py
 bench-grpo: install
 	$(PY) bench/bench_grpo.py
+# Throughput on long-tailed lengths (32..1024), SFT/RM/DPO(/GRPO), ours padded and packed vs TRL, MFU (bench_throughput.py).
+bench-throughput: install
+	$(PY) bench/bench_throughput.py --preset cpu $(ARGS)
+bench-throughput-bf16: install
+	$(PY) bench/bench_throughput.py --preset cpu --precision bf16 $(ARGS)
+bench-gpu: install
+	$(PY) bench/bench_throughput.py --preset gpu $(ARGS)
+bench-tiny: install
+	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
 
 # Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:

@@ -58,10 +58,11 @@ class BaseConfig:
     trust_remote_code: bool = opt(False, "Allow model code from the hub to run (off: only transformers' own code).")
     chat_template: Optional[str] = opt(None, "Jinja chat template to use if the tokenizer has none.")
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "Compute precision (master weights stay fp32).")
-    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2"]] = opt(
+    attn_implementation: Optional[Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2"]] = opt(
         None,
-        "Attention kernel of every model loaded (transformers' attn_implementation); unset: transformers' default "
-        "(sdpa). flash_attention_2 (GPU, flash-attn installed) runs packed rows with its varlen kernel.",
+        "Attention kernel of every model loaded (transformers' attn_implementation); unset: sdpa_varlen with packing "
+        "(sdpa one packed sequence at a time, open_instruct/attention.py), else transformers' default (sdpa). "
+        "flash_attention_2 (GPU, flash-attn installed) runs packed rows with its varlen kernel.",
     )
     activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
@@ -167,6 +168,12 @@ class BaseConfig:
     def packing(self) -> bool:
         """Padding-free micro-batches (max_tokens_per_micro_batch set and > 0)."""
         return bool(self.max_tokens_per_micro_batch)
+
+    @property
+    def attention_kernel(self) -> Optional[str]:
+        """The attn_implementation models load with: the recipe's; unset, sdpa_varlen when packing (no [T, T] mask
+        over a packed row: attention within each sequence), else transformers' default."""
+        return self.attn_implementation or ("sdpa_varlen" if self.packing else None)
 
     def longest_packed_item(self) -> tuple[int, str]:
         """The most tokens one item a micro-batch cannot split can have, and how that number comes about."""

@@ -5,7 +5,8 @@ sharded like trained ones, full weights for generation, and a shard report the t
 How a run gets FSDP: `accelerate launch --config_file configs/accelerate/fsdp_8gpu.yaml ...` exports the config as
 `ACCELERATE_USE_FSDP=true`, `FSDP_VERSION=2`, `FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP`, ... and
 `build_accelerator` reads them into accelerate's FullyShardedDataParallelPlugin, then applies the recipe's knobs:
-- `mixed_precision: bf16` -> bf16 compute with fp32 master weights and fp32 gradient reduction;
+- `mixed_precision: bf16` -> bf16 compute with fp32 master weights and fp32 gradient reduction (without FSDP,
+  accelerate's autocast does it: weights stay fp32 and are cast per matmul, on CPU as on GPU);
 - `fsdp_cpu_offload: true` -> parameters, gradients and optimizer state live in host memory;
 - `activation_checkpointing: true` -> the scripts enable Hugging Face's (non-reentrant) checkpointing, so the
   plugin's own is switched off to avoid recomputing every layer twice.
@@ -110,6 +111,7 @@ def build_accelerator(cfg: Any) -> Any:
     else:
         accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
     check_launch(accelerator)
+    check_precision(cfg, accelerator)
     return accelerator
 
 
@@ -148,6 +150,16 @@ def check_launch(accelerator: Any) -> None:
         raise ConfigError(
             f"the accelerate config asks for FSDP but accelerate chose {accelerator.distributed_type} (unsharded "
             f"replicas on every rank); on a CPU-only machine set {CPU_FSDP_ENV}=1, or drop --cpu"
+        )
+
+
+def check_precision(cfg: Any, accelerator: Any) -> None:
+    """`mixed_precision` must really change the compute: accelerate 1.15 autocasts bf16 on CPU and GPU (with fp32
+    master weights: the scripts load fp32 and the optimizer steps fp32), but turns fp16 off on CPU without a word."""
+    if cfg.mixed_precision != "no" and not accelerator.native_amp:
+        raise ConfigError(
+            f"mixed_precision {cfg.mixed_precision} does not autocast on {accelerator.device.type} here (accelerate "
+            "would silently train in fp32): use bf16, or no"
         )
 
 

@@ -234,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.gguf_file,
         cfg.trust_remote_code,
         cfg.model_revision,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attention_kernel,
     )
     disable_dropout(model)
     use_reference = cfg.loss_type not in REFERENCE_FREE

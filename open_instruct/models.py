@@ -6,6 +6,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from open_instruct import attention
 from open_instruct.data import is_packed
 from open_instruct.errors import ConfigError
 
@@ -44,6 +45,8 @@ def _pretrained_kwargs(
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code, "revision": revision}
     if attn_implementation:
+        if attn_implementation == attention.NAME:
+            attention.register()
         kwargs["attn_implementation"] = attn_implementation
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -72,6 +75,7 @@ def load_causal_lm(
     revision: Optional[str] = None,
     attn_implementation: Optional[str] = None,
 ) -> Any:
+    """A causal LM whose forward also takes `logprob_labels` (add_logprob_head)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -79,7 +83,130 @@ def load_causal_lm(
     )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForCausalLM)
+    return add_logprob_head(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Log-probs of chosen tokens straight from the last hidden states: only the scored positions go through the output
+# layer, a chunk of tokens at a time, and no [tokens, vocab] logits are kept for the backward (it recomputes them).
+# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding); at a 128k vocabulary
+# the logits of 4k tokens are 2 GB in fp32.
+
+LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once (128 MB at a 16k vocabulary)
+# Output-layer transforms of some architectures (Gemma 2 soft-capping, Cohere/Granite scaling): models that set one
+# keep the plain path (full logits from their own forward).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(label) per row of `hidden` [K, d] under the output layer (weight [V, d], bias), float32 [K].
+
+    The matmuls run in `dtype` (bf16 under autocast: the product accumulates in fp32 inside the GEMM), the
+    log-softmax in fp32. The forward keeps no logits; the backward recomputes a chunk's logits and forms
+    d logp / d z = onehot(label) - softmax(z) for it: one more output-layer matmul, [chunk, V] memory."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        chunk: int,
+    ) -> torch.Tensor:  # noqa: E501
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        out = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, len(hidden), chunk):
+            logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w, b).float()
+            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+            out[s : s + chunk] = logits.gather(1, labels[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.dtype, ctx.chunk = dtype, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        hidden, weight, bias, labels = ctx.saved_tensors
+        w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        for s in range(0, len(hidden), ctx.chunk):
+            h, g_out = hidden[s : s + ctx.chunk].to(ctx.dtype), grad_out[s : s + ctx.chunk, None].float()
+            # -g * softmax, + g at the label (softmax: one fused pass, faster than exp(logits - lse))
+            g = torch.softmax(torch.nn.functional.linear(h, w, b).float(), dim=-1).mul_(-g_out)
+            g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)
+            g = g.to(ctx.dtype)
+            grad_hidden[s : s + ctx.chunk] = g @ w
+            grad_weight += (g.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += g.float().sum(0)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int = LOGPROB_CHUNK_TOKENS
+) -> torch.Tensor:
+    """log p(labels) [K] (float32) of hidden states [K, d] under the output layer `head`, chunk by chunk."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    weight, bias = head.weight, head.bias
+    if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on the output layer ...): its own forward
+        return token_logprobs(head(hidden)[None], labels[None])[0]
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, dtype, chunk)
+
+
+def _forward_with_logprobs(self: Any, *args: Any, logprob_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+    """The model's own forward, or with `logprob_labels` ([B, T] token ids, -100 where nothing is scored, aligned
+    with input_ids): log p(logprob_labels[b, t] | tokens < t) at every scored position, float32 [K] in row-major
+    order. Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any forward."""
+    if logprob_labels is None:
+        return type(self).forward(self, *args, **kwargs)
+    labels = logprob_labels[:, 1:]
+    scored = labels != -100
+    kwargs["use_cache"] = False  # left as None, transformers fills a KV cache in training too
+    if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
+        logits = type(self).forward(self, *args, **kwargs).logits[:, :-1]
+        return token_logprobs(logits, labels)[scored]
+    hidden = getattr(self, self.base_model_prefix)(*args, **kwargs).last_hidden_state[:, :-1]
+    return chunked_token_logprobs(hidden[scored], self.get_output_embeddings(), labels[scored])
+
+
+def add_logprob_head(model: Any) -> Any:
+    """Give a causal LM the `logprob_labels` forward (see _forward_with_logprobs); its plain forward is unchanged
+    (generation, export). Set on the instance, so checkpoints and parameter names are untouched; LoRA (peft) and
+    DDP/FSDP/accelerate wrap it afterwards and pass the keyword through."""
+    import functools
+    import types
+
+    forward = functools.wraps(type(model).forward)(_forward_with_logprobs)  # generate() reads the signature
+    model.forward = types.MethodType(forward, model)
     return model
+
+
+def _fp32_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Linear.forward in float32 whatever autocast says (the instance's `forward`, see fp32_head)."""
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(head: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """Make a scalar head (reward model, value model: hidden -> 1) compute in float32 under bf16 autocast.
+
+    A score is one dot product over the hidden size: in bf16 it keeps 8 significant bits, so a reward near 10 is
+    only known to +-0.03 (PPO's value targets and a reward model's margins live at that scale). In fp32 it costs
+    nothing (hidden x 1). The instance's `forward` is replaced, so parameter names and checkpoints are unchanged;
+    copies (peft's modules_to_save) rebind it to themselves. Under FSDP2 mixed precision the weight arrives in bf16
+    and is upcast here: the product and its sum are still fp32."""
+    import types
+
+    if isinstance(head, torch.nn.Linear):
+        head.forward = types.MethodType(_fp32_linear_forward, head)
+    return head
 
 
 def load_sequence_classifier(
@@ -113,6 +240,7 @@ def load_sequence_classifier(
         )
     if gguf_file:
         model = _drop_gguf(model, AutoModelForSequenceClassification)
+    fp32_head(getattr(model, "score", None))  # scores in fp32 under bf16 autocast
     if pad_token_id is not None and model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -154,23 +282,39 @@ def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch
     A 0/1 [sequences, T-1] matrix product: deterministic (no atomic adds) and needs no host sync."""
     if not is_packed(batch):
         return values.sum(-1)
-    owner = batch["sequence_ids"][0, 1:]
-    members = owner.unsqueeze(0) == torch.arange(len(batch["sequence_lengths"]), device=owner.device).unsqueeze(1)
-    return members.to(values.dtype) @ values.reshape(-1)
+    return owner_sums(values.reshape(-1), batch["sequence_ids"][0, 1:], len(batch["sequence_lengths"]))
 
 
-def sequence_logprobs(
-    model: Any, batch: dict[str, torch.Tensor], temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence sums of log p(token) over the tokens batch["loss_mask"] marks (responses only), padded or packed.
+def owner_sums(values: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] sums of values [K] by owner [K] (in 0..n-1), as a 0/1 matrix product (deterministic, unlike index_add
+    on GPUs)."""
+    members = owner.unsqueeze(0) == torch.arange(n, device=owner.device).unsqueeze(1)
+    return members.to(values.dtype) @ values
 
-    Returns (summed logps, token counts, per-token logps aligned to input_ids[:, 1:], 0 where not scored)."""
-    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
-    # (and a packed row would then not be masked per sequence, see forward_inputs)
-    logits = model(**forward_inputs(batch), use_cache=False).logits[:, :-1]
-    per_token = token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
-    mask = batch["loss_mask"][:, 1:].to(per_token.dtype)
-    return sequence_sums(per_token * mask, batch), sequence_sums(mask, batch), per_token * mask
+
+def scored_logprobs(
+    model: Any, batch: dict[str, torch.Tensor], labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One forward (padded or packed batch) in which only the positions with a label (`labels` aligned with
+    input_ids, -100 where nothing is scored) reach the output layer: their log-probs [K] (float32, row-major
+    order), the sequence each belongs to [K] (a padded batch's row, a packed row's sequence) and how many sequences
+    the batch holds."""
+    from open_instruct.data import batch_sequences
+
+    logps = model(**forward_inputs(batch), logprob_labels=labels, use_cache=False)
+    scored = labels[:, 1:] != -100
+    if not isinstance(logps, torch.Tensor):  # a model without add_logprob_head ignored the keyword: full logits
+        logps = token_logprobs(logps.logits[:, :-1], labels[:, 1:])[scored]
+    owner = batch["sequence_ids"][:, 1:][scored] if is_packed(batch) else scored.nonzero()[:, 0]
+    return logps, owner, batch_sequences(batch)
+
+
+def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of log p(token) over the tokens batch["loss_mask"] marks (responses only), padded or packed,
+    and their counts. Only those tokens' positions go through the output layer (scored_logprobs)."""
+    loss_mask = batch["loss_mask"]
+    logps, owner, n = scored_logprobs(model, batch, batch["input_ids"].masked_fill(loss_mask == 0, -100))
+    return owner_sums(logps, owner, n), sequence_sums(loss_mask[:, 1:].float(), batch)
 
 
 class PairLogps(NamedTuple):
@@ -188,7 +332,7 @@ class PairLogps(NamedTuple):
 def pair_logps(model: Any, batch: dict[str, torch.Tensor]) -> PairLogps:
     """One forward over [chosen sequences; rejected sequences] (data.collate_preferences, padded or packed), split
     back into the two halves."""
-    sums, counts, _ = sequence_logprobs(model, batch)
+    sums, counts = sequence_logprobs(model, batch)
     n = len(sums) // 2
     return PairLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 
@@ -244,12 +388,12 @@ def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
 
 
 def make_optimizer_and_scheduler(
-    model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = False
+    model: torch.nn.Module, cfg: Any, num_optimizer_steps: int, fused: bool = True
 ) -> tuple[Any, Any]:
     """AdamW (no weight decay on biases and norms) and the recipe's schedule over num_optimizer_steps.
 
-    fused=True runs one AdamW kernel over all parameters (CPU and CUDA, DTensor too) instead of a Python loop of
-    small ops per parameter: ~2.5x cheaper steps for small models on CPU, and no per-op thread wake-ups."""
+    fused (every script) runs one AdamW kernel over all parameters (CPU and CUDA, DTensor too) instead of a Python
+    loop of small ops per parameter: ~2.5x cheaper steps for small models on CPU, and no per-op thread wake-ups."""
     from transformers import get_scheduler
 
     decay, no_decay = [], []

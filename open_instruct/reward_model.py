@@ -163,14 +163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.trust_remote_code,
         cfg.model_revision,
         pad_id,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attention_kernel,
     )
     # HF pools the score at the rightmost token that is not config.pad_token_id: it must be the id we pad with.
     model.config.pad_token_id = pad_id
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
     model = apply_lora(model, cfg, "SEQ_CLS")  # use_lora: adapters + the score head are trained
-    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps, fused=True)
+    optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     run = runtime.RunContext.for_model(cfg, accelerator, model, optimizer, scheduler, tokenizer, plan.optimizer_steps)

@@ -1079,7 +1079,7 @@ def load_models(
             cfg.gguf_file,
             cfg.trust_remote_code,
             cfg.model_revision,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=cfg.attention_kernel,
         )
         disable_dropout(model)
         return model
@@ -1092,7 +1092,7 @@ def load_models(
             cfg.trust_remote_code,
             pad_token_id=tokenizer.pad_token_id,
             require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=cfg.attention_kernel,
         )
         return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
 

@@ -16,21 +16,16 @@ from open_instruct.config import SFTConfig
 
 
 def token_loss_sum(model: Any, batch: dict[str, Any], per_row: bool = False) -> tuple[Any, Any]:
-    """Sum of next-token cross-entropy over trained (label != -100) tokens, and how many there are; with per_row,
-    both per row of the batch ([B] each: per-source eval sums)."""
-    import torch.nn.functional as F
+    """Sum of next-token cross-entropy (fp32) over trained (label != -100) tokens, and how many there are; with
+    per_row, both per sequence of the batch ([B] each: per-source eval sums), padded or packed. Only trained
+    positions reach the output layer (models.scored_logprobs)."""
+    from open_instruct.models import owner_sums, scored_logprobs, sequence_sums
 
-    from open_instruct.models import forward_inputs, sequence_sums
-
-    # use_cache=False: left as None, transformers takes config.use_cache (True) and fills a KV cache in training too
-    # (and would not keep the sequences of a packed row apart, see models.forward_inputs)
-    logits = model(**forward_inputs(batch), use_cache=False).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    logps, owner, n = scored_logprobs(model, batch, batch["labels"])
     if per_row:  # per sequence: a padded batch's rows, a packed row's sequences
-        losses = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
-        return sequence_sums(losses.view(labels.shape), batch), sequence_sums((labels != -100).long(), batch)
-    return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum"), (labels != -100).sum()
+        trained = (batch["labels"][:, 1:] != -100).long()
+        return -owner_sums(logps, owner, n), sequence_sums(trained, batch)
+    return -logps.sum(), (batch["labels"][:, 1:] != -100).sum()
 
 
 def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
@@ -95,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.gguf_file,
         cfg.trust_remote_code,
         cfg.model_revision,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=cfg.attention_kernel,
     )
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()

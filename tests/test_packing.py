@@ -479,7 +479,9 @@ def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
         ("eval/loss", "eval/logps/chosen"),
     )
     print(f"DPO, 6 steps: train relative differences {train}, eval {evals}")
-    assert len(train) == 6 and train[0] < 1e-5 and max(train) < 1e-4 and max(evals) < 1e-4
+    # Step 1: policy == reference, so the margin is the difference of log-prob sums near -90 that were added up in
+    # another order (one fp32 ulp there is 8e-6): 5e-7 from 0 is noise, hence 1e-4 (of the 1e-2 floor) at step 1 too.
+    assert len(train) == 6 and max(train) < 1e-4 and max(evals) < 1e-4
 
 
 RL_VARIANTS = {

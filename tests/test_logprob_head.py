@@ -1,0 +1,59 @@
+"""The output-layer log-prob head (models.add_logprob_head / chunked_token_logprobs): scoring only the labelled
+positions, a chunk of tokens at a time with the logits recomputed in the backward, gives the same log-probs and the
+same gradients as full logits + log-softmax."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from open_instruct.models import _ChunkedTokenLogprobs, load_causal_lm, sequence_logprobs, token_logprobs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_logprobs_and_gradients_match_full_logits(bias):
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(16, 50, bias=bias).double()
+    labels = torch.randint(0, 50, (37,))
+    grad_out = torch.randn(37, dtype=torch.float64)
+
+    full = F.log_softmax(head(hidden), -1).gather(1, labels[:, None]).squeeze(1)
+    full.backward(grad_out)
+    expected = [hidden.grad.clone(), head.weight.grad.clone(), *([head.bias.grad.clone()] if bias else [])]
+    hidden.grad = head.weight.grad = None
+    if bias:
+        head.bias.grad = None
+
+    # chunks of 8 rows: 5 chunks, the last one short
+    chunked = _ChunkedTokenLogprobs.apply(hidden, head.weight, head.bias, labels, torch.float64, 8)
+    assert chunked.dtype == torch.float32  # log-probs always come back in fp32
+    assert torch.allclose(chunked.double(), full.detach(), atol=1e-6)
+    chunked.backward(grad_out.float())
+    got = [hidden.grad, head.weight.grad, *([head.bias.grad] if bias else [])]
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5), (g - e).abs().max()
+
+
+def test_model_scored_logprobs_equal_full_forward(tiny_models):
+    """sequence_logprobs through the patched forward (responses only reach the output layer) equals the sums of
+    token_logprobs over full logits, values and weight gradients."""
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_models["causal_lm"])
+    ids = torch.randint(5, 90, (3, 20))
+    attention = torch.ones_like(ids)
+    attention[2, 15:] = 0
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 5:] = loss_mask[1, 12:] = loss_mask[2, 8:15] = 1
+
+    sums, counts = sequence_logprobs(model, {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask})
+    sums.sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    per_token = token_logprobs(logits, ids[:, 1:]) * loss_mask[:, 1:]
+    per_token.sum().backward()
+    assert torch.allclose(sums, per_token.sum(-1), atol=1e-5)
+    assert counts.tolist() == [15, 8, 7]
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-6), n
