@@ -207,9 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct.batch_math import should_log
     from open_instruct.lora import adapter_disabled, apply_lora
     from open_instruct.models import (
-        DTYPES,
         disable_dropout,
-        load_causal_lm,
+        load_policy,
         load_tokenizer,
         make_optimizer_and_scheduler,
         pair_logps,
@@ -228,14 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process:
         print(f"data: {stats.summary()}; {len(evals)} held-out pairs; world_size {world}", flush=True)
 
-    model = load_causal_lm(
-        cfg.model_name_or_path,
-        DTYPES["no"],
-        cfg.gguf_file,
-        cfg.trust_remote_code,
-        cfg.model_revision,
-        attn_implementation=cfg.attention_kernel,
-    )
+    model = load_policy(cfg)
     disable_dropout(model)
     use_reference = cfg.loss_type not in REFERENCE_FREE
     identity = reference_cache.shared_identity(cfg, model, train, evals, accelerator) if use_reference else None

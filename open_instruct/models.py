@@ -86,6 +86,19 @@ def load_causal_lm(
     return add_logprob_head(model)
 
 
+def load_policy(cfg: Any) -> Any:
+    """The causal LM a script's config names (model_name_or_path, gguf_file, revision, attention kernel), in fp32:
+    the master weights every trainer starts from (mixed precision is autocast, never the stored dtype)."""
+    return load_causal_lm(
+        cfg.model_name_or_path,
+        DTYPES["no"],
+        cfg.gguf_file,
+        cfg.trust_remote_code,
+        cfg.model_revision,
+        attn_implementation=cfg.attention_kernel,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Log-probs of chosen tokens straight from the last hidden states: only the scored positions go through the output
 # layer, a chunk of tokens at a time, and no [tokens, vocab] logits are kept for the backward (it recomputes them).

@@ -1067,20 +1067,13 @@ def load_models(
         DTYPES,
         TokenValueModel,
         disable_dropout,
-        load_causal_lm,
+        load_policy,
         load_sequence_classifier,
         make_optimizer_and_scheduler,
     )
 
     def causal_lm() -> Any:
-        model = load_causal_lm(
-            cfg.model_name_or_path,
-            DTYPES["no"],
-            cfg.gguf_file,
-            cfg.trust_remote_code,
-            cfg.model_revision,
-            attn_implementation=cfg.attention_kernel,
-        )
+        model = load_policy(cfg)
         disable_dropout(model)
         return model
 

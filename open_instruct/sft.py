@@ -72,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct import data
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora
-    from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -84,14 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if accelerator.is_main_process:
         print(f"data: {stats.summary()}; {len(evals)} held-out examples")
 
-    model = load_causal_lm(
-        cfg.model_name_or_path,
-        DTYPES["no"],
-        cfg.gguf_file,
-        cfg.trust_remote_code,
-        cfg.model_revision,
-        attn_implementation=cfg.attention_kernel,
-    )
+    model = load_policy(cfg)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable()
     model = apply_lora(model, cfg, "CAUSAL_LM")  # use_lora: adapters only are trained (else the model as is)
