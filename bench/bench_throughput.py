@@ -110,7 +110,7 @@ def lengths(n: int, rng: random.Random, median: int, low: int = 32, high: int = 
 def text(rng: random.Random, n: int) -> str:
     """n characters of word-like text (one token per character with the character-level tokenizer)."""
     words = []
-    while sum(len(w) + 1 for w in words) < n:
+    while sum(len(w) + 1 for w in words) <= n:  # joined length = that sum - 1 >= n
         words.append("".join(rng.choice("etaoinshrdlucmfwypvbgk") for _ in range(rng.randint(1, 9))))
     return " ".join(words)[:n]
 
@@ -293,7 +293,8 @@ def ours_args(a: argparse.Namespace, p: Preset) -> list[str]:
     args += ["--learning_rate", str(LEARNING_RATE), "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0"]
     args += ["--save_final_model", "false", "--logging_steps", str(1 if a.workload == "grpo" else p.steps)]
     if a.workload != "grpo":
-        args += ["--dataset_name_or_path", a.data, "--max_seq_length", "2048", "--gradient_accumulation_steps", "1"]
+        args += ["--dataset_name_or_path", a.data, "--max_seq_length", str(p.max_length)]
+        args += ["--gradient_accumulation_steps", "1"]
         args += ["--per_device_train_batch_size", str(p.batch_size), "--total_episodes", str(p.steps * p.batch_size)]
     if a.variant == "ours_packed":
         args += [f"--{PACKING_KNOB}", str(p.max_tokens)]

@@ -122,6 +122,7 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         main(argv)
+        close_process_group()
     except (ConfigError, DataError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
@@ -132,6 +133,17 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
         print(str(e), file=sys.stderr)
     finally:
         run_dir.release_all()  # the output folder's lock (also released at exit; a killed run's lock is stale)
+
+
+def close_process_group() -> None:
+    """Tear the process group down while the interpreter is whole: left to interpreter exit, gloo's threads were
+    seen to abort a finished 2-process run under load ("terminate called without an active exception")."""
+    if "torch" not in sys.modules:  # a dry run never imported torch
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_accelerator(cfg: BaseConfig) -> Any:

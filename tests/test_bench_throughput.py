@@ -7,6 +7,7 @@ import importlib.util
 import os
 import random
 import statistics
+import sys
 
 import pytest
 
@@ -19,8 +20,10 @@ def bench():
         "bench_throughput", os.path.join(REPO, "bench", "bench_throughput.py")
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
-    return module
+    yield module
+    sys.modules.pop(spec.name, None)
 
 
 def test_lengths_are_long_tailed_within_32_to_1024(bench):
