@@ -362,6 +362,16 @@ def equal_micro_batch_count(accelerator: Any, groups: list[Any], packed: bool) -
     return [(g, True) for g in groups] + [(groups[0], False)] * (count - len(groups))
 
 
+def step_micro_batches(accelerator: Any, items: list[Any], lengths: list[int], cfg: Any) -> list[tuple[list, bool]]:
+    """One optimizer step's micro-batches on this rank, as (items, real): `per_device_train_batch_size` items each,
+    or packed rows of up to `max_tokens_per_micro_batch` tokens (`lengths`: each item's), then the same count on
+    every rank (`equal_micro_batch_count`)."""
+    from open_instruct.data import micro_batches
+
+    groups = micro_batches(items, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
+    return equal_micro_batch_count(accelerator, groups, cfg.packing)
+
+
 def all_finite(accelerator: Any, *values: Any) -> bool:
     """True when every value (tensor or float) is finite on every rank."""
     import torch

@@ -267,8 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # This step's pairs: a slice of the global order, by episode position (world-size independent).
         local_idx = data.EpisodeStream.local_slice(stream.take(counters.episode, plan.mini_batch_size), rank, world)
         lengths = [data.packed_length(train[j]) for j in local_idx]  # packing: micro-batches by tokens
-        groups = data.micro_batches(local_idx, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
-        groups = distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
+        groups = distributed.step_micro_batches(accelerator, local_idx, lengths, cfg)
 
         sums = dict.fromkeys(STAT_KEYS, 0.0)
         for i, (group, real) in enumerate(groups):

@@ -186,16 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         global_idx = stream.take(counters.episode, plan.mini_batch_size)
         local = [train[i] for i in stream.local_slice(global_idx, rank, world)]
         # Micro-batches of per_device_train_batch_size pairs, or packed rows of max_tokens_per_micro_batch tokens.
-        groups = data.micro_batches(
-            local,
-            cfg.per_device_train_batch_size,
-            [data.packed_length(e) for e in local],
-            cfg.max_tokens_per_micro_batch,
-        )
-        batches = [
-            (data.collate_preferences(mb, pad_id, cfg.packing), real)
-            for mb, real in distributed.equal_micro_batch_count(accelerator, groups, cfg.packing)
-        ]
+        groups = distributed.step_micro_batches(accelerator, local, [data.packed_length(e) for e in local], cfg)
+        batches = [(data.collate_preferences(mb, pad_id, cfg.packing), real) for mb, real in groups]
 
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
         for i, (batch, real) in enumerate(batches):
