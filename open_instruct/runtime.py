@@ -122,28 +122,45 @@ def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         main(argv)
-        close_process_group()
     except (ConfigError, DataError) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
+        exit_process(EXIT_CONFIG)
     except NonFiniteError as e:
         print(f"\nNonFiniteError: {e}", file=sys.stderr)  # on its own line, not after the progress bar's
-        raise SystemExit(EXIT_NONFINITE) from None
+        exit_process(EXIT_NONFINITE)
     except Preempted as e:
         print(str(e), file=sys.stderr)
+        exit_process(0)
+    else:
+        exit_process(0)
     finally:
         run_dir.release_all()  # the output folder's lock (also released at exit; a killed run's lock is stale)
 
 
-def close_process_group() -> None:
-    """Tear the process group down while the interpreter is whole: left to interpreter exit, gloo's threads were
-    seen to abort a finished 2-process run under load ("terminate called without an active exception")."""
-    if "torch" not in sys.modules:  # a dry run never imported torch
+def exit_process(code: int) -> None:
+    """End the script with `code`. A process of a multi-process run ends with os._exit once its output is flushed:
+    left to the interpreter's teardown, a rank that had finished every step, checkpoint and final save was seen to
+    abort under load ("terminate called without an active exception": torch/gloo C++ threads destroyed while the
+    interpreter finalizes), turning a finished run into a failed one for the scheduler. Everything a run writes is
+    closed by then (logs, checkpoints, the lock), the exit handlers run, and a peer still writing its files needs
+    nothing from this one."""
+    distributed = "torch" in sys.modules and _process_group_initialized()
+    if not distributed:
+        if code:
+            raise SystemExit(code) from None
         return
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs first (the lock, temp folders, engine shutdowns, logging)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _process_group_initialized() -> bool:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    return dist.is_available() and dist.is_initialized()
 
 
 def make_accelerator(cfg: BaseConfig) -> Any:
