@@ -17,10 +17,12 @@ Weights: vLLM's weight-transfer protocol, driven by vLLM's own trainer engine (`
 init once (a process group of trainer rank 0 + every worker of every engine; engine k's workers at ranks
 1 + k*T ...), then per sync `start_weight_update` -> `update_weights` (the engines receive while rank 0 broadcasts
 one parameter or packed bucket at a time; every trainer rank iterates the parameters, so FSDP2 gathers one full
-parameter at a time and never the whole model) -> `finish_weight_update(weight_version)`. NCCL on GPUs, the gloo
-backend of `vllm_gloo_transfer` on CPU. vLLM labels every generated token with the weight version it was
-sampled with; `generate` checks every response was sampled by the version last sent, so an engine that missed an
-update is caught, not trained on.
+parameter at a time and never the whole model) -> `finish_weight_update(weight_version)`. Around it each engine is
+paused (`/pause?mode=wait`: in-flight requests finish, new ones queue, the prefix cache is cleared, as its blocks hold
+KV of the old weights) and resumed, and every trainer rank waits at a barrier until rank 0 has finished the update.
+NCCL on GPUs, the gloo backend of `vllm_gloo_transfer` on CPU. vLLM labels every generated token with the weight
+version it was sampled with; `generate` checks every response was sampled by the version last sent, so an engine
+that missed an update is caught, not trained on.
 
 Failures: an engine that refuses a request, dies, or does not answer within `timeout` seconds raises EngineError
 naming it (the run stops; checkpoints already written are untouched). This module imports vLLM (the trainer-side
@@ -57,12 +59,19 @@ class EngineFleet:
         self.next_version: Optional[str] = None
         self.pool = ThreadPoolExecutor(max_workers=max(len(self.urls), 1), thread_name_prefix="engine-sync")
 
-    def post(self, index: int, route: str, payload: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+    def post(
+        self,
+        index: int,
+        route: str,
+        payload: Optional[dict] = None,
+        timeout: Optional[float] = None,
+        params: Optional[dict] = None,
+    ) -> Any:
         import requests
 
         url = self.urls[index]
         try:
-            response = requests.post(f"{url}/{route}", json=payload, timeout=timeout or self.timeout)
+            response = requests.post(f"{url}/{route}", json=payload, params=params, timeout=timeout or self.timeout)
         except requests.Timeout:
             raise EngineError(
                 f"vLLM engine {index} ({url}) did not answer /{route} within vllm_server_timeout "
@@ -74,9 +83,9 @@ class EngineFleet:
             raise EngineError(f"vLLM engine {index} ({url}) refused /{route}: {response.status_code} {response.text}")
         return response.json()
 
-    def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None) -> None:
+    def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None, params: Optional[dict] = None) -> None:
         payloads = payloads or [None] * len(self.urls)
-        futures = [self.pool.submit(self.post, k, route, p) for k, p in enumerate(payloads)]
+        futures = [self.pool.submit(self.post, k, route, p, None, params) for k, p in enumerate(payloads)]
         for f in futures:
             f.result()
 
@@ -88,6 +97,10 @@ class EngineFleet:
         )
 
     def start_weight_update(self) -> None:
+        # Pause first: requests in flight finish on the old weights, new ones queue until /resume instead of running
+        # on half-loaded layers (that kills the engine), and the KV/prefix cache is cleared, since blocks computed
+        # with the old weights would otherwise be reused for any prompt sharing a prefix with an earlier one.
+        self._all("pause", params={"mode": "wait", "clear_cache": "true"})
         self._all("start_weight_update")
 
     def update_weights(self, update_info: Any) -> None:
@@ -97,6 +110,7 @@ class EngineFleet:
         version = weight_version if weight_version is not None else self.next_version
         payload = {"weight_version": version} if version is not None else None
         self._all("finish_weight_update", [payload] * len(self.urls))
+        self._all("resume")
 
 
 class PolicyWeights:
@@ -204,9 +218,24 @@ class ServerGenerator:
         version = (self.version or 0) + 1 if version is None else int(version)
         self.fleet.next_version = str(version)
         self._check_engines()
-        self.transfer.send_weights()
+        self._send_on_every_rank()
         self.version = version
         self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - t0, self.source.bytes_sent
+
+    def _send_on_every_rank(self) -> None:
+        """vLLM's trainer engine returns on the non-sending ranks as soon as their share of the gathers is done,
+        before rank 0 has finished the update: a barrier keeps every rank here until it has, so none sends requests
+        to an engine still loading. (If rank 0 fails, its exit breaks the barrier and the launcher stops the rest.)"""
+        try:
+            self.transfer.send_weights()
+        except EngineError:
+            raise
+        except Exception as e:  # the transport failed (e.g. an engine died mid-broadcast): name the engines
+            self._check_engines()  # a dead local engine: its index and log
+            engines = ", ".join(f"vLLM engine {k} ({url})" for k, url in enumerate(self.urls))
+            raise EngineError(f"the weight broadcast to {engines} failed: {type(e).__name__}: {e}") from e
+        if self.num_ranks > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
     # ------------------------------------------------------------------------------------------------ generation
     def _check_engines(self) -> None:

@@ -90,12 +90,14 @@ def test_greedy_equals_hf_before_and_after_a_broadcast(server):
     import requests
 
     gen, model, tokenizer, prompts, _ = server
+    # + a prompt longer than a KV block: its cached prefix blocks must not outlive the weights that computed them
+    prompts = prompts + [(prompts[3] * 8)[:200]]
     cfg = GenerationConfig(max_new_tokens=16, temperature=0)
     gen.sync_weights(model, version=1)
     want = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
     got = gen.generate(prompts, cfg)
     assert got.response_ids == want.response_ids and got.texts == want.texts and got.stopped == want.stopped
-    assert got.weight_versions == [1, 1, 1, 1] and got.prompt_index == [0, 1, 2, 3]
+    assert got.weight_versions == [1] * 5 and got.prompt_index == [0, 1, 2, 3, 4]
     assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "1"
     assert gen.last_sync_bytes == sum(p.numel() * 4 for p in model.parameters()) + model.lm_head.weight.numel() * 4
 
@@ -105,7 +107,7 @@ def test_greedy_equals_hf_before_and_after_a_broadcast(server):
     gen.sync_weights(model, version=2)
     want2 = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
     got2 = gen.generate(prompts, cfg)
-    assert got2.response_ids == want2.response_ids and got2.weight_versions == [2, 2, 2, 2]
+    assert got2.response_ids == want2.response_ids and got2.weight_versions == [2] * 5
     assert got2.response_ids != got.response_ids  # the broadcast changed what the engine samples
     assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "2"
 
@@ -287,7 +289,7 @@ def test_sigkill_of_the_trainer_then_resume_completes(task):
 
 
 _FSDP_WORKER = """
-import json, os
+import json, os, time
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -316,6 +318,9 @@ with torch.no_grad():
         delta = torch.randn(q.shape, generator=noise) * 0.3
         q.add_(delta)
         p.add_(distribute_tensor(delta, p.device_mesh, p.placements) if isinstance(p, DTensor) else delta)
+if rank == 0:  # a slow finish: rank 1 must not generate before the update is complete (it crashed the engine)
+    finish = gen.fleet.finish_weight_update
+    gen.fleet.finish_weight_update = lambda *a, **k: (time.sleep(3), finish(*a, **k))
 gen.sync_weights(policy, version=7)  # collective: both ranks gather, rank 0 broadcasts
 out = gen.generate(prompts, g)
 result = dict(
@@ -332,7 +337,8 @@ dist.barrier()
 def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
     """Two training processes (torchrun, gloo) with an FSDP2-sharded policy and one engine: sync_weights gathers the
     shards one parameter at a time on both ranks, rank 0 broadcasts, and both ranks' generations then equal what
-    the unsharded updated model generates, labelled with the version sent."""
+    the unsharded updated model generates, labelled with the version sent. Rank 0's finish is slowed down: rank 1
+    leaves sync_weights only once the update is complete (before the fix its request killed the engine)."""
     policy = str(tmp_path / "policy")
     tiny_policy(policy, seed=1, tie=True)
     model_dir, _ = write_engine_model(policy, str(tmp_path / "engine_model"))
