@@ -22,6 +22,7 @@ with the trainer (PR_SET_PDEATHSIG); started by this CLI (another node), they ru
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -184,9 +185,11 @@ class LocalEngines:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     preexec_fn=_die_with_parent if die_with_parent else None,
+                    start_new_session=True,  # its own process group: close() reaches the engine's core and workers
                 )
             )
             log.close()
+        atexit.register(self.close)  # also when the run stops on an error (a dead server's orphaned core included)
         try:
             self.wait_ready(start_timeout)
         except BaseException:
@@ -229,21 +232,33 @@ class LocalEngines:
     def check_alive(self) -> None:
         for i, proc in enumerate(self.procs):
             if proc.poll() is not None:
+                _kill_group(proc.pid, signal.SIGKILL)  # a killed server leaves its engine core holding the device
                 raise EngineError(
                     f"vLLM engine {i} ({self.specs[i].url}) died with code {proc.returncode}; its log {self.logs[i]} "
                     f"ends:\n{self.log_tail(i)}"
                 )
 
     def close(self) -> None:
+        """SIGTERM each engine's process group (server, engine core, workers), SIGKILL what is left after 30 s.
+        (A server killed outright orphans its engine core, which then ignores SIGTERM.)"""
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
         for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            while (proc.poll() is None or _kill_group(proc.pid, 0)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            _kill_group(proc.pid, signal.SIGKILL)
+            proc.wait()
         self.procs = []
+
+
+def _kill_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to a process group (0: only test it); whether any of its processes was there."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def free_generation_devices(num_training_processes_here: int) -> Optional[list[int]]:
@@ -295,6 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(spec.shell())
         return
     write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code)
+    # SIGTERM (kill, a scheduler ending the job) stops the engines too, as Ctrl-C does: they do not die with us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engines = LocalEngines(specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout, False)
     print("engines ready: " + " ".join(engines.urls), flush=True)
     try:

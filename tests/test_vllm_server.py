@@ -246,13 +246,20 @@ def test_killed_engine_stops_the_run_with_a_clear_error(task):
     engine_pid = engine_pids(out_dir)
     assert engine_pid, "no engine process found"
     for pid in engine_pid:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)  # the server only: its engine core and worker are orphaned
     _, stderr = proc.communicate(timeout=300)
     stderr = stderr.decode()
     assert proc.returncode not in (0, None)
     assert "vLLM engine 0" in stderr, stderr[-3000:]
+    assert not group_members(engine_pid), "the killed engine's core/worker processes outlived the run"
     run([*args, "--resume_from_checkpoint", "auto"])  # a new engine; the saved state loads and the run completes
     assert read_rows(out_dir)[-1]["rollout_step"] == 8
+
+
+def group_members(leaders: list[int]) -> list[int]:
+    """Processes left in the process groups of these engine servers (each engine runs in a group of its own)."""
+    found = [subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout for pid in leaders]
+    return [int(p) for out in found for p in out.split()]
 
 
 def engine_pids(out_dir: str) -> list[int]:
@@ -274,18 +281,60 @@ def test_sigkill_of_the_trainer_then_resume_completes(task):
     while time.monotonic() < deadline and not (os.path.isdir(ckpt) and len(os.listdir(ckpt)) >= 1):
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         time.sleep(0.5)
-    assert engine_pids(out_dir)
+    servers = engine_pids(out_dir)
+    assert servers
     proc.kill()
     proc.wait()
-    for _ in range(60):  # PR_SET_PDEATHSIG: the engine gets SIGTERM when the trainer dies
-        if not engine_pids(out_dir):
+    for _ in range(60):  # PR_SET_PDEATHSIG: the engine gets SIGTERM when the trainer dies, and stops its core
+        if not engine_pids(out_dir) and not group_members(servers):
             break
         time.sleep(1)
     assert not engine_pids(out_dir), "the engine outlived the killed trainer"
+    assert not group_members(servers), "the engine's core/worker processes outlived the killed trainer"
     run([*args, "--resume_from_checkpoint", "auto"])
     rows = read_rows(out_dir)
     assert rows[-1]["rollout_step"] == 8 and evals(rows)
     assert not healthy("http://127.0.0.1:1")  # sanity of the probe itself
+
+
+def test_trainer_restarts_against_engines_started_apart(task):
+    """The multi-node layout: engines started on their own by `python -m open_instruct.engines` (they do not die with
+    a trainer), the trainer pointed at them with --vllm_server_urls. SIGKILL the trainer mid-run (async, so a
+    rollout or a weight update is in flight): the engine stays up and serves, and a resumed trainer reconnects to it
+    (a new weight-transfer group, the restored weights sent) and completes the run. SIGTERM stops the engines."""
+    out_dir = os.path.join(task["root"], "apart")
+    args = grpo_args(task, out_dir, "--async_steps", "1")
+    engine_dir = os.path.join(task["root"], "apart_engines")
+    engine_args = [engine_dir if a == out_dir else a for a in args[1:]]  # the recipe and overrides, its own folder
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "open_instruct.engines", *engine_args, "--port", "18361"],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        line = cli.stdout.readline()
+        while line and not line.startswith("engines ready:"):
+            line = cli.stdout.readline()
+        assert line.split() == ["engines", "ready:", "http://127.0.0.1:18361"], line
+        urls = ["--vllm_server_urls", "http://127.0.0.1:18361"]
+        trainer = subprocess.Popen([sys.executable, *args, *urls], cwd=REPO, env=ENV, stderr=subprocess.PIPE)
+        ckpt = os.path.join(out_dir, "checkpoints")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
+            assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
+            time.sleep(0.5)
+        time.sleep(1.0)
+        trainer.kill()
+        trainer.wait()
+        assert healthy("http://127.0.0.1:18361") and cli.poll() is None  # the engine outlives its trainer
+        run([*args, *urls, "--resume_from_checkpoint", "auto"])
+        rows = read_rows(out_dir)
+        assert rows[-1]["rollout_step"] == 8 and evals(rows)[-1] >= evals(rows)[0] + 0.15, evals(rows)
+        servers = engine_pids(engine_dir)
+        assert servers
+    finally:
+        cli.terminate()
+        cli.wait(timeout=120)
+    assert cli.returncode == 0 and not engine_pids(engine_dir) and not group_members(servers)
 
 
 _FSDP_WORKER = """
