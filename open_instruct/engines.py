@@ -261,6 +261,39 @@ def _kill_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def check_running_engines(urls: Sequence[str], tensor_parallel_size: int, max_model_len: int) -> None:
+    """Engines started apart (`vllm_server_urls`), checked before any model loads: each answers, serves sequences of
+    `max_model_len` tokens (longest prompt + longest response of this run), and runs the tensor parallelism the
+    weight-transfer group is laid out for (a mismatch would leave the broadcast waiting for workers that do not
+    exist). EngineError if one does not answer, ConfigError if one does not fit the run."""
+    import re
+
+    for k, url in enumerate(urls):
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
+                models = json.load(response)["data"]
+            with urllib.request.urlopen(f"{url}/server_info", timeout=30) as response:
+                info = str(json.load(response).get("vllm_config", ""))
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            raise EngineError(
+                f"vLLM engine {k} ({url}) of vllm_server_urls does not answer ({e}); start the engines first "
+                f"(`python -m open_instruct.engines <recipe> --port PORT` on the generation node)"
+            ) from None
+        served = min(int(m.get("max_model_len") or 0) for m in models) if models else 0
+        if served < max_model_len:
+            raise ConfigError(
+                f"vLLM engine {k} ({url}) serves max_model_len {served}; this run needs {max_model_len} (longest "
+                f"prompt + response_length): restart the engines with this recipe's lengths"
+            )
+        tp = re.search(r"\btensor_parallel_size=(\d+)", info)
+        if tp and int(tp.group(1)) != tensor_parallel_size:
+            raise ConfigError(
+                f"vLLM engine {k} ({url}) runs tensor_parallel_size {tp.group(1)}, vllm_tensor_parallel_size is "
+                f"{tensor_parallel_size}: set --vllm_tensor_parallel_size {tp.group(1)} (the weight broadcast is laid "
+                f"out for that many workers per engine)"
+            )
+
+
 def free_generation_devices(num_training_processes_here: int) -> Optional[list[int]]:
     """GPUs of this node not used by the training processes (they take local ranks 0..n-1); None without CUDA."""
     import torch
