@@ -1137,7 +1137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
     )
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
-    if cfg.generation_backend == "vllm_server" and cfg.vllm_server_urls:  # engines started apart: fit, before loading
+    if cfg.vllm_server_urls:  # engines started apart (vllm_server only: the config checks): fit, before loading
         from open_instruct.engines import check_running_engines
 
         check_running_engines(cfg.vllm_server_urls, cfg.vllm_tensor_parallel_size, max_model_len)

@@ -85,7 +85,7 @@ class EngineFleet:
 
     def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None, params: Optional[dict] = None) -> None:
         payloads = payloads or [None] * len(self.urls)
-        futures = [self.pool.submit(self.post, k, route, p, None, params) for k, p in enumerate(payloads)]
+        futures = [self.pool.submit(self.post, k, route, p, params=params) for k, p in enumerate(payloads)]
         for f in futures:
             f.result()
 
