@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import socket
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence
 
@@ -101,7 +102,21 @@ class EngineFleet:
         # on half-loaded layers (that kills the engine), and the KV/prefix cache is cleared, since blocks computed
         # with the old weights would otherwise be reused for any prompt sharing a prefix with an earlier one.
         self._all("pause", params={"mode": "wait", "clear_cache": "true"})
-        self._all("start_weight_update")
+        for future in [self.pool.submit(self._start_on, k) for k in range(len(self.urls))]:
+            future.result()
+
+    def _start_on(self, index: int) -> None:
+        try:
+            self.post(index, "start_weight_update")
+        except EngineError as e:
+            if "already active" not in str(e):
+                raise
+            # An engine started apart whose previous trainer was killed mid-update still holds that update open, and
+            # vLLM refuses a new one until it is finished: finish it (vLLM puts back the layers' tensors that were not
+            # reloaded; this update then replaces every one of them) and start again.
+            warnings.warn(f"vLLM engine {index} ({self.urls[index]}) had a weight update left open: closed it")
+            self.post(index, "finish_weight_update")
+            self.post(index, "start_weight_update")
 
     def update_weights(self, update_info: Any) -> None:
         self._all("update_weights", [{"update_info": update_info}] * len(self.urls))

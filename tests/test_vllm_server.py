@@ -178,6 +178,85 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
     assert not os.path.isdir(os.path.join(out_dir, "checkpoints"))
 
 
+KILLED_MID_BROADCAST = """
+import sys, time
+from transformers import AutoTokenizer, LlamaForCausalLM
+from open_instruct.vllm_server import ServerGenerator
+
+url, path = sys.argv[1], sys.argv[2]
+model, tokenizer = LlamaForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+gen = ServerGenerator([url], tokenizer, [tokenizer.eos_token_id], model, rank=0, num_ranks=1, transfer="gloo",
+                      untie=True, max_model_len=256, timeout=120)
+tensors = gen.source._tensors
+def stalls_after_five():
+    for i, item in enumerate(tensors()):
+        if i == 5:
+            print("MID", flush=True)
+            time.sleep(600)
+        yield item
+gen.source._tensors = stalls_after_five
+gen.sync_weights(model, version=1)
+"""
+
+
+def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_update(server):
+    """Engines started apart outlive their trainer. (1) A trainer SIGKILLed mid-broadcast (5 parameters sent): the
+    engine's receive fails on the closed connection and the engine stays up. (2) One killed between
+    start_weight_update and its broadcast leaves the engine paused with that update open, which vLLM refuses to start
+    again: the next trainer closes it. Each time the next trainer to connect (a new weight-transfer group) broadcasts
+    its policy and the engine's greedy answers are that policy's. (Last of the `server` tests: the engine belongs to
+    the new trainer afterwards.)"""
+    import copy
+
+    import requests
+
+    from open_instruct.vllm_server import ServerGenerator
+
+    gen, model, tokenizer, prompts, root = server
+    url, cfg = gen.urls[0], GenerationConfig(max_new_tokens=16, temperature=0)
+
+    def restarted_trainer_syncs(seed: int) -> None:
+        torch.manual_seed(seed)
+        policy = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        restarted = ServerGenerator(
+            [url], tokenizer, [tokenizer.eos_token_id], policy, rank=0, num_ranks=1, transfer="gloo", untie=True,
+            max_model_len=256, timeout=120,
+        )  # fmt: skip
+        restarted.sync_weights(policy, version=10 + seed)
+        got = restarted.generate(prompts, cfg)
+        assert got.response_ids == HFGenerator(policy, tokenizer, batch_size=4).generate(prompts, cfg).response_ids
+        assert got.response_ids != HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg).response_ids
+        assert got.weight_versions == [10 + seed] * len(prompts)
+        assert requests.get(f"{url}/is_paused", timeout=60).json() == {"is_paused": False}
+        restarted.close()
+
+    # (1) killed mid-broadcast
+    log = os.path.join(root, "killed_trainer.log")
+    with open(log, "w") as stderr:
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", KILLED_MID_BROADCAST, url, os.path.join(root, "policy")],
+            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    try:
+        assert trainer.stdout.readline().strip() == "MID", open(log).read()[-3000:]
+        time.sleep(1)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    restarted_trainer_syncs(seed=1)
+
+    # (2) killed between start_weight_update and its broadcast
+    requests.post(f"{url}/pause", params={"mode": "wait"}, timeout=60).raise_for_status()
+    requests.post(f"{url}/start_weight_update", timeout=60).raise_for_status()
+    refused = requests.post(f"{url}/start_weight_update", timeout=60)
+    assert refused.status_code != 200 and "already active" in refused.text, refused.text
+    with pytest.warns(UserWarning, match=r"vLLM engine 0 .* had a weight update left open"):
+        restarted_trainer_syncs(seed=2)
+
+
 # ------------------------------------------------------------------------------------- the RL script end to end
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
