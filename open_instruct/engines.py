@@ -261,36 +261,55 @@ def _kill_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def check_running_engines(urls: Sequence[str], tensor_parallel_size: int, max_model_len: int) -> None:
+def check_running_engines(
+    urls: Sequence[str],
+    tensor_parallel_size: int,
+    max_model_len: int,
+    dtype: Optional[str] = None,
+    transfer: Optional[str] = None,
+) -> None:
     """Engines started apart (`vllm_server_urls`), checked before any model loads: each answers, serves sequences of
-    `max_model_len` tokens (longest prompt + longest response of this run), and runs the tensor parallelism the
+    `max_model_len` tokens (longest prompt + longest response of this run), runs the tensor parallelism the
     weight-transfer group is laid out for (a mismatch would leave the broadcast waiting for workers that do not
-    exist). EngineError if one does not answer, ConfigError if one does not fit the run."""
-    import re
-
+    exist), and, when given, the `dtype` the trainer sends (engine_dtype) and the weight-transfer backend it speaks.
+    EngineError if one does not answer, ConfigError if one does not fit the run."""
     for k, url in enumerate(urls):
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
                 models = json.load(response)["data"]
-            with urllib.request.urlopen(f"{url}/server_info", timeout=30) as response:
-                info = str(json.load(response).get("vllm_config", ""))
+            with urllib.request.urlopen(f"{url}/server_info?config_format=json", timeout=30) as response:
+                config = json.load(response).get("vllm_config") or {}
         except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
             raise EngineError(
                 f"vLLM engine {k} ({url}) of vllm_server_urls does not answer ({e}); start the engines first "
                 f"(`python -m open_instruct.engines <recipe> --port PORT` on the generation node)"
             ) from None
+        restart = "restart the engines with this recipe (`python -m open_instruct.engines <recipe>`)"
         served = min(int(m.get("max_model_len") or 0) for m in models) if models else 0
         if served < max_model_len:
             raise ConfigError(
                 f"vLLM engine {k} ({url}) serves max_model_len {served}; this run needs {max_model_len} (longest "
-                f"prompt + response_length): restart the engines with this recipe's lengths"
+                f"prompt + response_length): {restart}"
             )
-        tp = re.search(r"\btensor_parallel_size=(\d+)", info)
-        if tp and int(tp.group(1)) != tensor_parallel_size:
+        tp = (config.get("parallel_config") or {}).get("tensor_parallel_size")
+        if tp is not None and int(tp) != tensor_parallel_size:
             raise ConfigError(
-                f"vLLM engine {k} ({url}) runs tensor_parallel_size {tp.group(1)}, vllm_tensor_parallel_size is "
-                f"{tensor_parallel_size}: set --vllm_tensor_parallel_size {tp.group(1)} (the weight broadcast is laid "
+                f"vLLM engine {k} ({url}) runs tensor_parallel_size {tp}, vllm_tensor_parallel_size is "
+                f"{tensor_parallel_size}: set --vllm_tensor_parallel_size {tp} (the weight broadcast is laid "
                 f"out for that many workers per engine)"
+            )
+        served_dtype = str((config.get("model_config") or {}).get("dtype", "")).removeprefix("torch.")
+        if dtype and served_dtype and served_dtype != dtype:
+            raise ConfigError(
+                f"vLLM engine {k} ({url}) runs dtype {served_dtype}; this run sends {dtype} weights (its "
+                f"mixed_precision): {restart}"
+            )
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if transfer and config.get("model_config") and backend != transfer:
+            raise ConfigError(
+                f"vLLM engine {k} ({url}) was started "
+                + (f"with weight-transfer backend {backend}" if backend else "without a weight-transfer backend")
+                + f"; this run broadcasts over {transfer} (vllm_weight_transfer): {restart}"
             )
 
 
@@ -303,15 +322,19 @@ def free_generation_devices(num_training_processes_here: int) -> Optional[list[i
     return list(range(num_training_processes_here, torch.cuda.device_count()))
 
 
+def engine_dtype(mixed_precision: str) -> str:
+    """The dtype the engines run and the trainer sends its weights in, for a run's mixed_precision."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, "float32")
+
+
 def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]], host: str, port: int, max_len: int):
     """engine_specs from an RLVRConfig."""
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.mixed_precision, "float32")
     return engine_specs(
         model_dir,
         num_engines=cfg.vllm_num_engines,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
         max_model_len=max_len,
-        dtype=dtype,
+        dtype=engine_dtype(cfg.mixed_precision),
         seed=cfg.seed,
         transfer=weight_transfer_backend(cfg.vllm_weight_transfer, devices is not None),
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,

@@ -1138,9 +1138,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
     if cfg.vllm_server_urls:  # engines started apart (vllm_server only: the config checks): fit, before loading
-        from open_instruct.engines import check_running_engines
+        from open_instruct import engines
 
-        check_running_engines(cfg.vllm_server_urls, cfg.vllm_tensor_parallel_size, max_model_len)
+        transfer = engines.weight_transfer_backend(cfg.vllm_weight_transfer, torch.cuda.is_available())
+        engines.check_running_engines(
+            cfg.vllm_server_urls,
+            cfg.vllm_tensor_parallel_size,
+            max_model_len,
+            dtype=engines.engine_dtype(cfg.mixed_precision),
+            transfer=transfer,
+        )
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
 
     generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}

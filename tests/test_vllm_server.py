@@ -156,9 +156,10 @@ def test_engine_that_fails_to_start_names_itself(tmp_path):
 
 
 def test_engines_started_apart_are_checked_before_the_models_load(server, task):
-    """vllm_server_urls: an engine that does not answer, serves shorter sequences than the run needs, or runs another
-    tensor parallelism than vllm_tensor_parallel_size is named before any model loads (the engine here: 256 tokens,
-    TP 1); a run whose responses do not fit exits 2 with that message."""
+    """vllm_server_urls: an engine that does not answer, serves shorter sequences than the run needs, runs another
+    tensor parallelism than vllm_tensor_parallel_size, another dtype than the run sends or another weight-transfer
+    backend is named before any model loads (the engine here: 256 tokens, TP 1, float32, gloo); a run whose responses
+    do not fit, or a bf16 run, exits 2 with that message."""
     from open_instruct.engines import check_running_engines
     from open_instruct.errors import ConfigError
 
@@ -168,6 +169,11 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
         check_running_engines([url], 1, 300)
     with pytest.raises(ConfigError, match=r"engine 0 .* runs tensor_parallel_size 1, vllm_tensor_parallel_size is 2"):
         check_running_engines([url, url], 2, 64)
+    check_running_engines([url], 1, 256, "float32", "gloo")  # the dtype and transfer backend it was started with
+    with pytest.raises(ConfigError, match=r"engine 0 .* runs dtype float32; this run sends bfloat16 weights"):
+        check_running_engines([url], 1, 256, "bfloat16", "gloo")
+    with pytest.raises(ConfigError, match=r"engine 0 .* weight-transfer backend gloo; this run broadcasts over nccl"):
+        check_running_engines([url], 1, 256, "float32", "nccl")
     with pytest.raises(EngineError, match=r"vLLM engine 0 \(http://127.0.0.1:1\) of vllm_server_urls does not answer"):
         check_running_engines(["http://127.0.0.1:1"], 1, 64)
     out_dir = os.path.join(task["root"], "short_engine")
@@ -176,6 +182,9 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "serves max_model_len 256; this run needs" in proc.stderr, proc.stderr[-3000:]
     assert not os.path.isdir(os.path.join(out_dir, "checkpoints"))
+    args = grpo_args(task, out_dir, "--vllm_server_urls", url, "--mixed_precision", "bf16")
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "runs dtype float32; this run sends bfloat16" in proc.stderr, proc.stderr[-3000:]
 
 
 KILLED_MID_BROADCAST = """
