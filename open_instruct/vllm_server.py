@@ -35,7 +35,7 @@ import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -84,11 +84,14 @@ class EngineFleet:
             raise EngineError(f"vLLM engine {index} ({url}) refused /{route}: {response.status_code} {response.text}")
         return response.json()
 
+    def _each(self, call: Callable[[int], Any]) -> None:
+        """call(k) for every engine k concurrently; the first error is raised once all have been submitted."""
+        for future in [self.pool.submit(call, k) for k in range(len(self.urls))]:
+            future.result()
+
     def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None, params: Optional[dict] = None) -> None:
         payloads = payloads or [None] * len(self.urls)
-        futures = [self.pool.submit(self.post, k, route, p, params=params) for k, p in enumerate(payloads)]
-        for f in futures:
-            f.result()
+        self._each(lambda k: self.post(k, route, payloads[k], params=params))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         offset = int(init_info.get("rank_offset", 1))
@@ -102,8 +105,7 @@ class EngineFleet:
         # on half-loaded layers (that kills the engine), and the KV/prefix cache is cleared, since blocks computed
         # with the old weights would otherwise be reused for any prompt sharing a prefix with an earlier one.
         self._all("pause", params={"mode": "wait", "clear_cache": "true"})
-        for future in [self.pool.submit(self._start_on, k) for k in range(len(self.urls))]:
-            future.result()
+        self._each(self._start_on)
 
     def _start_on(self, index: int) -> None:
         try:
