@@ -132,6 +132,77 @@ def test_observation_ids_survive_a_template_that_renders_the_last_assistant_turn
     )
 
 
+def build_template_tokenizer(template: str, eos: str):
+    """A character tokenizer with the Qwen and Llama 3 special tokens, carrying a real model's chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [
+        "<pad>",
+        "<|im_end|>",
+        "<|im_start|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|python_tag|>",
+        "<|eom_id|>",
+    ]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    model = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars + ["<unk>"])}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    model.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        pad_token="<pad>",
+        eos_token=eos,
+        unk_token="<unk>",
+        additional_special_tokens=specials[2:],
+    )
+    fast.chat_template = template
+    return fast
+
+
+QWEN_TOOL_TURN = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "template, eos, expected, plain_prefix_holds",
+    [
+        ("qwen2_5.jinja", "<|im_end|>", QWEN_TOOL_TURN, True),
+        ("qwen3.jinja", "<|im_end|>", QWEN_TOOL_TURN, False),  # the last assistant turn gets an empty think block
+        ("qwen3_5_think.jinja", "<|im_end|>", QWEN_TOOL_TURN + "<think>\n", True),
+        (
+            "llama3_1.jinja",
+            "<|eot_id|>",
+            '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
+            True,
+        ),
+    ],
+)
+def test_observation_ids_through_real_model_templates(template, eos, expected, plain_prefix_holds):
+    """The models' own templates, as TRL ships them (trl/chat_templates), with and without tool schemas."""
+    import importlib.util
+    import os
+
+    folder = os.path.join(importlib.util.find_spec("trl").submodule_search_locations[0], "chat_templates")
+    tok = build_template_tokenizer(open(os.path.join(folder, template)).read(), eos)
+    tokens = EpisodeTokenizer(tok)
+    for tools in (None, ToolEnvironment(tool_output_max_tokens=None).tools):
+        assert (
+            tokens.decode(tokens.observation_ids([{"role": "tool", "content": "42"}], True, tools), False) == expected
+        )
+    without = tokens.render_ids(EpisodeTokenizer.BASE, None, False)
+    with_obs = tokens.render_ids(EpisodeTokenizer.BASE + [{"role": "tool", "content": "42"}], None, True)
+    assert (with_obs[: len(without)] == without) == plain_prefix_holds
+
+
 def test_a_template_that_drops_tool_messages_is_refused(tok):
     tok = build_tokenizer()
     tok.chat_template = CHAT_TEMPLATE.replace(
