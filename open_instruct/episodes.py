@@ -346,16 +346,18 @@ def _take_turn(
             f"request of at most {cap} new tokens"
         )
     keep = cut_at_action_end(ids, tokens.decode, env.action_end)
-    closed = keep == len(ids) and bool(ids) and ids[-1] == tokens.turn_end_id
-    stopped = closed or keep < len(ids) or len(ids) < cap or env.action_end(tokens.decode(ids)) is not None
+    ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
+    action = tokens.decode(ids)
+    closed = bool(ids) and ids[-1] == tokens.turn_end_id
+    # Stopped by its end token, by a complete action, or by the backend below the cap (a stop string); else a
+    # token budget cut it.
+    stopped = closed or len(ids) < cap or env.action_end(action) is not None
     if not stopped:
-        limited_by_turn = cap == budget.max_turn_tokens
-        episode.truncations["max_turn_tokens" if limited_by_turn else "max_response_tokens"] += 1
+        budget_name = "max_turn_tokens" if cap == budget.max_turn_tokens else "max_response_tokens"
+        episode.truncations[budget_name] += 1
     start = len(episode.response_ids)
-    episode.append_policy(ids[:keep], logprobs[:keep], versions[:keep])
-    action = tokens.decode(ids[:keep])
-    end = len(episode.response_ids)
-    episode.turns.append(Turn(start, end, end, action, closed, stopped))
+    episode.append_policy(ids, logprobs, versions)
+    episode.turns.append(Turn(start, len(episode.response_ids), len(episode.response_ids), action, closed, stopped))
     return action
 
 
