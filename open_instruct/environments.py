@@ -466,7 +466,10 @@ class ToolEnvironment(Environment):
             lambda: self.python_runtime(code, timeout), timeout + self.tool_deadline_grace_s
         )
         if not finished:
-            raise ToolError("python_hung", f"the python runtime did not return within {timeout}s")
+            waited = timeout + self.tool_deadline_grace_s
+            raise ToolError(
+                "python_hung", f"the python runtime did not return within {waited:g}s (timeout {timeout:g}s)"
+            )
         if isinstance(result, Exception):
             raise ToolError("python_crash", f"the python runtime failed: {type(result).__name__}: {result}")
         stdout, stderr, status = result

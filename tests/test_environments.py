@@ -183,7 +183,9 @@ def test_a_runtime_that_hangs_or_crashes_gives_an_error_observation_and_the_epis
         )
         env.reset(ROW)
         obs, _, done, info = env.step(hermes("python", code="print(1)"))
-        assert info["tool_errors"] == ["python_hung"] and "did not return within 0.05s" in obs[0]["content"]
+        assert (
+            info["tool_errors"] == ["python_hung"] and "did not return within 0.1s (timeout 0.05s)" in obs[0]["content"]
+        )
         env.python_runtime = crashing
         obs, _, done, info = env.step(hermes("python", code="print(1)"))
         assert info["tool_errors"] == ["python_crash"] and "sandbox pool is gone" in obs[0]["content"]
