@@ -99,7 +99,8 @@ class EpisodeTokenizer:
         self, observation: Observation, turn_closed: bool, tools: Optional[list[dict]] = None
     ) -> list[int]:
         """Ids of an observation appended after a policy turn. Messages: the prefix difference (module docstring),
-        preceded by `turn_end_id` when the turn did not close itself (`turn_closed` False). Text: its own ids."""
+        preceded by `turn_end_id` when the turn did not close itself (`turn_closed` False). Text: its own ids,
+        appended as they are (after a turn that closed itself too: the environment chose to continue it)."""
         if isinstance(observation, str):
             return list(self.tokenizer(observation, add_special_tokens=False)["input_ids"])
         if not observation:

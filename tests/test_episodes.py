@@ -7,12 +7,13 @@ from __future__ import annotations
 import collections
 import json
 import string
+import threading
 
 import pytest
 import torch
 
 from demo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
-from open_instruct.environments import Environment, StepResult, ToolEnvironment
+from open_instruct.environments import Environment, StepResult, ToolEnvironment, make_environment
 from open_instruct.episodes import (
     Episode,
     EpisodeBudget,
@@ -495,3 +496,95 @@ def test_stats_and_rendering(tok):
     )
     sample = episode_sample_row(episodes[1], tokens, "sum")
     assert (sample["score"], sample["turns"], sample["tool_calls"], sample["end_reason"]) == (0.0, 2, 1, "done")
+
+
+def test_a_hanging_tool_in_one_episode_does_not_stop_the_batch(tok):
+    release = threading.Event()
+
+    def hanging(code, timeout_s):
+        release.wait()
+        return "", "", "ok"
+
+    tokens = EpisodeTokenizer(tok)
+    python_call = '<tool_call>{"name": "python", "arguments": {"code": "print(4)"}}</tool_call>'
+    gen = ScriptedGenerator(
+        tok, tokens, {"2+2?": [(python_call, True), ("The answer is 4", True)], "3*3?": [("The answer is 9", True)]}
+    )
+    envs = [
+        ToolEnvironment(
+            tools=["python"],
+            python_runtime=hanging,
+            tool_output_max_tokens=None,
+            tool_timeout_s=0.05,
+            tool_deadline_grace_s=0.05,
+        ),
+        calculator_env(),
+    ]
+    try:
+        episodes = rollout_episodes(
+            envs, [row("2+2?", "4"), row("3*3?", "9")], gen, tokens, EpisodeBudget(), step_workers=2
+        )
+    finally:
+        release.set()
+    assert [episode_score(e, "sum") for e in episodes] == [1.0, 1.0]
+    assert episodes[0].tool_errors == {"python_hung": 1} and "python_hung" in render_episode(episodes[0], tokens)
+    assert episode_stats(episode_stat_sums(episodes))["env/tool_errors/python_hung"] == 1.0
+
+
+def test_generate_fn_contract_versions_and_errors(tok):
+    tokens = EpisodeTokenizer(tok)
+    answer = encode(tok, "The answer is 4") + [tok.eos_token_id]
+    # (ids, logprobs, versions): an async engine may report the version per token (here it changed mid-turn)
+    versions = [3] * 5 + [4] * (len(answer) - 5)
+    [ep] = rollout_episodes(
+        [calculator_env()],
+        [row("2+2?", "4")],
+        lambda requests, caps: [(answer, [-1.0] * len(answer), versions)],
+        tokens,
+        EpisodeBudget(),
+    )
+    assert ep.weight_versions == versions and ep.end_reason == "done"
+    with pytest.raises(ValueError, match="returned 20 ids, 20 logprobs, 20 versions for a request of at most 8"):
+        rollout_episodes(
+            [calculator_env()],
+            [row("2+2?", "4")],
+            lambda requests, caps: [([5] * 20, [0.0] * 20)],
+            tokens,
+            EpisodeBudget(max_turn_tokens=8),
+        )
+    with pytest.raises(ValueError, match="1 results for 2 requests"):
+        rollout_episodes(
+            [calculator_env(), calculator_env()],
+            [row("2+2?", "4")] * 2,
+            lambda requests, caps: [(answer, [0.0] * len(answer))],
+            tokens,
+            EpisodeBudget(),
+        )
+
+
+def test_a_user_environment_from_a_file_plays_text_turns(tmp_path, tok):
+    """An environment written in the user's own file, loaded by path, driven through the episode loop with plain
+    text observations (no chat template): each turn continues the text."""
+    (tmp_path / "countdown_env.py").write_text(
+        "from open_instruct.environments import Environment, StepResult\n"
+        "class Countdown(Environment):\n"
+        "    def reset(self, example):\n"
+        "        self.left = example['start']\n"
+        "        return f'count from {self.left}:'\n"
+        "    def step(self, action):\n"
+        "        right = action.strip() == str(self.left)\n"
+        "        self.left -= 1\n"
+        "        done = self.left == 0 or not right\n"
+        "        return StepResult(None if done else ' ok,', float(right), done, {})\n"
+    )
+    tokens = EpisodeTokenizer(tok)
+    said = iter(["3", "2", "1"])
+
+    def generate(requests, caps):
+        return [(ids, [0.0] * len(ids)) for ids in [encode(tok, " " + next(said))]]
+
+    env = make_environment(f"{tmp_path / 'countdown_env.py'}:Countdown")
+    [ep] = rollout_episodes([env], [{"start": 3}], generate, tokens, EpisodeBudget(max_turns=5))
+    assert tokens.decode(ep.ids) == "count from 3: 3 ok, 2 ok, 1"
+    assert ep.loss_mask == [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    assert [t.reward for t in ep.turns] == [1.0, 1.0, 1.0] and episode_score(ep, "sum") == 3.0
