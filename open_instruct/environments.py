@@ -22,7 +22,8 @@ An environment may also set `tools` (JSON schemas passed to the chat template as
 first token that completes it, so the tool runs there instead of after the model has written on).
 
 Naming one in a recipe: a registered name ("tool", "multi_turn") or an import path "package.module:Class" or
-"/path/to/file.py:Class", so a researcher adds an environment in their own file:
+"/path/to/file.py:Class" (`make_environment`; `environment_for_row` reads a row's own `environment` column), so a
+researcher adds an environment in their own file:
 
     from open_instruct.environments import Environment, StepResult
 
@@ -50,6 +51,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import operator
@@ -163,6 +165,17 @@ def _import_environment_module(module_name: str, spec: str) -> Any:
 def make_environment(spec: str, **kwargs: Any) -> Environment:
     """A fresh environment (one per episode) from a registered name or import path, constructed with kwargs."""
     return environment_class(spec)(**kwargs)
+
+
+def environment_for_row(row: dict[str, Any], default_spec: str, resources: dict[str, Any]) -> Environment:
+    """The environment of one dataset row: the row's `environment` column when it has one, else `default_spec`.
+    `resources` are the run's shared constructor arguments (tokenizer, python_runtime, budgets, ...); each class
+    receives those its constructor names (or all of them if it takes **kwargs), so rows may mix environments."""
+    cls = environment_class(row.get("environment") or default_spec)
+    parameters = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        resources = {k: v for k, v in resources.items() if k in parameters}
+    return cls(**resources)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from open_instruct.environments import (
     ToolError,
     calculate,
     environment_class,
+    environment_for_row,
     make_environment,
 )
 from open_instruct.errors import ConfigError, DataError
@@ -285,3 +286,13 @@ def test_registry_and_import_paths(tmp_path, monkeypatch):
         environment_class(str(tmp_path / "missing.py") + ":Env")
     with pytest.raises(ConfigError, match="no reset or step"):
         environment_class("collections:OrderedDict")
+
+
+def test_rows_name_their_environment_and_get_the_resources_it_takes():
+    resources = {"tools": ["calculator"], "tool_output_max_tokens": None, "max_attempts": 2}
+    tool_env = environment_for_row(ROW, "tool", resources)
+    multi = environment_for_row({**ROW, "environment": "multi_turn"}, "tool", resources)
+    assert isinstance(tool_env, ToolEnvironment) and tool_env.all_tools == ("calculator",)
+    assert isinstance(multi, MultiTurnEnvironment) and multi.max_attempts == 2
+    with pytest.raises(ConfigError, match="unknown environment 'browser'"):
+        environment_for_row({**ROW, "environment": "browser"}, "tool", resources)
