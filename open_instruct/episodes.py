@@ -13,7 +13,8 @@ re-encoded ids scores tokens the sampler never produced. Per response token the 
 
 Observation ids (`EpisodeTokenizer.observation_ids`), by PREFIX DIFFERENCE through the chat template: render a
 fixed base conversation [user, assistant] with and without the new messages (the longer one with the generation
-prompt), tokenize both, and keep the ids after the base's last end-of-turn token. What is kept is exactly what the
+prompt), tokenize both, and keep the ids of the longer one after its k-th end-of-turn token, k being how many the
+base render has (the assistant's end of turn). What is kept is exactly what the
 template puts after an assistant turn: the separator after the end-of-turn token (ChatML's "\\n"), the tool/user
 turn, and the next assistant header, so the next turn starts where the model expects. Why this way:
   * only the new message is tokenized; the policy's own ids are never re-rendered, so thinking-stripping templates
@@ -29,7 +30,8 @@ turn with `turn_end_id` (default: the tokenizer's EOS); a turn that stopped with
 end) is closed with one `turn_end_id` as an observation token. The ids after a prior turn can differ from what a
 full re-render would give (e.g. Qwen3 at inference drops old <think> blocks); the policy is trained on exactly what
 it was conditioned on, which is the token-in/token-out point. A text observation (ReTool's `<output>` block)
-continues the same assistant message and is tokenized alone.
+continues the same assistant message and is tokenized alone. Tool output is tokenized like any rendered text, so
+a special token's text inside it (a printed "<|im_end|>") becomes that token, as in an inference server's chat API.
 
 Rewards across turns (`token_rewards`): each turn's reward from `env.step` (the final step's is the outcome).
 turn_reward_aggregation "sum": every turn's reward on that turn's last policy token (the episode score is the sum);
