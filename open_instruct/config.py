@@ -431,9 +431,12 @@ class RLVRConfig(BaseConfig):
     dual_clip_c: Optional[float] = field(
         default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0 (off: null)."}
     )
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
-        default="token_mean",
-        metadata={"help": "How token losses become the mini-batch loss (see aggregation_weights)."},
+    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = field(
+        default=None,
+        metadata={
+            "help": "How token losses become the mini-batch loss (see aggregation_weights); unset: "
+            "seq_mean_token_mean with policy_loss gspo (the GSPO paper's sequence mean), else token_mean."
+        },
     )
     loss_norm_length: Optional[int] = field(
         default=None, metadata={"help": "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length."}
@@ -530,6 +533,8 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
         if self.dual_clip_c is not None and self.policy_loss == "cispo":
             raise ConfigError("dual_clip_c applies to policy_loss ppo/gspo, not cispo (its weight is already capped)")
+        if self.loss_aggregation is None:  # unset, not "set to token_mean": GSPO's objective is a sequence mean
+            self.loss_aggregation = "seq_mean_token_mean" if self.policy_loss == "gspo" else "token_mean"
         if self.loss_norm_length is None:
             self.loss_norm_length = self.response_length
         _check_positive(self, "loss_norm_length")
