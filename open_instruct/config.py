@@ -155,6 +155,11 @@ class BaseConfig:
     resume_from_checkpoint: Optional[str] = opt(
         None, "'auto' (this output_dir's run: its latest valid checkpoint) or a checkpoint path."
     )
+    allow_resume_changes: Optional[list[str]] = opt(
+        None,
+        "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
+        "dataset_content); any other difference (data, run length, schedule, batch layout, lora_alpha) exits 2.",
+    )
     save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
     with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
     wandb_project: str = opt("open_instruct", "wandb project.")
