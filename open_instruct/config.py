@@ -210,6 +210,11 @@ class BaseConfig:
             raise ConfigError("lora_target_modules must name at least one module (or be unset: all linear layers)")
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.allow_resume_changes and not self.resume_from_checkpoint:
+            raise ConfigError(
+                f"allow_resume_changes {self.allow_resume_changes} applies to a resume: set resume_from_checkpoint "
+                "(auto or a checkpoint path)"
+            )
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         self._validate_data_sources()

@@ -641,6 +641,8 @@ def test_resume_refuses_changed_data_run_length_and_schedule_naming_old_and_new(
     err = refused("--allow_resume_changes", "lora_rank")
     assert "allow_resume_changes: ['lora_rank'] cannot be accepted" in err
     assert "not resume keys" in refused("--allow_resume_changes", "num_train_epoch")
+    assert run_script("sft", sft_argv(tiny_models, files, out, "--allow_resume_changes", "learning_rate")) == 2
+    assert "allow_resume_changes ['learning_rate'] applies to a resume" in capsys.readouterr().err
     assert snapshot(out) == before
 
 
