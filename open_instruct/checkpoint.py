@@ -550,7 +550,8 @@ def _model_config(path: str) -> Optional[dict[str, Any]]:
 
 def train_data_files(config: dict[str, Any]) -> list[str]:
     """The local files the training rows are read from, in source order (dataset_name_or_path's comma-separated
-    parts or dataset_mixer_list's sources; a folder: every file under it, sorted). Hub datasets have none here."""
+    parts or dataset_mixer_list's sources; a folder: every file under it, sorted, hidden ones left out). Hub
+    datasets have none here."""
     from open_instruct.mixture import parse_mixer_list
 
     if config.get("dataset_mixer_list"):
@@ -563,7 +564,7 @@ def train_data_files(config: dict[str, Any]) -> list[str]:
             files.append(os.path.abspath(source))
         elif os.path.isdir(source):
             for root, dirs, names in os.walk(source):
-                dirs.sort()
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
                 files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
     return files
 

@@ -344,6 +344,8 @@ def claim(
                 )
             remove_run_files(output_dir)
             run, files = None, []
+        if run is not None and not files and run.get("script", script) != script:
+            run = None  # only the run.json of another script's run that produced nothing: no run to continue
         if resume_from_checkpoint == "auto":
             if files and run is None:
                 raise ConfigError(_ways_forward(output_dir, describe(run, files)))
