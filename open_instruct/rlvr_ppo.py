@@ -181,18 +181,13 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, s
 
     A group whose completions all score the same gets exactly 0 (no signal), whatever the value: float32 means of
     equal scores can miss them by a rounding step, which / (std + eps) would turn into a push of up to ~0.06, so the
-    math runs in float64 and a group with max == min is set to 0 outright."""
+    math runs in float64 and a group of equal scores (zero_std_groups, an exact test) is set to 0 outright."""
     if scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
     groups = scores.double().view(-1, group_size)
     centred = groups - groups.mean(1, keepdim=True)
     advantages = centred / (groups.std(1, keepdim=True) + eps) if scale else centred
-    return torch.where(flat_groups(groups), 0.0, advantages).float().view(-1)
-
-
-def flat_groups(groups: torch.Tensor) -> torch.Tensor:
-    """[num_groups, 1]: True where every score of the group is the same (max == min, an exact test)."""
-    return groups.amax(1, keepdim=True) == groups.amin(1, keepdim=True)
+    return torch.where(zero_std_groups(scores, group_size).view_as(groups), 0.0, advantages).float().view(-1)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -205,7 +200,8 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
     groups = scores.double().view(-1, group_size)
     others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
-    return torch.where(flat_groups(groups), 0.0, groups - others_mean).float().view(-1)
+    flat = zero_std_groups(scores, group_size).view_as(groups)
+    return torch.where(flat, 0.0, groups - others_mean).float().view(-1)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
