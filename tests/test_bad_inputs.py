@@ -660,7 +660,7 @@ def test_resume_content_identity_and_accepted_changes(tiny_models, files, finish
     ]  # fmt: skip
     copy = tmp_path / "copy.jsonl"
     shutil.copy(files["sft"], copy)  # a new mtime, the same bytes
-    allow = ["--allow_resume_changes", "dataset_name_or_path"]
+    allow = ["--resume_from_checkpoint", step, "--allow_resume_changes", "dataset_name_or_path"]
     cfg = parse_config(
         SFTConfig, sft_argv(tiny_models, files, tmp_path / "o", "--dataset_name_or_path", str(copy), *allow)
     )
@@ -676,6 +676,7 @@ def test_resume_content_identity_and_accepted_changes(tiny_models, files, finish
     saved = {**state, "config": {**state["config"], "use_lora": True, "lora_rank": 8, "lora_alpha": 16.0}}
     (lora_step / checkpoint.STATE).write_text(json.dumps(saved))
     lora_argv = sft_argv(tiny_models, files, tmp_path / "o", "--use_lora", "true", "--lora_rank", "8")
+    lora_argv += ["--resume_from_checkpoint", str(lora_step)]
     with pytest.raises(ConfigError, match=r"lora_alpha: checkpoint 16.0 \(the adapters' scale"):
         checkpoint.check_resume_compatible(str(lora_step), parse_config(SFTConfig, lora_argv), 1)
     accepted = parse_config(SFTConfig, [*lora_argv, "--allow_resume_changes", "lora_alpha"])
