@@ -419,6 +419,8 @@ def save_training_state(
         "world_size": accelerator.num_processes,
         "config": {k: v for k, v in vars(cfg).items()},
         "run_id": run_dir.run_id_of(cfg.output_dir),
+        # the training files' identity, for a resume to refuse changed data (the main process writes the state)
+        "data_identity": data_identity(vars(cfg)) if accelerator.is_main_process else [],
         **(extra or {}),
     }
     check_finite_weights(models, accelerator, counters.optimizer_step)
@@ -479,11 +481,29 @@ ARCHITECTURE_KEYS = (
 )
 
 
+# Resume keys whose change leaves the saved state unloadable into this run's models (another script, adapters of
+# another shape, a value model or none): `allow_resume_changes` cannot accept them.
+STRUCTURAL_RESUME_KEYS = ("script", "use_lora", "lora_rank", "lora_target_modules", "advantage_estimator")
+# What decides the training rows and their order, the run's length and its learning-rate schedule; compared only when
+# the checkpoint's config has the key (a checkpoint from before a knob existed is not refused for it).
+DATA_STREAM_KEYS = (
+    "dataset_name_or_path",
+    "dataset_mixer_list",
+    "dataset_split",
+    "eval_fraction",
+    "max_seq_length",
+    "overlong",
+    "skip_bad_rows",
+)
+SCHEDULE_KEYS = ("num_train_epochs", "total_episodes", "learning_rate", "lr_scheduler_type", "warmup_ratio")
+DATA_CONTENT = "dataset_content"  # the bytes of the local training files (data_identity), not a config key
+
+
 def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[Any, str]]:
     """What a resumed run must share with its checkpoint so that the data stream continues where it stopped (the
     position is counted in episodes/prompts and the order drawn from seed and data size) and the counters and
     schedules mean the same: name -> (value, how it is made). Global quantities, so a new world size with the same
-    global batch resumes exactly."""
+    global batch resumes exactly. The content of the data files is compared apart (data_identity)."""
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
     layout: dict[str, tuple[Any, str]] = {
         "script": (config.get("script"), ""),
@@ -500,6 +520,11 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
     if config.get("use_lora"):
         for key in ("lora_rank", "lora_target_modules"):
             layout[key] = (config.get(key), "the saved adapters' shapes")
+        if "lora_alpha" in config:
+            layout["lora_alpha"] = (config["lora_alpha"], "the adapters' scale alpha / r")
+    for key in DATA_STREAM_KEYS + SCHEDULE_KEYS:
+        if key in config:
+            layout[key] = (config[key], "")
     if config.get("script") == "rlvr_ppo":
         local = config["local_rollout_batch_size"]
         layout["algo"] = (config.get("algo"), "")
@@ -523,34 +548,126 @@ def _model_config(path: str) -> Optional[dict[str, Any]]:
         return None
 
 
+def train_data_files(config: dict[str, Any]) -> list[str]:
+    """The local files the training rows are read from, in source order (dataset_name_or_path's comma-separated
+    parts or dataset_mixer_list's sources; a folder: every file under it, sorted, hidden ones left out). Hub
+    datasets have none here."""
+    from open_instruct.mixture import parse_mixer_list
+
+    if config.get("dataset_mixer_list"):
+        sources = [entry.source for entry in parse_mixer_list(config["dataset_mixer_list"])]
+    else:
+        sources = [p.strip() for p in (config.get("dataset_name_or_path") or "").split(",") if p.strip()]
+    files = []
+    for source in sources:
+        if os.path.isfile(source):
+            files.append(os.path.abspath(source))
+        elif os.path.isdir(source):
+            for root, dirs, names in os.walk(source):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
+                files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
+    return files
+
+
+_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> blake2b: each file read once per process
+
+
+def file_digest(path: str) -> str:
+    """blake2b of a file's bytes (cached while its size and mtime stay the same)."""
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        with open(path, "rb") as f:
+            _digests[key] = hashlib.file_digest(f, "blake2b").hexdigest()
+    return _digests[key]
+
+
+def data_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The identity of the training data files, recorded in each checkpoint: [{path, size, mtime_ns, blake2b}]."""
+    identity = []
+    for path in train_data_files(config):
+        st = os.stat(path)
+        identity.append({"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": file_digest(path)})
+    return identity
+
+
+def data_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) -> list[str]:
+    """How the training files differ from a checkpoint's data_identity, file by file in source order ([] when
+    the same). Cheap when nothing changed: same path, size and mtime is the same file; a file of the same size
+    touched or copied since is read and its bytes compared by digest."""
+    now = train_data_files(config)
+    if len(now) != len(saved):
+        return [f"{len(saved)} local file(s) -> {len(now)}: {[e['path'] for e in saved]} -> {now}"]
+    changes = []
+    for old, path in zip(saved, now):
+        st = os.stat(path)
+        if st.st_size != old["size"]:
+            change = f"{old['size']:,} -> {st.st_size:,} bytes"
+        elif (path == old["path"] and st.st_mtime_ns == old["mtime_ns"]) or file_digest(path) == old["blake2b"]:
+            continue
+        else:
+            change = f"{st.st_size:,} bytes both, blake2b {old['blake2b'][:12]} -> {file_digest(path)[:12]}"
+        changes.append(f"{old['path']}" + (f" (now {path})" if path != old["path"] else "") + f": {change}")
+    return changes
+
+
 def check_resume_compatible(checkpoint: str, cfg: Any, world_size: int) -> None:
     """Exit-2 error (ConfigError) naming every difference between the checkpoint and this run that would make the
-    resume wrong: another script or algorithm, another batch layout or data order, another model shape."""
+    resume wrong: another script or algorithm, another batch layout, data stream (its files' content too), run
+    length, learning-rate schedule or LoRA scale, another model shape. Differences whose key is listed in
+    cfg.allow_resume_changes are accepted (and printed); structural ones never are."""
     state = read_state(checkpoint)
     saved, now = resume_layout(state["config"], state["world_size"]), resume_layout(vars(cfg), world_size)
-    differences = []
+    differences: list[tuple[str, str]] = []
     for key, (value, made_of) in saved.items():
         current, current_made_of = now.get(key, (None, ""))
         if value != current:
             differences.append(
-                f"{key}: checkpoint {_explained(value, made_of)}, now {_explained(current, current_made_of)}"
+                (key, f"{key}: checkpoint {_explained(value, made_of)}, now {_explained(current, current_made_of)}")
             )
+    if "data_identity" in state:
+        differences += [
+            (DATA_CONTENT, f"{DATA_CONTENT}: {c}") for c in data_content_changes(state["data_identity"], vars(cfg))
+        ]
     if saved["script"] == now["script"]:
         checkpoint_model = _model_config(os.path.join(checkpoint, "hf", "policy"))
         model = _model_config(cfg.model_name_or_path) if os.path.isdir(cfg.model_name_or_path) else None
         if checkpoint_model and model:
             differences += [
-                f"model {key}: checkpoint {checkpoint_model.get(key)!r}, now {model.get(key)!r} "
-                f"(model_name_or_path {cfg.model_name_or_path})"
+                (
+                    "model",
+                    f"model {key}: checkpoint {checkpoint_model.get(key)!r}, now {model.get(key)!r} "
+                    f"(model_name_or_path {cfg.model_name_or_path})",
+                )
                 for key in ARCHITECTURE_KEYS
                 if checkpoint_model.get(key) != model.get(key)
             ]
-    if differences:
+    allowed = set(getattr(cfg, "allow_resume_changes", None) or [])
+    acceptable = (set(now) | {DATA_CONTENT}) - set(STRUCTURAL_RESUME_KEYS)
+    structural = sorted(allowed & set(STRUCTURAL_RESUME_KEYS))
+    unknown = sorted(allowed - acceptable - set(STRUCTURAL_RESUME_KEYS))
+    if structural or unknown:
+        problems = []
+        if structural:
+            problems.append(f"{structural} cannot be accepted (the saved state would not load into this run)")
+        if unknown:
+            problems.append(f"{unknown} are not resume keys")
+        raise ConfigError(
+            f"allow_resume_changes: {'; '.join(problems)}; the keys a resume compares and may accept: "
+            f"{sorted(acceptable)}"
+        )
+    for key, message in differences:
+        if key in allowed:
+            print(f"resume from {checkpoint}: accepting a change (allow_resume_changes): {message}")
+    refused = [message for key, message in differences if key not in allowed]
+    if refused:
+        overridable = [key for key, _ in differences if key in acceptable and key not in allowed]
+        accept = f" --allow_resume_changes {' '.join(dict.fromkeys(overridable))}" if overridable else ""
         raise ConfigError(
             f"cannot resume from {checkpoint}: it does not match this run:\n  "
-            + "\n  ".join(differences)
-            + "\nResume with the checkpoint's settings, or start a new run (another --output_dir, or "
-            "--overwrite_output_dir true)"
+            + "\n  ".join(refused)
+            + "\nResume with the checkpoint's settings, start a new run (another --output_dir, or "
+            "--overwrite_output_dir true)" + (f", or accept the change knowingly:{accept}" if accept else "")
         )
 
 

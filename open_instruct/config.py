@@ -155,6 +155,11 @@ class BaseConfig:
     resume_from_checkpoint: Optional[str] = opt(
         None, "'auto' (this output_dir's run: its latest valid checkpoint) or a checkpoint path."
     )
+    allow_resume_changes: Optional[list[str]] = opt(
+        None,
+        "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
+        "dataset_content); any other difference (data, run length, schedule, batch layout, lora_alpha) exits 2.",
+    )
     save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
     with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
     wandb_project: str = opt("open_instruct", "wandb project.")
@@ -205,6 +210,11 @@ class BaseConfig:
             raise ConfigError("lora_target_modules must name at least one module (or be unset: all linear layers)")
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.allow_resume_changes and not self.resume_from_checkpoint:
+            raise ConfigError(
+                f"allow_resume_changes {self.allow_resume_changes} applies to a resume: set resume_from_checkpoint "
+                "(auto or a checkpoint path)"
+            )
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         self._validate_data_sources()
@@ -431,9 +441,12 @@ class RLVRConfig(BaseConfig):
     dual_clip_c: Optional[float] = field(
         default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0 (off: null)."}
     )
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
-        default="token_mean",
-        metadata={"help": "How token losses become the mini-batch loss (see aggregation_weights)."},
+    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = field(
+        default=None,
+        metadata={
+            "help": "How token losses become the mini-batch loss (see aggregation_weights); unset: "
+            "seq_mean_token_mean with policy_loss gspo (the GSPO paper's sequence mean), else token_mean."
+        },
     )
     loss_norm_length: Optional[int] = field(
         default=None, metadata={"help": "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length."}
@@ -530,6 +543,8 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
         if self.dual_clip_c is not None and self.policy_loss == "cispo":
             raise ConfigError("dual_clip_c applies to policy_loss ppo/gspo, not cispo (its weight is already capped)")
+        if self.loss_aggregation is None:  # unset, not "set to token_mean": GSPO's objective is a sequence mean
+            self.loss_aggregation = "seq_mean_token_mean" if self.policy_loss == "gspo" else "token_mean"
         if self.loss_norm_length is None:
             self.loss_norm_length = self.response_length
         _check_positive(self, "loss_norm_length")

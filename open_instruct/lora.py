@@ -7,16 +7,23 @@ parameters with requires_grad) holds Adam state for the adapters (and head) only
 
 Names: peft puts the HF model under `base_model.model.`, an adapted linear's weight under `<module>.base_layer.weight`
 with its factors in `<module>.lora_A.default.weight` [r, in] and `<module>.lora_B.default.weight` [out, r], and a
-trained head under `score.modules_to_save.default.*` (its frozen original in `score.original_module.*`).
-`merged_tensors` maps these back to the base names with W + B @ A * scaling (what peft's merge_and_unload computes):
-used for merged final/best models (checkpoint.save_hf_model) and for the weights streamed to vLLM
-(vllm_generator.hf_weights). Checkpoints keep the peft model's own state dict (base + adapters), so resume is exact.
+trained head under `score.modules_to_save.default.*` (its frozen original in `score.original_module.*`). An adapted
+embedding keeps its factors in `<module>.lora_embedding_A.default` [r, vocab] and `.lora_embedding_B.default`
+[dim, r] (no `.weight`), and a GPT-2 Conv1D stores its weight [in, out] (peft's `fan_in_fan_out`).
+`merged_tensors` maps these back to the base names with what peft's merge_and_unload computes: W + B @ A * scaling
+for a linear, W + (B @ A)^T * scaling for a Conv1D and an embedding. It is used for merged final/best models and
+exports (checkpoint.save_hf_model, export.py) and for the weights streamed to vLLM (vllm_generator.hf_weights).
+Checkpoints keep the peft model's own state dict (base + adapters), so resume is exact.
+
+An adapted input embedding tied to the output head: peft's forward adapts the lookup only (the head keeps W), while
+a merged model with tied embeddings can hold one matrix: the merged save takes peft's merge (both W'; peft warns
+about adapters on tied layers), the vLLM stream (lm_head untied there) sends the head W, as the trainer computes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
 
@@ -70,6 +77,16 @@ def scalings(model: Any) -> dict[str, float]:
     }
 
 
+def fan_in_fan_out_layers(model: Any) -> set[str]:
+    """Raw module names of the adapted layers whose weight is stored [in, out] (peft's fan_in_fan_out, set for
+    GPT-2's Conv1D): their update B @ A is transposed before it is added."""
+    return {
+        name
+        for name, module in unwrap_model(model).named_modules()
+        if getattr(module, "fan_in_fan_out", False) and isinstance(getattr(module, "scaling", None), dict)
+    }
+
+
 def base_name(name: str) -> str:
     """The plain HF name of a peft parameter name."""
     name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
@@ -80,27 +97,55 @@ def merged_tensors(
     tensors: Mapping[str, torch.Tensor],
     scaling: Mapping[str, float],
     full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    transposed: Collection[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(plain HF name, merged tensor) for every tensor of a peft model's state dict or named parameters, in order.
 
-    W' = W + (B @ A) * scaling for an adapted layer (computed in float64, rounded once to W's dtype); LoRA factors and
-    the frozen originals of trained heads are left out. `full` turns a (sharded) value into the whole tensor; it is
-    called in the same order on every rank (it may be a collective)."""
+    linear:                       W' = W + (B @ A) * scaling
+    Conv1D (module in transposed,  W' = W + (B @ A)^T * scaling      (W stored [in, out]: fan_in_fan_out_layers)
+    and every embedding):                                            (embedding: A [r, vocab], B [dim, r])
+
+    computed in float64, rounded once to W's dtype; LoRA factors and the frozen originals of trained heads are left
+    out. `full` turns a (sharded) value into the whole tensor; it is called in the same order on every rank (it may
+    be a collective)."""
     for key, value in tensors.items():
         if ".lora_A." in key or ".lora_B." in key or ".original_module." in key or ".lora_embedding_" in key:
             continue
         value = full(value)
         module, _, leaf = key.rpartition(".base_layer.")
-        if leaf == "weight" and f"{module}.lora_A.{ADAPTER}.weight" in tensors:
-            a = full(tensors[f"{module}.lora_A.{ADAPTER}.weight"]).double()
-            b = full(tensors[f"{module}.lora_B.{ADAPTER}.weight"]).double()
-            value = (value.double() + (b @ a) * scaling[module]).to(value.dtype)
+        factors, transpose = (f"{module}.lora_A.{ADAPTER}.weight", f"{module}.lora_B.{ADAPTER}.weight"), False
+        if f"{module}.lora_embedding_A.{ADAPTER}" in tensors:
+            factors, transpose = (f"{module}.lora_embedding_A.{ADAPTER}", f"{module}.lora_embedding_B.{ADAPTER}"), True
+        if leaf == "weight" and factors[0] in tensors:
+            a, b = full(tensors[factors[0]]).double(), full(tensors[factors[1]]).double()
+            delta = (b @ a).T if transpose or module in transposed else b @ a
+            value = (value.double() + delta * scaling[module]).to(value.dtype)
         yield base_name(key), value
 
 
 def merged_state_dict(model: Any, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The plain HF state dict of a peft model with its adapters merged in (from its full state dict)."""
-    return dict(merged_tensors(state_dict, scalings(model)))
+    """The plain HF state dict of a peft model with its adapters merged in (from its full state dict). With tied
+    input/output embeddings the output head's entry is the merged input embedding (what a tied model loads)."""
+    merged = dict(merged_tensors(state_dict, scalings(model), transposed=fan_in_fan_out_layers(model)))
+    tied = tied_embedding_names(model)
+    if tied is not None and tied[0] in merged and tied[1] in merged:
+        merged[tied[1]] = merged[tied[0]]
+    return merged
+
+
+def tied_embedding_names(model: Any) -> tuple[str, str] | None:
+    """(input embedding weight, output head weight) in plain HF names when the model ties them, else None."""
+    hf = plain_model(model)
+    if not getattr(getattr(hf, "config", None), "tie_word_embeddings", False):
+        return None
+    get_in, get_out = getattr(hf, "get_input_embeddings", None), getattr(hf, "get_output_embeddings", None)
+    inputs, outputs = get_in() if get_in else None, get_out() if get_out else None
+    if inputs is None or outputs is None:
+        return None
+    names = {id(module): name for name, module in hf.named_modules()}
+    if id(inputs) not in names or id(outputs) not in names:
+        return None
+    return f"{names[id(inputs)]}.weight", f"{names[id(outputs)]}.weight"
 
 
 def count_trainable(model: Any) -> tuple[int, int]:

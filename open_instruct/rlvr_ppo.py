@@ -86,13 +86,14 @@ def masked_whiten(
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) on masked elements, 0 elsewhere.
 
-    mean/var default to the masked mean and unbiased variance of x; the training loop passes statistics summed over
-    all processes so every rank whitens with the same numbers."""
+    mean/var default to the masked mean and unbiased variance of x, taken in float64 (float32 sums of equal values
+    miss their mean by a rounding step, which rsqrt(var + eps) would blow up to ~1e-3 instead of 0); the training
+    loop passes statistics summed over all processes so every rank whitens with the same numbers."""
     if mean is None:
-        mean = masked_mean(x, mask)
+        mean = masked_mean(x.double(), mask.double())
     if var is None:
-        var = masked_var(x, mask)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
+        var = masked_var(x.double(), mask.double())
+    return ((x.double() - mean) * torch.rsqrt(var + eps) * mask).to(x.dtype)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -178,24 +179,29 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, s
         grpo:     A_i = (r_i - mean(group)) / (std(group) + eps)     (std with Bessel's correction, n - 1)
         dr_grpo:  A_i =  r_i - mean(group)                           (no std: no bias towards easy/hard prompts)
 
-    A group whose completions all score the same gets advantage 0 (no signal)."""
+    A group whose completions all score the same gets exactly 0 (no signal), whatever the value: float32 means of
+    equal scores can miss them by a rounding step, which / (std + eps) would turn into a push of up to ~0.06, so the
+    math runs in float64 and a group of equal scores (zero_std_groups, an exact test) is set to 0 outright."""
     if scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
-    groups = scores.float().view(-1, group_size)
+    groups = scores.double().view(-1, group_size)
     centred = groups - groups.mean(1, keepdim=True)
-    return (centred / (groups.std(1, keepdim=True) + eps) if scale else centred).view(-1)
+    advantages = centred / (groups.std(1, keepdim=True) + eps) if scale else centred
+    return torch.where(zero_std_groups(scores, group_size).view_as(groups), 0.0, advantages).float().view(-1)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO: each completion's score against the mean of the *other* completions of its group (leave one out):
 
     A_i = r_i - (sum_j r_j - r_i) / (k - 1)  =  k / (k - 1) * (r_i - mean(group)),   k = group_size >= 2
-    """
+
+    In float64, and exactly 0 for a group of equal scores (as group_advantages)."""
     if group_size < 2 or scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
-    groups = scores.float().view(-1, group_size)
+    groups = scores.double().view(-1, group_size)
     others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others_mean).view(-1)
+    flat = zero_std_groups(scores, group_size).view_as(groups)
+    return torch.where(flat, 0.0, groups - others_mean).float().view(-1)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -263,6 +269,7 @@ def gspo_policy_loss(
     mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip_c: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO: the importance ratio of a whole sequence (geometric mean of its token ratios), clipped per sequence,
     in its token form so it aggregates like the other losses:
@@ -270,10 +277,11 @@ def gspo_policy_loss(
     s_i    = exp( sum_t m_it (logp_it - old_it) / sum_t m_it )
     s_it   = sg[s_i] * exp(logp_it - sg[logp_it])          (value s_i; gradient s_i * grad logp_it)
     loss_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - clip_low, 1 + clip_high))
+    dual clip (c > 1), A_i < 0:  loss_it = min(loss_it, -c * A_i)   (as in ppo_policy_loss, on the sequence ratio)
     """
     seq_log_ratio = masked_mean(logp - old_logp, mask, dim=1).unsqueeze(1)
     log_ratio = seq_log_ratio.detach() + logp - logp.detach()
-    return ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high)
+    return ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high, dual_clip_c)
 
 
 def cispo_policy_loss(
@@ -659,15 +667,18 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
 
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> torch.Tensor:
-    """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree."""
+    """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree.
+
+    Two passes in float64 (the mean, then sum (x - mean)^2), not E[x^2] - E[x]^2: equal values then whiten to exactly
+    0, where the one-pass form leaves a variance of rounding noise that rsqrt(var + eps) blows up to ~1e-4."""
     from open_instruct.distributed import global_sums
 
-    m = global_sums(
-        accelerator, {"s": float(masked_sum(x, mask)), "ss": float(masked_sum(x**2, mask)), "n": float(mask.sum())}
-    )
-    mean = m["s"] / m["n"]
-    var = (m["ss"] - m["n"] * mean**2) / max(m["n"] - 1, 1)
-    return masked_whiten(x, mask, torch.tensor(mean), torch.tensor(var))
+    x64, mask64 = x.double(), mask.double()
+    m = global_sums(accelerator, {"s": float(masked_sum(x64, mask64)), "n": float(mask64.sum())})
+    mean = m["s"] / max(m["n"], 1.0)
+    ss = global_sums(accelerator, {"ss": float(masked_sum((x64 - mean) ** 2, mask64))})["ss"]
+    var = ss / max(m["n"] - 1, 1)
+    return masked_whiten(x, mask, torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64))
 
 
 def token_policy_loss(
@@ -676,7 +687,7 @@ def token_policy_loss(
     """The per-token policy loss and clip indicator of cfg.policy_loss (formulas in the functions above)."""
     low, high = cfg.cliprange_low, cfg.cliprange_high
     if cfg.policy_loss == "gspo":
-        return gspo_policy_loss(logp, old_logp, advantages, mask, low, high)
+        return gspo_policy_loss(logp, old_logp, advantages, mask, low, high, cfg.dual_clip_c)
     if cfg.policy_loss == "cispo":
         return cispo_policy_loss(logp, old_logp, advantages, high)
     return ppo_policy_loss(logp, old_logp, advantages, low, high, cfg.dual_clip_c)

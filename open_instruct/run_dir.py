@@ -11,7 +11,7 @@
     folder empty (or absent)                 a new run: run.json written
     holds a run, no resume flag              exit 2, naming what is there and the ways forward
     holds a run, --resume_from_checkpoint    continue that run (its run_id); if it already finished: exit 0, nothing
-        auto                                 touched
+        auto                                 touched; a run of another script (run.json's `script`): exit 2
     --overwrite_output_dir true              the old run's files are deleted first, then a new run
 
 Imports only the standard library (start-up code: no torch)."""
@@ -344,10 +344,13 @@ def claim(
                 )
             remove_run_files(output_dir)
             run, files = None, []
+        if run is not None and not files and run.get("script", script) != script:
+            run = None  # only the run.json of another script's run that produced nothing: no run to continue
         if resume_from_checkpoint == "auto":
             if files and run is None:
                 raise ConfigError(_ways_forward(output_dir, describe(run, files)))
             if run is not None:
+                check_same_script(output_dir, run, script)
                 return Claim(run["run_id"], True, bool(run.get("finished")), lock)
         elif explicit:
             run_id = checkpoint_run_id() or uuid.uuid4().hex[:12]
@@ -358,6 +361,8 @@ def claim(
                 )
             if run is None:
                 _start_run(output_dir, run_id, script)
+            else:
+                check_same_script(output_dir, run, script)
             return Claim(run_id, True, False, lock)  # explicit: resumed even if the run had finished
         elif files:
             raise ConfigError(_ways_forward(output_dir, describe(run, files)))
@@ -367,6 +372,19 @@ def claim(
     except BaseException:
         lock.release()
         raise
+
+
+def check_same_script(output_dir: str, run: dict[str, Any], script: str) -> None:
+    """A run is continued only by the script that started it: an SFT run must not adopt a DPO run's folder (it would
+    replace that run's metrics and models). ConfigError (exit 2) naming both, before anything in the folder changes."""
+    found = run.get("script")
+    if found and found != script:
+        raise ConfigError(
+            f"output_dir {output_dir!r} holds run {run['run_id']} of script {found!r} (its {RUN_FILE}), not "
+            f"{script!r}: --resume_from_checkpoint continues a run with the script that started it. Run {found} "
+            "to continue it, or start this one elsewhere (another --output_dir; --overwrite_output_dir true deletes "
+            "that run's files)"
+        )
 
 
 def _start_run(output_dir: str, run_id: str, script: str) -> None:

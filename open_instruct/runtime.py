@@ -56,8 +56,9 @@ def claim_output_dir(cfg: BaseConfig) -> None:
             run = run_dir.read_run(cfg.output_dir) or {}
             print(
                 f"run {claim.run_id} in {cfg.output_dir} already finished ({run.get('final_counters')}); nothing to "
-                "do. To train further, start a new run from one of its checkpoints (another --output_dir and "
-                "--resume_from_checkpoint PATH); --overwrite_output_dir true starts this one over."
+                "do. To train further, start a new run from one of its checkpoints (another --output_dir, "
+                "--resume_from_checkpoint PATH, and --allow_resume_changes naming what you change, e.g. "
+                "num_train_epochs); --overwrite_output_dir true starts this one over."
             )
             raise SystemExit(0)
         if resume == "auto":  # this run's newest valid checkpoint, or none (a fresh start)

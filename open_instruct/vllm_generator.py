@@ -153,7 +153,12 @@ def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Ten
     for p in named.values():
         seen.add(id(p))
     if lora.is_peft(model):  # LoRA: the merged weights W + B @ A * scaling under the base names, factors left out
-        pairs = lora.merged_tensors({k: p.detach() for k, p in named.items()}, lora.scalings(model), _full_tensor)
+        pairs = lora.merged_tensors(
+            {k: p.detach() for k, p in named.items()},
+            lora.scalings(model),
+            _full_tensor,
+            lora.fan_in_fan_out_layers(model),
+        )
     else:
         pairs = ((name, _full_tensor(p.detach())) for name, p in named.items())
     for name, tensor in pairs:

@@ -580,6 +580,122 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tiny_models, files, tmp_pat
     assert not os.path.exists(out / run_dir.LOCK_FILE)  # released at the end
 
 
+def crashed_copy(finished, out) -> None:
+    """A copy of a finished run as if it had crashed after its last checkpoint (not finished, no final_model)."""
+    shutil.copytree(finished, out)
+    run_dir.write_run(str(out), {**run_dir.read_run(str(out)), "finished": False})
+    shutil.rmtree(out / "final_model")
+
+
+def test_auto_never_continues_a_run_of_another_script(
+    tiny_models, files, finished_sft, tmp_path, capsys, no_model_loads
+):
+    """Issue 22.6: `dpo.py ... --resume_from_checkpoint auto` into an SFT run's folder (crashed before its first
+    checkpoint, crashed later, or finished) exits 2 naming the script found and the folder, before any model loads,
+    and changes nothing there. The old code adopted a folder without checkpoints (a fresh DPO run that wiped the SFT
+    run's metrics), said "already finished" (exit 0) for a finished one, and refused the crashed one only through
+    its checkpoint's script."""
+    for case in ("crashed_before_a_checkpoint", "crashed", "finished"):
+        out = tmp_path / case
+        if case == "finished":
+            shutil.copytree(finished_sft, out)
+        else:
+            crashed_copy(finished_sft, out)
+        if case == "crashed_before_a_checkpoint":
+            shutil.rmtree(out / "checkpoints")
+        before = snapshot(out)
+        capsys.readouterr()
+        assert run_script("dpo", dpo_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto")) == 2
+        err = capsys.readouterr().err
+        assert f"output_dir {str(out)!r} holds run {run_dir.run_id_of(str(out))} of script 'sft'" in err
+        assert "not 'dpo'" in err
+        assert snapshot(out) == before
+
+
+def test_resume_refuses_changed_data_run_length_and_schedule_naming_old_and_new(
+    tiny_models, files, finished_sft, tmp_path, capsys, no_model_loads
+):
+    """Issue 22.7: the old code resumed a changed dataset ("finished" with no training on a smaller one), run length
+    (the learning rate jumped) or schedule silently. Each is refused with exit 2 before any model loads, naming the
+    key with its checkpoint and new values and the flag that accepts it; nothing in the folder changes."""
+    out = tmp_path / "out"
+    crashed_copy(finished_sft, out)
+    before = snapshot(out)
+    grown = write_jsonl(str(tmp_path / "grown.jsonl"), sft_rows(40, 0))  # the 32 rows of files["sft"] and 8 more
+
+    def refused(*extra: str) -> str:
+        capsys.readouterr()
+        assert run_script("sft", sft_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto", *extra)) == 2
+        return capsys.readouterr().err
+
+    err = refused("--num_train_epochs", "3")
+    assert "num_train_epochs: checkpoint 1.0, now 3.0" in err and "--allow_resume_changes num_train_epochs" in err
+    err = refused("--learning_rate", "1e-3", "--lr_scheduler_type", "cosine")
+    assert "learning_rate: checkpoint 0.003, now 0.001" in err and "lr_scheduler_type: checkpoint 'linear'" in err
+    assert "--allow_resume_changes learning_rate lr_scheduler_type" in err
+    # another file: its name is accepted, its content is not (the checkpoint's file had 32 rows, this one 40)
+    err = refused("--dataset_name_or_path", grown, "--allow_resume_changes", "dataset_name_or_path")
+    size = os.path.getsize(files["sft"])
+    assert f"dataset_content: {files['sft']} (now {grown}): {size:,} -> {os.path.getsize(grown):,} bytes" in err
+    assert "dataset_name_or_path" not in err.split("dataset_content")[0]  # accepted: not among the refused
+    err = refused("--allow_resume_changes", "lora_rank")
+    assert "allow_resume_changes: ['lora_rank'] cannot be accepted" in err
+    assert "not resume keys" in refused("--allow_resume_changes", "num_train_epoch")
+    assert run_script("sft", sft_argv(tiny_models, files, out, "--allow_resume_changes", "learning_rate")) == 2
+    assert "allow_resume_changes ['learning_rate'] applies to a resume" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_resume_content_identity_and_accepted_changes(tiny_models, files, finished_sft, tmp_path, capsys):
+    """The data identity a checkpoint records (path, size, mtime, blake2b of each training file): a copy with the
+    same bytes under another name (its name accepted) or the same file touched resumes; the same size with other
+    bytes is refused (the digest tells); lora_alpha is compared for LoRA runs; an accepted change is printed."""
+    from open_instruct.errors import ConfigError
+
+    step = last_checkpoint(finished_sft)
+    state = checkpoint.read_state(step)
+    assert state["data_identity"] == [
+        {"path": os.path.abspath(files["sft"]), "size": os.path.getsize(files["sft"]),
+         "mtime_ns": os.stat(files["sft"]).st_mtime_ns, "blake2b": checkpoint.file_digest(files["sft"])}
+    ]  # fmt: skip
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(files["sft"], copy)  # a new mtime, the same bytes
+    allow = ["--resume_from_checkpoint", step, "--allow_resume_changes", "dataset_name_or_path"]
+    cfg = parse_config(
+        SFTConfig, sft_argv(tiny_models, files, tmp_path / "o", "--dataset_name_or_path", str(copy), *allow)
+    )
+    checkpoint.check_resume_compatible(step, cfg, 1)
+    assert "accepting a change (allow_resume_changes): dataset_name_or_path" in capsys.readouterr().out
+    text = copy.read_text()
+    copy.write_text(text.replace("a", "b", 1))  # same size, other bytes
+    with pytest.raises(ConfigError, match=r"dataset_content: .*copy.jsonl\): [\d,]+ bytes both, blake2b"):
+        checkpoint.check_resume_compatible(step, cfg, 1)
+    # lora_alpha 16 -> 32 in a LoRA run: refused, accepted when named
+    lora_step = tmp_path / "lora_step"
+    lora_step.mkdir()
+    saved = {**state, "config": {**state["config"], "use_lora": True, "lora_rank": 8, "lora_alpha": 16.0}}
+    (lora_step / checkpoint.STATE).write_text(json.dumps(saved))
+    lora_argv = sft_argv(tiny_models, files, tmp_path / "o", "--use_lora", "true", "--lora_rank", "8")
+    lora_argv += ["--resume_from_checkpoint", str(lora_step)]
+    with pytest.raises(ConfigError, match=r"lora_alpha: checkpoint 16.0 \(the adapters' scale"):
+        checkpoint.check_resume_compatible(str(lora_step), parse_config(SFTConfig, lora_argv), 1)
+    accepted = parse_config(SFTConfig, [*lora_argv, "--allow_resume_changes", "lora_alpha"])
+    checkpoint.check_resume_compatible(str(lora_step), accepted, 1)
+
+
+def test_an_accepted_longer_run_resumes_and_trains_on(tiny_models, files, finished_sft, tmp_path, capsys):
+    """--allow_resume_changes num_train_epochs: the crashed 4-step run continues to 8 steps from its checkpoint."""
+    out = tmp_path / "out"
+    crashed_copy(finished_sft, out)
+    argv = sft_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto", "--num_train_epochs", "2")
+    assert run_script("sft", [*argv, "--allow_resume_changes", "num_train_epochs"]) == 0
+    printed = capsys.readouterr().out
+    assert "accepting a change (allow_resume_changes): num_train_epochs: checkpoint 1.0, now 2.0" in printed
+    assert f"resumed from {out / 'checkpoints' / 'step_4'}" in printed
+    steps = [r["optimizer_step"] for r in read_metrics(str(out)) if "train/loss" in r or "loss" in r]
+    assert max(steps) == 8 and run_dir.read_run(str(out))["finished"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Resume with the same layout: every example / prompt used exactly once; a changed layout is refused
 

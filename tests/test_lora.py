@@ -248,6 +248,78 @@ def test_merged_weights_match_peft_merge_and_unload(task):
     assert any(not torch.equal(streamed[n], v) for n, v in base_weights(task["base"]).items() if n in streamed)
 
 
+def tiny_gpt2_and_llama(kind: str, tie: bool):
+    """A tiny GPT-2 (Conv1D layers, [in, out] weights) or Llama (nn.Linear) built locally, and every target kind."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=tie,
+                            bos_token_id=0, eos_token_id=0)  # fmt: skip
+        return GPT2LMHeadModel(config), ["c_attn", "c_proj", "c_fc", "wte"]  # attention, mlp (c_fc/c_proj), embedding
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie, bos_token_id=0,
+                         eos_token_id=0)  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
+    return LlamaForCausalLM(config), targets
+
+
+@pytest.mark.parametrize(
+    "kind,tie,all_linear",
+    [("gpt2", False, False), ("gpt2", True, False), ("gpt2", True, True), ("llama", False, False),
+     ("llama", True, False), ("llama", False, True)],
+)  # fmt: skip
+def test_merge_matches_peft_on_conv1d_and_embeddings(kind, tie, all_linear, tmp_path):
+    """Issue 22.3/22.4: the merged save (checkpoint.write_hf_folder of lora.merged_state_dict, as final_model,
+    best_model and export write it) gives peft's merge_and_unload logits on a GPT-2 (Conv1D: fan_in_fan_out, square
+    c_proj and non-square c_attn/c_fc) and a Llama, with every target kind (attention, mlp, embedding) or the default
+    all-linear. The old merge raised on GPT-2 (B @ A is [out, in], the Conv1D weight [in, out]), and skipped the
+    `.lora_embedding_` factors (the saved model carried the base embedding). The vLLM stream carries the same merged
+    tensors; with tied embeddings its (untied) lm_head is the head the trainer's forward uses, the base W.
+    (llama all-linear, no Conv1D and no embedding, is the control that passed before too.)"""
+    from transformers import AutoModelForCausalLM
+
+    from open_instruct.checkpoint import write_hf_folder
+    from open_instruct.vllm_generator import hf_weights
+
+    base, targets = tiny_gpt2_and_llama(kind, tie)
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=4, lora_alpha=12,
+                    lora_target_modules=None if all_linear else targets)  # fmt: skip
+    model = lora.apply_lora(base, cfg, "CAUSAL_LM").eval()
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            p.data.normal_(0, 0.2)  # a trained-looking adapter (B, and the embedding's A, start at zero)
+    ids = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with model.disable_adapter():
+            base_logits = model(input_ids=ids).logits
+        trained_logits = model(input_ids=ids).logits
+    merged = {k: v.clone() for k, v in lora.merged_state_dict(model, model.state_dict()).items()}
+    streamed = {k: v.clone() for k, v in hf_weights(model, untie=tie)}
+    head = model.get_output_embeddings().weight.detach().clone()
+    embedding_module = model.get_input_embeddings()
+    base_embedding = getattr(embedding_module, "base_layer", embedding_module).weight.detach().clone()
+    write_hf_folder(lora.plain_model(model), merged, None, str(tmp_path / "merged"))
+    reference = model.merge_and_unload().eval()  # peft merges in place: ours are computed (and cloned) before
+    with torch.no_grad():
+        peft_logits = reference(input_ids=ids).logits
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
+    diff = (ours - peft_logits).abs().max().item()
+    print(f"{kind} tie={tie} all_linear={all_linear}: merged save vs peft {diff:.2e}, "
+          f"peft vs base {(peft_logits - base_logits).abs().max():.2f}")  # fmt: skip
+    assert diff < 1e-5
+    assert (peft_logits - base_logits).abs().max() > 0.1  # the adapters do change the model
+    if not tie:  # untied, peft's merge is the trained forward itself
+        assert torch.allclose(peft_logits, trained_logits, atol=1e-5, rtol=0)
+    embedding = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+    for name, value in reference.named_parameters():
+        assert torch.allclose(streamed[name], value, atol=1e-6, rtol=0), name
+    if not all_linear:  # the trained embedding, not the base one
+        assert (streamed[embedding] - base_embedding).abs().max() > 0.01
+    if tie:
+        assert torch.equal(streamed["lm_head.weight"], head)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward model
 

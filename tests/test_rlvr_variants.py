@@ -61,6 +61,38 @@ def test_group_estimators_by_hand():
         rloo_advantages(T([1.0, 2.0, 3.0]), 2)
 
 
+def test_groups_of_equal_scores_get_exactly_zero_whatever_the_values():
+    """Issue 22.1. In float32 the mean of 8 copies of -0.1 (an all-wrong, all-truncated group: episode_score with
+    non_stop_penalty -0.1) misses -0.1 by one rounding step; the old code divided that ~6e-8 by std ~6e-8 + 1e-6 and
+    pushed every member up by +0.0074 (0.7 x 16: +0.056); Dr. GRPO and RLOO kept the ~6e-8 itself, and whitening
+    equal values gave ~1e-4 (E[x^2] - E[x]^2) or ~1e-3 (masked_whiten). Now each is exactly 0."""
+    import types
+
+    from open_instruct.rlvr_ppo import masked_whiten, whiten_over_ranks
+
+    all_truncated = episode_score(0.0, False, -0.1, None, 0.0, "add")
+    assert all_truncated == -0.1
+    for value, k in [(all_truncated, 8), (0.7, 8), (0.7, 16), (3.3, 7), (0.7, 3)]:
+        flat = torch.full((k,), value)
+        assert group_advantages(flat, k).tolist() == [0.0] * k, (value, k)
+        assert group_advantages(flat, k, scale=False).tolist() == [0.0] * k, (value, k)
+        assert rloo_advantages(flat, k).tolist() == [0.0] * k, (value, k)
+    # next to a flat group, a group with one different score keeps the std-normalised formula:
+    # [0.7 x 7, 1.7]: mean 0.825, deviations -0.125 (x7) and 0.875, var (7 * 0.015625 + 0.765625) / 7 = 0.125,
+    # std 0.353553: A = -0.125 / 0.353553 = -0.353553 (x7) and 0.875 / 0.353553 = 2.474874
+    scores = torch.tensor([0.7] * 8 + [0.7] * 7 + [1.7])
+    assert close(group_advantages(scores, 8), [0.0] * 8 + [-0.353553] * 7 + [2.474874])
+    assert group_advantages(scores, 8)[:8].tolist() == [0.0] * 8
+    # whitening (gae, reinforce_pp) of equal values over the batch: exactly 0 too
+    x, mask = torch.full((64, 7), 0.7), torch.ones(64, 7)
+    mask[:, 5:] = 0
+    one_process = types.SimpleNamespace(num_processes=1)
+    assert whiten_over_ranks(x, mask, one_process).abs().max().item() == 0.0
+    assert masked_whiten(x, mask).abs().max().item() == 0.0
+    # and a spread batch is whitened as before: [1, 2, 3] -> mean 2, unbiased var 1 -> [-1, 0, 1]
+    assert close(whiten_over_ranks(T([[1.0, 2.0, 3.0]]), torch.ones(1, 3), one_process), [[-1.0, 0.0, 1.0]])
+
+
 def test_reinforce_pp_returns_by_hand():
     rewards = T([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
     mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the 9 sits on padding and must not leak
@@ -133,6 +165,52 @@ def test_gspo_uses_the_sequence_ratio_by_hand():
     loss2, clipped2 = gspo_policy_loss(logp2, old, adv, mask, 0.2, 0.1)
     (loss2 * mask).sum().backward()
     assert close(loss2[0, :2], [-1.1, -1.1]) and clipped2[0, 0].item() == 1.0 and close(logp2.grad, [[0.0, 0.0, 0.0]])
+
+
+def test_gspo_applies_dual_clip_c_by_hand():
+    """Issue 22.2: dual_clip_c was accepted with policy_loss gspo but token_policy_loss never passed it on.
+    logp [[-1, -1]], old = logp - 1: token log-ratios 1, sequence ratio s = e = 2.71828; A = -1: PPO's max(-A s,
+    -A clip(s, 0.8, 1.2)) = max(2.71828, 1.2) = 2.71828 per token; dual clip c = 1.5 bounds it at -c A = 1.5."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.rlvr_ppo import token_policy_loss
+
+    logp = T([[-1.0, -1.0]])
+    old, adv, mask = logp - 1.0, T([[-1.0, -1.0]]), T([[1.0, 1.0]])
+    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--algo", "grpo", "--policy_loss", "gspo"]
+    without = parse_config(RLVRConfig, args)
+    loss, _ = token_policy_loss(without, logp, old, adv, mask)
+    assert close(loss, [[math.e, math.e]])
+    cfg = parse_config(RLVRConfig, [*args, "--dual_clip_c", "1.5"])
+    loss, clipped = token_policy_loss(cfg, logp, old, adv, mask)
+    assert close(loss, [[1.5, 1.5]]) and clipped.tolist() == [[1.0, 1.0]]
+
+
+def test_gspo_defaults_to_the_papers_sequence_mean_by_hand():
+    """Issue 22.5: with loss_aggregation unset, policy_loss gspo aggregates as the GSPO paper (mean over sequences of
+    their token means); ppo keeps token_mean; a loss_aggregation the user sets is used as set.
+    Two sequences on the old policy (ratio 1, no clipping): row 0 has 1 token, A = +2 -> loss -2; row 1 has 3
+    tokens, A = -1 -> loss +1 each.
+      sequence mean: (-2 + (1 + 1 + 1) / 3) / 2 = -0.5        token mean: (-2 + 1 + 1 + 1) / 4 = 0.25
+    (the old default, token_mean, gave gspo 0.25: the longer sequence weighed three times as much)."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.rlvr_ppo import token_policy_loss
+
+    logp = T([[-0.5, 0.0, 0.0], [-0.7, -0.2, -1.3]])
+    mask, adv = T([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]), T([[2.0, 2.0, 2.0], [-1.0, -1.0, -1.0]])
+    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--algo", "grpo"]
+
+    def loss(*extra: str) -> tuple[str, float]:
+        cfg = parse_config(RLVRConfig, [*args, *extra])
+        per_token, _ = token_policy_loss(cfg, logp, logp.clone(), adv, mask)
+        w, units = aggregation_weights(mask, cfg.loss_aggregation, cfg.loss_norm_length)
+        return cfg.loss_aggregation, float((per_token * w).sum() / units.sum())
+
+    aggregation, value = loss("--policy_loss", "gspo")
+    assert aggregation == "seq_mean_token_mean" and value == pytest.approx(-0.5, abs=1e-6)
+    aggregation, value = loss("--policy_loss", "gspo", "--loss_aggregation", "token_mean")  # explicit: kept
+    assert aggregation == "token_mean" and value == pytest.approx(0.25, abs=1e-6)
+    aggregation, value = loss("--policy_loss", "ppo")
+    assert aggregation == "token_mean" and value == pytest.approx(0.25, abs=1e-6)
 
 
 def test_cispo_keeps_a_gradient_on_clipped_tokens_by_hand():
