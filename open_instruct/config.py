@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
+from open_instruct import flag_names
 from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list
@@ -653,7 +654,11 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
+def _unknown_key_error(key: str, valid: Sequence[str], where: str, script: str = "") -> ConfigError:
+    """Names other libraries use get the porting table's answer (flag_names.py); others the closest valid key."""
+    known = flag_names.hint(key, valid, script)
+    if known:
+        return ConfigError(f"unknown key {key!r} in {where}: {known}")
     close = difflib.get_close_matches(key, valid, n=2, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return ConfigError(f"unknown key {key!r} in {where}{hint}")
@@ -758,11 +763,11 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     valid = _field_names(cls)
     for key in recipe:
         if key not in valid:
-            raise _unknown_key_error(key, valid, f"recipe {recipe_path}")
+            raise _unknown_key_error(key, valid, f"recipe {recipe_path}", expected_script)
     accepted = _accepted_keys(cls)
     for token in argv:
         if token.startswith("--") and _option_key(token) not in accepted:
-            raise _unknown_key_error(_option_key(token), valid, "command-line overrides")
+            raise _unknown_key_error(_option_key(token), valid, "command-line overrides", expected_script)
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
     # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
