@@ -339,7 +339,9 @@ class DPOConfig(PreferenceDataConfig):
     label_smoothing: float = opt(0.0, "Conservative DPO: assumed probability that a label is flipped.")
     gamma_beta_ratio: float = opt(0.0, "SimPO target margin gamma, as a ratio of beta.")
     reference_cache_dir: Optional[str] = opt(
-        None, "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."
+        None,
+        "Where reference log-probs are cached (default: <output_dir>/ref_cache). A sweep over beta, lr or loss type "
+        "can share one folder: the file name is a hash of model, data and precision.",
     )
 
     def validate(self) -> None:
