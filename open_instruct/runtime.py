@@ -86,8 +86,9 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
 
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
-        from open_instruct import preflight, run_dir
+        from open_instruct import distributed, preflight, run_dir
 
+        distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
         preflight.check_inputs(cfg)
         preflight.check_output_dir_writable(cfg.output_dir)
         if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
