@@ -412,6 +412,15 @@ class RLVRConfig(BaseConfig):
         None, "A trained reward model (sequence classifier with a trained score head) added to the score."
     )
     reward_model_multiplier: float = opt(0.0, "Weight of the reward model's score.")
+    reward_functions: Optional[list[str]] = opt(
+        None,
+        "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
+        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, ground_truth, dataset) -> a list of "
+        "float or None per completion (README: Custom reward functions). Checked before any model loads.",
+    )
+    reward_function_weights: Optional[list[float]] = opt(
+        None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
+    )
     verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
     non_stop_penalty_mode: Literal["add", "replace"] = field(
         default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
@@ -563,6 +572,13 @@ class RLVRConfig(BaseConfig):
         if not self.uses_value_model and self.value_model_path:
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
+            )
+        if self.reward_function_weights is not None and len(self.reward_function_weights) != len(
+            self.reward_functions or []
+        ):
+            raise ConfigError(
+                f"reward_function_weights has {len(self.reward_function_weights)} entries but reward_functions has "
+                f"{len(self.reward_functions or [])}: give one weight per function"
             )
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(

@@ -127,6 +127,11 @@ FOREIGN_NAMES: tuple[ForeignName, ...] = (
     _n("vllm_mode", [TRL], "`--generation_backend vllm` (colocate) or `vllm_server`", ["generation_backend"]),
     _n("reward_pretrain", [ORLHF], "`--reward_model_path PATH`", ["reward_model_path"]),
     _n("critic_pretrain", [ORLHF], "`--value_model_path PATH`", ["value_model_path"]),
+    _n("reward_funcs", [TRL], "`--reward_functions module:function ...`", ["reward_functions"],
+       "TRL's signature; added to the verifiers' reward, `reward_function_weights` as reward_weights"),
+    _n("reward_weights", [TRL], "`--reward_function_weights W ...`", ["reward_function_weights"]),
+    _n("remote_rm_url", [ORLHF], "`--reward_functions path/to/file.py:function`", ["reward_functions"],
+       "a local reward file; the function takes TRL's keyword arguments"),
     _n("apply_verifiable_reward", [OI], "always on", ["verification_reward"],
        "`--verification_reward X` sets its weight (0 turns it off)"),
     # --- DPO

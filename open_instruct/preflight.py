@@ -175,3 +175,8 @@ def check_inputs(cfg: Any) -> None:
     check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
     check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
     check_chat_template(cfg.chat_template)
+    if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
+        from open_instruct.rewards import load_reward_function
+
+        for spec in cfg.reward_functions:
+            load_reward_function(spec)

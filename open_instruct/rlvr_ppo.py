@@ -534,7 +534,7 @@ def collect_rollout(
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     episodes = [prompts[i] for i in out.prompt_index]
     t1 = time.perf_counter()
-    scored = score_texts(cfg, out.texts, episodes)
+    scored = score_texts(cfg, out.texts, episodes, run.tokenizer, out.response_ids)
     t2 = time.perf_counter()
     # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
     lags = [step - v for v in out.weight_versions] if out.weight_versions else [0] * len(episodes)
@@ -613,17 +613,32 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
-def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
-    """Verifier rewards of completions (each row's verifier, under the time limit)."""
+def score_texts(
+    cfg: RLVRConfig, texts: list[str], examples: list[dict], tokenizer: Any, response_ids: list[list[int]]
+) -> Any:
+    """Verifier rewards of completions (each row's verifier, under the time limit), plus the weighted custom reward
+    functions (reward_functions; `correct` stays the verifiers' verdict)."""
     from open_instruct import rewards
 
-    return rewards.score_batch(
+    scored = rewards.score_batch(
         texts,
         [e["ground_truth"] for e in examples],
         [e["verifier"] for e in examples],
         verification_reward=cfg.verification_reward,
         timeout=cfg.verifier_timeout,
     )
+    if not cfg.reward_functions:
+        return scored
+    extra = rewards.custom_rewards(
+        cfg.reward_functions,
+        cfg.reward_function_weights,
+        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
+        completions=texts,
+        completion_ids=response_ids,
+        ground_truth=[e["ground_truth"] for e in examples],
+        dataset=[e["verifier"] for e in examples],
+    )
+    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
@@ -974,7 +989,7 @@ def evaluate(
     sources = data.mixed_sources(evals)
     sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
     if out is not None:
-        scored = score_texts(cfg, out.texts, local)
+        scored = score_texts(cfg, out.texts, local, tokenizer, out.response_ids)
         sums.update(
             correct=float(sum(scored.correct)),
             score=float(sum(scored.rewards)),
