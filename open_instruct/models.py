@@ -238,14 +238,29 @@ def load_sequence_classifier(
     weights lack it (a causal LM given as a reward model: its scores would be noise). Local folders are refused
     before loading already (preflight.check_trained_score_head); this catches hub models."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        name_or_path,
-        num_labels=1,
-        output_loading_info=True,
-        **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation),
-    )
+    # A classifier from a causal LM (a value model from the policy, a reward model to train) always makes transformers
+    # print a LOAD REPORT table (lm_head unused, score new): expected, so it is held back and only other keys are told.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            name_or_path,
+            num_labels=1,
+            output_loading_info=True,
+            **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation),
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     untrained = sorted(k for k in info["missing_keys"] if k.split(".")[0] == "score")
+    other_missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] != "score")
+    other_unexpected = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] != "lm_head")
+    if other_missing or other_unexpected:
+        hf_logging.get_logger(__name__).warning(
+            f"loading {name_or_path} as a scalar-head model: weights missing from the checkpoint (initialised): "
+            f"{other_missing}; weights in the checkpoint not used: {other_unexpected}"
+        )
     if require_trained_head and untrained:
         raise ConfigError(
             f"{name_or_path!r} is not a trained reward model: its weights have no {untrained} (the score head would "

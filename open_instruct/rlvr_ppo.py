@@ -37,7 +37,7 @@ that sampled, so the training forward's own log-probs serve as the old ones (no 
 
 from __future__ import annotations
 
-from open_instruct import runtime
+from open_instruct import console, runtime
 from open_instruct.config import RLVRConfig
 
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
@@ -1055,10 +1055,7 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
             f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
         )
     if accelerator.is_main_process:
-        print(
-            f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan "
-            f"{plan.to_dict()}"
-        )
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
     return train, evals, plan, longest_prompt + longest_response
 
 
@@ -1227,6 +1224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         counters.epoch = counters.rollout_step * plan.rollout_batch_size / len(train)
         run.logger.advance()
         clock.add(rollout.seconds, int(rollout.mask.sum()))
+        run.throughput.add(int(rollout.mask.sum()), len(rollout.episodes))  # for the end-of-run summary
         if should_log(counters.rollout_step, cfg.logging_steps):
             run.log(
                 {
