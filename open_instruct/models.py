@@ -167,8 +167,11 @@ def chunked_token_logprobs(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     weight, bias = head.weight, head.bias
-    if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on the output layer ...): its own forward
-        return token_logprobs(head(hidden)[None], labels[None])[0]
+    if type(head) is not torch.nn.Linear:  # a wrapped head (FSDP2's FSDPLinear, LoRA ...): its own forward and hooks
+        # Computed as a new tensor, not `token_logprobs(...)[0]`: a view returned by the FSDP root module makes torch
+        # warn on every step that an in-place op on it would skip the pre-backward all-gather.
+        logits = head(hidden).float()
+        return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, dtype, chunk)
 
 
@@ -497,7 +500,9 @@ class TokenValueModel(torch.nn.Module):
             hidden = backbone(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
             ).last_hidden_state
-        return seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
+        # A new tensor, not a view of the head's [B, P, 1] output: FSDP2 warns on every step about a view returned
+        # by a sharded module (an in-place op on it would skip the pre-backward all-gather; none is done here).
+        return seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float().clone()
 
 
 def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:
