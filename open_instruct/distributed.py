@@ -201,11 +201,12 @@ def check_cpu_launch(script: str) -> None:
     count = launcher_process_count(launcher, script)
     if count is not None and count > 1:
         raise ConfigError(
-            f"accelerate launch was asked for {count} processes but started one: without a GPU (and without an "
-            "FSDP config) its simple launcher runs the script once, which would train alone. To run "
+            f"accelerate launch was asked for {count} processes but started one: with no GPU (or one) and no FSDP "
+            "config, its simple launcher runs the script once, which would train alone. To run "
             f"{count} processes on CPU: {CPU_FSDP_ENV}=1 accelerate launch --config_file "
             f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see the "
-            "README's multi-GPU section); for one process drop --num_processes"
+            f"README's multi-GPU section); on {count} GPUs: --config_file configs/accelerate/fsdp_8gpu.yaml; for one "
+            "process drop --num_processes"
         )
 
 
