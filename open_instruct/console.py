@@ -3,12 +3,15 @@ compact line per evaluation, and an end-of-run summary. Pure functions of the co
 logged rows (tracking.py and runtime.py print them); no torch.
 
     dpo: output/dpo_tiny  (model output/sft_tiny/final_model; 1 process, fp32; loss dpo, beta 0.5)
-      data   2000/2000 rows kept: ...; 200 held-out pairs
+      data   2000/2000 rows kept: 0 bad, 0 dropped as over-long, 0 truncated, 0 duplicate ids; 200 held-out pairs
       batch  16 x 2 accumulation x 1 process = 32 pairs per optimizer step; 62 steps (1 epoch of 2,000)
-      eval   every 20 steps and at the end; best_model/ by eval/rewards/accuracy (max); checkpoint every 20 steps
-    train:  32%|███▏      | 20/62 [00:09<00:19, loss=0.52, acc=0.81, margin=0.77]
-    eval @ step 20: acc 0.835 | margin 1.21 | loss 0.4312
-"""
+      run    eval every 20 steps and at the end; best_model/ by eval/rewards/accuracy (max); checkpoint every ...
+    eval @ step 20: acc 0.51 | margin 0.09981 | loss 0.6792
+    train: 100%|██████████| 62/62 [00:20<00:00,  3.07step/s, loss=0.6706, acc=0.5, margin=0.2068]
+    done: 62 optimizer steps, 1,984 episodes in 20 s; 262,542 tokens trained (13,015/s)
+      eval/rewards/accuracy: final 0.59 (step 62), best 0.59 at step 60 -> output/dpo_tiny/best_model
+
+(the README's "What a run prints" has whole runs)."""
 
 from __future__ import annotations
 
