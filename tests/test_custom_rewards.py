@@ -159,3 +159,17 @@ def test_user_function_adds_to_the_verifier_reward_in_a_run(user_file, tiny_mode
         expected = 1.0 * r["eval/correct_rate"] + 0.01 * r["eval/response_length"]
         assert r["eval/score_mean"] == pytest.approx(expected, abs=1e-9)
         assert r["eval/score_mean"] > r["eval/correct_rate"]  # every response has tokens: the function added to it
+
+
+def test_one_weight_per_function():
+    from open_instruct.config import RLVRConfig, parse_config
+
+    recipe = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
+    with pytest.raises(ConfigError) as e:
+        parse_config(RLVRConfig, [recipe, "--reward_functions", "a.py:f", "--reward_function_weights", "1", "2"])
+    assert str(e.value) == (
+        "reward_function_weights has 2 entries but reward_functions has 1: give one weight per function"
+    )
+    two = ["--reward_functions", "a.py:f", "b:g", "--reward_function_weights", "1", "2"]
+    cfg = parse_config(RLVRConfig, [recipe, *two])
+    assert cfg.reward_functions == ["a.py:f", "b:g"] and cfg.reward_function_weights == [1.0, 2.0]
