@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
+from open_instruct import flag_names
 from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list
@@ -348,7 +349,9 @@ class DPOConfig(PreferenceDataConfig):
     label_smoothing: float = opt(0.0, "Conservative DPO: assumed probability that a label is flipped.")
     gamma_beta_ratio: float = opt(0.0, "SimPO target margin gamma, as a ratio of beta.")
     reference_cache_dir: Optional[str] = opt(
-        None, "Where reference log-probs are cached (default: <output_dir>/../.ref_cache)."
+        None,
+        "Where reference log-probs are cached (default: <output_dir>/ref_cache). A sweep over beta, lr or loss type "
+        "can share one folder: the file name is a hash of model, data and precision.",
     )
 
     def validate(self) -> None:
@@ -419,6 +422,15 @@ class RLVRConfig(BaseConfig):
         None, "A trained reward model (sequence classifier with a trained score head) added to the score."
     )
     reward_model_multiplier: float = opt(0.0, "Weight of the reward model's score.")
+    reward_functions: Optional[list[str]] = opt(
+        None,
+        "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
+        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, ground_truth, dataset) -> a list of "
+        "float or None per completion (README: Custom reward functions). Checked before any model loads.",
+    )
+    reward_function_weights: Optional[list[float]] = opt(
+        None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
+    )
     verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
     non_stop_penalty_mode: Literal["add", "replace"] = field(
         default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
@@ -576,6 +588,13 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
             )
+        if self.reward_function_weights is not None and len(self.reward_function_weights) != len(
+            self.reward_functions or []
+        ):
+            raise ConfigError(
+                f"reward_function_weights has {len(self.reward_function_weights)} entries but reward_functions has "
+                f"{len(self.reward_functions or [])}: give one weight per function"
+            )
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
@@ -668,7 +687,11 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
+def _unknown_key_error(key: str, valid: Sequence[str], where: str, script: str = "") -> ConfigError:
+    """Names other libraries use get the porting table's answer (flag_names.py); others the closest valid key."""
+    known = flag_names.hint(key, valid, script)
+    if known:
+        return ConfigError(f"unknown key {key!r} in {where}: {known}")
     close = difflib.get_close_matches(key, valid, n=2, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return ConfigError(f"unknown key {key!r} in {where}{hint}")
@@ -773,11 +796,11 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     valid = _field_names(cls)
     for key in recipe:
         if key not in valid:
-            raise _unknown_key_error(key, valid, f"recipe {recipe_path}")
+            raise _unknown_key_error(key, valid, f"recipe {recipe_path}", expected_script)
     accepted = _accepted_keys(cls)
     for token in argv:
         if token.startswith("--") and _option_key(token) not in accepted:
-            raise _unknown_key_error(_option_key(token), valid, "command-line overrides")
+            raise _unknown_key_error(_option_key(token), valid, "command-line overrides", expected_script)
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
     # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->

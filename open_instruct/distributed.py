@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
@@ -150,6 +150,63 @@ def check_launch(accelerator: Any) -> None:
         raise ConfigError(
             f"the accelerate config asks for FSDP but accelerate chose {accelerator.distributed_type} (unsharded "
             f"replicas on every rank); on a CPU-only machine set {CPU_FSDP_ENV}=1, or drop --cpu"
+        )
+
+
+def launcher_process_count(launcher_argv: Sequence[str], script: str) -> Optional[int]:
+    """The process count an `accelerate launch` command line asks for (`--num_processes N`, `--num-processes=N`, or
+    the `num_processes` of its `--config_file`), reading only the launcher's own options (those before `script`);
+    None when it names none."""
+    argv = list(launcher_argv)
+    ends = [i for i, token in enumerate(argv) if token == script or os.path.abspath(token) == os.path.abspath(script)]
+    own = argv[: ends[0]] if ends else argv
+    found: dict[str, str] = {}
+    for i, token in enumerate(own):
+        key, _, value = token.partition("=")
+        key = key.replace("-", "_")
+        if key in ("__num_processes", "__config_file"):
+            if not value and i + 1 < len(own):
+                value = own[i + 1]
+            found[key] = value
+    if "__num_processes" in found:
+        try:
+            return int(found["__num_processes"])
+        except ValueError:
+            return None
+    if found.get("__config_file") and os.path.isfile(found["__config_file"]):
+        import yaml
+
+        with open(found["__config_file"]) as f:
+            count = (yaml.safe_load(f) or {}).get("num_processes")
+        return count if isinstance(count, int) else None
+    return None
+
+
+def check_cpu_launch(script: str) -> None:
+    """`accelerate launch --num_processes N` on a machine without a GPU starts ONE process: with no GPU (and no FSDP
+    or multi-GPU config) accelerate picks its simple launcher, which runs the script once, with no WORLD_SIZE, and
+    only exports MASTER_ADDR. That process would train alone, on everything, under a world_size of 1. Such a
+    launch is recognised by accelerate's variable ACCELERATE_USE_CPU without WORLD_SIZE, and the count is read from
+    the launcher's command line (/proc/<parent>/cmdline; Linux): more than 1 stops here (exit 2) with the way to run
+    N processes on CPU."""
+    if "WORLD_SIZE" in os.environ or "ACCELERATE_USE_CPU" not in os.environ:
+        return  # a real multi-process launch (torchrun sets WORLD_SIZE), or not started by accelerate launch
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            launcher = [t.decode(errors="replace") for t in f.read().split(b"\0") if t]
+    except OSError:
+        return
+    if not any(os.path.basename(t) == "accelerate" for t in launcher[:3]) or "launch" not in launcher:
+        return
+    count = launcher_process_count(launcher, script)
+    if count is not None and count > 1:
+        raise ConfigError(
+            f"accelerate launch was asked for {count} processes but started one: with no GPU (or one) and no FSDP "
+            "config, its simple launcher runs the script once, which would train alone. To run "
+            f"{count} processes on CPU: {CPU_FSDP_ENV}=1 accelerate launch --config_file "
+            f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see the "
+            f"README's multi-GPU section); on {count} GPUs: --config_file configs/accelerate/fsdp_8gpu.yaml; for one "
+            "process drop --num_processes"
         )
 
 

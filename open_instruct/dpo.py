@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from open_instruct import distributed, runtime
+from open_instruct import console, distributed, runtime
 from open_instruct.config import DPOConfig
 
 if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits before the slow import
@@ -225,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not cfg.eval_steps:
         evals = []  # never evaluated: no reference pass over it either
     if accelerator.is_main_process:
-        print(f"data: {stats.summary()}; {len(evals)} held-out pairs; world_size {world}", flush=True)
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
 
     model = load_policy(cfg)
     disable_dropout(model)

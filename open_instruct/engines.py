@@ -144,7 +144,7 @@ def engine_specs(
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GB)
         else:
             argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_device_names(mine))
         specs.append(EngineSpec(i, host, port + i, mine, argv, env))
     return specs
 
@@ -311,6 +311,22 @@ def check_running_engines(
                 + (f"with weight-transfer backend {backend}" if backend else "without a weight-transfer backend")
                 + f"; this run broadcasts over {transfer} (vllm_weight_transfer): {restart}"
             )
+
+
+def visible_device_names(devices: Sequence[int]) -> list[str]:
+    """This process's CUDA device indices as the entries of its own CUDA_VISIBLE_DEVICES (ids or UUIDs): a child's
+    CUDA_VISIBLE_DEVICES names physical GPUs, not the parent's renumbered ones, so under CUDA_VISIBLE_DEVICES=7 the
+    engine on local device 0 must be told 7. Without the variable (every GPU visible) an index is its own name."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not mask:
+        return [str(d) for d in devices]
+    visible = [d.strip() for d in mask.split(",")]
+    missing = [d for d in devices if d >= len(visible)]
+    if missing:
+        raise ConfigError(
+            f"CUDA device(s) {missing} are not among the {len(visible)} of CUDA_VISIBLE_DEVICES={','.join(visible)}"
+        )
+    return [visible[d] for d in devices]
 
 
 def free_generation_devices(num_training_processes_here: int) -> Optional[list[int]]:

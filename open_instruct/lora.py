@@ -23,6 +23,7 @@ about adapters on tied layers), the vLLM stream (lm_head untied there) sends the
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
@@ -49,7 +50,13 @@ def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> An
         target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
         task_type=task_type,
     )
-    return get_peft_model(model, config)
+    # peft (0.21.2, the newest) reads transformers' deprecated alias `model.is_gradient_checkpointing` in
+    # PeftModel.__init__ (to decide whether to make the inputs require grads), and transformers 5 warns on every
+    # read ("deprecated ... Use `is_activation_checkpointing`"). The value read is the right one and there is nothing
+    # for a user to change, so that one FutureWarning, from this one call, is not shown.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def is_peft(model: Any) -> bool:

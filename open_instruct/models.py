@@ -167,8 +167,11 @@ def chunked_token_logprobs(
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     weight, bias = head.weight, head.bias
-    if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on the output layer ...): its own forward
-        return token_logprobs(head(hidden)[None], labels[None])[0]
+    if type(head) is not torch.nn.Linear:  # a wrapped head (FSDP2's FSDPLinear, LoRA ...): its own forward and hooks
+        # Computed as a new tensor, not `token_logprobs(...)[0]`: a view returned by the FSDP root module makes torch
+        # warn on every step that an in-place op on it would skip the pre-backward all-gather.
+        logits = head(hidden).float()
+        return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, dtype, chunk)
 
 
@@ -238,14 +241,29 @@ def load_sequence_classifier(
     weights lack it (a causal LM given as a reward model: its scores would be noise). Local folders are refused
     before loading already (preflight.check_trained_score_head); this catches hub models."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        name_or_path,
-        num_labels=1,
-        output_loading_info=True,
-        **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation),
-    )
+    # A classifier from a causal LM (a value model from the policy, a reward model to train) always makes transformers
+    # print a LOAD REPORT table (lm_head unused, score new): expected, so it is held back and only other keys are told.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            name_or_path,
+            num_labels=1,
+            output_loading_info=True,
+            **_pretrained_kwargs(gguf_file, dtype, trust_remote_code, revision, attn_implementation),
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     untrained = sorted(k for k in info["missing_keys"] if k.split(".")[0] == "score")
+    other_missing = sorted(k for k in info["missing_keys"] if k.split(".")[0] != "score")
+    other_unexpected = sorted(k for k in info["unexpected_keys"] if k.split(".")[0] != "lm_head")
+    if other_missing or other_unexpected:
+        hf_logging.get_logger(__name__).warning(
+            f"loading {name_or_path} as a scalar-head model: weights missing from the checkpoint (initialised): "
+            f"{other_missing}; weights in the checkpoint not used: {other_unexpected}"
+        )
     if require_trained_head and untrained:
         raise ConfigError(
             f"{name_or_path!r} is not a trained reward model: its weights have no {untrained} (the score head would "
@@ -482,7 +500,9 @@ class TokenValueModel(torch.nn.Module):
             hidden = backbone(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
             ).last_hidden_state
-        return seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float()
+        # A new tensor, not a view of the head's [B, P, 1] output: FSDP2 warns on every step about a view returned
+        # by a sharded module (an in-place op on it would skip the pre-backward all-gather; none is done here).
+        return seq_cls.score(hidden[:, -num_positions:]).squeeze(-1).float().clone()
 
 
 def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int) -> int:

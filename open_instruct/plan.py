@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -779,18 +780,18 @@ def format_plan(p: dict[str, Any]) -> str:
     a = p["assumptions"]
     stopped = f", stopped at episode {a['stop_at_episode']:,}" if a["stop_at_episode"] else ""
     lines.append(
-        f"Estimated wall clock: {p['estimated_hours']:.1f} h  ({p['seconds_per_step']:.2f} s per "
+        f"Estimated wall clock: {duration(p['estimated_hours'])}  ({duration(p['seconds_per_step'] / 3600)} per "
         f"{'rollout' if rl else 'step'}, {p['planned_steps']:,} {'rollouts' if rl else 'steps'}{stopped})"
     )
     total = sum(p["phase_hours"].values())
     for name, hours in sorted(p["phase_hours"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {name:<20} {hours:8.2f} h  {hours / total:6.1%}")
+        lines.append(f"  {name:<20} {duration(hours):>10}  {hours / total:6.1%}")
     lines.append(
         f"Dominant: {p['dominant_phase']} ({p['dominant_share']:.0%} of the time); its assumption: "
         f"{p['dominant_assumption']}"
     )
     lines.append("Assumptions (each a flag of `python -m open_instruct.plan`):")
-    lines.append(f"  model parameters {p['model_params'] / 1e9:.2f} B ({p['model_params_source']})")
+    lines.append(f"  model parameters {parameter_count(p['model_params'])} ({p['model_params_source']})")
     lines.append(
         f"  --gpu {a['gpu']} x {p['world_size']} training, --mfu {a['mfu']} of peak bf16 FLOP/s "
         f"({p['flops_per_param_token']} FLOPs/parameter/token: 6, 8 with activation checkpointing)"
@@ -845,17 +846,42 @@ def generation_layout_lines(p: dict[str, Any]) -> list[str]:
         p[k]
         for k in ("generation_seconds_per_rollout", "training_seconds_per_rollout", "weight_sync_seconds_per_rollout")
     )
+    weights_gb = p["model_params"] * 2 / 1e9
     lines.append(
-        f"  per rollout: generation {g:.1f} s, training {t:.1f} s (scoring + updates), weight sync {w:.1f} s "
-        f"({p['model_params'] * 2 / 1e9:.0f} GB bf16 {link})"
+        f"  per rollout: generation {duration(g / 3600)}, training {duration(t / 3600)} (scoring + updates), weight "
+        f"sync {duration(w / 3600)} ({f'{weights_gb:.0f} GB' if weights_gb >= 1 else f'{weights_gb * 1e3:.1f} MB'} "
+        f"bf16 {link})"
     )
     chosen = "async" if steps else "synchronous"
     lines.append(
-        f"  synchronous: generation + weight sync + training = {p['rollout_seconds_sync']:.1f} s; async: "
-        f"max(generation, training) + weight sync = {p['rollout_seconds_async']:.1f} s"
+        f"  synchronous: generation + weight sync + training = {duration(p['rollout_seconds_sync'] / 3600)}; async: "
+        f"max(generation, training) + weight sync = {duration(p['rollout_seconds_async'] / 3600)}"
         + (f"  (planned: {chosen})" if p["generation_dedicated"] else "  (colocated: synchronous only)")
     )
     return lines
+
+
+def duration(hours: float) -> str:
+    """A time in the unit that shows it: "41.2 h", "12.5 min", "3.2 s", "40 ms" (a tiny CPU run is not "0.0 h")."""
+    seconds = hours * 3600
+    if seconds >= 3600:
+        return f"{hours:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds >= 1:
+        return f"{seconds:.1f} s"
+    return f"{seconds * 1000:.0f} ms"
+
+
+def parameter_count(n: float) -> str:
+    """8.03e9 -> "8.03 B", 3.2e5 -> "0.32 M" (a tiny model is not "0.00 B")."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def this_machine_device() -> str:
+    """The device a run started here would train on, for a script's --dry_run: "H100" (the GPU table's default)
+    when an NVIDIA driver is present, else "cpu". Read without importing torch (nvidia-smi, as the Makefile does)."""
+    return "H100" if shutil.which("nvidia-smi") else "cpu"
 
 
 def _fmt(v: Any) -> str:
@@ -867,8 +893,14 @@ def _fmt(v: Any) -> str:
 
 
 def print_dry_run(cfg: BaseConfig, world_size: int, num_examples: Optional[int] = None) -> None:
-    """What every script's --dry_run prints (same numbers as `python -m open_instruct.plan`)."""
-    print(format_plan(plan_from_config(cfg, world_size, num_examples)))
+    """What every script's --dry_run prints: `python -m open_instruct.plan`'s plan for the device of this machine
+    (the CPU where there is no GPU: a tiny recipe is planned where it will run, not on an H100)."""
+    device = this_machine_device()
+    print(format_plan(plan_from_config(cfg, world_size, num_examples, assumptions=TimeAssumptions(gpu=device))))
+    if device == "cpu":
+        print(
+            "Planned for this machine's CPU (no GPU here); `python -m open_instruct.plan RECIPE --gpu H100` plans a GPU"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,6 +1,7 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
 present and not truncated, the GGUF file, a trained reward head), dataset files, the chat template's syntax, the
-output folder. `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
+output folder, and RL's custom reward functions (imported and their signature checked: the user's code may import
+what it likes). `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
 weights have loaded. Hub names (not local paths) pass here and are checked by their loaders."""
 
 from __future__ import annotations
@@ -175,3 +176,8 @@ def check_inputs(cfg: Any) -> None:
     check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
     check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
     check_chat_template(cfg.chat_template)
+    if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
+        from open_instruct.rewards import load_reward_function
+
+        for spec in cfg.reward_functions:
+            load_reward_function(spec)

@@ -4,8 +4,9 @@ Reference log-probs are computed once, before training, by a no-grad pass of the
 eval sets (in batches of per_device_eval_batch_size, or packed rows of max_tokens_per_micro_batch tokens, sorted by
 length and shared out over the processes), and cached
 (safetensors) keyed by example position. The reference model is never held in memory during training. The cache lives
-in `reference_cache_dir` (default: `<output_dir>/../.ref_cache`, shared by the runs of a sweep over beta, lr or loss
-type) under a hash of what determines the numbers:
+in `reference_cache_dir` (default: `<output_dir>/ref_cache`, inside the run's own folder so a run writes nowhere else;
+point the runs of a sweep over beta, lr or loss type at one shared folder to compute it once) under a hash of what
+determines the numbers:
   - the model: name/path, revision, gguf file, config, and a fingerprint of the loaded weights (shapes, dtypes and
     the bytes of up to 4,096 evenly spaced elements of every tensor; training moves every weight, so any trained
     model differs in the sample);
@@ -105,7 +106,7 @@ def shared_identity(cfg: Any, model: Any, train: list[dict], evals: list[dict], 
 
 
 def reference_cache_path(cfg: Any, identity: dict[str, Any]) -> str:
-    folder = cfg.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(cfg.output_dir)), ".ref_cache")
+    folder = cfg.reference_cache_dir or os.path.join(cfg.output_dir, "ref_cache")
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return os.path.join(folder, f"ref_logps_{key}.safetensors")
 

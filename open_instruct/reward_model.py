@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from open_instruct import distributed, runtime
+from open_instruct import console, distributed, runtime
 from open_instruct.config import RewardModelConfig
 
 # Summed over pairs, see pair_sums. "loss" is the total (Bradley-Terry + centering), "center_loss" its centering term.
@@ -153,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_preferences)
     plan = cfg.batch_plan(world, len(train))  # validated before the model loads
     if accelerator.is_main_process:
-        print(f"data: {stats.summary()}; {len(evals)} held-out pairs")
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
 
     pad_id = tokenizer.pad_token_id
     model = load_sequence_classifier(

@@ -51,6 +51,8 @@ import collections
 import inspect
 import json
 import logging
+import math
+import numbers
 import os
 import re
 import select
@@ -994,6 +996,119 @@ def combine_rewards(
     if not stopped:
         reward += non_stop_penalty
     return reward
+
+
+# --------------------------------------------------------------------------------------------------------
+# Custom reward functions (`reward_functions: [module:function, ...]`)
+# --------------------------------------------------------------------------------------------------------
+# The keyword arguments every custom reward function receives, one list entry per completion: TRL's reward_funcs
+# convention (prompts, completions, completion_ids, then the dataset's columns), with this repo's RL columns.
+REWARD_FUNCTION_ARGS = ("prompts", "completions", "completion_ids", "ground_truth", "dataset")
+
+
+def _load_module(module: str, spec: str) -> Any:
+    """A module by dotted name, or a .py file by path (also `pkg.mod` found as pkg/mod.py under the current folder:
+    the scripts run with their own folder, not the current one, on sys.path)."""
+    import importlib
+    import importlib.util
+
+    from open_instruct.errors import ConfigError
+
+    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
+    try:
+        if module.endswith(".py") or (not importlib.util.find_spec(module.split(".")[0]) and os.path.isfile(path)):
+            if not os.path.isfile(path):
+                raise ConfigError(f"reward function {spec!r}: file {path!r} does not exist")
+            name = "open_instruct_user_rewards_" + re.sub(r"\W", "_", os.path.abspath(path))
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            loaded = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(loaded)
+            return loaded
+        return importlib.import_module(module)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, its own errors)
+        raise ConfigError(f"reward function {spec!r}: importing {module!r} failed: {type(e).__name__}: {e}") from None
+
+
+def _check_signature(fn: Callable[..., Any], spec: str) -> None:
+    from open_instruct.errors import ConfigError
+
+    if inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"reward function {spec!r} is async; give a plain function")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # a builtin without a readable signature: its first call tells
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    needed = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in REWARD_FUNCTION_ARGS)
+    ]
+    refused = [] if takes_any else [a for a in REWARD_FUNCTION_ARGS if a not in named]
+    if needed or refused:
+        what = f"requires {needed}, which is never passed" if needed else f"does not accept {refused}"
+        call = ", ".join(f"{a}=[...]" for a in REWARD_FUNCTION_ARGS)
+        raise ConfigError(
+            f"reward function {spec!r} {what}: it is called as fn({call}) "
+            "(one entry per completion; TRL's reward_funcs convention), so take those names or **kwargs, e.g. "
+            "def my_reward(completions, ground_truth, **kwargs) -> list[float]"
+        )
+
+
+@lru_cache(maxsize=None)
+def load_reward_function(spec: str) -> Callable[..., Any]:
+    """The function a `module:function` spec names: `my_pkg.rewards:fn` (importable, or my_pkg/rewards.py under the
+    current folder) or `path/to/file.py:fn`. ConfigError when the spec, the import or the signature is wrong, so
+    a run stops before any model loads (preflight)."""
+    from open_instruct.errors import ConfigError
+
+    module, sep, name = spec.rpartition(":")
+    if not sep or not module or not name.isidentifier():
+        raise ConfigError(
+            f"reward function {spec!r} must be module:function or path/to/file.py:function (e.g. my_rewards:length)"
+        )
+    loaded = _load_module(module, spec)
+    fn = getattr(loaded, name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_"))
+        raise ConfigError(f"reward function {spec!r}: {module!r} has no function {name!r} (it has {found})")
+    _check_signature(fn, spec)
+    return fn
+
+
+def custom_rewards(
+    specs: Sequence[str], weights: Optional[Sequence[float]], **columns: Sequence[Any]
+) -> list[float]:
+    """Sum over the custom reward functions of weight x value, per completion:
+
+        extra_j = sum_i w_i * f_i(...)[j]            (a None from f_i, "not applicable here", counts 0)
+
+    `columns` are REWARD_FUNCTION_ARGS, one list entry per completion. A function that returns the wrong number of
+    values or a non-finite / non-numeric one raises ConfigError naming it (a bug in the user's function, not in
+    the model's text)."""
+    from open_instruct.errors import ConfigError
+
+    n = len(columns["completions"])
+    total = [0.0] * n
+    for i, spec in enumerate(specs):
+        weight = 1.0 if weights is None else float(weights[i])
+        values = load_reward_function(spec)(**columns)
+        listed = isinstance(values, (list, tuple)) or (hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1)
+        values = values.tolist() if listed and hasattr(values, "tolist") else values  # numpy / torch vectors too
+        if not listed or len(values) != n:
+            got = f"{len(values)} values" if listed else type(values).__name__
+            raise ConfigError(f"reward function {spec!r} must return a list of {n} rewards (one per completion): {got}")
+        for j, v in enumerate(values):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ConfigError(f"reward function {spec!r} returned {v!r} for completion {j}: not a finite number")
+            total[j] += weight * float(v)
+    return total
 
 
 def check_verifiers(examples: list[dict], what: str) -> None:

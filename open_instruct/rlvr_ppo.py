@@ -37,7 +37,7 @@ that sampled, so the training forward's own log-probs serve as the old ones (no 
 
 from __future__ import annotations
 
-from open_instruct import runtime
+from open_instruct import console, runtime
 from open_instruct.config import RLVRConfig
 
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
@@ -542,7 +542,7 @@ def collect_rollout(
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     episodes = [prompts[i] for i in out.prompt_index]
     t1 = time.perf_counter()
-    scored = score_texts(cfg, out.texts, episodes)
+    scored = score_texts(cfg, out.texts, episodes, run.tokenizer, out.response_ids)
     t2 = time.perf_counter()
     # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
     lags = [step - v for v in out.weight_versions] if out.weight_versions else [0] * len(episodes)
@@ -621,17 +621,32 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
-def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
-    """Verifier rewards of completions (each row's verifier, under the time limit)."""
+def score_texts(
+    cfg: RLVRConfig, texts: list[str], examples: list[dict], tokenizer: Any, response_ids: list[list[int]]
+) -> Any:
+    """Verifier rewards of completions (each row's verifier, under the time limit), plus the weighted custom reward
+    functions (reward_functions; `correct` stays the verifiers' verdict)."""
     from open_instruct import rewards
 
-    return rewards.score_batch(
+    scored = rewards.score_batch(
         texts,
         [e["ground_truth"] for e in examples],
         [e["verifier"] for e in examples],
         verification_reward=cfg.verification_reward,
         timeout=cfg.verifier_timeout,
     )
+    if not cfg.reward_functions:
+        return scored
+    extra = rewards.custom_rewards(
+        cfg.reward_functions,
+        cfg.reward_function_weights,
+        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
+        completions=texts,
+        completion_ids=response_ids,
+        ground_truth=[e["ground_truth"] for e in examples],
+        dataset=[e["verifier"] for e in examples],
+    )
+    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
@@ -985,7 +1000,7 @@ def evaluate(
     sources = data.mixed_sources(evals)
     sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
     if out is not None:
-        scored = score_texts(cfg, out.texts, local)
+        scored = score_texts(cfg, out.texts, local, tokenizer, out.response_ids)
         sums.update(
             correct=float(sum(scored.correct)),
             score=float(sum(scored.rewards)),
@@ -1051,10 +1066,7 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
             f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
         )
     if accelerator.is_main_process:
-        print(
-            f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan "
-            f"{plan.to_dict()}"
-        )
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
     return train, evals, plan, longest_prompt + longest_response
 
 
@@ -1223,6 +1235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         counters.epoch = counters.rollout_step * plan.rollout_batch_size / len(train)
         run.logger.advance()
         clock.add(rollout.seconds, int(rollout.mask.sum()))
+        run.throughput.add(int(rollout.mask.sum()), len(rollout.episodes))  # for the end-of-run summary
         if should_log(counters.rollout_step, cfg.logging_steps):
             run.log(
                 {

@@ -87,8 +87,9 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
 
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
-        from open_instruct import preflight, run_dir
+        from open_instruct import distributed, preflight, run_dir
 
+        distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
         preflight.check_inputs(cfg)
         preflight.check_output_dir_writable(cfg.output_dir)
         if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
@@ -230,6 +231,7 @@ class Throughput:
     """Tokens/s and episodes/s over the interval since the last report."""
 
     def __init__(self) -> None:
+        self.total_tokens = 0  # since this process started training, for the end-of-run summary
         self.restart()
 
     def restart(self) -> None:
@@ -238,6 +240,7 @@ class Throughput:
         self.episodes = 0
 
     def add(self, tokens: int, episodes: int) -> None:
+        self.total_tokens += tokens
         self.tokens += tokens
         self.episodes += episodes
 
@@ -287,6 +290,7 @@ class RunContext:
         self.best = BestTracker(cfg, state)
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
         self.throughput = Throughput()
+        self.started = time.perf_counter()
 
     @classmethod
     def for_model(
@@ -386,10 +390,36 @@ class RunContext:
         from open_instruct import run_dir
         from open_instruct.checkpoint import save_hf_model
 
+        path = os.path.join(self.cfg.output_dir, "final_model")
         if self.cfg.save_final_model:
-            path = os.path.join(self.cfg.output_dir, "final_model")
             model, log = self.models["policy"], self.counters.as_log()
             save_hf_model(model, self.tokenizer, path, self.accelerator, log, getattr(self.cfg, "lora_save", "merged"))
         if self.accelerator.is_main_process:
             run_dir.mark_finished(self.cfg.output_dir, self.counters.as_log())
         self.logger.close()
+        self.print_summary(path if self.cfg.save_final_model else None)
+
+    def print_summary(self, final_model: Optional[str]) -> None:
+        """The end-of-run lines (console.end_summary): steps, wall time and tokens/s of this process's training (since
+        the resume, for a resumed run), final and best metric, where the models are. Every rank joins the token sum."""
+        from open_instruct import console
+        from open_instruct.distributed import global_sums
+        from open_instruct.tracking import read_jsonl
+
+        seconds = time.perf_counter() - self.started
+        tokens = global_sums(self.accelerator, {"tokens": self.throughput.total_tokens})["tokens"]
+        if not self.accelerator.is_main_process:
+            return
+        kind = "generated tokens" if self.counter == "rollout_step" else "tokens trained"
+        text = console.end_summary(
+            self.cfg,
+            read_jsonl(self.logger.path),
+            self.counters.as_log(),
+            self.counter,
+            seconds,
+            tokens,
+            kind + (" since the resume" if self.resumed else ""),
+            self.best.best,
+            final_model,
+        )
+        print(text, flush=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from open_instruct import distributed, runtime
+from open_instruct import console, distributed, runtime
 from open_instruct.config import SFTConfig
 
 
@@ -82,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_sft)
     plan = cfg.batch_plan(world, len(train))  # validated before the model loads
     if accelerator.is_main_process:
-        print(f"data: {stats.summary()}; {len(evals)} held-out examples")
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
 
     model = load_policy(cfg)
     if cfg.activation_checkpointing:

@@ -1,4 +1,5 @@
-"""Metrics: every log row to <output_dir>/metrics.jsonl (and wandb when tracking), a tqdm bar, sample tables.
+"""Metrics: every log row to <output_dir>/metrics.jsonl (and wandb when tracking), a tqdm bar with the step's key
+numbers and a line per evaluation (console.py), sample tables.
 
 Rows carry the four counters (episode, optimizer_step, rollout_step, epoch). On resume the file is cut back
 to the rows at or before the checkpoint, so a resumed run's file equals an uninterrupted run's.
@@ -12,7 +13,7 @@ import os
 import tempfile
 from typing import Any, Optional
 
-from open_instruct import run_dir
+from open_instruct import console, run_dir
 
 
 def _jsonable(value: Any) -> Any:
@@ -109,13 +110,12 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(row)
         if self.bar is not None:
-            shown = {
-                k.split("/")[-1]: v
-                for k, v in row.items()
-                if k in ("train/loss", "loss", "eval/accuracy", "train/score_mean", "train/correct_rate")
-            }
+            shown = console.bar_postfix(row)  # the step's key numbers (loss, DPO/RM accuracy and margin, RL correct/KL)
             if shown:
-                self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in shown.items()})
+                self.bar.set_postfix(shown)
+        line = console.eval_line(row, self.counter)
+        if line is not None:
+            self.write(line)
 
     def log_samples(self, samples: list[dict[str, Any]], counters: dict[str, Any]) -> None:
         if not self.is_main or not samples:

@@ -13,6 +13,7 @@ from open_instruct.errors import ConfigError
 from open_instruct.plan import build_plan, llama_like_params
 from open_instruct.plan import main as plan_main
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ["sft_8b", "rm_8b", "dpo_8b", "rlvr_8b", "rlvr_70b"]
 # The 70B engines run on a generation node of their own (scripts/rlvr_70b.sh passes their URLs); without URLs the
 # trainer would start them on its own, full node, a layout the plan refuses (tests/test_layouts.py).
@@ -195,3 +196,35 @@ def test_each_assumption_is_a_flag_that_moves_the_estimate(repo_root, capsys):
     assert hours("--fsdp_cpu_offload", "true") > base  # a recipe override: the offload cost appears
     assert plan_main([_recipe(repo_root, "rm_8b"), "--mfu", "1.5"]) == 2
     assert "--mfu must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_plan_units_fit_the_size():
+    from open_instruct.plan import duration, parameter_count
+
+    hours = (41.3, 750 / 3600, 3.2 / 3600, 0.04 / 3600)
+    assert [duration(h) for h in hours] == ["41.3 h", "12.5 min", "3.2 s", "40 ms"]
+    assert parameter_count(8.03e9) == "8.03 B" and parameter_count(87_232) == "0.09 M"
+
+
+def test_script_dry_run_plans_this_machines_device(tiny_models, tmp_path, monkeypatch, capsys):
+    """A tiny recipe's --dry_run on a machine without a GPU plans the CPU, in units that show the numbers (it printed
+    "--gpu H100", "0.0 h" and "0.00 B"); with a GPU driver present it plans the GPU table's default."""
+    from demo.synthetic import preference_rows, write_jsonl
+    from open_instruct import plan
+
+    data = write_jsonl(str(tmp_path / "pref.jsonl"), preference_rows(64, 1))
+    cfg = parse_config(
+        DPOConfig,
+        [os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+         "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--output_dir", str(tmp_path / "o")],
+    )  # fmt: skip
+    monkeypatch.setattr(plan.shutil, "which", lambda name: None)
+    plan.print_dry_run(cfg, 1)
+    out = capsys.readouterr().out
+    assert "--gpu cpu x 1 training" in out and "Planned for this machine's CPU (no GPU here)" in out
+    assert " 0.0 h" not in out and "0.00 B" not in out and "model parameters 0.09 M" in out
+    assert "Estimated wall clock: " in out and " per step, 2 steps)" in out  # 64 pairs / 32 per step
+    monkeypatch.setattr(plan.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    plan.print_dry_run(cfg, 1)
+    out = capsys.readouterr().out
+    assert "--gpu H100 x 1 training" in out and "Planned for this machine's CPU" not in out

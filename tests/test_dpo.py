@@ -393,6 +393,19 @@ def test_weights_fingerprint_sees_any_training_update(tiny_models):
     assert reference_cache.weights_fingerprint(a) != reference_cache.weights_fingerprint(b)
 
 
+def test_reference_cache_defaults_inside_output_dir(tmp_path):
+    """A run writes nowhere outside its output_dir: the default cache folder is <output_dir>/ref_cache (it was
+    <output_dir>/../.ref_cache); reference_cache_dir still moves it (a sweep shares one)."""
+    from types import SimpleNamespace
+
+    out = str(tmp_path / "runs" / "dpo_a")
+    path = reference_cache.reference_cache_path(SimpleNamespace(output_dir=out, reference_cache_dir=None), {"k": 1})
+    assert os.path.dirname(path) == os.path.join(out, "ref_cache")
+    shared = str(tmp_path / "sweep_cache")
+    moved = reference_cache.reference_cache_path(SimpleNamespace(output_dir=out, reference_cache_dir=shared), {"k": 1})
+    assert moved == os.path.join(shared, os.path.basename(path))  # same key, other folder
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Resume
 

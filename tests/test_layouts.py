@@ -157,8 +157,30 @@ def test_rlvr_8b_dry_run_prints_the_training_and_engine_commands_and_the_plan():
     out = proc.stdout
     assert "--num_processes 7 open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml" in out
     assert "CUDA_VISIBLE_DEVICES=7 python -m open_instruct.engines configs/rlvr_8b.yaml" in out
+    # the engine command the line above starts names the same GPU (it printed CUDA_VISIBLE_DEVICES=0: a child's mask
+    # names physical GPUs, not the parent's renumbered ones)
+    engine_lines = [line for line in out.splitlines() if "api_server.entry" in line]
+    assert len(engine_lines) == 1 and " CUDA_VISIBLE_DEVICES=7 " in engine_lines[0], engine_lines
     assert "7 training + 1 generation = 8 GPUs" in out and "Estimated wall clock" in out
     assert out.index("open_instruct.engines") < out.index("accelerate launch") < out.index("Generation layout")
+
+
+def test_engine_devices_are_named_as_the_parent_sees_them(monkeypatch):
+    from open_instruct.engines import engine_specs, visible_device_names
+
+    def masks(devices):
+        specs = engine_specs(
+            "m", num_engines=2, tensor_parallel_size=2, max_model_len=64, dtype="bfloat16", seed=1, transfer="nccl",
+            gpu_memory_utilization=0.9, devices=devices,
+        )  # fmt: skip
+        return [s.env["CUDA_VISIBLE_DEVICES"] for s in specs]
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert masks([4, 5, 6, 7]) == ["4,5", "6,7"]  # every GPU visible: an index is its own name
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,GPU-aa,6,7")
+    assert masks([1, 2, 3, 4]) == ["3,GPU-aa", "6,7"]  # local i -> the i-th entry of this process's mask
+    with pytest.raises(Exception, match=r"CUDA device\(s\) \[5\] are not among the 5"):
+        visible_device_names([5])
 
 
 def test_rlvr_70b_dry_run_prints_both_machines_commands_and_the_plan():

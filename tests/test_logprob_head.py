@@ -57,3 +57,31 @@ def test_model_scored_logprobs_equal_full_forward(tiny_models):
     assert counts.tolist() == [15, 8, 7]
     for n, p in model.named_parameters():
         assert torch.allclose(got[n], p.grad, atol=1e-6), n
+
+
+def test_wrapped_head_logprobs_are_a_new_tensor_with_the_same_numbers():
+    """An output layer of another class (FSDP2 makes lm_head an FSDPLinear; LoRA wraps it) runs its own forward. Its
+    result must not be a view: returned by the FSDP root module, a view made torch warn on every step."""
+    from open_instruct.models import chunked_token_logprobs
+
+    torch.manual_seed(0)
+    wrapped = type("WrappedLinear", (torch.nn.Linear,), {})(8, 11, bias=False)
+    plain = torch.nn.Linear(8, 11, bias=False)
+    plain.weight.data.copy_(wrapped.weight.data)
+    hidden, labels = torch.randn(5, 8, requires_grad=True), torch.tensor([0, 3, 10, 7, 7])
+    out = chunked_token_logprobs(hidden, wrapped, labels)
+    assert out._base is None and out.shape == (5,)
+    expected = F.log_softmax(hidden @ wrapped.weight.t(), dim=-1).gather(1, labels[:, None]).squeeze(1)
+    assert torch.allclose(out, expected, atol=1e-6)
+    assert torch.allclose(out, chunked_token_logprobs(hidden, plain, labels), atol=1e-6)  # the chunked path agrees
+
+
+def test_value_model_returns_a_new_tensor(tiny_models):
+    """TokenValueModel is an FSDP root in PPO: its per-token values must not be a view of the head's output (torch's
+    FSDP2 warned about it on every step)."""
+    from open_instruct.data import collate_episodes
+    from open_instruct.models import TokenValueModel, load_sequence_classifier
+
+    batch = collate_episodes([[5, 6, 7], [8, 9]], [[10, 11], [12]], pad_id=0)
+    values = TokenValueModel(load_sequence_classifier(tiny_models["causal_lm"]))(batch, 2)
+    assert values._base is None and values.shape == (2, 2) and values.dtype == torch.float32

@@ -115,6 +115,23 @@ def test_bad_lora_values_name_the_key(key, value):
         parse_config(SFTConfig, ["--model_name_or_path", "m", "--dataset_name_or_path", "d", f"--{key}", value])
 
 
+def test_apply_lora_prints_no_transformers_future_warning(tiny_models):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` in PeftModel.__init__ (a FutureWarning on every
+    LoRA run); apply_lora holds back that one warning and no other."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing` is deprecated"):  # the cause, in peft itself
+        get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_models["causal_lm"]), LoraConfig(r=2))
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        model = lora.apply_lora(AutoModelForCausalLM.from_pretrained(tiny_models["causal_lm"]), cfg, "CAUSAL_LM")
+    assert lora.is_peft(model)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SFT
 

@@ -388,7 +388,7 @@ def run_both(module, args: list[str], budget: int, tmp_path, monkeypatch) -> tup
                 return batch
 
             monkeypatch.setattr(data, collate, recorded)
-        out = tmp_path / name / "out"  # DPO: each run its own reference cache (<output_dir>/../.ref_cache)
+        out = tmp_path / name / "out"  # DPO: each run its own reference cache (<output_dir>/ref_cache)
         runtime.run(module.main, [*args, "--output_dir", str(out), *knob])
         monkeypatch.undo()
         slots = sum(r * w for r, w in shapes)
@@ -465,7 +465,7 @@ def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
         "--eval_steps", "3", "--checkpointing_steps", "100", "--save_final_model", "false",
     ]  # fmt: skip
     padded, packed = run_both(dpo, args, 160, tmp_path, monkeypatch)
-    caches = [glob.glob(str(tmp_path / name / ".ref_cache" / "*.safetensors")) for name in ("padded", "packed")]
+    caches = [glob.glob(str(tmp_path / name / "out" / "ref_cache" / "*.safetensors")) for name in ("padded", "packed")]
     assert [len(c) for c in caches] == [1, 1]  # computed by each run (the same key: the numbers agree)
     tables = [load_file(c[0]) for c in caches]
     ref_gap = max((tables[0][k] - tables[1][k]).abs().max().item() for k in tables[0] if "logps" in k)
