@@ -141,6 +141,20 @@ def _tasks_of_uid(uid: int) -> list[int]:
     return pids
 
 
+def sandbox_processes() -> list[int]:
+    """Pids of every process running as any sandbox slot's uid (after a call returns there should be none)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uid = os.stat(f"/proc/{entry}").st_uid
+            except OSError:
+                continue
+            if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + MAX_SLOTS:
+                found.append(int(entry))
+    return found
+
+
 def _count_threads_of_uid(uid: int) -> int:
     total = 0
     for pid in _tasks_of_uid(uid):
@@ -242,6 +256,11 @@ def _command(iso: Isolation) -> list[str]:
     return [iso.unshare, *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", *boot]
 
 
+def _hit_process_limit(stderr_tail: str) -> bool:
+    """fork() failing with EAGAIN (BlockingIOError) or a thread that cannot start: RLIMIT_NPROC at work."""
+    return "BlockingIOError" in stderr_tail or "can't start new thread" in stderr_tail
+
+
 def _name_limit(res: dict, stderr_tail: str, limits: SandboxLimits) -> Optional[str]:
     """Which limit ended a program that did not exit 0 (stderr only decides when no signal did)."""
     sig = res.get("signal")
@@ -251,7 +270,7 @@ def _name_limit(res: dict, stderr_tail: str, limits: SandboxLimits) -> Optional[
         return None
     if "MemoryError" in stderr_tail:
         return "memory"
-    if "BlockingIOError" in stderr_tail or "can't start new thread" in stderr_tail:
+    if _hit_process_limit(stderr_tail):
         return "processes"
     if "File too large" in stderr_tail or "No space left on device" in stderr_tail:
         return "file_size"
@@ -336,7 +355,7 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
             if now >= deadline:
                 if not killed:  # the wall limit
                     limit = limit or "wall_time"
-                    _kill_group(proc)
+                    _kill_call(proc, iso)
                     killed, deadline = True, now + _KILL_GRACE_SECONDS
                     continue
                 break  # something (outside our reach) still holds a pipe: stop reading
@@ -361,19 +380,21 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
                 out[fd] += chunk
                 if fd == status_r:
                     if not killed and b"\n" in out[fd]:  # the program ended: nothing it left may live on
-                        _kill_group(proc)
+                        if iso.mode != "namespaces":  # (with a pid namespace, the supervisor's exit does it)
+                            _kill_call(proc, iso)
                         killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
                 elif len(out[fd]) > limits.max_output_bytes and limit is None:
                     limit = "output"
                     del out[fd][limits.max_output_bytes :]
-                    _kill_group(proc)
+                    _kill_call(proc, iso)
                     killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
                 elif len(out[fd]) > limits.max_output_bytes:
                     del out[fd][limits.max_output_bytes :]
     finally:
         sel.close()
-        _kill_group(proc)
-        proc.wait()
+        if proc.poll() is None:
+            _kill_call(proc, iso)
+        proc.wait()  # with namespaces: unshare exits after pid 1, which the kernel reaps only once all else is gone
         if not proc.stdin.closed:
             try:
                 proc.stdin.close()
@@ -398,12 +419,40 @@ def _result(out: dict, status_r: int, proc: subprocess.Popen, limit, limits: San
         exit_code = proc.returncode
     if limit is None and res:
         limit = _name_limit(res, stderr[-_STDERR_SCAN_CHARS:], limits)
+    elif limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
+        limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
     return SandboxResult(stdout, stderr, exit_code, limit, seconds, cpu_seconds=float(res.get("cpu", 0.0)))
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the call's process group (unshare or the supervisor, and the program unless it left the group;
-    in a pid namespace the supervisor's death takes everything else with it)."""
+def _children_of(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (a /proc scan: /proc/PID/task/TID/children is not on every kernel)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _kill_call(proc: subprocess.Popen, iso: Isolation) -> None:
+    """SIGKILL the call. With namespaces: the supervisor (pid 1 inside, unshare's child), so that unshare exits only
+    once the kernel has killed and reaped everything in the pid namespace (killing unshare first would let the call
+    return while the namespace is still being torn down). Otherwise (or before the supervisor exists): the process
+    group (unshare or the supervisor, and the program unless it called setsid)."""
+    if iso.mode == "namespaces":
+        supervisors = _children_of(proc.pid)
+        if supervisors:
+            for pid in supervisors:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
