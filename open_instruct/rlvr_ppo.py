@@ -623,6 +623,21 @@ def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
         [e["verifier"] for e in examples],
         verification_reward=cfg.verification_reward,
         timeout=cfg.verifier_timeout,
+        code=code_settings(cfg),
+    )
+
+
+def code_settings(cfg: RLVRConfig) -> Any:
+    """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
+    from open_instruct.code_verifier import CodeSettings
+
+    return CodeSettings(
+        reward=cfg.code_reward,
+        test_seconds=cfg.code_test_seconds,
+        memory_mb=cfg.code_memory_mb,
+        workers=cfg.sandbox_workers,
+        batch_timeout=cfg.sandbox_batch_timeout,
+        hide_paths=(cfg.output_dir,),
     )
 
 
