@@ -204,8 +204,8 @@ def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
 # `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
 # contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
 _LAUNCHER = (
-    "import builtins, os, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
-    "sys.path.insert(0, os.getcwd()); runpy.run_path(sys.argv[0], run_name='__main__')"
+    "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 

@@ -237,3 +237,23 @@ def test_settings_are_checked():
         CodeSettings(reward="most").validate()
     with pytest.raises(ValueError, match="sandbox_workers"):
         CodeSettings(workers=0).validate()
+
+
+def test_plan_adds_verification_time_per_rollout(repo_root, capsys):
+    """verification per rollout and process = episodes_per_rollout / processes * code_fraction * call_seconds /
+    sandbox_workers, on the trainer's side of the rollout."""
+    from open_instruct.plan import main as plan_main
+
+    def plan(*flags):
+        recipe = f"{repo_root}/configs/rlvr_8b.yaml"
+        assert plan_main([recipe, "--num_processes", "7", "--json", "--sandbox_workers", "4", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    base = plan()
+    with_code = plan("--code_fraction", "0.5", "--sandbox_call_seconds", "0.4")
+    expected = with_code["episodes_per_rollout"] / 7 * 0.5 * 0.4 / 4
+    assert with_code["verification_seconds_per_rollout"] == pytest.approx(expected)
+    assert base["verification_seconds_per_rollout"] == 0.0
+    gained = with_code["training_seconds_per_rollout"] - base["training_seconds_per_rollout"]
+    assert gained == pytest.approx(expected)
+    assert with_code["sandbox_call_seconds"] == 0.4
