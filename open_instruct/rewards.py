@@ -1094,6 +1094,14 @@ def check_verifiers(examples: list[dict], what: str) -> None:
         except ValueError as e:  # unknown verifier, or GroundTruthError
             where = ex.get("where") or f"{what} row {ex['row']}"
             raise DataError(f"{where}: {e}") from None
+    if any(names[ex["verifier"]] in _SANDBOXED for ex in examples):
+        from open_instruct.errors import ConfigError
+        from open_instruct.sandbox import isolation
+
+        try:
+            isolation()  # probed now (~0.3 s) so that a machine that cannot run programs fails before training
+        except RuntimeError as e:
+            raise ConfigError(f"{what} rows use the code verifier, but: {e}") from None
 
 
 if __name__ == "__main__":

@@ -52,8 +52,13 @@ from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-SANDBOX_UID_BASE = 61000  # slot k runs as uid/gid 61000 + k (below 65536: mapped in most container user namespaces)
-MAX_SLOTS = 512
+SANDBOX_UID_BASE = 61000  # below 65536: mapped in most container user namespaces
+SLOTS_PER_PROCESS = 64  # concurrent calls per training process
+MAX_LOCAL_RANKS = 16
+MAX_SLOTS = SLOTS_PER_PROCESS * MAX_LOCAL_RANKS
+# Slot k of the process with LOCAL_RANK r runs as uid/gid 61000 + 64 r + k: the training processes of one node never
+# share a uid, so one's fork bomb cannot use up another's RLIMIT_NPROC, and a kill by uid hits only its own call.
+_SLOT_OFFSET = (int(os.environ.get("LOCAL_RANK", "0") or 0) % MAX_LOCAL_RANKS) * SLOTS_PER_PROCESS
 BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 _KILL_GRACE_SECONDS = 1.0  # after the program's end or a kill: how long leftover pipe holders get to close them
 _STDERR_SCAN_CHARS = 4000  # the tail of stderr read to name the limit behind a failure
@@ -108,14 +113,14 @@ class Isolation:
 # --------------------------------------------------------------------------------------------------------
 # Slots: one uid per concurrent call, so limits and the final kill never touch another call
 # --------------------------------------------------------------------------------------------------------
-_free_slots = list(range(MAX_SLOTS - 1, -1, -1))
+_free_slots = list(range(_SLOT_OFFSET + SLOTS_PER_PROCESS - 1, _SLOT_OFFSET - 1, -1))
 _slots_lock = threading.Lock()
 
 
 def _take_slot() -> int:
     with _slots_lock:
         if not _free_slots:
-            raise RuntimeError(f"more than {MAX_SLOTS} concurrent sandbox calls")
+            raise RuntimeError(f"more than {SLOTS_PER_PROCESS} concurrent sandbox calls in one process")
         return _free_slots.pop()
 
 
@@ -409,6 +414,9 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
 def _result(out: dict, status_r: int, proc: subprocess.Popen, limit, limits: SandboxLimits, start: float):
     streams = [v for k, v in out.items() if k != status_r]
     stdout, stderr = (bytes(s).decode("utf-8", "replace") for s in streams)
+    lines = stderr.splitlines(keepends=True)
+    if limit is not None and lines and lines[-1].startswith("unshare: "):  # its note on its killed child, not ours
+        stderr = "".join(lines[:-1])
     status_lines = [line for line in bytes(out[status_r]).split(b"\n") if line.strip()]
     res = json.loads(status_lines[-1]) if status_lines else {}
     seconds = time.monotonic() - start

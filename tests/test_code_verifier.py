@@ -257,3 +257,31 @@ def test_plan_adds_verification_time_per_rollout(repo_root, capsys):
     gained = with_code["training_seconds_per_rollout"] - base["training_seconds_per_rollout"]
     assert gained == pytest.approx(expected)
     assert with_code["sandbox_call_seconds"] == 0.4
+
+
+def test_a_machine_that_cannot_sandbox_stops_before_training(monkeypatch):
+    from open_instruct import sandbox
+    from open_instruct.errors import ConfigError
+
+    def no_sandbox(mode="auto"):
+        raise RuntimeError("no sandbox isolation works on this machine: rlimits: setrlimit failed")
+
+    monkeypatch.setattr(sandbox, "isolation", no_sandbox)
+    rows = [{"verifier": "code", "ground_truth": ADD, "row": 0}]
+    with pytest.raises(ConfigError, match="train rows use the code verifier, but: no sandbox isolation works"):
+        rewards.check_verifiers(rows, "train")
+    rewards.check_verifiers([{"verifier": "arithmetic", "ground_truth": "7", "row": 0}], "train")  # no probe needed
+
+
+def test_training_processes_of_a_node_get_disjoint_sandbox_uids(repo_root):
+    import subprocess
+
+    code = "from open_instruct import sandbox as s; print(min(s._free_slots), max(s._free_slots))"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": repo_root}
+    ranges = [
+        subprocess.run(
+            [sys.executable, "-c", code], env={**env, "LOCAL_RANK": r}, capture_output=True, text=True
+        ).stdout.split()
+        for r in ("0", "1", "3")
+    ]
+    assert ranges == [["0", "63"], ["64", "127"], ["192", "255"]]  # uid = 61000 + slot
