@@ -285,3 +285,21 @@ def test_training_processes_of_a_node_get_disjoint_sandbox_uids(repo_root):
         for r in ("0", "1", "3")
     ]
     assert ranges == [["0", "63"], ["64", "127"], ["192", "255"]]  # uid = 61000 + slot
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--code_reward", "most"], "code_reward"),
+        (["--sandbox_workers", "0"], "sandbox_workers must be > 0"),
+        (["--code_test_seconds", "0"], "code_test_seconds must be > 0"),
+        (["--code_memory_mb", "16"], "code_memory_mb must be >= 64"),
+        (["--sandbox_batch_timeout", "-1"], "sandbox_batch_timeout must be > 0"),
+    ],
+)
+def test_bad_code_settings_name_the_key(repo_root, flags, message):
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(RLVRConfig, [f"{repo_root}/configs/rlvr_tiny.yaml", *flags])
