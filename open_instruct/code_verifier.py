@@ -24,7 +24,7 @@ fails / the output differs), timeout (a test ran past test_seconds, or the progr
 output (printed more than the limit), no_code (an empty response). The reward is 1.0 when every test passes
 (`code_reward: all`) or passed / total (`fraction`).
 
-All assert tests of a response run in one sandboxed process (program, then each test under its own SIGALRM timer,
+All assert tests of a response run in one sandboxed process (program, then each test under its own CPU-time timer,
 results on a duplicate of stderr tagged with a per-call random token the program is not shown): one process start per
 response. Each stdin/stdout case is its own process (the program reads stdin at import time). stdout matches when,
 after dropping trailing spaces on every line and trailing blank lines, it is equal, or when its whitespace-separated
@@ -52,7 +52,11 @@ from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, Sandb
 logger = logging.getLogger(__name__)
 
 FAILURE_REASONS = ("syntax_error", "wrong_answer", "timeout", "memory", "crash", "output", "no_code")
-STARTUP_SECONDS = 2.0  # added to every call's wall limit: an interpreter start on a loaded machine
+# Time limits are CPU time (ITIMER_PROF per assert test, RLIMIT_CPU per stdin/stdout case), which other jobs on the
+# machine do not stretch; the wall limit (for programs that sleep or block) is generous: WALL_FACTOR x the CPU
+# budget + STARTUP_SECONDS for an interpreter start on a loaded machine.
+STARTUP_SECONDS = 5.0
+WALL_FACTOR = 2.0
 _FENCE_RE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
@@ -275,16 +279,16 @@ if cfg["kind"] == "stdio":
         say("all", status_of(e))
         raise
     sys.exit(0)
-signal.signal(signal.SIGALRM, _on_alarm)
+signal.signal(signal.SIGPROF, _on_alarm)
 def run(code):
-    signal.setitimer(signal.ITIMER_REAL, cfg["test_seconds"])
+    signal.setitimer(signal.ITIMER_PROF, cfg["test_seconds"])
     try:
         exec(code, ns)
         return "pass"
     except BaseException as e:
         return status_of(e)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
 status = run(program)
 if status != "pass":
     say("all", status)
@@ -305,8 +309,8 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> tuple
     token = secrets.token_hex(16)
     if tests.kind == "stdio":
         limits = SandboxLimits(
-            wall_seconds=STARTUP_SECONDS + settings.test_seconds,
-            cpu_seconds=math.ceil(STARTUP_SECONDS + settings.test_seconds),
+            wall_seconds=STARTUP_SECONDS + WALL_FACTOR * settings.test_seconds,
+            cpu_seconds=math.ceil(settings.test_seconds),  # whole seconds (RLIMIT_CPU): 0.5 s runs 1 s of CPU
             memory_mb=settings.memory_mb,
         )
         cfg = json.dumps({"token": token, "kind": "stdio"})
@@ -317,8 +321,12 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> tuple
         if tests.kind == "assert"
         else [_call_test_source(tests.fn_name, a, e) for a, e in tests.tests]
     )
-    seconds = STARTUP_SECONDS + settings.test_seconds * (len(sources) + 1)
-    limits = SandboxLimits(wall_seconds=seconds, cpu_seconds=math.ceil(seconds), memory_mb=settings.memory_mb)
+    budget = settings.test_seconds * (len(sources) + 1)  # the program's own run, then each test
+    limits = SandboxLimits(
+        wall_seconds=STARTUP_SECONDS + WALL_FACTOR * budget,
+        cpu_seconds=math.ceil(budget) + 1,
+        memory_mb=settings.memory_mb,
+    )
     cfg = json.dumps({"token": token, "kind": "assert", "tests": sources, "test_seconds": settings.test_seconds})
     return [SandboxCall(_HARNESS, "", {"solution.py": program, "tests.json": cfg}, limits)], token
 

@@ -411,7 +411,7 @@ class RLVRConfig(BaseConfig):
     reward_model_multiplier: float = opt(0.0, "Weight of the reward model's score.")
     verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
     code_reward: Literal["all", "fraction"] = opt("all", "code verifier: 1 iff all tests pass, or the fraction passed.")
-    code_test_seconds: float = opt(2.0, "code verifier: seconds each test case may run (sandboxed).")
+    code_test_seconds: float = opt(2.0, "code verifier: CPU seconds each test case may use (sandboxed).")
     code_memory_mb: int = opt(1024, "code verifier: address-space limit of a sandboxed program, MiB.")
     sandbox_workers: int = opt(2, "Sandboxed programs run at once per training process (CPU cores they may take).")
     sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")

@@ -1,6 +1,6 @@
 """Run untrusted (model-written) Python in a fresh, limited subprocess: the `code` verifier and the `python` tool.
 
-One call = one `python -I` process, started through open_instruct/sandbox_boot.py (which documents the steps inside),
+One call = one `python -I -S` process, started through open_instruct/sandbox_boot.py (which documents the steps inside),
 with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
 
     wall_seconds     the parent kills the whole call after this long              -> "wall_time"

@@ -7,6 +7,7 @@ everywhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import socket
@@ -18,6 +19,10 @@ from open_instruct import sandbox
 from open_instruct.sandbox import SandboxLimits, python_tool, run_in_sandbox, truncate_middle
 
 FAST = SandboxLimits(wall_seconds=2.0, cpu_seconds=2, memory_mb=256, max_output_bytes=64 << 10, max_processes=16)
+# Programs expected to finish on their own get a wall limit no machine load reaches; `res.limit is None` then shows
+# they ended by themselves (not at a limit), without any timing assumption.
+ROOMY = dataclasses.replace(FAST, wall_seconds=60.0, cpu_seconds=30)
+BOMB = dataclasses.replace(FAST, wall_seconds=8.0)  # a bomb hits the process limit after its start, whatever the load
 MARGIN = 2.0  # seconds past the wall limit a call may take to kill and reap (a loaded 2-core machine)
 
 
@@ -41,7 +46,7 @@ def contained(res, limits=FAST):
 
 def test_plain_program_reads_stdin_and_exits(iso):
     res = contained(
-        run_in_sandbox("import sys\nprint(sum(map(int, sys.stdin.read().split())))", "3 4 5\n", limits=FAST)
+        run_in_sandbox("import sys\nprint(sum(map(int, sys.stdin.read().split())))", "3 4 5\n", limits=ROOMY), ROOMY
     )
     assert (res.stdout, res.exit_code, res.limit) == ("12\n", 0, None)
 
@@ -60,28 +65,27 @@ def test_cpu_limit_fires_before_a_long_wall_limit(iso):
 
 
 def test_fork_bomb_is_contained(iso):
-    res = contained(run_in_sandbox("import os\nwhile True:\n    os.fork()", limits=FAST))
+    res = contained(run_in_sandbox("import os\nwhile True:\n    os.fork()", limits=BOMB), BOMB)
     assert res.limit == "processes", (res.limit, res.stderr[-300:])
 
 
 def test_thread_bomb_is_contained(iso):
     program = "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(100,)).start()"
-    res = contained(run_in_sandbox(program, limits=FAST))
+    res = contained(run_in_sandbox(program, limits=BOMB), BOMB)
     assert res.limit == "processes", (res.limit, res.stderr[-300:])
 
 
 def test_allocating_10_gb_fails_fast(iso):
-    res = contained(run_in_sandbox("x = bytearray(10 * 2**30)\nprint('allocated')", limits=FAST))
-    assert res.limit == "memory"
+    res = contained(run_in_sandbox("x = bytearray(10 * 2**30)\nprint('allocated')", limits=ROOMY), ROOMY)
+    assert res.limit == "memory"  # RLIMIT_AS refused it at once: the 60 s wall limit never came into play
     assert "allocated" not in res.stdout
-    assert res.seconds < FAST.wall_seconds  # RLIMIT_AS refuses at once: no wait for the wall limit
 
 
 def test_writing_1_gb_to_stdout_is_cut_at_the_output_limit(iso):
     program = "import os\nchunk = b'x' * 65536\nfor _ in range(16384):\n    os.write(1, chunk)"
-    res = contained(run_in_sandbox(program, limits=FAST))
+    res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
     assert res.limit == "output"
-    assert len(res.stdout) == FAST.max_output_bytes
+    assert len(res.stdout) == ROOMY.max_output_bytes
 
 
 def test_writes_outside_the_working_dir_do_not_land(iso, tmp_path):
@@ -100,7 +104,7 @@ def test_writes_outside_the_working_dir_do_not_land(iso, tmp_path):
         "open('inside.txt', 'w').write('fine')\n"
         "print(open('inside.txt').read())\n"
     )
-    res = contained(run_in_sandbox(program, limits=FAST, hide_paths=[str(output_dir)]))
+    res = contained(run_in_sandbox(program, limits=ROOMY, hide_paths=[str(output_dir)]), ROOMY)
     assert res.exit_code == 0, res.stderr
     assert res.stdout.splitlines()[-1] == "fine"  # the working dir is writable
     for path in targets:
@@ -125,7 +129,7 @@ def test_the_runs_checkpoint_and_files_cannot_be_read(iso, tmp_path, repo_root):
     old_cwd = os.getcwd()
     os.chdir(repo_root)
     try:
-        res = contained(run_in_sandbox(program, limits=FAST, hide_paths=[str(tmp_path / "run")]))
+        res = contained(run_in_sandbox(program, limits=ROOMY, hide_paths=[str(tmp_path / "run")]), ROOMY)
     finally:
         os.chdir(old_cwd)
     assert "SECRET" not in res.stdout and "read " not in res.stdout, res.stdout
@@ -148,7 +152,7 @@ def test_no_socket_reaches_localhost_or_outside(iso):
         "        print('refused', addr)\n"
     )
     try:
-        res = contained(run_in_sandbox(program, limits=FAST))
+        res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
         with pytest.raises(BlockingIOError):  # nothing ever knocked on the trainer's port
             server.accept()
     finally:
@@ -166,7 +170,7 @@ def test_killing_the_parent_the_trainer_or_everything_is_contained(iso):
         "        print('refused', pid, e.errno)\n"
         "print('still here')\n"
     )
-    res = contained(run_in_sandbox(program, limits=FAST))
+    res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
     assert os.getppid() != 1  # the trainer (this process) and its parent are alive
     assert res.setup_error is None and res.limit is None
 
@@ -187,32 +191,32 @@ def test_a_daemon_does_not_outlive_the_call(iso):
         "assert os.read(r, 1) == b'u'\n"
         "print('daemon up')\n"
     )
-    res = contained(run_in_sandbox(program, limits=FAST))
+    res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
     assert res.stdout == "daemon up\n" and res.exit_code == 0
-    assert res.seconds < FAST.wall_seconds  # the call ended with the program, not at the wall limit
+    assert res.limit is None  # the call ended with the program, not at the wall limit
 
 
 def test_deep_recursion_crashes_only_itself(iso):
     program = "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)"
-    res = contained(run_in_sandbox(program, limits=FAST))
-    assert not res.ok and res.exit_code != 0
+    res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
+    assert res.limit in (None, "memory") and res.exit_code not in (0, None)  # a crash (SIGSEGV or MemoryError)
 
 
 def test_a_program_that_never_reads_its_stdin(iso):
-    res = contained(run_in_sandbox("print('done')", "x" * (8 << 20), limits=FAST))
+    res = contained(run_in_sandbox("print('done')", "x" * (8 << 20), limits=ROOMY), ROOMY)
     assert (res.stdout, res.exit_code) == ("done\n", 0)
 
 
 def test_a_program_that_closes_stdout(iso):
     program = "import os, sys\nos.close(1)\nsys.stderr.write('closed\\n')\nprint('lost')\n"
-    res = contained(run_in_sandbox(program, limits=FAST))
+    res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
     assert res.stdout == "" and "closed" in res.stderr
-    assert res.seconds < FAST.wall_seconds
+    assert res.limit is None
 
 
 def test_the_environment_is_scrubbed(iso, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "secret-key")
-    res = contained(run_in_sandbox("import os\nprint(sorted(os.environ))\nprint(os.getuid())", limits=FAST))
+    res = contained(run_in_sandbox("import os\nprint(sorted(os.environ))\nprint(os.getuid())", limits=ROOMY), ROOMY)
     names, uid = res.stdout.splitlines()
     assert eval(names) == ["HOME", "LANG", "PATH", "TMPDIR"]
     assert int(uid) >= sandbox.SANDBOX_UID_BASE
@@ -251,11 +255,11 @@ def test_rlimits_mode_still_limits_and_kills_the_process_group():
         sandbox.force_isolation("rlimits")
         res = run_in_sandbox("while True:\n    pass", limits=FAST)
         assert res.limit in ("wall_time", "cpu_time") and res.seconds < FAST.wall_seconds + MARGIN
-        assert run_in_sandbox("x = bytearray(10 * 2**30)", limits=FAST).limit == "memory"
+        assert run_in_sandbox("x = bytearray(10 * 2**30)", limits=ROOMY).limit == "memory"
         # A child left running in the call's process group is killed with the call.
         program = "import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.write(w, str(os.getpid()).encode())\n"
         program += "    while True:\n        time.sleep(1)\nprint(os.read(r, 20).decode())\n"
-        res = run_in_sandbox(program, limits=FAST)
+        res = run_in_sandbox(program, limits=ROOMY)
         child = int(res.stdout)
         try:
             pidfd = os.pidfd_open(child)
