@@ -147,7 +147,7 @@ def _tasks_of_uid(uid: int) -> list[int]:
 
 
 def sandbox_processes() -> list[int]:
-    """Pids of every process running as any sandbox slot's uid (after a call returns there should be none)."""
+    """Pids of every process running as one of this process's sandbox uids (none once its calls have returned)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -155,7 +155,7 @@ def sandbox_processes() -> list[int]:
                 uid = os.stat(f"/proc/{entry}").st_uid
             except OSError:
                 continue
-            if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + MAX_SLOTS:
+            if 0 <= uid - SANDBOX_UID_BASE - _SLOT_OFFSET < SLOTS_PER_PROCESS:
                 found.append(int(entry))
     return found
 

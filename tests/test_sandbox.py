@@ -37,7 +37,8 @@ def iso():
 
 
 def contained(res, limits=FAST):
-    """Returned in time, and nothing of the program runs on."""
+    """Returned in time, and nothing runs on as this process's sandbox uids (another test session on the machine
+    would share them; the daemon test also checks by pid namespace, which nothing else shares)."""
     assert res.setup_error is None, res.setup_error
     assert res.seconds < limits.wall_seconds + MARGIN, res.seconds
     assert sandbox.sandbox_processes() == []
@@ -176,24 +177,35 @@ def test_killing_the_parent_the_trainer_or_everything_is_contained(iso):
 
 
 def test_a_daemon_does_not_outlive_the_call(iso):
-    # The grandchild (setsid, double fork: a classic daemon) tells the program it is up through a pipe; only then
-    # does the program exit. No sleep: the event is the byte on the pipe.
+    # The grandchild (setsid, double fork: a classic daemon) sends the program its pid namespace through a pipe; only
+    # then does the program print it and exit. No sleep: the event is the message on the pipe. Afterwards no process
+    # on the machine may be in that namespace.
     program = (
         "import os, time\n"
         "r, w = os.pipe()\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    if os.fork() == 0:\n"
-        "        os.write(w, b'u')\n"
+        "        os.write(w, os.readlink('/proc/self/ns/pid').encode() + b'\\n')\n"
         "        while True:\n"
         "            time.sleep(1)\n"
         "    os._exit(0)\n"
-        "assert os.read(r, 1) == b'u'\n"
-        "print('daemon up')\n"
+        "print('daemon up in', os.read(r, 100).decode().strip())\n"
     )
     res = contained(run_in_sandbox(program, limits=ROOMY), ROOMY)
-    assert res.stdout == "daemon up\n" and res.exit_code == 0
+    assert res.stdout.startswith("daemon up in pid:[") and res.exit_code == 0, res
     assert res.limit is None  # the call ended with the program, not at the wall limit
+    namespace = res.stdout.split()[-1]
+    assert namespace != os.readlink("/proc/self/ns/pid")
+    left = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                    left.append(entry)
+            except OSError:
+                pass
+    assert left == []
 
 
 def test_deep_recursion_crashes_only_itself(iso):
