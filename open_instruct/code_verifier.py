@@ -52,6 +52,7 @@ from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, Sandb
 logger = logging.getLogger(__name__)
 
 FAILURE_REASONS = ("syntax_error", "wrong_answer", "timeout", "memory", "crash", "output", "no_code")
+TEST_STATUSES = ("pass", *FAILURE_REASONS)
 # Time limits are CPU time (ITIMER_PROF per assert test, RLIMIT_CPU per stdin/stdout case), which other jobs on the
 # machine do not stretch; the wall limit (for programs that sleep or block) is generous: WALL_FACTOR x the CPU
 # budget + STARTUP_SECONDS for an interpreter start on a loaded machine.

@@ -78,6 +78,11 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
     rows = read_metrics(str(out))
     train_rows = [r for r in rows if "train/correct_rate" in r]
     assert len(train_rows) == 2
+    for r in train_rows:  # 16 responses x 3 tests; a right program passes all 3, a wrong one fails all 3
+        tests = {k.removeprefix("train/code_tests_"): v for k, v in r.items() if k.startswith("train/code_tests_")}
+        assert sum(tests.values()) == 48
+        assert tests["pass"] == 3 * 16 * r["train/correct_rate"]
+        assert tests["pass"] + tests["wrong_answer"] == 48  # nothing timed out or crashed
     evals_rows = [r for r in rows if "eval/correct_rate" in r]
     assert evals_rows and all(0.0 <= r["eval/correct_rate"] <= 1.0 for r in evals_rows)
 
