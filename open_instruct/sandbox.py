@@ -400,6 +400,8 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
         if proc.poll() is None:
             _kill_call(proc, iso)
         proc.wait()  # with namespaces: unshare exits after pid 1, which the kernel reaps only once all else is gone
+        for fd in open_reads:  # what a slow loop had not read yet when it stopped waiting
+            _drain(fd, out[fd], limits.max_output_bytes if fd != status_r else 1 << 16)
         if not proc.stdin.closed:
             try:
                 proc.stdin.close()
@@ -409,6 +411,18 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
         proc.stderr.close()
         os.close(status_r)
     return _result(out, status_r, proc, limit, limits, start)
+
+
+def _drain(fd: int, buf: bytearray, cap: int) -> None:
+    """Read what is left in a non-blocking pipe (up to `cap` bytes in `buf`), without waiting for more."""
+    while len(buf) < cap:
+        try:
+            chunk = os.read(fd, min(1 << 16, cap - len(buf)))
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        buf += chunk
 
 
 def _result(out: dict, status_r: int, proc: subprocess.Popen, limit, limits: SandboxLimits, start: float):
