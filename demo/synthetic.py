@@ -96,6 +96,31 @@ def rl_rows(n: int, seed: int, max_operand: int = 9) -> list[dict[str, Any]]:
     return [rl_row(f"rl-{seed}-{i}", make_problem(rng, max_operand)) for i in range(n)]
 
 
+def code_rl_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Synthetic programming tasks for the `code` verifier: "write f(x) returning x + k" (k in 0..3) with three
+    assert tests (f(0) == k, f(1) == 1 + k, f(5) == 5 + k), or every other row a stdin/stdout version (print the
+    number read plus k). The tiny model will not solve them; they exercise the verifier inside the RL loop."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        k = rng.randint(0, 3)
+        if i % 2 == 0:
+            question = f"Write a Python function f(x) that returns x + {k}."
+            truth: Any = [f"assert f({x}) == {x + k}" for x in (0, 1, 5)]
+        else:
+            question = f"Write a Python program that reads an integer and prints it plus {k}."
+            truth = [{"input": f"{x}\n", "output": f"{x + k}\n"} for x in (0, 1, 5)]
+        rows.append(
+            {
+                "id": f"code-{seed}-{i}",
+                "messages": [{"role": "user", "content": question}],
+                "ground_truth": json.dumps(truth),
+                "dataset": "code",
+            }
+        )
+    return rows
+
+
 # A broader family for generalisation (the SmolLM2 demo): training and held-out problems differ in phrasing and in
 # operand ranges, so a held-out gain is not template fitting. {n} name, {i} item, {a} {b} operands.
 BROAD_TEMPLATES = {

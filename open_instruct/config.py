@@ -381,7 +381,7 @@ class RLVRConfig(BaseConfig):
     # data: prompt messages, ground truth and verifier name per row
     messages_column: str = opt("messages", "Column of the prompt messages.")
     ground_truth_column: str = opt("ground_truth", "Column of the answer the verifier checks against.")
-    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic).")
+    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
     max_prompt_length: int = opt(512, "Longest prompt in tokens.")
     # rollouts
     local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
@@ -432,6 +432,11 @@ class RLVRConfig(BaseConfig):
         None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
     )
     verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
+    code_reward: Literal["all", "fraction"] = opt("all", "code verifier: 1 iff all tests pass, or the fraction passed.")
+    code_test_seconds: float = opt(2.0, "code verifier: CPU seconds each test case may use (sandboxed).")
+    code_memory_mb: int = opt(1024, "code verifier: address-space limit of a sandboxed program, MiB.")
+    sandbox_workers: int = opt(2, "Sandboxed programs run at once per training process (CPU cores they may take).")
+    sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")
     non_stop_penalty_mode: Literal["add", "replace"] = field(
         default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
     )
@@ -541,8 +546,12 @@ class RLVRConfig(BaseConfig):
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
         _check_range(self, "vllm_gpu_memory_utilization", 0.0, 1.0, low_open=True)
-        for name in ("cliprange", "cliprange_value", "verifier_timeout"):
+        for name in ("cliprange", "cliprange_value", "verifier_timeout", "code_test_seconds", "sandbox_workers"):
             _check_positive(self, name)
+        if self.code_memory_mb < 64:
+            raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
+        if self.sandbox_batch_timeout is not None:
+            _check_positive(self, "sandbox_batch_timeout")
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
         if self.advantage_estimator is None:  # the preset

@@ -167,6 +167,8 @@ class TimeAssumptions:
     network_gb_s: float = 25.0
     gpus_per_node: int = 8
     stop_at_episode: Optional[int] = None
+    code_fraction: float = 0.0
+    sandbox_call_seconds: float = 0.0  # 0: measured on this machine (sandbox.measure_call_seconds)
 
     def check(self) -> None:
         if self.gpu not in GPU_SPECS:
@@ -185,6 +187,11 @@ class TimeAssumptions:
             raise ConfigError(f"--first_step_factor must be >= 1, got {self.first_step_factor}")
         if self.rl_padding not in ("max", "mean"):
             raise ConfigError(f"--rl_padding must be 'max' or 'mean', got {self.rl_padding!r}")
+        if not 0 <= self.code_fraction <= 1 or self.sandbox_call_seconds < 0:
+            raise ConfigError(
+                f"--code_fraction must be in [0, 1] and --sandbox_call_seconds >= 0, got {self.code_fraction}, "
+                f"{self.sandbox_call_seconds}"
+            )
         for name in ("generation_gpus", "stop_at_episode", "tokens_per_sample", "prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
@@ -218,6 +225,9 @@ ASSUMPTION_HELP = {
     "gpus_per_node": "GPUs per node: engines started by the trainer (vllm_server_urls unset) must fit beside its "
     "training processes on its node (8)",
     "stop_at_episode": "plan a run stopped at this episode (an early checkpoint) instead of the whole schedule",
+    "code_fraction": "RL: fraction of completions scored by the `code` verifier (programs run in the sandbox) (0)",
+    "sandbox_call_seconds": "RL: seconds one response's sandboxed tests take (process start + tests); 0 = measure "
+    "a trivial call on this machine (bench/bench_code_verifier.py measures real responses) (0)",
 }
 
 
@@ -489,8 +499,24 @@ DOMINANT_ASSUMPTION = {
     "weight sync": "--network_gb_s (engines on other nodes) or --interconnect_gb_s (engines on the training node)",
     "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
     "weight loading": "--load_gb_s",
+    "verification": "--sandbox_call_seconds and --code_fraction, or more sandbox_workers (CPU cores per process)",
     "first step": "--first_step_factor",
 }
+
+
+def verification_seconds(responses: float, call_seconds: float, workers: int) -> float:
+    """Seconds one process spends running its code responses' tests: responses * call_seconds / workers (the pool
+    keeps `workers` sandboxes busy; the last wave's tail is ignored)."""
+    return responses * call_seconds / max(1, workers)
+
+
+def sandbox_call_seconds(a: TimeAssumptions) -> float:
+    """--sandbox_call_seconds, or the mean of a few trivial sandboxed calls measured here (startup-bound)."""
+    if a.sandbox_call_seconds:
+        return a.sandbox_call_seconds
+    from open_instruct.sandbox import measure_call_seconds
+
+    return measure_call_seconds()
 
 
 def rollout_seconds(generation: float, training: float, weight_sync: float, overlap: bool) -> float:
@@ -560,6 +586,11 @@ def rl_phases(
                 tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
             )
             add_phases(train_side, step, cfg.num_epochs * micro_batches)
+    call_seconds = sandbox_call_seconds(a) if a.code_fraction else None
+    if call_seconds:  # each process runs its own completions' programs, sandbox_workers at a time
+        train_side["verification"] = verification_seconds(
+            episodes / w * a.code_fraction, call_seconds, getattr(cfg, "sandbox_workers", 1)
+        )
     optimizer_steps_per_rollout = plan.optimizer_steps / plan.num_training_steps
     train_side["optimizer step"] = optimizer_steps_per_rollout * (
         optimizer_seconds(cfg, params, w, gpu, a) + (optimizer_seconds(cfg, value, w, gpu, a) if value else 0.0)
@@ -594,6 +625,8 @@ def rl_phases(
         "generation_seconds_per_rollout": generation,
         "training_seconds_per_rollout": training,
         "weight_sync_seconds_per_rollout": weight_sync,
+        "verification_seconds_per_rollout": train_side.get("verification", 0.0),
+        "sandbox_call_seconds": call_seconds,
         "weight_sync_gb_s": (a.network_gb_s if layout.remote else a.interconnect_gb_s) if layout.dedicated else None,
         "rollout_seconds_sync": sync_rollout,
         "rollout_seconds_async": async_rollout,

@@ -10,6 +10,9 @@ verifiers are binary: partial credit would let the policy farm half-right answer
     arithmetic  last number in the completion must equal the integer ground truth ("3+4=7" -> 7)
     ifeval      instruction constraints, ground truth {"func_name": ..., kwargs...} (JSON string, dict, or a
                 list of them: all must hold). See IFEVAL_CONSTRAINTS for the supported func_names.
+    code        the program in the completion run against the row's test cases in the sandbox (formats and
+                failure reasons in open_instruct/code_verifier.py); 1.0 iff all pass, or the fraction passed
+                with `code_reward: fraction` (the one verifier that can give partial credit, opt-in)
 
 Every verifier sees the text after the last "</think>" when a completion contains one (the answer, not the
 reasoning). Completions longer than MAX_COMPLETION_CHARS score 0 without being read.
@@ -36,6 +39,8 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
+  * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
+    sandboxed subprocesses with their own limits (CodeSettings), `sandbox_workers` at a time across a batch.
 
 Errors: a bad *ground truth or configuration* (unknown verifier, unknown ifeval func_name, missing kwargs,
 unparseable ground truth) raises ValueError (GroundTruthError) so the pipeline reports it. Model text never
@@ -90,10 +95,13 @@ class GroundTruthError(ValueError):
 # --------------------------------------------------------------------------------------------------------
 VERIFIERS: dict[str, VerifierFn] = {}
 _USES_SYMPY: set[str] = set()  # verifiers that can hang in sympy: need a pre-emptible timer
+_SANDBOXED: set[str] = set()  # verifiers whose work runs in sandboxed subprocesses, bounded by their own limits
 ALIASES = {"gsm": "gsm8k", "if": "ifeval", "if_eval": "ifeval", "instruction_following": "ifeval"}
 
 
-def register_verifier(name: str, *, uses_sympy: bool = False) -> Callable[[VerifierFn], VerifierFn]:
+def register_verifier(
+    name: str, *, uses_sympy: bool = False, sandboxed: bool = False
+) -> Callable[[VerifierFn], VerifierFn]:
     """Decorator: `@register_verifier("gsm8k")` makes the function available as get_verifier("gsm8k")."""
     key = name.strip().lower()
 
@@ -103,6 +111,8 @@ def register_verifier(name: str, *, uses_sympy: bool = False) -> Callable[[Verif
         VERIFIERS[key] = fn
         if uses_sympy:
             _USES_SYMPY.add(key)
+        if sandboxed:
+            _SANDBOXED.add(key)
         return fn
 
     return decorator
@@ -702,6 +712,53 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Verifier: code (programs run in the sandbox, open_instruct/sandbox.py)
+# --------------------------------------------------------------------------------------------------------
+def _code_tests(ground_truth: Any) -> Any:
+    from open_instruct.code_verifier import parse_code_tests
+
+    try:
+        return parse_code_tests(ground_truth)
+    except ValueError as e:
+        raise GroundTruthError(f"code: {e}") from None
+
+
+@register_verifier("code", sandboxed=True)
+def verify_code(completion: str, ground_truth: Any) -> float:
+    """1.0 iff the completion's program passes every test of the ground truth (default CodeSettings; score_batch
+    passes the run's settings). An empty answer scores 0 without starting a process."""
+    from open_instruct.code_verifier import CodeSettings, score_programs
+
+    _code_tests(ground_truth)  # validate before looking at the text
+    text = strip_thinking(completion)
+    if not text.strip():
+        return 0.0
+    return score_programs([text], [ground_truth], CodeSettings())[0].score("all")
+
+
+def _score_code_rows(
+    completions: Sequence[str], ground_truths: Sequence[Any], settings: Any
+) -> tuple[list[float], collections.Counter]:
+    """Scores of a batch's `code` rows, run `settings.workers` at a time, and their test statuses (logged)."""
+    from open_instruct.code_verifier import count_statuses, score_programs
+
+    for gt in ground_truths:
+        _code_tests(gt)
+    texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]  # overlong: no_code
+    outcomes = score_programs(texts, ground_truths, settings)
+    statuses = count_statuses(outcomes)
+    for status, n in statuses.items():
+        STATS[f"code_{status}"] += n
+    logger.info(
+        "code verifier: %d responses, %d all-pass; tests: %s",
+        len(outcomes),
+        sum(o.score("all") == 1.0 for o in outcomes),
+        ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())),
+    )
+    return [o.score(settings.reward) for o in outcomes], statuses
+
+
+# --------------------------------------------------------------------------------------------------------
 # Time limits
 # --------------------------------------------------------------------------------------------------------
 class _Deadline(BaseException):
@@ -911,7 +968,9 @@ def run_verifier(
     STATS["calls"] += 1
     if len(completion) > MAX_COMPLETION_CHARS:
         return 0.0, False
-    if name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer"):
+    if name in _SANDBOXED:  # bounded by the sandbox's limits, not by a timer in this process
+        score, timed_out = _checked_score(VERIFIERS[name](completion, ground_truth), name), False
+    elif name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer"):
         score, timed_out = _worker_for_this_thread().call(name, completion, ground_truth, timeout)
         score = 0.0 if timed_out or score is None else _checked_score(score, name)
     else:
@@ -937,10 +996,11 @@ def score_completion(
 
 
 class BatchScores(NamedTuple):
-    rewards: list[float]  # verification_reward or 0.0 per completion
+    rewards: list[float]  # verification_reward or 0.0 per completion (code, fraction: verification_reward * fraction)
     correct: list[bool]
     num_timeouts: int
     seconds: float  # wall time spent verifying the batch
+    code_statuses: Optional[dict] = None  # `code` rows: tests per status ("pass", "wrong_answer", "timeout", ...)
 
 
 def score_batch(
@@ -950,9 +1010,11 @@ def score_batch(
     *,
     verification_reward: float = 10.0,
     timeout: float = 2.0,
+    code: Any = None,
 ) -> BatchScores:
     """score_completion over a batch. `verifier_names` is one name for all rows or one per row (the dataset's
-    `dataset`/`verifier` column). Sequential: each call is bounded by `timeout`."""
+    `dataset`/`verifier` column). Sequential: each call is bounded by `timeout`; except the `code` rows, all run
+    together in the sandbox pool under `code` (a code_verifier.CodeSettings; default CodeSettings())."""
     if isinstance(verifier_names, str):
         verifier_names = [verifier_names] * len(completions)
     if not len(completions) == len(ground_truths) == len(verifier_names):
@@ -961,13 +1023,31 @@ def score_batch(
             f"{len(verifier_names)} verifier names"
         )
     start = time.monotonic()
-    rewards, correct, num_timeouts = [], [], 0
-    for completion, gt, name in zip(completions, ground_truths, verifier_names):
+    rewards, correct, num_timeouts, code_statuses = [], [], 0, None
+    names = [normalize_verifier_name(n) for n in verifier_names]
+    code_rows = [i for i, n in enumerate(names) if n == "code"]
+    code_scores: dict[int, float] = {}
+    if code_rows:
+        from open_instruct.code_verifier import CodeSettings
+
+        settings = code or CodeSettings()
+        scores, code_statuses = _score_code_rows(
+            [completions[i] for i in code_rows], [ground_truths[i] for i in code_rows], settings
+        )
+        STATS["calls"] += len(code_rows)
+        code_scores = dict(zip(code_rows, scores))
+    for i, (completion, gt, name) in enumerate(zip(completions, ground_truths, names)):
+        if i in code_scores:  # fraction mode: partial credit, scaled like the binary reward
+            score = code_scores[i]
+            correct.append(score >= 1.0)
+            rewards.append(float(verification_reward) * score)
+            continue
         score, timed_out = run_verifier(name, completion, gt, timeout=timeout)
         num_timeouts += timed_out
         correct.append(score >= 1.0)
         rewards.append(float(verification_reward) if score >= 1.0 else 0.0)
-    return BatchScores(rewards, correct, num_timeouts, time.monotonic() - start)
+    statuses = dict(code_statuses) if code_statuses is not None else None
+    return BatchScores(rewards, correct, num_timeouts, time.monotonic() - start, statuses)
 
 
 def combine_rewards(
@@ -1129,6 +1209,14 @@ def check_verifiers(examples: list[dict], what: str) -> None:
         except ValueError as e:  # unknown verifier, or GroundTruthError
             where = ex.get("where") or f"{what} row {ex['row']}"
             raise DataError(f"{where}: {e}") from None
+    if any(names[ex["verifier"]] in _SANDBOXED for ex in examples):
+        from open_instruct.errors import ConfigError
+        from open_instruct.sandbox import isolation
+
+        try:
+            isolation()  # probed now (~0.3 s) so that a machine that cannot run programs fails before training
+        except RuntimeError as e:
+            raise ConfigError(f"{what} rows use the code verifier, but: {e}") from None
 
 
 if __name__ == "__main__":

@@ -426,6 +426,7 @@ class Rollout:
     policy_lag: list[int] = field(default_factory=list)  # per completion: updates since the weights that sampled it
     # weight_sync, generation (waited for), generation_engine (engine wall time), scoring, inference
     seconds: dict[str, float] = field(default_factory=dict)
+    code_statuses: dict[str, int] = field(default_factory=dict)  # `code` rows: tests per status (pass, timeout, ...)
 
 
 @dataclass
@@ -613,6 +614,7 @@ def collect_rollout(
         kl=kl,
         policy_lag=lags,
         seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
+        code_statuses=scored.code_statuses or {},
     )
 
 
@@ -634,6 +636,21 @@ def score_texts(
         [e["verifier"] for e in examples],
         verification_reward=cfg.verification_reward,
         timeout=cfg.verifier_timeout,
+        code=code_settings(cfg),
+    )
+
+
+def code_settings(cfg: RLVRConfig) -> Any:
+    """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
+    from open_instruct.code_verifier import CodeSettings
+
+    return CodeSettings(
+        reward=cfg.code_reward,
+        test_seconds=cfg.code_test_seconds,
+        memory_mb=cfg.code_memory_mb,
+        workers=cfg.sandbox_workers,
+        batch_timeout=cfg.sandbox_batch_timeout,
+        hide_paths=(cfg.output_dir,),
     )
     if not cfg.reward_functions:
         return scored
@@ -872,6 +889,7 @@ def log_row(
 ) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
     rollout's num_epochs x num_mini_batches optimizer steps (those that had data)."""
+    from open_instruct.code_verifier import TEST_STATUSES
     from open_instruct.distributed import global_max, global_sums
 
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
@@ -892,6 +910,7 @@ def log_row(
             "tokens": train["tokens"],
             "sampler_abs_diff": train["sampler_abs_diff"],
             "lag": float(sum(rollout.policy_lag)),
+            **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
     )
     n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
@@ -930,6 +949,8 @@ def log_row(
         row["loss/kl"] = train["kl_loss"] / updates
     if cfg.reward_model_path:
         row["train/rm_score_mean"] = ep["rm"] / n
+    if any(ep[f"code_{s}"] for s in TEST_STATUSES):  # the code verifier's tests by outcome, over every rank
+        row.update({f"train/code_tests_{s}": ep[f"code_{s}"] for s in TEST_STATUSES})
     return row
 
 

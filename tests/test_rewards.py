@@ -65,7 +65,7 @@ def test_normalize_verifier_name(raw, expected):
     assert R.normalize_verifier_name(raw) == expected
 
 
-@pytest.mark.parametrize("raw", ["mathematics", "gsm8kx", "code", "", "ifevaluation"])
+@pytest.mark.parametrize("raw", ["mathematics", "gsm8kx", "coding", "", "ifevaluation"])
 def test_unknown_verifier_lists_known_names(raw):
     with pytest.raises(ValueError) as err:
         R.get_verifier(raw)
@@ -452,7 +452,7 @@ def test_score_batch():
     assert out.rewards == [2.0, 0.0, 2.0, 2.0, 0.0]
     assert out.correct == [True, False, True, True, False]
     assert out.num_timeouts == 0 and out.seconds >= 0
-    rewards, correct, _, _ = R.score_batch(["1", "2"], [1, 1], "arithmetic")  # one name for all rows
+    rewards, correct, *_ = R.score_batch(["1", "2"], [1, 1], "arithmetic")  # one name for all rows
     assert rewards == [10.0, 0.0] and correct == [True, False]
     with pytest.raises(ValueError, match="length mismatch"):
         R.score_batch(["1", "2"], [1], "arithmetic")

@@ -1,0 +1,645 @@
+"""Run untrusted (model-written) Python in a fresh, limited subprocess: the `code` verifier and the `python` tool.
+
+One call = one `python -I -S` process, started through open_instruct/sandbox_boot.py (which documents the steps inside),
+with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
+
+    wall_seconds     the parent kills the whole call after this long              -> "wall_time"
+    cpu_seconds      RLIMIT_CPU (SIGXCPU, then SIGKILL one second later)           -> "cpu_time"
+    memory_mb        RLIMIT_AS: an allocation past it raises MemoryError           -> "memory"
+    max_output_bytes stdout and stderr each; the call is killed at the first byte over -> "output"
+    max_processes    RLIMIT_NPROC (processes + threads of the sandbox uid)         -> "processes" (fork/thread EAGAIN)
+    max_file_mb      RLIMIT_FSIZE per file; the private /tmp is 4x this in total   -> "file_size" (EFBIG / ENOSPC)
+
+Isolation (chosen once per process by `isolation()`, logged; README "Sandboxed code execution" has the table):
+
+  namespaces (Linux, root, or a user namespace when not root; `unshare` from util-linux):
+      network  a new network namespace: only a loopback that is down -> no socket reaches 127.0.0.1 or outside
+      files    a new mount namespace: private tmpfs on /tmp, /var/tmp, /dev/shm (the working dir is /tmp/work);
+               empty read-only tmpfs over the hidden paths (home, the run's output_dir, caches, the trainer's cwd);
+               /proc shows only the sandbox's processes
+      procs    a new pid namespace whose pid 1 is the supervisor: when it exits, the kernel kills every process
+               the program left (daemons, double forks, setsid escapes)
+      user     as root: a per-slot unprivileged uid (SANDBOX_UID_BASE + slot), no groups: RLIMIT_NPROC binds, and
+               files not readable by "others" stay unreadable; not root: the caller's own uid (mapped to root of
+               the user namespace), RLIMIT_NPROC = the uid's current tasks + max_processes
+  uid (root without namespaces, e.g. a container whose seccomp refuses unshare):
+      the per-slot uid, rlimits, a 0700 temp working dir; afterwards every process of that uid is killed.
+      NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp).
+  rlimits (neither): rlimits, a scrubbed environment, a temp working dir, the process group killed afterwards.
+      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid().
+
+The environment is scrubbed (PATH, HOME and TMPDIR = the working dir, LANG=C.UTF-8; `-I` ignores PYTHON*), the
+program runs at nice 10 (training keeps the CPU), and the interpreter is the base one (standard library only, the
+trainer's virtual environment and site-packages are not importable). Programs never run in the trainer's process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+SANDBOX_UID_BASE = 61000  # below 65536: mapped in most container user namespaces
+SLOTS_PER_PROCESS = 64  # concurrent calls per training process
+MAX_LOCAL_RANKS = 16
+MAX_SLOTS = SLOTS_PER_PROCESS * MAX_LOCAL_RANKS
+# Slot k of the process with LOCAL_RANK r runs as uid/gid 61000 + 64 r + k: the training processes of one node never
+# share a uid, so one's fork bomb cannot use up another's RLIMIT_NPROC, and a kill by uid hits only its own call.
+_SLOT_OFFSET = (int(os.environ.get("LOCAL_RANK", "0") or 0) % MAX_LOCAL_RANKS) * SLOTS_PER_PROCESS
+BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
+_KILL_GRACE_SECONDS = 1.0  # after the program's end or a kill: how long leftover pipe holders get to close them
+_STDERR_SCAN_CHARS = 4000  # the tail of stderr read to name the limit behind a failure
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    wall_seconds: float = 10.0
+    cpu_seconds: int = 10
+    memory_mb: int = 1024
+    max_output_bytes: int = 1 << 20
+    max_processes: int = 32
+    max_file_mb: int = 16
+
+    def validate(self) -> None:
+        for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_output_bytes", "max_processes", "max_file_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
+        if self.memory_mb < 64:
+            raise ValueError(f"sandbox memory_mb {self.memory_mb} is too small for a Python interpreter (>= 64)")
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: Optional[int]  # the program's exit status; -N = killed by signal N; None = it never ran
+    limit: Optional[str]  # which limit ended it: wall_time, cpu_time, memory, output, processes, file_size
+    seconds: float  # wall time of the call
+    cpu_seconds: float = 0.0
+    setup_error: Optional[str] = None  # the sandbox itself failed (not the program's fault)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.limit is None and self.setup_error is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    """What this machine allows (see the module docstring): `mode` is namespaces, uid or rlimits."""
+
+    mode: str
+    as_root: bool
+    unshare: Optional[str] = None  # path of the unshare binary (mode namespaces)
+    note: str = ""
+
+    @property
+    def drops_privileges(self) -> bool:
+        return self.as_root
+
+
+# --------------------------------------------------------------------------------------------------------
+# Slots: one uid per concurrent call, so limits and the final kill never touch another call
+# --------------------------------------------------------------------------------------------------------
+_free_slots = list(range(_SLOT_OFFSET + SLOTS_PER_PROCESS - 1, _SLOT_OFFSET - 1, -1))
+_slots_lock = threading.Lock()
+
+
+def _take_slot() -> int:
+    with _slots_lock:
+        if not _free_slots:
+            raise RuntimeError(f"more than {SLOTS_PER_PROCESS} concurrent sandbox calls in one process")
+        return _free_slots.pop()
+
+
+def _give_slot(slot: int) -> None:
+    with _slots_lock:
+        _free_slots.append(slot)
+
+
+def _tasks_of_uid(uid: int) -> list[int]:
+    """Pids (Linux /proc) whose real uid is `uid`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    for line in f:
+                        if line.startswith("Uid:"):
+                            if int(line.split()[1]) == uid:
+                                pids.append(int(entry))
+                            break
+            except (OSError, ValueError):
+                continue
+    return pids
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of every process running as one of this process's sandbox uids (none once its calls have returned)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uid = os.stat(f"/proc/{entry}").st_uid
+            except OSError:
+                continue
+            if 0 <= uid - SANDBOX_UID_BASE - _SLOT_OFFSET < SLOTS_PER_PROCESS:
+                found.append(int(entry))
+    return found
+
+
+def _count_threads_of_uid(uid: int) -> int:
+    total = 0
+    for pid in _tasks_of_uid(uid):
+        try:
+            total += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+    return total
+
+
+def kill_uid(uid: int, rounds: int = 50) -> int:
+    """SIGKILL every process of `uid` until none is left (a fork racing the scan is caught by the next round).
+    Only for sandbox uids: never the trainer's. Returns how many were killed."""
+    killed = 0
+    for _ in range(rounds):
+        pids = _tasks_of_uid(uid)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+# --------------------------------------------------------------------------------------------------------
+# One call
+# --------------------------------------------------------------------------------------------------------
+def _base_python() -> tuple[str, str]:
+    """(interpreter, prefix) of the base Python (not the venv): the program needs no trainer packages."""
+    exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    return exe, os.path.realpath(sys.base_prefix)
+
+
+def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
+    """Paths covered in the mount namespace: the home dir, HF caches, the trainer's cwd, and `extra` (output_dir...)."""
+    paths = [os.path.expanduser("~"), "/root", os.getcwd()]
+    for var in ("HF_HOME", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
+        if os.environ.get(var):
+            paths.append(os.environ[var])
+    paths.extend(extra)
+    return sorted({os.path.realpath(os.path.abspath(p)) for p in paths if p} - {"/"})
+
+
+# `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
+# contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
+_LAUNCHER = (
+    "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _spec(
+    program: str, files: dict, limits: SandboxLimits, iso: Isolation, slot: int, workdir: Optional[str], hide: list
+) -> dict:
+    python, prefix = _base_python()
+    uid = gid = SANDBOX_UID_BASE + slot
+    if not iso.drops_privileges:
+        uid, gid = os.getuid(), os.getgid()
+        nproc = _count_threads_of_uid(os.getuid()) + limits.max_processes  # NPROC counts all of this uid's tasks
+    else:
+        nproc = limits.max_processes
+    mounted = iso.mode == "namespaces"
+    cwd = "/tmp/work" if mounted else workdir
+    return {
+        "status_fd": None,  # filled in by the caller
+        "mount_namespace": mounted,
+        "workdir": workdir,
+        "tmpfs_mb": 4 * limits.max_file_mb,
+        "hide": hide,
+        "python": python,
+        "python_prefix": prefix,
+        "python_args": ["-I", "-S", "-B", "-c", _LAUNCHER],
+        "main": "main.py",
+        "files": {"main.py": program, **files},
+        "uid": uid,
+        "gid": gid,
+        "drop_privileges": iso.drops_privileges,
+        "nice": 10,
+        "rlimits": {
+            "RLIMIT_CPU": int(limits.cpu_seconds),
+            "RLIMIT_AS": int(limits.memory_mb) << 20,
+            "RLIMIT_FSIZE": int(limits.max_file_mb) << 20,
+            "RLIMIT_NPROC": int(nproc),
+            "RLIMIT_NOFILE": 256,
+            "RLIMIT_CORE": 0,
+        },
+        "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"},
+    }
+
+
+def _command(iso: Isolation) -> list[str]:
+    boot = [sys.executable, "-I", "-S", BOOT_SCRIPT]
+    if iso.mode != "namespaces":
+        return boot
+    user = [] if iso.as_root else ["--user", "--map-root-user"]
+    return [iso.unshare, *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", *boot]
+
+
+def _hit_process_limit(stderr_tail: str) -> bool:
+    """fork() failing with EAGAIN (BlockingIOError) or a thread that cannot start: RLIMIT_NPROC at work."""
+    return "BlockingIOError" in stderr_tail or "can't start new thread" in stderr_tail
+
+
+def _name_limit(res: dict, stderr_tail: str, limits: SandboxLimits) -> Optional[str]:
+    """Which limit ended a program that did not exit 0 (stderr only decides when no signal did)."""
+    sig = res.get("signal")
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and res.get("cpu", 0.0) >= limits.cpu_seconds - 0.05):
+        return "cpu_time"
+    if res.get("exit") == 0:
+        return None
+    if "MemoryError" in stderr_tail:
+        return "memory"
+    if _hit_process_limit(stderr_tail):
+        return "processes"
+    if "File too large" in stderr_tail or "No space left on device" in stderr_tail:
+        return "file_size"
+    return None
+
+
+def run_in_sandbox(
+    program: str,
+    stdin: str = "",
+    *,
+    limits: SandboxLimits = SandboxLimits(),
+    files: Optional[dict[str, str]] = None,
+    hide_paths: Sequence[str] = (),
+    deadline: Optional[float] = None,
+) -> SandboxResult:
+    """Run `program` (Python source) with `stdin` under `limits` in a fresh sandboxed process (module docstring).
+
+    `files` ({name: text}) are written next to main.py in the empty working dir; `hide_paths` are covered besides
+    default_hidden_paths(); `deadline` (time.monotonic()) cuts the wall limit short (a batch timeout). Never raises
+    for anything the program does; returns within the wall limit plus about a second."""
+    limits.validate()
+    for name in files or {}:
+        if not name or "/" in name or name.startswith(".") or name == "main.py":
+            raise ValueError(f"sandbox file name {name!r} must be a plain name other than main.py")
+    return _call(isolation(), program, stdin, limits, files or {}, hide_paths, deadline)
+
+
+def _call(
+    iso: Isolation, program: str, stdin: str, limits: SandboxLimits, files: dict, hide_paths: Sequence[str], deadline
+) -> SandboxResult:
+    start = time.monotonic()
+    wall = limits.wall_seconds if deadline is None else min(limits.wall_seconds, deadline - start)
+    if wall <= 0:
+        return SandboxResult("", "", None, "wall_time", 0.0)
+    slot = _take_slot()
+    workdir = None
+    try:
+        if iso.mode != "namespaces":
+            workdir = tempfile.mkdtemp(prefix="oi-sandbox-")
+            if iso.drops_privileges:
+                os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
+        spec = _spec(program, files, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
+        return _run(spec, stdin, limits, iso, wall, start)
+    finally:
+        if iso.mode == "uid":
+            kill_uid(SANDBOX_UID_BASE + slot)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        _give_slot(slot)
+
+
+def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: float, start: float) -> SandboxResult:
+    status_r, status_w = os.pipe()
+    spec["status_fd"] = status_w
+    header = json.dumps(spec).encode()
+    feed = memoryview(b"%012d" % len(header) + header + stdin.encode("utf-8", "surrogateescape"))
+    try:
+        proc = subprocess.Popen(
+            _command(iso),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(status_w,),
+            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+            cwd="/",
+            start_new_session=True,  # one process group to kill, away from the trainer's terminal signals
+        )
+    finally:
+        os.close(status_w)
+    out = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), status_r: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in out:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    stdin_fd = proc.stdin.fileno()
+    os.set_blocking(stdin_fd, False)
+    sel.register(stdin_fd, selectors.EVENT_WRITE)
+    limit, deadline, killed, open_reads = None, start + wall, False, set(out)
+    try:
+        while open_reads:
+            now = time.monotonic()
+            if now >= deadline:
+                if not killed:  # the wall limit
+                    limit = limit or "wall_time"
+                    _kill_call(proc, iso)
+                    killed, deadline = True, now + _KILL_GRACE_SECONDS
+                    continue
+                break  # something (outside our reach) still holds a pipe: stop reading
+            for key, _ in sel.select(deadline - now):
+                fd = key.fd
+                if fd == stdin_fd:
+                    try:
+                        feed = feed[os.write(fd, feed[: 1 << 16]) :]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # the program closed its stdin or ended: the rest is not wanted
+                        feed = feed[len(feed) :]
+                    if not feed:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(fd)
+                    open_reads.discard(fd)
+                    continue
+                out[fd] += chunk
+                if fd == status_r:
+                    if not killed and b"\n" in out[fd]:  # the program ended: nothing it left may live on
+                        if iso.mode != "namespaces":  # (with a pid namespace, the supervisor's exit does it)
+                            _kill_call(proc, iso)
+                        killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
+                elif len(out[fd]) > limits.max_output_bytes and limit is None:
+                    limit = "output"
+                    del out[fd][limits.max_output_bytes :]
+                    _kill_call(proc, iso)
+                    killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
+                elif len(out[fd]) > limits.max_output_bytes:
+                    del out[fd][limits.max_output_bytes :]
+    finally:
+        sel.close()
+        if proc.poll() is None:
+            _kill_call(proc, iso)
+        proc.wait()  # with namespaces: unshare exits after pid 1, which the kernel reaps only once all else is gone
+        for fd in open_reads:  # what a slow loop had not read yet when it stopped waiting
+            _drain(fd, out[fd], limits.max_output_bytes if fd != status_r else 1 << 16)
+        if not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        proc.stdout.close()
+        proc.stderr.close()
+        os.close(status_r)
+    return _result(out, status_r, proc, limit, limits, start)
+
+
+def _drain(fd: int, buf: bytearray, cap: int) -> None:
+    """Read what is left in a non-blocking pipe (up to `cap` bytes in `buf`), without waiting for more."""
+    while len(buf) < cap:
+        try:
+            chunk = os.read(fd, min(1 << 16, cap - len(buf)))
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+
+
+def _result(out: dict, status_r: int, proc: subprocess.Popen, limit, limits: SandboxLimits, start: float):
+    streams = [v for k, v in out.items() if k != status_r]
+    stdout, stderr = (bytes(s).decode("utf-8", "replace") for s in streams)
+    lines = stderr.splitlines(keepends=True)
+    if limit is not None and lines and lines[-1].startswith("unshare: "):  # its note on its killed child, not ours
+        stderr = "".join(lines[:-1])
+    status_lines = [line for line in bytes(out[status_r]).split(b"\n") if line.strip()]
+    res = json.loads(status_lines[-1]) if status_lines else {}
+    seconds = time.monotonic() - start
+    if "setup_error" in res:
+        return SandboxResult(stdout, stderr, None, limit, seconds, setup_error=res["setup_error"])
+    exit_code = res.get("exit")
+    if exit_code is None and limit is None:  # no report: the supervisor died (killed from outside)
+        exit_code = proc.returncode
+    if limit is None and res:
+        limit = _name_limit(res, stderr[-_STDERR_SCAN_CHARS:], limits)
+    elif limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
+        limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
+    return SandboxResult(stdout, stderr, exit_code, limit, seconds, cpu_seconds=float(res.get("cpu", 0.0)))
+
+
+def _children_of(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (a /proc scan: /proc/PID/task/TID/children is not on every kernel)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _kill_call(proc: subprocess.Popen, iso: Isolation) -> None:
+    """SIGKILL the call. With namespaces: the supervisor (pid 1 inside, unshare's child), so that unshare exits only
+    once the kernel has killed and reaped everything in the pid namespace (killing unshare first would let the call
+    return while the namespace is still being torn down). Otherwise (or before the supervisor exists): the process
+    group (unshare or the supervisor, and the program unless it called setsid)."""
+    if iso.mode == "namespaces":
+        supervisors = _children_of(proc.pid)
+        if supervisors:
+            for pid in supervisors:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --------------------------------------------------------------------------------------------------------
+# What this machine allows
+# --------------------------------------------------------------------------------------------------------
+_isolation: Optional[Isolation] = None
+_isolation_lock = threading.Lock()
+
+
+def _probe(iso: Isolation) -> Optional[str]:
+    """None if a trivial program runs under `iso`, else why not."""
+    try:
+        res = _call(iso, "print(6 * 7)", "", SandboxLimits(wall_seconds=30, cpu_seconds=30), {}, (), None)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    if res.setup_error or res.stdout.strip() != "42":
+        return res.setup_error or f"exit {res.exit_code}, stdout {res.stdout[:200]!r}, stderr {res.stderr[-300:]!r}"
+    return None
+
+
+def isolation(mode: str = "auto") -> Isolation:
+    """The strongest isolation this machine allows (namespaces > uid > rlimits), probed once and logged. `mode`
+    other than auto forces one (for tests and for clusters that want to fail rather than fall back)."""
+    global _isolation
+    with _isolation_lock:
+        if _isolation is not None and mode in ("auto", _isolation.mode):
+            return _isolation
+        as_root = os.geteuid() == 0
+        unshare = shutil.which("unshare") if sys.platform.startswith("linux") else None
+        candidates = []
+        if unshare:
+            candidates.append(Isolation("namespaces", as_root, unshare))
+        if as_root and sys.platform.startswith("linux"):
+            candidates.append(Isolation("uid", True))
+        candidates.append(Isolation("rlimits", False))
+        if mode != "auto":
+            candidates = [c for c in candidates if c.mode == mode]
+            if not candidates:
+                raise RuntimeError(
+                    f"sandbox isolation {mode!r} is not possible here (root: {as_root}, unshare: {unshare})"
+                )
+        reasons = []
+        for candidate in candidates:
+            why = _probe(candidate)
+            if why is None:
+                _isolation = dataclasses.replace(candidate, note="; ".join(reasons))
+                logger.info(
+                    "sandbox isolation: %s (root: %s)%s",
+                    candidate.mode,
+                    as_root,
+                    f"; fell back because {_isolation.note}" if reasons else "",
+                )
+                if candidate.mode != "namespaces":
+                    why = "; ".join(reasons) or ("forced" if mode != "auto" else "no unshare")
+                    logger.warning(
+                        "sandbox: no network/mount/pid namespaces (%s): programs can reach the network and "
+                        "world-readable files; see README 'Sandboxed code execution'",
+                        why,
+                    )
+                return _isolation
+            reasons.append(f"{candidate.mode}: {why}")
+        raise RuntimeError("no sandbox isolation works on this machine: " + "; ".join(reasons))
+
+
+def force_isolation(mode: Optional[str]) -> Isolation:
+    """Re-probe with a given mode (None: forget and probe auto again). For tests and setup code."""
+    global _isolation
+    with _isolation_lock:
+        _isolation = None
+    return isolation(mode or "auto")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Many calls at once
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SandboxCall:
+    program: str
+    stdin: str = ""
+    files: Optional[dict[str, str]] = None
+    limits: Optional[SandboxLimits] = None  # default: the pool's
+
+
+class SandboxPool:
+    """At most `workers` sandboxed programs at a time (each call waits on its subprocess in a thread), so a batch
+    of 256 responses takes ~256 / workers calls' time and never more than `workers` cores from training."""
+
+    def __init__(self, workers: int, limits: SandboxLimits = SandboxLimits(), hide_paths: Sequence[str] = ()):
+        if workers < 1:
+            raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
+        limits.validate()
+        self.workers, self.limits, self.hide_paths = workers, limits, tuple(hide_paths)
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
+
+    def run(self, calls: Sequence[SandboxCall], batch_timeout: Optional[float] = None) -> list[SandboxResult]:
+        """Results in call order. With `batch_timeout`, calls still running at the batch deadline are killed and
+        calls not yet started return at once, all with limit "wall_time"."""
+        deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
+        futures = [
+            self._executor.submit(
+                run_in_sandbox,
+                c.program,
+                c.stdin,
+                limits=c.limits or self.limits,
+                files=c.files,
+                hide_paths=self.hide_paths,
+                deadline=deadline,
+            )
+            for c in calls
+        ]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_call_seconds(calls: int = 4) -> float:
+    """Mean wall seconds of a trivial sandboxed program (startup + teardown): the planner's per-call cost."""
+    run_in_sandbox("pass")  # the first call also probes the isolation
+    start = time.monotonic()
+    for _ in range(calls):
+        run_in_sandbox("pass")
+    return (time.monotonic() - start) / calls
+
+
+# --------------------------------------------------------------------------------------------------------
+# The `python` tool (multi-turn tool use)
+# --------------------------------------------------------------------------------------------------------
+def truncate_middle(text: str, budget: int) -> str:
+    """`text` if it fits in `budget` characters, else its head and tail around a marker saying how much was cut."""
+    if len(text) <= budget:
+        return text
+    marker = f"\n... [{len(text) - budget} characters cut] ...\n"
+    keep = max(0, budget - len(marker))
+    return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2) :]
+
+
+def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000, stdin: str = "") -> str:
+    """The `python` tool: run `code` in the sandbox and return what a model sees: stdout, then stderr (if any)
+    under a "[stderr]" line, then a "[...]" line naming a limit or a non-zero exit, all within max_output_chars
+    (head and tail kept, the middle cut)."""
+    if max_output_chars < 100:
+        raise ValueError(f"max_output_chars must be >= 100, got {max_output_chars}")
+    limits = SandboxLimits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout + 0.999)))
+    res = run_in_sandbox(code, stdin, limits=limits)
+    if res.setup_error:
+        return f"[sandbox error: {res.setup_error}]"
+    parts = [res.stdout]
+    if res.stderr:
+        parts.append("[stderr]\n" + res.stderr)
+    if res.limit:
+        parts.append(f"[stopped: {res.limit} limit]")
+    elif res.exit_code:
+        parts.append(f"[exit status {res.exit_code}]")
+    tail = parts.pop() if len(parts) > 1 and parts[-1].startswith("[") and "\n" not in parts[-1] else ""
+    body = "\n".join(p.rstrip("\n") for p in parts if p)
+    text = truncate_middle(body, max_output_chars - len(tail) - 1)
+    return (text + "\n" + tail).strip("\n") if tail else text

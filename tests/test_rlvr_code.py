@@ -1,0 +1,101 @@
+"""A tiny RLVR run with the `code` verifier on synthetic programming tasks (demo.synthetic.code_rl_rows), end to end
+through rlvr_ppo.main. The tiny model cannot write programs, so the generator's texts are replaced by known programs
+("return x + J", J cycling 0..3) while its token ids still drive training: every logged sample's score must then be
+the hand-computed reward, 1.0 exactly when J equals the row's k, for assert rows and stdin/stdout rows alike."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from training_helpers import read_metrics
+
+from demo.synthetic import code_rl_rows, write_jsonl
+from open_instruct import generation_backends, rlvr_ppo, runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROGRAM = """```python
+import sys
+def f(x):
+    return x + {j}
+data = sys.stdin.read().split()
+if data:
+    print(f(int(data[0])))
+```"""
+
+
+def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every generator the run makes answers response i with PROGRAM for j = i % 4."""
+    real = generation_backends.make_generator
+
+    def make_generator(*args, **kwargs):
+        gen = real(*args, **kwargs)
+        generate = gen.generate
+
+        def with_known_texts(prompts, config):
+            out = generate(prompts, config)
+            out.texts = [PROGRAM.format(j=i % 4) for i in range(len(out.texts))]
+            return out
+
+        gen.generate = with_known_texts
+        return gen
+
+    monkeypatch.setattr(generation_backends, "make_generator", make_generator)
+
+
+def expected_score(sample: dict) -> float:
+    truth = json.loads(sample["ground_truth"])
+    k = int(truth[0].split("==")[1]) if isinstance(truth[0], str) else int(truth[0]["output"])  # f(0) == k / 0 -> k
+    j = int(sample["response"].split("return x + ")[1].split("\n")[0])
+    return 1.0 if j == k else 0.0  # verification_reward 1.0 (rlvr_tiny.yaml), non-stop penalty off
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
+def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path, monkeypatch):
+    train = write_jsonl(str(tmp_path / "code_train.jsonl"), code_rl_rows(16, 0))
+    evals = write_jsonl(str(tmp_path / "code_eval.jsonl"), code_rl_rows(8, 1))
+    out = tmp_path / "rlvr_code"
+    known_responses(monkeypatch)
+    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
+    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", evals, "--output_dir", str(out)]
+    args += ["--local_rollout_batch_size", "8", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16"]
+    args += ["--total_episodes", "32", "--num_epochs", "1", "--non_stop_penalty", "0", "--num_samples_logged", "16"]
+    args += ["--eval_steps", "2", "--checkpointing_steps", "100", "--save_final_model", "false"]
+    args += ["--max_prompt_length", "128", "--code_test_seconds", "1", "--sandbox_workers", "2"]
+    rlvr_ppo.main(args)
+
+    with open(out / "samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 32  # 2 rollouts x 16 completions
+    kinds = {isinstance(json.loads(s["ground_truth"])[0], str) for s in samples}
+    assert kinds == {True, False}  # both assert and stdin/stdout rows were scored
+    for s in samples:
+        assert s["score"] == expected_score(s), s
+    assert 0 < sum(s["score"] for s in samples) < len(samples)  # both verdicts occur
+    rows = read_metrics(str(out))
+    train_rows = [r for r in rows if "train/correct_rate" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:  # 16 responses x 3 tests; a right program passes all 3, a wrong one fails all 3
+        tests = {k.removeprefix("train/code_tests_"): v for k, v in r.items() if k.startswith("train/code_tests_")}
+        assert sum(tests.values()) == 48
+        assert tests["pass"] == 3 * 16 * r["train/correct_rate"]
+        assert tests["pass"] + tests["wrong_answer"] == 48  # nothing timed out or crashed
+    evals_rows = [r for r in rows if "eval/correct_rate" in r]
+    assert evals_rows and all(0.0 <= r["eval/correct_rate"] <= 1.0 for r in evals_rows)
+
+
+def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys):
+    rows = code_rl_rows(8, 0)
+    rows[5]["ground_truth"] = json.dumps(["assert f(0) =="])
+    train = write_jsonl(str(tmp_path / "bad_code.jsonl"), rows)
+    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
+    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(tmp_path / "o")]
+    args += ["--total_episodes", "128", "--max_prompt_length", "128"]
+    with pytest.raises(SystemExit) as e:
+        runtime.run(rlvr_ppo.main, args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{train} line 6" in err and "does not parse" in err
