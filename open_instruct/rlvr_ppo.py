@@ -638,6 +638,18 @@ def score_texts(
         timeout=cfg.verifier_timeout,
         code=code_settings(cfg),
     )
+    if not cfg.reward_functions:
+        return scored
+    extra = rewards.custom_rewards(
+        cfg.reward_functions,
+        cfg.reward_function_weights,
+        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
+        completions=texts,
+        completion_ids=response_ids,
+        ground_truth=[e["ground_truth"] for e in examples],
+        dataset=[e["verifier"] for e in examples],
+    )
+    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
 def code_settings(cfg: RLVRConfig) -> Any:
@@ -652,18 +664,6 @@ def code_settings(cfg: RLVRConfig) -> Any:
         batch_timeout=cfg.sandbox_batch_timeout,
         hide_paths=(cfg.output_dir,),
     )
-    if not cfg.reward_functions:
-        return scored
-    extra = rewards.custom_rewards(
-        cfg.reward_functions,
-        cfg.reward_function_weights,
-        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
-        completions=texts,
-        completion_ids=response_ids,
-        ground_truth=[e["ground_truth"] for e in examples],
-        dataset=[e["verifier"] for e in examples],
-    )
-    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
