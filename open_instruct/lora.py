@@ -33,16 +33,22 @@ def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> An
     dropout=False: no dropout on the adapters either (DPO and RL, whose log-probs must be reproducible)."""
     if not cfg.use_lora:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
+    return get_peft_model(model, lora_config(cfg, task_type, dropout))
+
+
+def lora_config(cfg: Any, task_type: str, dropout: bool = True) -> Any:
+    """The peft LoraConfig of a run (apply_lora; preflight tries it on the model's skeleton before loading)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout if dropout else 0.0,
         target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
         task_type=task_type,
     )
-    return get_peft_model(model, config)
 
 
 def is_peft(model: Any) -> bool:
