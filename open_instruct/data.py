@@ -218,13 +218,18 @@ def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, 
 
 
 def split_train_eval(items: list[Any], eval_fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """Deterministic held-out split (the same items whatever the world size)."""
+    """Deterministic held-out split (the same items whatever the world size). Copies of one source row (a mixture's
+    upsampling) go to the same side: no held-out example is also trained on."""
     if eval_fraction <= 0:
         return items, []
-    order = list(range(len(items)))
+    copies: dict[Any, list[int]] = {}
+    for i, x in enumerate(items):
+        copies.setdefault((x.get("source"), x["row"]) if isinstance(x, dict) and "row" in x else i, []).append(i)
+    groups = list(copies.values())
+    order = list(range(len(groups)))
     random.Random(seed).shuffle(order)
-    n_eval = max(1, int(round(eval_fraction * len(items))))
-    eval_idx = set(order[:n_eval])
+    n_eval = max(1, int(round(eval_fraction * len(groups))))
+    eval_idx = {i for g in order[:n_eval] for i in groups[g]}
     return [x for i, x in enumerate(items) if i not in eval_idx], [items[i] for i in sorted(eval_idx)]
 
 

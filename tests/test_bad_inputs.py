@@ -552,6 +552,14 @@ def test_mixture_upsampling_keeps_every_repeat_of_rows_with_ids(tmp_path, skip_b
     per_row = collections.Counter(e["row"] for e in train)
     assert len(train) == 25 and stats.duplicate_ids == 0 and stats.kept == 25
     assert sorted(per_row.values()) == [2] * 5 + [3] * 5 and sorted(per_row) == list(range(10))
+    # Held out by eval_fraction: 2 of the 10 rows with all their copies, so no held-out row is also trained on.
+    cfg.eval_fraction = 0.2
+    train, held_out, _ = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_sft)
+    rows_out = {e["row"] for e in held_out}
+    assert (
+        len(rows_out) == 2 and len(held_out) == sum(per_row[r] for r in rows_out) and len(train) == 25 - len(held_out)
+    )
+    assert rows_out.isdisjoint(e["row"] for e in train)
 
     rows = sft_rows(4, 0)
     rows[3]["id"] = rows[1]["id"]  # another row under the same id: a real duplicate
