@@ -186,12 +186,26 @@ def check_tokenizer_folder(folder: str, key: str) -> None:
 
 
 def check_attention_kernel(kernel: Optional[str]) -> None:
-    """flash_attention_2 needs the flash-attn package (transformers' ImportError would come after the model load)."""
-    if kernel == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    """flash_attention_2 needs the flash-attn package, importable (a build for another torch/CUDA fails on import)
+    and a CUDA device: transformers' errors for these come after the model load."""
+    if kernel != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             "attn_implementation flash_attention_2 needs the flash-attn package, which is not installed (CUDA only: "
             "pip install flash-attn --no-build-isolation); or use sdpa / sdpa_varlen"
         )
+    try:
+        importlib.import_module("flash_attn")
+    except (ImportError, OSError) as e:
+        raise ConfigError(
+            f"attn_implementation flash_attention_2: the flash-attn package does not import ({e}); reinstall it for "
+            "this torch and CUDA, or use sdpa / sdpa_varlen"
+        ) from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("attn_implementation flash_attention_2 runs on CUDA GPUs only; this process sees none")
 
 
 def lora_models(cfg: Any) -> list[tuple[str, str, Optional[str], str]]:
