@@ -583,6 +583,22 @@ def test_an_engine_of_vllm_server_urls_that_does_not_answer_is_a_config_error():
         check_running_engines(["http://127.0.0.1:1"], 1, 64)
 
 
+def test_a_flash_attn_that_does_not_import_is_named_before_loading(tmp_path, monkeypatch):
+    """Issue 22, item 9: flash-attn built for another torch fails on import (an undefined symbol); that is named
+    before any model loads too (a stand-in package here that raises what such a build raises)."""
+    from open_instruct.errors import ConfigError
+    from open_instruct.preflight import check_attention_kernel
+
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with pytest.raises(ConfigError, match=r"flash-attn package does not import \(undefined symbol: _ZN3c104cuda"):
+        check_attention_kernel("flash_attention_2")
+    check_attention_kernel("sdpa")  # other kernels need nothing
+
+
 def assert_refused_before_any_model_loads(case, t, capsys) -> None:
     """Run the case's script: exit 2, every needle in the message, the finished runs nearby (and the case's own
     finished folder) untouched, nothing but run.json written into the output folder."""
