@@ -2,8 +2,8 @@
 present and not truncated, the GGUF file, a trained reward head), tokenizer files, dataset files and mixture sources,
 the chat template's syntax, the attention kernel's package, the output folder. `runtime.start` runs them, so a bad
 path fails with exit 2 naming it in seconds, not after the weights have loaded. Hub names (not local paths) pass here
-and are checked by their loaders. One check needs torch: LoRA target names, tried on the model's skeleton (built
-from its config on the meta device, no weights), and only with use_lora."""
+and are checked by their loaders. Two checks import torch, and only when they apply: LoRA target names (use_lora),
+tried on the model's skeleton built from its config on the meta device (no weights), and flash_attention_2's CUDA."""
 
 from __future__ import annotations
 
