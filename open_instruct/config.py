@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import yaml
 from open_instruct import flag_names
 from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
-from open_instruct.mixture import parse_mixer_list
+from open_instruct.mixture import parse_mixer_list, source_labels
 
 T = TypeVar("T")
 
@@ -40,6 +41,8 @@ class BaseConfig:
 
     # The eval metric names the script logs (best_metric must be one of them); set per script.
     eval_metrics: ClassVar[tuple[str, ...]] = ()
+    # Those of them also logged per source (eval/<source>/...) when the held-out set mixes sources.
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = ()
 
     # --- what runs
     script: str = opt("", "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo).")
@@ -209,6 +212,17 @@ class BaseConfig:
         _check_range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         if self.lora_target_modules is not None and not self.lora_target_modules:
             raise ConfigError("lora_target_modules must name at least one module (or be unset: all linear layers)")
+        if not self.use_lora:  # LoRA settings alone would train every weight, which the recipe did not mean
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            lora_keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save")
+            changed = [f"{k} {getattr(self, k)!r}" for k in lora_keys if getattr(self, k) != defaults[k]]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(changed)} set but use_lora is false: every weight would be trained, without "
+                    "adapters; set use_lora true, or remove the LoRA settings"
+                )
+        if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
+            raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.allow_resume_changes and not self.resume_from_checkpoint:
@@ -219,12 +233,12 @@ class BaseConfig:
         if not self.model_name_or_path:
             raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         self._validate_data_sources()
-        if self.best_metric and self.eval_metrics and self.best_metric not in self.eval_metrics:  # '' = none
-            close = difflib.get_close_matches(self.best_metric, self.eval_metrics, n=1, cutoff=0.5)
+        logged = [*self.eval_metrics, *self.per_source_metric_names()]
+        if self.best_metric and self.eval_metrics and self.best_metric not in logged:  # '' = none
+            close = difflib.get_close_matches(self.best_metric, logged, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"best_metric {self.best_metric!r} is not a {self.script} eval metric{hint} "
-                f"(choose one of {list(self.eval_metrics)})"
+                f"best_metric {self.best_metric!r} is not a {self.script} eval metric{hint} (choose one of {logged})"
             )
         if self.best_metric is not None and not self.eval_steps:
             raise ConfigError(f"best_metric {self.best_metric!r} needs eval_steps (evaluation never runs without it)")
@@ -240,6 +254,29 @@ class BaseConfig:
                 "eval_steps is set but there is no eval data: set eval_dataset_name_or_path, eval_dataset_mixer_list "
                 "or eval_fraction"
             )
+
+    def eval_source_labels(self) -> list[str]:
+        """The source labels (mixture.source_labels) of a held-out set drawn from several sources: an eval mixture,
+        comma-separated eval files, or eval_fraction of a train set drawn from several. [] for one source."""
+        if self.eval_dataset_mixer_list:
+            sources = [str(s) for s in self.eval_dataset_mixer_list[0::2]]
+        elif self.eval_dataset_name_or_path:
+            sources = [p.strip() for p in self.eval_dataset_name_or_path.split(",") if p.strip()]
+        elif self.eval_fraction > 0 and self.dataset_mixer_list:
+            sources = [str(s) for s in self.dataset_mixer_list[0::2]]
+        elif self.eval_fraction > 0:
+            sources = [p.strip() for p in self.dataset_name_or_path.split(",") if p.strip()]
+        else:
+            sources = []
+        return source_labels(sources) if len(sources) > 1 else []
+
+    def per_source_metric_names(self) -> list[str]:
+        """The per-source eval metrics the script logs for this held-out set: eval/<label>/<name>."""
+        return [
+            f"eval/{label}/{name.removeprefix('eval/')}"
+            for label in self.eval_source_labels()
+            for name in self.per_source_eval_metrics
+        ]
 
     def _validate_data_sources(self) -> None:
         """One way to name the train data (a path/name or a mixture), mixtures well formed, before anything loads."""
@@ -281,6 +318,7 @@ class BaseConfig:
 @dataclass
 class SFTConfig(BaseConfig):
     eval_metrics: ClassVar[tuple[str, ...]] = ("eval/loss", "eval/perplexity")
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/loss",)
     script: str = opt("sft", "Which script this recipe is for.")
     messages_column: str = opt("messages", "Column holding the chat (a list of {role, content}).")
     learning_rate: float = opt(5e-6, "Peak AdamW learning rate.")
@@ -308,6 +346,7 @@ class RewardModelConfig(PreferenceDataConfig):
         f"eval/{k}"
         for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
     )
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
     script: str = opt("reward_model", "Which script this recipe is for.")
     learning_rate: float = opt(3e-6, "Peak AdamW learning rate.")
     margin_column: Optional[str] = opt(
@@ -340,6 +379,7 @@ class DPOConfig(PreferenceDataConfig):
             "logps/rejected",
         )
     )
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
     script: str = opt("dpo", "Which script this recipe is for.")
     learning_rate: float = opt(5e-7, "Peak AdamW learning rate.")
     loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = opt(
@@ -373,6 +413,7 @@ class RLVRConfig(BaseConfig):
         "eval/response_length",
         "eval/non_stop_rate",
     )
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/correct_rate",)
     script: str = opt("rlvr_ppo", "Which script this recipe is for.")
     algo: Literal["ppo", "grpo"] = opt(
         "ppo", "Preset: ppo = gae advantages (value model), KL in the reward; grpo = group advantages, KL loss."
@@ -538,6 +579,7 @@ class RLVRConfig(BaseConfig):
             _check_positive(self, name)
         if self.eval_response_length is not None:
             _check_positive(self, "eval_response_length")
+        _check_positive(self, "num_samples_logged", allow_zero=True)
         if self.total_episodes is None:
             raise ConfigError("total_episodes is required for RLVR (completions to train on)")
         if self.temperature <= 0:
@@ -728,7 +770,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
+    for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if key in seen:
@@ -736,6 +778,8 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
                 f"recipe {key_node.start_mark.name}: key {key!r} is given twice (line {seen[key]} and line {line})"
             )
         seen[key] = line
+        if value_node.tag == "tag:yaml.org,2002:float":  # `1.0e-400` reads as 0.0
+            _check_no_underflow(str(key), value_node.value, f"recipe {key_node.start_mark.name} line {line}")
     return loader.construct_mapping(node, deep=deep)
 
 
@@ -753,6 +797,52 @@ def load_recipe(path: str) -> dict[str, Any]:
     if not isinstance(recipe, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping of key: value, got {type(recipe).__name__}")
     return recipe
+
+
+def _is_key(token: str) -> bool:
+    """`--name` or `--name=value` (a value may start with dashes too: `-----`, `-1e-8`)."""
+    return re.match(r"--[A-Za-z_][\w-]*(=|$)", token) is not None
+
+
+def _value_kinds(cls: type) -> dict[str, str]:
+    """Each field's kind of value: "list" (takes every token up to the next key), "float", or "one"."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        types = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+        if any(typing.get_origin(t) is list for t in types):
+            kinds[name] = "list"
+        else:
+            kinds[name] = "float" if float in types else "one"
+    return kinds
+
+
+def _misplaced_recipe(argv: Sequence[str], kinds: dict[str, str]) -> Optional[str]:
+    """A .yaml/.yml token that no scalar key takes as its value: a recipe placed after the options (only the first
+    argument is read as one). `--exp_name ablation.yaml` is a value; in a list key's values it is not (a stop string
+    or module named x.yaml is far less likely than a misplaced recipe)."""
+    takes = 0  # tokens the current key still takes: 1 (a scalar), -1 (a list: up to the next key), 0 (none)
+    for token in argv:
+        if _is_key(token):
+            key = _option_key(token)
+            takes = 0 if "=" in token or key not in kinds else (-1 if kinds[key] == "list" else 1)
+            continue
+        is_recipe = token.endswith((".yaml", ".yml"))
+        if takes == 1:
+            takes = 0
+            continue
+        if is_recipe:
+            return token
+    return None
+
+
+def _check_no_underflow(key: str, text: str, where: str) -> None:
+    """A float written with non-zero digits that reads as 0.0 (`1e-400`) is refused, not silently zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        return  # argparse names the bad value
+    if value == 0 and re.search(r"[1-9]", re.split(r"[eE]", text)[0]):
+        raise ConfigError(f"{key} {text} underflows to 0.0 in floating point ({where}); write 0 if 0 is meant")
 
 
 def _option_key(token: str) -> str:
@@ -793,7 +883,8 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     if argv and not argv[0].startswith("-"):
         recipe_path = argv.pop(0)
         recipe = load_recipe(recipe_path)
-    late_recipe = next((t for t in argv if t.endswith((".yaml", ".yml")) and not t.startswith("-")), None)
+    kinds = _value_kinds(cls)
+    late_recipe = _misplaced_recipe(argv, kinds)
     if late_recipe is not None:
         raise ConfigError(
             f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
@@ -803,13 +894,20 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     if recipe.get("script", expected_script) != expected_script:
         raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
     valid = _field_names(cls)
-    for key in recipe:
+    for key, value in recipe.items():
         if key not in valid:
             raise _unknown_key_error(key, valid, f"recipe {recipe_path}", expected_script)
+        if isinstance(value, list) and kinds[key] != "list":
+            raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
+        if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
+            _check_no_underflow(key, value, f"recipe {recipe_path}", expected_script)
     accepted = _accepted_keys(cls)
-    for token in argv:
-        if token.startswith("--") and _option_key(token) not in accepted:
+    for i, token in enumerate(argv):
+        if _is_key(token) and _option_key(token) not in accepted:
             raise _unknown_key_error(_option_key(token), valid, "command-line overrides", expected_script)
+        if _is_key(token) and kinds.get(_option_key(token)) == "float":  # 1e-400 would silently become 0.0
+            given = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
+            _check_no_underflow(_option_key(token), given, "command line")
 
     # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
     # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
@@ -824,6 +922,10 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     argv = [t for t in argv if t is not None]
     recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
     parser = _parser(cls)
+    # Every token that is not a --key was checked above to be a value, so one starting with '-' (`--stop_strings
+    # -----`, `--adam_epsilon -1e-8`) is a value too; argparse alone reads it as an option unless it is a plain
+    # negative number.
+    parser._negative_number_matcher = re.compile(r"^-")
     parser.set_defaults(**none_defaults)
     for action in parser._actions:  # recipe values satisfy required fields
         if action.dest in recipe:

@@ -7,11 +7,13 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import math
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -64,6 +66,16 @@ class DataStats:
         for s in self.sources:
             s["kept"] = sum(1 for e in examples if e["source"] == s["label"])
 
+    def require_every_source(self, key: str) -> None:
+        """A mixture source none of whose rows survived (all over-long, or bad with skip_bad_rows) would silently
+        leave the mixture: DataError naming it."""
+        for s in self.sources:
+            if not s["kept"]:
+                raise DataError(
+                    f"{key}: source {s['source']!r} has no usable rows: all {s['rows']} rows taken from it were "
+                    f"dropped (over-long for max_seq_length / max_prompt_length, or bad); overall {self.summary()}"
+                )
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Loading
@@ -85,6 +97,8 @@ def _read_jsonl(path: str) -> list[Row]:
                 raise DataError(f"{path} line {line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path} line {line_no}: expected a JSON object, got {type(obj).__name__}")
+            if _SURROGATE_ESCAPE.search(text):
+                _refuse_lone_surrogates(obj, f"{path} line {line_no}")
             rows.append(Row(path, len(rows), line_no, obj))
     return rows
 
@@ -92,7 +106,8 @@ def _read_jsonl(path: str) -> list[Row]:
 def _read_json(path: str) -> list[Row]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            text = f.read()
+        data = json.loads(text)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -104,7 +119,30 @@ def _read_json(path: str) -> list[Row]:
     for i, obj in enumerate(data):
         if not isinstance(obj, dict):
             raise DataError(f"{path} row {i}: expected a JSON object, got {type(obj).__name__}")
+        if _SURROGATE_ESCAPE.search(text):
+            _refuse_lone_surrogates(obj, f"{path} row {i}")
     return [Row(path, i, None, obj) for i, obj in enumerate(data)]
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only JSON's \uXXXX escapes can make a surrogate
+
+
+def _refuse_lone_surrogates(value: Any, where: str, at: str = "") -> None:
+    """JSON accepts a `\\ud800` escape that is not half of a pair; the result is no character (UTF-8 cannot encode it,
+    so the tokenizer fails on it): DataError naming the row and the field."""
+    if isinstance(value, str):
+        match = re.search(r"[\ud800-\udfff]", value)
+        if match:
+            raise DataError(
+                f"{where}: {at or 'a string'} holds the escape \\u{ord(match.group()):04x}, a lone UTF-16 surrogate "
+                "(not a character): fix the file's encoding"
+            )
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_lone_surrogates(v, where, f"{at}.{k}" if at else str(k))
+    elif isinstance(value, list):
+        for j, v in enumerate(value):
+            _refuse_lone_surrogates(v, where, f"{at}[{j}]")
 
 
 def _read_with_datasets(name: str, split: str, **kwargs: Any) -> list[Row]:
@@ -154,12 +192,16 @@ def load_mixture(mixer_list: Sequence[str], split: str, seed: int, key: str) -> 
 
 
 def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, id_column: str = "id") -> list[Row]:
-    """Rows sharing an `id` usually mean a file was concatenated twice: an error, or skip the repeats."""
+    """Rows sharing an `id` usually mean a file was concatenated twice: an error, or skip the repeats. A mixture's
+    upsampling repeats the same row of its source on purpose: those repeats are kept."""
     seen: dict[Any, Row] = {}
     kept = []
     for row in rows:
         rid = row.data.get(id_column)
         if rid is None or isinstance(rid, (list, dict)):
+            kept.append(row)
+            continue
+        if rid in seen and (seen[rid].source, seen[rid].index) == (row.source, row.index):  # upsampled: same row
             kept.append(row)
             continue
         if rid in seen:
@@ -176,18 +218,27 @@ def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, 
 
 
 def split_train_eval(items: list[Any], eval_fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """Deterministic held-out split (the same items whatever the world size)."""
+    """Deterministic held-out split (the same items whatever the world size). Copies of one source row (a mixture's
+    upsampling) go to the same side: no held-out example is also trained on."""
     if eval_fraction <= 0:
         return items, []
-    order = list(range(len(items)))
+    copies: dict[Any, list[int]] = {}
+    for i, x in enumerate(items):
+        copies.setdefault((x.get("source"), x["row"]) if isinstance(x, dict) and "row" in x else i, []).append(i)
+    groups = list(copies.values())
+    order = list(range(len(groups)))
     random.Random(seed).shuffle(order)
-    n_eval = max(1, int(round(eval_fraction * len(items))))
-    eval_idx = set(order[:n_eval])
+    n_eval = max(1, int(round(eval_fraction * len(groups))))
+    eval_idx = {i for g in order[:n_eval] for i in groups[g]}
     return [x for i, x in enumerate(items) if i not in eval_idx], [items[i] for i in sorted(eval_idx)]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Validation of chat messages
+
+
+# The roles chat templates know: OpenAI's (developer, tool, the older function) and Llama 3.1's ipython.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def _validate_messages(value: Any, column: str, where: str, need_final_assistant: bool) -> list[dict[str, str]]:
@@ -200,6 +251,10 @@ def _validate_messages(value: Any, column: str, where: str, need_final_assistant
             raise DataError(
                 f"{where}: {column}[{j}] must be an object with string 'role' and 'content', got {m!r:.120}"
             )
+        if m["role"] not in CHAT_ROLES:  # a misspelt role renders as some other turn, and is never trained
+            close = difflib.get_close_matches(m["role"], CHAT_ROLES, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise DataError(f"{where}: {column}[{j}] has role {m['role']!r}{hint} (roles: {', '.join(CHAT_ROLES)})")
     if need_final_assistant and value[-1]["role"] != "assistant":
         raise DataError(
             f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}"
@@ -330,10 +385,15 @@ def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[
 
 
 def pair_margin(row: Row, column: str) -> float:
-    """The row's target margin (reward model `margin_column`): a finite number."""
+    """The row's target margin (reward model `margin_column`): a number finite in float32 (the loss's dtype)."""
     value = _require_column(row, column)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(f"{row.where()}: column {column!r} must be a finite number (the target margin), got {value!r}")
+    if abs(value) > torch.finfo(torch.float32).max:  # 1e300 is finite here but inf in the loss
+        raise DataError(
+            f"{row.where()}: column {column!r} holds {value!r}, beyond float32's range (the target margin becomes "
+            f"inf in the loss; |margin| <= {torch.finfo(torch.float32).max:.4g})"
+        )
     return float(value)
 
 
@@ -375,7 +435,8 @@ def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[lis
 
 
 def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
-    """RL prompts: the conversation (a trailing assistant turn is dropped), its ground truth and verifier name."""
+    """RL prompts: the conversation (which must not end with an assistant turn), its ground truth and verifier
+    name."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
     check_columns(rows, [cfg.messages_column, cfg.ground_truth_column], "RL prompt")
@@ -385,10 +446,11 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
             msgs = _validate_messages(
                 _require_column(row, cfg.messages_column), cfg.messages_column, row.where(), False
             )
-            if msgs[-1]["role"] == "assistant":
-                msgs = msgs[:-1]
-            if not msgs:
-                raise DataError(f"{row.where()}: column {cfg.messages_column!r} has no prompt turn")
+            if msgs[-1]["role"] == "assistant":  # an answer in the prompt: an SFT file, or a leaked solution
+                raise DataError(
+                    f"{row.where()}: the last turn of {cfg.messages_column!r} is the assistant's; an RL prompt ends "
+                    "with the turn the policy answers (remove the assistant turn, e.g. keep the answer as ground truth)"
+                )
             ground_truth = _require_column(row, cfg.ground_truth_column)
             verifier = row.data.get(cfg.verifier_column)
             if not isinstance(verifier, str) or not verifier:
@@ -718,12 +780,16 @@ def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list
     train, stats = tokenize(train_rows, tokenizer, cfg)
     stats.sources = sources
     stats.count_kept_per_source(train)
+    stats.require_every_source("dataset_mixer_list")
     eval_examples: list[dict] = []
     if cfg.eval_dataset_mixer_list is not None:
-        eval_rows, _ = load_mixture(
+        eval_rows, eval_sources = load_mixture(
             cfg.eval_dataset_mixer_list, cfg.eval_dataset_split, cfg.seed, "eval_dataset_mixer_list"
         )
-        eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)
+        eval_examples, eval_stats = tokenize(eval_rows, tokenizer, cfg)
+        eval_stats.sources = eval_sources
+        eval_stats.count_kept_per_source(eval_examples)
+        eval_stats.require_every_source("eval_dataset_mixer_list")
     elif cfg.eval_dataset_name_or_path:
         eval_rows = load_rows(cfg.eval_dataset_name_or_path, cfg.eval_dataset_split, cfg.max_eval_samples)
         eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)

@@ -272,7 +272,7 @@ def check_running_engines(
     `max_model_len` tokens (longest prompt + longest response of this run), runs the tensor parallelism the
     weight-transfer group is laid out for (a mismatch would leave the broadcast waiting for workers that do not
     exist), and, when given, the `dtype` the trainer sends (engine_dtype) and the weight-transfer backend it speaks.
-    EngineError if one does not answer, ConfigError if one does not fit the run."""
+    ConfigError if one does not answer or does not fit the run."""
     for k, url in enumerate(urls):
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
@@ -280,7 +280,7 @@ def check_running_engines(
             with urllib.request.urlopen(f"{url}/server_info?config_format=json", timeout=30) as response:
                 config = json.load(response).get("vllm_config") or {}
         except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
-            raise EngineError(
+            raise ConfigError(  # a URL of the config that leads nowhere: exit 2, before any model loads
                 f"vLLM engine {k} ({url}) of vllm_server_urls does not answer ({e}); start the engines first "
                 f"(`python -m open_instruct.engines <recipe> --port PORT` on the generation node)"
             ) from None

@@ -41,22 +41,28 @@ def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> An
     dropout=False: no dropout on the adapters either (DPO and RL, whose log-probs must be reproducible)."""
     if not cfg.use_lora:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout if dropout else 0.0,
-        target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
-        task_type=task_type,
-    )
     # peft (0.21.2, the newest) reads transformers' deprecated alias `model.is_gradient_checkpointing` in
     # PeftModel.__init__ (to decide whether to make the inputs require grads), and transformers 5 warns on every
     # read ("deprecated ... Use `is_activation_checkpointing`"). The value read is the right one and there is nothing
     # for a user to change, so that one FutureWarning, from this one call, is not shown.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(model, config)
+        return get_peft_model(model, lora_config(cfg, task_type, dropout))
+
+
+def lora_config(cfg: Any, task_type: str, dropout: bool = True) -> Any:
+    """The peft LoraConfig of a run (apply_lora; preflight tries it on the model's skeleton before loading)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout if dropout else 0.0,
+        target_modules=list(cfg.lora_target_modules) if cfg.lora_target_modules else "all-linear",
+        task_type=task_type,
+    )
 
 
 def is_peft(model: Any) -> bool:

@@ -31,9 +31,30 @@ def load_tokenizer(
         tokenizer.chat_template = chat_template
     if tokenizer.chat_template is None:
         raise ConfigError(f"tokenizer of {name_or_path!r} has no chat template: set chat_template in the recipe")
+    check_template_renders_content(
+        tokenizer, "chat_template" if chat_template else f"the chat template of {name_or_path!r}"
+    )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_template_renders_content(tokenizer: Any, which: str) -> None:
+    """A chat template must put each message's content into the text (one that renders only roles or markup would
+    train on template text alone): ConfigError, checked on a user + assistant conversation."""
+    import jinja2
+
+    probe = [{"role": "user", "content": "probe-user-71"}, {"role": "assistant", "content": "probe-assistant-71"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise ConfigError(f"{which} fails on a user + assistant conversation: {e}") from None
+    missing = [m["role"] for m in probe if m["content"] not in text]
+    if missing:
+        raise ConfigError(
+            f"{which} renders no content of the {' and '.join(missing)} message (a user + assistant conversation "
+            f"renders as {text[:200]!r}): fix the template (e.g. {{{{ message['content'] }}}} in its loop)"
+        )
 
 
 def _pretrained_kwargs(

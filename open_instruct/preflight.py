@@ -1,11 +1,15 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
-present and not truncated, the GGUF file, a trained reward head), dataset files, the chat template's syntax, the
-output folder, and RL's custom reward functions (imported and their signature checked: the user's code may import
-what it likes). `runtime.start` runs them, so a bad path fails with exit 2 naming it in seconds, not after the
-weights have loaded. Hub names (not local paths) pass here and are checked by their loaders."""
+present and not truncated, the GGUF file, a trained reward head), tokenizer files, dataset files and mixture sources,
+the chat template's syntax, the attention kernel's package, the output folder, and RL's custom reward functions
+(imported and their signature checked: the user's code may import what it likes). `runtime.start` runs them, so a bad
+path fails with exit 2 naming it in seconds, not after the weights have loaded. Hub names (not local paths) pass here
+and are checked by their loaders. Two checks import torch, and only when they apply: LoRA target names (use_lora),
+tried on the model's skeleton built from its config on the meta device (no weights), and flash_attention_2's CUDA."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
 import struct
@@ -125,6 +129,12 @@ def check_dataset(name_or_path: Optional[str], key: str) -> None:
             )
         if not os.path.exists(part) and (extension in DATASET_EXTENSIONS or looks_local(part)):
             raise ConfigError(f"{key}: dataset file {part!r} does not exist")
+        close = difflib.get_close_matches(extension, DATASET_EXTENSIONS, n=1, cutoff=0.6) if extension else []
+        if not os.path.exists(part) and close:  # `train.jsnol`: a misspelt local file, not a hub dataset
+            raise ConfigError(
+                f"{key}: dataset file {part!r} does not exist (and {extension!r} is no known type; did you mean "
+                f"{close[0]!r}?)"
+            )
 
 
 def probe_writable(folder: str, key: str) -> None:
@@ -162,12 +172,135 @@ def check_chat_template(template: Optional[str]) -> None:
         raise ConfigError(f"chat_template is not a valid Jinja template: {e.message} (line {e.lineno})") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")  # or a sentencepiece/tiktoken *.model, *.tiktoken
+
+
+def check_tokenizer_folder(folder: str, key: str) -> None:
+    """A local folder the tokenizer loads from must hold its vocabulary (AutoTokenizer's own error for one that does
+    not blames a missing sentencepiece package)."""
+    names = os.listdir(folder)
+    if not any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names):
+        raise ConfigError(
+            f"{key} {folder!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)} or a sentencepiece *.model; it "
+            f"holds: {_listing(folder)}): point tokenizer_name_or_path at the folder of the model's tokenizer"
+        )
+
+
+def check_attention_kernel(kernel: Optional[str]) -> None:
+    """flash_attention_2 needs the flash-attn package, importable (a build for another torch/CUDA fails on import)
+    and a CUDA device: transformers' errors for these come after the model load."""
+    if kernel != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "attn_implementation flash_attention_2 needs the flash-attn package, which is not installed (CUDA only: "
+            "pip install flash-attn --no-build-isolation); or use sdpa / sdpa_varlen"
+        )
+    try:
+        importlib.import_module("flash_attn")
+    except (ImportError, OSError) as e:
+        raise ConfigError(
+            f"attn_implementation flash_attention_2: the flash-attn package does not import ({e}); reinstall it for "
+            "this torch and CUDA, or use sdpa / sdpa_varlen"
+        ) from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("attn_implementation flash_attention_2 runs on CUDA GPUs only; this process sees none")
+
+
+def lora_models(cfg: Any) -> list[tuple[str, str, Optional[str], str]]:
+    """(key, path, gguf_file, peft task type) of each model the script gives LoRA adapters: the policy, or the
+    reward model being trained; with PPO also the value model (lora.apply_lora in each script)."""
+    if cfg.script == "reward_model":
+        return [("model_name_or_path", cfg.model_name_or_path, cfg.gguf_file, "SEQ_CLS")]
+    models = [("model_name_or_path", cfg.model_name_or_path, cfg.gguf_file, "CAUSAL_LM")]
+    if getattr(cfg, "uses_value_model", False):
+        if cfg.value_model_path:
+            models.append(("value_model_path", cfg.value_model_path, None, "SEQ_CLS"))
+        else:
+            models.append(("model_name_or_path (value model)", cfg.model_name_or_path, cfg.gguf_file, "SEQ_CLS"))
+    return models
+
+
+def check_lora_targets(cfg: Any) -> None:
+    """With use_lora: each lora_target_modules name must name a layer LoRA adapts in a model that gets adapters, and
+    peft must accept the config on each of them. Tried on skeletons built from the models' configs on the meta
+    device (no weights read). peft alone fails only after the load, and only when no name matches at all (a misspelt
+    name next to a right one is skipped silently); a scalar head (`score`) is trained in full, not adapted."""
+    if not cfg.use_lora:
+        return
+    import torch
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+    from transformers.pytorch_utils import Conv1D
+
+    from open_instruct.lora import lora_config
+
+    classes = {"CAUSAL_LM": AutoModelForCausalLM, "SEQ_CLS": AutoModelForSequenceClassification}
+    mappings = {"CAUSAL_LM": MODEL_FOR_CAUSAL_LM_MAPPING, "SEQ_CLS": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING}
+    heads = {"SEQ_CLS": ("score", "classifier")}  # peft keeps them as modules_to_save (fully trained)
+    layers: set[str] = set()  # leaf names of the layers LoRA can adapt, over every adapted model
+    skeletons = []
+    for key, path, gguf_file, task in lora_models(cfg):
+        kwargs = {"trust_remote_code": cfg.trust_remote_code, **({"gguf_file": gguf_file} if gguf_file else {})}
+        try:
+            config = AutoConfig.from_pretrained(path, **kwargs, **({"num_labels": 1} if task == "SEQ_CLS" else {}))
+        except (OSError, ValueError, KeyError) as e:
+            if looks_local(path):
+                raise ConfigError(f"{key} {path!r}: its config.json does not read as a model config ({e})") from None
+            continue  # a hub model not reachable from here: its loader reports
+        with init_empty_weights():  # the model class itself for transformers' own models, else the Auto class
+            if type(config) in mappings[task]:
+                skeleton = mappings[task][type(config)](config)
+            else:
+                skeleton = classes[task].from_config(config, trust_remote_code=cfg.trust_remote_code)
+        skeletons.append((key, path, task, skeleton))
+    hits: dict[str, set[bool]] = {t: set() for t in cfg.lora_target_modules or []}  # per name: is each hit a head
+    for key, path, task, skeleton in skeletons:
+        for name, module in skeleton.named_modules():
+            leaf = name.rpartition(".")[2]
+            is_head = leaf in heads.get(task, ())
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, Conv1D)) and not is_head:
+                layers.add(leaf)
+            for target in hits:
+                if name == target or name.endswith(f".{target}"):  # peft's rule for a list of names
+                    hits[target].add(is_head)
+    for target, found in hits.items():
+        if False not in found:
+            close = difflib.get_close_matches(target, sorted(layers), n=1, cutoff=0.6)
+            why = (
+                "is the scalar head, which is trained in full (LoRA does not adapt it)"
+                if found
+                else "names no layer of " + ", ".join(f"{k} {p!r}" for k, p, _, _ in skeletons)
+            )
+            raise ConfigError(
+                f"lora_target_modules {target!r} {why}{f'; did you mean {close[0]!r}?' if close else ''} (layers "
+                f"LoRA can adapt: {', '.join(sorted(layers))})"
+            )
+    for key, path, task, skeleton in skeletons:
+        try:
+            get_peft_model(skeleton, lora_config(cfg, task), low_cpu_mem_usage=True)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError, an unsupported layer type
+            raise ConfigError(f"lora_target_modules {cfg.lora_target_modules} on {key} {path!r}: {e}") from None
+
+
 def check_inputs(cfg: Any) -> None:
     """Every model and dataset path of the config (see the module docstring)."""
     check_model_folder(cfg.model_name_or_path, "model_name_or_path", cfg.gguf_file)
     if cfg.tokenizer_name_or_path and looks_local(cfg.tokenizer_name_or_path):
         if not os.path.isdir(cfg.tokenizer_name_or_path):
             raise ConfigError(f"tokenizer_name_or_path {cfg.tokenizer_name_or_path!r} is not a folder")
+    if not cfg.gguf_file:  # a GGUF file carries its tokenizer
+        key = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
+        folder = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+        if looks_local(folder) and os.path.isdir(folder):
+            check_tokenizer_folder(folder, key)
     for key in ("value_model_path", "reward_model_path"):
         if getattr(cfg, key, None):
             check_model_folder(getattr(cfg, key), key)
@@ -175,7 +308,12 @@ def check_inputs(cfg: Any) -> None:
         check_trained_score_head(cfg.reward_model_path, "reward_model_path")
     check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
     check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
+    for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):  # every source: the same checks as one dataset
+        for source in (getattr(cfg, key) or [])[0::2]:
+            check_dataset(str(source), key)
     check_chat_template(cfg.chat_template)
+    check_attention_kernel(cfg.attention_kernel)
+    check_lora_targets(cfg)
     if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
         from open_instruct.rewards import load_reward_function
 

@@ -115,6 +115,13 @@ CASES = [
         "group size",
     ),
     (SFTConfig, lambda p: base(p) + ["--per_device_train_batch_size", "8", "--dry_run", "true"], "0 optimizer steps"),
+    # issue 22, item 11: silently accepted before (decisions: tests/test_bad_inputs.py, the issue-22 table)
+    (SFTConfig, lambda p: base(p) + ["--lora_rank", "8", "--lora_target_modules", "q_proj"], "use_lora is false"),
+    (SFTConfig, lambda p: base(p) + ["--learning_rate", "1e-400"], "learning_rate 1e-400 underflows to 0.0"),
+    (RLVRConfig, lambda p: rl(p) + ["--num_samples_logged", "-3"], "num_samples_logged must be >= 0, got -3"),
+    (SFTConfig, lambda p: base(p) + ["--seed", "-1"], "seed must be in [0, 2**32 - 1], got -1"),
+    # issue 22, item 10: a value starting with '-' is read as the value (then checked), not as a missing argument
+    (SFTConfig, lambda p: base(p) + ["--adam_epsilon", "-1e-8"], "adam_epsilon must be >= 0, got -1e-08"),
 ]
 
 
@@ -159,3 +166,44 @@ def test_script_entry_point_exits_2(paths, repo_root):
     )
     assert proc.returncode == 2 and "per_device_train_batch_size must be > 0" in proc.stderr
     assert not os.path.exists(os.path.join(paths["out"], "metrics.jsonl"))
+
+
+def test_values_are_told_from_keys_and_recipes_by_position(paths):
+    """Issue 22, item 10: a value starting with '-' is a value (`--stop_strings -----`, a negative float); a .yaml
+    value of a scalar key is that value, not a recipe (only the first argument, or a .yaml that no key takes, is
+    one); a recipe's YAML float that underflows names the key, the file and the line."""
+    from open_instruct.config import parse_config
+    from open_instruct.errors import ConfigError
+
+    cfg = parse_config(RLVRConfig, rl(paths) + ["--stop_strings", "-----", "-x", "--exp_name", "ablation.yaml"])
+    assert cfg.stop_strings == ["-----", "-x"] and cfg.exp_name == "ablation.yaml"
+    lr = parse_config(SFTConfig, base(paths) + ["--learning_rate", "-0.5e-3", "--learning_rate", "0"]).learning_rate
+    assert lr == 0  # the negative value was read as a value (the last one wins), not as a missing argument
+    with pytest.raises(ConfigError, match=r"'late.yaml' looks like a recipe file after the --key value options"):
+        parse_config(SFTConfig, base(paths) + ["--exp_name", "ablation", "late.yaml"])
+    with pytest.raises(ConfigError, match=r"unknown key 'learning_rat'"):  # a misspelt key is still a key
+        parse_config(SFTConfig, base(paths) + ["--learning_rat", "-1"])
+    recipe = paths["tmp"] / "tiny_lr.yaml"
+    recipe.write_text("script: sft\nseed: 3\nlearning_rate: 2.5e-400\n")
+    with pytest.raises(ConfigError, match=rf"learning_rate 2.5e-400 underflows to 0.0 .*recipe {recipe} line 3"):
+        parse_config(SFTConfig, [str(recipe), *base(paths)])
+
+
+def test_a_per_source_best_metric_the_run_logs_is_accepted(paths):
+    """Issue 22, item 11: with a held-out set of several sources the scripts also log eval/<source>/..., so those
+    names are valid best_metric values (and with one source they are not: nothing logs them)."""
+    from open_instruct.config import parse_config
+    from open_instruct.errors import ConfigError
+
+    other = paths["tmp"] / "sft_eval.jsonl"
+    other.write_text(open(paths["data"]).read())
+    evals = ["--eval_dataset_name_or_path", f"{paths['data']},{other}", "--eval_steps", "1"]
+    cfg = parse_config(SFTConfig, base(paths) + evals + ["--best_metric", "eval/sft_eval/loss"])
+    assert cfg.per_source_metric_names() == ["eval/data/loss", "eval/sft_eval/loss"]
+    rl_cfg = parse_config(RLVRConfig, rl(paths) + evals + ["--best_metric", "eval/data/correct_rate"])
+    assert rl_cfg.per_source_metric_names() == ["eval/data/correct_rate", "eval/sft_eval/correct_rate"]
+    with pytest.raises(ConfigError, match=r"'eval/sft_eval/perplexity' is not a sft eval metric"):  # not per source
+        parse_config(SFTConfig, base(paths) + evals + ["--best_metric", "eval/sft_eval/perplexity"])
+    one = ["--eval_dataset_name_or_path", str(other), "--eval_steps", "1", "--best_metric", "eval/sft_eval/loss"]
+    with pytest.raises(ConfigError, match=r"'eval/sft_eval/loss' is not a sft eval metric"):
+        parse_config(SFTConfig, base(paths) + one)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -346,6 +347,97 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "invalid_chat_template":
         argv = sft_argv(m, f, out, "--chat_template", "{% for m in messages %}{{ m.content }}")
         return "sft", argv, ["chat_template is not a valid Jinja template"], None
+    return build_issue_22_case(name, t)
+
+
+def write_lines(path, lines: list[str]) -> str:
+    """A .jsonl file of these exact lines (for escapes json.dumps would not write)."""
+    with open(path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def chat(*turns: tuple[str, str]) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+def build_issue_22_case(name: str, t) -> tuple[str, list[str], list[str], object]:
+    """The bad inputs of issue 22 (items 8-11), in build_case's form."""
+    m, f, tmp, out = t.models, t.files, t.tmp, t.tmp / "out"
+    mixture = ["--dataset_name_or_path", "", "--dataset_mixer_list", f["sft"], "1.0"]
+    rm = [recipe("rm_tiny.yaml"), "--model_name_or_path", m["seq_cls"], "--dataset_name_or_path", f["pref"]]
+    rm += ["--eval_dataset_name_or_path", f["pref"], "--output_dir", str(out)]
+    # item 8: every mixture source gets the checks of a single dataset
+    if name == "mixture_source_of_unknown_type":
+        csv = tmp / "extra.csv"
+        csv.write_text("messages\n")
+        argv = sft_argv(m, f, out, *mixture, str(csv), "0.5")
+        return "sft", argv, ["dataset_mixer_list", str(csv), "unknown file type '.csv'"], None
+    if name == "mixture_source_folder_missing":
+        missing = str(tmp / "no_such_folder")
+        return "sft", sft_argv(m, f, out, *mixture, missing, "0.5"), [f"dataset file {missing!r} does not exist"], None
+    if name == "mixture_source_with_a_misspelt_extension":
+        argv = sft_argv(m, f, out, *mixture, "nope/train.jsnol", "0.5")
+        return "sft", argv, ["dataset_mixer_list", "'nope/train.jsnol' does not exist", "did you mean '.jsonl'"], None
+    # item 9: what failed after the model load (or with a traceback) fails before it
+    if name == "lora_target_that_does_not_exist":
+        argv = sft_argv(m, f, out, "--use_lora", "true", "--lora_target_modules", "q_proj", "q_prj")
+        return "sft", argv, ["lora_target_modules 'q_prj' names no layer", "did you mean 'q_proj'"], None
+    if name == "lora_target_on_the_reward_head":
+        argv = [*rm, "--use_lora", "true", "--lora_target_modules", "q_proj", "score"]
+        return "reward_model", argv, ["lora_target_modules 'score' is the scalar head"], None
+    if name == "flash_attention_2_without_flash_attn":
+        if importlib.util.find_spec("flash_attn") is not None:
+            pytest.skip("flash-attn is installed here")
+        argv = sft_argv(m, f, out, "--attn_implementation", "flash_attention_2")
+        return "sft", argv, ["flash_attention_2 needs the flash-attn package"], None
+    if name == "tokenizer_folder_without_tokenizer_files":
+        folder = tmp / "no_tokenizer"
+        folder.mkdir()
+        shutil.copy(os.path.join(m["causal_lm"], "config.json"), folder)
+        argv = sft_argv(m, f, out, "--tokenizer_name_or_path", str(folder))
+        return "sft", argv, [f"tokenizer_name_or_path {str(folder)!r} holds no tokenizer files", "config.json"], None
+    if name == "json_lone_surrogate_escape":
+        good = json.dumps(chat(("user", "1+1?"), ("assistant", "2")))
+        path = write_lines(tmp / "surrogate.jsonl", [good, good.replace('"2"', '"2 \\ud800"')])
+        argv = sft_argv(m, f, out, "--dataset_name_or_path", path)
+        return "sft", argv, [f"{path} line 2", "messages[1].content", "\\ud800", "lone UTF-16 surrogate"], None
+    if name == "seed_beyond_64_bits":
+        argv = sft_argv(m, f, out, "--seed", str(10**23))
+        return "sft", argv, [f"seed must be in [0, 2**32 - 1], got {10**23}"], None
+    if name == "reward_margin_beyond_float32":
+        rows = [{**row, "margin": 1e300 if i == 2 else 1.0} for i, row in enumerate(preference_rows(16, 2))]
+        path = write_jsonl(str(tmp / "margins.jsonl"), rows)
+        argv = [*rm, "--dataset_name_or_path", path, "--margin_column", "margin"]
+        return "reward_model", argv, [f"{path} line 3", "'margin' holds 1e+300, beyond float32's range"], None
+    # item 10
+    if name == "yaml_list_for_a_scalar_key":
+        path = tmp / "list.yaml"
+        path.write_text("script: sft\nlearning_rate: [1.0e-3, 2.0e-3]\n")
+        argv = [str(path), *sft_argv(m, f, out)[1:]]
+        return "sft", argv, [f"recipe {path}: key 'learning_rate' takes one value, got the list"], None
+    # item 11
+    if name in ("misspelt_role_in_a_middle_turn", "unknown_role"):
+        role = "asistant" if name == "misspelt_role_in_a_middle_turn" else "robot"
+        turns = [("user", "1+1?"), (role, "2"), ("user", "and 2+2?"), ("assistant", "4")]
+        path = write_jsonl(str(tmp / "roles.jsonl"), [chat(("user", "1+1?"), ("assistant", "2")), chat(*turns)])
+        needles = [f"{path} line 2: messages[1] has role {role!r}"]
+        needles += ["did you mean 'assistant'"] if role == "asistant" else ["roles: system, developer, user"]
+        return "sft", sft_argv(m, f, out, "--dataset_name_or_path", path), needles, None
+    if name == "rl_prompt_ending_with_the_answer":
+        rows = rl_rows(8, 4)
+        rows[1]["messages"] = rows[1]["messages"] + [{"role": "assistant", "content": rows[1]["ground_truth"]}]
+        path = write_jsonl(str(tmp / "rl_answered.jsonl"), rows)
+        argv = rl_argv(m, f, out, "--dataset_name_or_path", path)
+        return "rlvr_ppo", argv, [f"{path} line 2: the last turn of 'messages' is the assistant's"], None
+    if name == "chat_template_rendering_no_content":
+        argv = sft_argv(m, f, out, "--chat_template", "{% for m in messages %}<|{{ m.role }}|>{% endfor %}")
+        return "sft", argv, ["chat_template renders no content of the user and assistant message"], None
+    if name == "mixture_source_all_over_long":
+        long_rows = [chat(("user", "x" * 200), ("assistant", "y")) for _ in range(4)]  # > max_seq_length 128
+        path = write_jsonl(str(tmp / "long.jsonl"), long_rows)
+        argv = sft_argv(m, f, out, *mixture, path, "1.0")
+        return "sft", argv, [f"dataset_mixer_list: source {path!r} has no usable rows: all 4 rows"], None
     raise KeyError(name)
 
 
@@ -386,13 +478,11 @@ class Setting:
         self.__dict__.update(kw)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input_exits_2_naming_it_before_any_model_loads(
-    name, tiny_models, files, finished_sft, finished_ppo, tmp_path, capsys, no_model_loads, live_process
-):
+@pytest.fixture()
+def setting(tiny_models, files, finished_sft, finished_ppo, tmp_path, live_process) -> Setting:
     target = tmp_path / "finished_copy"
     shutil.copytree(finished_sft, target)
-    t = Setting(
+    return Setting(
         models=tiny_models,
         files=files,
         tmp=tmp_path,
@@ -401,7 +491,119 @@ def test_bad_input_exits_2_naming_it_before_any_model_loads(
         target=target,
         live=live_process,
     )
-    script, argv, needles, intact = build_case(name, t)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_exits_2_naming_it_before_any_model_loads(name, setting, capsys, no_model_loads):
+    assert_refused_before_any_model_loads(build_case(name, setting), setting, capsys)
+
+
+ISSUE_22_CASES = [
+    "mixture_source_of_unknown_type",
+    "mixture_source_folder_missing",
+    "mixture_source_with_a_misspelt_extension",
+    "lora_target_that_does_not_exist",
+    "lora_target_on_the_reward_head",
+    "flash_attention_2_without_flash_attn",
+    "tokenizer_folder_without_tokenizer_files",
+    "json_lone_surrogate_escape",
+    "seed_beyond_64_bits",
+    "reward_margin_beyond_float32",
+    "yaml_list_for_a_scalar_key",
+    "misspelt_role_in_a_middle_turn",
+    "unknown_role",
+    "rl_prompt_ending_with_the_answer",
+    "chat_template_rendering_no_content",
+    "mixture_source_all_over_long",
+]
+
+
+@pytest.mark.parametrize("name", ISSUE_22_CASES)
+def test_issue_22_bad_inputs_exit_2_before_any_model_loads(name, setting, capsys, no_model_loads):
+    """Issue 22, items 8-11: each exits 2 naming the file/row/parameter, before any model loads.
+
+    Item 11 (silent acceptances), decided case by case; every one is an error, none a warning, because each one
+    trains something other than what the data or recipe says, and a warning scrolls by unread in a long run:
+    - a role outside system/developer/user/assistant/tool/function/ipython (`asistant`, `robot`): the template
+      renders it as some other turn and it is never trained; the error names file, line, turn and role (with
+      skip_bad_rows such rows are skipped and counted like any bad row);
+    - an RL prompt whose last turn is the assistant's: either an SFT file given as prompts or a prompt carrying its
+      own solution; silently dropping the turn hid which (error naming the row);
+    - a chat template that renders no message content: every example would train on markup alone;
+    - a mixture source that loses every row (over-long, or bad under skip_bad_rows): the mixture silently loses a
+      source; the error names the source;
+    - LoRA settings without use_lora, learning_rate 1e-400 (reads as 0.0), num_samples_logged -3, seed -1 (Python's
+      random seeds with abs(seed): identical to seed 1): config errors (tests/test_bad_config.py). An explicit
+      learning_rate 0 stays accepted (a deliberate no-update run, e.g. to measure throughput or eval only)."""
+    assert_refused_before_any_model_loads(build_issue_22_case(name, setting), setting, capsys)
+
+
+@pytest.mark.parametrize("skip_bad_rows", [False, True])
+def test_mixture_upsampling_keeps_every_repeat_of_rows_with_ids(tmp_path, skip_bad_rows):
+    """Issue 22, item 8: a count above a source's size repeats its rows (10 rows, count 25: every row twice, 5 of
+    them three times); those repeats share their row's `id` on purpose, so all 25 are kept, with or without
+    skip_bad_rows (before: 'duplicate id', or 15 of 25 silently dropped). Two different rows sharing an id are still
+    refused, naming both lines."""
+    from demo.tiny import build_tokenizer
+
+    path = write_jsonl(str(tmp_path / "ids.jsonl"), sft_rows(10, 0))
+    cfg = SFTConfig(model_name_or_path="m", dataset_mixer_list=[path, "25"], skip_bad_rows=skip_bad_rows)
+    train, _, stats = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_sft)
+    per_row = collections.Counter(e["row"] for e in train)
+    assert len(train) == 25 and stats.duplicate_ids == 0 and stats.kept == 25
+    assert sorted(per_row.values()) == [2] * 5 + [3] * 5 and sorted(per_row) == list(range(10))
+    # Held out by eval_fraction: 2 of the 10 rows with all their copies, so no held-out row is also trained on.
+    cfg.eval_fraction = 0.2
+    train, held_out, _ = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_sft)
+    rows_out = {e["row"] for e in held_out}
+    assert (
+        len(rows_out) == 2 and len(held_out) == sum(per_row[r] for r in rows_out) and len(train) == 25 - len(held_out)
+    )
+    assert rows_out.isdisjoint(e["row"] for e in train)
+
+    rows = sft_rows(4, 0)
+    rows[3]["id"] = rows[1]["id"]  # another row under the same id: a real duplicate
+    dup = write_jsonl(str(tmp_path / "dup.jsonl"), rows)
+    cfg = SFTConfig(model_name_or_path="m", dataset_mixer_list=[dup, "1.0"], skip_bad_rows=skip_bad_rows)
+    if skip_bad_rows:
+        train, _, stats = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_sft)
+        assert len(train) == 3 and stats.duplicate_ids == 1
+    else:
+        with pytest.raises(data.DataError, match=rf"{dup} line 4: duplicate id 'sft-0-1' \(first at {dup} line 2\)"):
+            data.load_train_eval(cfg, build_tokenizer(), data.tokenize_sft)
+
+
+def test_an_engine_of_vllm_server_urls_that_does_not_answer_is_a_config_error():
+    """Issue 22, item 9: an unreachable URL in vllm_server_urls (checked before any model loads) exits 2 naming it,
+    not with an EngineError traceback. Port 1 on this host: nothing listens there, the refusal is immediate."""
+    from open_instruct.engines import check_running_engines
+    from open_instruct.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"vLLM engine 0 \(http://127.0.0.1:1\) of vllm_server_urls does not answer"):
+        check_running_engines(["http://127.0.0.1:1"], 1, 64)
+
+
+def test_a_flash_attn_that_does_not_import_is_named_before_loading(tmp_path, monkeypatch):
+    """Issue 22, item 9: flash-attn built for another torch fails on import (an undefined symbol); that is named
+    before any model loads too (a stand-in package here that raises what such a build raises)."""
+    from open_instruct.errors import ConfigError
+    from open_instruct.preflight import check_attention_kernel
+
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with pytest.raises(ConfigError, match=r"flash-attn package does not import \(undefined symbol: _ZN3c104cuda"):
+        check_attention_kernel("flash_attention_2")
+    check_attention_kernel("sdpa")  # other kernels need nothing
+
+
+def assert_refused_before_any_model_loads(case, t, capsys) -> None:
+    """Run the case's script: exit 2, every needle in the message, the finished runs nearby (and the case's own
+    finished folder) untouched, nothing but run.json written into the output folder."""
+    script, argv, needles, intact = case
+    finished_sft, finished_ppo, tmp_path = t.sft, t.ppo, t.tmp
     neighbours = {str(finished_sft): snapshot(finished_sft), str(finished_ppo): snapshot(finished_ppo)}
     before = snapshot(intact) if intact else None
     out_before = snapshot(tmp_path / "out")

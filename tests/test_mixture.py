@@ -201,11 +201,18 @@ def test_sft_and_dpo_report_eval_metrics_per_source(tiny_models, tmp_path):
         + ["--dataset_name_or_path", "", "--dataset_mixer_list", sft_a, "1.0", sft_b, "8"]
         + ["--eval_dataset_name_or_path", "null", "--eval_dataset_mixer_list", sft_a, "0.25", sft_b, "10"]
         + ["--output_dir", str(out), "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
-        + ["--eval_steps", "3", "--checkpointing_steps", "100", "--logging_steps", "1", "--best_metric", "null"]
+        + ["--eval_steps", "3", "--checkpointing_steps", "100", "--logging_steps", "1"]
+        + ["--best_metric", "eval/sft_b/loss", "--best_metric_mode", "min"]  # a per-source metric picks best_model
     )
     row = [m for m in _metrics(out) if "eval/loss" in m][-1]
     a, b = row["eval/sft_a/loss"], row["eval/sft_b/loss"]
     assert min(a, b) - 1e-9 <= row["eval/loss"] <= max(a, b) + 1e-9 and a != b
+    cfg = parse_config(SFTConfig, ["--model_name_or_path", "m", "--dataset_name_or_path", sft_a])
+    cfg.eval_dataset_mixer_list = [sft_a, "0.25", sft_b, "10"]
+    assert {k for k in row if k.count("/") == 2} == set(cfg.per_source_metric_names())  # accepted = logged
+    with open(out / "best_model" / "training_info.json") as f:
+        best = json.load(f)
+    assert best["eval/sft_b/loss"] == min(m["eval/sft_b/loss"] for m in _metrics(out) if "eval/sft_b/loss" in m)
 
     pref_a = synthetic.write_jsonl(str(tmp_path / "pref_a.jsonl"), synthetic.preference_rows(24, 31))
     pref_b = synthetic.write_jsonl(str(tmp_path / "pref_b.jsonl"), synthetic.preference_rows(24, 32))

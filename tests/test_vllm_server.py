@@ -174,7 +174,7 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
         check_running_engines([url], 1, 256, "bfloat16", "gloo")
     with pytest.raises(ConfigError, match=r"engine 0 .* weight-transfer backend gloo; this run broadcasts over nccl"):
         check_running_engines([url], 1, 256, "float32", "nccl")
-    with pytest.raises(EngineError, match=r"vLLM engine 0 \(http://127.0.0.1:1\) of vllm_server_urls does not answer"):
+    with pytest.raises(ConfigError, match=r"vLLM engine 0 \(http://127.0.0.1:1\) of vllm_server_urls does not answer"):
         check_running_engines(["http://127.0.0.1:1"], 1, 64)
     out_dir = os.path.join(task["root"], "short_engine")
     args = grpo_args(task, out_dir, "--vllm_server_urls", url, "--response_length", "300")

@@ -116,13 +116,16 @@ def break_checkpoints(output_dir: str, valid_step: int, steps: tuple[int, int]) 
 def write_fake_model(
     folder: str, architectures: tuple[str, ...] = ("LlamaForCausalLM",), keys: tuple[str, ...] = ("w",)
 ) -> str:
-    """A folder that passes the pre-load model checks without being a loadable model: config.json and a valid
-    safetensors file holding one float per key (for config tests that must never get as far as loading)."""
+    """A folder that passes the pre-load model checks without being a loadable model: config.json, a tokenizer.json
+    and a valid safetensors file holding one float per key (for config tests that must never get as far as
+    loading)."""
     import struct
 
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "architectures": list(architectures)}, f)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write("{}")
     header = json.dumps(
         {k: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i, k in enumerate(keys)}
     ).encode()
