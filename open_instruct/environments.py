@@ -360,8 +360,8 @@ class ToolEnvironment(Environment):
             raise ConfigError(f"tool_format must be 'hermes' or 'fenced', got {tool_format!r}")
         if tool_format == "fenced" and "python" not in tools:
             raise ConfigError("tool_format 'fenced' runs ```python blocks: add 'python' to tools")
-        if "python" in tools and python_runtime is None:
-            raise ConfigError("the python tool needs a python_runtime(code, timeout_s) -> (stdout, stderr, status)")
+        if "python" in tools and python_runtime is None:  # the default: the sandbox (no network, no run files)
+            from open_instruct.sandbox import python_runtime
         if max_tool_calls < 0:
             raise ConfigError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
         if tool_output_max_tokens is not None and (tool_output_max_tokens < 1 or tokenizer is None):

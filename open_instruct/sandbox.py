@@ -643,3 +643,17 @@ def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000
     body = "\n".join(p.rstrip("\n") for p in parts if p)
     text = truncate_middle(body, max_output_chars - len(tail) - 1)
     return (text + "\n" + tail).strip("\n") if tail else text
+
+
+def python_runtime(code: str, timeout_s: float) -> tuple[str, str, str]:
+    """The sandbox as the multi-turn environments' `python` runtime (environments.PythonRuntime): `code` run with
+    `timeout_s` of wall and CPU time; returns (stdout, stderr, status), status "ok", the limit that ended the program
+    (wall_time, cpu_time, memory, output, processes, file_size), "exit_<code>" for a non-zero exit, or
+    "sandbox_error" when the sandbox itself could not run it."""
+    limits = SandboxLimits(wall_seconds=timeout_s, cpu_seconds=max(1, int(timeout_s + 0.999)))
+    res = run_in_sandbox(code, limits=limits)
+    if res.setup_error:
+        return res.stdout, res.setup_error, "sandbox_error"
+    if res.limit:
+        return res.stdout, res.stderr, res.limit
+    return res.stdout, res.stderr, "ok" if res.exit_code == 0 else f"exit_{res.exit_code}"

@@ -164,6 +164,19 @@ def test_python_tool_that_loops_forever_times_out_in_the_runtime():
     assert not done
 
 
+def test_python_tool_defaults_to_the_sandbox():
+    """Without a runtime of its own the python tool runs in open_instruct.sandbox: output back, a non-zero exit and a
+    loop that outlives its time both become error observations named by reason, and the episode goes on."""
+    env = ToolEnvironment(tools=["python"], tool_output_max_tokens=None, tool_timeout_s=2.0)
+    env.reset(ROW)
+    obs, _, _, info = env.step(hermes("python", code="print(1234 * 5678)"))
+    assert obs[0]["content"] == "7006652\n" and info["tool_errors"] == []
+    obs, _, _, info = env.step(hermes("python", code="import sys; sys.exit(3)"))
+    assert info["tool_errors"] == ["python_exit_3"]
+    obs, _, done, info = env.step(hermes("python", code="while True: pass"))
+    assert info["tool_errors"] in (["python_cpu_time"], ["python_wall_time"]) and not done
+
+
 def test_a_runtime_that_hangs_or_crashes_gives_an_error_observation_and_the_episode_goes_on():
     release = threading.Event()
 
@@ -215,8 +228,6 @@ def test_fenced_python_blocks_retool_style():
 def test_tool_environment_configuration_errors():
     with pytest.raises(ConfigError, match="unknown"):
         ToolEnvironment(tools=["browser"])
-    with pytest.raises(ConfigError, match="python_runtime"):
-        ToolEnvironment(tools=["python"])
     with pytest.raises(ConfigError, match="fenced"):
         ToolEnvironment(tools=["calculator"], tool_format="fenced")
     with pytest.raises(ConfigError, match="tool_format"):
