@@ -63,7 +63,8 @@ KNOWN_DATASET_SIZES: dict[str, int] = {
 
 
 def count_local_rows(path: str) -> int:
-    """Rows in local .jsonl/.json/.parquet file(s) (comma separated), without loading the data."""
+    """Rows in local .jsonl/.json/.parquet/.csv file(s) or Dataset.save_to_disk folders (comma separated), without
+    loading the data into memory."""
     total = 0
     for part in path.split(","):
         part = part.strip()
@@ -78,6 +79,14 @@ def count_local_rows(path: str) -> int:
             import pyarrow.parquet as pq
 
             total += pq.ParquetFile(part).metadata.num_rows
+        elif part.endswith(".csv"):
+            import pyarrow.csv
+
+            total += pyarrow.csv.read_csv(part).num_rows
+        elif os.path.isdir(part) and os.path.isfile(os.path.join(part, "state.json")):  # Dataset.save_to_disk
+            import datasets
+
+            total += datasets.load_from_disk(part).num_rows
         else:
             raise ConfigError(f"dataset_name_or_path {part!r}: cannot count rows of this file type")
     return total
