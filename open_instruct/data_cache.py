@@ -116,6 +116,9 @@ def load(folder: str) -> Optional[tuple[list[dict], list[dict], dict]]:
             meta = json.load(f)
         parts = []
         for split in ("train", "eval"):
+            if split not in meta["json_columns"]:  # no examples (a run without a held-out set)
+                parts.append([])
+                continue
             table = datasets.load_from_disk(os.path.join(folder, split)).data.table
             parts.append(_from_columns(table.to_pydict(), meta["json_columns"][split]))
     except (OSError, ValueError, KeyError) as e:
@@ -136,6 +139,8 @@ def save(folder: str, train: list[dict], evals: list[dict], meta: dict[str, Any]
         tmp = tempfile.mkdtemp(prefix=".tmp_", dir=parent)
         meta = {**meta, "json_columns": {}}
         for split, examples in (("train", train), ("eval", evals)):
+            if not examples:
+                continue
             columns, as_json = _to_columns(examples)
             datasets.Dataset.from_dict(columns).save_to_disk(os.path.join(tmp, split))
             meta["json_columns"][split] = as_json
