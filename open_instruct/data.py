@@ -47,6 +47,7 @@ class DataStats:
     sources: list[dict[str, Any]] = field(default_factory=list)  # per source: label, amount, available, rows, kept
     format: str = ""  # the format recognised (formats.py)
     raw_string_rows: int = 0  # string rows tokenized as written (TRL's convention, string_rows raw)
+    processes: int = 1  # processes that tokenized the rows (datasets.map num_proc)
     inputs: str = ""  # format, string convention and cache use, for the start-up line (load_train_eval)
 
     def as_log(self, prefix: str = "data/") -> dict[str, int]:
@@ -593,7 +594,7 @@ def tokenize_processes(cfg: Any, num_rows: int) -> int:
     """dataset_num_proc, or unset: the CPU count (at most 16) for PARALLEL_FROM_ROWS rows and more, else 1."""
     configured = getattr(cfg, "dataset_num_proc", None)
     if configured:
-        return max(1, min(configured, -(-num_rows // MAP_BATCH_ROWS)))
+        return max(1, min(configured, num_rows))
     if num_rows < PARALLEL_FROM_ROWS:
         return 1
     return max(1, min(os.cpu_count() or 1, 16))
@@ -640,7 +641,7 @@ def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: Dat
         mapped = table.map(
             _encode_map_batch,
             batched=True,
-            batch_size=MAP_BATCH_ROWS,
+            batch_size=min(MAP_BATCH_ROWS, -(-len(rows) // num_proc)),  # every process gets rows
             num_proc=num_proc,
             fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "kind": kind, "fmt_name": fmt.name},
             remove_columns=table.column_names,
@@ -651,7 +652,7 @@ def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: Dat
             DataError(error) if error else json.loads(result)
             for error, result in zip(mapped["error"], mapped["result"])
         ]
-    stats.format = fmt.name
+    stats.format, stats.processes = fmt.name, num_proc
     stats.raw_string_rows = sum(1 for r in results if isinstance(r, dict) and r.get("raw"))
     return results
 
@@ -1033,6 +1034,7 @@ def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list
             meta = {"stats": dataclasses.asdict(stats), "ingredients": ingredients}
             written = state.is_main_process and data_cache.save(folder, train, evals, meta)
             cache = f"tokenized data written to the cache {folder}" if written else "tokenized (cache not written)"
+            cache = f"{stats.processes} tokenizing processes; {cache}" if stats.processes > 1 else cache
             stats.inputs = _describe_inputs(stats, cfg, cache)
     finally:
         if state.is_main_process:

@@ -228,9 +228,9 @@ def test_parallel_tokenization_matches_and_names_the_bad_line(tokenizer, tmp_pat
     """datasets.map with 2 processes gives the same examples as one process; a bad row still stops the run
     naming its file and line."""
     rows = [{"messages": [user(f"q{i}"), assistant("a" * (i % 7 + 1))]} for i in range(60)]
-    one, _ = sft(rows, tokenizer)
-    two, _ = sft(rows, tokenizer, dataset_num_proc=2)
-    assert two == one
+    one, stats1 = sft(rows, tokenizer)
+    two, stats2 = sft(rows, tokenizer, dataset_num_proc=2)
+    assert two == one and (stats1.processes, stats2.processes) == (1, 2)
     rows[41] = {"messages": [user("no reply")]}
     with pytest.raises(DataError, match=r"^mem.jsonl line 42: the last message of 'messages' must be from the"):
         sft(rows, tokenizer, dataset_num_proc=2)
