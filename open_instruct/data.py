@@ -629,6 +629,9 @@ def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: Dat
     else:
         import datasets
 
+        # The processes are the parallelism: tokenizers' own threads would be turned off after the fork anyway
+        # (with a warning per process).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         table = datasets.Dataset.from_dict(
             {
                 "source": [r.source for r in rows],

@@ -49,6 +49,14 @@ def prompts(rows, tokenizer, **kw):
     return data.tokenize_prompts(rows_of(rows), tokenizer, cfg)
 
 
+def run_to_the_end(main, argv: list[str]) -> None:
+    """The script's entry point in this process; a SystemExit must be status 0."""
+    try:
+        runtime.run(main, argv)
+    except SystemExit as e:
+        assert e.code in (0, None), e.code
+
+
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -426,8 +434,27 @@ def test_script_accepts_the_format_and_trains_a_step(
     argv += ["--output_dir", str(out), *ONE_STEP, *extra]
     if script == "dpo":
         argv += ["--reference_cache_dir", str(tmp_path / "ref_cache")]
-    runtime.run(module.main, argv)
+    run_to_the_end(module.main, argv)
     rows = read_metrics(str(out))
     assert rows and rows[-1]["optimizer_step"] >= 1
     printed = capsys.readouterr().out
     assert "format " in printed and "tokenized data written to the cache" in printed
+
+
+def test_a_resumed_run_reads_the_tokenized_data_from_the_cache(tiny_models, tmp_path, capsys, monkeypatch):
+    from training_helpers import sigterm_at_step
+
+    from open_instruct import sft as sft_script
+
+    path = write_jsonl(str(tmp_path / "sft.jsonl"), sft_rows(8, 0))
+    argv = ["--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", path]
+    argv += ["--output_dir", str(tmp_path / "out"), *ONE_STEP, "--total_episodes", "4"]
+    argv += ["--dataset_cache_dir", str(tmp_path / "cache")]
+    with sigterm_at_step(monkeypatch, 1):  # preempted: checkpoint at step 1 and exit
+        run_to_the_end(sft_script.main, argv)
+    first = capsys.readouterr().out
+    assert "tokenized data written to the cache" in first
+    folder = first.split("written to the cache ")[1].split()[0].rstrip(";")
+    run_to_the_end(sft_script.main, [*argv, "--resume_from_checkpoint", "auto"])
+    assert f"tokenized data read from the cache {folder}" in capsys.readouterr().out
+    assert [r["optimizer_step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 2]
