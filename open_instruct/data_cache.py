@@ -58,7 +58,9 @@ def tokenizer_identity(tokenizer: Any) -> str:
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())
+        state = json.loads(backend.to_str())
+        state.pop("truncation", None), state.pop("padding", None)  # call settings, not the tokenization
+        h.update(json.dumps(state, sort_keys=True).encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     extras = [type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)]

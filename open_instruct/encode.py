@@ -34,10 +34,18 @@ def render(tokenizer: Any, conversations: Sequence[Messages], add_generation_pro
 
 
 def token_ids(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
-    """Every text tokenized in one batch call."""
+    """Every text tokenized in one batch call: the fast tokenizer's own batch encoder when it gives what
+    `tokenizer(text)` gives (checked on the first text: transformers' per-call wrapping costs ~20% here), else
+    `tokenizer(texts)`."""
     if not texts:
         return []
-    return [list(x) for x in tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]]
+    texts = list(texts)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        if encodings[0].ids == tokenizer(texts[0], add_special_tokens=add_special_tokens)["input_ids"]:
+            return [e.ids for e in encodings]
+    return [list(x) for x in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
