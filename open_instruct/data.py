@@ -586,18 +586,24 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
 
 
 _ENCODERS = {formats.SFT: _encode_sft, formats.PREFERENCE: _encode_preference, formats.PROMPT: _encode_prompts}
+_ID_FIELDS = {
+    formats.SFT: ("input_ids", "labels"),
+    formats.PREFERENCE: ("chosen_ids", "rejected_ids"),
+    formats.PROMPT: ("prompt_ids",),
+}
 PARALLEL_FROM_ROWS = 10_000  # below this, worker start-up costs more than it saves
 MAP_BATCH_ROWS = 1000
 
 
 def tokenize_processes(cfg: Any, num_rows: int) -> int:
-    """dataset_num_proc, or unset: the CPU count (at most 16) for PARALLEL_FROM_ROWS rows and more, else 1."""
+    """dataset_num_proc, or unset: the CPUs this process may use (at most 16) for PARALLEL_FROM_ROWS rows and
+    more, else 1."""
     configured = getattr(cfg, "dataset_num_proc", None)
     if configured:
         return max(1, min(configured, num_rows))
     if num_rows < PARALLEL_FROM_ROWS:
         return 1
-    return max(1, min(os.cpu_count() or 1, 16))
+    return max(1, min(len(os.sched_getaffinity(0)), 16))
 
 
 def _encode_map_batch(batch: dict[str, list], tokenizer: Any, cfg: Any, kind: str, fmt_name: str) -> dict[str, list]:
@@ -610,10 +616,17 @@ def _encode_map_batch(batch: dict[str, list], tokenizer: Any, cfg: Any, kind: st
         )
     ]
     results = _ENCODERS[kind](rows, tokenizer, cfg, fmt)
-    return {
+    ok = [r if not isinstance(r, DataError) else None for r in results]
+    out = {
         "error": [str(r) if isinstance(r, DataError) else "" for r in results],
-        "result": ["" if isinstance(r, DataError) else json.dumps(r) for r in results],
+        # the other fields (a ground truth can be any JSON value) as JSON text
+        "rest": [
+            "" if r is None else json.dumps({k: v for k, v in r.items() if k not in _ID_FIELDS[kind]}) for r in ok
+        ],
     }
+    for key in _ID_FIELDS[kind]:  # token ids as Arrow lists (JSON text would cost ~3x more to read back)
+        out[key] = [[] if r is None else r[key] for r in ok]
+    return out
 
 
 def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: DataStats) -> list[Any]:
@@ -651,10 +664,16 @@ def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: Dat
             new_fingerprint=f"open_instruct_encode_{os.getpid()}_{id(rows)}",  # no hashing of the tokenizer
             desc=f"tokenizing {len(rows)} rows",
         )
-        results = [
-            DataError(error) if error else json.loads(result)
-            for error, result in zip(mapped["error"], mapped["result"])
-        ]
+        table = mapped.data.table  # whole columns at once (indexing the Dataset would convert row by row)
+        columns = {name: table.column(name).to_pylist() for name in ("error", "rest", *_ID_FIELDS[kind])}
+        results = []
+        for k, error in enumerate(columns["error"]):
+            if error:
+                results.append(DataError(error))
+                continue
+            result = json.loads(columns["rest"][k])
+            result.update({key: columns[key][k] for key in _ID_FIELDS[kind]})
+            results.append(result)
     stats.format, stats.processes = fmt.name, num_proc
     stats.raw_string_rows = sum(1 for r in results if isinstance(r, dict) and r.get("raw"))
     return results

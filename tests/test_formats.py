@@ -242,6 +242,10 @@ def test_parallel_tokenization_matches_and_names_the_bad_line(tokenizer, tmp_pat
     rows[41] = {"messages": [user("no reply")]}
     with pytest.raises(DataError, match=r"^mem.jsonl line 42: the last message of 'messages' must be from the"):
         sft(rows, tokenizer, dataset_num_proc=2)
+    pairs = [{"prompt": f"q{i}", "chosen": " yes" * (i % 3 + 1), "rejected": " no"} for i in range(20)]
+    assert prefs(pairs, tokenizer, dataset_num_proc=2)[0] == prefs(pairs, tokenizer)[0]
+    rl = [{"prompt": f"q{i}", "ground_truth": [["4"], 4, "4"][i % 3], "dataset": "arithmetic"} for i in range(20)]
+    assert prompts(rl, tokenizer, dataset_num_proc=2)[0] == prompts(rl, tokenizer)[0]
 
 
 def test_second_load_reads_the_cache_and_a_change_misses_it(tokenizer, tmp_path):
