@@ -10,8 +10,9 @@ character, a slow regex pre-tokenizer), `bpe` a byte-level BPE (the kind Llama 3
 the synthetic texts, with a ChatML template.
 
 Reported (one JSON line per tokenizer):
-- reference rows/s: data.tokenize_sft_messages row by row, on the first --reference_rows rows (what tokenize_sft
-  did per row before the batched path; it is the reference the tests compare the batched path against).
+- reference rows/s (and per CPU-second): data.tokenize_sft_messages row by row, on the first --reference_rows rows
+  (what tokenize_sft did per row before the batched path; the tests compare the batched path against it). It
+  leaves out reading and validating the rows, which the first start below includes.
 - first start: load_train_eval from the JSONL file with an empty cache: read, validate, tokenize (num_proc
   processes), write the cache entry. rows/s over the whole call, and per CPU-second (this process and its workers:
   less sensitive to other jobs on a shared machine than wall time).
@@ -95,10 +96,11 @@ def run(args: argparse.Namespace, which: str, work: str) -> dict[str, Any]:
     tokenizer = build_tokenizer() if which == "tiny" else bpe_tokenizer(rows)
 
     sample = rows[: args.reference_rows]
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     for r in sample:
         data.tokenize_sft_messages(tokenizer, r["messages"], "bench")
     reference = len(sample) / (time.perf_counter() - t0)
+    reference_per_cpu = len(sample) / (cpu_seconds() - c0)
     reference_load = load_avg()
 
     cache = os.path.join(work, f"cache_{which}")
@@ -124,12 +126,14 @@ def run(args: argparse.Namespace, which: str, work: str) -> dict[str, Any]:
         "rows": args.rows,
         "num_proc": args.num_proc,
         "reference_rows_per_s": round(reference),
+        "reference_rows_per_cpu_s": round(reference_per_cpu),
         "reference_load_avg": reference_load,
         "first_start_s": round(first_s, 1),
         "first_start_rows_per_s": round(first),
         "first_start_rows_per_cpu_s": round(args.rows / first_cpu),
         "first_start_load_avg": first_load,
         "speedup_first_start": round(first / reference, 1),
+        "speedup_per_cpu_s": round(args.rows / first_cpu / reference_per_cpu, 1),
         "second_start_s": round(second_s, 2),
         "second_start_load_avg": load_avg(),
         "tokens": sum(len(e["input_ids"]) for e in train),
