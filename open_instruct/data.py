@@ -637,8 +637,10 @@ def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: Dat
         return []
     fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
     num_proc = tokenize_processes(cfg, len(rows))
-    if num_proc == 1:
-        results = _ENCODERS[kind](rows, tokenizer, cfg, fmt)
+    if num_proc == 1:  # in batches too: the rendered texts of a whole large dataset need not sit in memory at once
+        results = []
+        for start in range(0, len(rows), MAP_BATCH_ROWS):
+            results += _ENCODERS[kind](rows[start : start + MAP_BATCH_ROWS], tokenizer, cfg, fmt)
     else:
         import datasets
 

@@ -314,9 +314,9 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "gguf_file_not_in_folder":
         return "sft", sft_argv(m, f, out, "--gguf_file", "model.Q4.gguf"), ["gguf_file 'model.Q4.gguf' is not in"], None
     if name == "dataset_with_unknown_extension":
-        csv = tmp / "data.csv"
-        csv.write_text("messages\n")
-        return "sft", sft_argv(m, f, out, "--dataset_name_or_path", str(csv)), ["unknown file type '.csv'"], None
+        tsv = tmp / "data.tsv"  # .csv is read (README: Data formats)
+        tsv.write_text("messages\n")
+        return "sft", sft_argv(m, f, out, "--dataset_name_or_path", str(tsv)), ["unknown file type '.tsv'"], None
     if name == "missing_dataset_file":
         missing = str(tmp / "nope.jsonl")
         return "sft", sft_argv(m, f, out, "--dataset_name_or_path", missing), [f"{missing!r} does not exist"], None
