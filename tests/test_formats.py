@@ -222,6 +222,11 @@ def test_every_file_type_and_saved_folders_load_the_same_rows(tmp_path):
     for name, path in {**paths, "saved_dict": str(tmp_path / "saved_dict")}.items():
         assert [r.data for r in data.load_rows(path)] == rows, name
     assert [r.data for r in data.load_rows(str(tmp_path / "saved_dict"), "test")] == rows[:1]
+    # the dry-run planner counts them without loading the rows
+    from open_instruct.plan import count_local_rows
+
+    assert [count_local_rows(paths[k]) for k in ("jsonl", "json", "parquet", "csv", "saved")] == [3] * 5
+    assert count_local_rows(str(tmp_path / "saved_dict"), "test") == 1
     with pytest.raises(
         DataError, match=r"saved DatasetDict .* has no split 'validation' \(splits: \['test', 'train'\]\)"
     ):
