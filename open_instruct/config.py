@@ -60,7 +60,11 @@ class BaseConfig:
     model_revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of the model.")
     gguf_file: Optional[str] = opt(None, "Load weights from this GGUF file in the model folder.")
     trust_remote_code: bool = opt(False, "Allow model code from the hub to run (off: only transformers' own code).")
-    chat_template: Optional[str] = opt(None, "Jinja chat template to use if the tokenizer has none.")
+    chat_template: Optional[str] = opt(
+        None,
+        "Chat template replacing the tokenizer's: a name (tulu, chatml, zephyr, llama-3), a path to a Jinja file, "
+        "or Jinja text (open_instruct/chat_templates.py).",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "Compute precision (master weights stay fp32).")
     attn_implementation: Optional[Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2"]] = opt(
         None,
@@ -120,6 +124,21 @@ class BaseConfig:
     max_seq_length: int = opt(2048, "Longest tokenized example kept (see overlong).")
     overlong: Literal["drop", "truncate"] = opt("drop", "What to do with examples longer than max_seq_length.")
     skip_bad_rows: bool = opt(False, "Skip (and count) malformed rows instead of stopping with the file and row.")
+    string_rows: Literal["raw", "chat_template"] = opt(
+        "raw",
+        "Rows whose prompt/completion/chosen/rejected are strings: raw (TRL's convention: prompt + completion "
+        "concatenated as written, EOS appended, no template) or chat_template (the prompt becomes a user turn, the "
+        "completion an assistant turn, rendered with the chat template). Message lists always use the template.",
+    )
+    dataset_num_proc: Optional[int] = opt(
+        None, "Processes tokenizing the data (datasets.map num_proc); unset: the CPU count (at most 16) from 10k rows."
+    )
+    dataset_cache_dir: Optional[str] = opt(
+        None,
+        "Folder of the tokenized-data cache, keyed by data + tokenizer + template + lengths + code version, reused "
+        "by later runs and resumes; unset: $OPEN_INSTRUCT_DATA_CACHE or ~/.cache/open_instruct/tokenized; 'none': "
+        "no cache.",
+    )
 
     # --- optimisation
     learning_rate: float = opt(1e-5, "Peak AdamW learning rate.")
@@ -198,7 +217,14 @@ class BaseConfig:
         _check_positive(self, "num_train_epochs")
         _check_positive(self, "logging_steps")
         _check_positive(self, "keep_last_n_checkpoints")
-        for name in ("total_episodes", "eval_steps", "checkpointing_steps", "max_train_samples", "max_eval_samples"):
+        for name in (
+            "total_episodes",
+            "eval_steps",
+            "checkpointing_steps",
+            "max_train_samples",
+            "max_eval_samples",
+            "dataset_num_proc",
+        ):
             if getattr(self, name) is not None:
                 _check_positive(self, name)
         _check_range(self, "warmup_ratio", 0.0, 1.0)

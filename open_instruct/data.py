@@ -7,6 +7,7 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import json
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from open_instruct import data_cache, encode, formats
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.mixture import LOCAL_FILE_SUFFIXES, mixture_summary, parse_mixer_list, select_rows, source_labels
 
@@ -45,6 +47,11 @@ class DataStats:
     duplicate_ids: int = 0
     first_errors: list[str] = field(default_factory=list)
     sources: list[dict[str, Any]] = field(default_factory=list)  # per source: label, amount, available, rows, kept
+    format: str = ""  # the format recognised (formats.py)
+    raw_string_rows: int = 0  # string rows tokenized as written (TRL's convention, string_rows raw)
+    answer_turns_dropped: int = 0  # RL prompts that ended with an assistant turn, which was dropped
+    processes: int = 1  # processes that tokenized the rows (datasets.map num_proc)
+    inputs: str = ""  # format, string convention and cache use, for the start-up line (load_train_eval)
 
     def as_log(self, prefix: str = "data/") -> dict[str, int]:
         keys = ("rows", "kept", "bad_rows", "dropped_overlong", "truncated", "duplicate_ids")
@@ -60,7 +67,7 @@ class DataStats:
                 f"{s['label']} {s['kept']} kept of {s['rows']} taken ({s['amount']} of {s['available']})"
                 for s in self.sources
             )
-        return text
+        return f"{text}; {self.inputs}" if self.inputs else text
 
     def count_kept_per_source(self, examples: list[dict[str, Any]]) -> None:
         for s in self.sources:
@@ -149,19 +156,40 @@ def _read_with_datasets(name: str, split: str, **kwargs: Any) -> list[Row]:
     import datasets
 
     ds = datasets.load_dataset(name, split=split, **kwargs)
-    return [Row(name, i, None, dict(r)) for i, r in enumerate(ds)]
+    return [Row(name, i, None, r) for i, r in enumerate(ds.to_list())]
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` (dataset_dict.json)."""
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+
+
+def _read_saved_dataset(path: str, split: str) -> list[Row]:
+    """A save_to_disk folder: a Dataset's rows, or the `split` of a DatasetDict."""
+    import datasets
+
+    loaded = datasets.load_from_disk(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"saved DatasetDict {path!r} has no split {split!r} (splits: {sorted(loaded)})")
+        loaded = loaded[split]
+    return [Row(path, i, None, r) for i, r in enumerate(loaded.to_list())]
 
 
 def load_source(name: str, split: str, label: str = "") -> list[Row]:
-    """Every row of one source: a local .jsonl/.json/.parquet file, a local dataset folder or a hub dataset split."""
+    """Every row of one source: a local .jsonl/.json/.parquet/.csv file, a `save_to_disk` folder (a Dataset, or a
+    DatasetDict's split), another local dataset folder or a hub dataset split."""
     if name.endswith(LOCAL_FILE_SUFFIXES) and not os.path.exists(name):
         raise DataError(f"dataset file {name!r} does not exist")
     if name.endswith(".jsonl"):
         rows = _read_jsonl(name)
     elif name.endswith(".json"):
         rows = _read_json(name)
-    elif name.endswith(".parquet"):
-        rows = [Row(name, r.index, None, r.data) for r in _read_with_datasets("parquet", "train", data_files=name)]
+    elif name.endswith((".parquet", ".csv")):
+        builder = "parquet" if name.endswith(".parquet") else "csv"
+        rows = [Row(name, r.index, None, r.data) for r in _read_with_datasets(builder, "train", data_files=name)]
+    elif os.path.isdir(name) and is_saved_dataset(name):
+        rows = _read_saved_dataset(name, split)
     else:
         rows = _read_with_datasets(name, split)
     if not rows:
@@ -172,7 +200,8 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
 
 
 def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
-    """Rows from local .jsonl/.json/.parquet file(s) (comma separated) or a hub dataset split: all rows of each."""
+    """Rows from local .jsonl/.json/.parquet/.csv file(s) or folders (comma separated) or a hub dataset split: all
+    rows of each."""
     parts = [p.strip() for p in name_or_path.split(",") if p.strip()]
     rows = [row for part, label in zip(parts, source_labels(parts)) for row in load_source(part, split, label)]
     return rows if max_samples is None else rows[:max_samples]
@@ -317,17 +346,15 @@ def tokenize_sft_messages(tokenizer: Any, messages: list[dict[str, str]], where:
 
 
 def tokenize_sft(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
+    """SFT examples (input_ids, labels: -100 where not trained) from any SFT format (formats.py)."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
-    check_columns(rows, [cfg.messages_column], "messages")
     examples = []
-    for row in rows:
-        try:
-            msgs = _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, row.where(), True)
-            ids, labels = tokenize_sft_messages(tokenizer, msgs, row.where())
-        except DataError as e:
-            _bad_row(stats, e, cfg.skip_bad_rows)
+    for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.SFT, stats)):
+        if isinstance(out, DataError):
+            _bad_row(stats, out, cfg.skip_bad_rows)
             continue
+        ids, labels = out["input_ids"], out["labels"]
         if len(ids) > cfg.max_seq_length:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
@@ -357,33 +384,6 @@ def _require_some(examples: list[Any], stats: DataStats, rows: list[Row]) -> Non
         raise DataError(f"dataset {names}: no usable rows ({stats.summary()})")
 
 
-def preference_messages(row: Row, cfg: Any) -> tuple[list[dict[str, str]], list[dict[str, str]], list[dict[str, str]]]:
-    """(prompt, chosen, rejected) message lists from either row shape:
-    chosen/rejected conversations sharing a prompt, or prompt + chosen + rejected strings."""
-    chosen = _require_column(row, cfg.chosen_column)
-    rejected = _require_column(row, cfg.rejected_column)
-    where = row.where()
-    if isinstance(chosen, str) or isinstance(rejected, str):
-        prompt = _require_column(row, cfg.prompt_column)
-        for name, value in ((cfg.prompt_column, prompt), (cfg.chosen_column, chosen), (cfg.rejected_column, rejected)):
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{where}: column {name!r} must be a string in prompt/chosen/rejected rows, got "
-                    f"{type(value).__name__}"
-                )
-            if not value.strip():
-                raise DataError(f"{where}: column {name!r} is empty")
-        p = [{"role": "user", "content": prompt}]
-        return p, p + [{"role": "assistant", "content": chosen}], p + [{"role": "assistant", "content": rejected}]
-    chosen = _validate_messages(chosen, cfg.chosen_column, where, True)
-    rejected = _validate_messages(rejected, cfg.rejected_column, where, True)
-    if chosen[:-1] != rejected[:-1]:
-        raise DataError(f"{where}: {cfg.chosen_column!r} and {cfg.rejected_column!r} must share the same prompt turns")
-    if len(chosen) < 2:
-        raise DataError(f"{where}: {cfg.chosen_column!r} has no prompt before the assistant reply")
-    return chosen[:-1], chosen, rejected
-
-
 def pair_margin(row: Row, column: str) -> float:
     """The row's target margin (reward model `margin_column`): a number finite in float32 (the loss's dtype)."""
     value = _require_column(row, column)
@@ -398,34 +398,27 @@ def pair_margin(row: Row, column: str) -> float:
 
 
 def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
-    """Each pair -> chosen_ids, rejected_ids and prompt_len (response tokens are ids[prompt_len:]), plus `margin`
-    when the config names a margin column (reward model only)."""
+    """Each pair (any preference format, formats.py) -> chosen_ids, rejected_ids and prompt_len (response tokens are
+    ids[prompt_len:]), plus `margin` when the config names a margin column (reward model only)."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
     margin_column = getattr(cfg, "margin_column", None)
     if margin_column:
         check_columns(rows, [margin_column], "margin")
     examples = []
-    for row in rows:
-        try:
-            margin = pair_margin(row, margin_column) if margin_column else None
-            prompt, chosen, rejected = preference_messages(row, cfg)
-            prompt_ids = chat_ids(tokenizer, prompt, add_generation_prompt=True)
-            chosen_ids, rejected_ids = chat_ids(tokenizer, chosen), chat_ids(tokenizer, rejected)
-            _prefix_checked(prompt_ids, chosen_ids, row.where())
-            _prefix_checked(prompt_ids, rejected_ids, row.where())
-            if chosen_ids == rejected_ids:  # its loss gradient is ~0, which Adam would blow up to an lr-sized step
-                raise DataError(f"{row.where()}: chosen and rejected are identical (a pair that prefers nothing)")
-        except DataError as e:
-            _bad_row(stats, e, cfg.skip_bad_rows)
+    for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.PREFERENCE, stats)):
+        if isinstance(out, DataError):
+            _bad_row(stats, out, cfg.skip_bad_rows)
             continue
+        chosen_ids, rejected_ids, prompt_len = out["chosen_ids"], out["rejected_ids"], out["prompt_len"]
         if max(len(chosen_ids), len(rejected_ids)) > cfg.max_seq_length:
-            if cfg.overlong == "drop" or len(prompt_ids) >= cfg.max_seq_length:
+            if cfg.overlong == "drop" or prompt_len >= cfg.max_seq_length:
                 stats.dropped_overlong += 1
                 continue
             chosen_ids, rejected_ids = chosen_ids[: cfg.max_seq_length], rejected_ids[: cfg.max_seq_length]
             stats.truncated += 1
-        example = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": len(prompt_ids)}
+        example = {"chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "prompt_len": prompt_len}
+        margin = out.get("margin")
         examples.append(
             {**example, "row": row.index, "source": row.label, **({} if margin is None else {"margin": margin})}
         )
@@ -435,30 +428,19 @@ def tokenize_preferences(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[lis
 
 
 def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[str, Any]], DataStats]:
-    """RL prompts: the conversation (which must not end with an assistant turn), its ground truth and verifier
-    name."""
+    """RL prompts (messages or prompt rows, formats.py): the conversation (which must not end with an assistant turn)
+    or the prompt string, its ground truth and verifier name."""
     stats = DataStats(rows=len(rows))
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
-    check_columns(rows, [cfg.messages_column, cfg.ground_truth_column], "RL prompt")
+    if rows:
+        formats.detect_format(formats.PROMPT, rows[0].data, cfg, rows[0].where())
+    check_columns(rows, [cfg.ground_truth_column], "RL prompt")
     examples = []
-    for row in rows:
-        try:
-            msgs = _validate_messages(
-                _require_column(row, cfg.messages_column), cfg.messages_column, row.where(), False
-            )
-            if msgs[-1]["role"] == "assistant":  # an answer in the prompt: an SFT file, or a leaked solution
-                raise DataError(
-                    f"{row.where()}: the last turn of {cfg.messages_column!r} is the assistant's; an RL prompt ends "
-                    "with the turn the policy answers (remove the assistant turn, e.g. keep the answer as ground truth)"
-                )
-            ground_truth = _require_column(row, cfg.ground_truth_column)
-            verifier = row.data.get(cfg.verifier_column)
-            if not isinstance(verifier, str) or not verifier:
-                raise DataError(f"{row.where()}: column {cfg.verifier_column!r} must name a verifier, got {verifier!r}")
-            ids = chat_ids(tokenizer, msgs, add_generation_prompt=True)
-        except DataError as e:
-            _bad_row(stats, e, cfg.skip_bad_rows)
+    for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.PROMPT, stats)):
+        if isinstance(out, DataError):
+            _bad_row(stats, out, cfg.skip_bad_rows)
             continue
+        ids = out["prompt_ids"]
         if len(ids) > cfg.max_prompt_length:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
@@ -468,8 +450,8 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
         examples.append(
             {
                 "prompt_ids": ids,
-                "ground_truth": ground_truth,
-                "verifier": verifier,
+                "ground_truth": out["ground_truth"],
+                "verifier": out["verifier"],
                 "row": row.index,
                 "source": row.label,
                 "where": row.where(),
@@ -478,6 +460,290 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
     stats.kept = len(examples)
     _require_some(examples, stats, rows)
     return examples, stats
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Formats: every row of a recognised format (formats.py) becomes one shape: ("chat", message lists...) rendered
+# with the chat template, or ("raw", strings...) tokenized as written (string rows, TRL's convention, unless
+# string_rows is chat_template).
+
+
+def _string_rows_as_chat(cfg: Any) -> bool:
+    return getattr(cfg, "string_rows", "raw") == "chat_template"
+
+
+def _nonempty_strings(row: Row, columns: Sequence[str], what: str) -> list[str]:
+    values = [_require_column(row, c) for c in columns]
+    for name, value in zip(columns, values):
+        if not isinstance(value, str):
+            raise DataError(
+                f"{row.where()}: column {name!r} must be a string in {what} rows, got {type(value).__name__}"
+            )
+        if not value.strip():
+            raise DataError(f"{row.where()}: column {name!r} is empty")
+    return values
+
+
+def sft_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple:
+    """("chat", messages, first trained turn) or ("raw", prompt, completion) for one SFT row."""
+    where = row.where()
+    if fmt.name == "messages":
+        return (
+            "chat",
+            _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, where, True),
+            0,
+        )
+    if fmt.name == "text":
+        (text,) = _nonempty_strings(row, ["text"], "text")
+        return "raw", "", text
+    prompt, completion = _require_column(row, "prompt"), _require_column(row, "completion")
+    if formats.is_conversation(prompt) and formats.is_conversation(completion):
+        p = _validate_messages(prompt, "prompt", where, False)
+        c = _validate_messages(completion, "completion", where, True)
+        return "chat", p + c, len(p)  # only the completion's turns are trained
+    prompt, completion = _nonempty_strings(row, ["prompt", "completion"], "prompt/completion")
+    if _string_rows_as_chat(cfg):
+        return "chat", [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], 1
+    return "raw", prompt, completion
+
+
+def preference_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple:
+    """("chat", prompt, chosen conversation, rejected conversation) or ("raw", prompt, chosen, rejected) for one
+    preference row: chosen/rejected conversations sharing a prompt (a string prompt column is then ignored), a
+    prompt message list with the replies (TRL's explicit prompt), or strings."""
+    chosen = _require_column(row, cfg.chosen_column)
+    rejected = _require_column(row, cfg.rejected_column)
+    where = row.where()
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        if fmt.name == "explicit_prompt":
+            columns = [cfg.prompt_column, cfg.chosen_column, cfg.rejected_column]
+            prompt, chosen, rejected = _nonempty_strings(row, columns, "prompt/chosen/rejected")
+        else:
+            chosen, rejected = _nonempty_strings(row, [cfg.chosen_column, cfg.rejected_column], "chosen/rejected")
+            prompt, chosen, rejected = formats.common_prefix_split(chosen, rejected)
+            if not prompt.strip():
+                raise DataError(
+                    f"{where}: {cfg.chosen_column!r} and {cfg.rejected_column!r} share no prompt (no common prefix); "
+                    f"add a {cfg.prompt_column!r} column"
+                )
+        if _string_rows_as_chat(cfg):
+            p = [{"role": "user", "content": prompt}]
+            return (
+                "chat",
+                p,
+                p + [{"role": "assistant", "content": chosen}],
+                p + [{"role": "assistant", "content": rejected}],
+            )
+        return "raw", prompt, chosen, rejected
+    prompt = row.data.get(cfg.prompt_column) if fmt.name == "explicit_prompt" else None
+    if formats.is_conversation(prompt):  # TRL's explicit prompt: the replies continue the prompt's turns
+        p = _validate_messages(prompt, cfg.prompt_column, where, False)
+        chosen = _validate_messages(chosen, cfg.chosen_column, where, True)
+        rejected = _validate_messages(rejected, cfg.rejected_column, where, True)
+        chosen = chosen if chosen[: len(p)] == p and len(chosen) > len(p) else p + chosen
+        rejected = rejected if rejected[: len(p)] == p and len(rejected) > len(p) else p + rejected
+    chosen = _validate_messages(chosen, cfg.chosen_column, where, True)
+    rejected = _validate_messages(rejected, cfg.rejected_column, where, True)
+    if chosen[:-1] != rejected[:-1]:
+        raise DataError(f"{where}: {cfg.chosen_column!r} and {cfg.rejected_column!r} must share the same prompt turns")
+    if len(chosen) < 2:
+        raise DataError(f"{where}: {cfg.chosen_column!r} has no prompt before the assistant reply")
+    return "chat", chosen[:-1], chosen, rejected
+
+
+def prompt_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple[tuple, Any, str]:
+    """(("chat", messages) or ("raw", prompt), ground truth, verifier name) for one RL row. A conversation that ends
+    with an assistant turn loses that turn (open-instruct's RLVR rows carry the answer there; it stays only as ground
+    truth): parts[0] is then "chat_answer_dropped", counted and said in the start-up data line."""
+    where = row.where()
+    column = cfg.messages_column if fmt.name == "messages" else "prompt"
+    value = _require_column(row, column)
+    if isinstance(value, str) and fmt.name == "prompt":
+        (text,) = _nonempty_strings(row, [column], "prompt")
+        parts: tuple = ("chat", [{"role": "user", "content": text}]) if _string_rows_as_chat(cfg) else ("raw", text)
+    else:
+        msgs = _validate_messages(value, column, where, False)
+        answer_dropped = msgs[-1]["role"] == "assistant"
+        msgs = msgs[:-1] if answer_dropped else msgs
+        if not msgs:
+            raise DataError(f"{where}: column {column!r} has no prompt turn")
+        parts = ("chat_answer_dropped" if answer_dropped else "chat", msgs)
+    ground_truth = _require_column(row, cfg.ground_truth_column)
+    verifier, ground_truth = formats.single_verifier(
+        row.data.get(cfg.verifier_column), ground_truth, cfg.verifier_column, where
+    )
+    if not isinstance(verifier, str) or not verifier:
+        raise DataError(f"{where}: column {cfg.verifier_column!r} must name a verifier, got {verifier!r}")
+    return parts, ground_truth, verifier
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batched tokenization (encode.py), in parallel processes for large datasets (datasets.map with num_proc)
+
+
+def _encode_sft(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Format) -> list[Any]:
+    out: list[Any] = [None] * len(rows)
+    chats, raws = [], []
+    for k, row in enumerate(rows):
+        try:
+            parts = sft_parts(row, fmt, cfg)
+        except DataError as e:
+            out[k] = e
+            continue
+        (chats if parts[0] == "chat" else raws).append((k, parts[1:]))
+    for (k, _), res in zip(chats, encode.encode_chats(tokenizer, [p for _, p in chats])):
+        out[k] = DataError(f"{rows[k].where()}: {res}") if isinstance(res, str) else res
+    for (k, _), res in zip(raws, encode.encode_raw_completions(tokenizer, [p for _, p in raws])):
+        out[k] = res
+    raw_rows = {k for k, _ in raws}
+    return [
+        o if isinstance(o, DataError) else {"input_ids": o[0], "labels": o[1], "raw": k in raw_rows}
+        for k, o in enumerate(out)
+    ]
+
+
+def _encode_preference(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Format) -> list[Any]:
+    out: list[Any] = [None] * len(rows)
+    margins: dict[int, Optional[float]] = {}
+    chats, raws = [], []
+    margin_column = getattr(cfg, "margin_column", None)
+    for k, row in enumerate(rows):
+        try:
+            margins[k] = pair_margin(row, margin_column) if margin_column else None
+            parts = preference_parts(row, fmt, cfg)
+        except DataError as e:
+            out[k] = e
+            continue
+        (chats if parts[0] == "chat" else raws).append((k, parts[1:]))
+    results = list(zip(chats, encode.encode_chat_pairs(tokenizer, [p for _, p in chats])))
+    results += zip(raws, encode.encode_raw_pairs(tokenizer, [p for _, p in raws]))
+    raw_rows = {k for k, _ in raws}
+    for (k, _), res in results:
+        where = rows[k].where()
+        if isinstance(res, str):
+            out[k] = DataError(f"{where}: {res}")
+        elif res[0] == res[1]:  # its loss gradient is ~0, which Adam would blow up to an lr-sized step
+            out[k] = DataError(f"{where}: chosen and rejected are identical (a pair that prefers nothing)")
+        else:
+            out[k] = {"chosen_ids": res[0], "rejected_ids": res[1], "prompt_len": res[2], "margin": margins[k]}
+            out[k]["raw"] = k in raw_rows
+    return out
+
+
+def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Format) -> list[Any]:
+    out: list[Any] = [None] * len(rows)
+    chats, raws = [], []
+    for k, row in enumerate(rows):
+        try:
+            parts, ground_truth, verifier = prompt_parts(row, fmt, cfg)
+        except DataError as e:
+            out[k] = e
+            continue
+        out[k] = {"ground_truth": ground_truth, "verifier": verifier, "raw": parts[0] == "raw"}
+        out[k]["answer_dropped"] = parts[0] == "chat_answer_dropped"
+        (raws if parts[0] == "raw" else chats).append((k, parts[1]))
+    for (k, _), ids in zip(chats, encode.encode_chat_prompts(tokenizer, [p for _, p in chats])):
+        out[k]["prompt_ids"] = ids
+    for (k, _), ids in zip(raws, encode.encode_raw_prompts(tokenizer, [p for _, p in raws])):
+        out[k]["prompt_ids"] = ids
+    return out
+
+
+_ENCODERS = {formats.SFT: _encode_sft, formats.PREFERENCE: _encode_preference, formats.PROMPT: _encode_prompts}
+_ID_FIELDS = {
+    formats.SFT: ("input_ids", "labels"),
+    formats.PREFERENCE: ("chosen_ids", "rejected_ids"),
+    formats.PROMPT: ("prompt_ids",),
+}
+PARALLEL_FROM_ROWS = 10_000  # below this, worker start-up costs more than it saves
+MAP_BATCH_ROWS = 1000
+
+
+def tokenize_processes(cfg: Any, num_rows: int) -> int:
+    """dataset_num_proc, or unset: the CPUs this process may use (at most 16) for PARALLEL_FROM_ROWS rows and
+    more, else 1."""
+    configured = getattr(cfg, "dataset_num_proc", None)
+    if configured:
+        return max(1, min(configured, num_rows))
+    if num_rows < PARALLEL_FROM_ROWS:
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), 16))
+
+
+def _encode_map_batch(batch: dict[str, list], tokenizer: Any, cfg: Any, kind: str, fmt_name: str) -> dict[str, list]:
+    """datasets.map function: rows in as JSON text (any column types), results out as JSON text or error text."""
+    fmt = next(f for f in formats.candidate_formats(kind, cfg) if f.name == fmt_name)
+    rows = [
+        Row(source, index, line if line >= 0 else None, json.loads(text), label)
+        for source, index, line, text, label in zip(
+            batch["source"], batch["index"], batch["line"], batch["json"], batch["label"]
+        )
+    ]
+    results = _ENCODERS[kind](rows, tokenizer, cfg, fmt)
+    ok = [r if not isinstance(r, DataError) else None for r in results]
+    out = {
+        "error": [str(r) if isinstance(r, DataError) else "" for r in results],
+        # the other fields (a ground truth can be any JSON value) as JSON text
+        "rest": [
+            "" if r is None else json.dumps({k: v for k, v in r.items() if k not in _ID_FIELDS[kind]}) for r in ok
+        ],
+    }
+    for key in _ID_FIELDS[kind]:  # token ids as Arrow lists (JSON text would cost ~3x more to read back)
+        out[key] = [[] if r is None else r[key] for r in ok]
+    return out
+
+
+def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: DataStats) -> list[Any]:
+    """Per row (in order): its encoded fields (a dict) or the DataError that names its file and row. The format is
+    recognised from the first row (formats.detect_format: exit 2 naming the columns when none fits); with more
+    than one process (tokenize_processes) the rows are encoded by datasets.map(num_proc=...)."""
+    if not rows:
+        return []
+    fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
+    num_proc = tokenize_processes(cfg, len(rows))
+    if num_proc == 1:  # in batches too: the rendered texts of a whole large dataset need not sit in memory at once
+        results = []
+        for start in range(0, len(rows), MAP_BATCH_ROWS):
+            results += _ENCODERS[kind](rows[start : start + MAP_BATCH_ROWS], tokenizer, cfg, fmt)
+    else:
+        import datasets
+
+        # The processes are the parallelism: tokenizers' own threads would be turned off after the fork anyway
+        # (with a warning per process).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        table = datasets.Dataset.from_dict(
+            {
+                "source": [r.source for r in rows],
+                "index": [r.index for r in rows],
+                "line": [-1 if r.line is None else r.line for r in rows],
+                "json": [json.dumps(r.data) for r in rows],
+                "label": [r.label for r in rows],
+            }
+        )
+        mapped = table.map(
+            _encode_map_batch,
+            batched=True,
+            batch_size=min(MAP_BATCH_ROWS, -(-len(rows) // num_proc)),  # every process gets rows
+            num_proc=num_proc,
+            fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "kind": kind, "fmt_name": fmt.name},
+            remove_columns=table.column_names,
+            new_fingerprint=f"open_instruct_encode_{os.getpid()}_{id(rows)}",  # no hashing of the tokenizer
+            desc=f"tokenizing {len(rows)} rows",
+        )
+        table = mapped.data.table  # whole columns at once (indexing the Dataset would convert row by row)
+        columns = {name: table.column(name).to_pylist() for name in ("error", "rest", *_ID_FIELDS[kind])}
+        results = []
+        for k, error in enumerate(columns["error"]):
+            if error:
+                results.append(DataError(error))
+                continue
+            result = json.loads(columns["rest"][k])
+            result.update({key: columns[key][k] for key in _ID_FIELDS[kind]})
+            results.append(result)
+    stats.format, stats.processes = fmt.name, num_proc
+    stats.raw_string_rows = sum(1 for r in results if isinstance(r, dict) and r.get("raw"))
+    stats.answer_turns_dropped = sum(1 for r in results if isinstance(r, dict) and r.get("answer_dropped"))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -769,7 +1035,108 @@ def maybe_limit(items: list[Any], limit: Optional[int]) -> list[Any]:
 Tokenizer = Callable[[list[Row], Any, Any], tuple[list[dict[str, Any]], DataStats]]
 
 
+# Config fields that change the examples (with every *_column field): part of the tokenized-data cache key.
+DATA_FIELDS = (
+    "dataset_name_or_path",
+    "dataset_mixer_list",
+    "dataset_split",
+    "eval_dataset_name_or_path",
+    "eval_dataset_mixer_list",
+    "eval_dataset_split",
+    "eval_fraction",
+    "max_train_samples",
+    "max_eval_samples",
+    "max_seq_length",
+    "max_prompt_length",
+    "overlong",
+    "skip_bad_rows",
+    "seed",
+    "string_rows",
+)
+# The modules that turn rows into examples: editing one invalidates the cache.
+DATA_CODE = ("data.py", "encode.py", "formats.py", "mixture.py", "data_cache.py")
+
+
+def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str, Any]:
+    """What the tokenized-data cache key hashes: the sources' identities, the tokenizer, the data fields of the
+    config and the code version (data_cache module docstring)."""
+    fields = {k: getattr(cfg, k, None) for k in DATA_FIELDS}
+    fields.update({k: v for k, v in sorted(vars(cfg).items()) if k.endswith("_column")})
+    sources = {}
+    for key in ("dataset_name_or_path", "eval_dataset_name_or_path"):
+        value = getattr(cfg, key, None)
+        if value:
+            sources[key] = [data_cache.source_identity(p.strip()) for p in value.split(",") if p.strip()]
+    for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):
+        value = getattr(cfg, key, None)
+        if value:
+            sources[key] = [data_cache.source_identity(str(x)) for x in value]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return {
+        "tokenize": tokenize.__name__,
+        "tokenizer": data_cache.tokenizer_identity(tokenizer),
+        "fields": fields,
+        "sources": sources,
+        "code": data_cache.code_identity([os.path.join(here, name) for name in DATA_CODE]),
+    }
+
+
+def _describe_inputs(stats: DataStats, cfg: Any, cache: str) -> str:
+    """The start-up summary's words on the format, the string-row convention and the cache."""
+    text = f"format {stats.format or '-'}"
+    if stats.raw_string_rows:
+        text += (
+            f", {stats.raw_string_rows} string rows tokenized raw (TRL's convention, no chat template; "
+            "string_rows chat_template applies it)"
+        )
+    elif getattr(cfg, "string_rows", "raw") == "chat_template":
+        text += ", string rows rendered with the chat template"
+    if stats.answer_turns_dropped:
+        text += (
+            f", {stats.answer_turns_dropped} RL prompts ended with an assistant turn: that turn dropped "
+            "(open-instruct's convention; the answer stays only as ground truth)"
+        )
+    return f"{text}; {cache}"
+
+
 def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
+    """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction), or
+    read them from the tokenized-data cache (data_cache.py) when an earlier run or a resume made them.
+
+    The main process goes first (accelerate's main_process_first pattern): it tokenizes and writes the entry, the
+    other processes then read it. A data error on the main process releases the others, which meet it too."""
+    root = data_cache.cache_root(getattr(cfg, "dataset_cache_dir", None))
+    if root is None:
+        train, evals, stats = build_train_eval(cfg, tokenizer, tokenize)
+        stats.inputs = _describe_inputs(stats, cfg, "tokenized-data cache off")
+        return train, evals, stats
+    from accelerate import PartialState
+
+    state = PartialState()
+    ingredients = cache_ingredients(cfg, tokenizer, tokenize)
+    folder = os.path.join(root, data_cache.entry_key(ingredients))
+    if not state.is_main_process:
+        state.wait_for_everyone()  # the main process tokenizes and writes the entry first
+    try:
+        cached = data_cache.load(folder)
+        if cached is not None:
+            train, evals, meta = cached
+            stats = DataStats(**meta["stats"])
+            stats.inputs = _describe_inputs(stats, cfg, f"tokenized data read from the cache {folder}")
+        else:
+            train, evals, stats = build_train_eval(cfg, tokenizer, tokenize)
+            meta = {"stats": dataclasses.asdict(stats), "ingredients": ingredients}
+            written = state.is_main_process and data_cache.save(folder, train, evals, meta)
+            cache = f"tokenized data written to the cache {folder}" if written else "tokenized (cache not written)"
+            cache = f"{stats.processes} tokenizing processes; {cache}" if stats.processes > 1 else cache
+            stats.inputs = _describe_inputs(stats, cfg, cache)
+    finally:
+        if state.is_main_process:
+            state.wait_for_everyone()
+    return train, evals, stats
+
+
+def build_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
     """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction).
     Either set may be a mixture (`dataset_mixer_list`); every example carries its source's label as "source"."""
     sources: list[dict] = []

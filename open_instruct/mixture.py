@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
-LOCAL_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _INTEGER = re.compile(r"^[+-]?\d+$")
 
 

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from open_instruct import attention
+from open_instruct.chat_templates import resolve_chat_template
 from open_instruct.data import is_packed
 from open_instruct.errors import ConfigError
 
@@ -20,7 +21,8 @@ def load_tokenizer(
     chat_template: Optional[str] = None,
     revision: Optional[str] = None,
 ) -> Any:
-    """Tokenizer with a pad token and a chat template (the given one wins over the tokenizer's own)."""
+    """Tokenizer with a pad token and a chat template (the given one wins over the tokenizer's own: a name, a Jinja
+    file or Jinja text, see chat_templates.resolve_chat_template)."""
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "revision": revision}
@@ -28,7 +30,7 @@ def load_tokenizer(
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     if chat_template:
-        tokenizer.chat_template = chat_template
+        tokenizer.chat_template = resolve_chat_template(chat_template)
     if tokenizer.chat_template is None:
         raise ConfigError(f"tokenizer of {name_or_path!r} has no chat template: set chat_template in the recipe")
     check_template_renders_content(

@@ -63,8 +63,9 @@ KNOWN_DATASET_SIZES: dict[str, int] = {
 }
 
 
-def count_local_rows(path: str) -> int:
-    """Rows in local .jsonl/.json/.parquet file(s) (comma separated), without loading the data."""
+def count_local_rows(path: str, split: str = "train") -> int:
+    """Rows in local .jsonl/.json/.parquet/.csv file(s) or Dataset.save_to_disk folders (comma separated), without
+    loading the data into memory."""
     total = 0
     for part in path.split(","):
         part = part.strip()
@@ -79,6 +80,21 @@ def count_local_rows(path: str) -> int:
             import pyarrow.parquet as pq
 
             total += pq.ParquetFile(part).metadata.num_rows
+        elif part.endswith(".csv"):
+            import pyarrow.csv
+
+            total += pyarrow.csv.read_csv(part).num_rows
+        elif os.path.isdir(part) and os.path.isfile(os.path.join(part, "state.json")):  # Dataset.save_to_disk
+            import datasets
+
+            total += datasets.load_from_disk(part).num_rows
+        elif os.path.isdir(part) and os.path.isfile(os.path.join(part, "dataset_dict.json")):  # DatasetDict's
+            import datasets
+
+            saved = datasets.load_from_disk(part)
+            if split not in saved:
+                raise ConfigError(f"saved DatasetDict {part!r} has no split {split!r} (splits: {sorted(saved)})")
+            total += saved[split].num_rows
         else:
             raise ConfigError(f"dataset_name_or_path {part!r}: cannot count rows of this file type")
     return total
@@ -88,7 +104,7 @@ def dataset_size(name: str, split: str) -> tuple[Optional[int], str]:
     """(rows, where the number came from); (None, reason) if it cannot be had offline."""
     first = name.split(",")[0].strip()
     if os.path.exists(first):
-        return count_local_rows(name), "counted in the local file(s)"
+        return count_local_rows(name, split), "counted in the local file(s)"
     if first.endswith(DATASET_EXTENSIONS) or looks_local(first):
         return None, f"local file {first!r} does not exist"
     if name in KNOWN_DATASET_SIZES:

@@ -15,9 +15,10 @@ import os
 import struct
 from typing import Any, Optional
 
+from open_instruct.chat_templates import resolve_chat_template
 from open_instruct.errors import ConfigError
 
-DATASET_EXTENSIONS = (".jsonl", ".json", ".parquet")
+DATASET_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -161,7 +162,9 @@ def check_output_dir_writable(output_dir: str) -> None:
 
 
 def check_chat_template(template: Optional[str]) -> None:
-    """A given chat template must at least be valid Jinja (the tokenizer compiles it only at the first use)."""
+    """A given chat template (a name, a Jinja file or Jinja text: chat_templates.resolve_chat_template) must at
+    least be valid Jinja (the tokenizer compiles it only at the first use)."""
+    template = resolve_chat_template(template)
     if not template:
         return
     import jinja2

@@ -10,6 +10,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache_in_tmp(tmp_path_factory):
+    """The tokenized-data cache (open_instruct/data_cache.py) of every run a test starts, in-process or not, goes to
+    a session folder instead of ~/.cache."""
+    os.environ.setdefault("OPEN_INSTRUCT_DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{"causal_lm": path, "seq_cls": path}: Llama-shaped, hidden 64, 2 layers, char-level chat tokenizer."""

@@ -315,9 +315,9 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "gguf_file_not_in_folder":
         return "sft", sft_argv(m, f, out, "--gguf_file", "model.Q4.gguf"), ["gguf_file 'model.Q4.gguf' is not in"], None
     if name == "dataset_with_unknown_extension":
-        csv = tmp / "data.csv"
-        csv.write_text("messages\n")
-        return "sft", sft_argv(m, f, out, "--dataset_name_or_path", str(csv)), ["unknown file type '.csv'"], None
+        tsv = tmp / "data.tsv"  # .csv is read (README: Data formats)
+        tsv.write_text("messages\n")
+        return "sft", sft_argv(m, f, out, "--dataset_name_or_path", str(tsv)), ["unknown file type '.tsv'"], None
     if name == "missing_dataset_file":
         missing = str(tmp / "nope.jsonl")
         return "sft", sft_argv(m, f, out, "--dataset_name_or_path", missing), [f"{missing!r} does not exist"], None
@@ -424,12 +424,6 @@ def build_issue_22_case(name: str, t) -> tuple[str, list[str], list[str], object
         needles = [f"{path} line 2: messages[1] has role {role!r}"]
         needles += ["did you mean 'assistant'"] if role == "asistant" else ["roles: system, developer, user"]
         return "sft", sft_argv(m, f, out, "--dataset_name_or_path", path), needles, None
-    if name == "rl_prompt_ending_with_the_answer":
-        rows = rl_rows(8, 4)
-        rows[1]["messages"] = rows[1]["messages"] + [{"role": "assistant", "content": rows[1]["ground_truth"]}]
-        path = write_jsonl(str(tmp / "rl_answered.jsonl"), rows)
-        argv = rl_argv(m, f, out, "--dataset_name_or_path", path)
-        return "rlvr_ppo", argv, [f"{path} line 2: the last turn of 'messages' is the assistant's"], None
     if name == "chat_template_rendering_no_content":
         argv = sft_argv(m, f, out, "--chat_template", "{% for m in messages %}<|{{ m.role }}|>{% endfor %}")
         return "sft", argv, ["chat_template renders no content of the user and assistant message"], None
@@ -512,7 +506,6 @@ ISSUE_22_CASES = [
     "yaml_list_for_a_scalar_key",
     "misspelt_role_in_a_middle_turn",
     "unknown_role",
-    "rl_prompt_ending_with_the_answer",
     "chat_template_rendering_no_content",
     "mixture_source_all_over_long",
 ]
@@ -527,8 +520,9 @@ def test_issue_22_bad_inputs_exit_2_before_any_model_loads(name, setting, capsys
     - a role outside system/developer/user/assistant/tool/function/ipython (`asistant`, `robot`): the template
       renders it as some other turn and it is never trained; the error names file, line, turn and role (with
       skip_bad_rows such rows are skipped and counted like any bad row);
-    - an RL prompt whose last turn is the assistant's: either an SFT file given as prompts or a prompt carrying its
-      own solution; silently dropping the turn hid which (error naming the row);
+    - an RL prompt whose last turn is the assistant's: not an error (open-instruct's own RLVR rows carry the answer
+      there and its loader drops it), but no longer silent: counted and said in the start-up data line
+      (test_rl_prompt_ending_with_the_answer_loses_that_turn_and_says_so);
     - a chat template that renders no message content: every example would train on markup alone;
     - a mixture source that loses every row (over-long, or bad under skip_bad_rows): the mixture silently loses a
       source; the error names the source;
@@ -1105,3 +1099,23 @@ def test_no_torch_import_before_the_config_is_checked(script, tmp_path):
             line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")
         }
         assert "yaml" in imported and "torch" not in imported, script
+
+
+def test_rl_prompt_ending_with_the_answer_loses_that_turn_and_says_so(tmp_path):
+    """Issue 22, item 11: an RL prompt whose last turn is the assistant's answer (open-instruct's RLVR rows are shaped
+    so, and its loader drops that turn) trains on the prompt without it, as a row without the answer would; the
+    start-up data line counts such rows, so it is never silent."""
+    from demo.tiny import build_tokenizer
+
+    rows = rl_rows(8, 4)
+    answered = [dict(r, messages=r["messages"] + [{"role": "assistant", "content": r["ground_truth"]}]) for r in rows]
+    answered[0] = rows[0]  # one row without an answer
+    cfg = RLVRConfig(model_name_or_path="m", dataset_name_or_path=write_jsonl(str(tmp_path / "a.jsonl"), answered))
+    plain = RLVRConfig(model_name_or_path="m", dataset_name_or_path=write_jsonl(str(tmp_path / "p.jsonl"), rows))
+    for c in (cfg, plain):
+        c.dataset_cache_dir = "none"
+    train, _, stats = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_prompts)
+    expected, _, plain_stats = data.load_train_eval(plain, build_tokenizer(), data.tokenize_prompts)
+    assert [e["prompt_ids"] for e in train] == [e["prompt_ids"] for e in expected] and len(train) == 8
+    assert stats.answer_turns_dropped == 7 and plain_stats.answer_turns_dropped == 0
+    assert "7 RL prompts ended with an assistant turn: that turn dropped" in stats.summary()

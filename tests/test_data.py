@@ -88,8 +88,9 @@ def test_empty_and_missing_files(tmp_path):
 def test_wrong_column_name_is_reported_with_the_columns_present(tmp_path, tokenizer):
     path, msg = sft_error(tmp_path, tokenizer, [{"conversation": chat()}])
     assert msg == (
-        f"{path} line 1: messages column(s) ['messages'] not found; columns are ['conversation']. "
-        f"Set the matching *_column key in the recipe."
+        f"{path} line 1: columns ['conversation'] match no sft data format. Accepted: 'messages' (a conversation); "
+        "'prompt' + 'completion' (strings or messages); 'text' (a string). Set messages_column in the recipe if "
+        "your columns have other names (README: Data formats)."
     )
     # ... and the configured name is the one looked up
     ok = write_lines(tmp_path / "renamed.jsonl", [{"conversation": chat()}])
