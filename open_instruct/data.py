@@ -187,7 +187,12 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
         rows = _read_json(name)
     elif name.endswith((".parquet", ".csv")):
         builder = "parquet" if name.endswith(".parquet") else "csv"
-        rows = [Row(name, r.index, None, r.data) for r in _read_with_datasets(builder, "train", data_files=name)]
+        try:
+            rows = [Row(name, r.index, None, r.data) for r in _read_with_datasets(builder, "train", data_files=name)]
+        except ValueError as e:  # datasets on a header-only CSV: 'Instruction "train" corresponds to no data!'
+            if "corresponds to no data" not in str(e):
+                raise
+            rows = []
     elif os.path.isdir(name) and is_saved_dataset(name):
         rows = _read_saved_dataset(name, split)
     else:

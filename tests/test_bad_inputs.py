@@ -369,10 +369,10 @@ def build_issue_22_case(name: str, t) -> tuple[str, list[str], list[str], object
     rm += ["--eval_dataset_name_or_path", f["pref"], "--output_dir", str(out)]
     # item 8: every mixture source gets the checks of a single dataset
     if name == "mixture_source_of_unknown_type":
-        csv = tmp / "extra.csv"
+        csv = tmp / "extra.tsv"
         csv.write_text("messages\n")
         argv = sft_argv(m, f, out, *mixture, str(csv), "0.5")
-        return "sft", argv, ["dataset_mixer_list", str(csv), "unknown file type '.csv'"], None
+        return "sft", argv, ["dataset_mixer_list", str(csv), "unknown file type '.tsv'"], None
     if name == "mixture_source_folder_missing":
         missing = str(tmp / "no_such_folder")
         return "sft", sft_argv(m, f, out, *mixture, missing, "0.5"), [f"dataset file {missing!r} does not exist"], None
@@ -1110,8 +1110,12 @@ def test_rl_prompt_ending_with_the_answer_loses_that_turn_and_says_so(tmp_path):
     rows = rl_rows(8, 4)
     answered = [dict(r, messages=r["messages"] + [{"role": "assistant", "content": r["ground_truth"]}]) for r in rows]
     answered[0] = rows[0]  # one row without an answer
-    cfg = RLVRConfig(model_name_or_path="m", dataset_name_or_path=write_jsonl(str(tmp_path / "a.jsonl"), answered))
-    plain = RLVRConfig(model_name_or_path="m", dataset_name_or_path=write_jsonl(str(tmp_path / "p.jsonl"), rows))
+    cfg = RLVRConfig(
+        model_name_or_path="m", total_episodes=64, dataset_name_or_path=write_jsonl(str(tmp_path / "a.jsonl"), answered)
+    )
+    plain = RLVRConfig(
+        model_name_or_path="m", total_episodes=64, dataset_name_or_path=write_jsonl(str(tmp_path / "p.jsonl"), rows)
+    )
     for c in (cfg, plain):
         c.dataset_cache_dir = "none"
     train, _, stats = data.load_train_eval(cfg, build_tokenizer(), data.tokenize_prompts)

@@ -467,3 +467,12 @@ def test_a_resumed_run_reads_the_tokenized_data_from_the_cache(tiny_models, tmp_
     run_to_the_end(sft_script.main, [*argv, "--resume_from_checkpoint", "auto"])
     assert f"tokenized data read from the cache {folder}" in capsys.readouterr().out
     assert [r["optimizer_step"] for r in read_metrics(str(tmp_path / "out"))] == [1, 2]
+
+
+def test_a_header_only_csv_is_an_empty_dataset_named(tmp_path):
+    """datasets raises a bare ValueError ('Instruction "train" corresponds to no data!') on a CSV with a header and
+    no rows; it is an empty dataset, named as such."""
+    path = tmp_path / "header_only.csv"
+    path.write_text("messages\n")
+    with pytest.raises(DataError, match="header_only.csv.*is empty"):
+        data.load_source(str(path), "train")
