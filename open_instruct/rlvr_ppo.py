@@ -52,6 +52,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from open_instruct.rollouts import (
+    PhaseClock,
+    RolloutSampler,
+    derived_seed,
+    evaluate,
+    load_prompts,
+    sample_rows,
+    score_texts,
+)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
 
@@ -371,11 +381,6 @@ def episode_score(
     return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
 
 
-def derived_seed(seed: int, *parts: int) -> int:
-    """A deterministic 63-bit seed from (seed, rollout_step, rank, ...): resuming at a rollout re-draws its samples."""
-    return random.Random(":".join(str(p) for p in (seed, *parts))).getrandbits(63)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The phases of one rollout step
 
@@ -426,91 +431,6 @@ class Advantages:
     returns: Optional[torch.Tensor]  # [n, R] value targets (gae)
     kl_loss_coef: float  # beta when the KL to the reference is a loss term (group estimators), 0 when in the reward
     keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
-
-
-def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
-    """The rollout's sampling: num_samples_per_prompt completions per prompt, a seed per (step, rank)."""
-    from open_instruct.generation import GenerationConfig
-
-    return GenerationConfig(
-        max_new_tokens=cfg.response_length,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        stop_strings=cfg.stop_strings,
-        n=cfg.num_samples_per_prompt,
-        seed=derived_seed(cfg.seed, step, rank),
-    )
-
-
-class RolloutSampler:
-    """Where each rollout's completions come from.
-
-    async_steps 0: at rollout k, sync the engine to the policy (version k = rollouts trained on), then generate.
-    async_steps 1 (dedicated engines): when rollout k's completions are taken, rollout k+1 is submitted with the
-    weights of version k, and generates while the trainer updates on rollout k; so rollout k+1 is trained on by
-    version k+1 weights, one update after the weights that sampled it (policy lag 1; truncated IS corrects it).
-    Weights are only sent when no generation is in flight. A rollout in flight when the run stops (SIGTERM, kill)
-    is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
-
-    def __init__(
-        self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
-    ) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
-        self.num_rollouts = num_rollouts
-        self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
-        self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
-        self.synced: Optional[int] = None
-        self.bytes_sent = 0  # weight bytes broadcast to the engines (vllm_server), read by the log row
-
-    def sync(self, version: int) -> float:
-        """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
-        if version == self.synced:
-            return 0.0
-        t0 = time.perf_counter()
-        policy = self.accelerator.unwrap_model(self.policy)
-        if self.cfg.generation_backend == "vllm_server":
-            self.generator.sync_weights(policy, version=version)
-        else:
-            self.generator.sync_weights(policy)
-        self.synced = version
-        self.bytes_sent += getattr(self.generator, "last_sync_bytes", 0)
-        return time.perf_counter() - t0
-
-    def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
-        t0 = time.perf_counter()
-        config = sampling_config(self.cfg, step, self.accelerator.process_index)
-        return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
-
-    def take(self, step: int, gather_for_generation: Callable) -> tuple[list[dict], Any, dict[str, float]]:
-        """This rank's prompts of rollout `step`, their completions, and the seconds spent: weight_sync,
-        generation (what the trainer waited for) and generation_engine (the engines' wall time for it)."""
-        seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
-        t0 = time.perf_counter()
-        if self.pending is not None and self.pending[0] == step:
-            _, prompts, future = self.pending
-            out, engine_seconds = future.result()
-        else:  # synchronous, the first rollout, or the first after a resume
-            seconds["weight_sync"] += self.sync(step)
-            t0 = time.perf_counter()
-            prompts = self.prompts_for(step)
-            with gather_for_generation(self.policy):
-                out, engine_seconds = self._generate(step, prompts)
-        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
-        self.pending = None
-        if self.pool is not None and step + 1 < self.num_rollouts:
-            seconds["weight_sync"] += self.sync(step)
-            prompts_next = self.prompts_for(step + 1)
-            self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
-        seconds["weight_sync_bytes"] = self.bytes_sent - bytes_before
-        return prompts, out, seconds
-
-    def idle(self) -> None:
-        """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
-        if self.pending is not None:
-            self.pending[2].result()
 
 
 def collect_rollout(
@@ -611,19 +531,6 @@ def collect_rollout(
 def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:
     """Tokens of each episode (prompt + response): what it takes in a packed row."""
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
-
-
-def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
-    """Verifier rewards of completions (each row's verifier, under the time limit)."""
-    from open_instruct import rewards
-
-    return rewards.score_batch(
-        texts,
-        [e["ground_truth"] for e in examples],
-        [e["verifier"] for e in examples],
-        verification_reward=cfg.verification_reward,
-        timeout=cfg.verifier_timeout,
-    )
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
@@ -907,144 +814,8 @@ def log_row(
     return row
 
 
-class PhaseClock:
-    """Seconds per phase and response tokens over the rollouts since the last log row (eval and checkpoint time
-    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
-
-    PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
-
-    def __init__(self) -> None:
-        self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
-        self.engine_seconds, self.sync_bytes = 0.0, 0
-
-    def add(self, seconds: dict[str, float], tokens: int) -> None:
-        for k, v in seconds.items():
-            if k in self.seconds:
-                self.seconds[k] += v
-        # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
-        self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
-        self.sync_bytes += seconds.get("weight_sync_bytes", 0)
-        self.rollouts += 1
-        self.tokens += tokens
-
-    def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
-        from open_instruct.distributed import global_sum
-
-        k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
-        busy = max(sum(self.seconds.values()), 1e-9)
-        row = {f"time/{name}": v / k for name, v in self.seconds.items()}
-        row["time/generation_engine"] = self.engine_seconds / k
-        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (vllm_server)
-        # async: the share of the engines' generation time hidden behind training (0 when synchronous)
-        waited = self.seconds["generation"]
-        row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
-        row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
-        row["perf/response_tokens_per_second"] = tokens / busy
-        self.__init__()
-        return row
-
-
-def evaluate(
-    cfg: RLVRConfig,
-    evals: list[dict],
-    policy: Any,
-    generator: Any,
-    tokenizer: Any,
-    accelerator: Any,
-    gather_for_generation: Callable[[Any], Any],
-) -> dict[str, float]:
-    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
-    (eval/<source>/correct_rate) when the held-out set mixes sources."""
-    from open_instruct import data
-    from open_instruct.distributed import global_sums
-    from open_instruct.generation import GenerationConfig
-    from open_instruct.generation_backends import make_generator
-
-    local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
-    sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
-    if cfg.generation_backend == "hf":  # the other backends hold their own copy, synced by the caller
-        generator = make_generator(
-            "hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size
-        )
-    greedy = GenerationConfig(
-        max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings
-    )
-    with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
-        out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
-    sources = data.mixed_sources(evals)
-    sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
-    if out is not None:
-        scored = score_texts(cfg, out.texts, local)
-        sums.update(
-            correct=float(sum(scored.correct)),
-            score=float(sum(scored.rewards)),
-            length=float(sum(len(r) for r in out.response_ids)),
-            non_stop=float(sum(not s for s in out.stopped)),
-            n=float(len(local)),
-        )
-        for example, correct in zip(local, scored.correct):
-            if sources:
-                sums[f"{example['source']}/correct"] += float(correct)
-                sums[f"{example['source']}/n"] += 1.0
-    t = global_sums(accelerator, sums)
-    n = max(t["n"], 1.0)
-    return {
-        "eval/correct_rate": t["correct"] / n,
-        "eval/score_mean": t["score"] / n,
-        "eval/response_length": t["length"] / n,
-        "eval/non_stop_rate": t["non_stop"] / n,
-        **{f"eval/{s}/correct_rate": t[f"{s}/correct"] / max(t[f"{s}/n"], 1.0) for s in sources},
-    }
-
-
-def sample_rows(rollout: Rollout, tokenizer: Any, k: int) -> list[dict[str, Any]]:
-    """The first k completions of this rollout, for samples.jsonl."""
-    return [
-        {
-            "prompt": tokenizer.decode(e["prompt_ids"]),
-            "response": rollout.texts[j],
-            "score": float(rollout.scores[j]),
-            "ground_truth": str(e["ground_truth"]),
-            "stopped": bool(rollout.stopped[j]),
-        }
-        for j, e in enumerate(rollout.episodes[:k])
-    ]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Set-up and the loop
-
-
-def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
-    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
-    the batch plan, and the longest prompt + response a generator must hold."""
-    from transformers import AutoConfig
-
-    from open_instruct import data
-    from open_instruct.errors import ConfigError
-    from open_instruct.rewards import check_verifiers
-
-    train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
-    check_verifiers(train, "train")
-    check_verifiers(evals, "eval")
-    plan = cfg.batch_plan(accelerator.num_processes, len(train))
-    model_config = AutoConfig.from_pretrained(
-        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
-    )
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    longest_prompt = max(len(e["prompt_ids"]) for e in train + evals)
-    longest_response = max(cfg.response_length, cfg.eval_response_length or cfg.response_length)
-    if max_positions and longest_prompt + longest_response > max_positions:
-        raise ConfigError(
-            f"longest prompt {longest_prompt} tokens + response_length {longest_response} exceeds the "
-            f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
-        )
-    if accelerator.is_main_process:
-        print(
-            f"data: {stats.summary()}; {len(evals)} held-out prompts; world_size {accelerator.num_processes}; plan "
-            f"{plan.to_dict()}"
-        )
-    return train, evals, plan, longest_prompt + longest_response
 
 
 def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
