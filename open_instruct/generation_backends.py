@@ -38,7 +38,7 @@ def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Gener
 
         return VLLMGenerator(model, tokenizer, **kw)
     if backend == "vllm_server":  # dedicated engines: started or reached per the run's config (cfg=, accelerator=)
-        from open_instruct.vllm_server import build
+        from open_instruct.engine_client import build
 
         return build(kw["cfg"], model, tokenizer, kw["accelerator"], kw["max_model_len"])
     raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")

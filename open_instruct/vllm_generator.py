@@ -33,7 +33,7 @@ How it works
   between the sync and the next rollout), `generate` re-syncs from the last model it was given first.
 - On CPU (tests here) the KV cache size is `kv_cache_memory_bytes` (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GB).
 
-A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is the other backend, `vllm_server.ServerGenerator`
+A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is the other backend, `engine_client.ServerGenerator`
 (`generation_backend: vllm_server`): vLLM's own server on devices of its own, weights broadcast through vLLM's
 weight-transfer engines, optionally one rollout ahead of the trainer (async_steps 1). This colocated class shares
 every GPU between training and generation through `gpu_memory_utilization` (and sleep mode).

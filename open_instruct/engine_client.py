@@ -1,4 +1,5 @@
-"""Generation on dedicated vLLM engines (`generation_backend: vllm_server`), with weights broadcast from the trainer.
+"""The client of dedicated vLLM engines (`generation_backend: vllm_server`; `engines.py` starts them): generation
+requests over HTTP, weights broadcast from the trainer.
 
     gen = ServerGenerator(urls, tokenizer, eos_ids, policy, transfer="gloo", ...)   # every trainer rank
     gen.sync_weights(policy, version=3)     # collective: FSDP gathers, rank 0 broadcasts to every engine worker

@@ -52,7 +52,7 @@ def tiny_policy(path: str, seed: int, tie: bool) -> tuple:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One engine on CPU serving a tied-embedding tiny Llama (dummy weights), and a generator pushed the policy."""
-    from open_instruct.vllm_server import ServerGenerator
+    from open_instruct.engine_client import ServerGenerator
 
     root = str(tmp_path_factory.mktemp("server"))
     model, tokenizer = tiny_policy(os.path.join(root, "policy"), seed=0, tie=True)
@@ -190,7 +190,7 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
 KILLED_MID_BROADCAST = """
 import sys, time
 from transformers import AutoTokenizer, LlamaForCausalLM
-from open_instruct.vllm_server import ServerGenerator
+from open_instruct.engine_client import ServerGenerator
 
 url, path = sys.argv[1], sys.argv[2]
 model, tokenizer = LlamaForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -219,7 +219,7 @@ def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_up
 
     import requests
 
-    from open_instruct.vllm_server import ServerGenerator
+    from open_instruct.engine_client import ServerGenerator
 
     gen, model, tokenizer, prompts, root = server
     url, cfg = gen.urls[0], GenerationConfig(max_new_tokens=16, temperature=0)
@@ -456,7 +456,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from open_instruct.generation import GenerationConfig, HFGenerator
-from open_instruct.vllm_server import ServerGenerator
+from open_instruct.engine_client import ServerGenerator
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
