@@ -43,7 +43,6 @@ from open_instruct.config import RLVRConfig
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
     runtime.start_before_imports(RLVRConfig)
 
-import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -457,7 +456,7 @@ def collect_rollout(
     scored = score_texts(cfg, out.texts, episodes)
     t2 = time.perf_counter()
     # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
-    lags = [step - v for v in out.weight_versions] if out.weight_versions else [0] * len(episodes)
+    lags = [step - min(versions, default=step) for versions in out.weight_versions]
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
@@ -897,9 +896,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from open_instruct import data
     from open_instruct.batch_math import should_log
-    from open_instruct.distributed import full_params
-    from open_instruct.generation_backends import check_backend, make_generator
-    from open_instruct.models import DTYPES, load_tokenizer
+    from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+    from open_instruct.models import load_tokenizer
 
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
     accelerator = runtime.make_accelerator(cfg)
@@ -908,35 +906,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
     )
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
-    if cfg.vllm_server_urls:  # engines started apart (vllm_server only: the config checks): fit, before loading
-        from open_instruct import engines
-
-        transfer = engines.weight_transfer_backend(cfg.vllm_weight_transfer, torch.cuda.is_available())
-        engines.check_running_engines(
-            cfg.vllm_server_urls,
-            cfg.vllm_tensor_parallel_size,
-            max_model_len,
-            dtype=engines.engine_dtype(cfg.mixed_precision),
-            transfer=transfer,
-        )
+    check_before_loading(cfg, max_model_len)  # engines started apart answer and fit the run
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
-
-    generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
-    if cfg.generation_backend == "vllm_server":  # dedicated engines: started here on rank 0, or reached at URLs
-        generator_kwargs = {"cfg": cfg, "accelerator": accelerator, "max_model_len": max_model_len}
-    if cfg.generation_backend == "vllm":  # one colocated engine per rank for rollouts and evals (optional extra)
-        generator_kwargs.update(
-            max_model_len=max_model_len,
-            dtype=DTYPES[cfg.mixed_precision],
-            seed=cfg.seed,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            enable_sleep=cfg.vllm_enable_sleep,
-        )
-    generator = make_generator(
-        cfg.generation_backend, accelerator.unwrap_model(models.policy), tokenizer, **generator_kwargs
-    )
-    # HF generates with the live (FSDP-gathered) policy; vLLM holds its own copy, synced by sync_weights.
-    gather_for_generation = full_params if cfg.generation_backend == "hf" else (lambda model: contextlib.nullcontext())
+    # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
+    generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -954,10 +927,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sampler = RolloutSampler(cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps)
 
     def evaluate_policy() -> dict[str, float]:
-        if cfg.generation_backend != "hf":  # the engine evaluates the current weights once no rollout is in flight
-            sampler.idle()
-            sampler.sync(counters.rollout_step)
-        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, gather_for_generation)
+        sampler.idle()  # the generator evaluates the current weights once no rollout is in flight
+        sampler.sync(counters.rollout_step)
+        return evaluate(cfg, evals, models.policy, generator, accelerator)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
         run.evaluate(evaluate_policy)
@@ -965,7 +937,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model.train()
     clock = PhaseClock()
     while counters.rollout_step < plan.num_training_steps:
-        prompts, out, seconds = sampler.take(counters.rollout_step, gather_for_generation)
+        prompts, out, seconds = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
             cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
         )
@@ -996,8 +968,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             break
     else:
         run.finish()
-    if hasattr(generator, "close") and cfg.generation_backend == "vllm_server":
-        generator.close()  # stops the engines this run started (a rollout in flight is dropped)
+    generator.close()  # stops what it started, e.g. the engines (a rollout in flight is dropped)
 
 
 if __name__ == "__main__":

@@ -55,20 +55,16 @@ class RolloutSampler:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
         self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
         self.synced: Optional[int] = None
-        self.bytes_sent = 0  # weight bytes broadcast to the engines (vllm_server), read by the log row
+        self.bytes_sent = 0  # weight bytes sent to the engines over a transport, read by the log row
 
     def sync(self, version: int) -> float:
         """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
         if version == self.synced:
             return 0.0
         t0 = time.perf_counter()
-        policy = self.accelerator.unwrap_model(self.policy)
-        if self.cfg.generation_backend == "vllm_server":
-            self.generator.sync_weights(policy, version=version)
-        else:
-            self.generator.sync_weights(policy)
+        self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
         self.synced = version
-        self.bytes_sent += getattr(self.generator, "last_sync_bytes", 0)
+        self.bytes_sent += self.generator.last_sync_bytes
         return time.perf_counter() - t0
 
     def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
@@ -76,7 +72,7 @@ class RolloutSampler:
         config = sampling_config(self.cfg, step, self.accelerator.process_index)
         return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
 
-    def take(self, step: int, gather_for_generation: Callable) -> tuple[list[dict], Any, dict[str, float]]:
+    def take(self, step: int) -> tuple[list[dict], Any, dict[str, float]]:
         """This rank's prompts of rollout `step`, their completions, and the seconds spent: weight_sync,
         generation (what the trainer waited for) and generation_engine (the engines' wall time for it)."""
         seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
@@ -88,7 +84,7 @@ class RolloutSampler:
             seconds["weight_sync"] += self.sync(step)
             t0 = time.perf_counter()
             prompts = self.prompts_for(step)
-            with gather_for_generation(self.policy):
+            with self.generator.generation_context(self.policy):
                 out, engine_seconds = self._generate(step, prompts)
         seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
         self.pending = None
@@ -155,32 +151,22 @@ class PhaseClock:
         return row
 
 
-def evaluate(
-    cfg: RLVRConfig,
-    evals: list[dict],
-    policy: Any,
-    generator: Any,
-    tokenizer: Any,
-    accelerator: Any,
-    gather_for_generation: Callable[[Any], Any],
-) -> dict[str, float]:
+def evaluate(cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, accelerator: Any) -> dict[str, float]:
     """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
     (eval/<source>/correct_rate) when the held-out set mixes sources."""
     from open_instruct import data
     from open_instruct.distributed import global_sums
     from open_instruct.generation import GenerationConfig
-    from open_instruct.generation_backends import make_generator
 
     local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
     sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
-    if cfg.generation_backend == "hf":  # the other backends hold their own copy, synced by the caller
-        generator = make_generator(
-            "hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size
-        )
     greedy = GenerationConfig(
-        max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings
+        max_new_tokens=cfg.eval_response_length or cfg.response_length,
+        temperature=0.0,
+        stop_strings=cfg.stop_strings,
+        max_batch_size=cfg.per_device_eval_batch_size,
     )
-    with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
+    with generator.generation_context(policy):  # collective under FSDP: every rank joins, even one without prompts
         out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
     sources = data.mixed_sources(evals)
     sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from open_instruct.generation import GenerationConfig, Generator, HFGenerator, finalize_response
-from open_instruct.generation_backends import make_generator
+from open_instruct.generation_backends import generator_for
 from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
 
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
@@ -44,14 +44,18 @@ def _ids(x):
 
 def test_protocol_and_backends(lm):
     model, tokenizer = lm
-    gen = make_generator("hf", model, tokenizer, batch_size=2)
+    gen = generator_for("hf", model, tokenizer, batch_size=2)
     assert isinstance(gen, Generator) and isinstance(gen, HFGenerator)
-    assert gen.sync_weights(model) is None
+    assert gen.sync_weights(model) is None and gen.version == 0  # the first sync: version 0
+    gen.sync_weights(model, 7)
+    out = gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=3, temperature=0))
+    assert out.weight_versions == [[7] * len(out.response_ids[0])]  # the version of every sampled token
+    assert (gen.last_sync_seconds, gen.last_sync_bytes) == (0.0, 0)
     if importlib.util.find_spec("vllm") is None:  # the optional backend names itself when it is missing
         with pytest.raises(NotImplementedError, match="vllm"):
-            make_generator("vllm", model, tokenizer)
+            generator_for("vllm", model, tokenizer)
     with pytest.raises(ValueError, match="unknown generation backend"):
-        make_generator("jax", model, tokenizer)
+        generator_for("jax", model, tokenizer)
     with pytest.raises(ValueError, match="temperature"):
         GenerationConfig(temperature=-1)
 
