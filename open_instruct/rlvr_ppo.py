@@ -51,6 +51,35 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from open_instruct import data
+from open_instruct.batch_math import should_log
+from open_instruct.data import collate_episodes, micro_batches
+from open_instruct.distributed import (
+    clip_grad_norm_,
+    equal_micro_batch_count,
+    global_max,
+    global_sum,
+    global_sums,
+    grad_sync_all,
+    prepare_frozen,
+)
+from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.lora import adapter_disabled, apply_lora
+from open_instruct.models import (
+    DTYPES,
+    TokenValueModel,
+    disable_dropout,
+    load_policy,
+    load_sequence_classifier,
+    load_tokenizer,
+    make_optimizer_and_scheduler,
+    response_logits,
+    sequence_scores,
+    token_logprobs,
+    token_values,
+)
+from open_instruct.rewards import combine_rewards
+from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
     PhaseClock,
     RolloutSampler,
@@ -121,7 +150,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
 
 
-def last_token_indices(mask: torch.Tensor) -> torch.Tensor:
+def last_response_token(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each row of a right-padded response mask (0 for an empty row)."""
     return (mask.sum(1).long() - 1).clamp(min=0)
 
@@ -136,7 +165,7 @@ def per_token_rewards(
     """
     rewards = -beta * kl * mask
     rows = torch.arange(len(scores), device=scores.device)
-    index = last_token_indices(mask) if score_index is None else score_index
+    index = last_response_token(mask) if score_index is None else score_index
     rewards[rows, index] += scores.to(rewards.dtype)
     return rewards
 
@@ -258,13 +287,6 @@ def ppo_policy_loss(
     return loss, was_clipped.float()
 
 
-def clipped_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, cliprange: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The symmetric PPO clip: ppo_policy_loss with clip_low = clip_high = cliprange."""
-    return ppo_policy_loss(logp, old_logp, advantages, cliprange, cliprange)
-
-
 def gspo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -375,8 +397,6 @@ def episode_score(
     """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used), and for a response that hit
     response_length without a stop: + non_stop_penalty (mode add), or the penalty alone (mode replace, Tulu 3's
     where(stopped, score, penalty)). The recipe gives the penalty signed: Tulu 3 uses -10."""
-    from open_instruct.rewards import combine_rewards
-
     return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
 
 
@@ -446,10 +466,6 @@ def collect_rollout(
     """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
     policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
     per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens)."""
-    from open_instruct.data import collate_episodes, micro_batches
-    from open_instruct.distributed import equal_micro_batch_count
-    from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
-
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     episodes = [prompts[i] for i in out.prompt_index]
     t1 = time.perf_counter()
@@ -532,32 +548,66 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
-def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """The one place that branches on the advantage estimator:
+# ALGO LOGIC: the advantage estimators, one function per row of rl_algorithms.ADVANTAGE_ESTIMATORS (its traits
+# there: uses_value_model, uses_groups, kl_in_reward). Each maps a Rollout to the Advantages `update` trains on.
 
-    grpo / dr_grpo / rloo  a group baseline on the sequence score, the same advantage on every token; KL is a loss
-    gae                    per-token rewards (score at the last token, -beta * KL_t on every token) -> GAE with the
-                           value model -> whitened with statistics over every rank (whiten_advantages)
-    reinforce_pp           the same per-token rewards -> discounted returns -> whitened over the global batch
-    """
-    mask, scores, group = rollout.mask, rollout.scores, cfg.num_samples_per_prompt
-    keep = torch.ones(len(scores), dtype=torch.bool)
-    if cfg.uses_groups:
-        if cfg.advantage_estimator == "rloo":
-            advantages = rloo_advantages(scores, group)
-        else:
-            advantages = group_advantages(scores, group, scale=cfg.advantage_estimator == "grpo")
-        if cfg.filter_zero_std_groups:
-            keep = ~zero_std_groups(scores, group)
-        kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
-        return Advantages(advantages.unsqueeze(1) * mask, None, kl_loss_coef, keep)
-    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(mask)
-    rewards_t = per_token_rewards(scores, kl, mask, cfg.beta, rollout.score_index)
-    if cfg.advantage_estimator == "reinforce_pp":
-        returns = discounted_returns(rewards_t, mask, cfg.gamma)
-        return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
+
+def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS)."""
+    return cfg.estimator.function(cfg, rollout, accelerator)
+
+
+def group_baseline(cfg: RLVRConfig, rollout: Rollout, advantages: torch.Tensor) -> Advantages:
+    """A group baseline's per-completion advantages on every token of the completion; the KL to the reference is a
+    loss term (beta); flat groups dropped from the update under filter_zero_std_groups."""
+    keep = torch.ones(len(rollout.scores), dtype=torch.bool)
+    if cfg.filter_zero_std_groups:
+        keep = ~zero_std_groups(rollout.scores, cfg.num_samples_per_prompt)
+    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
+    return Advantages(advantages.unsqueeze(1) * rollout.mask, None, kl_loss_coef, keep)
+
+
+@advantage_estimator("grpo")
+def grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Group-normalised scores (group_advantages, scale=True)."""
+    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=True))
+
+
+@advantage_estimator("dr_grpo")
+def dr_grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Group-centred scores (group_advantages, scale=False)."""
+    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=False))
+
+
+@advantage_estimator("rloo")
+def rloo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Leave-one-out baseline (rloo_advantages)."""
+    return group_baseline(cfg, rollout, rloo_advantages(rollout.scores, cfg.num_samples_per_prompt))
+
+
+def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
+    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token."""
+    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(rollout.mask)
+    return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
+
+
+@advantage_estimator("reinforce_pp")
+def reinforce_pp(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """The per-token rewards -> discounted returns -> whitened over the global batch."""
+    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
+    returns = discounted_returns(kl_rewards(cfg, rollout), mask, cfg.gamma)
+    return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
+
+
+@advantage_estimator("gae")
+def gae(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """The per-token rewards -> GAE with the value model -> whitened with statistics over every rank
+    (whiten_advantages); the value targets are the returns."""
+    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
     # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
-    advantages, returns = gae_advantages(rewards_t, rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam)
+    advantages, returns = gae_advantages(
+        kl_rewards(cfg, rollout), rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam
+    )
     advantages = advantages * mask
     if cfg.whiten_advantages:
         advantages = whiten_over_ranks(advantages, mask, accelerator)
@@ -566,8 +616,6 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
 
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> torch.Tensor:
     """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree."""
-    from open_instruct.distributed import global_sums
-
     m = global_sums(
         accelerator, {"s": float(masked_sum(x, mask)), "ss": float(masked_sum(x**2, mask)), "n": float(mask.sum())}
     )
@@ -576,16 +624,36 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> 
     return masked_whiten(x, mask, torch.tensor(mean), torch.tensor(var))
 
 
+# ALGO LOGIC: the policy losses, one function per row of rl_algorithms.POLICY_LOSSES. Each gives the per-token loss
+# and where a clip was the branch taken; `micro_batch_loss` weights and aggregates it.
+
+
 def token_policy_loss(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token policy loss and clip indicator of cfg.policy_loss (formulas in the functions above)."""
-    low, high = cfg.cliprange_low, cfg.cliprange_high
-    if cfg.policy_loss == "gspo":
-        return gspo_policy_loss(logp, old_logp, advantages, mask, low, high)
-    if cfg.policy_loss == "cispo":
-        return cispo_policy_loss(logp, old_logp, advantages, high)
-    return ppo_policy_loss(logp, old_logp, advantages, low, high, cfg.dual_clip_c)
+    """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function."""
+    return POLICY_LOSSES[cfg.policy_loss].function(cfg, logp, old_logp, advantages, mask)
+
+
+@policy_loss("ppo")
+def ppo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return ppo_policy_loss(logp, old_logp, advantages, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
+
+
+@policy_loss("gspo")
+def gspo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gspo_policy_loss(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high)
+
+
+@policy_loss("cispo")
+def cispo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cispo_policy_loss(logp, old_logp, advantages, cfg.cliprange_high)
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
@@ -609,9 +677,6 @@ def micro_batch_loss(
     loss = sum_t w_t * (tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
-    from open_instruct.data import collate_episodes
-    from open_instruct.models import response_logits, token_logprobs, token_values
-
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
@@ -675,15 +740,6 @@ def update(
     (group estimators: required; gae: when they fit, so micro-batches can share prompt forwards). Each step's loss is
     sum(w * loss) / U over its global mini-batch (aggregation_weights). Returns the TRAIN_STATS summed over the
     steps, this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
-    from open_instruct.data import micro_batches
-    from open_instruct.distributed import (
-        clip_grad_norm_,
-        equal_micro_batch_count,
-        global_sum,
-        global_sums,
-        grad_sync_all,
-    )
-
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
@@ -752,8 +808,6 @@ def log_row(
 ) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
     rollout's num_epochs x num_mini_batches optimizer steps (those that had data)."""
-    from open_instruct.distributed import global_max, global_sums
-
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
     kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["kl_sum"]
     ep = global_sums(
@@ -819,9 +873,6 @@ def log_row(
 
 def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
     """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
-    from open_instruct.lora import adapter_disabled
-    from open_instruct.models import response_logits
-
     with adapter_disabled(reference):
         return response_logits(reference, batch, temperature, group)
 
@@ -831,16 +882,6 @@ def load_models(
 ) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
     """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
     initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
-    from open_instruct.distributed import prepare_frozen
-    from open_instruct.lora import apply_lora
-    from open_instruct.models import (
-        DTYPES,
-        TokenValueModel,
-        disable_dropout,
-        load_policy,
-        load_sequence_classifier,
-        make_optimizer_and_scheduler,
-    )
 
     def causal_lm() -> Any:
         model = load_policy(cfg)
@@ -893,12 +934,6 @@ def load_models(
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
-
-    from open_instruct import data
-    from open_instruct.batch_math import should_log
-    from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
-    from open_instruct.models import load_tokenizer
-
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -937,7 +972,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         model.train()
     clock = PhaseClock()
     while counters.rollout_step < plan.num_training_steps:
-        prompts, out, seconds = sampler.take(counters.rollout_step)
+        prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
             cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
         )
@@ -954,7 +989,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         counters.episode += plan.episodes_per_rollout
         counters.epoch = counters.rollout_step * plan.rollout_batch_size / len(train)
         run.logger.advance()
-        clock.add(rollout.seconds, int(rollout.mask.sum()))
+        clock.add(rollout.seconds, int(rollout.mask.sum()), sync_bytes)
         if should_log(counters.rollout_step, cfg.logging_steps):
             run.log(
                 {

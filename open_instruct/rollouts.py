@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+from transformers import AutoConfig
+
+from open_instruct import data, rewards
 from open_instruct.config import RLVRConfig
+from open_instruct.distributed import global_sum, global_sums
+from open_instruct.errors import ConfigError
+from open_instruct.generation import GenerationConfig
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -22,8 +29,6 @@ def derived_seed(seed: int, *parts: int) -> int:
 
 def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
     """The rollout's sampling: num_samples_per_prompt completions per prompt, a seed per (step, rank)."""
-    from open_instruct.generation import GenerationConfig
-
     return GenerationConfig(
         max_new_tokens=cfg.response_length,
         temperature=cfg.temperature,
@@ -47,8 +52,6 @@ class RolloutSampler:
     def __init__(
         self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
     ) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
         self.num_rollouts = num_rollouts
         self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
@@ -72,9 +75,10 @@ class RolloutSampler:
         config = sampling_config(self.cfg, step, self.accelerator.process_index)
         return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
 
-    def take(self, step: int) -> tuple[list[dict], Any, dict[str, float]]:
-        """This rank's prompts of rollout `step`, their completions, and the seconds spent: weight_sync,
-        generation (what the trainer waited for) and generation_engine (the engines' wall time for it)."""
+    def take(self, step: int) -> tuple[list[dict], Any, dict[str, float], int]:
+        """This rank's prompts of rollout `step`, their completions, the seconds spent: weight_sync, generation
+        (what the trainer waited for) and generation_engine (the engines' wall time for it), and the weight bytes
+        sent meanwhile."""
         seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
         t0 = time.perf_counter()
         if self.pending is not None and self.pending[0] == step:
@@ -92,8 +96,7 @@ class RolloutSampler:
             seconds["weight_sync"] += self.sync(step)
             prompts_next = self.prompts_for(step + 1)
             self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
-        seconds["weight_sync_bytes"] = self.bytes_sent - bytes_before
-        return prompts, out, seconds
+        return prompts, out, seconds, self.bytes_sent - bytes_before
 
     def idle(self) -> None:
         """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
@@ -103,8 +106,6 @@ class RolloutSampler:
 
 def score_texts(cfg: RLVRConfig, texts: list[str], examples: list[dict]) -> Any:
     """Verifier rewards of completions (each row's verifier, under the time limit)."""
-    from open_instruct import rewards
-
     return rewards.score_batch(
         texts,
         [e["ground_truth"] for e in examples],
@@ -124,24 +125,22 @@ class PhaseClock:
         self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
         self.engine_seconds, self.sync_bytes = 0.0, 0
 
-    def add(self, seconds: dict[str, float], tokens: int) -> None:
+    def add(self, seconds: dict[str, float], tokens: int, sync_bytes: int) -> None:
         for k, v in seconds.items():
             if k in self.seconds:
                 self.seconds[k] += v
         # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
         self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
-        self.sync_bytes += seconds.get("weight_sync_bytes", 0)
+        self.sync_bytes += sync_bytes
         self.rollouts += 1
         self.tokens += tokens
 
     def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
-        from open_instruct.distributed import global_sum
-
         k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
         busy = max(sum(self.seconds.values()), 1e-9)
         row = {f"time/{name}": v / k for name, v in self.seconds.items()}
         row["time/generation_engine"] = self.engine_seconds / k
-        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (vllm_server)
+        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (0: in-process)
         # async: the share of the engines' generation time hidden behind training (0 when synchronous)
         waited = self.seconds["generation"]
         row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
@@ -154,10 +153,6 @@ class PhaseClock:
 def evaluate(cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, accelerator: Any) -> dict[str, float]:
     """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
     (eval/<source>/correct_rate) when the held-out set mixes sources."""
-    from open_instruct import data
-    from open_instruct.distributed import global_sums
-    from open_instruct.generation import GenerationConfig
-
     local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
     sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
     greedy = GenerationConfig(
@@ -211,15 +206,9 @@ def sample_rows(rollout: Any, tokenizer: Any, k: int) -> list[dict[str, Any]]:
 def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
     """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
     the batch plan, and the longest prompt + response a generator must hold."""
-    from transformers import AutoConfig
-
-    from open_instruct import data
-    from open_instruct.errors import ConfigError
-    from open_instruct.rewards import check_verifiers
-
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
-    check_verifiers(train, "train")
-    check_verifiers(evals, "eval")
+    rewards.check_verifiers(train, "train")
+    rewards.check_verifiers(evals, "eval")
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
