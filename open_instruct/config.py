@@ -290,12 +290,24 @@ class PreferenceDataConfig(BaseConfig):
         )
 
 
+# The statistics reward_model.py logs (train/<k>, eval/<k>, eval/<source>/<k>), here so best_metric is checked
+# against them before torch loads.
+RM_METRICS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
+# The statistics dpo.py sums and logs (train/<k>, eval/<k>, eval/<source>/<k>).
+DPO_STATS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margin",
+    "rewards/accuracy",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
 @dataclass
 class RewardModelConfig(PreferenceDataConfig):
-    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
-        f"eval/{k}"
-        for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
-    )
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in RM_METRICS)
     script: str = opt("reward_model", "Which script this recipe is for.")
     learning_rate: float = opt(3e-6, "Peak AdamW learning rate.")
     margin_column: Optional[str] = opt(
@@ -316,18 +328,7 @@ class RewardModelConfig(PreferenceDataConfig):
 
 @dataclass
 class DPOConfig(PreferenceDataConfig):
-    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
-        f"eval/{k}"
-        for k in (
-            "loss",
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/margin",
-            "rewards/accuracy",
-            "logps/chosen",
-            "logps/rejected",
-        )
-    )
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in DPO_STATS)
     script: str = opt("dpo", "Which script this recipe is for.")
     learning_rate: float = opt(5e-7, "Peak AdamW learning rate.")
     loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = opt(

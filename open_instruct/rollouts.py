@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from open_instruct import data, rewards
 from open_instruct.config import RLVRConfig
-from open_instruct.distributed import global_sum, global_sums
+from open_instruct.distributed import global_sum, global_sums_by_source, zero_sums_by_source
 from open_instruct.errors import ConfigError
 from open_instruct.generation import GenerationConfig
 
@@ -154,7 +154,6 @@ def evaluate(cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, ac
     """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
     (eval/<source>/correct_rate) when the held-out set mixes sources."""
     local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
-    sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
     greedy = GenerationConfig(
         max_new_tokens=cfg.eval_response_length or cfg.response_length,
         temperature=0.0,
@@ -164,28 +163,24 @@ def evaluate(cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, ac
     with generator.generation_context(policy):  # collective under FSDP: every rank joins, even one without prompts
         out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
     sources = data.mixed_sources(evals)
-    sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
+    sums = zero_sums_by_source(sources, ("correct", "score", "length", "non_stop", "n"))
     if out is not None:
         scored = score_texts(cfg, out.texts, local)
-        sums.update(
-            correct=float(sum(scored.correct)),
-            score=float(sum(scored.rewards)),
-            length=float(sum(len(r) for r in out.response_ids)),
-            non_stop=float(sum(not s for s in out.stopped)),
-            n=float(len(local)),
-        )
-        for example, correct in zip(local, scored.correct):
-            if sources:
-                sums[f"{example['source']}/correct"] += float(correct)
-                sums[f"{example['source']}/n"] += 1.0
-    t = global_sums(accelerator, sums)
-    n = max(t["n"], 1.0)
+        for i, example in enumerate(local):  # one response per prompt (greedy, n = 1)
+            for name in ["", example["source"]] if sources else [""]:
+                sums[name]["correct"] += float(scored.correct[i])
+                sums[name]["score"] += float(scored.rewards[i])
+                sums[name]["length"] += float(len(out.response_ids[i]))
+                sums[name]["non_stop"] += float(not out.stopped[i])
+                sums[name]["n"] += 1.0
+    totals = global_sums_by_source(accelerator, sums)
+    t, n = totals[""], max(totals[""]["n"], 1.0)
     return {
         "eval/correct_rate": t["correct"] / n,
         "eval/score_mean": t["score"] / n,
         "eval/response_length": t["length"] / n,
         "eval/non_stop_rate": t["non_stop"] / n,
-        **{f"eval/{s}/correct_rate": t[f"{s}/correct"] / max(t[f"{s}/n"], 1.0) for s in sources},
+        **{f"eval/{s}/correct_rate": totals[s]["correct"] / max(totals[s]["n"], 1.0) for s in sources},
     }
 
 
