@@ -203,6 +203,7 @@ class VLLMGenerator:
     """Colocated vLLM engine following the policy's weights (see the module docstring)."""
 
     last_sync_bytes = 0  # the weights are handed over in-process, by reference
+    version = -1  # the label of the weights it holds (sync_weights); -1 before the first sync
 
     def __init__(
         self,
@@ -307,7 +308,6 @@ class VLLMGenerator:
         self._weights_released = self._kv_released = False
         self._model: Any = model
         self.last_sync_seconds = 0.0
-        self.version = -1
         self.sync_weights(model)  # dummy weights -> the policy's
 
     @classmethod
