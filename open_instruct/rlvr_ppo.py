@@ -61,30 +61,19 @@ from open_instruct.distributed import (
     global_sum,
     global_sums,
     grad_sync_all,
-    prepare_frozen,
 )
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
-from open_instruct.lora import adapter_disabled, apply_lora
-from open_instruct.models import (
-    DTYPES,
-    TokenValueModel,
-    disable_dropout,
-    load_policy,
-    load_sequence_classifier,
-    load_tokenizer,
-    make_optimizer_and_scheduler,
-    response_logits,
-    sequence_scores,
-    token_logprobs,
-    token_values,
-)
+from open_instruct.lora import adapter_disabled
+from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
     PhaseClock,
+    RLModels,
     RolloutSampler,
     derived_seed,
     evaluate,
+    load_models,
     load_prompts,
     sample_rows,
     score_texts,
@@ -402,20 +391,6 @@ def episode_score(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The phases of one rollout step
-
-
-@dataclass
-class RLModels:
-    """The policy (trained), the value model (PPO, trained), the frozen reference (None when beta is 0) and the
-    optional frozen reward model. All prepared by accelerate (FSDP-sharded under FSDP)."""
-
-    policy: Any
-    value: Optional[Any] = None
-    reference: Optional[Any] = None
-    reward: Optional[Any] = None
-
-    def trained(self) -> dict[str, Any]:
-        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
 
 
 @dataclass
@@ -875,61 +850,6 @@ def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature
     """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
     with adapter_disabled(reference):
         return response_logits(reference, batch, temperature, group)
-
-
-def load_models(
-    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
-) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
-    """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
-    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
-
-    def causal_lm() -> Any:
-        model = load_policy(cfg)
-        disable_dropout(model)
-        return model
-
-    def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
-        classifier = load_sequence_classifier(
-            path,
-            DTYPES["no"],
-            gguf_file,
-            cfg.trust_remote_code,
-            pad_token_id=tokenizer.pad_token_id,
-            require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
-            attn_implementation=cfg.attention_kernel,
-        )
-        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
-
-    # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
-    models = RLModels(
-        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
-        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
-    )
-    if cfg.uses_value_model:
-        # A fresh scalar head (value model from the policy) is initialised the same way every run.
-        torch.manual_seed(cfg.seed)
-        models.value = scalar_model(
-            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file, True
-        )
-        disable_dropout(models.value.seq_cls)
-    if cfg.reward_model_path:
-        models.reward = scalar_model(cfg.reward_model_path, None, False)
-    if cfg.activation_checkpointing:
-        models.policy.gradient_checkpointing_enable()
-        if models.value is not None:
-            models.value.seq_cls.gradient_checkpointing_enable()
-    optimizers, schedulers = {}, {}
-    for name, model in models.trained().items():
-        optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
-        prepared, optimizers[name] = accelerator.prepare(model, optimizer)
-        setattr(models, name, prepared)
-    if models.reference is not None:
-        models.reference = prepare_frozen(accelerator, models.reference)
-    elif cfg.use_lora and cfg.beta > 0:
-        models.reference = models.policy  # collect_rollout runs it with the adapters disabled
-    if models.reward is not None:
-        models.reward = prepare_frozen(accelerator, models.reward)
-    return models, optimizers, schedulers
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -11,15 +11,26 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from transformers import AutoConfig
 
 from open_instruct import data, rewards
 from open_instruct.config import RLVRConfig
-from open_instruct.distributed import global_sum, global_sums_by_source, zero_sums_by_source
+from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
 from open_instruct.errors import ConfigError
 from open_instruct.generation import GenerationConfig
+from open_instruct.lora import apply_lora
+from open_instruct.models import (
+    DTYPES,
+    TokenValueModel,
+    disable_dropout,
+    load_policy,
+    load_sequence_classifier,
+    make_optimizer_and_scheduler,
+)
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -222,3 +233,72 @@ def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[lis
             f"{plan.to_dict()}"
         )
     return train, evals, plan, longest_prompt + longest_response
+
+
+@dataclass
+class RLModels:
+    """The policy (trained), the value model (PPO, trained), the frozen reference (None when beta is 0) and the
+    optional frozen reward model. All prepared by accelerate (FSDP-sharded under FSDP)."""
+
+    policy: Any
+    value: Optional[Any] = None
+    reference: Optional[Any] = None
+    reward: Optional[Any] = None
+
+    def trained(self) -> dict[str, Any]:
+        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
+
+
+def load_models(
+    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
+) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
+    """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
+    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
+
+    def causal_lm() -> Any:
+        model = load_policy(cfg)
+        disable_dropout(model)
+        return model
+
+    def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
+        classifier = load_sequence_classifier(
+            path,
+            DTYPES["no"],
+            gguf_file,
+            cfg.trust_remote_code,
+            pad_token_id=tokenizer.pad_token_id,
+            require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
+            attn_implementation=cfg.attention_kernel,
+        )
+        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
+
+    # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
+    models = RLModels(
+        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
+        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
+    )
+    if cfg.uses_value_model:
+        # A fresh scalar head (value model from the policy) is initialised the same way every run.
+        torch.manual_seed(cfg.seed)
+        models.value = scalar_model(
+            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file, True
+        )
+        disable_dropout(models.value.seq_cls)
+    if cfg.reward_model_path:
+        models.reward = scalar_model(cfg.reward_model_path, None, False)
+    if cfg.activation_checkpointing:
+        models.policy.gradient_checkpointing_enable()
+        if models.value is not None:
+            models.value.seq_cls.gradient_checkpointing_enable()
+    optimizers, schedulers = {}, {}
+    for name, model in models.trained().items():
+        optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+        prepared, optimizers[name] = accelerator.prepare(model, optimizer)
+        setattr(models, name, prepared)
+    if models.reference is not None:
+        models.reference = prepare_frozen(accelerator, models.reference)
+    elif cfg.use_lora and cfg.beta > 0:
+        models.reference = models.policy  # collect_rollout runs it with the adapters disabled
+    if models.reward is not None:
+        models.reward = prepare_frozen(accelerator, models.reward)
+    return models, optimizers, schedulers
