@@ -5,15 +5,18 @@
                         (7 training GPUs; the trainer starts the vLLM engine on GPU 7: scripts/rlvr_8b.sh)
 
 The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
-`main`, which loads everything and runs the phases in a loop:
+`main`, which loads everything and runs the phases in a loop. Lines marked ALGO LOGIC are the ones a new variant
+edits; the plumbing around them (sampling, model loading, evaluation, timing) is in `rollouts.py`, the generation
+backends behind `generation.py`'s contract, the algorithm names and traits in `rl_algorithms.py`.
 
     RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
-                        generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
+    (rollouts.py)       generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
                         generation submitted one rollout earlier                                   -> completions
     collect_rollout     completions -> score them (verifiers, plus a reward model, the non-stop penalty and the
                         overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
                         reference, values (gae)                                                   -> Rollout
-    compute_advantages  the one place that branches on the advantage estimator                    -> Advantages
+    compute_advantages  the estimator's row of rl_algorithms.ADVANTAGE_ESTIMATORS: one function per estimator,
+                        bound here with @advantage_estimator(name)                                -> Advantages
     update              num_epochs passes x num_mini_batches optimizer steps x micro-batches, the optimizer step in
                         sight; each step's loss is aggregated over the *global* mini-batch, so 1 or N processes
                         give the same update
@@ -80,7 +83,7 @@ from open_instruct.rollouts import (
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
+# ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -482,6 +485,7 @@ def collect_rollout(
             mask[rows, :r] = batch["mask"].cpu()
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
+    # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
     rm_multiplier, mode = cfg.reward_model_multiplier, cfg.non_stop_penalty_mode
     scores = torch.tensor(
         [
@@ -662,7 +666,7 @@ def micro_batch_loss(
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
-    with autocast():
+    with autocast():  # ALGO LOGIC: the loss terms
         logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
         logp = token_logprobs(logits, batch["responses"])
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
@@ -843,7 +847,7 @@ def log_row(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Set-up and the loop
+# Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
 
 
 def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
@@ -891,7 +895,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for model in models.trained().values():
         model.train()
     clock = PhaseClock()
-    while counters.rollout_step < plan.num_training_steps:
+    while counters.rollout_step < plan.num_training_steps:  # one rollout step: sample, score, advantages, update
         prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
             cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
