@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 from open_instruct import data
 from open_instruct.batch_math import should_log
-from open_instruct.data import collate_episodes, micro_batches
 from open_instruct.distributed import (
     clip_grad_norm_,
     equal_micro_batch_count,
@@ -462,13 +461,13 @@ def collect_rollout(
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
-    groups = micro_batches(
+    groups = data.micro_batches(
         list(range(n)), cfg.per_device_train_batch_size, packed_lengths, cfg.max_tokens_per_micro_batch
     )
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-            batch = collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
+            batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             r = batch["responses"].shape[1]
             with accelerator.autocast():
@@ -658,7 +657,7 @@ def micro_batch_loss(
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
+    batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -740,7 +739,7 @@ def update(
                 totals["empty"] += 1
                 continue
             sums = dict.fromkeys(TRAIN_STATS, 0.0)
-            micro_rows = micro_batches(
+            micro_rows = data.micro_batches(
                 mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
             )
             micro_rows = equal_micro_batch_count(accelerator, micro_rows, cfg.packing)

@@ -22,15 +22,6 @@ from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
 from open_instruct.errors import ConfigError
 from open_instruct.generation import GenerationConfig
-from open_instruct.lora import apply_lora
-from open_instruct.models import (
-    DTYPES,
-    TokenValueModel,
-    disable_dropout,
-    load_policy,
-    load_sequence_classifier,
-    make_optimizer_and_scheduler,
-)
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -253,7 +244,17 @@ def load_models(
     cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
 ) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
     """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
-    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
+    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate.
+    (The model loaders are looked up when called, so a test can stand in for them.)"""
+    from open_instruct.lora import apply_lora
+    from open_instruct.models import (
+        DTYPES,
+        TokenValueModel,
+        disable_dropout,
+        load_policy,
+        load_sequence_classifier,
+        make_optimizer_and_scheduler,
+    )
 
     def causal_lm() -> Any:
         model = load_policy(cfg)
