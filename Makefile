@@ -55,7 +55,7 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q -x tests/test_vllm_generator.py tests/test_vllm_server.py
+	$(VLLM_VENV)/bin/python -m pytest -q -x tests/test_vllm_generator.py tests/test_engine_client.py
 
 test-fast: install lint
 	$(PY) -m pytest -q -x tests -m "not slow"

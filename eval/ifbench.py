@@ -400,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     import torch
 
     from open_instruct.generation import HFGenerator
-    from open_instruct.generation_backends import make_generator
+    from open_instruct.generation_backends import generator_for
     from open_instruct.models import DTYPES, load_causal_lm, load_tokenizer
 
     if args.num_threads:
@@ -427,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     _log(f"loaded {args.model} in {load_s:.0f} s")
     prompt_ids = build_prompt_ids(tokenizer, [r["prompt"] for r in rows])
     if args.generation_backend == "vllm":
-        generator = make_generator(
+        generator = generator_for(
             "vllm", model, tokenizer, max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens
         )
     else:

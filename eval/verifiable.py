@@ -68,10 +68,10 @@ def evaluate_verifiable(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(summary, predictions). Greedy when temperature is 0. Shared by the RLVR script's held-out eval and the CLI."""
     from open_instruct.generation import GenerationConfig
-    from open_instruct.generation_backends import make_generator
+    from open_instruct.generation_backends import generator_for
     from open_instruct.rewards import score_batch
 
-    generator = generator or make_generator("hf", model, tokenizer, batch_size=batch_size)
+    generator = generator or generator_for("hf", model, tokenizer, batch_size=batch_size)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, temperature=temperature, stop_strings=stop_strings, seed=seed
     )
@@ -161,12 +161,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     examples = load_prompts(args.data, tokenizer, limit=args.limit)
     generator = None  # hf: built by evaluate_verifiable
     if args.generation_backend == "vllm" and examples:
-        from open_instruct.generation_backends import make_generator
+        from open_instruct.generation_backends import generator_for
 
         longest = max(len(e["prompt_ids"]) for e in examples)
-        generator = make_generator(
-            "vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed
-        )
+        generator = generator_for("vllm", model, tokenizer, max_model_len=longest + args.max_new_tokens, seed=args.seed)
     start = time.time()
     summary, predictions = evaluate_verifiable(
         model,

@@ -1,7 +1,7 @@
 """Batch math and training counters: the single source of truth every script imports.
 
 All counts are in samples. One sample (an *episode*) is one prompt+completion in RL, and one example
-(SFT) or one preference pair (RM, DPO) elsewhere. Glossary (see DESIGN.md):
+(SFT) or one preference pair (RM, DPO) elsewhere. Glossary:
 
     local_mini_batch_size = per_device_train_batch_size x gradient_accumulation_steps   (per device, per update)
     mini_batch_size       = local_mini_batch_size x world_size                           (global, per update)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from open_instruct import run_dir
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
+from open_instruct.rl_algorithms import ALGO_ESTIMATORS
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: start-up reads checkpoints before the slow import
     import torch
@@ -529,7 +530,7 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
         local = config["local_rollout_batch_size"]
         layout["algo"] = (config.get("algo"), "")
         # gae trains a value model, the other estimators none (a checkpoint from before the knob: from algo)
-        estimator = config.get("advantage_estimator") or ("gae" if config.get("algo", "ppo") == "ppo" else "grpo")
+        estimator = config.get("advantage_estimator") or ALGO_ESTIMATORS.get(config.get("algo", "ppo"))
         layout["advantage_estimator"] = (estimator, "")
         layout["rollout_batch_size"] = (
             local * world_size,

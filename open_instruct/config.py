@@ -26,6 +26,7 @@ from open_instruct import flag_names
 from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list, source_labels
+from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, ALGO_ESTIMATORS, POLICY_LOSSES, AdvantageEstimator
 
 T = TypeVar("T")
 
@@ -76,28 +77,21 @@ class BaseConfig:
     fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
 
     # --- LoRA (peft; open_instruct/lora.py)
-    use_lora: bool = field(
-        default=False,
-        metadata={
-            "help": "Train LoRA adapters (peft) instead of all weights: the trained model (the RL policy and PPO "
-            "value model too) gets low-rank adapters, a scalar head stays fully trained."
-        },
+    use_lora: bool = opt(
+        False,
+        "Train LoRA adapters (peft) instead of all weights: the trained model (the RL policy and PPO "
+        "value model too) gets low-rank adapters, a scalar head stays fully trained.",
     )
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r."})
-    lora_alpha: float = field(default=32, metadata={"help": "LoRA alpha: the update B@A is scaled by alpha / r."})
-    lora_dropout: float = field(
-        default=0.0, metadata={"help": "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too)."}
+    lora_rank: int = opt(16, "LoRA rank r.")
+    lora_alpha: float = opt(32, "LoRA alpha: the update B@A is scaled by alpha / r.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too).")
+    lora_target_modules: Optional[list[str]] = opt(
+        None, "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."
     )
-    lora_target_modules: Optional[list[str]] = field(
-        default=None,
-        metadata={"help": "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."},
-    )
-    lora_save: Literal["merged", "adapter"] = field(
-        default="merged",
-        metadata={
-            "help": "final_model/ and best_model/ hold the merged model (plain HF format, no peft needed) or only "
-            "the adapter (load with peft)."
-        },
+    lora_save: Literal["merged", "adapter"] = opt(
+        "merged",
+        "final_model/ and best_model/ hold the merged model (plain HF format, no peft needed) or only "
+        "the adapter (load with peft).",
     )
 
     # --- data
@@ -189,6 +183,7 @@ class BaseConfig:
     wandb_entity: Optional[str] = opt(None, "wandb entity (team or user).")
 
     def __post_init__(self) -> None:
+        self.resolve_defaults()
         self.validate()
         check_token_budget(self.max_tokens_per_micro_batch, *self.longest_packed_item())  # after every field check
 
@@ -206,6 +201,10 @@ class BaseConfig:
     def longest_packed_item(self) -> tuple[int, str]:
         """The most tokens one item a micro-batch cannot split can have, and how that number comes about."""
         return self.max_seq_length, f"max_seq_length {self.max_seq_length}"
+
+    def resolve_defaults(self) -> None:
+        """Fill the fields whose unset value means "derived from other fields", once, before `validate` (which only
+        checks). Subclasses extend it."""
 
     def validate(self) -> None:
         """Value checks that need no dataset and no model. Subclasses extend it."""
@@ -366,12 +365,24 @@ class PreferenceDataConfig(BaseConfig):
         )
 
 
+# The statistics reward_model.py logs (train/<k>, eval/<k>, eval/<source>/<k>), here so best_metric is checked
+# against them before torch loads.
+RM_METRICS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
+# The statistics dpo.py sums and logs (train/<k>, eval/<k>, eval/<source>/<k>).
+DPO_STATS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margin",
+    "rewards/accuracy",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
 @dataclass
 class RewardModelConfig(PreferenceDataConfig):
-    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
-        f"eval/{k}"
-        for k in ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "center_loss", "target_margin")
-    )
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in RM_METRICS)
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
     script: str = opt("reward_model", "Which script this recipe is for.")
     learning_rate: float = opt(3e-6, "Peak AdamW learning rate.")
@@ -393,18 +404,7 @@ class RewardModelConfig(PreferenceDataConfig):
 
 @dataclass
 class DPOConfig(PreferenceDataConfig):
-    eval_metrics: ClassVar[tuple[str, ...]] = tuple(
-        f"eval/{k}"
-        for k in (
-            "loss",
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/margin",
-            "rewards/accuracy",
-            "logps/chosen",
-            "logps/rejected",
-        )
-    )
+    eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in DPO_STATS)
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
     script: str = opt("dpo", "Which script this recipe is for.")
     learning_rate: float = opt(5e-7, "Peak AdamW learning rate.")
@@ -432,32 +432,10 @@ class DPOConfig(PreferenceDataConfig):
 
 
 @dataclass
-class RLVRConfig(BaseConfig):
-    eval_metrics: ClassVar[tuple[str, ...]] = (
-        "eval/correct_rate",
-        "eval/score_mean",
-        "eval/response_length",
-        "eval/non_stop_rate",
-    )
-    per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/correct_rate",)
-    script: str = opt("rlvr_ppo", "Which script this recipe is for.")
-    algo: Literal["ppo", "grpo"] = opt(
-        "ppo", "Preset: ppo = gae advantages (value model), KL in the reward; grpo = group advantages, KL loss."
-    )
-    learning_rate: float = opt(3e-7, "Peak AdamW learning rate.")
-    # data: prompt messages, ground truth and verifier name per row
-    messages_column: str = opt("messages", "Column of the prompt messages.")
-    ground_truth_column: str = opt("ground_truth", "Column of the answer the verifier checks against.")
-    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
-    max_prompt_length: int = opt(512, "Longest prompt in tokens.")
-    # rollouts
-    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
-    num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
-    num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
-    response_length: int = opt(256, "Most new tokens per completion.")
-    temperature: float = opt(1.0, "Sampling temperature (> 0).")
-    top_p: float = opt(1.0, "Nucleus sampling threshold, in (0, 1].")
-    stop_strings: Optional[list[str]] = opt(None, "Strings that end a completion (besides EOS).")
+class GenerationEngineConfig:
+    """The generation-engine knobs of an RL run (`generation.py`'s backends), one group. A mixin of RLVRConfig: its
+    fields stay flat keys of the recipe and of `--key value`."""
+
     generation_backend: Literal["hf", "vllm", "vllm_server"] = opt(
         "hf", "Generate with transformers, a vLLM engine inside each training process, or dedicated vLLM servers."
     )
@@ -480,6 +458,74 @@ class RLVRConfig(BaseConfig):
     async_steps: int = opt(
         0, "Rollouts generated ahead of training on dedicated engines (0: synchronous; 1: one-step off-policy)."
     )
+
+    def resolve_defaults(self) -> None:
+        super().resolve_defaults()  # type: ignore[misc]
+        if self.vllm_server_urls:  # engines started apart: as many as URLs
+            self.vllm_num_engines = len(self.vllm_server_urls)
+
+    def validate(self) -> None:
+        """Dedicated vLLM engines and async rollouts: counts, URLs, and async only where generation has its own
+        devices (a colocated engine or HF generation shares the trainer's, so there is nothing to overlap)."""
+        super().validate()  # type: ignore[misc]
+        _check_range(self, "vllm_gpu_memory_utilization", 0.0, 1.0, low_open=True)
+        for name in ("vllm_num_engines", "vllm_tensor_parallel_size"):
+            _check_positive(self, name)
+        for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
+            _check_positive(self, name)
+        _check_positive(self, "async_steps", allow_zero=True)
+        if self.async_steps and self.generation_backend != "vllm_server":
+            raise ConfigError(
+                f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines generate "
+                f"while the trainer updates); {self.generation_backend!r} generates on the training devices"
+            )
+        if self.async_steps > 1:  # deeper pipelines need in-flight weight updates (several versions per response)
+            raise ConfigError(f"async_steps must be 0 (synchronous) or 1 (one-step off-policy), got {self.async_steps}")
+        if self.vllm_server_urls is not None:
+            if self.generation_backend != "vllm_server":
+                raise ConfigError("vllm_server_urls is set but generation_backend is not vllm_server")
+            if not self.vllm_server_urls or any(
+                not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in self.vllm_server_urls
+            ):
+                raise ConfigError(f"vllm_server_urls must be a list of http(s):// URLs, got {self.vllm_server_urls!r}")
+        if self.vllm_engine_devices is not None:
+            need = self.vllm_num_engines * self.vllm_tensor_parallel_size
+            if len(self.vllm_engine_devices) != need or any(d < 0 for d in self.vllm_engine_devices):
+                raise ConfigError(
+                    f"vllm_engine_devices {self.vllm_engine_devices} must list {need} GPU ids (vllm_num_engines "
+                    f"{self.vllm_num_engines} x vllm_tensor_parallel_size {self.vllm_tensor_parallel_size})"
+                )
+
+
+@dataclass
+class RLVRConfig(GenerationEngineConfig, BaseConfig):
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "eval/correct_rate",
+        "eval/score_mean",
+        "eval/response_length",
+        "eval/non_stop_rate",
+    )
+    per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/correct_rate",)
+    script: str = opt("rlvr_ppo", "Which script this recipe is for.")
+    algo: str = opt(
+        "ppo",
+        "Preset (rl_algorithms.ALGO_ESTIMATORS): ppo = gae advantages (value model), KL in the reward; grpo = group "
+        "advantages, KL loss.",
+    )
+    learning_rate: float = opt(3e-7, "Peak AdamW learning rate.")
+    # data: prompt messages, ground truth and verifier name per row
+    messages_column: str = opt("messages", "Column of the prompt messages.")
+    ground_truth_column: str = opt("ground_truth", "Column of the answer the verifier checks against.")
+    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
+    max_prompt_length: int = opt(512, "Longest prompt in tokens.")
+    # rollouts
+    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
+    num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
+    num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
+    response_length: int = opt(256, "Most new tokens per completion.")
+    temperature: float = opt(1.0, "Sampling temperature (> 0).")
+    top_p: float = opt(1.0, "Nucleus sampling threshold, in (0, 1].")
+    stop_strings: Optional[list[str]] = opt(None, "Strings that end a completion (besides EOS).")
     # rewards
     verification_reward: float = opt(10.0, "Score of a completion the verifier accepts.")
     non_stop_penalty: float = opt(
@@ -504,58 +550,43 @@ class RLVRConfig(BaseConfig):
     code_memory_mb: int = opt(1024, "code verifier: address-space limit of a sandboxed program, MiB.")
     sandbox_workers: int = opt(2, "Sandboxed programs run at once per training process (CPU cores they may take).")
     sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")
-    non_stop_penalty_mode: Literal["add", "replace"] = field(
-        default="add", metadata={"help": "add the penalty to the score, or replace the score with it (Tulu 3)."}
+    non_stop_penalty_mode: Literal["add", "replace"] = opt(
+        "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
     )
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
-    advantage_estimator: Optional[Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]] = field(
-        default=None,
-        metadata={
-            "help": "gae (value model), grpo, dr_grpo, rloo (group baselines), reinforce_pp; default: from algo."
-        },
+    advantage_estimator: Optional[str] = opt(
+        None,
+        "A row of rl_algorithms.ADVANTAGE_ESTIMATORS: gae (value model), grpo, dr_grpo, rloo (group baselines), "
+        "reinforce_pp; default: from algo.",
     )
-    policy_loss: Literal["ppo", "gspo", "cispo"] = field(
-        default="ppo",
-        metadata={"help": "ppo (token ratio, clip), gspo (sequence ratio, clip), cispo (clipped IS weight)."},
+    policy_loss: str = opt(
+        "ppo",
+        "A row of rl_algorithms.POLICY_LOSSES: ppo (token ratio, clip), gspo (sequence ratio, clip), cispo (clipped "
+        "IS weight).",
     )
-    cliprange_low: Optional[float] = field(default=None, metadata={"help": "Lower clip 1 - low (default: cliprange)."})
-    cliprange_high: Optional[float] = field(
-        default=None, metadata={"help": "Upper clip 1 + high (default: cliprange); > low is DAPO's clip-higher."}
+    cliprange_low: Optional[float] = opt(None, "Lower clip 1 - low (default: cliprange).")
+    cliprange_high: Optional[float] = opt(
+        None, "Upper clip 1 + high (default: cliprange); > low is DAPO's clip-higher."
     )
-    dual_clip_c: Optional[float] = field(
-        default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0 (off: null)."}
+    dual_clip_c: Optional[float] = opt(None, "Dual-clip bound c > 1 for A < 0 (off: null).")
+    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = opt(
+        None,
+        "How token losses become the mini-batch loss (see aggregation_weights); unset: seq_mean_token_mean with "
+        "policy_loss gspo (the GSPO paper's sequence mean), else token_mean.",
     )
-    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = field(
-        default=None,
-        metadata={
-            "help": "How token losses become the mini-batch loss (see aggregation_weights); unset: "
-            "seq_mean_token_mean with policy_loss gspo (the GSPO paper's sequence mean), else token_mean."
-        },
+    loss_norm_length: Optional[int] = opt(None, "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length.")
+    score_placement: Literal["last_token", "after_last_token"] = opt(
+        "last_token", "gae: the score at the last response token, or one after it with a value there (Tulu 3)."
     )
-    loss_norm_length: Optional[int] = field(
-        default=None, metadata={"help": "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length."}
+    filter_zero_std_groups: bool = opt(False, "Drop groups whose completions all scored the same from the update.")
+    overlong_buffer_length: int = opt(
+        0, "DAPO soft overlong punishment over the last N tokens of response_length (0: off)."
     )
-    score_placement: Literal["last_token", "after_last_token"] = field(
-        default="last_token",
-        metadata={"help": "gae: the score at the last response token, or one after it with a value there (Tulu 3)."},
+    overlong_penalty_factor: float = opt(1.0, "Largest overlong punishment (at the limit).")
+    truncated_importance_sampling: Optional[bool] = opt(
+        None, "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
     )
-    filter_zero_std_groups: bool = field(
-        default=False, metadata={"help": "Drop groups whose completions all scored the same from the update."}
-    )
-    overlong_buffer_length: int = field(
-        default=0,
-        metadata={"help": "DAPO soft overlong punishment over the last N tokens of response_length (0: off)."},
-    )
-    overlong_penalty_factor: float = field(
-        default=1.0, metadata={"help": "Largest overlong punishment (at the limit)."}
-    )
-    truncated_importance_sampling: Optional[bool] = field(
-        default=None,
-        metadata={
-            "help": "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
-        },
-    )
-    tis_cap: float = field(default=2.0, metadata={"help": "Cap of the truncated importance-sampling weight."})
+    tis_cap: float = opt(2.0, "Cap of the truncated importance-sampling weight.")
     value_model_path: Optional[str] = opt(
         None, "Initialise the value model from this (reward) model; default: the policy."
     )
@@ -579,19 +610,38 @@ class RLVRConfig(BaseConfig):
         )
 
     @property
+    def estimator(self) -> AdvantageEstimator:
+        """The advantage estimator's row of rl_algorithms.ADVANTAGE_ESTIMATORS (its traits and function)."""
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+
+    @property
     def uses_value_model(self) -> bool:
-        """GAE needs a learned value model; every other estimator is value-free."""
-        return self.advantage_estimator == "gae"
+        """A learned value model (gae); every other built-in estimator is value-free."""
+        return self.estimator.uses_value_model
 
     @property
     def uses_groups(self) -> bool:
         """Group baselines (grpo, dr_grpo, rloo): a prompt's completions must stay together."""
-        return self.advantage_estimator in ("grpo", "dr_grpo", "rloo")
+        return self.estimator.uses_groups
 
     @property
     def kl_in_reward(self) -> bool:
-        """gae and reinforce_pp put -beta * KL_t in the per-token reward; group estimators add beta * KL as a loss."""
-        return self.advantage_estimator in ("gae", "reinforce_pp")
+        """-beta * KL_t in the per-token reward (gae, reinforce_pp); otherwise beta * KL is a loss term."""
+        return self.estimator.kl_in_reward
+
+    def resolve_defaults(self) -> None:
+        super().resolve_defaults()
+        if self.advantage_estimator is None and self.algo in ALGO_ESTIMATORS:  # the preset
+            self.advantage_estimator = ALGO_ESTIMATORS[self.algo]
+        for name in ("cliprange_low", "cliprange_high"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.cliprange)
+        if self.loss_norm_length is None:
+            self.loss_norm_length = self.response_length
+        if self.loss_aggregation is None:  # unset, not "set to token_mean": GSPO's objective is a sequence mean
+            self.loss_aggregation = "seq_mean_token_mean" if self.policy_loss == "gspo" else "token_mean"
+        if self.truncated_importance_sampling is None:  # off-policy by construction when generation runs ahead
+            self.truncated_importance_sampling = self.async_steps > 0
 
     def validate(self) -> None:
         super().validate()
@@ -613,7 +663,6 @@ class RLVRConfig(BaseConfig):
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
-        _check_range(self, "vllm_gpu_memory_utilization", 0.0, 1.0, low_open=True)
         for name in ("cliprange", "cliprange_value", "verifier_timeout", "code_test_seconds", "sandbox_workers"):
             _check_positive(self, name)
         if self.code_memory_mb < 64:
@@ -622,20 +671,18 @@ class RLVRConfig(BaseConfig):
             _check_positive(self, "sandbox_batch_timeout")
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
-        if self.advantage_estimator is None:  # the preset
-            self.advantage_estimator = "gae" if self.algo == "ppo" else "grpo"
+        _check_choice(self, "algo", ALGO_ESTIMATORS)
+        _check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        _check_choice(self, "policy_loss", POLICY_LOSSES)
         for name in ("cliprange_low", "cliprange_high"):
-            if getattr(self, name) is None:
-                setattr(self, name, self.cliprange)
             _check_positive(self, name)
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
-        if self.dual_clip_c is not None and self.policy_loss == "cispo":
-            raise ConfigError("dual_clip_c applies to policy_loss ppo/gspo, not cispo (its weight is already capped)")
-        if self.loss_aggregation is None:  # unset, not "set to token_mean": GSPO's objective is a sequence mean
-            self.loss_aggregation = "seq_mean_token_mean" if self.policy_loss == "gspo" else "token_mean"
-        if self.loss_norm_length is None:
-            self.loss_norm_length = self.response_length
+        if self.dual_clip_c is not None and not POLICY_LOSSES[self.policy_loss].takes_dual_clip:
+            takers = "/".join(name for name, row in POLICY_LOSSES.items() if row.takes_dual_clip)
+            raise ConfigError(
+                f"dual_clip_c applies to policy_loss {takers}, not {self.policy_loss} (its weight is already capped)"
+            )
         _check_positive(self, "loss_norm_length")
         _check_positive(self, "overlong_buffer_length", allow_zero=True)
         if self.overlong_buffer_length > self.response_length:
@@ -652,14 +699,15 @@ class RLVRConfig(BaseConfig):
                 f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "
                 f"of a group of {self.num_samples_per_prompt} are all zero)"
             )
-        if self.score_placement == "after_last_token" and self.advantage_estimator != "gae":
+        if self.score_placement == "after_last_token" and not self.uses_value_model:
             raise ConfigError(
-                f"score_placement after_last_token needs advantage_estimator gae (a value there carries the score "
-                f"back), not {self.advantage_estimator}"
+                f"score_placement after_last_token needs an advantage estimator with a value model (gae: a value "
+                f"there carries the score back), not {self.advantage_estimator}"
             )
         if self.filter_zero_std_groups and not self.uses_groups:
+            groups = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups)
             raise ConfigError(
-                f"filter_zero_std_groups needs a group estimator (grpo, dr_grpo, rloo), not {self.advantage_estimator}"
+                f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
             )
         if not self.uses_value_model and self.value_model_path:
             raise ConfigError(
@@ -676,40 +724,6 @@ class RLVRConfig(BaseConfig):
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
             )
-        self._validate_engines()
-
-    def _validate_engines(self) -> None:
-        """Dedicated vLLM engines and async rollouts: counts, URLs, and async only where generation has its own
-        devices (a colocated engine or HF generation shares the trainer's, so there is nothing to overlap)."""
-        for name in ("vllm_num_engines", "vllm_tensor_parallel_size"):
-            _check_positive(self, name)
-        for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
-            _check_positive(self, name)
-        _check_positive(self, "async_steps", allow_zero=True)
-        if self.async_steps and self.generation_backend != "vllm_server":
-            raise ConfigError(
-                f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines generate "
-                f"while the trainer updates); {self.generation_backend!r} generates on the training devices"
-            )
-        if self.async_steps > 1:  # deeper pipelines need in-flight weight updates (several versions per response)
-            raise ConfigError(f"async_steps must be 0 (synchronous) or 1 (one-step off-policy), got {self.async_steps}")
-        if self.vllm_server_urls is not None:
-            if self.generation_backend != "vllm_server":
-                raise ConfigError("vllm_server_urls is set but generation_backend is not vllm_server")
-            if not self.vllm_server_urls or any(
-                not (isinstance(u, str) and u.startswith(("http://", "https://"))) for u in self.vllm_server_urls
-            ):
-                raise ConfigError(f"vllm_server_urls must be a list of http(s):// URLs, got {self.vllm_server_urls!r}")
-            self.vllm_num_engines = len(self.vllm_server_urls)
-        if self.vllm_engine_devices is not None:
-            need = self.vllm_num_engines * self.vllm_tensor_parallel_size
-            if len(self.vllm_engine_devices) != need or any(d < 0 for d in self.vllm_engine_devices):
-                raise ConfigError(
-                    f"vllm_engine_devices {self.vllm_engine_devices} must list {need} GPU ids (vllm_num_engines "
-                    f"{self.vllm_num_engines} x vllm_tensor_parallel_size {self.vllm_tensor_parallel_size})"
-                )
-        if self.truncated_importance_sampling is None:  # off-policy by construction when generation runs ahead
-            self.truncated_importance_sampling = self.async_steps > 0
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:
         return rl_batch_plan(
@@ -746,6 +760,15 @@ def _check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name} must be a finite number, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _check_choice(cfg: Any, name: str, table: dict[str, Any]) -> None:
+    """ConfigError unless the field names a row of `table` (the closest row suggested)."""
+    value = getattr(cfg, name)
+    if value not in table:
+        close = difflib.get_close_matches(str(value), list(table), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{name} {value!r} is not one of {list(table)}{hint}")
 
 
 def _check_range(cfg: Any, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:

@@ -396,6 +396,24 @@ def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
     return {k: float(x) for k, x in zip(keys, t.tolist())}
 
 
+def zero_sums_by_source(sources: Iterable[str], keys: Iterable[str]) -> dict[str, dict[str, float]]:
+    """{"": {key: 0.0, ...}, source: {key: 0.0, ...}, ...}: sums over a whole held-out set ("") and over each of
+    its sources, for `global_sums_by_source`."""
+    keys = list(keys)
+    return {name: dict.fromkeys(keys, 0.0) for name in ["", *sources]}
+
+
+def global_sums_by_source(accelerator: Any, sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per-source sums ({source: {key: value}}, "" = the whole set) summed over ranks, in one collective."""
+    flat = {(source, key): value for source, stats in sums.items() for key, value in stats.items()}
+    names = {f"{i}": pair for i, pair in enumerate(flat)}  # global_sums takes string keys
+    totals = global_sums(accelerator, {i: flat[pair] for i, pair in names.items()})
+    out: dict[str, dict[str, float]] = {source: {} for source in sums}
+    for i, (source, key) in names.items():
+        out[source][key] = totals[i]
+    return out
+
+
 def global_max(accelerator: Any, value: float) -> float:
     """The largest `value` over ranks."""
     if accelerator.num_processes == 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from open_instruct import console, distributed, runtime
-from open_instruct.config import DPOConfig
+from open_instruct.config import DPO_STATS, DPOConfig
 
 if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits before the slow import
     import torch
@@ -33,16 +33,7 @@ if TYPE_CHECKING:  # torch is imported inside functions so a bad config exits be
     from open_instruct.models import PairLogps
 
 REFERENCE_FREE = ("simpo",)
-STAT_KEYS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/margin",
-    "rewards/accuracy",
-    "logps/chosen",
-    "logps/rejected",
-)  # train/ and eval/
-assert DPOConfig.eval_metrics == tuple(f"eval/{k}" for k in STAT_KEYS)  # what evaluate() logs
+STAT_KEYS = DPO_STATS  # summed per pair; logged as train/ and eval/ means
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,7 +162,7 @@ def evaluate(
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = data.mixed_sources(evals)
-    sums = {f"{name}|{k}": 0.0 for name in ["", *sources] for k in (*STAT_KEYS, "pairs")}
+    sums = distributed.zero_sums_by_source(sources, (*STAT_KEYS, "pairs"))
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
@@ -189,14 +180,13 @@ def evaluate(
                     [float(not name or evals[i]["source"] == name) for i in group], device=policy.chosen.device
                 )
                 for k, v in pair_stat_sums(*stats, policy, keep if name else None).items():
-                    sums[f"{name}|{k}"] += v
-                sums[f"{name}|pairs"] += float(keep.sum())
+                    sums[name][k] += v
+                sums[name]["pairs"] += float(keep.sum())
     model.train()
-    totals = distributed.global_sums(accelerator, sums)
     out = {}
-    for name in ["", *sources]:
+    for name, t in distributed.global_sums_by_source(accelerator, sums).items():
         prefix = f"eval/{name}/" if name else "eval/"
-        out.update({f"{prefix}{k}": totals[f"{name}|{k}"] / max(totals[f"{name}|pairs"], 1.0) for k in STAT_KEYS})
+        out.update({f"{prefix}{k}": t[k] / max(t["pairs"], 1.0) for k in STAT_KEYS})
     return out
 
 

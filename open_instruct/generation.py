@@ -1,18 +1,28 @@
-"""Generating responses from token-id prompts: the one interface the RLVR trainer and the eval entry points share.
+"""Generating responses from token-id prompts: the one contract the RLVR trainer and the eval entry points share.
 
-    gen = HFGenerator(model, tokenizer, batch_size=16)      # or generation_backends.make_generator("hf", ...)
-    out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
-    out.response_ids[i], out.texts[i], out.stopped[i], out.prompt_index[i]   # one row per response
+    gen = generation_backends.make_generator(cfg, policy, tokenizer, accelerator, max_model_len)  # cfg picks one
+    gen.sync_weights(policy, version=3)        # sample from the policy's current weights from now on
+    with gen.generation_context(policy):       # hf: FSDP-sharded weights gathered once for the whole generate
+        out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
+    out.response_ids[i], out.logprobs[i], out.weight_versions[i], out.texts[i], out.stopped[i], out.prompt_index[i]
+    gen.last_sync_seconds, gen.last_sync_bytes  # the last sync's statistics
+    gen.close()                                # at the end of the run: stops what the generator started
 
-Callers only see `GenerationConfig`, `GenerationOutput` and the `Generator` protocol. This module holds that
-contract and the in-process Hugging Face backend; other backends (vLLM: `vllm_generator.py`) import the contract
-from here, and `generation_backends.make_generator` picks one by name, so no caller changes when one is added.
+Callers only see `GenerationConfig`, `GenerationOutput` and the `Generator` protocol below, which every backend keeps
+in full (tests/test_architecture.py checks each class against it). This module holds the contract and the in-process
+Hugging Face backend; the others (`vllm_generator.VLLMGenerator`, `engine_client.ServerGenerator`) import the
+contract from here, and `generation_backends.make_generator` builds the one the config names, so no caller names a
+backend or changes when one is added.
+
+Token in, token out: a prompt is the token ids an episode holds so far, which may already include earlier turns
+(the model's earlier responses and what the environment answered), so a batch may mix episodes at different turns;
+`max_new_tokens` per prompt (`generate(..., max_new_tokens=[...])`) caps each at its remaining budget.
 
 Conventions every backend keeps:
 - Responses are ordered prompt by prompt, `n` contiguous rows per prompt: row i belongs to prompt i // n.
 - A response ends right after its first stop: the EOS token (kept in `response_ids`) or the token that completes a
   stop string (kept too). Anything generated after that is dropped. `stopped` is False only when the response ran
-  into `max_new_tokens` without a stop.
+  into its max_new_tokens without a stop.
 - `texts[i]` is exactly `tokenizer.decode(response_ids[i])` minus a trailing EOS token: a stop string stays in the
   text (as the token ids that completed it stay in `response_ids`).
 - Sampling is the plain policy distribution: logits / temperature, then top-p. No top-k, no repetition penalty,
@@ -20,15 +30,20 @@ Conventions every backend keeps:
   temperature)` describe the sampler (top_p < 1 truncates it).
 - `logprobs[i][t]` is the sampler's own log-probability of `response_ids[i][t]` (same length), as the engine
   computed it: the trainer's re-scored log-probs differ from it by kernels, precision and top-p truncation.
+- `weight_versions[i][t]` is the version (the `sync_weights` label) of the weights that sampled `response_ids[i][t]`
+  (-1 before the first sync).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any, ContextManager, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from open_instruct.distributed import full_params
 
 
 @dataclass
@@ -39,6 +54,7 @@ class GenerationConfig:
     stop_strings: Optional[list[str]] = None
     n: int = 1  # samples per prompt
     seed: Optional[int] = None  # None: draw from the global torch RNG (seeded by the caller)
+    max_batch_size: Optional[int] = None  # hf: sequences per generate call (None: its batch_size); engines ignore it
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,6 +67,8 @@ class GenerationConfig:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
         if self.stop_strings is not None and any(not s for s in self.stop_strings):
             raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
     @property
     def greedy(self) -> bool:
@@ -67,9 +85,9 @@ class GenerationOutput:
     # log p(token) of each response token under the distribution the sampler drew it from (after temperature and
     # top-p): what truncated importance sampling compares with the trainer's log-probs. Greedy: the raw model's.
     logprobs: list[list[float]] = field(default_factory=list)
-    # vllm_server only: per response, the weight version the engine sampled it with (what the policy lag is
-    # measured from); empty for backends that always sample from the weights they were just given.
-    weight_versions: list[int] = field(default_factory=list)
+    # per response token: the version (sync_weights label) of the weights that sampled it; what the policy lag of
+    # an off-policy rollout is measured from
+    weight_versions: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -77,24 +95,73 @@ class GenerationOutput:
 
 @runtime_checkable
 class Generator(Protocol):
-    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput: ...
+    """The generation contract: every backend class implements all of it (tests/test_architecture.py)."""
 
-    def sync_weights(self, model: Any) -> None:
-        """Make the generator sample from `model`'s current weights (a no-op when it shares the module)."""
+    last_sync_seconds: float  # how long the last sync_weights took
+    last_sync_bytes: int  # weight bytes the last sync_weights sent over a transport (0: handed over in-process)
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> "Generator":
+        """The backend for a run: `cfg` (RLVRConfig) holds its knobs, `policy` is the prepared (maybe sharded)
+        model, `max_model_len` the longest prompt + response it must hold. Collective: every rank builds one."""
+        ...
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> GenerationOutput:
+        """`config.n` responses per prompt. A prompt may already hold earlier turns of its episode (token-in,
+        token-out); `max_new_tokens[i]` caps prompt i's responses below `config.max_new_tokens`."""
+        ...
+
+    def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
+        """Sample from `model`'s current weights from now on, labelled `version` (default: the last + 1) in
+        `GenerationOutput.weight_versions`. Collective under FSDP: every rank calls it."""
+        ...
+
+    def generation_context(self, model: Any) -> ContextManager[Any]:
+        """What `generate` must run inside (hf: the FSDP-sharded policy gathered whole; engines: nothing).
+        Collective under FSDP: every rank enters it, even one without prompts."""
+        ...
+
+    def close(self) -> None:
+        """Release what the generator started (engines, threads, folders); called once, when the run is over."""
         ...
 
 
-def check_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, max_model_len: int) -> None:
-    """ValueError for an empty prompt, or one whose length + max_new_tokens exceeds an engine's max_model_len."""
+def new_token_budgets(
+    prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, max_new_tokens: Optional[Sequence[int]]
+) -> list[int]:
+    """Per prompt, the most tokens its responses may have: `config.max_new_tokens`, or the smaller per-prompt cap."""
+    if max_new_tokens is None:
+        return [config.max_new_tokens] * len(prompt_ids)
+    if len(max_new_tokens) != len(prompt_ids):
+        raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompt_ids)} prompts")
+    if any(int(m) < 1 for m in max_new_tokens):
+        raise ValueError(f"every max_new_tokens must be >= 1, got {list(max_new_tokens)}")
+    return [min(int(m), config.max_new_tokens) for m in max_new_tokens]
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], budgets: Sequence[int], max_model_len: int) -> None:
+    """ValueError for an empty prompt, or one whose length + its new-token budget exceeds an engine's max_model_len."""
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
-    too_long = [i for i, p in enumerate(prompt_ids) if len(p) + max_new_tokens > max_model_len]
+    too_long = [i for i, p in enumerate(prompt_ids) if len(p) + budgets[i] > max_model_len]
     if too_long:
         i = too_long[0]
         raise ValueError(
-            f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {max_new_tokens} exceeds the engine's "
+            f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {budgets[i]} exceeds the engine's "
             f"max_model_len {max_model_len} ({len(too_long)} prompts do)"
         )
+
+
+def prompt_seed(base: int, prompt_index: int) -> int:
+    """An independent-looking 56-bit seed per prompt. vLLM gives sample j of a prompt seed+j, so seeds spaced
+    by 1 (base + i) would hand prompt i+1 the random stream of prompt i's second sample."""
+    digest = hashlib.blake2b(f"{base}:{prompt_index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def default_eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -206,7 +273,10 @@ class HFGenerator:
     Prompts are left-padded and run in chunks of at most `batch_size` sequences (prompts x n), sorted by length
     so a chunk carries little padding. With `config.seed` set, the same inputs and `batch_size` give the same
     outputs, and the global torch RNG is left untouched; with `seed=None` the global RNG is used (and advanced).
-    The generator holds a reference to the live policy module, so `sync_weights` has nothing to do."""
+    The generator holds a reference to the live policy module, so `sync_weights` only records the version; under
+    FSDP its `generation_context` gathers the sharded weights whole for the generate."""
+
+    last_sync_seconds, last_sync_bytes = 0.0, 0  # nothing is copied: it generates with the live module
 
     def __init__(
         self,
@@ -226,8 +296,21 @@ class HFGenerator:
         self.eos_ids = [int(i) for i in eos_token_ids] if eos_token_ids else default_eos_token_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        self.version = -1
 
-    def sync_weights(self, model: Any) -> None:
+    @classmethod
+    def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> HFGenerator:
+        """One generate call per rollout: this rank's prompts x num_samples_per_prompt in one batch."""
+        batch_size = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
+        return cls(accelerator.unwrap_model(policy), tokenizer, batch_size=batch_size)
+
+    def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
+        self.version = self.version + 1 if version is None else int(version)
+
+    def generation_context(self, model: Any) -> ContextManager[Any]:
+        return full_params(model)
+
+    def close(self) -> None:
         return None
 
     def _hf_generation_config(self, config: GenerationConfig) -> Any:
@@ -287,13 +370,20 @@ class HFGenerator:
         return out[:, width:].tolist(), recorder.per_token(out).tolist()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> GenerationOutput:
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt needs at least one token")
+        budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
+        batch_size = config.max_batch_size or self.batch_size
         rows = [list(p) for p in prompt_ids for _ in range(config.n)]
         owner = [i for i in range(len(prompt_ids)) for _ in range(config.n)]
         order = sorted(range(len(rows)), key=lambda j: len(rows[j]))  # stable: the n copies stay together
-        hf_config = self._hf_generation_config(config)
+        hf_config = self._hf_generation_config(replace(config, max_new_tokens=max(budgets, default=1)))
         raw: list[Optional[list[int]]] = [None] * len(rows)
         raw_logprobs: list[list[float]] = [[] for _ in rows]
 
@@ -304,8 +394,8 @@ class HFGenerator:
             with rng:
                 if config.seed is not None:
                     torch.manual_seed(config.seed)
-                for start in range(0, len(order), self.batch_size):
-                    chunk = order[start : start + self.batch_size]
+                for start in range(0, len(order), batch_size):
+                    chunk = order[start : start + batch_size]
                     ids, logprobs = self._generate_chunk([rows[j] for j in chunk], config, hf_config)
                     for j, gen, lp in zip(chunk, ids, logprobs):
                         raw[j], raw_logprobs[j] = gen, lp
@@ -314,10 +404,13 @@ class HFGenerator:
 
         out = GenerationOutput(prompt_ids=[list(p) for p in prompt_ids])
         for j, gen in enumerate(raw):
-            ids, text, stopped = finalize_response(gen or [], self.eos_ids, self.tokenizer, config.stop_strings)
+            # a shorter budget: the first budget tokens of a longer sample are a sample of that budget
+            capped = (gen or [])[: budgets[owner[j]]]
+            ids, text, stopped = finalize_response(capped, self.eos_ids, self.tokenizer, config.stop_strings)
             out.response_ids.append(ids)
             out.texts.append(text)
             out.stopped.append(stopped)
             out.prompt_index.append(owner[j])
             out.logprobs.append(raw_logprobs[j][: len(ids)])
+            out.weight_versions.append([self.version] * len(ids))
         return out

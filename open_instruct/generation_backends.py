@@ -1,17 +1,31 @@
-"""Generation backends by name: the one place that knows every backend, so the contract (`generation.py`) and each
-backend (`generation.HFGenerator`, `vllm_generator.VLLMGenerator`) never import each other.
+"""Generation backends by name: the one place that knows every backend, so the contract (`generation.py`), each
+backend (`generation.HFGenerator`, `vllm_generator.VLLMGenerator`, `engine_client.ServerGenerator`) and the RL
+script never import each other or name one.
 
-    gen = make_generator(cfg.generation_backend, policy, tokenizer, batch_size=64)
+    check_backend(cfg.generation_backend)                 # before anything loads: known, its extra installed
+    check_before_loading(cfg, max_model_len)              # engines started apart answer and fit the run
+    gen = make_generator(cfg, policy, tokenizer, accelerator, max_model_len)   # the backend cfg names
+
+A new backend: a class keeping the whole `generation.Generator` contract (tests/test_architecture.py checks it),
+and one row in BACKEND_CLASSES.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from open_instruct.errors import ConfigError
-from open_instruct.generation import Generator, HFGenerator
+from open_instruct.generation import Generator
 
-BACKENDS = ("hf", "vllm", "vllm_server")
+# name -> "module:class". Imported only when asked for: the vLLM backends are an optional extra.
+BACKEND_CLASSES = {
+    "hf": "open_instruct.generation:HFGenerator",
+    "vllm": "open_instruct.vllm_generator:VLLMGenerator",
+    "vllm_server": "open_instruct.engine_client:ServerGenerator",
+}
+BACKENDS = tuple(BACKEND_CLASSES)
+NEEDS_VLLM = ("vllm", "vllm_server")
 
 
 def check_backend(backend: str) -> None:
@@ -19,7 +33,7 @@ def check_backend(backend: str) -> None:
     unsupported version (ConfigError, exit 2)."""
     if backend not in BACKENDS:
         raise ConfigError(f"generation_backend {backend!r}: choose one of {BACKENDS}")
-    if backend in ("vllm", "vllm_server"):
+    if backend in NEEDS_VLLM:
         from open_instruct.vllm_generator import check_vllm_version
 
         try:
@@ -28,17 +42,40 @@ def check_backend(backend: str) -> None:
             raise ConfigError(f"generation_backend {backend}: {e}") from None
 
 
-def make_generator(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Generator:
-    """The generator for a backend name. Extra keywords go to the backend (vllm_server: cfg, accelerator,
-    max_model_len)."""
-    if backend == "hf":
-        return HFGenerator(model, tokenizer, **kw)
-    if backend == "vllm":  # optional extra, imported only when asked for (raises a clear error when not installed)
-        from open_instruct.vllm_generator import VLLMGenerator
+def check_before_loading(cfg: Any, max_model_len: int) -> None:
+    """Engines started apart (`vllm_server_urls`; the config ties them to their backend) are reached and checked
+    against the run before any model loads: they answer, max_model_len fits, the dtype and weight transfer match."""
+    if not cfg.vllm_server_urls:
+        return
+    import torch
 
-        return VLLMGenerator(model, tokenizer, **kw)
-    if backend == "vllm_server":  # dedicated engines: started or reached per the run's config (cfg=, accelerator=)
-        from open_instruct.vllm_server import build
+    from open_instruct import engines
 
-        return build(kw["cfg"], model, tokenizer, kw["accelerator"], kw["max_model_len"])
-    raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")
+    on_gpu = torch.cuda.is_available()
+    engines.check_running_engines(
+        cfg.vllm_server_urls,
+        cfg.vllm_tensor_parallel_size,
+        max_model_len,
+        dtype=engines.engine_dtype(cfg.mixed_precision),
+        transfer=engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu),
+    )
+
+
+def backend_class(backend: str) -> type:
+    """The class of a backend name (imports it: the vLLM ones need the optional extra)."""
+    if backend not in BACKEND_CLASSES:
+        raise ValueError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")
+    module, name = BACKEND_CLASSES[backend].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_generator(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> Generator:
+    """The generator `cfg.generation_backend` names, built from the run's config (collective: every rank calls it).
+    `policy` is the prepared model; `max_model_len` the longest prompt + response it must hold."""
+    return backend_class(cfg.generation_backend).from_config(cfg, policy, tokenizer, accelerator, max_model_len)
+
+
+def generator_for(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Generator:
+    """A backend built straight from a model, outside an RL run (the eval entry points); `kw` go to its class
+    (hf: batch_size; vllm: max_model_len, seed, ...)."""
+    return backend_class(backend)(model, tokenizer, **kw)

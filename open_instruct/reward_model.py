@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from open_instruct import console, distributed, runtime
-from open_instruct.config import RewardModelConfig
+from open_instruct.config import RM_METRICS, RewardModelConfig
 
 # Summed over pairs, see pair_sums. "loss" is the total (Bradley-Terry + centering), "center_loss" its centering term.
 STAT_KEYS = ("loss", "correct", "chosen_reward", "rejected_reward", "center_loss", "target_margin")
@@ -68,18 +68,19 @@ def pair_sums(losses: Any, chosen: Any, rejected: Any, center: Any = None, margi
 
 
 def summarize(totals: dict[str, float], pairs: float, prefix: str) -> dict[str, float]:
-    """Means per pair from summed statistics."""
+    """Means per pair from summed statistics: each of config.RM_METRICS (what best_metric may name), in its order."""
     n = max(pairs, 1.0)
     chosen, rejected = totals["chosen_reward"] / n, totals["rejected_reward"] / n
-    return {
-        f"{prefix}/loss": totals["loss"] / n,
-        f"{prefix}/accuracy": totals["correct"] / n,
-        f"{prefix}/chosen_reward": chosen,
-        f"{prefix}/rejected_reward": rejected,
-        f"{prefix}/margin": chosen - rejected,
-        f"{prefix}/center_loss": totals["center_loss"] / n,
-        f"{prefix}/target_margin": totals["target_margin"] / n,
+    means = {
+        "loss": totals["loss"] / n,
+        "accuracy": totals["correct"] / n,
+        "chosen_reward": chosen,
+        "rejected_reward": rejected,
+        "margin": chosen - rejected,
+        "center_loss": totals["center_loss"] / n,
+        "target_margin": totals["target_margin"] / n,
     }
+    return {f"{prefix}/{k}": means[k] for k in RM_METRICS}
 
 
 def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator: Any, pad_id: int) -> dict[str, float]:
@@ -116,17 +117,11 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
                 groups[name] += pair_sums(*picked).cpu()
                 pairs[name] += float(keep.sum())
     model.train()
-    flat = {f"{name}|{k}": v for name, sums in groups.items() for k, v in zip(STAT_KEYS, sums.tolist())}
-    flat.update({f"{name}|pairs": n for name, n in pairs.items()})
-    totals = distributed.global_sums(accelerator, flat)
+    sums = {name: {**dict(zip(STAT_KEYS, t.tolist())), "pairs": pairs[name]} for name, t in groups.items()}
     out = {}
-    for name in groups:
-        per_group = {k: totals[f"{name}|{k}"] for k in STAT_KEYS}
-        out.update(summarize(per_group, totals[f"{name}|pairs"], f"eval/{name}" if name else "eval"))
+    for name, t in distributed.global_sums_by_source(accelerator, sums).items():
+        out.update(summarize(t, t["pairs"], f"eval/{name}" if name else "eval"))
     return out
-
-
-assert RewardModelConfig.eval_metrics == tuple(summarize(dict.fromkeys(STAT_KEYS, 0.0), 1.0, "eval"))  # best_metric
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

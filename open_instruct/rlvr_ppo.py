@@ -5,15 +5,18 @@
                         (7 training GPUs; the trainer starts the vLLM engine on GPU 7: scripts/rlvr_8b.sh)
 
 The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
-`main`, which loads everything and runs the phases in a loop:
+`main`, which loads everything and runs the phases in a loop. Lines marked ALGO LOGIC are the ones a new variant
+edits; the plumbing around them (sampling, model loading, evaluation, timing) is in `rollouts.py`, the generation
+backends behind `generation.py`'s contract, the algorithm names and traits in `rl_algorithms.py`.
 
     RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
-                        generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
+    (rollouts.py)       generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
                         generation submitted one rollout earlier                                   -> completions
     collect_rollout     completions -> score them (verifiers, plus a reward model, the non-stop penalty and the
                         overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
                         reference, values (gae)                                                   -> Rollout
-    compute_advantages  the one place that branches on the advantage estimator                    -> Advantages
+    compute_advantages  the estimator's row of rl_algorithms.ADVANTAGE_ESTIMATORS: one function per estimator,
+                        bound here with @advantage_estimator(name)                                -> Advantages
     update              num_epochs passes x num_mini_batches optimizer steps x micro-batches, the optimizer step in
                         sight; each step's loss is aggregated over the *global* mini-batch, so 1 or N processes
                         give the same update
@@ -37,13 +40,12 @@ that sampled, so the training forward's own log-probs serve as the old ones (no 
 
 from __future__ import annotations
 
-from open_instruct import console, runtime
+from open_instruct import runtime
 from open_instruct.config import RLVRConfig
 
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
     runtime.start_before_imports(RLVRConfig)
 
-import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -52,8 +54,36 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from open_instruct import data
+from open_instruct.batch_math import should_log
+from open_instruct.code_verifier import TEST_STATUSES
+from open_instruct.distributed import (
+    clip_grad_norm_,
+    equal_micro_batch_count,
+    global_max,
+    global_sum,
+    global_sums,
+    grad_sync_all,
+)
+from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.lora import adapter_disabled
+from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
+from open_instruct.rewards import combine_rewards
+from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
+from open_instruct.rollouts import (
+    PhaseClock,
+    RLModels,
+    RolloutSampler,
+    derived_seed,
+    evaluate,
+    load_models,
+    load_prompts,
+    sample_rows,
+    score_texts,
+)
+
 # ---------------------------------------------------------------------------------------------------------------------
-# The math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
+# ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -113,7 +143,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
 
 
-def last_token_indices(mask: torch.Tensor) -> torch.Tensor:
+def last_response_token(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each row of a right-padded response mask (0 for an empty row)."""
     return (mask.sum(1).long() - 1).clamp(min=0)
 
@@ -128,7 +158,7 @@ def per_token_rewards(
     """
     rewards = -beta * kl * mask
     rows = torch.arange(len(scores), device=scores.device)
-    index = last_token_indices(mask) if score_index is None else score_index
+    index = last_response_token(mask) if score_index is None else score_index
     rewards[rows, index] += scores.to(rewards.dtype)
     return rewards
 
@@ -255,13 +285,6 @@ def ppo_policy_loss(
     return loss, was_clipped.float()
 
 
-def clipped_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, cliprange: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The symmetric PPO clip: ppo_policy_loss with clip_low = clip_high = cliprange."""
-    return ppo_policy_loss(logp, old_logp, advantages, cliprange, cliprange)
-
-
 def gspo_policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -374,32 +397,11 @@ def episode_score(
     """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used), and for a response that hit
     response_length without a stop: + non_stop_penalty (mode add), or the penalty alone (mode replace, Tulu 3's
     where(stopped, score, penalty)). The recipe gives the penalty signed: Tulu 3 uses -10."""
-    from open_instruct.rewards import combine_rewards
-
     return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
-
-
-def derived_seed(seed: int, *parts: int) -> int:
-    """A deterministic 63-bit seed from (seed, rollout_step, rank, ...): resuming at a rollout re-draws its samples."""
-    return random.Random(":".join(str(p) for p in (seed, *parts))).getrandbits(63)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The phases of one rollout step
-
-
-@dataclass
-class RLModels:
-    """The policy (trained), the value model (PPO, trained), the frozen reference (None when beta is 0) and the
-    optional frozen reward model. All prepared by accelerate (FSDP-sharded under FSDP)."""
-
-    policy: Any
-    value: Optional[Any] = None
-    reference: Optional[Any] = None
-    reward: Optional[Any] = None
-
-    def trained(self) -> dict[str, Any]:
-        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
 
 
 @dataclass
@@ -437,91 +439,6 @@ class Advantages:
     keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
 
 
-def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
-    """The rollout's sampling: num_samples_per_prompt completions per prompt, a seed per (step, rank)."""
-    from open_instruct.generation import GenerationConfig
-
-    return GenerationConfig(
-        max_new_tokens=cfg.response_length,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        stop_strings=cfg.stop_strings,
-        n=cfg.num_samples_per_prompt,
-        seed=derived_seed(cfg.seed, step, rank),
-    )
-
-
-class RolloutSampler:
-    """Where each rollout's completions come from.
-
-    async_steps 0: at rollout k, sync the engine to the policy (version k = rollouts trained on), then generate.
-    async_steps 1 (dedicated engines): when rollout k's completions are taken, rollout k+1 is submitted with the
-    weights of version k, and generates while the trainer updates on rollout k; so rollout k+1 is trained on by
-    version k+1 weights, one update after the weights that sampled it (policy lag 1; truncated IS corrects it).
-    Weights are only sent when no generation is in flight. A rollout in flight when the run stops (SIGTERM, kill)
-    is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
-
-    def __init__(
-        self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
-    ) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
-        self.num_rollouts = num_rollouts
-        self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
-        self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
-        self.synced: Optional[int] = None
-        self.bytes_sent = 0  # weight bytes broadcast to the engines (vllm_server), read by the log row
-
-    def sync(self, version: int) -> float:
-        """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
-        if version == self.synced:
-            return 0.0
-        t0 = time.perf_counter()
-        policy = self.accelerator.unwrap_model(self.policy)
-        if self.cfg.generation_backend == "vllm_server":
-            self.generator.sync_weights(policy, version=version)
-        else:
-            self.generator.sync_weights(policy)
-        self.synced = version
-        self.bytes_sent += getattr(self.generator, "last_sync_bytes", 0)
-        return time.perf_counter() - t0
-
-    def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
-        t0 = time.perf_counter()
-        config = sampling_config(self.cfg, step, self.accelerator.process_index)
-        return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
-
-    def take(self, step: int, gather_for_generation: Callable) -> tuple[list[dict], Any, dict[str, float]]:
-        """This rank's prompts of rollout `step`, their completions, and the seconds spent: weight_sync,
-        generation (what the trainer waited for) and generation_engine (the engines' wall time for it)."""
-        seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
-        t0 = time.perf_counter()
-        if self.pending is not None and self.pending[0] == step:
-            _, prompts, future = self.pending
-            out, engine_seconds = future.result()
-        else:  # synchronous, the first rollout, or the first after a resume
-            seconds["weight_sync"] += self.sync(step)
-            t0 = time.perf_counter()
-            prompts = self.prompts_for(step)
-            with gather_for_generation(self.policy):
-                out, engine_seconds = self._generate(step, prompts)
-        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
-        self.pending = None
-        if self.pool is not None and step + 1 < self.num_rollouts:
-            seconds["weight_sync"] += self.sync(step)
-            prompts_next = self.prompts_for(step + 1)
-            self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
-        seconds["weight_sync_bytes"] = self.bytes_sent - bytes_before
-        return prompts, out, seconds
-
-    def idle(self) -> None:
-        """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
-        if self.pending is not None:
-            self.pending[2].result()
-
-
 def collect_rollout(
     cfg: RLVRConfig,
     models: RLModels,
@@ -536,17 +453,13 @@ def collect_rollout(
     """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
     policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
     per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens)."""
-    from open_instruct.data import collate_episodes, micro_batches
-    from open_instruct.distributed import equal_micro_batch_count
-    from open_instruct.models import response_logits, sequence_scores, token_logprobs, token_values
-
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     episodes = [prompts[i] for i in out.prompt_index]
     t1 = time.perf_counter()
     scored = score_texts(cfg, out.texts, episodes, run.tokenizer, out.response_ids)
     t2 = time.perf_counter()
     # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
-    lags = [step - v for v in out.weight_versions] if out.weight_versions else [0] * len(episodes)
+    lags = [step - min(versions, default=step) for versions in out.weight_versions]
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
@@ -558,13 +471,13 @@ def collect_rollout(
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
-    groups = micro_batches(
+    groups = data.micro_batches(
         list(range(n)), cfg.per_device_train_batch_size, packed_lengths, cfg.max_tokens_per_micro_batch
     )
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-            batch = collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
+            batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             r = batch["responses"].shape[1]
             with accelerator.autocast():
@@ -581,6 +494,7 @@ def collect_rollout(
             mask[rows, :r] = batch["mask"].cpu()
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
+    # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
     rm_multiplier, mode = cfg.reward_model_multiplier, cfg.non_stop_penalty_mode
     scores = torch.tensor(
         [
@@ -623,75 +537,66 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
-def score_texts(
-    cfg: RLVRConfig, texts: list[str], examples: list[dict], tokenizer: Any, response_ids: list[list[int]]
-) -> Any:
-    """Verifier rewards of completions (each row's verifier, under the time limit), plus the weighted custom reward
-    functions (reward_functions; `correct` stays the verifiers' verdict)."""
-    from open_instruct import rewards
-
-    scored = rewards.score_batch(
-        texts,
-        [e["ground_truth"] for e in examples],
-        [e["verifier"] for e in examples],
-        verification_reward=cfg.verification_reward,
-        timeout=cfg.verifier_timeout,
-        code=code_settings(cfg),
-    )
-    if not cfg.reward_functions:
-        return scored
-    extra = rewards.custom_rewards(
-        cfg.reward_functions,
-        cfg.reward_function_weights,
-        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
-        completions=texts,
-        completion_ids=response_ids,
-        ground_truth=[e["ground_truth"] for e in examples],
-        dataset=[e["verifier"] for e in examples],
-    )
-    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
-
-
-def code_settings(cfg: RLVRConfig) -> Any:
-    """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
-    from open_instruct.code_verifier import CodeSettings
-
-    return CodeSettings(
-        reward=cfg.code_reward,
-        test_seconds=cfg.code_test_seconds,
-        memory_mb=cfg.code_memory_mb,
-        workers=cfg.sandbox_workers,
-        batch_timeout=cfg.sandbox_batch_timeout,
-        hide_paths=(cfg.output_dir,),
-    )
+# ALGO LOGIC: the advantage estimators, one function per row of rl_algorithms.ADVANTAGE_ESTIMATORS (its traits
+# there: uses_value_model, uses_groups, kl_in_reward). Each maps a Rollout to the Advantages `update` trains on.
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """The one place that branches on the advantage estimator:
+    """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS)."""
+    return cfg.estimator.function(cfg, rollout, accelerator)
 
-    grpo / dr_grpo / rloo  a group baseline on the sequence score, the same advantage on every token; KL is a loss
-    gae                    per-token rewards (score at the last token, -beta * KL_t on every token) -> GAE with the
-                           value model -> whitened with statistics over every rank (whiten_advantages)
-    reinforce_pp           the same per-token rewards -> discounted returns -> whitened over the global batch
-    """
-    mask, scores, group = rollout.mask, rollout.scores, cfg.num_samples_per_prompt
-    keep = torch.ones(len(scores), dtype=torch.bool)
-    if cfg.uses_groups:
-        if cfg.advantage_estimator == "rloo":
-            advantages = rloo_advantages(scores, group)
-        else:
-            advantages = group_advantages(scores, group, scale=cfg.advantage_estimator == "grpo")
-        if cfg.filter_zero_std_groups:
-            keep = ~zero_std_groups(scores, group)
-        kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
-        return Advantages(advantages.unsqueeze(1) * mask, None, kl_loss_coef, keep)
-    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(mask)
-    rewards_t = per_token_rewards(scores, kl, mask, cfg.beta, rollout.score_index)
-    if cfg.advantage_estimator == "reinforce_pp":
-        returns = discounted_returns(rewards_t, mask, cfg.gamma)
-        return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
+
+def group_baseline(cfg: RLVRConfig, rollout: Rollout, advantages: torch.Tensor) -> Advantages:
+    """A group baseline's per-completion advantages on every token of the completion; the KL to the reference is a
+    loss term (beta); flat groups dropped from the update under filter_zero_std_groups."""
+    keep = torch.ones(len(rollout.scores), dtype=torch.bool)
+    if cfg.filter_zero_std_groups:
+        keep = ~zero_std_groups(rollout.scores, cfg.num_samples_per_prompt)
+    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
+    return Advantages(advantages.unsqueeze(1) * rollout.mask, None, kl_loss_coef, keep)
+
+
+@advantage_estimator("grpo")
+def grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Group-normalised scores (group_advantages, scale=True)."""
+    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=True))
+
+
+@advantage_estimator("dr_grpo")
+def dr_grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Group-centred scores (group_advantages, scale=False)."""
+    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=False))
+
+
+@advantage_estimator("rloo")
+def rloo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """Leave-one-out baseline (rloo_advantages)."""
+    return group_baseline(cfg, rollout, rloo_advantages(rollout.scores, cfg.num_samples_per_prompt))
+
+
+def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
+    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token."""
+    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(rollout.mask)
+    return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
+
+
+@advantage_estimator("reinforce_pp")
+def reinforce_pp(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """The per-token rewards -> discounted returns -> whitened over the global batch."""
+    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
+    returns = discounted_returns(kl_rewards(cfg, rollout), mask, cfg.gamma)
+    return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
+
+
+@advantage_estimator("gae")
+def gae(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """The per-token rewards -> GAE with the value model -> whitened with statistics over every rank
+    (whiten_advantages); the value targets are the returns."""
+    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
     # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
-    advantages, returns = gae_advantages(rewards_t, rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam)
+    advantages, returns = gae_advantages(
+        kl_rewards(cfg, rollout), rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam
+    )
     advantages = advantages * mask
     if cfg.whiten_advantages:
         advantages = whiten_over_ranks(advantages, mask, accelerator)
@@ -703,8 +608,6 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> 
 
     Two passes in float64 (the mean, then sum (x - mean)^2), not E[x^2] - E[x]^2: equal values then whiten to exactly
     0, where the one-pass form leaves a variance of rounding noise that rsqrt(var + eps) blows up to ~1e-4."""
-    from open_instruct.distributed import global_sums
-
     x64, mask64 = x.double(), mask.double()
     m = global_sums(accelerator, {"s": float(masked_sum(x64, mask64)), "n": float(mask64.sum())})
     mean = m["s"] / max(m["n"], 1.0)
@@ -713,16 +616,38 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> 
     return masked_whiten(x, mask, torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64))
 
 
+# ALGO LOGIC: the policy losses, one function per row of rl_algorithms.POLICY_LOSSES. Each gives the per-token loss
+# and where a clip was the branch taken; `micro_batch_loss` weights and aggregates it.
+
+
 def token_policy_loss(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token policy loss and clip indicator of cfg.policy_loss (formulas in the functions above)."""
-    low, high = cfg.cliprange_low, cfg.cliprange_high
-    if cfg.policy_loss == "gspo":
-        return gspo_policy_loss(logp, old_logp, advantages, mask, low, high, cfg.dual_clip_c)
-    if cfg.policy_loss == "cispo":
-        return cispo_policy_loss(logp, old_logp, advantages, high)
-    return ppo_policy_loss(logp, old_logp, advantages, low, high, cfg.dual_clip_c)
+    """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function."""
+    return POLICY_LOSSES[cfg.policy_loss].function(cfg, logp, old_logp, advantages, mask)
+
+
+@policy_loss("ppo")
+def ppo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return ppo_policy_loss(logp, old_logp, advantages, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
+
+
+@policy_loss("gspo")
+def gspo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return gspo_policy_loss(
+        logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c
+    )
+
+
+@policy_loss("cispo")
+def cispo(
+    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cispo_policy_loss(logp, old_logp, advantages, cfg.cliprange_high)
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
@@ -746,12 +671,9 @@ def micro_batch_loss(
     loss = sum_t w_t * (tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
-    from open_instruct.data import collate_episodes
-    from open_instruct.models import response_logits, token_logprobs, token_values
-
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    batch = {k: v.to(device) for k, v in collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
+    batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
     r, mask = batch["responses"].shape[1], batch["mask"]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -759,7 +681,7 @@ def micro_batch_loss(
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
-    with autocast():
+    with autocast():  # ALGO LOGIC: the loss terms
         logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
         logp = token_logprobs(logits, batch["responses"])
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
@@ -812,15 +734,6 @@ def update(
     (group estimators: required; gae: when they fit, so micro-batches can share prompt forwards). Each step's loss is
     sum(w * loss) / U over its global mini-batch (aggregation_weights). Returns the TRAIN_STATS summed over the
     steps, this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
-    from open_instruct.data import micro_batches
-    from open_instruct.distributed import (
-        clip_grad_norm_,
-        equal_micro_batch_count,
-        global_sum,
-        global_sums,
-        grad_sync_all,
-    )
-
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
@@ -842,7 +755,7 @@ def update(
                 totals["empty"] += 1
                 continue
             sums = dict.fromkeys(TRAIN_STATS, 0.0)
-            micro_rows = micro_batches(
+            micro_rows = data.micro_batches(
                 mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
             )
             micro_rows = equal_micro_batch_count(accelerator, micro_rows, cfg.packing)
@@ -889,9 +802,6 @@ def log_row(
 ) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
     rollout's num_epochs x num_mini_batches optimizer steps (those that had data)."""
-    from open_instruct.code_verifier import TEST_STATUSES
-    from open_instruct.distributed import global_max, global_sums
-
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
     kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["kl_sum"]
     ep = global_sums(
@@ -954,226 +864,18 @@ def log_row(
     return row
 
 
-class PhaseClock:
-    """Seconds per phase and response tokens over the rollouts since the last log row (eval and checkpoint time
-    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
-
-    PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
-
-    def __init__(self) -> None:
-        self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
-        self.engine_seconds, self.sync_bytes = 0.0, 0
-
-    def add(self, seconds: dict[str, float], tokens: int) -> None:
-        for k, v in seconds.items():
-            if k in self.seconds:
-                self.seconds[k] += v
-        # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
-        self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
-        self.sync_bytes += seconds.get("weight_sync_bytes", 0)
-        self.rollouts += 1
-        self.tokens += tokens
-
-    def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
-        from open_instruct.distributed import global_sum
-
-        k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
-        busy = max(sum(self.seconds.values()), 1e-9)
-        row = {f"time/{name}": v / k for name, v in self.seconds.items()}
-        row["time/generation_engine"] = self.engine_seconds / k
-        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (vllm_server)
-        # async: the share of the engines' generation time hidden behind training (0 when synchronous)
-        waited = self.seconds["generation"]
-        row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
-        row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
-        row["perf/response_tokens_per_second"] = tokens / busy
-        self.__init__()
-        return row
-
-
-def evaluate(
-    cfg: RLVRConfig,
-    evals: list[dict],
-    policy: Any,
-    generator: Any,
-    tokenizer: Any,
-    accelerator: Any,
-    gather_for_generation: Callable[[Any], Any],
-) -> dict[str, float]:
-    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
-    (eval/<source>/correct_rate) when the held-out set mixes sources."""
-    from open_instruct import data
-    from open_instruct.distributed import global_sums
-    from open_instruct.generation import GenerationConfig
-    from open_instruct.generation_backends import make_generator
-
-    local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
-    sums = {"correct": 0.0, "score": 0.0, "length": 0.0, "non_stop": 0.0, "n": 0.0}
-    if cfg.generation_backend == "hf":  # the other backends hold their own copy, synced by the caller
-        generator = make_generator(
-            "hf", accelerator.unwrap_model(policy), tokenizer, batch_size=cfg.per_device_eval_batch_size
-        )
-    greedy = GenerationConfig(
-        max_new_tokens=cfg.eval_response_length or cfg.response_length, temperature=0.0, stop_strings=cfg.stop_strings
-    )
-    with gather_for_generation(policy):  # collective under FSDP: every rank joins, even one without prompts
-        out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
-    sources = data.mixed_sources(evals)
-    sums.update({f"{source}/{k}": 0.0 for source in sources for k in ("correct", "n")})
-    if out is not None:
-        scored = score_texts(cfg, out.texts, local, tokenizer, out.response_ids)
-        sums.update(
-            correct=float(sum(scored.correct)),
-            score=float(sum(scored.rewards)),
-            length=float(sum(len(r) for r in out.response_ids)),
-            non_stop=float(sum(not s for s in out.stopped)),
-            n=float(len(local)),
-        )
-        for example, correct in zip(local, scored.correct):
-            if sources:
-                sums[f"{example['source']}/correct"] += float(correct)
-                sums[f"{example['source']}/n"] += 1.0
-    t = global_sums(accelerator, sums)
-    n = max(t["n"], 1.0)
-    return {
-        "eval/correct_rate": t["correct"] / n,
-        "eval/score_mean": t["score"] / n,
-        "eval/response_length": t["length"] / n,
-        "eval/non_stop_rate": t["non_stop"] / n,
-        **{f"eval/{s}/correct_rate": t[f"{s}/correct"] / max(t[f"{s}/n"], 1.0) for s in sources},
-    }
-
-
-def sample_rows(rollout: Rollout, tokenizer: Any, k: int) -> list[dict[str, Any]]:
-    """The first k completions of this rollout, for samples.jsonl."""
-    return [
-        {
-            "prompt": tokenizer.decode(e["prompt_ids"]),
-            "response": rollout.texts[j],
-            "score": float(rollout.scores[j]),
-            "ground_truth": str(e["ground_truth"]),
-            "stopped": bool(rollout.stopped[j]),
-        }
-        for j, e in enumerate(rollout.episodes[:k])
-    ]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Set-up and the loop
-
-
-def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
-    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
-    the batch plan, and the longest prompt + response a generator must hold."""
-    from transformers import AutoConfig
-
-    from open_instruct import data
-    from open_instruct.errors import ConfigError
-    from open_instruct.rewards import check_verifiers
-
-    train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
-    check_verifiers(train, "train")
-    check_verifiers(evals, "eval")
-    plan = cfg.batch_plan(accelerator.num_processes, len(train))
-    model_config = AutoConfig.from_pretrained(
-        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
-    )
-    max_positions = getattr(model_config, "max_position_embeddings", None)
-    longest_prompt = max(len(e["prompt_ids"]) for e in train + evals)
-    longest_response = max(cfg.response_length, cfg.eval_response_length or cfg.response_length)
-    if max_positions and longest_prompt + longest_response > max_positions:
-        raise ConfigError(
-            f"longest prompt {longest_prompt} tokens + response_length {longest_response} exceeds the "
-            f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
-        )
-    if accelerator.is_main_process:
-        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
-    return train, evals, plan, longest_prompt + longest_response
+# Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
 
 
 def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
     """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
-    from open_instruct.lora import adapter_disabled
-    from open_instruct.models import response_logits
-
     with adapter_disabled(reference):
         return response_logits(reference, batch, temperature, group)
 
 
-def load_models(
-    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
-) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
-    """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
-    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate."""
-    from open_instruct.distributed import prepare_frozen
-    from open_instruct.lora import apply_lora
-    from open_instruct.models import (
-        DTYPES,
-        TokenValueModel,
-        disable_dropout,
-        load_policy,
-        load_sequence_classifier,
-        make_optimizer_and_scheduler,
-    )
-
-    def causal_lm() -> Any:
-        model = load_policy(cfg)
-        disable_dropout(model)
-        return model
-
-    def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
-        classifier = load_sequence_classifier(
-            path,
-            DTYPES["no"],
-            gguf_file,
-            cfg.trust_remote_code,
-            pad_token_id=tokenizer.pad_token_id,
-            require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
-            attn_implementation=cfg.attention_kernel,
-        )
-        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
-
-    # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
-    models = RLModels(
-        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
-        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
-    )
-    if cfg.uses_value_model:
-        # A fresh scalar head (value model from the policy) is initialised the same way every run.
-        torch.manual_seed(cfg.seed)
-        models.value = scalar_model(
-            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file, True
-        )
-        disable_dropout(models.value.seq_cls)
-    if cfg.reward_model_path:
-        models.reward = scalar_model(cfg.reward_model_path, None, False)
-    if cfg.activation_checkpointing:
-        models.policy.gradient_checkpointing_enable()
-        if models.value is not None:
-            models.value.seq_cls.gradient_checkpointing_enable()
-    optimizers, schedulers = {}, {}
-    for name, model in models.trained().items():
-        optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
-        prepared, optimizers[name] = accelerator.prepare(model, optimizer)
-        setattr(models, name, prepared)
-    if models.reference is not None:
-        models.reference = prepare_frozen(accelerator, models.reference)
-    elif cfg.use_lora and cfg.beta > 0:
-        models.reference = models.policy  # collect_rollout runs it with the adapters disabled
-    if models.reward is not None:
-        models.reward = prepare_frozen(accelerator, models.reward)
-    return models, optimizers, schedulers
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
-
-    from open_instruct import data
-    from open_instruct.batch_math import should_log
-    from open_instruct.distributed import full_params
-    from open_instruct.generation_backends import check_backend, make_generator
-    from open_instruct.models import DTYPES, load_tokenizer
-
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -1181,35 +883,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
     )
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
-    if cfg.vllm_server_urls:  # engines started apart (vllm_server only: the config checks): fit, before loading
-        from open_instruct import engines
-
-        transfer = engines.weight_transfer_backend(cfg.vllm_weight_transfer, torch.cuda.is_available())
-        engines.check_running_engines(
-            cfg.vllm_server_urls,
-            cfg.vllm_tensor_parallel_size,
-            max_model_len,
-            dtype=engines.engine_dtype(cfg.mixed_precision),
-            transfer=transfer,
-        )
+    check_before_loading(cfg, max_model_len)  # engines started apart answer and fit the run
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
-
-    generator_kwargs: dict[str, Any] = {"batch_size": plan.local_rollout_batch_size * cfg.num_samples_per_prompt}
-    if cfg.generation_backend == "vllm_server":  # dedicated engines: started here on rank 0, or reached at URLs
-        generator_kwargs = {"cfg": cfg, "accelerator": accelerator, "max_model_len": max_model_len}
-    if cfg.generation_backend == "vllm":  # one colocated engine per rank for rollouts and evals (optional extra)
-        generator_kwargs.update(
-            max_model_len=max_model_len,
-            dtype=DTYPES[cfg.mixed_precision],
-            seed=cfg.seed,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            enable_sleep=cfg.vllm_enable_sleep,
-        )
-    generator = make_generator(
-        cfg.generation_backend, accelerator.unwrap_model(models.policy), tokenizer, **generator_kwargs
-    )
-    # HF generates with the live (FSDP-gathered) policy; vLLM holds its own copy, synced by sync_weights.
-    gather_for_generation = full_params if cfg.generation_backend == "hf" else (lambda model: contextlib.nullcontext())
+    # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
+    generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -1227,18 +904,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sampler = RolloutSampler(cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps)
 
     def evaluate_policy() -> dict[str, float]:
-        if cfg.generation_backend != "hf":  # the engine evaluates the current weights once no rollout is in flight
-            sampler.idle()
-            sampler.sync(counters.rollout_step)
-        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, gather_for_generation)
+        sampler.idle()  # the generator evaluates the current weights once no rollout is in flight
+        sampler.sync(counters.rollout_step)
+        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
         run.evaluate(evaluate_policy)
     for model in models.trained().values():
         model.train()
     clock = PhaseClock()
-    while counters.rollout_step < plan.num_training_steps:
-        prompts, out, seconds = sampler.take(counters.rollout_step, gather_for_generation)
+    while counters.rollout_step < plan.num_training_steps:  # one rollout step: sample, score, advantages, update
+        prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
             cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
         )
@@ -1255,7 +931,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         counters.episode += plan.episodes_per_rollout
         counters.epoch = counters.rollout_step * plan.rollout_batch_size / len(train)
         run.logger.advance()
-        clock.add(rollout.seconds, int(rollout.mask.sum()))
+        clock.add(rollout.seconds, int(rollout.mask.sum()), sync_bytes)
         run.throughput.add(int(rollout.mask.sum()), len(rollout.episodes))  # for the end-of-run summary
         if should_log(counters.rollout_step, cfg.logging_steps):
             run.log(
@@ -1270,8 +946,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             break
     else:
         run.finish()
-    if hasattr(generator, "close") and cfg.generation_backend == "vllm_server":
-        generator.close()  # stops the engines this run started (a rollout in flight is dropped)
+    generator.close()  # stops what it started, e.g. the engines (a rollout in flight is dropped)
 
 
 if __name__ == "__main__":

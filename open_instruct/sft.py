@@ -38,7 +38,7 @@ def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pa
 
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = data.mixed_sources(evals)
-    sums = {f"{name}|{k}": 0.0 for name in ["", *sources] for k in ("loss", "tokens")}
+    sums = distributed.zero_sums_by_source(sources, ("loss", "tokens"))
     model.eval()
     with torch.no_grad():
         # Same number of forwards on every rank (FSDP forwards are collective); padding batches are not counted.
@@ -54,11 +54,11 @@ def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pa
                 continue
             for example, loss, tokens in zip(mb, row_losses.tolist(), row_tokens.tolist()):
                 for name in ["", example["source"]] if sources else [""]:
-                    sums[f"{name}|loss"] += loss
-                    sums[f"{name}|tokens"] += tokens
+                    sums[name]["loss"] += loss
+                    sums[name]["tokens"] += tokens
     model.train()
-    totals = distributed.global_sums(accelerator, sums)
-    losses = {name: totals[f"{name}|loss"] / max(totals[f"{name}|tokens"], 1) for name in ["", *sources]}
+    totals = distributed.global_sums_by_source(accelerator, sums)
+    losses = {name: t["loss"] / max(t["tokens"], 1) for name, t in totals.items()}
     return {
         "eval/loss": losses[""],
         "eval/perplexity": math.exp(losses[""]),

@@ -1,6 +1,6 @@
 """vLLM generation backend, colocated with training (optional extra: `pip install -r requirements-vllm.txt`).
 
-    gen = make_generator("vllm", policy, tokenizer, max_model_len=1024, gpu_memory_utilization=0.5)
+    gen = VLLMGenerator(policy, tokenizer, max_model_len=1024, gpu_memory_utilization=.5)  # or make_generator(cfg, ...)
     out = gen.generate(prompt_ids, GenerationConfig(max_new_tokens=256, temperature=1.0, n=4, seed=1))
     ...optimizer steps on `policy`...
     gen.sync_weights(policy)          # the engine now samples from the updated policy; gen.last_sync_seconds
@@ -33,7 +33,7 @@ How it works
   between the sync and the next rollout), `generate` re-syncs from the last model it was given first.
 - On CPU (tests here) the KV cache size is `kv_cache_memory_bytes` (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GB).
 
-A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is the other backend, `vllm_server.ServerGenerator`
+A dedicated generation GPU (e.g. 7 GPUs train, 1 generates) is the other backend, `engine_client.ServerGenerator`
 (`generation_backend: vllm_server`): vLLM's own server on devices of its own, weights broadcast through vLLM's
 weight-transfer engines, optionally one rollout ahead of the trainer (async_steps 1). This colocated class shares
 every GPU between training and generation through `gpu_memory_utilization` (and sleep mode).
@@ -41,7 +41,7 @@ every GPU between training and generation through `gpu_memory_utilization` (and 
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import os
 import shutil
@@ -49,7 +49,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
@@ -60,7 +60,10 @@ from open_instruct.generation import (
     check_prompts,
     default_eos_token_ids,
     finalize_response,
+    new_token_budgets,
+    prompt_seed,
 )
+from open_instruct.models import DTYPES
 
 # Tested with 0.32. The weight-sync path (Worker.reload_weights via collective_rpc) and the CPU/V1 engine internals
 # it relies on move between minor releases, so other versions are refused instead of failing mid-run.
@@ -169,13 +172,6 @@ def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Ten
         yield _clean(lora.base_name(f"{name}.weight")), _full_tensor(out.weight.detach())
 
 
-def _prompt_seed(base: int, prompt_index: int) -> int:
-    """An independent-looking 56-bit seed per prompt. vLLM gives sample j of a prompt seed+j, so seeds spaced
-    by 1 (base + i) would hand prompt i+1 the random stream of prompt i's second sample."""
-    digest = hashlib.blake2b(f"{base}:{prompt_index}".encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
-
-
 class _RNGSnapshot:
     """The global RNG states (python, numpy, torch CPU and CUDA), to undo a library that reseeds them."""
 
@@ -210,6 +206,9 @@ def _dtype_name(dtype: Any) -> str:
 
 class VLLMGenerator:
     """Colocated vLLM engine following the policy's weights (see the module docstring)."""
+
+    last_sync_bytes = 0  # the weights are handed over in-process, by reference
+    version = -1  # the label of the weights it holds (sync_weights); -1 before the first sync
 
     def __init__(
         self,
@@ -316,6 +315,19 @@ class VLLMGenerator:
         self.last_sync_seconds = 0.0
         self.sync_weights(model)  # dummy weights -> the policy's
 
+    @classmethod
+    def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> VLLMGenerator:
+        """One engine per rank, in the run's compute dtype, for rollouts and evals alike."""
+        return cls(
+            accelerator.unwrap_model(policy),
+            tokenizer,
+            max_model_len=max_model_len,
+            dtype=DTYPES[cfg.mixed_precision],
+            seed=cfg.seed,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep=cfg.vllm_enable_sleep,
+        )
+
     @staticmethod
     def _check_cpu_head_dim(hf_config: Any) -> None:
         """vLLM's CPU attention kernels take only some head sizes; fail here rather than at the first generate."""
@@ -330,8 +342,9 @@ class VLLMGenerator:
             )
 
     # ------------------------------------------------------------------------------------------------ weights
-    def sync_weights(self, model: Any) -> None:
-        """Load `model`'s current weights into the engine (collective under FSDP: call on every rank)."""
+    def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
+        """Load `model`'s current weights into the engine, labelled `version` (default: the last + 1). Collective
+        under FSDP: call on every rank."""
         t0 = time.perf_counter()
         if self._weights_released:  # memory back, contents undefined until the reload below
             self.llm.wake_up(tags=["weights"])
@@ -340,7 +353,11 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._weights_released = False
         self._model = model
+        self.version = self.version + 1 if version is None else int(version)
         self.last_sync_seconds = time.perf_counter() - t0
+
+    def generation_context(self, model: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext()  # the engine holds its own copy of the weights
 
     def _sleep(self) -> None:
         """Between generations: hand the GPU memory back to the trainer (level 2: nothing kept, the next sync
@@ -351,13 +368,13 @@ class VLLMGenerator:
 
     def _wake_for_generation(self) -> None:
         if self._weights_released:  # no sync since the last sleep: reload from the live policy
-            self.sync_weights(self._model)
+            self.sync_weights(self._model, self.version)
         if self._kv_released:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_released = False
 
     # ------------------------------------------------------------------------------------------------ generation
-    def _sampling_params(self, config: GenerationConfig, seed: Optional[int]) -> Any:
+    def _sampling_params(self, config: GenerationConfig, seed: Optional[int], max_tokens: int) -> Any:
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -367,7 +384,7 @@ class VLLMGenerator:
             top_k=0,  # off: the plain policy distribution (generation.py conventions)
             min_p=0.0,
             repetition_penalty=1.0,
-            max_tokens=config.max_new_tokens,
+            max_tokens=max_tokens,
             stop=list(config.stop_strings) if config.stop_strings else None,
             stop_token_ids=list(self.eos_ids),
             include_stop_str_in_output=True,
@@ -378,8 +395,14 @@ class VLLMGenerator:
         )
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
-        check_prompts(prompt_ids, config.max_new_tokens, self.max_model_len)
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> GenerationOutput:
+        budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
+        check_prompts(prompt_ids, budgets, self.max_model_len)
         from vllm.inputs import TokensPrompt
 
         # seed None: draw the base from the global torch RNG, so a caller that seeds torch gets repeatable rollouts.
@@ -388,8 +411,8 @@ class VLLMGenerator:
             seeds: list[Optional[int]] = [None] * len(prompt_ids)
         else:
             base = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-            seeds = [_prompt_seed(base, i) for i in range(len(prompt_ids))]
-        params = [self._sampling_params(config, s) for s in seeds]
+            seeds = [prompt_seed(base, i) for i in range(len(prompt_ids))]
+        params = [self._sampling_params(config, s, b) for s, b in zip(seeds, budgets)]
         self._wake_for_generation()
         rng = _RNGSnapshot()  # every request carries its own seed: the trainer's global RNGs stay untouched
         try:
@@ -417,6 +440,7 @@ class VLLMGenerator:
                 out.stopped.append(stopped)
                 out.logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids)])  # logprobs=0
                 out.prompt_index.append(i)
+                out.weight_versions.append([self.version] * len(ids))
         return out
 
     def close(self) -> None:

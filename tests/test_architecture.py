@@ -141,3 +141,112 @@ def test_rl_phases_are_shallow():
 def test_no_sys_path_hacks_in_the_packages():
     offenders = [m for m, path in modules().items() if "sys.path.insert" in open(path).read()]
     assert not offenders, f"sys.path.insert in {offenders}"
+
+
+def test_no_private_name_imported_from_another_module():
+    """`from x import _name` reaches into another module's insides: what two modules share is public."""
+    offenders = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                offenders += [f"{module}: from {node.module} import {name}" for name in private]
+    assert not offenders, offenders
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generation contract
+
+
+def backend_classes() -> dict[str, str]:
+    """generation_backends.BACKEND_CLASSES (name -> "module:class"), read without importing it."""
+    path = os.path.join(REPO, "open_instruct", "generation_backends.py")
+    for node in ast.parse(open(path).read(), path).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BACKEND_CLASSES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("generation_backends.BACKEND_CLASSES not found")
+
+
+def module_path(module: str) -> str:
+    return os.path.join(REPO, *module.split(".")) + ".py"
+
+
+def class_node(path: str, name: str) -> ast.ClassDef:
+    tree = ast.parse(open(path).read(), path)
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def signature(method: ast.FunctionDef) -> tuple:
+    """(positional parameter names, how many have defaults, keyword-only names, decorators): what a caller relies on."""
+    args = method.args
+    decorators = tuple(sorted(d.id for d in method.decorator_list if isinstance(d, ast.Name) and d.id != "torch"))
+    return (tuple(a.arg for a in args.args), len(args.defaults), tuple(a.arg for a in args.kwonlyargs), decorators)
+
+
+def contract_violations(path: str, name: str) -> list[str]:
+    """What class `name` of the file `path` lacks of the `generation.Generator` protocol: a method, its signature
+    (parameter names, which have defaults, classmethod), or an attribute the protocol declares (set in the class
+    body or on `self`)."""
+    protocol = class_node(module_path("open_instruct.generation"), "Generator")
+    cls = class_node(path, name)
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assigned = {
+        t.id
+        for n in cls.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in ast.walk(n)
+        if isinstance(t, ast.Name)
+    }
+    assigned |= {
+        t.attr
+        for n in ast.walk(cls)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in ast.walk(n)
+        if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"
+    }
+    problems = []
+    for item in protocol.body:
+        if isinstance(item, ast.FunctionDef):
+            if item.name not in methods:
+                problems.append(f"no method {item.name}")
+            elif signature(methods[item.name]) != signature(item):
+                problems.append(f"{item.name}{signature(methods[item.name])} is not {signature(item)}")
+        elif isinstance(item, ast.AnnAssign) and item.target.id not in assigned:
+            problems.append(f"no attribute {item.target.id}")
+    return problems
+
+
+def test_contract_check_finds_what_a_class_lacks(tmp_path):
+    bad = "class Half:\n    last_sync_seconds = 0.0\n\n    def generate(self, prompt_ids, config):\n        pass\n"
+    (tmp_path / "half.py").write_text(bad)
+    problems = contract_violations(str(tmp_path / "half.py"), "Half")
+    assert "no attribute last_sync_bytes" in problems and "no method sync_weights" in problems
+    assert any(p.startswith("generate(") for p in problems)  # no max_new_tokens: the per-request budget
+
+
+@pytest.mark.parametrize("backend", sorted(backend_classes()))
+def test_every_backend_keeps_the_whole_generation_contract(backend):
+    module, name = backend_classes()[backend].split(":")
+    assert contract_violations(module_path(module), name) == []
+
+
+def test_the_rl_script_names_no_generation_backend():
+    """Which backend generates is the config's business (generation_backends.make_generator): the RL script and its
+    plumbing hold no backend name and no backend-only knob."""
+    names = set(backend_classes())
+    for script in ("rlvr_ppo.py", "rollouts.py"):
+        path = os.path.join(REPO, "open_instruct", script)
+        tree = ast.parse(open(path).read(), path)
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        assert not strings & names, f"{script} names backend(s) {sorted(strings & names)}"
+        attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not {a for a in attributes if a.startswith("vllm_")}, f"{script} reads vLLM knobs"
+
+
+def test_the_config_offers_exactly_the_backends():
+    import typing
+
+    from open_instruct.config import RLVRConfig
+
+    offered = typing.get_args(typing.get_type_hints(RLVRConfig)["generation_backend"])
+    assert offered == tuple(backend_classes())

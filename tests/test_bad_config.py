@@ -92,6 +92,11 @@ CASES = [
     (RLVRConfig, lambda p: rl(p) + ["--num_epochs", "0"], "num_epochs"),
     (RLVRConfig, lambda p: rl(p) + ["--response_length", "-1"], "response_length"),
     (RLVRConfig, lambda p: rl(p) + ["--generation_backend", "sglang"], "--generation_backend"),
+    # names read from the rl_algorithms tables, with the closest row suggested
+    (RLVRConfig, lambda p: rl(p) + ["--advantage_estimator", "grpoo"], "advantage_estimator 'grpoo' is not one of"),
+    (RLVRConfig, lambda p: rl(p) + ["--policy_loss", "gspo2"], "did you mean 'gspo'?"),
+    (RLVRConfig, lambda p: rl(p) + ["--algo", "dpo"], "algo 'dpo' is not one of ['ppo', 'grpo']"),
+    (RLVRConfig, lambda p: rl(p) + ["--policy_loss", "cispo", "--dual_clip_c", "3"], "policy_loss ppo/gspo, not cispo"),
     (RLVRConfig, lambda p: rl(p) + ["--value_model_path", str(p["tmp"] / "missing_rm")], "value_model_path"),
     # Batch math that only the plan can check (run by --dry_run before anything loads):
     (RLVRConfig, lambda p: rl(p) + ["--per_device_train_batch_size", "3", "--dry_run", "true"], "mini_batch_size"),

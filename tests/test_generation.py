@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from open_instruct.generation import GenerationConfig, Generator, HFGenerator, finalize_response
-from open_instruct.generation_backends import make_generator
+from open_instruct.generation_backends import generator_for
 from open_instruct.models import load_causal_lm, load_tokenizer, token_logprobs
 
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
@@ -44,14 +44,18 @@ def _ids(x):
 
 def test_protocol_and_backends(lm):
     model, tokenizer = lm
-    gen = make_generator("hf", model, tokenizer, batch_size=2)
+    gen = generator_for("hf", model, tokenizer, batch_size=2)
     assert isinstance(gen, Generator) and isinstance(gen, HFGenerator)
-    assert gen.sync_weights(model) is None
+    assert gen.sync_weights(model) is None and gen.version == 0  # the first sync: version 0
+    gen.sync_weights(model, 7)
+    out = gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=3, temperature=0))
+    assert out.weight_versions == [[7] * len(out.response_ids[0])]  # the version of every sampled token
+    assert (gen.last_sync_seconds, gen.last_sync_bytes) == (0.0, 0)
     if importlib.util.find_spec("vllm") is None:  # the optional backend names itself when it is missing
         with pytest.raises(NotImplementedError, match="vllm"):
-            make_generator("vllm", model, tokenizer)
+            generator_for("vllm", model, tokenizer)
     with pytest.raises(ValueError, match="unknown generation backend"):
-        make_generator("jax", model, tokenizer)
+        generator_for("jax", model, tokenizer)
     with pytest.raises(ValueError, match="temperature"):
         GenerationConfig(temperature=-1)
 
@@ -155,3 +159,22 @@ def test_rescored_logprobs_are_finite(lm, prompts):
             lp = token_logprobs(logits, seq[:, 1:], temperature)[0, -len(resp) :]
             assert lp.shape[0] == len(resp) and torch.isfinite(lp).all()
             assert all(not math.isnan(x) and x <= 0 for x in lp.tolist())
+
+
+def test_per_prompt_budgets_cut_each_response_like_a_shorter_max_new_tokens(lm, prompts):
+    """Token in, token out for episodes at different turns: prompt 1 already holds an earlier turn (its first
+    prompt + the response to it + the next prompt), and each prompt has its own remaining budget. A prompt's
+    response is exactly what generating it alone with max_new_tokens = its budget gives."""
+    model, tokenizer = lm
+    gen = HFGenerator(model, tokenizer, batch_size=4)
+    first, second = _ids(prompts[0]), _ids(prompts[1])
+    greedy = GenerationConfig(max_new_tokens=10, temperature=0)
+    earlier = gen.generate([first], greedy).response_ids[0]
+    episodes = [second, first + earlier + second]  # episode 0 at its first turn, episode 1 at its second
+    out = gen.generate(episodes, greedy, max_new_tokens=[3, 7])
+    for i, budget in enumerate([3, 7]):
+        alone = gen.generate([episodes[i]], GenerationConfig(max_new_tokens=budget, temperature=0))
+        assert out.response_ids[i] == alone.response_ids[0] and out.stopped[i] == alone.stopped[0]
+        assert len(out.response_ids[i]) <= budget and len(out.logprobs[i]) == len(out.response_ids[i])
+    with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 2 prompts"):
+        gen.generate(episodes, greedy, max_new_tokens=[3])

@@ -8,9 +8,7 @@ import torch
 from open_instruct.data import collate_episodes
 from open_instruct.rlvr_ppo import (
     approx_kl,
-    clipped_policy_loss,
     clipped_value_loss,
-    derived_seed,
     entropy_from_logits,
     episode_score,
     gae_advantages,
@@ -20,7 +18,9 @@ from open_instruct.rlvr_ppo import (
     masked_var,
     masked_whiten,
     per_token_rewards,
+    ppo_policy_loss,
 )
+from open_instruct.rollouts import derived_seed
 
 T = torch.tensor
 
@@ -101,7 +101,7 @@ def test_per_token_rewards_score_on_last_token():
     assert close(r, [[-0.1, -0.2, 9.7], [-0.4, -1.5, 0.0]])
 
 
-def test_clipped_policy_loss_four_cases():
+def test_symmetric_ppo_clip_four_cases():
     # cliprange 0.2; ratio = exp(logp - old):
     #   ratio 1.5, A=+1: max(-1.5, -1.2) = -1.2  (clipped: no credit past 1.2)
     #   ratio 0.5, A=+1: max(-0.5, -0.8) = -0.5  (unclipped)
@@ -110,17 +110,17 @@ def test_clipped_policy_loss_four_cases():
     old = torch.zeros(4)
     logp = T([math.log(1.5), math.log(0.5), math.log(1.5), math.log(0.5)])
     adv = T([1.0, 1.0, -1.0, -1.0])
-    loss, clipped = clipped_policy_loss(logp, old, adv, 0.2)
+    loss, clipped = ppo_policy_loss(logp, old, adv, 0.2, 0.2)
     assert close(loss, [-1.2, -0.5, 1.5, 0.8])
     assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
     # Inside the trust region the loss is -A * ratio and its gradient is -A * ratio.
     lp = T([0.1], requires_grad=True)
-    loss, _ = clipped_policy_loss(lp, T([0.0]), T([2.0]), 0.2)
+    loss, _ = ppo_policy_loss(lp, T([0.0]), T([2.0]), 0.2, 0.2)
     loss.sum().backward()
     assert close(lp.grad, [-2.0 * math.exp(0.1)])
     # Outside it (ratio 1.5 > 1.2 with A > 0) there is no gradient.
     lp = T([math.log(1.5)], requires_grad=True)
-    clipped_policy_loss(lp, T([0.0]), T([1.0]), 0.2)[0].sum().backward()
+    ppo_policy_loss(lp, T([0.0]), T([1.0]), 0.2, 0.2)[0].sum().backward()
     assert lp.grad.item() == 0.0
 
 

@@ -426,6 +426,49 @@ def test_script_runs_every_estimator_and_loss(variant, tiny_models, rl_files, tm
         assert 0.0 <= train[0]["train/filtered_groups_fraction"] <= 1.0
 
 
+def test_a_new_estimator_and_policy_loss_registered_from_a_test_file(tiny_models, rl_files, tmp_path):
+    """A forker's variant, one function + one table row each, written here (no library edit): the config accepts the
+    names, the script dispatches to them, and the logged numbers are the hand-worked ones. Advantage 1 on every real
+    token; loss -A * ratio with every token marked clipped. One epoch in one mini-batch trains on the weights that
+    sampled, so ratio = exp(logp - sg[logp]) = 1: loss/policy = token mean of -1 = -1, clipfrac/policy = 1."""
+    from open_instruct import rlvr_ppo, runtime
+    from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
+
+    calls = {"estimator": 0, "loss": 0}
+
+    @advantage_estimator("all_ones", uses_groups=False, kl_in_reward=False)
+    def all_ones(cfg, rollout, accelerator):
+        calls["estimator"] += 1
+        return Advantages(rollout.mask.clone(), None, 0.0, torch.ones(len(rollout.scores), dtype=torch.bool))
+
+    @policy_loss("unclipped_ratio", takes_dual_clip=False)
+    def unclipped_ratio(cfg, logp, old_logp, advantages, mask):
+        calls["loss"] += 1
+        ratio = torch.exp(logp - old_logp)
+        return -advantages * ratio, torch.ones_like(ratio)
+
+    out = tmp_path / "out"
+    try:
+        runtime.run(rlvr_ppo.main, [
+            os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+            "--dataset_name_or_path", rl_files["train"], "--eval_dataset_name_or_path", rl_files["eval"],
+            "--output_dir", str(out), "--total_episodes", "16",
+            "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8",
+            "--gradient_accumulation_steps", "1", "--num_epochs", "1", "--response_length", "6", "--beta", "0",
+            "--eval_steps", "100", "--checkpointing_steps", "100", "--save_final_model", "false",
+            "--advantage_estimator", "all_ones", "--policy_loss", "unclipped_ratio",
+        ])  # fmt: skip
+    finally:
+        del ADVANTAGE_ESTIMATORS["all_ones"], POLICY_LOSSES["unclipped_ratio"]
+    train = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in train if "loss/policy" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2] and calls == {"estimator": 2, "loss": 2}
+    for r in train:
+        assert r["loss/policy"] == pytest.approx(-1.0, abs=1e-6)
+        assert r["clipfrac/policy"] == pytest.approx(1.0, abs=1e-6)
+        assert "loss/value" not in r  # the row's traits: no value model
+
+
 def test_resume_layout_tells_apart_what_the_saved_state_holds():
     """A value model exists only with gae and the parameters are adapters only with LoRA: resuming across either
     change is refused before any model loads (a checkpoint from before these knobs reads as their defaults)."""

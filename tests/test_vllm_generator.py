@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response
-from open_instruct.generation_backends import make_generator
+from open_instruct.generation_backends import generator_for
 from open_instruct.models import token_logprobs
 from open_instruct.vllm_generator import (
     ANY_VERSION_ENV,
@@ -63,7 +63,7 @@ def test_installed_version_is_checked(monkeypatch):
 def test_missing_extra_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, as in the main venv
     with pytest.raises(VLLMUnavailableError, match="requirements-vllm.txt") as err:
-        make_generator("vllm", torch.nn.Linear(2, 2), None)
+        generator_for("vllm", torch.nn.Linear(2, 2), None)
     assert isinstance(err.value, ImportError) and isinstance(err.value, NotImplementedError)
 
 
@@ -147,7 +147,7 @@ def engine():
     torch.manual_seed(123)
     expected_draw = torch.rand(4)
     torch.manual_seed(123)
-    gen = make_generator("vllm", model, tokenizer, max_model_len=256, seed=0, kv_cache_memory_bytes=256 << 20)
+    gen = generator_for("vllm", model, tokenizer, max_model_len=256, seed=0, kv_cache_memory_bytes=256 << 20)
     side_effects = {
         "rng_kept": torch.equal(torch.rand(4), expected_draw),
         "threads_kept": torch.get_num_threads() == threads,
@@ -333,7 +333,7 @@ def test_tied_embeddings_follow_the_policy(engine):
     _, _, tokenizer, prompts, _ = engine
     model = _tiny_cpu_llama(tokenizer, seed=1, tie_word_embeddings=True)
     # A second engine in this process; left open (closing one tears down torch.distributed state both share).
-    gen = make_generator("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20)
+    gen = generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20)
     assert gen.untied_lm_head
     cfg = GenerationConfig(max_new_tokens=16, temperature=0)
     hf = HFGenerator(model, tokenizer, batch_size=4)

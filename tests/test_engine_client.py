@@ -52,7 +52,7 @@ def tiny_policy(path: str, seed: int, tie: bool) -> tuple:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One engine on CPU serving a tied-embedding tiny Llama (dummy weights), and a generator pushed the policy."""
-    from open_instruct.vllm_server import ServerGenerator
+    from open_instruct.engine_client import ServerGenerator
 
     root = str(tmp_path_factory.mktemp("server"))
     model, tokenizer = tiny_policy(os.path.join(root, "policy"), seed=0, tie=True)
@@ -97,7 +97,7 @@ def test_greedy_equals_hf_before_and_after_a_broadcast(server):
     want = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
     got = gen.generate(prompts, cfg)
     assert got.response_ids == want.response_ids and got.texts == want.texts and got.stopped == want.stopped
-    assert got.weight_versions == [1] * 5 and got.prompt_index == [0, 1, 2, 3, 4]
+    assert got.weight_versions == [[1] * len(r) for r in got.response_ids] and got.prompt_index == [0, 1, 2, 3, 4]
     assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "1"
     assert gen.last_sync_bytes == sum(p.numel() * 4 for p in model.parameters()) + model.lm_head.weight.numel() * 4
 
@@ -107,7 +107,7 @@ def test_greedy_equals_hf_before_and_after_a_broadcast(server):
     gen.sync_weights(model, version=2)
     want2 = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
     got2 = gen.generate(prompts, cfg)
-    assert got2.response_ids == want2.response_ids and got2.weight_versions == [2] * 5
+    assert got2.response_ids == want2.response_ids and got2.weight_versions == [[2] * len(r) for r in got2.response_ids]
     assert got2.response_ids != got.response_ids  # the broadcast changed what the engine samples
     assert requests.get(f"{gen.urls[0]}/weight_info").json()["weight_version"] == "2"
 
@@ -142,7 +142,7 @@ def test_a_stale_engine_is_caught(server):
     with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \['3'\], not the 4"):
         gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0))
     gen.sync_weights(model, version=5)  # a fresh broadcast puts it right
-    assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions == [5]
+    assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions[0][0] == 5
 
 
 def test_engine_that_fails_to_start_names_itself(tmp_path):
@@ -190,7 +190,7 @@ def test_engines_started_apart_are_checked_before_the_models_load(server, task):
 KILLED_MID_BROADCAST = """
 import sys, time
 from transformers import AutoTokenizer, LlamaForCausalLM
-from open_instruct.vllm_server import ServerGenerator
+from open_instruct.engine_client import ServerGenerator
 
 url, path = sys.argv[1], sys.argv[2]
 model, tokenizer = LlamaForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
@@ -219,7 +219,7 @@ def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_up
 
     import requests
 
-    from open_instruct.vllm_server import ServerGenerator
+    from open_instruct.engine_client import ServerGenerator
 
     gen, model, tokenizer, prompts, root = server
     url, cfg = gen.urls[0], GenerationConfig(max_new_tokens=16, temperature=0)
@@ -238,7 +238,7 @@ def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_up
         got = restarted.generate(prompts, cfg)
         assert got.response_ids == HFGenerator(policy, tokenizer, batch_size=4).generate(prompts, cfg).response_ids
         assert got.response_ids != HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg).response_ids
-        assert got.weight_versions == [10 + seed] * len(prompts)
+        assert got.weight_versions == [[10 + seed] * len(r) for r in got.response_ids]
         assert requests.get(f"{url}/is_paused", timeout=60).json() == {"is_paused": False}
         restarted.close()
 
@@ -456,7 +456,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from open_instruct.generation import GenerationConfig, HFGenerator
-from open_instruct.vllm_server import ServerGenerator
+from open_instruct.engine_client import ServerGenerator
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -486,7 +486,7 @@ out = gen.generate(prompts, g)
 result = dict(
     sharded=sum(isinstance(p, DTensor) for p in policy.parameters()),
     synced=out.response_ids == HFGenerator(full, tok).generate(prompts, g).response_ids,
-    versions=out.weight_versions, bytes=gen.last_sync_bytes,
+    versions=sorted({v for row in out.weight_versions for v in row}), bytes=gen.last_sync_bytes,
 )
 with open(os.path.join(os.environ["OUT"], f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
@@ -520,6 +520,6 @@ def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
         engines.close()
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["sharded"] > 0 and result["synced"] and result["versions"] == [7, 7]
+        assert result["sharded"] > 0 and result["synced"] and result["versions"] == [7]
     # rank 0 sent the weights (+ the untied lm_head), in float32
     assert json.loads((tmp_path / "rank0.json").read_text())["bytes"] > 0

@@ -1,9 +1,10 @@
-"""Generation on dedicated vLLM engines (`generation_backend: vllm_server`), with weights broadcast from the trainer.
+"""The client of dedicated vLLM engines (`generation_backend: vllm_server`; `engines.py` starts them): generation
+requests over HTTP, weights broadcast from the trainer.
 
     gen = ServerGenerator(urls, tokenizer, eos_ids, policy, transfer="gloo", ...)   # every trainer rank
     gen.sync_weights(policy, version=3)     # collective: FSDP gathers, rank 0 broadcasts to every engine worker
     out = gen.generate(prompt_ids, GenerationConfig(...))   # this rank's prompts, spread over the engines
-    out.weight_versions                     # per response: the version of the weights that sampled it (3)
+    out.weight_versions                     # per response token: the version of the weights that sampled it (3)
 
 Same contract as the other backends (generation.py): token-id prompts in, per response `response_ids` cut after the
 first stop (the shared `finalize_response`), `texts`, `stopped`, `prompt_index`, and `logprobs` = the engine's
@@ -31,16 +32,25 @@ weight-transfer engine): a `vllm_server` trainer runs in the vLLM venv.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
 from open_instruct.engines import EngineError
-from open_instruct.generation import GenerationConfig, GenerationOutput, check_prompts, finalize_response
+from open_instruct.generation import (
+    GenerationConfig,
+    GenerationOutput,
+    check_prompts,
+    finalize_response,
+    new_token_budgets,
+    prompt_seed,
+)
 
 
 def free_port() -> int:
@@ -226,6 +236,12 @@ class ServerGenerator:
             info.timeout_s = timeout
         self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.fleet, source=self.source)
 
+    @classmethod
+    def from_config(
+        cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int
+    ) -> ServerGenerator:
+        return build(cfg, policy, tokenizer, accelerator, max_model_len)
+
     # ------------------------------------------------------------------------------------------------ weights
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
         """Broadcast the policy's weights to every engine, labelled `version` (default: the last + 1). Collective:
@@ -259,7 +275,9 @@ class ServerGenerator:
         if self.local_engines is not None:
             self.local_engines.check_alive()
 
-    def _request(self, engine: int, prompt: list[int], config: GenerationConfig, seed: Optional[int]) -> dict:
+    def _request(
+        self, engine: int, prompt: Sequence[int], config: GenerationConfig, seed: Optional[int], max_tokens: int
+    ) -> dict:
         n = 1 if config.greedy else config.n  # vLLM refuses n > 1 with greedy sampling: the copies are identical
         sampling = {
             "n": n,
@@ -268,7 +286,7 @@ class ServerGenerator:
             "top_k": 0,
             "min_p": 0.0,
             "repetition_penalty": 1.0,
-            "max_tokens": config.max_new_tokens,
+            "max_tokens": max_tokens,
             "stop_token_ids": self.eos_ids,
             "logprobs": 0,
             "seed": seed,
@@ -281,10 +299,14 @@ class ServerGenerator:
         return {"engine": engine, "choices": choices * (config.n if n == 1 and config.n > 1 else 1)}
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], config: GenerationConfig) -> GenerationOutput:
-        check_prompts(prompt_ids, config.max_new_tokens, self.max_model_len)
-        from open_instruct.vllm_generator import _prompt_seed
-
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> GenerationOutput:
+        budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
+        check_prompts(prompt_ids, budgets, self.max_model_len)
         self._check_engines()
         base = None  # greedy needs no seed and leaves the global RNG alone
         if not config.greedy:
@@ -295,7 +317,8 @@ class ServerGenerator:
                 (self.rank + i) % len(self.urls),
                 p,
                 config,
-                None if base is None else _prompt_seed(base, i),
+                None if base is None else prompt_seed(base, i),
+                budgets[i],
             )
             for i, p in enumerate(prompt_ids)
         ]
@@ -324,7 +347,10 @@ class ServerGenerator:
         out.stopped.append(stopped)
         out.logprobs.append([float(step["logprob"]) for step in content[: len(ids)]])
         out.prompt_index.append(i)
-        out.weight_versions.append(self.version if self.version is not None else -1)
+        out.weight_versions.append([self.version if self.version is not None else -1] * len(ids))
+
+    def generation_context(self, model: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext()  # the engines hold their own copy of the weights
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -335,8 +361,7 @@ class ServerGenerator:
 
 def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> ServerGenerator:
     """The recipe's engines (started here on rank 0 when vllm_server_urls is unset) and a ServerGenerator on every
-    rank. Collective: every rank calls it."""
-    import os
+    rank. Collective: every rank calls it (`ServerGenerator.from_config`)."""
 
     from accelerate.utils import broadcast_object_list
 

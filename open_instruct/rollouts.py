@@ -1,0 +1,333 @@
+"""The RL plumbing a forker of `rlvr_ppo.py` should not need to touch: where each rollout's prompts and completions
+come from (`RolloutSampler`, with the seeds that make a resumed run re-draw the same samples), the verifier call, the
+per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the held-out prompts, the samples.jsonl
+rows, and loading the prompts (checked before any model loads).
+
+The RL math, the phases of a rollout step and `main` stay in `rlvr_ppo.py`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AutoConfig
+
+from open_instruct import console, data, rewards
+from open_instruct.code_verifier import CodeSettings
+from open_instruct.config import RLVRConfig
+from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
+from open_instruct.errors import ConfigError
+from open_instruct.generation import GenerationConfig
+
+
+def derived_seed(seed: int, *parts: int) -> int:
+    """A deterministic 63-bit seed from (seed, rollout_step, rank, ...): resuming at a rollout re-draws its samples."""
+    return random.Random(":".join(str(p) for p in (seed, *parts))).getrandbits(63)
+
+
+def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
+    """The rollout's sampling: num_samples_per_prompt completions per prompt, a seed per (step, rank)."""
+    return GenerationConfig(
+        max_new_tokens=cfg.response_length,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        stop_strings=cfg.stop_strings,
+        n=cfg.num_samples_per_prompt,
+        seed=derived_seed(cfg.seed, step, rank),
+    )
+
+
+class RolloutSampler:
+    """Where each rollout's completions come from.
+
+    async_steps 0: at rollout k, sync the engine to the policy (version k = rollouts trained on), then generate.
+    async_steps 1 (dedicated engines): when rollout k's completions are taken, rollout k+1 is submitted with the
+    weights of version k, and generates while the trainer updates on rollout k; so rollout k+1 is trained on by
+    version k+1 weights, one update after the weights that sampled it (policy lag 1; truncated IS corrects it).
+    Weights are only sent when no generation is in flight. A rollout in flight when the run stops (SIGTERM, kill)
+    is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
+
+    def __init__(
+        self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
+    ) -> None:
+        self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
+        self.num_rollouts = num_rollouts
+        self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
+        self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
+        self.synced: Optional[int] = None
+        self.bytes_sent = 0  # weight bytes sent to the engines over a transport, read by the log row
+
+    def sync(self, version: int) -> float:
+        """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
+        if version == self.synced:
+            return 0.0
+        t0 = time.perf_counter()
+        self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
+        self.synced = version
+        self.bytes_sent += self.generator.last_sync_bytes
+        return time.perf_counter() - t0
+
+    def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        config = sampling_config(self.cfg, step, self.accelerator.process_index)
+        return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
+
+    def take(self, step: int) -> tuple[list[dict], Any, dict[str, float], int]:
+        """This rank's prompts of rollout `step`, their completions, the seconds spent: weight_sync, generation
+        (what the trainer waited for) and generation_engine (the engines' wall time for it), and the weight bytes
+        sent meanwhile."""
+        seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
+        t0 = time.perf_counter()
+        if self.pending is not None and self.pending[0] == step:
+            _, prompts, future = self.pending
+            out, engine_seconds = future.result()
+        else:  # synchronous, the first rollout, or the first after a resume
+            seconds["weight_sync"] += self.sync(step)
+            t0 = time.perf_counter()
+            prompts = self.prompts_for(step)
+            with self.generator.generation_context(self.policy):
+                out, engine_seconds = self._generate(step, prompts)
+        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
+        self.pending = None
+        if self.pool is not None and step + 1 < self.num_rollouts:
+            seconds["weight_sync"] += self.sync(step)
+            prompts_next = self.prompts_for(step + 1)
+            self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
+        return prompts, out, seconds, self.bytes_sent - bytes_before
+
+    def idle(self) -> None:
+        """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
+        if self.pending is not None:
+            self.pending[2].result()
+
+
+def score_texts(
+    cfg: RLVRConfig, texts: list[str], examples: list[dict], tokenizer: Any, response_ids: list[list[int]]
+) -> Any:
+    """Verifier rewards of completions (each row's verifier, under the time limit), plus the weighted custom reward
+    functions (reward_functions; `correct` stays the verifiers' verdict)."""
+    scored = rewards.score_batch(
+        texts,
+        [e["ground_truth"] for e in examples],
+        [e["verifier"] for e in examples],
+        verification_reward=cfg.verification_reward,
+        timeout=cfg.verifier_timeout,
+        code=code_settings(cfg),
+    )
+    if not cfg.reward_functions:
+        return scored
+    extra = rewards.custom_rewards(
+        cfg.reward_functions,
+        cfg.reward_function_weights,
+        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
+        completions=texts,
+        completion_ids=response_ids,
+        ground_truth=[e["ground_truth"] for e in examples],
+        dataset=[e["verifier"] for e in examples],
+    )
+    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
+
+
+def code_settings(cfg: RLVRConfig) -> CodeSettings:
+    """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
+    return CodeSettings(
+        reward=cfg.code_reward,
+        test_seconds=cfg.code_test_seconds,
+        memory_mb=cfg.code_memory_mb,
+        workers=cfg.sandbox_workers,
+        batch_timeout=cfg.sandbox_batch_timeout,
+        hide_paths=(cfg.output_dir,),
+    )
+
+
+class PhaseClock:
+    """Seconds per phase and response tokens over the rollouts since the last log row (eval and checkpoint time
+    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
+
+    PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
+
+    def __init__(self) -> None:
+        self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
+        self.engine_seconds, self.sync_bytes = 0.0, 0
+
+    def add(self, seconds: dict[str, float], tokens: int, sync_bytes: int) -> None:
+        for k, v in seconds.items():
+            if k in self.seconds:
+                self.seconds[k] += v
+        # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
+        self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
+        self.sync_bytes += sync_bytes
+        self.rollouts += 1
+        self.tokens += tokens
+
+    def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
+        k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
+        busy = max(sum(self.seconds.values()), 1e-9)
+        row = {f"time/{name}": v / k for name, v in self.seconds.items()}
+        row["time/generation_engine"] = self.engine_seconds / k
+        row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (0: in-process)
+        # async: the share of the engines' generation time hidden behind training (0 when synchronous)
+        waited = self.seconds["generation"]
+        row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
+        row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
+        row["perf/response_tokens_per_second"] = tokens / busy
+        self.__init__()
+        return row
+
+
+def evaluate(
+    cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, tokenizer: Any, accelerator: Any
+) -> dict[str, float]:
+    """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
+    (eval/<source>/correct_rate) when the held-out set mixes sources."""
+    local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
+    greedy = GenerationConfig(
+        max_new_tokens=cfg.eval_response_length or cfg.response_length,
+        temperature=0.0,
+        stop_strings=cfg.stop_strings,
+        max_batch_size=cfg.per_device_eval_batch_size,
+    )
+    with generator.generation_context(policy):  # collective under FSDP: every rank joins, even one without prompts
+        out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
+    sources = data.mixed_sources(evals)
+    sums = zero_sums_by_source(sources, ("correct", "score", "length", "non_stop", "n"))
+    if out is not None:
+        scored = score_texts(cfg, out.texts, local, tokenizer, out.response_ids)
+        for i, example in enumerate(local):  # one response per prompt (greedy, n = 1)
+            for name in ["", example["source"]] if sources else [""]:
+                sums[name]["correct"] += float(scored.correct[i])
+                sums[name]["score"] += float(scored.rewards[i])
+                sums[name]["length"] += float(len(out.response_ids[i]))
+                sums[name]["non_stop"] += float(not out.stopped[i])
+                sums[name]["n"] += 1.0
+    totals = global_sums_by_source(accelerator, sums)
+    t, n = totals[""], max(totals[""]["n"], 1.0)
+    return {
+        "eval/correct_rate": t["correct"] / n,
+        "eval/score_mean": t["score"] / n,
+        "eval/response_length": t["length"] / n,
+        "eval/non_stop_rate": t["non_stop"] / n,
+        **{f"eval/{s}/correct_rate": totals[s]["correct"] / max(totals[s]["n"], 1.0) for s in sources},
+    }
+
+
+def sample_rows(rollout: Any, tokenizer: Any, k: int) -> list[dict[str, Any]]:
+    """The first k completions of this rollout, for samples.jsonl."""
+    return [
+        {
+            "prompt": tokenizer.decode(e["prompt_ids"]),
+            "response": rollout.texts[j],
+            "score": float(rollout.scores[j]),
+            "ground_truth": str(e["ground_truth"]),
+            "stopped": bool(rollout.stopped[j]),
+        }
+        for j, e in enumerate(rollout.episodes[:k])
+    ]
+
+
+def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
+    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
+    the batch plan, and the longest prompt + response a generator must hold."""
+    train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
+    rewards.check_verifiers(train, "train")
+    rewards.check_verifiers(evals, "eval")
+    plan = cfg.batch_plan(accelerator.num_processes, len(train))
+    model_config = AutoConfig.from_pretrained(
+        cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
+    )
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    longest_prompt = max(len(e["prompt_ids"]) for e in train + evals)
+    longest_response = max(cfg.response_length, cfg.eval_response_length or cfg.response_length)
+    if max_positions and longest_prompt + longest_response > max_positions:
+        raise ConfigError(
+            f"longest prompt {longest_prompt} tokens + response_length {longest_response} exceeds the "
+            f"model's max_position_embeddings {max_positions}: lower max_prompt_length or response_length"
+        )
+    if accelerator.is_main_process:
+        print(console.startup_summary(cfg, plan, stats.summary(), len(evals)), flush=True)
+    return train, evals, plan, longest_prompt + longest_response
+
+
+@dataclass
+class RLModels:
+    """The policy (trained), the value model (PPO, trained), the frozen reference (None when beta is 0) and the
+    optional frozen reward model. All prepared by accelerate (FSDP-sharded under FSDP)."""
+
+    policy: Any
+    value: Optional[Any] = None
+    reference: Optional[Any] = None
+    reward: Optional[Any] = None
+
+    def trained(self) -> dict[str, Any]:
+        return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
+
+
+def load_models(
+    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, plan: Any
+) -> tuple[RLModels, dict[str, Any], dict[str, Any]]:
+    """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
+    initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate.
+    (The model loaders are looked up when called, so a test can stand in for them.)"""
+    from open_instruct.lora import apply_lora
+    from open_instruct.models import (
+        DTYPES,
+        TokenValueModel,
+        disable_dropout,
+        load_policy,
+        load_sequence_classifier,
+        make_optimizer_and_scheduler,
+    )
+
+    def causal_lm() -> Any:
+        model = load_policy(cfg)
+        disable_dropout(model)
+        return model
+
+    def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
+        classifier = load_sequence_classifier(
+            path,
+            DTYPES["no"],
+            gguf_file,
+            cfg.trust_remote_code,
+            pad_token_id=tokenizer.pad_token_id,
+            require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
+            attn_implementation=cfg.attention_kernel,
+        )
+        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
+
+    # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
+    models = RLModels(
+        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
+        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
+    )
+    if cfg.uses_value_model:
+        # A fresh scalar head (value model from the policy) is initialised the same way every run.
+        torch.manual_seed(cfg.seed)
+        models.value = scalar_model(
+            cfg.value_model_path or cfg.model_name_or_path, None if cfg.value_model_path else cfg.gguf_file, True
+        )
+        disable_dropout(models.value.seq_cls)
+    if cfg.reward_model_path:
+        models.reward = scalar_model(cfg.reward_model_path, None, False)
+    if cfg.activation_checkpointing:
+        models.policy.gradient_checkpointing_enable()
+        if models.value is not None:
+            models.value.seq_cls.gradient_checkpointing_enable()
+    optimizers, schedulers = {}, {}
+    for name, model in models.trained().items():
+        optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
+        prepared, optimizers[name] = accelerator.prepare(model, optimizer)
+        setattr(models, name, prepared)
+    if models.reference is not None:
+        models.reference = prepare_frozen(accelerator, models.reference)
+    elif cfg.use_lora and cfg.beta > 0:
+        models.reference = models.policy  # collect_rollout runs it with the adapters disabled
+    if models.reward is not None:
+        models.reward = prepare_frozen(accelerator, models.reward)
+    return models, optimizers, schedulers
