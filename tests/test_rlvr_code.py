@@ -35,8 +35,8 @@ def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
         gen = real(*args, **kwargs)
         generate = gen.generate
 
-        def with_known_texts(prompts, config):
-            out = generate(prompts, config)
+        def with_known_texts(prompts, config, *args, **kwargs):
+            out = generate(prompts, config, *args, **kwargs)
             out.texts = [PROGRAM.format(j=i % 4) for i in range(len(out.texts))]
             return out
 
@@ -44,6 +44,7 @@ def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
         return gen
 
     monkeypatch.setattr(generation_backends, "make_generator", make_generator)
+    monkeypatch.setattr(rlvr_ppo, "make_generator", make_generator)  # the script's own name for it
 
 
 def expected_score(sample: dict) -> float:
