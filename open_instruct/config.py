@@ -850,7 +850,7 @@ def load_recipe(path: str) -> dict[str, Any]:
 
 def _is_key(token: str) -> bool:
     """`--name` or `--name=value` (a value may start with dashes too: `-----`, `-1e-8`)."""
-    return re.match(r"--[A-Za-z_][\w-]*(=|$)", token) is not None
+    return re.match(r"--[A-Za-z_][\w.-]*(=|$)", token) is not None
 
 
 def _value_kinds(cls: type) -> dict[str, str]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -53,12 +54,13 @@ from typing import Optional, Sequence
 logger = logging.getLogger(__name__)
 
 SANDBOX_UID_BASE = 61000  # below 65536: mapped in most container user namespaces
+MAX_SLOTS = 1024  # sandbox uids 61000 .. 62023, shared by every process on the machine
 SLOTS_PER_PROCESS = 64  # concurrent calls per training process
-MAX_LOCAL_RANKS = 16
-MAX_SLOTS = SLOTS_PER_PROCESS * MAX_LOCAL_RANKS
-# Slot k of the process with LOCAL_RANK r runs as uid/gid 61000 + 64 r + k: the training processes of one node never
-# share a uid, so one's fork bomb cannot use up another's RLIMIT_NPROC, and a kill by uid hits only its own call.
-_SLOT_OFFSET = (int(os.environ.get("LOCAL_RANK", "0") or 0) % MAX_LOCAL_RANKS) * SLOTS_PER_PROCESS
+# Each call runs as its own uid/gid SANDBOX_UID_BASE + slot, held for the call by an exclusive flock on
+# <tmp>/open_instruct_sandbox_slots_<trainer uid>/<slot>.lock: no two calls on the machine share a uid at once (ranks
+# of one node, two runs, two test suites), so one's fork bomb cannot use up another's RLIMIT_NPROC and the kill by uid
+# after a call hits only its own processes. A process that dies drops its locks with it.
+SLOT_LOCK_DIR = os.path.join(tempfile.gettempdir(), f"open_instruct_sandbox_slots_{os.getuid()}")
 BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
 _KILL_GRACE_SECONDS = 1.0  # after the program's end or a kill: how long leftover pipe holders get to close them
 _STDERR_SCAN_CHARS = 4000  # the tail of stderr read to name the limit behind a failure
@@ -113,20 +115,45 @@ class Isolation:
 # --------------------------------------------------------------------------------------------------------
 # Slots: one uid per concurrent call, so limits and the final kill never touch another call
 # --------------------------------------------------------------------------------------------------------
-_free_slots = list(range(_SLOT_OFFSET + SLOTS_PER_PROCESS - 1, _SLOT_OFFSET - 1, -1))
+_held_slots: dict[int, int] = {}  # slot -> the fd holding its lock, for calls in flight in this process
+_used_slots: set[int] = set()  # every slot this process has run a call in
 _slots_lock = threading.Lock()
 
 
+def _try_lock_slot(slot: int) -> Optional[int]:
+    """The fd of slot's lock file, locked exclusively, or None when another call holds it."""
+    os.makedirs(SLOT_LOCK_DIR, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(SLOT_LOCK_DIR, f"{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
 def _take_slot() -> int:
+    """A slot no other call on this machine holds (machine-wide by flock; the search starts at a pid-dependent
+    place so concurrent processes rarely probe the same locks)."""
     with _slots_lock:
-        if not _free_slots:
+        if len(_held_slots) >= SLOTS_PER_PROCESS:
             raise RuntimeError(f"more than {SLOTS_PER_PROCESS} concurrent sandbox calls in one process")
-        return _free_slots.pop()
+        first = (os.getpid() * SLOTS_PER_PROCESS) % MAX_SLOTS
+        for k in range(MAX_SLOTS):
+            slot = (first + k) % MAX_SLOTS
+            if slot in _held_slots:
+                continue
+            fd = _try_lock_slot(slot)
+            if fd is not None:
+                _held_slots[slot] = fd
+                _used_slots.add(slot)
+                return slot
+        raise RuntimeError(f"all {MAX_SLOTS} sandbox uids of this machine are in use ({SLOT_LOCK_DIR})")
 
 
 def _give_slot(slot: int) -> None:
     with _slots_lock:
-        _free_slots.append(slot)
+        os.close(_held_slots.pop(slot))
 
 
 def _tasks_of_uid(uid: int) -> list[int]:
@@ -147,7 +174,15 @@ def _tasks_of_uid(uid: int) -> list[int]:
 
 
 def sandbox_processes() -> list[int]:
-    """Pids of every process running as one of this process's sandbox uids (none once its calls have returned)."""
+    """Pids of every process running as a sandbox uid this process has used, while no other process's call holds
+    that uid (none once this process's calls have returned: what a call left behind)."""
+    with _slots_lock:
+        mine = set(_held_slots)
+        for slot in _used_slots - mine:
+            fd = _try_lock_slot(slot)
+            if fd is not None:  # nobody runs a call as this uid now: whatever runs as it is a leftover
+                mine.add(slot)
+                os.close(fd)
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -155,7 +190,7 @@ def sandbox_processes() -> list[int]:
                 uid = os.stat(f"/proc/{entry}").st_uid
             except OSError:
                 continue
-            if 0 <= uid - SANDBOX_UID_BASE - _SLOT_OFFSET < SLOTS_PER_PROCESS:
+            if uid - SANDBOX_UID_BASE in mine:
                 found.append(int(entry))
     return found
 

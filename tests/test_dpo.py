@@ -219,7 +219,7 @@ def test_two_processes_match_one_and_write_the_same_cache(runs, two_process_run)
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    assert "world_size 2" in two_process_run["log"]  # the data line printed by rank 0: a real 2-process group
+    assert "2 processes" in two_process_run["log"]  # the start-up line printed by rank 0: a real 2-process group
     with open(two_process_run["two"] / "checkpoints" / f"step_{STEPS}" / "trainer_state.json") as f:
         assert json.load(f)["world_size"] == 2
     one, two = _cache_file(runs["cache_one"]), _cache_file(two_process_run["cache_two"])

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import select
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -37,8 +38,8 @@ def iso():
 
 
 def contained(res, limits=FAST):
-    """Returned in time, and nothing runs on as this process's sandbox uids (another test session on the machine
-    would share them; the daemon test also checks by pid namespace, which nothing else shares)."""
+    """Returned in time, and nothing runs on as a sandbox uid this process used (uids are machine-wide: another
+    process's call never runs as one this process holds or checks)."""
     assert res.setup_error is None, res.setup_error
     assert res.seconds < limits.wall_seconds + MARGIN, res.seconds
     assert sandbox.sandbox_processes() == []
@@ -283,3 +284,37 @@ def test_rlimits_mode_still_limits_and_kills_the_process_group():
             os.close(pidfd)
     finally:
         sandbox.force_isolation(previous.mode)
+
+
+def test_concurrent_processes_never_share_a_sandbox_uid(iso):
+    """Sandbox uids are taken machine-wide (an exclusive flock per uid), not per process: with every uid but slot 5
+    held by another process, this process's call runs as uid 61005; a second copy of the test suite or a second run
+    on the node cannot land on a uid whose processes the first would count or kill."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys\n"
+            f"d = {sandbox.SLOT_LOCK_DIR!r}\n"
+            "os.makedirs(d, exist_ok=True)\n"
+            "fds = []\n"
+            f"for slot in range({sandbox.MAX_SLOTS}):\n"
+            "    if slot == 5:\n"
+            "        continue\n"
+            "    fd = os.open(os.path.join(d, f'{slot}.lock'), os.O_RDWR | os.O_CREAT, 0o600)\n"
+            "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "    fds.append(fd)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the holder signals once every lock is taken
+        res = contained(run_in_sandbox("import os\nprint(os.getuid())", limits=ROOMY), ROOMY)
+        assert int(res.stdout) == sandbox.SANDBOX_UID_BASE + 5
+    finally:
+        holder.stdin.close()
+        holder.wait()
