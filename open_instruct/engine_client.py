@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
-from open_instruct.engines import EngineError
+from open_instruct.engines import EngineError, free_port
 from open_instruct.generation import (
     GenerationConfig,
     GenerationOutput,
@@ -51,12 +51,6 @@ from open_instruct.generation import (
     new_token_budgets,
     prompt_seed,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class EngineFleet:
@@ -391,9 +385,11 @@ def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len
                 devices = engines.free_generation_devices(local_world) if on_gpu else None
                 if on_gpu and cfg.vllm_engine_devices is not None:  # e.g. one GPU shared: --vllm_engine_devices 0
                     devices = list(cfg.vllm_engine_devices)
-                specs = engines.specs_for_config(cfg, model_dir, devices, "127.0.0.1", free_port(), max_model_len)
-                local = engines.LocalEngines(
-                    specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout
+                specs = engines.specs_for_config(
+                    cfg, model_dir, devices, "127.0.0.1", engines.free_port(), max_model_len
+                )
+                local = engines.LocalEngines(  # ports of our own choosing: another free one if taken meanwhile
+                    specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout, repick_ports=True
                 )
                 shared = [local.urls]
             except Exception as e:  # every rank must leave the broadcast: tell them, then raise here

@@ -26,12 +26,13 @@ import atexit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from open_instruct.errors import ConfigError
@@ -87,6 +88,12 @@ class EngineSpec:
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
+
+    def on_port(self, port: int) -> "EngineSpec":
+        """The same engine listening on `port` instead."""
+        argv = list(self.argv)
+        argv[argv.index("--port") + 1] = str(port)
+        return replace(self, port=port, argv=argv)
 
     def shell(self) -> str:
         import shlex
@@ -160,6 +167,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def free_port() -> int:
+    """A port free at this moment (the OS's pick): a server started later may still find it taken."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+PORT_TAKEN = "Address already in use"
+PORT_RETRIES = 3
+
+
 def healthy(url: str, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
@@ -169,32 +187,43 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
 
 
 class LocalEngines:
-    """Engines started on this node as child processes; `close()` (or the trainer's death) stops them."""
+    """Engines started on this node as child processes; `close()` (or the trainer's death) stops them.
 
-    def __init__(self, specs: list[EngineSpec], log_dir: str, start_timeout: float, die_with_parent: bool = True):
-        self.specs, self.procs, self.logs = specs, [], []
+    repick_ports: the ports were picked by us (free_port), not given by the user: an engine that finds its port taken
+    by the time it binds (another process took it between the pick and vLLM's start-up, seconds later) is started
+    again on a new free port, up to PORT_RETRIES times; `urls` then name the ports the engines really listen on."""
+
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        log_dir: str,
+        start_timeout: float,
+        die_with_parent: bool = True,
+        repick_ports: bool = False,
+    ):
+        self.specs, self.procs, self.logs = list(specs), [], []
+        self.die_with_parent, self.repick_ports = die_with_parent, repick_ports
         os.makedirs(log_dir, exist_ok=True)
-        for spec in specs:
-            log_path = os.path.join(log_dir, f"engine_{spec.index}.log")
-            log = open(log_path, "ab")
-            self.logs.append(log_path)
-            self.procs.append(
-                subprocess.Popen(
-                    spec.argv,
-                    env={**os.environ, **spec.env},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=_die_with_parent if die_with_parent else None,
-                    start_new_session=True,  # its own process group: close() reaches the engine's core and workers
-                )
-            )
-            log.close()
+        for spec in self.specs:
+            self.logs.append(os.path.join(log_dir, f"engine_{spec.index}.log"))
+            self.procs.append(self._start(spec, self.logs[-1]))
         atexit.register(self.close)  # also when the run stops on an error (a dead server's orphaned core included)
         try:
             self.wait_ready(start_timeout)
         except BaseException:
             self.close()
             raise
+
+    def _start(self, spec: EngineSpec, log_path: str) -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                spec.argv,
+                env={**os.environ, **spec.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                start_new_session=True,  # its own process group: close() reaches the engine's core and workers
+            )
 
     @property
     def urls(self) -> list[str]:
@@ -211,9 +240,15 @@ class LocalEngines:
 
     def wait_ready(self, timeout: float) -> None:
         deadline, waiting = time.monotonic() + timeout, set(range(len(self.specs)))
+        retries = [0] * len(self.specs)
         while waiting:
             for i in sorted(waiting):
                 if self.procs[i].poll() is not None:
+                    if self.repick_ports and retries[i] < PORT_RETRIES and PORT_TAKEN in self.log_tail(i, 500):
+                        retries[i] += 1
+                        self.specs[i] = self.specs[i].on_port(free_port())
+                        self.procs[i] = self._start(self.specs[i], self.logs[i])
+                        continue
                     raise EngineError(
                         f"vLLM engine {i} ({self.specs[i].url}) exited with code {self.procs[i].returncode} while "
                         f"starting; its log {self.logs[i]} ends:\n{self.log_tail(i)}"
