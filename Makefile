@@ -9,7 +9,7 @@ NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo bench-throughput \
-        bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code \
+        bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
@@ -82,6 +82,8 @@ bench-grpo: install
 # The code verifier: sandboxed responses verified per second with 2 workers (bench_code_verifier.py).
 bench-code: install
 	$(PY) bench/bench_code_verifier.py $(ARGS)
+bench-tokenize: install
+	$(PY) bench/bench_tokenize.py $(ARGS)
 # Throughput on long-tailed lengths (32..1024), SFT/RM/DPO(/GRPO), ours padded and packed vs TRL, MFU (bench_throughput.py).
 bench-throughput: install
 	$(PY) bench/bench_throughput.py --preset cpu $(ARGS)
