@@ -609,7 +609,9 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     )
     tools: list[str] = field(
         default_factory=lambda: ["calculator"],
-        metadata={"help": "Tools of the tool environment (calculator, python = the sandbox); a row's `tools` narrow it."},
+        metadata={
+            "help": "Tools of the tool environment (calculator, python: the sandbox); a row's `tools` narrow them."
+        },
     )
     tool_call_format: Literal["hermes", "fenced"] = opt(
         "hermes", "hermes: <tool_call>{json}</tool_call> (Qwen templates); fenced: ```python blocks (ReTool)."
