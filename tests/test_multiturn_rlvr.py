@@ -150,6 +150,38 @@ def test_scripted_episodes_are_what_the_script_says(tiny_models, tiny):
     assert observation_positions(out)[0].sum() > 0 and observation_positions(out)[1].sum() == 0
 
 
+def test_rows_carry_their_environment_tools_and_tool_turns(tiny_models, tiny, tmp_path):
+    """A row's `environment` and `tools` columns win over the recipe's; a prompt holding an assistant tool call
+    (content null) and its tool answer is accepted and rendered; `dataset` may be a one-name list; a row without
+    an environment column keeps the recipe's."""
+    from open_instruct import data
+    from open_instruct.environments import MultiTurnEnvironment, ToolEnvironment
+    from open_instruct.rollouts import environment_run, render_environment_prompts
+
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+2"}}}
+    lines = [
+        {"messages": [{"role": "user", "content": "2+2, then double it"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "content": "4"}],
+         "ground_truth": "8", "dataset": ["arithmetic"], "tools": ["calculator"]},
+        {"messages": [{"role": "user", "content": "3+3="}], "ground_truth": "6", "dataset": "arithmetic",
+         "environment": "multi_turn", "follow_ups": ["sure?"]},
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    cfg = config(tiny_models, "--tools", "calculator", "python")
+    examples, _ = data.tokenize_prompts(data.load_rows(str(path)), tiny["tokenizer"], cfg)
+    assert examples[0]["verifier"] == "arithmetic" and examples[0]["example"]["tools"] == ["calculator"]
+    assert examples[0]["example"]["messages"][1]["tool_calls"] == [call]
+    environments = environment_run(cfg, tiny["tokenizer"])
+    first, second = environments.environment(examples[0]), environments.environment(examples[1])
+    assert isinstance(first, ToolEnvironment) and isinstance(second, MultiTurnEnvironment)
+    rendered = render_environment_prompts(cfg, examples, environments)
+    first.reset(examples[0]["example"])
+    assert first.all_tools == ("calculator", "python") and first.enabled == ("calculator",)  # the row narrowed it
+    assert "<|tool|>\n4<|end|>" in tiny["tokenizer"].decode(rendered[0]["prompt_ids"])
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_observation_tokens_carry_no_loss_weight(tiny_models, tiny, estimator, loss):
@@ -272,6 +304,33 @@ def test_one_and_two_ranks_give_the_same_update(tiny_models, tiny, estimator):
     one, two = gradients([[[0, 1, 2, 3]]]), gradients([[[0, 1]], [[2, 3]]])
     assert max((a - b).abs().max().item() for a, b in zip(one, two)) < 1e-6
     assert max(a.abs().max().item() for a in one) > 1e-4
+
+
+def test_packed_micro_batches_give_the_padded_loss(tiny_models, tiny):
+    """Packing (max_tokens_per_micro_batch: every episode's prompt + policy and observation tokens in one packed
+    row, sdpa_varlen) gives the padded rollout's log-probs, values, advantages, loss and gradients."""
+    from open_instruct.models import load_causal_lm
+    from open_instruct.rlvr_ppo import compute_advantages, micro_batch_loss
+
+    results = []
+    for extra in ([], ["--max_tokens_per_micro_batch", "2048"]):
+        cfg = config(tiny_models, "--num_epochs", "2", "--beta", "0.05", *extra)
+        torch.manual_seed(0)
+        models_in = {
+            **tiny,
+            "policy": load_causal_lm(tiny_models["causal_lm"], attn_implementation=cfg.attention_kernel),
+        }
+        models, rollout, _ = rollout_of(cfg, models_in, on_policy=False)
+        adv = compute_advantages(cfg, rollout, ONE_PROCESS)
+        models.policy.zero_grad(set_to_none=True)
+        loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+        loss_sum.backward()
+        results.append((rollout, adv, float(loss_sum.detach()), [p.grad.clone() for p in models.policy.parameters()]))
+    (padded, adv_a, loss_a, grads_a), (packed, adv_b, loss_b, grads_b) = results
+    assert torch.allclose(padded.old_logp, packed.old_logp, atol=1e-5)
+    assert torch.allclose(adv_a.advantages, adv_b.advantages, atol=1e-4)
+    assert abs(loss_a - loss_b) < 1e-4 * max(1.0, abs(loss_a))
+    assert max((a - b).abs().max().item() for a, b in zip(grads_a, grads_b)) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------------------------
