@@ -403,7 +403,7 @@ def argv(e2e, out, *extra):
         os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), RECIPE, "--model_name_or_path", e2e["model"],
         "--dataset_name_or_path", e2e["train"], "--eval_dataset_name_or_path", e2e["eval"], "--output_dir", str(out),
         "--total_episodes", "24", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2",
-        "--per_device_train_batch_size", "8", "--response_length", "40", "--max_turn_tokens", "8",
+        "--per_device_train_batch_size", "8", "--response_length", "200", "--max_turn_tokens", "8",
         "--max_turns", "3", "--tool_output_max_tokens", "8", "--tool_timeout", "0.2", "--eval_steps", "100",
         "--checkpointing_steps", "1", "--num_samples_logged", "2", *extra,
     ]  # fmt: skip
@@ -446,20 +446,55 @@ def test_calculator_environment_trains_end_to_end(tiny_models, tmp_path):
     assert samples[0]["conversation"].startswith("<|user|>\n") and "turns" in samples[0]
 
 
-def test_user_file_environment_with_hanging_and_crashing_tools_trains(e2e, tmp_path):
+@pytest.fixture(scope="module")
+def user_env_run(e2e):
+    out = e2e["root"] / "one_process"
+    run_script(argv(e2e, out, "--environment", e2e["env"], "--checkpointing_steps", "100"))
+    return out
+
+
+def test_user_file_environment_with_hanging_and_crashing_tools_trains(user_env_run):
     """An environment from a user file (import path /path/file.py:Class) whose python tool hangs on some rows and
     raises on others: those calls come back as error observations, counted by reason, and the run finishes."""
-    out = tmp_path / "out"
-    run_script(argv(e2e, out, "--environment", e2e["env"], "--checkpointing_steps", "100"))
+    out = user_env_run
     train = [r for r in read_rows(out) if "loss/policy" in r]
     assert len(train) == 3
     errors = {k: sum(r.get(k, 0) for r in train) for k in ("train/tool_errors_python_hung",
                                                           "train/tool_errors_python_crash")}  # fmt: skip
     assert errors["train/tool_errors_python_hung"] > 0 and errors["train/tool_errors_python_crash"] > 0
-    assert all(r["train/tool_calls_per_episode"] == 1.0 for r in train)
+    assert all(r["train/tool_calls_per_episode"] == 1.0 and r["train/turns_per_episode"] == 2.0 for r in train)
     assert all(r["train/observation_token_share"] > 0 for r in train)
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert any("[[observation]]" in s["conversation"] for s in samples)
+
+
+@pytest.mark.slow
+def test_two_processes_count_episodes_and_tool_errors_as_one(e2e, user_env_run, tmp_path):
+    """The same run on 2 processes (torchrun, DDP over gloo), 2 prompts per rank: every rollout consumes the same
+    prompts, so the deterministic episode counts (turns, tool calls, tool errors by reason, summed over ranks whose
+    reasons differ) and the counters equal the one-process run's."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_", "OPEN_INSTRUCT_FAULT"))}
+    env.update(ACCELERATE_USE_CPU="true", WANDB_MODE="disabled")
+    out = tmp_path / "two"
+    args = argv(e2e, out, "--environment", e2e["env"], "--checkpointing_steps", "100")
+    args[args.index("--local_rollout_batch_size") + 1] = "2"
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "2 processes" in proc.stdout + proc.stderr
+    keys = ("episode", "rollout_step", "optimizer_step", "train/turns_per_episode", "train/tool_calls_per_episode",
+            "train/tool_errors", "train/tool_errors_python_hung", "train/tool_errors_python_crash")  # fmt: skip
+    one = [{k: r.get(k) for k in keys} for r in read_rows(user_env_run) if "loss/policy" in r]
+    two = [{k: r.get(k) for k in keys} for r in read_rows(out) if "loss/policy" in r]
+    assert one == two and len(one) == 3
 
 
 def test_bad_environment_exits_2_before_loading(e2e, tmp_path):
