@@ -337,8 +337,11 @@ def test_packed_micro_batches_give_the_padded_loss(tiny_models, tiny):
 # End to end: the script, in a subprocess
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+def script_env() -> dict:
+    """The environment of a script run: this one's (the session's data cache folder included), one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
 
 USER_ENV = '''
 import json, os, threading
@@ -410,7 +413,7 @@ def argv(e2e, out, *extra):
 
 
 def run_script(args, env=None, timeout=300):
-    out = subprocess.run([sys.executable, *args], cwd=REPO, env=env or ENV, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, *args], cwd=REPO, env=env or script_env(), capture_output=True, text=True,
                          timeout=timeout)  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     return out
@@ -478,7 +481,7 @@ def test_two_processes_count_episodes_and_tool_errors_as_one(e2e, user_env_run, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in ENV.items() if not k.startswith(("ACCELERATE_", "FSDP_", "OPEN_INSTRUCT_FAULT"))}
+    env = {k: v for k, v in script_env().items() if not k.startswith(("ACCELERATE_", "FSDP_", "OPEN_INSTRUCT_FAULT"))}
     env.update(ACCELERATE_USE_CPU="true", WANDB_MODE="disabled")
     out = tmp_path / "two"
     args = argv(e2e, out, "--environment", e2e["env"], "--checkpointing_steps", "100")
@@ -502,7 +505,7 @@ def test_bad_environment_exits_2_before_loading(e2e, tmp_path):
                         ("tool", "tools: unknown ['abacus']")]:  # fmt: skip
         extra = ["--tools", "calculator", "abacus"] if spec == "tool" else []
         proc = subprocess.run([sys.executable, *argv(e2e, tmp_path / "o", "--environment", spec, *extra)], cwd=REPO,
-                              env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+                              env=script_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
         assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
@@ -518,7 +521,7 @@ def test_killed_inside_a_tool_call_resumes_bit_exactly(e2e, tmp_path):
     run_script(argv(e2e, ref, "--environment", e2e["env"]))
     gate = str(tmp_path / "gate")
     # tool steps: 4 in the step-0 evaluation, 8 in rollout 1 (4 prompts x 2): the 13th is rollout 2's first
-    env = {**ENV, "MT_GATE": gate, "MT_GATE_AT": "13"}
+    env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "13"}
     proc = subprocess.Popen([sys.executable, *argv(e2e, out, "--environment", e2e["env"])], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
