@@ -182,6 +182,57 @@ def test_rows_carry_their_environment_tools_and_tool_turns(tiny_models, tiny, tm
     assert "<|tool|>\n4<|end|>" in tiny["tokenizer"].decode(rendered[0]["prompt_ids"])
 
 
+class TwoRewardedTurns:
+    """A test environment (found by import path test_multiturn_rlvr:TwoRewardedTurns): turn 1 earns 0.25 and is
+    answered "go on", turn 2 earns 0.5 and ends the episode."""
+
+    tools: list = []
+
+    def reset(self, example):
+        self.turn = 0
+        return example["messages"]
+
+    def step(self, action):
+        from open_instruct.environments import StepResult
+
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": "go on"}], 0.25, False, {})
+        return StepResult(None, 0.5, True, {"correct": True})
+
+    def action_end(self, text):
+        return None
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "last"])
+def test_turn_rewards_land_on_each_turns_last_policy_token(tiny_models, tiny, aggregation):
+    """turn_reward_aggregation sum: the score is verification_reward x (0.25 + 0.5) and the per-token rewards (beta
+    0) are 2 x 0.25 on turn 1's last policy token and 2 x 0.5 on turn 2's; last: 2 x 0.5 on the episode's last
+    policy token only. Nothing on observation tokens."""
+    from open_instruct.rlvr_ppo import RLModels, collect_rollout, kl_rewards
+    from open_instruct.rollouts import environment_run
+
+    cfg = config(tiny_models, "--environment", "test_multiturn_rlvr:TwoRewardedTurns", "--beta", "0.0",
+                 "--turn_reward_aggregation", aggregation, "--verification_reward", "2.0")  # fmt: skip
+    tiny_scripts = [["ab", "cd", "efg", "h"], ["ij", "k", "l", "mn"]]  # 2 turns each
+    environments = environment_run(cfg, tiny["tokenizer"])
+    prompts = [{**r, "prompt_ids": environments.prompt_ids(r)} for r in rows()]
+    out = environments.play(ScriptedGenerator(tiny["tokenizer"], tiny_scripts), prompts, GenerationConfig(n=2, seed=1))
+    run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tiny["tokenizer"])
+    rollout = collect_rollout(cfg, RLModels(policy=tiny["policy"]), prompts, out, {}, 0, run, True, 0)
+    want_score = 2.0 * (0.75 if aggregation == "sum" else 0.5)
+    assert rollout.scores.tolist() == [want_score] * 4
+    per_token = kl_rewards(cfg, rollout)
+    for i, episode in enumerate(out.episodes):
+        first_end, last_end = episode.turns[0].policy_end - 1, episode.turns[1].policy_end - 1
+        want = torch.zeros(per_token.shape[1])
+        if aggregation == "sum":
+            want[first_end] += 0.5
+        want[last_end] += 1.0
+        assert torch.equal(per_token[i], want), (i, per_token[i].nonzero().tolist())
+        assert episode.loss_mask[first_end] == 1 and episode.loss_mask[first_end + 1] == 0  # an observation follows
+
+
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_observation_tokens_carry_no_loss_weight(tiny_models, tiny, estimator, loss):
