@@ -1,9 +1,10 @@
 """Multi-turn episodes in RLVR training (rlvr_ppo.py with `environment:`): observation tokens carry no loss weight
 for every estimator and policy loss, the loss of a 2-turn episode equals the hand-computed one, 1 and 2 ranks give
 the same update, packed micro-batches give the padded loss, per-turn rewards land on each turn's last policy token,
-rows carry their own environment, tools and tool turns, and end to end: the calculator environment trains, an environment from a user file trains, a
-tool that hangs or crashes yields an error observation and the run goes on, and a run SIGKILLed inside a tool call
-resumes to the uninterrupted run's weights and metrics bit for bit.
+rows carry their own environment, tools and tool turns, and end to end: the calculator environment trains, an
+environment from a user file trains, a tool that hangs or crashes yields an error observation and the run goes on,
+2 processes count episodes as one, and a run SIGKILLed inside a tool call resumes to the uninterrupted run's
+weights and metrics bit for bit.
 
 The in-process tests play scripted turns through the Generator contract (ScriptedGenerator: each round's i-th
 request gets its script's next turn) against the calculator, then run the trainer's own phases on the tiny model."""
