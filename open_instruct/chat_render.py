@@ -2,20 +2,23 @@
 every conversation with those roles is the skeleton with its contents filled in (string joins, no Jinja per row).
 
 That is exact only for a template that treats a message's content as opaque text: it may concatenate it and write
-it out, but not test, measure, trim, split, escape or compare it (anything that could make the output depend on the
-content other than by inserting it verbatim). Each skeleton is proven so while it is made:
+it out (and trim it, below), but not test, measure, split, escape or compare it (anything that could make the
+output depend on the content other than by inserting it verbatim). Each skeleton is proven so while it is made:
 
 1. The template is rendered (a Jinja environment like transformers') with every content replaced by a `ContentText`
    marker, a str whose every operation other than `+` and being written out is recorded. Any recorded operation
    means the template reads contents: no skeleton, those conversations go through `apply_chat_template`.
 2. The same conversation, markers as plain strings, goes through the tokenizer's own `apply_chat_template`; the two
-   texts must be equal (so our environment renders this template as transformers does), and every marker must come
-   out verbatim (an escaping filter, `tojson`, would change its quote, backslash or newline).
+   texts must be equal, but for the tags of trimmed markers (so our environment renders this template as
+   transformers does), and every marker must come out verbatim (an escaping filter, `tojson`, would change its
+   quote, backslash or newline).
 3. A second set of contents is rendered both ways (the tokenizer's, and filled into the skeleton): equal.
 
 With no recorded operation the template's control flow cannot depend on the contents, so the skeleton holds for
-every conversation with those roles (validated messages hold only role and content). Templates here: the named ones
-(chat_templates.py) but llama-3 (it trims contents) have skeletons.
+every conversation with those roles (validated messages hold only role and content). One operation is modelled
+rather than refused: `trim` (`strip()` with no argument) of a bare content, as Llama 3's template does; the slot is
+then filled with `content.strip()`, which is what `trim` computes. The named templates (chat_templates.py) and the
+tests' template all have skeletons.
 """
 
 from __future__ import annotations
@@ -29,16 +32,24 @@ from typing import Any, Optional, Sequence
 Messages = list[dict[str, str]]
 
 MARK_OPEN, MARK_CLOSE = '\ue000"\\\n', "\ue001"  # private-use characters around quote, backslash, newline
-MARK_RE = re.compile(re.escape(MARK_OPEN) + r"(\d+)" + re.escape(MARK_CLOSE))
+MARK_RE = re.compile(re.escape(MARK_OPEN) + r"(\d+)(s?)" + re.escape(MARK_CLOSE))  # s: the content stripped
 MAX_SKELETONS = 50_000  # distinct (template, roles) pairs kept; past this the cache is cleared
 
 
 class ContentText(str):
     """A message's content while a template is probed: `+` (either side) keeps the mark on the result; writing it
-    out is what the probe environment's finalize does; every other str operation is logged in `reads`."""
+    out is what the probe environment's finalize does; `strip()` of a bare content (Jinja's `trim`, as Llama 3's
+    template does) gives its stripped marker; every other str operation is logged in `reads`."""
 
     __slots__ = ()
     reads: list[str] = []
+
+    def strip(self, chars: Any = None) -> Any:
+        bare = MARK_RE.fullmatch(self)
+        if chars is None and bare is not None and not bare.group(2):
+            return ContentText(f"{MARK_OPEN}{bare.group(1)}s{MARK_CLOSE}")
+        ContentText.reads.append("strip")
+        return str.strip(self, chars)
 
     def __add__(self, other: Any) -> Any:
         return ContentText(str.__add__(self, other))
@@ -62,7 +73,7 @@ def _logged(name: str) -> Any:
 _NOT_READS = {
     "__new__", "__init__", "__getattribute__", "__setattr__", "__delattr__", "__init_subclass__", "__subclasshook__",
     "__class__", "__dir__", "__sizeof__", "__reduce__", "__reduce_ex__", "__getnewargs__", "__getstate__", "__repr__",
-    "__add__", "__radd__", "__class_getitem__",
+    "__add__", "__radd__", "__class_getitem__", "strip",
 }  # fmt: skip
 for _name, _value in vars(str).items():
     if callable(_value) and _name not in _NOT_READS:
@@ -106,18 +117,26 @@ def _probe_environment() -> Any:
     return _ENV
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Skeleton:
-    """A rendered conversation with holes: pieces[0] + content of message slots[0] + pieces[1] + ..."""
+    """A rendered conversation with holes: pieces[0] + content of message slots[0] (stripped if stripped[0]) +
+    pieces[1] + ..."""
 
     pieces: tuple[str, ...]
     slots: tuple[int, ...]
+    stripped: tuple[bool, ...]
 
     def fill(self, messages: Sequence[dict[str, str]]) -> str:
         parts = [self.pieces[0]]
-        for slot, piece in zip(self.slots, self.pieces[1:]):
-            parts.append(messages[slot]["content"])
-            parts.append(piece)
+        if any(self.stripped):
+            for slot, strip, piece in zip(self.slots, self.stripped, self.pieces[1:]):
+                content = messages[slot]["content"]
+                parts.append(content.strip() if strip else content)
+                parts.append(piece)
+        else:
+            for slot, piece in zip(self.slots, self.pieces[1:]):
+                parts.append(messages[slot]["content"])
+                parts.append(piece)
         return "".join(parts)
 
 
@@ -147,10 +166,10 @@ def make_skeleton(tokenizer: Any, roles: tuple[str, ...], add_generation_prompt:
     except Exception:  # noqa: BLE001  (any template failure: the plain path renders, and raises, as before)
         ContentText.reads = []
         return None
-    if probed != rendered:
+    if MARK_RE.sub(lambda m: _marker(int(m.group(1))), probed) != rendered:  # stripping leaves a marker as it is
         return None
-    parts = MARK_RE.split(rendered)
-    skeleton = Skeleton(tuple(parts[0::2]), tuple(int(i) for i in parts[1::2]))
+    parts = MARK_RE.split(probed)  # text, index, "s" or "", text, ...
+    skeleton = Skeleton(tuple(parts[0::3]), tuple(int(i) for i in parts[1::3]), tuple(s == "s" for s in parts[2::3]))
     if any(slot >= len(roles) for slot in skeleton.slots):
         return None
     other = [{"role": r, "content": f" x{i}\n"} for i, r in enumerate(roles)]

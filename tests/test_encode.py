@@ -91,19 +91,19 @@ NOT_PREFIX_STABLE = (  # a later user turn loses its end-of-turn marker when the
 )
 
 
+READS_CONTENTS = (  # tests each content: no skeleton, every conversation through apply_chat_template
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + (m['content'] if m['content'] else '(none)') }}"
+    "{{ '<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
 def tokenizers_under_test():
-    tiny = build_tokenizer()
-    llama3 = build_tokenizer()
-    llama3.chat_template = NAMED_TEMPLATES["llama-3"]
-    unstable = build_tokenizer()
-    unstable.chat_template = NOT_PREFIX_STABLE
-    return {
-        "tiny": tiny,
-        "bpe": bpe_tokenizer(),
-        "merging": merging_tokenizer(),
-        "llama3": llama3,
-        "unstable": unstable,
-    }
+    templates = {"llama3": NAMED_TEMPLATES["llama-3"], "unstable": NOT_PREFIX_STABLE, "reads": READS_CONTENTS}
+    out = {"tiny": build_tokenizer(), "bpe": bpe_tokenizer(), "merging": merging_tokenizer()}
+    for name, template in templates.items():
+        out[name] = build_tokenizer()
+        out[name].chat_template = template
+    return out
 
 
 TOKENIZERS = tokenizers_under_test()
@@ -187,7 +187,7 @@ def test_the_sample_meets_every_case():
     expected, and the reply-boundary merge and the unstable template make the old path refuse some rows."""
     roles = ("system", "user", "assistant")
     have = {name: chat_render.make_skeleton(t, roles, False) is not None for name, t in TOKENIZERS.items()}
-    assert have == {"tiny": True, "bpe": True, "merging": True, "llama3": False, "unstable": True}
+    assert have == {"tiny": True, "bpe": True, "merging": True, "llama3": True, "unstable": True, "reads": False}
     chats = chat_sample()
     assert sum(c[-1]["content"].startswith("l") for c in chats) > 0
     assert old_sft(TOKENIZERS["merging"], chats)[1] and old_sft(TOKENIZERS["unstable"], chats)[1]
@@ -197,7 +197,8 @@ def test_the_sample_meets_every_case():
 def test_prefix_tokens_come_from_the_whole_conversation(monkeypatch):
     """On the character tokenizer (and with the boundary merge, whose refusals the equality test checks) no
     conversation prefix is tokenized again: every reply's start and end come from the whole conversation's tokens
-    (PrefixTokens). Without a skeleton (llama-3), or with an added token that strips spaces, every prefix is."""
+    (PrefixTokens). Without a skeleton, with no added token in the skeleton's end (llama-3's headers are plain text
+    to this tokenizer), or with an added token that strips spaces, every prefix is."""
     tokenized: list[str] = []
     real = encode.token_ids
 
@@ -208,10 +209,10 @@ def test_prefix_tokens_come_from_the_whole_conversation(monkeypatch):
     monkeypatch.setattr(encode, "token_ids", spy)
     chats = [(c, 0) for c in chat_sample()]
     prefixes = sum(2 * sum(m["role"] == "assistant" for m in c) - 1 for c, _ in chats)  # before and through
-    for name in ("tiny", "merging", "llama3"):
+    for name in ("tiny", "merging", "reads", "llama3"):
         tokenized.clear()
         encode.encode_chats(TOKENIZERS[name], chats)
-        assert len(tokenized) == (prefixes if name == "llama3" else 0), name
+        assert len(tokenized) == (prefixes if name in ("reads", "llama3") else 0), name
     stripping = build_tokenizer()
     from tokenizers import AddedToken
 
@@ -228,7 +229,8 @@ def test_prefix_tokens_come_from_the_whole_conversation(monkeypatch):
 @pytest.mark.parametrize(
     "template",
     [
-        NAMED_TEMPLATES["llama-3"],  # `| trim`
+        "{% for m in messages %}{{ ('<' + m['content']) | trim }}{% endfor %}",  # trim of more than a content
+        "{% for m in messages %}{{ m['content'] | trim('x') }}{% endfor %}",  # trim of other characters
         "{% for m in messages %}{% if m['content'] %}{{ m['content'] }}{% endif %}{% endfor %}",  # truth test
         "{% for m in messages %}{{ m['content'].split('</think>')[-1] }}{% endfor %}",  # Qwen 3's reasoning cut
         "{% for m in messages %}{{ ('[' + m['content']) | replace('<think>', '') }}{% endfor %}",  # after a +
@@ -246,11 +248,12 @@ def test_a_template_that_reads_contents_has_no_skeleton(template):
 
 
 def test_skeletons_fill_to_the_template_output():
-    """tulu, chatml, zephyr and the tests' template have skeletons, and a filled skeleton is what the template
-    renders, for contents a template could trip on (braces, markers, backslashes, the probe's own characters)."""
+    """Every named template and the tests' have skeletons, and a filled skeleton is what the template renders, for
+    contents a template could trip on (braces, markers, backslashes, the probe's own characters, spaces that
+    llama-3's trim removes)."""
     tokenizer = build_tokenizer()
     contents = ["{{ x }}", "<|end|>", "a\\nb", chat_render.MARK_OPEN + "0" + chat_render.MARK_CLOSE, "", "  t  "]
-    for template in [tokenizer.chat_template] + [NAMED_TEMPLATES[n] for n in ("tulu", "chatml", "zephyr")]:
+    for template in [tokenizer.chat_template, *NAMED_TEMPLATES.values()]:
         tokenizer.chat_template = template
         for roles in [("user", "assistant"), ("system", "user", "assistant", "user")]:
             for generation in (False, True):
