@@ -13,7 +13,9 @@ no torch, and pyarrow only (not `datasets`, whose import alone costs about a sec
 
 from __future__ import annotations
 
+import array
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -100,13 +102,17 @@ def _to_columns(examples: list[dict[str, Any]]) -> tuple[dict[str, list], list[s
     return columns, as_json
 
 
-def _arrow_type(values: list) -> Any:
-    """int32 lists for token ids (half the bytes of int64; ids are < 2**31), else what pyarrow infers."""
+def _arrow_array(values: list) -> Any:
+    """An Arrow column. Token-id lists become int32 lists (half the bytes of int64; ids are < 2**31), built from
+    one flat array and the offsets (4x faster than pyarrow's conversion of nested Python lists)."""
+    import numpy as np
     import pyarrow as pa
 
-    if values and isinstance(values[0], list):
-        return pa.list_(pa.int32())
-    return None
+    if not values or not isinstance(values[0], list):
+        return pa.array(values)
+    flat = array.array("i", itertools.chain.from_iterable(values))
+    offsets = array.array("i", itertools.accumulate(map(len, values), initial=0))
+    return pa.ListArray.from_arrays(np.frombuffer(offsets, dtype=np.int32), np.frombuffer(flat, dtype=np.int32))
 
 
 def _from_columns(columns: dict[str, list], as_json: list[str]) -> list[dict[str, Any]]:
@@ -154,7 +160,7 @@ def save(folder: str, train: list[dict], evals: list[dict], meta: dict[str, Any]
             if not examples:
                 continue
             columns, as_json = _to_columns(examples)
-            table = pa.table({k: pa.array(v, type=_arrow_type(v)) for k, v in columns.items()})
+            table = pa.table({k: _arrow_array(v) for k, v in columns.items()})
             with pa.OSFile(os.path.join(tmp, f"{split}.arrow"), "wb") as sink:
                 with pa.ipc.new_file(sink, table.schema) as writer:
                     writer.write_table(table)
