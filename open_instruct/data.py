@@ -370,7 +370,7 @@ def tokenize_sft(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[s
                 continue
             ids, labels = ids[: cfg.max_seq_length], labels[: cfg.max_seq_length]
             stats.truncated += 1
-        if labels.count(-100) - (labels[0] == -100) == len(labels) - 1:  # labels[1:] all -100, without a copy
+        if not labels or labels.count(-100) - (labels[0] == -100) == len(labels) - 1:  # labels[1:] all -100
             stats.dropped_overlong += 1  # truncation removed every trained token
             continue
         examples.append({"input_ids": ids, "labels": labels, "row": row.index, "source": row.label})
