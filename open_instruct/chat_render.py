@@ -186,7 +186,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self._key = (tokenizer.chat_template, json.dumps(tokenizer.special_tokens_map, sort_keys=True))
+        self._key = (tokenizer.chat_template, json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
 
     def skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool) -> Optional[Skeleton]:
         key = (self._key, roles, add_generation_prompt)
