@@ -117,6 +117,17 @@ def _probe_environment() -> Any:
     return _ENV
 
 
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(template: str) -> Any:
+    if template not in _COMPILED:
+        if len(_COMPILED) >= 64:
+            _COMPILED.clear()
+        _COMPILED[template] = _probe_environment().from_string(template)
+    return _COMPILED[template]
+
+
 @dataclass(frozen=True, eq=False)
 class Skeleton:
     """A rendered conversation with holes: pieces[0] + content of message slots[0] (stripped if stripped[0]) +
@@ -152,7 +163,7 @@ def make_skeleton(tokenizer: Any, roles: tuple[str, ...], add_generation_prompt:
         return None
     variables = dict(tokenizer.special_tokens_map)
     try:
-        compiled = _probe_environment().from_string(template)
+        compiled = _compiled(template)
         ContentText.reads = []
         marked = [{"role": r, "content": ContentText(_marker(i))} for i, r in enumerate(roles)]
         probed = compiled.render(
@@ -186,7 +197,9 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
-        self._key = (tokenizer.chat_template, json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
+        template = tokenizer.chat_template  # a dict of named templates has no skeletons: its text is only a key
+        template = template if isinstance(template, str) or template is None else json.dumps(template, default=str)
+        self._key = (template, json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
 
     def skeleton(self, roles: tuple[str, ...], add_generation_prompt: bool) -> Optional[Skeleton]:
         key = (self._key, roles, add_generation_prompt)
