@@ -1,18 +1,19 @@
 """Tokenization speed at start-up: the per-row loop the scripts ran before (three chat-template calls a row, one
-process) against open_instruct.data.load_train_eval (batched rendering and tokenization, datasets.map with
-num_proc, then the tokenized-data cache), on a synthetic chat set.
+process) against open_instruct.data.load_train_eval (chat templates rendered once per role sequence, one tokenizer
+call per conversation, forked worker processes, then the tokenized-data cache), on a synthetic chat set.
 
     python bench/bench_tokenize.py [--rows 100000] [--tokenizer tiny|bpe] [--num_proc 2] [--reference_rows 5000]
 
 Data: short arithmetic chats (a user question, an assistant answer; one row in five has a second exchange), written
-as JSONL. Tokenizers, both built locally: `tiny` is the tests' character-level tokenizer (demo/tiny.py: one token a
-character, a slow regex pre-tokenizer), `bpe` a byte-level BPE (the kind Llama 3 / Qwen / GPT use) trained here on
-the synthetic texts, with a ChatML template.
+as JSONL. Tokenizers, both built locally: `tiny` is the tests' character-level tokenizer (demo/tiny.py), `bpe` a
+byte-level BPE (the kind Llama 3 / Qwen / GPT use) trained here on the synthetic texts, with a ChatML template.
 
 Reported (one JSON line per tokenizer):
 - reference rows/s (and per CPU-second): data.tokenize_sft_messages row by row, on the first --reference_rows rows
-  (what tokenize_sft did per row before the batched path; the tests compare the batched path against it). It
-  leaves out reading and validating the rows, which the first start below includes.
+  (what tokenize_sft did per row before; the tests compare the new path against it). It leaves out reading and
+  validating the rows, which the first start below includes.
+- tokenizer alone, rows per CPU-second: the fast tokenizer's batch encoder on every rendered conversation, once,
+  in one process: the floor of any path that tokenizes each conversation (the new path does, once).
 - first start: load_train_eval from the JSONL file with an empty cache: read, validate, tokenize (num_proc
   processes), write the cache entry. rows/s over the whole call, and per CPU-second (this process and its workers:
   less sensitive to other jobs on a shared machine than wall time).
@@ -103,6 +104,14 @@ def run(args: argparse.Namespace, which: str, work: str) -> dict[str, Any]:
     reference_per_cpu = len(sample) / (cpu_seconds() - c0)
     reference_load = load_avg()
 
+    texts = tokenizer.apply_chat_template([r["messages"] for r in rows], tokenize=False)
+    c0 = cpu_seconds()
+    backend = tokenizer.backend_tokenizer
+    for start in range(0, len(texts), 1000):
+        [e.ids for e in backend.encode_batch(texts[start : start + 1000], add_special_tokens=False)]
+    tokenizer_alone_per_cpu = len(texts) / (cpu_seconds() - c0)
+    del texts
+
     cache = os.path.join(work, f"cache_{which}")
     cfg = SFTConfig(
         model_name_or_path="unused",
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace, which: str, work: str) -> dict[str, Any]:
         "reference_rows_per_s": round(reference),
         "reference_rows_per_cpu_s": round(reference_per_cpu),
         "reference_load_avg": reference_load,
+        "tokenizer_alone_rows_per_cpu_s": round(tokenizer_alone_per_cpu),
         "first_start_s": round(first_s, 1),
         "first_start_rows_per_s": round(first),
         "first_start_rows_per_cpu_s": round(args.rows / first_cpu),

@@ -25,14 +25,15 @@ def build_tokenizer() -> Any:
     """Character-level tokenizer over printable ASCII, with role markers as single tokens and a chat template.
 
     `<|end|>` is both the end-of-turn marker and EOS, so generation stops where the chat template ends a turn."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + ["<unk>"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    # One token per character, newlines included; Fuse makes decode join characters without spaces.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # One token per character, newlines included: a BPE without merges splits text into characters and looks each
+    # up (the ids of a WordLevel model behind a one-character Split pre-tokenizer, which tiny models saved before
+    # use, at ~3x the speed); Fuse makes decode join characters without spaces.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

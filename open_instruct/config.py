@@ -125,7 +125,7 @@ class BaseConfig:
         "completion an assistant turn, rendered with the chat template). Message lists always use the template.",
     )
     dataset_num_proc: Optional[int] = opt(
-        None, "Processes tokenizing the data (datasets.map num_proc); unset: the CPU count (at most 16) from 10k rows."
+        None, "Processes tokenizing the data (forked workers); unset: the CPU count (at most 16) from 10k rows."
     )
     dataset_cache_dir: Optional[str] = opt(
         None,

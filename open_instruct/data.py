@@ -7,16 +7,20 @@ Row errors name the file and row (line number for .jsonl) and stop the run befor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import gc
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -50,7 +54,7 @@ class DataStats:
     format: str = ""  # the format recognised (formats.py)
     raw_string_rows: int = 0  # string rows tokenized as written (TRL's convention, string_rows raw)
     answer_turns_dropped: int = 0  # RL prompts that ended with an assistant turn, which was dropped
-    processes: int = 1  # processes that tokenized the rows (datasets.map num_proc)
+    processes: int = 1  # processes that tokenized the rows (dataset_num_proc)
     inputs: str = ""  # format, string convention and cache use, for the start-up line (load_train_eval)
 
     def as_log(self, prefix: str = "data/") -> dict[str, int]:
@@ -378,7 +382,7 @@ def tokenize_sft(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[dict[s
                 continue
             ids, labels = ids[: cfg.max_seq_length], labels[: cfg.max_seq_length]
             stats.truncated += 1
-        if all(lab == -100 for lab in labels[1:]):
+        if not labels or labels.count(-100) - (labels[0] == -100) == len(labels) - 1:  # labels[1:] all -100
             stats.dropped_overlong += 1  # truncation removed every trained token
             continue
         examples.append({"input_ids": ids, "labels": labels, "row": row.index, "source": row.label})
@@ -596,7 +600,7 @@ def prompt_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple[tuple, Any, s
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Batched tokenization (encode.py), in parallel processes for large datasets (datasets.map with num_proc)
+# Batched tokenization (encode.py), in parallel processes for large datasets (forked workers)
 
 
 def _encode_sft(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Format) -> list[Any]:
@@ -671,11 +675,6 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
 
 
 _ENCODERS = {formats.SFT: _encode_sft, formats.PREFERENCE: _encode_preference, formats.PROMPT: _encode_prompts}
-_ID_FIELDS = {
-    formats.SFT: ("input_ids", "labels"),
-    formats.PREFERENCE: ("chosen_ids", "rejected_ids"),
-    formats.PROMPT: ("prompt_ids",),
-}
 PARALLEL_FROM_ROWS = 10_000  # below this, worker start-up costs more than it saves
 MAP_BATCH_ROWS = 1000
 
@@ -691,76 +690,48 @@ def tokenize_processes(cfg: Any, num_rows: int) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), 16))
 
 
-def _encode_map_batch(batch: dict[str, list], tokenizer: Any, cfg: Any, kind: str, fmt_name: str) -> dict[str, list]:
-    """datasets.map function: rows in as JSON text (any column types), results out as JSON text or error text."""
-    fmt = next(f for f in formats.candidate_formats(kind, cfg) if f.name == fmt_name)
-    rows = [
-        Row(source, index, line if line >= 0 else None, json.loads(text), label)
-        for source, index, line, text, label in zip(
-            batch["source"], batch["index"], batch["line"], batch["json"], batch["label"]
-        )
-    ]
-    results = _ENCODERS[kind](rows, tokenizer, cfg, fmt)
-    ok = [r if not isinstance(r, DataError) else None for r in results]
-    out = {
-        "error": [str(r) if isinstance(r, DataError) else "" for r in results],
-        # the other fields (a ground truth can be any JSON value) as JSON text
-        "rest": [
-            "" if r is None else json.dumps({k: v for k, v in r.items() if k not in _ID_FIELDS[kind]}) for r in ok
-        ],
-    }
-    for key in _ID_FIELDS[kind]:  # token ids as Arrow lists (JSON text would cost ~3x more to read back)
-        out[key] = [[] if r is None else r[key] for r in ok]
+def _encode_span(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, fmt: formats.Format, span: range) -> list[Any]:
+    """Rows [span.start, span.stop), encoded in batches of MAP_BATCH_ROWS."""
+    out: list[Any] = []
+    for start in range(span.start, span.stop, MAP_BATCH_ROWS):
+        out += _ENCODERS[kind](rows[start : min(start + MAP_BATCH_ROWS, span.stop)], tokenizer, cfg, fmt)
     return out
+
+
+_JOB: tuple = ()  # in a tokenizing worker process: (rows, tokenizer, cfg, kind, format)
+
+
+def _start_worker(*job: Any) -> None:
+    """Pool initializer: the job, inherited through fork (never pickled)."""
+    global _JOB
+    _JOB = job
+
+
+def _encode_job_span(span: range) -> list[Any]:
+    return _encode_span(*_JOB, span)
 
 
 def encode_rows(rows: list[Row], tokenizer: Any, cfg: Any, kind: str, stats: DataStats) -> list[Any]:
     """Per row (in order): its encoded fields (a dict) or the DataError that names its file and row. The format is
     recognised from the first row (formats.detect_format: exit 2 naming the columns when none fits); with more
-    than one process (tokenize_processes) the rows are encoded by datasets.map(num_proc=...)."""
+    than one process (tokenize_processes) the rows are encoded by that many forked processes."""
     if not rows:
         return []
     fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
     num_proc = tokenize_processes(cfg, len(rows))
-    if num_proc == 1:  # in batches too: the rendered texts of a whole large dataset need not sit in memory at once
-        results = []
-        for start in range(0, len(rows), MAP_BATCH_ROWS):
-            results += _ENCODERS[kind](rows[start : start + MAP_BATCH_ROWS], tokenizer, cfg, fmt)
+    if num_proc == 1 or "fork" not in multiprocessing.get_all_start_methods():
+        num_proc = 1  # in batches too: the rendered texts of a whole large dataset need not sit in memory at once
+        results = _encode_span(rows, tokenizer, cfg, kind, fmt, range(len(rows)))
     else:
-        import datasets
-
-        # The processes are the parallelism: tokenizers' own threads would be turned off after the fork anyway
-        # (with a warning per process).
+        # Forked workers inherit the rows and the tokenizer (nothing is serialized on the way in); each encodes
+        # spans of rows and sends back the results. The processes are the parallelism: tokenizers' own threads
+        # would be turned off after the fork anyway (with a warning per process).
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        table = datasets.Dataset.from_dict(
-            {
-                "source": [r.source for r in rows],
-                "index": [r.index for r in rows],
-                "line": [-1 if r.line is None else r.line for r in rows],
-                "json": [json.dumps(r.data) for r in rows],
-                "label": [r.label for r in rows],
-            }
-        )
-        mapped = table.map(
-            _encode_map_batch,
-            batched=True,
-            batch_size=min(MAP_BATCH_ROWS, -(-len(rows) // num_proc)),  # every process gets rows
-            num_proc=num_proc,
-            fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "kind": kind, "fmt_name": fmt.name},
-            remove_columns=table.column_names,
-            new_fingerprint=f"open_instruct_encode_{os.getpid()}_{id(rows)}",  # no hashing of the tokenizer
-            desc=f"tokenizing {len(rows)} rows",
-        )
-        table = mapped.data.table  # whole columns at once (indexing the Dataset would convert row by row)
-        columns = {name: table.column(name).to_pylist() for name in ("error", "rest", *_ID_FIELDS[kind])}
-        results = []
-        for k, error in enumerate(columns["error"]):
-            if error:
-                results.append(DataError(error))
-                continue
-            result = json.loads(columns["rest"][k])
-            result.update({key: columns[key][k] for key in _ID_FIELDS[kind]})
-            results.append(result)
+        span = max(MAP_BATCH_ROWS, -(-len(rows) // (4 * num_proc)))  # a few spans a process: even finish
+        spans = [range(start, min(start + span, len(rows))) for start in range(0, len(rows), span)]
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(num_proc, context, _start_worker, (rows, tokenizer, cfg, kind, fmt)) as pool:
+            results = [r for part in pool.map(_encode_job_span, spans) for r in part]
     stats.format, stats.processes = fmt.name, num_proc
     stats.raw_string_rows = sum(1 for r in results if isinstance(r, dict) and r.get("raw"))
     stats.answer_turns_dropped = sum(1 for r in results if isinstance(r, dict) and r.get("answer_dropped"))
@@ -1076,7 +1047,7 @@ DATA_FIELDS = (
     "environment",  # environment runs keep each row's columns for the environment's reset
 )
 # The modules that turn rows into examples: editing one invalidates the cache.
-DATA_CODE = ("data.py", "encode.py", "formats.py", "mixture.py", "data_cache.py")
+DATA_CODE = ("data.py", "encode.py", "chat_render.py", "formats.py", "mixture.py", "data_cache.py")
 
 
 def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str, Any]:
@@ -1121,12 +1092,31 @@ def _describe_inputs(stats: DataStats, cfg: Any, cache: str) -> str:
     return f"{text}; {cache}"
 
 
+@contextlib.contextmanager
+def cycle_collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a while: loading builds millions of small dicts and lists (rows,
+    token ids) that hold no reference cycles, which it would traverse again and again as they pile up (a quarter
+    of the tokenizing time, and of reading the cache); reference counting frees them all the same."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
     """Load, validate and tokenize the train set and the held-out set (given, or split off by eval_fraction), or
     read them from the tokenized-data cache (data_cache.py) when an earlier run or a resume made them.
 
     The main process goes first (accelerate's main_process_first pattern): it tokenizes and writes the entry, the
     other processes then read it. A data error on the main process releases the others, which meet it too."""
+    with cycle_collection_paused():
+        return _load_train_eval(cfg, tokenizer, tokenize)
+
+
+def _load_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[list[dict], list[dict], DataStats]:
     root = data_cache.cache_root(getattr(cfg, "dataset_cache_dir", None))
     if root is None:
         train, evals, stats = build_train_eval(cfg, tokenizer, tokenize)

@@ -14,7 +14,9 @@ ids or an error text (data.py adds the file and row). Two conventions:
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
+
+from open_instruct.chat_render import ChatRenderer, Skeleton
 
 Messages = list[dict[str, str]]
 NOT_PREFIX = (
@@ -24,19 +26,23 @@ NOT_PREFIX = (
 
 
 def render(tokenizer: Any, conversations: Sequence[Messages], add_generation_prompt: bool) -> list[str]:
-    """The chat template applied to every conversation, in one call."""
-    if not conversations:
-        return []
-    out = tokenizer.apply_chat_template(
-        list(conversations), tokenize=False, add_generation_prompt=add_generation_prompt
-    )
-    return list(out)
+    """The chat template applied to every conversation (chat_render.ChatRenderer: skeletons where exact)."""
+    return ChatRenderer(tokenizer).render(conversations, add_generation_prompt)
+
+
+def checked_backend(tokenizer: Any, text: str) -> Any:
+    """The fast tokenizer's Rust backend when its `encode` gives what `tokenizer(text)` gives (checked on `text`:
+    transformers' per-call wrapping costs ~20% here), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    mine = backend.encode(text, add_special_tokens=False).ids
+    return backend if mine == tokenizer(text, add_special_tokens=False)["input_ids"] else None
 
 
 def token_ids(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
     """Every text tokenized in one batch call: the fast tokenizer's own batch encoder when it gives what
-    `tokenizer(text)` gives (checked on the first text: transformers' per-call wrapping costs ~20% here), else
-    `tokenizer(texts)`."""
+    `tokenizer(text)` gives (checked on the first text), else `tokenizer(texts)`."""
     if not texts:
         return []
     texts = list(texts)
@@ -46,6 +52,60 @@ def token_ids(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) ->
         if encodings[0].ids == tokenizer(texts[0], add_special_tokens=add_special_tokens)["input_ids"]:
             return [e.ids for e in encodings]
     return [list(x) for x in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+class PrefixTokens:
+    """Token ids of a conversation's prefix (the part before a reply, with the generation prompt, or through a
+    reply) without tokenizing it again, when that is provably what tokenizing it would give; else None, and the
+    caller tokenizes the prefix text.
+
+    A fast tokenizer cuts a text at its added tokens (role markers, EOS) first and tokenizes the pieces between
+    them independently. So when the prefix text is a string prefix of the whole conversation and its last added
+    token T is where the whole conversation's tokens have T (same id, same characters), the prefix's tokens are the
+    whole conversation's tokens through T, then the tokens of the short tail after T (`assistant\\n` in ChatML,
+    `\\n` after `<|assistant|>` in Tulu), which are computed once per distinct tail. This needs added tokens that
+    match the raw text exactly (not normalized, no lstrip/rstrip/single_word): checked, else always None."""
+
+    def __init__(self, tokenizer: Any, backend: Any):
+        self.tokenizer, self.backend = tokenizer, backend
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        plain = all(not (t.normalized or t.lstrip or t.rstrip or t.single_word) for t in added.values())
+        self.added = {t.content: i for i, t in added.items()} if plain and added else {}
+        self._tails: dict[str, Optional[tuple[int, str, str]]] = {}  # last piece of a skeleton -> (id, T, tail)
+        self._tail_ids: dict[tuple[str, str], Optional[list[int]]] = {}
+
+    def split_tail(self, text_end: str) -> Optional[tuple[int, str, str]]:
+        """(id, T, tail) for the last added token T in `text_end` (a skeleton's last piece) and the text after it."""
+        if text_end not in self._tails:
+            best = None
+            for content, token_id in self.added.items():
+                at = text_end.rfind(content)
+                if at >= 0 and (best is None or at + len(content) > best[0]):
+                    best = (at + len(content), token_id, content)
+            self._tails[text_end] = None if best is None else (best[1], best[2], text_end[best[0] :])
+        return self._tails[text_end]
+
+    def tail_ids(self, token: str, tail: str, token_id: int) -> Optional[list[int]]:
+        if (token, tail) not in self._tail_ids:
+            ids = self.backend.encode(token + tail, add_special_tokens=False).ids
+            self._tail_ids[(token, tail)] = ids[1:] if ids and ids[0] == token_id else None
+        return self._tail_ids[(token, tail)]
+
+    def ids(
+        self, prefix: str, skeleton: Optional[Skeleton], whole: str, encoding: Any, whole_ids: list[int]
+    ) -> Optional[list[int]]:
+        if not self.added or skeleton is None or encoding is None or not whole.startswith(prefix):
+            return None
+        split = self.split_tail(skeleton.pieces[-1])
+        if split is None:
+            return None
+        token_id, token, tail = split
+        end = len(prefix) - len(tail)  # where T ends in the text
+        t = encoding.char_to_token(end - 1)
+        if t is None or whole_ids[t] != token_id or encoding.token_to_chars(t) != (end - len(token), end):
+            return None
+        rest = self.tail_ids(token, tail, token_id)
+        return None if rest is None else whole_ids[: t + 1] + rest
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -61,47 +121,87 @@ def with_eos(text: str, eos: str) -> str:
     return text if not eos or text.endswith(eos) else text + eos
 
 
+def prefix_token_ids(
+    tokenizer: Any, renderer: ChatRenderer, wholes: "WholeTokens", requests: Sequence[tuple[int, Messages, int, bool]]
+) -> list[list[int]]:
+    """Token ids of each requested prefix (k, messages, cut, generation prompt): messages[:cut] rendered (with the
+    generation prompt or not), conversation k of `wholes` being the whole conversation it is a prefix of. From the
+    whole conversation's tokens where PrefixTokens proves them equal, else tokenized (one batch call)."""
+    skeletons = [renderer.skeleton(tuple(m["role"] for m in msgs[:cut]), gen) for _, msgs, cut, gen in requests]
+    texts: list[Optional[str]] = [None if sk is None else sk.fill(r[1]) for sk, r in zip(skeletons, requests)]
+    for generation in (True, False):  # templates without skeletons: one apply_chat_template call for each kind
+        plain = [j for j, t in enumerate(texts) if t is None and requests[j][3] == generation]
+        rendered = renderer.render([requests[j][1][: requests[j][2]] for j in plain], generation) if plain else []
+        for j, text in zip(plain, rendered):
+            texts[j] = text
+    out: list[Any] = []
+    to_tokenize: list[str] = []
+    for (k, _, _, _), skeleton, text in zip(requests, skeletons, texts):
+        ids = wholes.prefix_ids(text, skeleton, k)  # type: ignore[arg-type]
+        if ids is None:
+            to_tokenize.append(text)  # type: ignore[arg-type]
+            ids = len(to_tokenize) - 1
+        out.append(ids)
+    tokenized = token_ids(tokenizer, to_tokenize, add_special_tokens=False)
+    return [tokenized[x] if isinstance(x, int) else x for x in out]
+
+
+class WholeTokens:
+    """Whole conversations' texts and token ids (with the backend's encodings when it can be used), and the
+    PrefixTokens shortcut for their prefixes."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]):
+        self.texts = texts
+        backend = checked_backend(tokenizer, texts[0]) if texts else None
+        self.encodings = backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
+        self.ids = [e.ids for e in self.encodings] if self.encodings is not None else token_ids(tokenizer, texts, False)
+        self.prefixes = PrefixTokens(tokenizer, backend)
+
+    def prefix_ids(self, text: str, skeleton: Optional[Skeleton], k: int) -> Optional[list[int]]:
+        if self.encodings is None:
+            return None
+        return self.prefixes.ids(text, skeleton, self.texts[k], self.encodings[k], self.ids[k])
+
+
 def encode_chats(
     tokenizer: Any, chats: Sequence[tuple[Messages, int]]
 ) -> list[Union[tuple[list[int], list[int]], str]]:
     """(input_ids, labels) per (conversation, first trained turn): labels are -100 except on the tokens of each
-    assistant turn at or after `first trained turn` (the template's end-of-turn tokens included)."""
-    # Requests: every conversation in full, and per trained turn i the conversation up to i with the generation
-    # prompt and the conversation through i (the full one when i is the last turn).
-    full = render(tokenizer, [m for m, _ in chats], False)
-    starts_req: list[Messages] = []
-    ends_req: list[Messages] = []
-    turns: list[list[tuple[int, int]]] = []  # per chat: (start request or -1, end request or -1 = full)
-    for messages, first in chats:
+    assistant turn at or after `first trained turn` (the template's end-of-turn tokens included).
+
+    A turn's tokens lie between the tokens of the conversation before it (with the generation prompt) and those of
+    the conversation through it (the whole conversation for the last turn); each must be a token prefix of the
+    next, as in the per-row reference (data.tokenize_sft_messages). The prefixes' tokens: prefix_token_ids."""
+    if not chats:
+        return []
+    renderer = ChatRenderer(tokenizer)
+    wholes = WholeTokens(tokenizer, renderer.render([m for m, _ in chats], False))
+    requests: list[tuple[int, Messages, int, bool]] = []
+    turns: list[list[tuple[int, int]]] = []  # per chat: (start request or -1 = none, end request or -1 = whole)
+    for k, (messages, first) in enumerate(chats):
         mine = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant" or i < first:
                 continue
-            start = -1
+            start = end = -1
             if i > 0:
-                starts_req.append(messages[:i])
-                start = len(starts_req) - 1
-            end = -1
+                requests.append((k, messages, i, True))
+                start = len(requests) - 1
             if i < len(messages) - 1:
-                ends_req.append(messages[: i + 1])
-                end = len(ends_req) - 1
+                requests.append((k, messages, i + 1, False))
+                end = len(requests) - 1
             mine.append((start, end))
         turns.append(mine)
-    starts = render(tokenizer, starts_req, True)
-    ends = render(tokenizer, ends_req, False)
-    texts = full + starts + ends
-    ids = token_ids(tokenizer, texts, add_special_tokens=False)
-    n_full, n_starts = len(full), len(starts)
-    full_ids, start_ids, end_ids = ids[:n_full], ids[n_full : n_full + n_starts], ids[n_full + n_starts :]
+    prefix_ids = prefix_token_ids(tokenizer, renderer, wholes, requests)
 
     out: list[Union[tuple[list[int], list[int]], str]] = []
     for k, mine in enumerate(turns):
-        seq = full_ids[k]
+        seq = wholes.ids[k]
         labels = [-100] * len(seq)
         error = ""
         for start, end in mine:
-            s = start_ids[start] if start >= 0 else []
-            e = end_ids[end] if end >= 0 else seq
+            s = prefix_ids[start] if start >= 0 else []
+            e = prefix_ids[end] if end >= 0 else seq
             if e[: len(s)] != s or seq[: len(e)] != e:
                 error = NOT_PREFIX
                 break
@@ -127,14 +227,18 @@ def encode_chat_pairs(
     tokenizer: Any, triples: Sequence[tuple[Messages, Messages, Messages]]
 ) -> list[Union[tuple[list[int], list[int], int], str]]:
     """(chosen_ids, rejected_ids, prompt_len) per (prompt, chosen conversation, rejected conversation): the prompt
-    rendered with the generation prompt must be a token prefix of both."""
-    prompts = render(tokenizer, [p for p, _, _ in triples], True)
-    convs = render(tokenizer, [c for _, c, _ in triples] + [r for _, _, r in triples], False)
-    ids = token_ids(tokenizer, prompts + convs, add_special_tokens=False)
-    n = len(triples)
+    rendered with the generation prompt must be a token prefix of both (its tokens: prefix_token_ids, against the
+    chosen conversation)."""
+    if not triples:
+        return []
+    renderer = ChatRenderer(tokenizer)
+    chosen = WholeTokens(tokenizer, renderer.render([c for _, c, _ in triples], False))
+    rejected = token_ids(tokenizer, renderer.render([r for _, _, r in triples], False), add_special_tokens=False)
+    prompts = prefix_token_ids(
+        tokenizer, renderer, chosen, [(k, p, len(p), True) for k, (p, _, _) in enumerate(triples)]
+    )
     out: list[Union[tuple[list[int], list[int], int], str]] = []
-    for k in range(n):
-        p, c, r = ids[k], ids[n + k], ids[2 * n + k]
+    for p, c, r in zip(prompts, chosen.ids, rejected):
         out.append(NOT_PREFIX if c[: len(p)] != p or r[: len(p)] != p else (c, r, len(p)))
     return out
 

@@ -1,4 +1,4 @@
-"""Data formats (open_instruct/formats.py, data.py), batched tokenization (encode.py, datasets.map), the
+"""Data formats (open_instruct/formats.py, data.py), batched tokenization (encode.py, forked workers), the
 tokenized-data cache (data_cache.py) and named chat templates (chat_templates.py).
 
 Token counts are hand-worked on the tests' character tokenizer (demo/tiny.py): one token a character, role markers
@@ -238,7 +238,7 @@ def test_every_file_type_and_saved_folders_load_the_same_rows(tmp_path):
 
 
 def test_parallel_tokenization_matches_and_names_the_bad_line(tokenizer, tmp_path):
-    """datasets.map with 2 processes gives the same examples as one process; a bad row still stops the run
+    """Two forked worker processes give the same examples as one process; a bad row still stops the run
     naming its file and line."""
     rows = [{"messages": [user(f"q{i}"), assistant("a" * (i % 7 + 1))]} for i in range(60)]
     one, stats1 = sft(rows, tokenizer)
