@@ -353,3 +353,33 @@ def test_async_run_killed_in_flight_preempted_and_killed_in_a_weight_update_and_
     assert_same_weights(ref / "final_model", out / "final_model")
     lags = [r["train/version_lag_mean"] for r in read_rows(str(out)) if "train/version_lag_mean" in r]
     assert lags == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]  # rollout j: version max(j - 2, 0), lag min(j, 2)
+
+
+def test_resume_with_another_async_steps_is_refused_unless_accepted(tmp_path, capsys):
+    """The rollouts a checkpoint saved in flight were generated for its pipeline depth: a resume with another
+    async_steps is refused (exit-2 ConfigError naming both values and the flag that accepts it) unless
+    --allow_resume_changes async_steps says so; then the saved rollouts within the new bound are used and the others
+    regenerated (test_rollouts_in_flight_round_trip_through_a_checkpoint_and_stale_ones_are_regenerated)."""
+    import json
+
+    from open_instruct.config import RLVRConfig
+    from open_instruct.errors import ConfigError
+
+    def cfg(**kw):
+        c = RLVRConfig(model_name_or_path=str(tmp_path / "m"), dataset_name_or_path="d", total_episodes=8, **kw)
+        c.resolve_defaults()
+        return c
+
+    folder = tmp_path / "step_4"
+    folder.mkdir()
+    state = {"config": vars(cfg(async_steps=2)), "world_size": 1}
+    (folder / checkpoint.STATE).write_text(json.dumps(state))
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_resume_compatible(str(folder), cfg(async_steps=1), 1)
+    assert "async_steps: checkpoint 2 (rollouts in flight, saved with the checkpoint), now 1" in str(refused.value)
+    assert "--allow_resume_changes async_steps" in str(refused.value)
+    checkpoint.check_resume_compatible(
+        str(folder), cfg(async_steps=1, allow_resume_changes=["async_steps"], resume_from_checkpoint="auto"), 1
+    )
+    assert "accepting a change (allow_resume_changes): async_steps" in capsys.readouterr().out
+    checkpoint.check_resume_compatible(str(folder), cfg(async_steps=2), 1)  # the same depth: nothing to accept
