@@ -139,10 +139,47 @@ def test_a_stale_engine_is_caught(server):
     gen, model, *_ = server
     gen.sync_weights(model, version=4)
     requests.post(f"{gen.urls[0]}/update_weight_version", json={"new_version": "3"}).raise_for_status()
-    with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \['3'\], not the 4"):
+    with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \[3\], not one of \[4\]"):
         gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0))
     gen.sync_weights(model, version=5)  # a fresh broadcast puts it right
     assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions[0][0] == 5
+
+
+def test_weight_update_in_flight_keeps_the_request_and_labels_each_token(server):
+    """async_steps > 0: a weight update lands while a request generates (a generate() in flight, as the sampler's
+    background thread holds one). The engine pauses with the request kept (mode keep), takes version 8, resumes;
+    the response keeps its tokens, its first ones labelled 7 and the rest 8 (vLLM's spans, per token), and the same
+    prompt sampled afterwards is version 8 throughout."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from open_instruct.engine_client import token_versions
+
+    gen, model, _, prompts, _ = server
+    gen.sync_weights(model, version=7)
+    sampling = {"n": 1, "temperature": 1.0, "max_tokens": 200, "ignore_eos": True, "seed": 1, "logprobs": 0}
+    body = {"token_ids": prompts[0], "sampling_params": sampling, "output_mode": "tokens"}
+
+    def running() -> bool:  # the engine's own gauge: the request is being decoded
+        metrics = requests.get(f"{gen.urls[0]}/metrics", timeout=10).text
+        return any(float(v) >= 1 for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M))
+
+    with ThreadPoolExecutor(1) as pool:
+        gen.generating += 1  # a generate() in flight: the sync keeps its requests
+        try:
+            reply = pool.submit(gen.fleet.post, 0, "inference/v1/generate", body)
+            while not running():
+                assert not reply.done(), reply.result()
+            gen.sync_weights(model, version=8)
+        finally:
+            gen.generating -= 1
+        choice = reply.result()["choices"][0]
+    versions = token_versions(choice["weight_versions"], len(choice["token_ids"]), -1)
+    assert len(versions) == 200 and versions == sorted(versions) and versions[0] == 7 and versions[-1] == 8, versions
+    after = gen.generate([prompts[0]], GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1))
+    assert after.weight_versions == [[8] * len(after.response_ids[0])]
 
 
 def test_engine_that_fails_to_start_names_itself(tmp_path):
