@@ -383,3 +383,18 @@ def test_resume_with_another_async_steps_is_refused_unless_accepted(tmp_path, ca
     )
     assert "accepting a change (allow_resume_changes): async_steps" in capsys.readouterr().out
     checkpoint.check_resume_compatible(str(folder), cfg(async_steps=2), 1)  # the same depth: nothing to accept
+
+
+def test_async_hf_on_several_processes_is_refused_before_loading(monkeypatch):
+    """Async hf generation copies the whole policy per version: on several processes (a sharded policy) it is
+    refused before any model loads, naming the backend to use instead."""
+    from open_instruct.config import RLVRConfig
+    from open_instruct.errors import ConfigError
+    from open_instruct.generation_backends import check_before_loading
+
+    cfg = RLVRConfig(model_name_or_path="m", dataset_name_or_path="d", total_episodes=8, async_steps=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="async_steps 2 with generation_backend hf runs in one process .* not 2"):
+        check_before_loading(cfg, 64)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_before_loading(cfg, 64)
