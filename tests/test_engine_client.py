@@ -380,6 +380,43 @@ def test_async_grpo_learns_and_matches_sync(task):
     assert sum(hidden) / len(hidden) > 0.5, hidden  # most of the engine's time is behind training
 
 
+def test_async_two_with_in_flight_updates_preempted_resumes_with_its_rollouts_in_flight(task):
+    """async_steps 2 on a dedicated engine (weights updated with the next rollout generating): every sampled token is
+    at most 2 versions older than the trainer, the first rollouts' lags are 0 then <= 1; SIGTERM after rollout 3 drains
+    the rollouts in flight into the checkpoint, and the resumed run trains on them as saved (the first rollout after
+    the resume was sampled before it: a lag > 0, where a regenerated one would be 0), so each rollout's prompts are
+    the synchronous run's, none lost or repeated."""
+    sync_dir = os.path.join(task["root"], "sync")
+    if not os.path.exists(os.path.join(sync_dir, "final_model")):  # (test_async_grpo_learns_and_matches_sync's)
+        run(grpo_args(task, sync_dir))
+    out_dir = os.path.join(task["root"], "async2")
+    args = grpo_args(task, out_dir, "--async_steps", "2")
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    trained = lambda: [r for r in read_rows(out_dir) if "train/version_lag_mean" in r]  # noqa: E731
+    deadline = time.monotonic() + 900
+    while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and len(trained()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
+    reached = trained()[-1]["rollout_step"]
+    assert reached < 8
+    run([*args, "--resume_from_checkpoint", "auto"])
+    rows = trained()
+    assert [r["rollout_step"] for r in rows] == list(range(1, 9))
+    assert all(r["train/version_lag_max"] <= 2 for r in rows) and rows[0]["train/version_lag_max"] == 0
+    assert rows[1]["train/version_lag_max"] <= 1 and rows[reached]["train/version_lag_mean"] > 0
+    sampled = lambda d: [(r["rollout_step"], r["prompt"]) for r in read_rows_of(d, "samples.jsonl")]  # noqa: E731
+    assert sampled(out_dir) == sampled(sync_dir)
+
+
+def read_rows_of(out_dir: str, name: str) -> list[dict]:
+    with open(os.path.join(out_dir, name)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def test_killed_engine_stops_the_run_with_a_clear_error(task):
     """Kill the engine after the first checkpoint: the trainer exits non-zero naming the engine, and the checkpoint
     it had written is intact (a resume with a new engine finishes the run)."""
