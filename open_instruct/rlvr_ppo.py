@@ -681,7 +681,9 @@ def ppo(
 def gspo(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gspo_policy_loss(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
+    return gspo_policy_loss(
+        logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c
+    )
 
 
 @policy_loss("cispo")
@@ -709,9 +711,10 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics:
 
-    loss = sum_t w_t * (tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
+    loss = sum_t w_t * (keep_t * tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
-    w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
+    w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off); keep_t:
+    off_policy_mask (1 when no mask is set)."""
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
