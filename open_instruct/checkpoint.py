@@ -538,6 +538,8 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
         )
         for key in ("num_samples_per_prompt", "num_epochs"):
             layout[key] = (config.get(key), "")
+        if "async_steps" in config:  # the rollouts saved in flight were generated for this pipeline depth
+            layout["async_steps"] = (config["async_steps"], "rollouts in flight, saved with the checkpoint")
     return layout
 
 

@@ -456,7 +456,9 @@ class GenerationEngineConfig:
     vllm_server_timeout: float = opt(600.0, "vllm_server: seconds an engine may take to answer before the run stops.")
     vllm_engine_start_timeout: float = opt(900.0, "vllm_server: seconds an engine may take to start.")
     async_steps: int = opt(
-        0, "Rollouts generated ahead of training on dedicated engines (0: synchronous; 1: one-step off-policy)."
+        0,
+        "Rollouts generated ahead of training (0: synchronous; N: up to N in flight, every token at most N weight "
+        "versions older than the trainer that trains on it).",
     )
 
     def resolve_defaults(self) -> None:
@@ -474,13 +476,12 @@ class GenerationEngineConfig:
         for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
             _check_positive(self, name)
         _check_positive(self, "async_steps", allow_zero=True)
-        if self.async_steps and self.generation_backend != "vllm_server":
+        if self.async_steps and self.generation_backend == "vllm":
             raise ConfigError(
-                f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines generate "
-                f"while the trainer updates); {self.generation_backend!r} generates on the training devices"
+                f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines, weights "
+                f"updated in flight) or hf (a copy of the policy generating in a background thread); the colocated "
+                f"vllm engine shares the training devices"
             )
-        if self.async_steps > 1:  # deeper pipelines need in-flight weight updates (several versions per response)
-            raise ConfigError(f"async_steps must be 0 (synchronous) or 1 (one-step off-policy), got {self.async_steps}")
         if self.vllm_server_urls is not None:
             if self.generation_backend != "vllm_server":
                 raise ConfigError("vllm_server_urls is set but generation_backend is not vllm_server")
@@ -587,6 +588,15 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         None, "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
     )
     tis_cap: float = opt(2.0, "Cap of the truncated importance-sampling weight.")
+    is_mask_low: Optional[float] = opt(
+        None, "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is below this."
+    )
+    is_mask_high: Optional[float] = opt(
+        None, "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is above this."
+    )
+    max_sequence_lag: Optional[int] = opt(
+        None, "Drop the policy-gradient term of completions with a token sampled more than this many versions ago."
+    )
     value_model_path: Optional[str] = opt(
         None, "Initialise the value model from this (reward) model; default: the policy."
     )
@@ -719,6 +729,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
             )
+        if self.is_mask_low is not None and not 0 <= self.is_mask_low <= 1:
+            raise ConfigError(f"is_mask_low must be in [0, 1] (the ratio masked below), got {self.is_mask_low}")
+        if self.is_mask_high is not None and self.is_mask_high < 1:
+            raise ConfigError(f"is_mask_high must be >= 1 (the ratio masked above), got {self.is_mask_high}")
+        if self.max_sequence_lag is not None:
+            _check_positive(self, "max_sequence_lag", allow_zero=True)
         if self.uses_groups and self.num_samples_per_prompt < 2:
             raise ConfigError(
                 f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "

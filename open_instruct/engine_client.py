@@ -62,6 +62,7 @@ class EngineFleet:
     def __init__(self, urls: Sequence[str], tensor_parallel_size: int, timeout: float) -> None:
         self.urls, self.tp, self.timeout = list(urls), tensor_parallel_size, timeout
         self.next_version: Optional[str] = None
+        self.keep_in_flight = False  # pause with requests frozen in place (mode keep) rather than drained (wait)
         self.pool = ThreadPoolExecutor(max_workers=max(len(self.urls), 1), thread_name_prefix="engine-sync")
 
     def post(
@@ -105,10 +106,14 @@ class EngineFleet:
         )
 
     def start_weight_update(self) -> None:
-        # Pause first: requests in flight finish on the old weights, new ones queue until /resume instead of running
-        # on half-loaded layers (that kills the engine), and the KV/prefix cache is cleared, since blocks computed
-        # with the old weights would otherwise be reused for any prompt sharing a prefix with an earlier one.
-        self._all("pause", params={"mode": "wait", "clear_cache": "true"})
+        # Pause first, so no request runs on half-loaded layers (that kills the engine); new requests queue until
+        # /resume. Nothing in flight ("wait"): in-flight requests finish on the old weights and the KV/prefix cache is
+        # cleared, since blocks computed with the old weights would be reused for any prompt sharing a prefix with an
+        # earlier one. Requests in flight (async_steps > 0, `keep_in_flight`): they are frozen where they are and go
+        # on with the new weights after /resume, their tokens so far and their KV kept (vLLM labels each token with
+        # the version that sampled it); such engines run without a prefix cache (engines.engine_specs).
+        mode = "keep" if self.keep_in_flight else "wait"
+        self._all("pause", params={"mode": mode, "clear_cache": "true"})
         self._each(self._start_on)
 
     def _start_on(self, index: int) -> None:
@@ -185,8 +190,25 @@ def _weight_source(model: Any, dtype: torch.dtype, untie: bool) -> Any:
     return PolicyWeights(model, dtype, untie)
 
 
+def token_versions(spans: Optional[Sequence[dict]], num_tokens: int, default: int) -> list[int]:
+    """Per response token, the weight version that sampled it, from vLLM's spans ({"version", "start", "end"}:
+    tokens [start, end) sampled by `version`); `default` for tokens no span covers (an engine that reports none).
+
+    A response cut after its first stop keeps the first `num_tokens` entries."""
+    versions = [default] * num_tokens
+    for span in spans or []:
+        for t in range(max(int(span["start"]), 0), min(int(span["end"]), num_tokens)):
+            versions[t] = int(span["version"])
+    return versions
+
+
 class ServerGenerator:
-    """The `vllm_server` backend: see the module docstring. Build it on every trainer rank (same arguments)."""
+    """The `vllm_server` backend: see the module docstring. Build it on every trainer rank (same arguments).
+
+    Weights may be updated while generate() runs in another thread (`in_flight_weight_updates`): the engines are
+    paused with their requests kept, take the new weights and resume, and a response then spans versions."""
+
+    in_flight_weight_updates = True
 
     def __init__(
         self,
@@ -215,6 +237,8 @@ class ServerGenerator:
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-generate")
         self.source = _weight_source(model, dtype, untie)
         self.version: Optional[int] = None
+        self.sent_versions: set[int] = set()  # every version broadcast: the only labels a token may carry
+        self.generating = 0  # generate() calls in flight (threads): a sync then keeps their requests paused in place
         self.last_sync_seconds, self.last_sync_bytes = 0.0, 0
         if transfer == "gloo":
             from open_instruct.vllm_gloo_transfer import GlooTrainerInitInfo as InitInfo
@@ -244,8 +268,10 @@ class ServerGenerator:
         self.source.model = model
         version = (self.version or 0) + 1 if version is None else int(version)
         self.fleet.next_version = str(version)
+        self.fleet.keep_in_flight = self.generating > 0
         self._check_engines()
         self._send_on_every_rank()
+        self.sent_versions.add(version)
         self.version = version
         self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - t0, self.source.bytes_sent
 
@@ -302,6 +328,16 @@ class ServerGenerator:
         budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
         check_prompts(prompt_ids, budgets, self.max_model_len)
         self._check_engines()
+        self.generating += 1
+        try:
+            return self._generate(prompt_ids, config, budgets)
+        finally:
+            self.generating -= 1
+
+    def _generate(
+        self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, budgets: list[int]
+    ) -> GenerationOutput:
+        first = self.version  # the oldest version a token of this call may carry
         base = None  # greedy needs no seed and leaves the global RNG alone
         if not config.greedy:
             base = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -323,17 +359,23 @@ class ServerGenerator:
                 engine, got = reply["engine"], len(reply["choices"])
                 raise EngineError(f"vLLM engine {engine} ({self.urls[engine]}) returned {got} samples, not {config.n}")
             for choice in reply["choices"]:
-                self._append(out, i, reply["engine"], choice, config)
+                self._append(out, i, reply["engine"], choice, config, first)
         return out
 
-    def _append(self, out: GenerationOutput, i: int, engine: int, choice: dict, config: GenerationConfig) -> None:
+    def _append(
+        self, out: GenerationOutput, i: int, engine: int, choice: dict, config: GenerationConfig, first: Optional[int]
+    ) -> None:
         ids, text, stopped = finalize_response(choice["token_ids"], self.eos_ids, self.tokenizer, config.stop_strings)
         stopped = stopped or choice.get("finish_reason") == "stop"
-        versions = {span["version"] for span in choice.get("weight_versions") or []}
-        if self.version is not None and versions - {str(self.version)}:
+        default = self.version if self.version is not None else -1
+        versions = token_versions(choice.get("weight_versions"), len(ids), default if first is None else first)
+        # every label must be a version sent since this call began: an older one means the engine missed an update
+        expected = {v for v in self.sent_versions if first is None or v >= first}
+        if self.version is not None and set(versions) - expected:
             raise EngineError(
-                f"vLLM engine {engine} ({self.urls[engine]}) sampled with weight version(s) {sorted(versions)}, "
-                f"not the {self.version} it was sent: it missed a weight update"
+                f"vLLM engine {engine} ({self.urls[engine]}) sampled with weight version(s) "
+                f"{sorted(set(versions) - expected)}, not one of {sorted(expected)} it was sent while generating: "
+                f"it missed a weight update"
             )
         content = (choice.get("logprobs") or {}).get("content") or []
         out.response_ids.append(ids)
@@ -341,7 +383,7 @@ class ServerGenerator:
         out.stopped.append(stopped)
         out.logprobs.append([float(step["logprob"]) for step in content[: len(ids)]])
         out.prompt_index.append(i)
-        out.weight_versions.append([self.version if self.version is not None else -1] * len(ids))
+        out.weight_versions.append(versions)
 
     def generation_context(self, model: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()  # the engines hold their own copy of the weights

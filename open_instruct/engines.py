@@ -116,8 +116,11 @@ def engine_specs(
     host: str = "127.0.0.1",
     port: int = 8000,
     python: str = sys.executable,
+    prefix_caching: bool = True,
 ) -> list[EngineSpec]:
-    """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench)."""
+    """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench).
+    `prefix_caching` False under in-flight weight updates (async_steps > 0): a paused-and-kept engine cannot clear its
+    prefix cache, whose blocks would hand KV of older weights to new requests."""
     if devices is not None and len(devices) < num_engines * tensor_parallel_size:
         raise ConfigError(
             f"{num_engines} engine(s) x vllm_tensor_parallel_size {tensor_parallel_size} need "
@@ -141,6 +144,7 @@ def engine_specs(
             "--enable-scale-out",
             "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--disable-uvicorn-access-log",
+            *([] if prefix_caching else ["--no-enable-prefix-caching"]),
         ]  # fmt: skip
         env = {"VLLM_SERVER_DEV_MODE": "1"}
         if mine is None:
@@ -392,6 +396,7 @@ def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]],
         devices=devices,
         host=host,
         port=port,
+        prefix_caching=not cfg.async_steps,
     )
 
 

@@ -99,6 +99,9 @@ class Generator(Protocol):
 
     last_sync_seconds: float  # how long the last sync_weights took
     last_sync_bytes: int  # weight bytes the last sync_weights sent over a transport (0: handed over in-process)
+    # True: sync_weights may run while generate() is in flight in another thread, and a response then spans versions
+    # (its weight_versions say which token came from which). False: weights change only between generate() calls.
+    in_flight_weight_updates: bool
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> "Generator":
@@ -273,10 +276,12 @@ class HFGenerator:
     Prompts are left-padded and run in chunks of at most `batch_size` sequences (prompts x n), sorted by length
     so a chunk carries little padding. With `config.seed` set, the same inputs and `batch_size` give the same
     outputs, and the global torch RNG is left untouched; with `seed=None` the global RNG is used (and advanced).
-    The generator holds a reference to the live policy module, so `sync_weights` only records the version; under
-    FSDP its `generation_context` gathers the sharded weights whole for the generate."""
+    The generator holds a reference to a policy module, so `sync_weights` only records it and its version (the
+    live policy when synchronous, a frozen copy per version under async_steps); under FSDP its
+    `generation_context` gathers the sharded weights whole for the generate."""
 
-    last_sync_seconds, last_sync_bytes = 0.0, 0  # nothing is copied: it generates with the live module
+    last_sync_seconds, last_sync_bytes = 0.0, 0  # nothing is copied: it generates with the module it was given
+    in_flight_weight_updates = False
 
     def __init__(
         self,
@@ -305,6 +310,9 @@ class HFGenerator:
         return cls(accelerator.unwrap_model(policy), tokenizer, batch_size=batch_size)
 
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
+        """Generate with `model` from now on: the live policy (synchronous), or a frozen copy of it taken at a
+        version (async_steps > 0: rollouts.RolloutSampler hands one over between generate calls)."""
+        self.model = model
         self.version = self.version + 1 if version is None else int(version)
 
     def generation_context(self, model: Any) -> ContextManager[Any]:

@@ -13,6 +13,7 @@ and one row in BACKEND_CLASSES.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from open_instruct.errors import ConfigError
@@ -44,7 +45,14 @@ def check_backend(backend: str) -> None:
 
 def check_before_loading(cfg: Any, max_model_len: int) -> None:
     """Engines started apart (`vllm_server_urls`; the config ties them to their backend) are reached and checked
-    against the run before any model loads: they answer, max_model_len fits, the dtype and weight transfer match."""
+    against the run before any model loads: they answer, max_model_len fits, the dtype and weight transfer match.
+    Async hf generation keeps a whole copy of the policy per version: one process only (not a sharded policy)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.async_steps and cfg.generation_backend == "hf" and world > 1:
+        raise ConfigError(
+            f"async_steps {cfg.async_steps} with generation_backend hf runs in one process (it generates from whole "
+            f"copies of the policy), not {world}: use generation_backend vllm_server for async training on several"
+        )
     if not cfg.vllm_server_urls:
         return
     import torch

@@ -87,6 +87,7 @@ from open_instruct.rollouts import (
     load_prompts,
     sample_rows,
     score_rollout,
+    token_version_lags,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -343,6 +344,43 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap
     return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
 
 
+def off_policy_mask(
+    old_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    sequence_lag: Optional[torch.Tensor],
+    low: Optional[float],
+    high: Optional[float],
+    max_sequence_lag: Optional[int],
+) -> torch.Tensor:
+    """Which tokens keep their policy-gradient term (1) or lose it (0), for tokens too far off-policy to correct:
+
+    IcePop (token):   keep_t = [low <= exp(old_logp_t - sampler_logp_t) <= high]      (a bound left None: no limit)
+    staleness (seq):  keep_it = [lag_i <= max_sequence_lag]   (lag_i: versions since the oldest weights of row i)
+
+    All ones when every knob is None. A masked token still counts in the aggregation's denominator (its term is 0)."""
+    keep = torch.ones_like(old_logp)
+    ratio = torch.exp(old_logp - sampler_logp)
+    if low is not None:
+        keep = keep * (ratio >= low).to(keep.dtype)
+    if high is not None:
+        keep = keep * (ratio <= high).to(keep.dtype)
+    if max_sequence_lag is not None and sequence_lag is not None:
+        keep = keep * (sequence_lag <= max_sequence_lag).to(keep.dtype).unsqueeze(1)
+    return keep.detach()
+
+
+def version_lag_stats(token_lags: list[list[int]], bound: int) -> dict[str, float]:
+    """Sums for the version-lag metrics of a rollout: tokens, sum of lags, and per lag k in 0..bound the tokens with
+    that lag (lag_<k>); a lag beyond the bound (never trained on: rollouts.RolloutSampler) counts in lag_<bound+1>."""
+    sums = {"lag_tokens": 0.0, "lag_sum": 0.0, **{f"lag_{k}": 0.0 for k in range(bound + 2)}}
+    for lags in token_lags:
+        for lag in lags:
+            sums["lag_tokens"] += 1
+            sums["lag_sum"] += lag
+            sums[f"lag_{min(max(lag, 0), bound + 1)}"] += 1
+    return sums
+
+
 def aggregation_weights(
     mask: torch.Tensor, aggregation: str, loss_norm_length: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,6 +478,8 @@ class Rollout:
     old_values: Optional[torch.Tensor]  # the value model's (PPO)
     kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
     policy_lag: list[int] = field(default_factory=list)  # per completion: updates since the weights that sampled it
+    # per completion, the version lag of each token the policy sampled (rollouts.token_version_lags)
+    token_lags: list[list[int]] = field(default_factory=list)
     # weight_sync, generation (waited for), generation_engine (engine wall time), scoring, inference
     seconds: dict[str, float] = field(default_factory=dict)
     code_statuses: dict[str, int] = field(default_factory=dict)  # `code` rows: tests per status (pass, timeout, ...)
@@ -481,11 +521,10 @@ def collect_rollout(
     t1 = time.perf_counter()
     scored = score_rollout(cfg, out, episodes, run.tokenizer)
     t2 = time.perf_counter()
-    # policy lag: rollouts trained on since the weights that sampled each completion's policy tokens (0: synchronous)
-    lags = [
-        step - min((v for v, m in zip(versions, lm) if m), default=step)
-        for versions, lm in zip(out.weight_versions, loss_masks)
-    ]
+    # version lag of each sampled token: rollouts trained on since the weights that sampled it (0 when synchronous);
+    # a completion's policy lag is its largest
+    token_lags = token_version_lags(out, step)
+    lags = [max(t, default=0) for t in token_lags]
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
@@ -561,6 +600,7 @@ def collect_rollout(
         old_values=old_values if models.value is not None else None,
         kl=kl,
         policy_lag=lags,
+        token_lags=token_lags,
         seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
         code_statuses=scored.code_statuses or {},
         turn_rewards=turn_rewards,
@@ -695,7 +735,7 @@ def cispo(
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
 TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
-TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff")
+TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
 
 
 def micro_batch_loss(
@@ -710,9 +750,10 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics:
 
-    loss = sum_t w_t * (tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
+    loss = sum_t w_t * (keep_t * tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
-    w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off)."""
+    w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off); keep_t:
+    off_policy_mask (1 when no mask is set)."""
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
@@ -732,6 +773,11 @@ def micro_batch_loss(
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
         if cfg.truncated_importance_sampling:
             pg = pg * truncated_is_weights(old_logp, take(rollout.sampler_logp), cfg.tis_cap)
+        lags = torch.tensor([rollout.policy_lag[j] for j in rows], device=device) if rollout.policy_lag else None
+        pg_kept = off_policy_mask(
+            old_logp, take(rollout.sampler_logp), lags, cfg.is_mask_low, cfg.is_mask_high, cfg.max_sequence_lag
+        )
+        pg = pg * pg_kept
         loss_sum = masked_sum(pg, w)
         if adv.kl_loss_coef > 0:
             kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator)
@@ -759,6 +805,7 @@ def micro_batch_loss(
         # How far the sampling engine's log-probs are from the trainer's (what truncated IS corrects).
         log_ratio = (old_logp - take(rollout.sampler_logp)) * mask
         stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
+        stats["masked_tokens"] = float(((1.0 - pg_kept) * mask).sum())
         stats["sampler_ratio_max"] = float(torch.exp(log_ratio[mask > 0].max())) if mask.any() else 0.0
     return loss_sum, stats
 
@@ -864,6 +911,8 @@ def log_row(
             "tokens": train["tokens"],
             "sampler_abs_diff": train["sampler_abs_diff"],
             "lag": float(sum(rollout.policy_lag)),
+            "masked_tokens": train["masked_tokens"],
+            **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
     )
@@ -889,7 +938,15 @@ def log_row(
         # updates between the weights that sampled a completion and the update that trains on it
         "train/policy_lag_mean": ep["lag"] / n,
         "train/policy_lag_max": global_max(run.accelerator, float(max(rollout.policy_lag, default=0))),
+        # per sampled token: versions between the weights that sampled it and the trainer's (bound: async_steps)
+        "train/version_lag_mean": ep["lag_sum"] / max(ep["lag_tokens"], 1.0),
+        "train/version_lag_max": global_max(
+            run.accelerator, float(max((max(t, default=0) for t in rollout.token_lags), default=0))
+        ),
+        **{f"train/version_lag_{k}": ep[f"lag_{k}"] / max(ep["lag_tokens"], 1.0) for k in range(cfg.async_steps + 1)},
     }
+    if cfg.is_mask_low is not None or cfg.is_mask_high is not None or cfg.max_sequence_lag is not None:
+        row["train/masked_token_fraction"] = ep["masked_tokens"] / max(ep["tokens"], 1.0)
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
         row["train/filtered_groups_fraction"] = ep["dropped"] / n
         row["train/empty_updates"] = train["empty"]
@@ -951,10 +1008,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sampler = RolloutSampler(
         cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments
     )
+    if cfg.async_steps:  # the rollouts in flight are drained into every checkpoint and taken back on resume
+        run.checkpoint_state["rollout_buffer"] = sampler.state_dict
+        if "rollout_buffer" in run.restored_state:
+            sampler.load_state_dict(run.restored_state["rollout_buffer"], counters.rollout_step)
 
     def evaluate_policy() -> dict[str, float]:
         sampler.idle()  # the generator evaluates the current weights once no rollout is in flight
         sampler.sync(counters.rollout_step)
+        sampler.idle()  # (a weight copy handed over in order is in place)
         return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, environments)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
@@ -996,7 +1058,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             break
     else:
         run.finish()
-    generator.close()  # stops what it started, e.g. the engines (a rollout in flight is dropped)
+    sampler.close()
+    generator.close()  # stops what it started, e.g. the engines
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ The RL math, the phases of a rollout step and `main` stay in `rlvr_ppo.py`.
 
 from __future__ import annotations
 
+import copy
+import importlib
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -19,6 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from open_instruct import console, data, rewards
+from open_instruct.checkpoint import fault_point
 from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
@@ -45,15 +48,71 @@ def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
     )
 
 
+def output_state(out: Any) -> dict[str, Any]:
+    """A generation output as JSON-able state: its class (an open_instruct one) and every field it carries, per-token
+    lists included (response_ids, logprobs, weight_versions, and e.g. a multi-turn episode's loss_masks)."""
+    cls = type(out)
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": dict(vars(out))}
+
+
+def output_from_state(state: dict[str, Any]) -> Any:
+    """The generation output `output_state` saved (floats round-trip exactly through JSON)."""
+    module, _, name = state["class"].partition(":")
+    if not module.startswith("open_instruct."):  # a checkpoint names a class to build: only the project's own
+        raise ValueError(f"a saved rollout names the class {state['class']!r}, not one of open_instruct's")
+    output = object.__new__(getattr(importlib.import_module(module), name))
+    output.__dict__.update(state["fields"])  # every field as saved, whichever the class's constructor takes
+    return output
+
+
+def token_version_lags(out: Any, step: int) -> list[list[int]]:
+    """Per completion, the version lag of each token the policy sampled: the trainer's version when it trains on
+    rollout `step` (= step, rollouts trained on) minus the version that sampled the token. Tokens an episode's
+    environment wrote (loss_masks 0) are not sampled and carry no lag."""
+    masks = getattr(out, "loss_masks", None) or [None] * len(out.weight_versions)
+    return [
+        [step - v for t, v in enumerate(versions) if mask is None or mask[t]]
+        for versions, mask in zip(out.weight_versions, masks)
+    ]
+
+
+@dataclass
+class InFlight:
+    """A rollout submitted ahead of training: its prompts, and its generation (a future, or the output itself when
+    it was restored from a checkpoint)."""
+
+    step: int
+    prompts: list[dict]
+    future: Optional[Future] = None
+    output: Any = None
+    engine_seconds: float = 0.0
+
+    def result(self) -> tuple[Any, float]:
+        if self.future is not None:
+            self.output, self.engine_seconds = self.future.result()
+            self.future = None
+        return self.output, self.engine_seconds
+
+
 class RolloutSampler:
     """Where each rollout's completions come from.
 
-    async_steps 0: at rollout k, sync the engine to the policy (version k = rollouts trained on), then generate.
-    async_steps 1 (dedicated engines): when rollout k's completions are taken, rollout k+1 is submitted with the
-    weights of version k, and generates while the trainer updates on rollout k; so rollout k+1 is trained on by
-    version k+1 weights, one update after the weights that sampled it (policy lag 1; truncated IS corrects it).
-    Weights are only sent when no generation is in flight. A rollout in flight when the run stops (SIGTERM, kill)
-    is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
+    async_steps 0: at rollout k, sync the generator to the policy (version k = rollouts trained on), then generate.
+
+    async_steps N > 0: up to N rollouts are in flight ahead of training. When rollout k is taken (before the trainer
+    trains on it) the generator is synced to version k and rollouts k+1 .. k+N are in flight: rollout k+N is submitted
+    then, so its first token is sampled by version k or later and it is trained on by version k+N. The staleness
+    bound is on the version lag of every token, time queued included: lag = (trainer version when the token is trained
+    on) - (version that sampled it) <= N. A rollout with a token beyond the bound (restored from a checkpoint of a
+    deeper pipeline) is regenerated, never trained on stale.
+      - Generators that update in flight (dedicated engines): the sync happens with rollouts k+1 .. k+N-1 generating;
+        the engines pause with their requests kept, take version k and resume, so a response spans versions and each
+        token's version is kept.
+      - The others (hf): the generator holds its own frozen copy of the policy per version, taken at the sync and
+        handed over between generate calls in order (rollout j is generated entirely by version max(j - N, 0));
+        a background thread generates, so the run is as deterministic as a synchronous one.
+    At a checkpoint the rollouts in flight are completed (drained) and saved with it (`state_dict`): after a resume
+    they are trained on as they are, then the pipeline refills, so no prompt is lost or trained twice."""
 
     def __init__(
         self,
@@ -67,21 +126,32 @@ class RolloutSampler:
     ) -> None:
         self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
         self.environments = environments  # set: each rollout plays multi-turn episodes (episode_rollouts.py)
-        self.num_rollouts = num_rollouts
+        self.num_rollouts, self.depth = num_rollouts, cfg.async_steps
         self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
-        self.pending: Optional[tuple[int, list[dict], Any]] = None  # (step, prompts, future)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if self.depth else None
+        # weights go over to a generator that cannot take them in flight as a frozen copy, queued in order
+        self.copies = bool(self.depth) and not generator.in_flight_weight_updates
+        self.in_flight: dict[int, InFlight] = {}
         self.synced: Optional[int] = None
         self.bytes_sent = 0  # weight bytes sent to the engines over a transport, read by the log row
+        self.regenerated = 0  # rollouts regenerated because a token was beyond the staleness bound
 
     def sync(self, version: int) -> float:
-        """Send the policy's weights (labelled `version`) unless the engine has them; seconds taken. Collective."""
+        """Send the policy's weights (labelled `version`) unless the generator has them; seconds taken. Collective.
+        With rollouts in flight on engines that update in flight, they keep generating across it."""
         if version == self.synced:
             return 0.0
         t0 = time.perf_counter()
-        self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
+        fault_point("weight_sync", version)
+        if self.copies:  # a frozen copy, handed over in order between the generations queued around it
+            with torch.no_grad():
+                frozen = copy.deepcopy(self.accelerator.unwrap_model(self.policy)).eval()
+            frozen.requires_grad_(False)
+            self.pool.submit(self.generator.sync_weights, frozen, version)
+        else:
+            self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
+            self.bytes_sent += self.generator.last_sync_bytes
         self.synced = version
-        self.bytes_sent += self.generator.last_sync_bytes
         return time.perf_counter() - t0
 
     def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
@@ -91,33 +161,94 @@ class RolloutSampler:
             return self.environments.play(self.generator, prompts, config), time.perf_counter() - t0
         return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
 
+    def _submit(self, step: int) -> None:
+        prompts = self.prompts_for(step)
+        self.in_flight[step] = InFlight(step, prompts, self.pool.submit(self._generate, step, prompts))
+
+    def within_bound(self, out: Any, step: int) -> bool:
+        """Every token of rollout `step` at most async_steps versions older than the trainer that trains on it."""
+        return all(lag <= self.depth for lags in token_version_lags(out, step) for lag in lags)
+
     def take(self, step: int) -> tuple[list[dict], Any, dict[str, float], int]:
         """This rank's prompts of rollout `step`, their completions, the seconds spent: weight_sync, generation
         (what the trainer waited for) and generation_engine (the engines' wall time for it), and the weight bytes
         sent meanwhile."""
         seconds, bytes_before = {"weight_sync": 0.0}, self.bytes_sent
-        t0 = time.perf_counter()
-        if self.pending is not None and self.pending[0] == step:
-            _, prompts, future = self.pending
-            out, engine_seconds = future.result()
-        else:  # synchronous, the first rollout, or the first after a resume
+        if not self.depth:  # synchronous
             seconds["weight_sync"] += self.sync(step)
             t0 = time.perf_counter()
             prompts = self.prompts_for(step)
             with self.generator.generation_context(self.policy):
                 out, engine_seconds = self._generate(step, prompts)
-        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
-        self.pending = None
-        if self.pool is not None and step + 1 < self.num_rollouts:
+            seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
+            return prompts, out, seconds, self.bytes_sent - bytes_before
+        if step not in self.in_flight:  # the first rollout, or one a resume did not bring back
             seconds["weight_sync"] += self.sync(step)
-            prompts_next = self.prompts_for(step + 1)
-            self.pending = (step + 1, prompts_next, self.pool.submit(self._generate, step + 1, prompts_next))
-        return prompts, out, seconds, self.bytes_sent - bytes_before
+            self._submit(step)
+        t0 = time.perf_counter()
+        entry = self.in_flight.pop(step)
+        out, engine_seconds = entry.result()
+        if not self.within_bound(out, step):  # restored from a deeper pipeline: regenerated, not trained on stale
+            self.regenerated += 1
+            seconds["weight_sync"] += self.sync(step)
+            self._submit(step)
+            entry = self.in_flight.pop(step)
+            out, engine_seconds = entry.result()
+        seconds["generation"], seconds["generation_engine"] = time.perf_counter() - t0, engine_seconds
+        # version `step` to the generator (in flight on engines), then refill: rollouts step+1 .. step+N in flight
+        seconds["weight_sync"] += self.sync(step)
+        for ahead in range(step + 1, min(step + self.depth, self.num_rollouts - 1) + 1):
+            if ahead not in self.in_flight:
+                self._submit(ahead)
+        return entry.prompts, out, seconds, self.bytes_sent - bytes_before
 
     def idle(self) -> None:
-        """Wait for the rollout in flight (before anything else uses the engines, e.g. an evaluation)."""
-        if self.pending is not None:
-            self.pending[2].result()
+        """Wait for the rollouts in flight (before anything else uses the generator, e.g. an evaluation)."""
+        for entry in self.in_flight.values():
+            entry.result()
+        if self.pool is not None:  # and for a weight copy queued behind them
+            self.pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Stop the background thread (a rollout still in flight at the end of a run is not needed)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollouts in flight, completed first (drained) so their outputs are whole: per rank, each one's step,
+        prompt ids and generation output (every per-token list it carries). Collective: every rank calls it."""
+        from accelerate.utils import gather_object
+
+        self.idle()
+        mine = [
+            {
+                "step": e.step,
+                "prompt_ids": [p["prompt_ids"] for p in e.prompts],
+                "output": output_state(e.output),
+                "engine_seconds": e.engine_seconds,
+            }
+            for e in sorted(self.in_flight.values(), key=lambda e: e.step)
+        ]
+        ranks = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        return {"async_steps": self.depth, "world_size": self.accelerator.num_processes, "ranks": ranks}
+
+    def load_state_dict(self, state: dict[str, Any], next_step: int) -> list[int]:
+        """Put the rollouts a checkpoint saved in flight back (those a resume can use as they are): the same world
+        size (each rank's share), the same prompts as the data stream gives now, not yet trained on, and within this
+        run's pipeline depth. The others are generated again when their turn comes (their prompts are positional, so
+        none is lost). Returns the steps restored."""
+        if not self.depth or state.get("world_size") != self.accelerator.num_processes:
+            return []
+        for saved in state["ranks"][self.accelerator.process_index]:
+            step = saved["step"]
+            if not next_step <= step < min(next_step + self.depth, self.num_rollouts):
+                continue
+            prompts = self.prompts_for(step)
+            if [p["prompt_ids"] for p in prompts] != saved["prompt_ids"]:
+                continue
+            output = output_from_state(saved["output"])
+            self.in_flight[step] = InFlight(step, prompts, None, output, saved["engine_seconds"])
+        return sorted(self.in_flight)
 
 
 def score_texts(
@@ -249,6 +380,8 @@ class PhaseClock:
         # async: the share of the engines' generation time hidden behind training (0 when synchronous)
         waited = self.seconds["generation"]
         row["perf/generation_hidden_fraction"] = max(0.0, 1.0 - waited / max(self.engine_seconds, 1e-9))
+        # the share of the trainer's time the generator had nothing to generate (its thread or engines idle)
+        row["perf/engine_idle_fraction"] = max(0.0, 1.0 - self.engine_seconds / busy)
         row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
         row["perf/response_tokens_per_second"] = tokens / busy
         self.__init__()

@@ -287,6 +287,10 @@ class RunContext:
         main = accelerator.is_main_process
         state = restore_training_state(cfg, accelerator, models, optimizers, schedulers, self.counters, self.print)
         self.resumed = state is not None
+        self.restored_state = state or {}  # the trainer state a resume read (empty on a fresh start)
+        # name -> a function returning JSON-able state to save with each checkpoint (e.g. the rollouts in flight);
+        # collective: every rank calls it at every checkpoint
+        self.checkpoint_state: dict[str, Callable[[], Any]] = {}
         self.best = BestTracker(cfg, state)
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
         self.throughput = Throughput()
@@ -355,7 +359,7 @@ class RunContext:
             self.schedulers,
             self.counters,
             self.tokenizer,
-            self.best.state(),
+            {**self.best.state(), **{name: state() for name, state in self.checkpoint_state.items()}},
         )
 
     def evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:

@@ -208,6 +208,7 @@ class VLLMGenerator:
     """Colocated vLLM engine following the policy's weights (see the module docstring)."""
 
     last_sync_bytes = 0  # the weights are handed over in-process, by reference
+    in_flight_weight_updates = False  # the engine shares the training devices: weights change between rollouts
     version = -1  # the label of the weights it holds (sync_weights); -1 before the first sync
 
     def __init__(

@@ -139,10 +139,47 @@ def test_a_stale_engine_is_caught(server):
     gen, model, *_ = server
     gen.sync_weights(model, version=4)
     requests.post(f"{gen.urls[0]}/update_weight_version", json={"new_version": "3"}).raise_for_status()
-    with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \['3'\], not the 4"):
+    with pytest.raises(EngineError, match=r"engine 0 .*version\(s\) \[3\], not one of \[4\]"):
         gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0))
     gen.sync_weights(model, version=5)  # a fresh broadcast puts it right
     assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions[0][0] == 5
+
+
+def test_weight_update_in_flight_keeps_the_request_and_labels_each_token(server):
+    """async_steps > 0: a weight update lands while a request generates (a generate() in flight, as the sampler's
+    background thread holds one). The engine pauses with the request kept (mode keep), takes version 8, resumes;
+    the response keeps its tokens, its first ones labelled 7 and the rest 8 (vLLM's spans, per token), and the same
+    prompt sampled afterwards is version 8 throughout."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    from open_instruct.engine_client import token_versions
+
+    gen, model, _, prompts, _ = server
+    gen.sync_weights(model, version=7)
+    sampling = {"n": 1, "temperature": 1.0, "max_tokens": 200, "ignore_eos": True, "seed": 1, "logprobs": 0}
+    body = {"token_ids": prompts[0], "sampling_params": sampling, "output_mode": "tokens"}
+
+    def running() -> bool:  # the engine's own gauge: the request is being decoded
+        metrics = requests.get(f"{gen.urls[0]}/metrics", timeout=10).text
+        return any(float(v) >= 1 for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M))
+
+    with ThreadPoolExecutor(1) as pool:
+        gen.generating += 1  # a generate() in flight: the sync keeps its requests
+        try:
+            reply = pool.submit(gen.fleet.post, 0, "inference/v1/generate", body)
+            while not running():
+                assert not reply.done(), reply.result()
+            gen.sync_weights(model, version=8)
+        finally:
+            gen.generating -= 1
+        choice = reply.result()["choices"][0]
+    versions = token_versions(choice["weight_versions"], len(choice["token_ids"]), -1)
+    assert len(versions) == 200 and versions == sorted(versions) and versions[0] == 7 and versions[-1] == 8, versions
+    after = gen.generate([prompts[0]], GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1))
+    assert after.weight_versions == [[8] * len(after.response_ids[0])]
 
 
 def test_engine_that_fails_to_start_names_itself(tmp_path):
@@ -341,6 +378,43 @@ def test_async_grpo_learns_and_matches_sync(task):
     assert all(r["perf/generation_hidden_fraction"] == 0 for r in train_sync)
     hidden = [r["perf/generation_hidden_fraction"] for r in train_async[1:]]
     assert sum(hidden) / len(hidden) > 0.5, hidden  # most of the engine's time is behind training
+
+
+def test_async_two_with_in_flight_updates_preempted_resumes_with_its_rollouts_in_flight(task):
+    """async_steps 2 on a dedicated engine (weights updated with the next rollout generating): every sampled token is
+    at most 2 versions older than the trainer, the first rollouts' lags are 0 then <= 1; SIGTERM after rollout 3 drains
+    the rollouts in flight into the checkpoint, and the resumed run trains on them as saved (the first rollout after
+    the resume was sampled before it: a lag > 0, where a regenerated one would be 0), so each rollout's prompts are
+    the synchronous run's, none lost or repeated."""
+    sync_dir = os.path.join(task["root"], "sync")
+    if not os.path.exists(os.path.join(sync_dir, "final_model")):  # (test_async_grpo_learns_and_matches_sync's)
+        run(grpo_args(task, sync_dir))
+    out_dir = os.path.join(task["root"], "async2")
+    args = grpo_args(task, out_dir, "--async_steps", "2")
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    trained = lambda: [r for r in read_rows(out_dir) if "train/version_lag_mean" in r]  # noqa: E731
+    deadline = time.monotonic() + 900
+    while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and len(trained()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
+    reached = trained()[-1]["rollout_step"]
+    assert reached < 8
+    run([*args, "--resume_from_checkpoint", "auto"])
+    rows = trained()
+    assert [r["rollout_step"] for r in rows] == list(range(1, 9))
+    assert all(r["train/version_lag_max"] <= 2 for r in rows) and rows[0]["train/version_lag_max"] == 0
+    assert rows[1]["train/version_lag_max"] <= 1 and rows[reached]["train/version_lag_mean"] > 0
+    sampled = lambda d: [(r["rollout_step"], r["prompt"]) for r in read_rows_of(d, "samples.jsonl")]  # noqa: E731
+    assert sampled(out_dir) == sampled(sync_dir)
+
+
+def read_rows_of(out_dir: str, name: str) -> list[dict]:
+    with open(os.path.join(out_dir, name)) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def test_killed_engine_stops_the_run_with_a_clear_error(task):
