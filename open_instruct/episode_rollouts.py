@@ -31,8 +31,10 @@ from open_instruct.episodes import (
     Episode,
     EpisodeBudget,
     EpisodeTokenizer,
+    episode_from_state,
     episode_sample_row,
     episode_stat_sums,
+    episode_state,
     episode_stats,
     rollout_episodes,
 )
@@ -57,6 +59,14 @@ class EpisodeOutput:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def to_state(self) -> dict[str, Any]:
+        """Every field as JSON-able state, the episodes included (rollouts.output_state: the rollout buffer)."""
+        return {**vars(self), "episodes": [episode_state(e) for e in self.episodes]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> EpisodeOutput:
+        return cls(**{**state, "episodes": [episode_from_state(e) for e in state["episodes"]]})
 
 
 def turn_seed(seed: int, turn_round: int) -> int:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import collections
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -192,6 +192,23 @@ class Episode:
         self.end_reason = reason
         if reason != "done":
             self.truncations[reason] += 1
+
+
+def episode_state(episode: Episode) -> dict[str, Any]:
+    """An episode as JSON-able state (a checkpoint's rollout buffer keeps episodes played ahead of training): every
+    field, turns as dicts, counters as dicts. A turn's `info` keeps what JSON can hold (an environment may put
+    anything there; the rest is written as its repr, so a checkpoint never fails on it)."""
+    state = {f.name: getattr(episode, f.name) for f in fields(Episode) if f.name != "turns"}
+    state["tool_errors"], state["truncations"] = dict(episode.tool_errors), dict(episode.truncations)
+    state["turns"] = [{**vars(t), "info": json.loads(json.dumps(t.info, default=repr))} for t in episode.turns]
+    return state
+
+
+def episode_from_state(state: dict[str, Any]) -> Episode:
+    """The episode `episode_state` saved."""
+    counters = {k: collections.Counter(state[k]) for k in ("tool_errors", "truncations")}
+    turns = [Turn(**t) for t in state["turns"]]
+    return Episode(**{**state, **counters, "turns": turns})
 
 
 def _check_aggregation(aggregation: str) -> None:

@@ -52,7 +52,8 @@ def output_state(out: Any) -> dict[str, Any]:
     """A generation output as JSON-able state: its class (an open_instruct one) and every field it carries, per-token
     lists included (response_ids, logprobs, weight_versions, and e.g. a multi-turn episode's loss_masks)."""
     cls = type(out)
-    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": dict(vars(out))}
+    fields = out.to_state() if hasattr(out, "to_state") else dict(vars(out))  # e.g. multi-turn episodes' own
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
 
 
 def output_from_state(state: dict[str, Any]) -> Any:
@@ -60,7 +61,10 @@ def output_from_state(state: dict[str, Any]) -> Any:
     module, _, name = state["class"].partition(":")
     if not module.startswith("open_instruct."):  # a checkpoint names a class to build: only the project's own
         raise ValueError(f"a saved rollout names the class {state['class']!r}, not one of open_instruct's")
-    output = object.__new__(getattr(importlib.import_module(module), name))
+    cls = getattr(importlib.import_module(module), name)
+    if hasattr(cls, "from_state"):
+        return cls.from_state(state["fields"])
+    output = object.__new__(cls)
     output.__dict__.update(state["fields"])  # every field as saved, whichever the class's constructor takes
     return output
 

@@ -597,3 +597,43 @@ def test_killed_inside_a_tool_call_resumes_bit_exactly(e2e, tmp_path):
     assert comparable(read_rows(out)) == comparable(read_rows(ref))
     a, b = load_file(ref / "final_model" / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_episode_output_round_trips_through_a_checkpoint_buffer(tiny_models, tiny):
+    """Multi-turn rollouts played ahead of training (async) are kept in the checkpoint as JSON: the episodes come
+    back with their turns, rewards, tool counters and loss masks, equal to the ones played."""
+    from open_instruct.rollouts import output_from_state, output_state
+
+    _, out = play(config(tiny_models), tiny["tokenizer"])
+    back = output_from_state(json.loads(json.dumps(output_state(out))))
+    assert type(back) is type(out) and back == out
+    assert [len(e.turns) for e in back.episodes] == [2, 1, 3, 1]
+    assert back.episodes[2].turns[0].info == out.episodes[2].turns[0].info and back.episodes[2].tool_calls == 2
+
+
+@pytest.mark.slow
+def test_async_multi_turn_run_killed_with_episodes_in_the_checkpoint_resumes_bit_exactly(e2e, tmp_path):
+    """async_steps 2 on the hf backend with the user-file environment: SIGKILL as weight version 2 goes to the
+    generator, after the checkpoint of rollout step 2 saved rollout 2's episodes (played ahead) in its buffer; the
+    resume trains on those episodes as saved, and the metrics rows and final weights equal the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    from open_instruct.checkpoint import FAULT_ENV
+
+    extra = ("--environment", e2e["env"], "--async_steps", "2")
+    ref, out = tmp_path / "reference", tmp_path / "crashed"
+    run_script(argv(e2e, ref, *extra))
+    proc = subprocess.run([sys.executable, *argv(e2e, out, *extra)], cwd=REPO, capture_output=True, text=True,
+                          env={**script_env(), FAULT_ENV: "weight_sync:step_2"}, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert [r["rollout_step"] for r in read_rows(out) if "loss/policy" in r] == [1, 2]
+    run_script(argv(e2e, out, *extra, "--resume_from_checkpoint", "auto"))
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    assert comparable(read_rows(out)) == comparable(read_rows(ref))
+    lags = [r["train/version_lag_mean"] for r in read_rows(out) if "train/version_lag_mean" in r]
+    assert lags == [0.0, 1.0, 2.0]
+    a, b = load_file(ref / "final_model" / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
