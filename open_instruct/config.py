@@ -601,6 +601,31 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     # eval: greedy verifiable accuracy on held-out prompts
     eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
     num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
+    # multi-turn episodes (environments.py, episodes.py; README: Multi-turn tool use)
+    environment: Optional[str] = opt(
+        None,
+        "Play multi-turn episodes against this environment: a registered name (tool, multi_turn) or an import path "
+        "package.module:Class or /path/file.py:Class (null: single-turn completions). A row's `environment` wins.",
+    )
+    tools: list[str] = field(
+        default_factory=lambda: ["calculator"],
+        metadata={
+            "help": "Tools of the tool environment (calculator, python: the sandbox); a row's `tools` narrow them."
+        },
+    )
+    tool_call_format: Literal["hermes", "fenced"] = opt(
+        "hermes", "hermes: <tool_call>{json}</tool_call> (Qwen templates); fenced: ```python blocks (ReTool)."
+    )
+    max_turns: int = opt(8, "Policy turns (generation calls) per episode at most.")
+    max_tool_calls: int = opt(8, "Tool calls per episode at most (a call over it is answered with an error).")
+    tool_output_max_tokens: int = opt(256, "Tool output tokens shown to the policy at most (the rest is cut).")
+    tool_timeout: float = opt(10.0, "Seconds a python tool call may run (the sandbox's wall and CPU limit).")
+    max_turn_tokens: Optional[int] = opt(
+        None, "New tokens per turn at most (null: response_length, the budget of the whole episode's response)."
+    )
+    turn_reward_aggregation: Literal["sum", "last"] = opt(
+        "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
+    )
 
     def longest_packed_item(self) -> tuple[int, str]:
         longest = self.max_prompt_length + self.response_length
@@ -720,9 +745,36 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"reward_function_weights has {len(self.reward_function_weights)} entries but reward_functions has "
                 f"{len(self.reward_functions or [])}: give one weight per function"
             )
+        self._validate_environment()
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
+            )
+
+    def _validate_environment(self) -> None:
+        """The multi-turn knobs (their values; preflight.py resolves the environment and its tools)."""
+        if self.environment is not None and (not isinstance(self.environment, str) or not self.environment.strip()):
+            raise ConfigError(f"environment must be a registered name or an import path, got {self.environment!r}")
+        if not self.tools or any(not isinstance(t, str) or not t.strip() for t in self.tools):
+            raise ConfigError(f"tools must be a non-empty list of tool names, got {self.tools!r}")
+        _check_positive(self, "max_turns")
+        _check_positive(self, "max_tool_calls", allow_zero=True)
+        _check_positive(self, "tool_output_max_tokens")
+        _check_positive(self, "tool_timeout")
+        for name in ("max_turns", "max_tool_calls", "tool_output_max_tokens"):
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.max_turn_tokens is not None:
+            _check_positive(self, "max_turn_tokens")
+            if self.max_turn_tokens > self.response_length:
+                raise ConfigError(
+                    f"max_turn_tokens {self.max_turn_tokens} exceeds response_length {self.response_length} (the "
+                    f"budget of the whole response, observations included)"
+                )
+        if self.environment is not None and self.score_placement == "after_last_token":
+            raise ConfigError(
+                "score_placement after_last_token is single-turn only: with an environment the rewards sit on each "
+                "turn's last policy token (turn_reward_aggregation)"
             )
 
     def batch_plan(self, world_size: int, num_examples: Optional[int]) -> BatchPlan:

@@ -273,13 +273,24 @@ def split_train_eval(items: list[Any], eval_fraction: float, seed: int) -> tuple
 
 # The roles chat templates know: OpenAI's (developer, tool, the older function) and Llama 3.1's ipython.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
-def _validate_messages(value: Any, column: str, where: str, need_final_assistant: bool) -> list[dict[str, str]]:
+def _validate_messages(
+    value: Any, column: str, where: str, need_final_assistant: bool, tool_keys: bool = False
+) -> list[dict[str, Any]]:
+    """The messages checked, as {role, content} (plus tool_calls / tool_call_id / name where set, with tool_keys:
+    RL prompts with earlier tool turns)."""
     if not isinstance(value, list):
         raise DataError(f"{where}: column {column!r} must be a list of messages, got {type(value).__name__}")
     if not value:
         raise DataError(f"{where}: column {column!r} is an empty conversation")
+    value = [  # an assistant turn of tool calls only may have content null
+        {**m, "content": ""}
+        if tool_keys and isinstance(m, dict) and m.get("content") is None and m.get("tool_calls")
+        else m
+        for m in value
+    ]
     for j, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(
@@ -293,7 +304,8 @@ def _validate_messages(value: Any, column: str, where: str, need_final_assistant
         raise DataError(
             f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}"
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    keys = ("role", "content", *TOOL_MESSAGE_KEYS) if tool_keys else ("role", "content")
+    return [{k: m[k] for k in keys if m.get(k) is not None} for m in value]
 
 
 def _require_column(row: Row, column: str) -> Any:
@@ -460,6 +472,7 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 "row": row.index,
                 "source": row.label,
                 "where": row.where(),
+                **({"example": out["example"]} if "example" in out else {}),
             }
         )
     stats.kept = len(examples)
@@ -567,7 +580,7 @@ def prompt_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple[tuple, Any, s
         (text,) = _nonempty_strings(row, [column], "prompt")
         parts: tuple = ("chat", [{"role": "user", "content": text}]) if _string_rows_as_chat(cfg) else ("raw", text)
     else:
-        msgs = _validate_messages(value, column, where, False)
+        msgs = _validate_messages(value, column, where, False, tool_keys=True)
         answer_dropped = msgs[-1]["role"] == "assistant"
         msgs = msgs[:-1] if answer_dropped else msgs
         if not msgs:
@@ -646,6 +659,9 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
             continue
         out[k] = {"ground_truth": ground_truth, "verifier": verifier, "raw": parts[0] == "raw"}
         out[k]["answer_dropped"] = parts[0] == "chat_answer_dropped"
+        if getattr(cfg, "environment", None):  # what the environment's reset(example) reads: the row's columns
+            messages = [{"role": "user", "content": parts[1]}] if parts[0] == "raw" else parts[1]
+            out[k]["example"] = {**row.data, "messages": messages, "ground_truth": ground_truth, "verifier": verifier}
         (raws if parts[0] == "raw" else chats).append((k, parts[1]))
     for (k, _), ids in zip(chats, encode.encode_chat_prompts(tokenizer, [p for _, p in chats])):
         out[k]["prompt_ids"] = ids
@@ -1057,6 +1073,7 @@ DATA_FIELDS = (
     "skip_bad_rows",
     "seed",
     "string_rows",
+    "environment",  # environment runs keep each row's columns for the environment's reset
 )
 # The modules that turn rows into examples: editing one invalidates the cache.
 DATA_CODE = ("data.py", "encode.py", "formats.py", "mixture.py", "data_cache.py")

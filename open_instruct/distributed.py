@@ -396,6 +396,17 @@ def global_sums(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
     return {k: float(x) for k, x in zip(keys, t.tolist())}
 
 
+def global_sums_any_keys(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
+    """global_sums where ranks may hold different keys (counts by an open-ended reason): the union of every rank's
+    keys, a missing key counting 0. Two collectives."""
+    if accelerator.num_processes == 1:
+        return {k: float(v) for k, v in values.items()}
+    from accelerate.utils import gather_object
+
+    keys = sorted(set().union(*gather_object([sorted(values)])))
+    return global_sums(accelerator, {k: float(values.get(k, 0.0)) for k in keys})
+
+
 def zero_sums_by_source(sources: Iterable[str], keys: Iterable[str]) -> dict[str, dict[str, float]]:
     """{"": {key: 0.0, ...}, source: {key: 0.0, ...}, ...}: sums over a whole held-out set ("") and over each of
     its sources, for `global_sums_by_source`."""

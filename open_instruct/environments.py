@@ -162,6 +162,24 @@ def _import_environment_module(module_name: str, spec: str) -> Any:
         raise ConfigError(f"environment {spec!r}: cannot import module {module_name!r} ({e})") from e
 
 
+def check_environment_config(spec: str, tools: Sequence[str], tool_call_format: str) -> type:
+    """The recipe's `environment` resolved (its module imported: a user file runs here, before any model loads) and
+    the tool list checked against it; ConfigError naming the key otherwise. Returns the class."""
+    try:
+        cls = environment_class(spec)
+    except ConfigError:
+        raise
+    except Exception as e:  # a user file that fails to import: its own error, named with the key
+        raise ConfigError(f"environment {spec!r}: importing it failed: {type(e).__name__}: {e}") from e
+    if issubclass(cls, ToolEnvironment):
+        unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
+        if unknown:
+            raise ConfigError(f"tools: unknown {unknown} for environment {spec!r} (known: {sorted(TOOL_SCHEMAS)})")
+        if tool_call_format == "fenced" and "python" not in tools:
+            raise ConfigError("tool_call_format fenced runs ```python blocks: add python to tools")
+    return cls
+
+
 def make_environment(spec: str, **kwargs: Any) -> Environment:
     """A fresh environment (one per episode) from a registered name or import path, constructed with kwargs."""
     return environment_class(spec)(**kwargs)

@@ -317,6 +317,10 @@ def check_inputs(cfg: Any) -> None:
     check_chat_template(cfg.chat_template)
     check_attention_kernel(cfg.attention_kernel)
     check_lora_targets(cfg)
+    if getattr(cfg, "environment", None):  # RL multi-turn: import the environment (a user file too) now
+        from open_instruct.environments import check_environment_config
+
+        check_environment_config(cfg.environment, cfg.tools, cfg.tool_call_format)
     if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
         from open_instruct.rewards import load_reward_function
 

@@ -65,6 +65,8 @@ from open_instruct.distributed import (
     global_sums,
     grad_sync_all,
 )
+from open_instruct.episode_rollouts import episode_metrics
+from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
 from open_instruct.lora import adapter_disabled
 from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
@@ -75,11 +77,12 @@ from open_instruct.rollouts import (
     RLModels,
     RolloutSampler,
     derived_seed,
+    environment_run,
     evaluate,
     load_models,
     load_prompts,
     sample_rows,
-    score_texts,
+    score_rollout,
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,8 +147,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
 
 
 def last_response_token(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real token of each row of a right-padded response mask (0 for an empty row)."""
-    return (mask.sum(1).long() - 1).clamp(min=0)
+    """Index of the last masked token of each row (0 for an empty row): the last real token of a right-padded
+    response, the last policy token of an episode whose loss mask has observation holes.
+
+    index_b = max { t : mask[b, t] > 0 }"""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, positions, torch.zeros_like(positions)).max(1).values
 
 
 def per_token_rewards(
@@ -235,16 +242,19 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++ returns over response tokens, backwards in t (no value model, no bootstrap):
+    """REINFORCE++ returns over the masked tokens, backwards in t (no value model, no bootstrap). With
+    p_1 < ... < p_n the masked positions of a row (an episode's policy tokens: observation tokens are skipped, as
+    in episodes.multi_turn_gae):
 
-    G_t = r_t + gamma * G_{t+1},   G = 0 after the last real token
+    G[p_k] = r[p_k] + gamma * G[p_{k+1}],   G[p_{n+1}] = 0;   G = 0 where mask is 0
     """
     rewards, mask = rewards.float(), mask.float()
     returns = torch.zeros_like(rewards)
     carry = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        carry = (rewards[:, t] + gamma * carry) * mask[:, t]
-        returns[:, t] = carry
+        step = (rewards[:, t] + gamma * carry) * mask[:, t]
+        carry = torch.where(mask[:, t] > 0, step, carry)  # an observation token passes the return through
+        returns[:, t] = step
     return returns
 
 
@@ -429,6 +439,11 @@ class Rollout:
     # weight_sync, generation (waited for), generation_engine (engine wall time), scoring, inference
     seconds: dict[str, float] = field(default_factory=dict)
     code_statuses: dict[str, int] = field(default_factory=dict)  # `code` rows: tests per status (pass, timeout, ...)
+    # multi-turn (an environment): `mask` is the loss mask (policy tokens; observation tokens are 0 inside the
+    # row), turn_rewards [n, R] each turn's reward x verification_reward on its last policy token, `played` the
+    # episodes (turns, tool calls, for the log row and samples)
+    turn_rewards: Optional[torch.Tensor] = None
+    played: list = field(default_factory=list)
 
 
 @dataclass
@@ -454,19 +469,28 @@ def collect_rollout(
     policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
     per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens)."""
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
+    played = list(getattr(out, "episodes", None) or [])  # multi-turn episodes (episode_rollouts.EpisodeOutput)
+    loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
     episodes = [prompts[i] for i in out.prompt_index]
+    if played:  # the prompt each episode started from, as its environment rendered it
+        episodes = [{**row, "prompt_ids": e.prompt_ids} for row, e in zip(episodes, played)]
     t1 = time.perf_counter()
-    scored = score_texts(cfg, out.texts, episodes, run.tokenizer, out.response_ids)
+    scored = score_rollout(cfg, out, episodes, run.tokenizer)
     t2 = time.perf_counter()
-    # policy lag: rollouts trained on since the weights that sampled each completion (0 when synchronous)
-    lags = [step - min(versions, default=step) for versions in out.weight_versions]
+    # policy lag: rollouts trained on since the weights that sampled each completion's policy tokens (0: synchronous)
+    lags = [
+        step - min((v for v, m in zip(versions, lm) if m), default=step)
+        for versions, lm in zip(out.weight_versions, loss_masks)
+    ]
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     packed_lengths = episode_lengths(episodes, out.response_ids)
     old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
-    for i, logprobs in enumerate(out.logprobs):
+    loss_mask = torch.zeros(n, width)
+    for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+        loss_mask[i, : len(lm)] = torch.tensor(lm, dtype=torch.float32)
     rm_scores = torch.zeros(n)
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
@@ -491,7 +515,7 @@ def collect_rollout(
                     old_values[rows, :r] = token_values(models.value, batch, group).cpu()
                 if models.reward is not None:
                     rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
-            mask[rows, :r] = batch["mask"].cpu()
+            mask[rows, :r] = batch["mask"].cpu() * loss_mask[rows, :r]  # observation tokens: context, never trained
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
@@ -502,11 +526,17 @@ def collect_rollout(
             for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
         ]
     )
-    if cfg.overlong_buffer_length:
-        lengths = mask.sum(1)
+    if cfg.overlong_buffer_length:  # over the whole response (observations count against response_length)
+        lengths = torch.tensor([float(len(r)) for r in out.response_ids])
         scores = scores + overlong_penalty(
             lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
         )
+    turn_rewards = None
+    if played:  # each turn's reward on its last policy token (episodes.token_rewards), in the score's units
+        turn_rewards = torch.zeros(n, width)
+        for i, e in enumerate(played):
+            per_token = token_rewards(e, cfg.turn_reward_aggregation)
+            turn_rewards[i, : len(per_token)] = cfg.verification_reward * torch.tensor(per_token, dtype=torch.float32)
     has_ref = models.reference is not None
     kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if has_ref and not on_policy else None
     return Rollout(
@@ -529,6 +559,8 @@ def collect_rollout(
         policy_lag=lags,
         seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
         code_statuses=scored.code_statuses or {},
+        turn_rewards=turn_rewards,
+        played=played,
     )
 
 
@@ -575,9 +607,15 @@ def rloo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
 
 
 def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
-    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token."""
+    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token.
+    Multi-turn: each turn's reward on that turn's last policy token (turn_rewards) and the rest of the score
+    (penalties, reward model, custom functions: score - sum of turn rewards) on the episode's last policy token;
+    KL on policy tokens only (the mask)."""
     kl = rollout.kl if rollout.kl is not None else torch.zeros_like(rollout.mask)
-    return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
+    if rollout.turn_rewards is None:
+        return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
+    rest = rollout.scores - rollout.turn_rewards.sum(1)
+    return per_token_rewards(rest, kl, rollout.mask, cfg.beta) + rollout.turn_rewards
 
 
 @advantage_estimator("reinforce_pp")
@@ -594,7 +632,9 @@ def gae(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
     (whiten_advantages); the value targets are the returns."""
     mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
     # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
-    advantages, returns = gae_advantages(
+    # Multi-turn: GAE over the policy tokens only, observation tokens skipped (episodes.multi_turn_gae).
+    advantage_fn = gae_advantages if rollout.turn_rewards is None else multi_turn_gae
+    advantages, returns = advantage_fn(
         kl_rewards(cfg, rollout), rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam
     )
     advantages = advantages * mask
@@ -638,9 +678,7 @@ def ppo(
 def gspo(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return gspo_policy_loss(
-        logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c
-    )
+    return gspo_policy_loss(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
 
 
 @policy_loss("cispo")
@@ -674,10 +712,12 @@ def micro_batch_loss(
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
-    r, mask = batch["responses"].shape[1], batch["mask"]
+    r = batch["responses"].shape[1]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
         return x[rows, :r].to(device)
+
+    mask = take(rollout.mask)  # the loss mask: real tokens, less an episode's observation tokens
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
@@ -812,7 +852,7 @@ def log_row(
             "score_sq": float((rollout.scores**2).sum()),
             "correct": float(sum(rollout.correct)),
             "non_stop": float(sum(not s for s in rollout.stopped)),
-            "length": float(rollout.mask.sum()),
+            "length": float(sum(len(r) for r in rollout.response_ids)),
             "kl": kl_sum,
             "timeouts": float(rollout.verifier_timeouts),
             "rm": float(rollout.rm_scores.sum()),
@@ -861,6 +901,8 @@ def log_row(
         row["train/rm_score_mean"] = ep["rm"] / n
     if any(ep[f"code_{s}"] for s in TEST_STATUSES):  # the code verifier's tests by outcome, over every rank
         row.update({f"train/code_tests_{s}": ep[f"code_{s}"] for s in TEST_STATUSES})
+    if cfg.environment is not None:  # turns, tool calls, tool errors by reason, observation share, truncations
+        row.update(episode_metrics(run.accelerator, rollout.played, "train/"))
     return row
 
 
@@ -882,7 +924,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     tokenizer = load_tokenizer(
         cfg.tokenizer_name_or_path or cfg.model_name_or_path, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template
     )
-    train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator)
+    environments = environment_run(cfg, tokenizer)  # None: single-turn completions; else multi-turn episodes
+    train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator, environments)
     check_before_loading(cfg, max_model_len)  # engines started apart answer and fit the run
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
@@ -901,12 +944,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
         return [train[i] for i in stream.local_slice(global_idx, rank, world)]
 
-    sampler = RolloutSampler(cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps)
+    sampler = RolloutSampler(
+        cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments
+    )
 
     def evaluate_policy() -> dict[str, float]:
         sampler.idle()  # the generator evaluates the current weights once no rollout is in flight
         sampler.sync(counters.rollout_step)
-        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator)
+        return evaluate(cfg, evals, models.policy, generator, tokenizer, accelerator, environments)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at rollout_step 0
         run.evaluate(evaluate_policy)
@@ -941,7 +986,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:
-                run.logger.log_samples(sample_rows(rollout, tokenizer, cfg.num_samples_logged), counters.as_log())
+                samples = sample_rows(rollout, tokenizer, cfg.num_samples_logged, environments)
+                run.logger.log_samples(samples, counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             break
     else:

@@ -21,7 +21,9 @@ from open_instruct import console, data, rewards
 from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
-from open_instruct.errors import ConfigError
+from open_instruct.episode_rollouts import EnvironmentRun, episode_correct, episode_metrics, is_episode_output
+from open_instruct.episodes import episode_score
+from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
 
 
@@ -53,9 +55,17 @@ class RolloutSampler:
     is dropped: after a resume it is generated again, from the restored weights (lag 0 for that one)."""
 
     def __init__(
-        self, cfg: RLVRConfig, generator: Any, policy: Any, accelerator: Any, prompts_for: Callable, num_rollouts: int
+        self,
+        cfg: RLVRConfig,
+        generator: Any,
+        policy: Any,
+        accelerator: Any,
+        prompts_for: Callable,
+        num_rollouts: int,
+        environments: Optional[EnvironmentRun] = None,
     ) -> None:
         self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
+        self.environments = environments  # set: each rollout plays multi-turn episodes (episode_rollouts.py)
         self.num_rollouts = num_rollouts
         self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if cfg.async_steps else None
@@ -76,6 +86,8 @@ class RolloutSampler:
     def _generate(self, step: int, prompts: list[dict]) -> tuple[Any, float]:
         t0 = time.perf_counter()
         config = sampling_config(self.cfg, step, self.accelerator.process_index)
+        if self.environments is not None:  # num_samples_per_prompt episodes per prompt, turn by turn
+            return self.environments.play(self.generator, prompts, config), time.perf_counter() - t0
         return self.generator.generate([p["prompt_ids"] for p in prompts], config), time.perf_counter() - t0
 
     def take(self, step: int) -> tuple[list[dict], Any, dict[str, float], int]:
@@ -134,6 +146,67 @@ def score_texts(
     return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
+def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: Any) -> Any:
+    """score_texts of the completions, or for episodes (episode_rollouts.EnvironmentRun.play) their environments'
+    rewards: verification_reward x episode_score per episode (the verifier ran inside the environment) plus the
+    custom reward functions of the whole response text; `correct` from the last turn."""
+    if not is_episode_output(out):
+        return score_texts(cfg, out.texts, examples, tokenizer, out.response_ids)
+    aggregation, scale = cfg.turn_reward_aggregation, cfg.verification_reward
+    scores = [scale * episode_score(e, aggregation) for e in out.episodes]
+    if cfg.reward_functions:
+        extra = rewards.custom_rewards(
+            cfg.reward_functions,
+            cfg.reward_function_weights,
+            prompts=[tokenizer.decode(e.prompt_ids) for e in out.episodes],
+            completions=out.texts,
+            completion_ids=out.response_ids,
+            ground_truth=[e["ground_truth"] for e in examples],
+            dataset=[e["verifier"] for e in examples],
+        )
+        scores = [r + x for r, x in zip(scores, extra)]
+    return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], 0, 0.0, {})
+
+
+def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]:
+    """The run's environment resources (None: single-turn); the built-in environments verify a final answer with
+    the row's verifier (its `dataset` column) as score_texts does, the score in [0, 1]."""
+    if cfg.environment is None:
+        return None
+    settings = code_settings(cfg)
+
+    def verify(text: str, ground_truth: Any, verifier: str) -> float:
+        scored = rewards.score_batch(
+            [text], [ground_truth], [verifier], verification_reward=1.0, timeout=cfg.verifier_timeout, code=settings
+        )
+        return float(scored.rewards[0])
+
+    return EnvironmentRun(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
+
+
+def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environments: EnvironmentRun) -> list[dict]:
+    """Each row's prompt as its environment renders it (reset + the chat template with the tool schemas): what
+    the episodes start from, measured against max_prompt_length here, before any model loads (a row the
+    environment refuses fails here too). Longer prompts: dropped (overlong drop) or refused."""
+    kept = []
+    for example in examples:
+        try:
+            ids = environments.prompt_ids(example)
+        except (DataError, ValueError, KeyError) as e:
+            raise DataError(f"{example['where']}: the environment refused the row: {e}") from e
+        if len(ids) > cfg.max_prompt_length:
+            if cfg.overlong == "drop":
+                continue
+            raise DataError(
+                f"{example['where']}: the environment's prompt is {len(ids)} tokens (tool schemas included), over "
+                f"max_prompt_length {cfg.max_prompt_length}; raise it or set overlong: drop"
+            )
+        kept.append({**example, "prompt_ids": ids})
+    if examples and not kept:
+        raise DataError(f"every prompt is longer than max_prompt_length {cfg.max_prompt_length} once rendered")
+    return kept
+
+
 def code_settings(cfg: RLVRConfig) -> CodeSettings:
     """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
     return CodeSettings(
@@ -182,23 +255,36 @@ class PhaseClock:
 
 
 def evaluate(
-    cfg: RLVRConfig, evals: list[dict], policy: Any, generator: Any, tokenizer: Any, accelerator: Any
+    cfg: RLVRConfig,
+    evals: list[dict],
+    policy: Any,
+    generator: Any,
+    tokenizer: Any,
+    accelerator: Any,
+    environments: Optional[EnvironmentRun] = None,
 ) -> dict[str, float]:
     """Greedy verifiable accuracy on the held-out prompts (each evaluated once across ranks); per source too
-    (eval/<source>/correct_rate) when the held-out set mixes sources."""
+    (eval/<source>/correct_rate) when the held-out set mixes sources. With an environment: one greedy episode
+    per prompt, plus eval/turns_per_episode and eval/tool_calls_per_episode."""
     local = data.shard_for_eval(evals, accelerator.process_index, accelerator.num_processes)
+    length = cfg.eval_response_length or cfg.response_length
     greedy = GenerationConfig(
-        max_new_tokens=cfg.eval_response_length or cfg.response_length,
+        max_new_tokens=length,
         temperature=0.0,
         stop_strings=cfg.stop_strings,
         max_batch_size=cfg.per_device_eval_batch_size,
     )
     with generator.generation_context(policy):  # collective under FSDP: every rank joins, even one without prompts
-        out = generator.generate([e["prompt_ids"] for e in local], greedy) if local else None
+        if not local:
+            out = None
+        elif environments is not None:
+            out = environments.play(generator, local, greedy, environments.budget_for(length))
+        else:
+            out = generator.generate([e["prompt_ids"] for e in local], greedy)
     sources = data.mixed_sources(evals)
     sums = zero_sums_by_source(sources, ("correct", "score", "length", "non_stop", "n"))
     if out is not None:
-        scored = score_texts(cfg, out.texts, local, tokenizer, out.response_ids)
+        scored = score_rollout(cfg, out, local, tokenizer)
         for i, example in enumerate(local):  # one response per prompt (greedy, n = 1)
             for name in ["", example["source"]] if sources else [""]:
                 sums[name]["correct"] += float(scored.correct[i])
@@ -208,7 +294,12 @@ def evaluate(
                 sums[name]["n"] += 1.0
     totals = global_sums_by_source(accelerator, sums)
     t, n = totals[""], max(totals[""]["n"], 1.0)
+    played = {}
+    if environments is not None:  # collective: every rank joins
+        stats = episode_metrics(accelerator, out.episodes if out is not None else [], "eval/")
+        played = {k: stats[k] for k in ("eval/turns_per_episode", "eval/tool_calls_per_episode")}
     return {
+        **played,
         "eval/correct_rate": t["correct"] / n,
         "eval/score_mean": t["score"] / n,
         "eval/response_length": t["length"] / n,
@@ -217,8 +308,13 @@ def evaluate(
     }
 
 
-def sample_rows(rollout: Any, tokenizer: Any, k: int) -> list[dict[str, Any]]:
-    """The first k completions of this rollout, for samples.jsonl."""
+def sample_rows(
+    rollout: Any, tokenizer: Any, k: int, environments: Optional[EnvironmentRun] = None
+) -> list[dict[str, Any]]:
+    """The first k completions of this rollout, for samples.jsonl (episodes: the whole conversation, each tool
+    output between [[observation]] markers)."""
+    if environments is not None and rollout.played:
+        return environments.sample_rows(rollout.played, k)
     return [
         {
             "prompt": tokenizer.decode(e["prompt_ids"]),
@@ -231,12 +327,18 @@ def sample_rows(rollout: Any, tokenizer: Any, k: int) -> list[dict[str, Any]]:
     ]
 
 
-def load_prompts(cfg: RLVRConfig, tokenizer: Any, accelerator: Any) -> tuple[list[dict], list[dict], Any, int]:
-    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads. Returns them,
-    the batch plan, and the longest prompt + response a generator must hold."""
+def load_prompts(
+    cfg: RLVRConfig, tokenizer: Any, accelerator: Any, environments: Optional[EnvironmentRun] = None
+) -> tuple[list[dict], list[dict], Any, int]:
+    """Train and held-out prompts, checked (verifiers, lengths, batch math) before any model loads; with an
+    environment, as it renders them (render_environment_prompts). Returns them, the batch plan, and the longest
+    prompt + response a generator must hold."""
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
     rewards.check_verifiers(train, "train")
     rewards.check_verifiers(evals, "eval")
+    if environments is not None:
+        train = render_environment_prompts(cfg, train, environments)
+        evals = render_environment_prompts(cfg, evals, environments)
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file
