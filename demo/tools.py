@@ -178,6 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--n_test", type=int, default=None, help="problems per held-out set (default 500, quick 100)")
     parser.add_argument("--num_threads", type=int, default=1, help="torch threads per stage")
+    parser.add_argument("--sft_total_episodes", type=int, default=None, help="SFT traces seen (default: the recipe's)")
     parser.add_argument("--sft_model", default=None, help="skip SFT: start both RL runs from this model folder")
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
     args, rl_overrides = parser.parse_known_args(argv)
@@ -235,6 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             "--model_name_or_path", base["causal_lm"], "--dataset_name_or_path", files["sft_train"],
             "--eval_dataset_name_or_path", files["sft_eval"], "--output_dir", os.path.join(out, "sft"),
         ]  # fmt: skip
+        if args.sft_total_episodes:
+            cmd += ["--total_episodes", str(args.sft_total_episodes)]
         print(f"== SFT: open_instruct/sft.py {SFT_RECIPE}", flush=True)
         timings["sft"], cpu["sft"] = run_script(cmd, os.path.join(out, "logs", "sft.log"), env, echo=not args.quiet)
         commands["sft"] = " ".join(cmd)

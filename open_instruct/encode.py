@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence, Union
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # {role, content}, tool_calls on assistant turns of tool use
 NOT_PREFIX = (
     "the chat template does not render the conversation prefix as a prefix of the full conversation, so response "
     "tokens cannot be located"
