@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import string
 from types import SimpleNamespace
 
 import pytest
@@ -140,18 +141,46 @@ def test_a_bad_tool_call_is_refused_naming_file_row_and_message(tok, calls, comp
     assert complaint in str(e.value)
 
 
-def test_sft_rendering_is_the_rl_episode_token_for_token(tok):
+def chatml_char_tokenizer():
+    """A character tokenizer with ChatML's role markers as tokens, carrying SmolLM2's kind of template (ChatML
+    without tool syntax): the SmolLM2 demo's setting without its 100 MB download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from open_instruct.chat_templates import CHATML
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    model = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars + ["<unk>"])}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    model.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", additional_special_tokens=specials[2:])  # fmt: skip
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.mark.parametrize("setting", ["tiny template, tool_calls", "ChatML, calls as text + system prompt"])
+def test_sft_rendering_is_the_rl_episode_token_for_token(setting):
     """An SFT trace and the episode the `tool` environment plays when the policy writes the trace's assistant
     turns: the same ids (the episode stops at the final end-of-turn token; the SFT row also has the template's
     newline after it), and the episode's policy tokens are exactly the SFT row's trained tokens except each
-    newline after an end-of-turn token, which the policy never generates (it stops at <|end|>) and the episode
-    counts as the observation's first token."""
+    newline after an end-of-turn token, which the policy never generates (it stops at its end token) and the
+    episode counts as the observation's first token. Both demos' settings: the tiny template rendering
+    `tool_calls`, and SmolLM2's (a template without tool syntax; calls as text, a system prompt)."""
+    from demo.smollm2_tools import SYSTEM_PROMPT, as_text_calls
+
     rows = tool_sft_rows(40, 3, direct_fraction=0.25)
+    if setting.startswith("tiny"):
+        tok, n_prompt = build_tokenizer(), 1
+    else:
+        tok, n_prompt = chatml_char_tokenizer(), 2
+        rows = as_text_calls(rows, SYSTEM_PROMPT)
     examples = encode_rows(rows, tok)
     tokens = EpisodeTokenizer(tok)
     env_rows, scripts = [], []
     for row, example in zip(rows, examples):
-        env_rows.append({"messages": row["messages"][:1], "ground_truth": row["messages"][-1]["content"],
+        env_rows.append({"messages": row["messages"][:n_prompt], "ground_truth": row["messages"][-1]["content"],
                          "verifier": "arithmetic"})  # fmt: skip
         # the policy's turns: the SFT row's trained runs, less the newline after each end-of-turn token
         turns, current = [], []
@@ -177,7 +206,7 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(tok):
     n_tool = 0
     for row, example, episode in zip(rows, examples, episodes):
         ids, labels = example["input_ids"], example["labels"]
-        assert episode.end_reason == "done" and len(episode.turns) == (2 if len(row["messages"]) == 4 else 1)
+        assert episode.end_reason == "done" and len(episode.turns) == (2 if len(row["messages"]) == n_prompt + 3 else 1)
         assert episode.ids == ids[:-1]  # the SFT row's last token is the newline after the final <|end|>
         trained = [int(label != -100) for label in labels[len(episode.prompt_ids) : -1]]
         separators = [i for i, t in enumerate(episode.response_ids[1:], 1)
@@ -186,8 +215,9 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(tok):
         assert episode.loss_mask == expected
         n_tool += episode.tool_calls
         if episode.tool_calls:  # the calculator's own answer is the trace's tool message
-            assert tok.decode(ids, skip_special_tokens=False).count("<|tool|>\n" + row["messages"][2]["content"])
-    assert n_tool == sum(len(r["messages"]) == 4 for r in rows) > 20
+            result = row["messages"][n_prompt + 1]["content"]
+            assert re.search(r"tool(\|>)?\n" + result + r"<\|", tok.decode(ids, skip_special_tokens=False))
+    assert n_tool == sum(len(r["messages"]) == n_prompt + 3 for r in rows) > 20
 
 
 @pytest.mark.parametrize("recipe", ["sft_tools.yaml", "rlvr_tools.yaml"])
