@@ -89,7 +89,7 @@ def write_data(data_dir: str, seed: int, n_sft: int, n_train: int, n_eval: int) 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_tools")
-    parser.add_argument("--n_sft", type=int, default=256, help="SFT traces (one epoch)")
+    parser.add_argument("--n_sft", type=int, default=128, help="SFT traces (one pass, 8 per step)")
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"\n== SFT on {args.n_sft} calculator traces: open_instruct/sft.py {SFT_RECIPE}", flush=True)
     cmd = [sys.executable, os.path.join("open_instruct", "sft.py"), SFT_RECIPE, "--model_name_or_path", folder,
            "--gguf_file", gguf_file, "--dataset_name_or_path", files["sft_train"], "--output_dir", sft_dir,
-           "--overwrite_output_dir", "true"]  # fmt: skip
+           "--overwrite_output_dir", "true", "--total_episodes", str(args.n_sft)]  # fmt: skip (one pass)
     timings["sft"], cpu["sft"] = run_script(cmd, os.path.join(out, "logs", "sft.log"), env)
     commands = {"sft": " ".join(cmd)}
     sft_model = os.path.join(sft_dir, "final_model")
