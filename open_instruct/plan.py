@@ -185,6 +185,8 @@ class TimeAssumptions:
     stop_at_episode: Optional[int] = None
     code_fraction: float = 0.0
     sandbox_call_seconds: float = 0.0  # 0: measured on this machine (sandbox.measure_call_seconds)
+    turns_per_episode: Optional[int] = None  # multi-turn: None = the recipe's max_turns (an upper bound)
+    tool_call_seconds: Optional[float] = None  # multi-turn: None = a sandbox call with python, else ~0
 
     def check(self) -> None:
         if self.gpu not in GPU_SPECS:
@@ -208,7 +210,9 @@ class TimeAssumptions:
                 f"--code_fraction must be in [0, 1] and --sandbox_call_seconds >= 0, got {self.code_fraction}, "
                 f"{self.sandbox_call_seconds}"
             )
-        for name in ("generation_gpus", "stop_at_episode", "tokens_per_sample", "prompt_tokens"):
+        if self.tool_call_seconds is not None and self.tool_call_seconds < 0:
+            raise ConfigError(f"--tool_call_seconds must be >= 0, got {self.tool_call_seconds}")
+        for name in ("generation_gpus", "stop_at_episode", "tokens_per_sample", "prompt_tokens", "turns_per_episode"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
 
@@ -242,6 +246,10 @@ ASSUMPTION_HELP = {
     "training processes on its node (8)",
     "stop_at_episode": "plan a run stopped at this episode (an early checkpoint) instead of the whole schedule",
     "code_fraction": "RL: fraction of completions scored by the `code` verifier (programs run in the sandbox) (0)",
+    "turns_per_episode": "RL with an environment: policy turns (generation rounds) per episode (default: the "
+    "recipe's max_turns, an upper bound; train/turns_per_episode of a short run measures it)",
+    "tool_call_seconds": "RL with an environment: seconds one tool call takes (default: a sandboxed call when tools "
+    "include python, else 0.001 for the in-process calculator)",
     "sandbox_call_seconds": "RL: seconds one response's sandboxed tests take (process start + tests); 0 = measure "
     "a trivial call on this machine (bench/bench_code_verifier.py measures real responses) (0)",
 }
@@ -535,6 +543,32 @@ def sandbox_call_seconds(a: TimeAssumptions) -> float:
     return measure_call_seconds()
 
 
+def multi_turn_generation(
+    cfg: RLVRConfig, a: TimeAssumptions, decode: float, prefill: float, seqs: float, local_episodes: float
+) -> tuple[float, float, float, int]:
+    """Multi-turn generation (an environment): `turns` rounds (--turns_per_episode, default max_turns). Each round
+    decodes until its longest turn ends (max_turn_tokens), and re-reads every episode's context so far (no prefix
+    cache assumed: prompt + on average half the mean response); between rounds the trainer waits for the round's
+    tool calls, turns - 1 per episode, sandbox_workers at a time per process:
+
+        decode'  = decode  x turns x max_turn_tokens / response_length
+        prefill' = prefill x turns + seqs x (turns - 1) x response_fill x response_length / 2 tokens of prefill
+        tools    = local episodes x (turns - 1) x tool_call_seconds / sandbox_workers
+
+    Returns (decode', prefill', tools, turns)."""
+    turns = a.turns_per_episode or cfg.max_turns
+    per_turn = min(cfg.max_turn_tokens or cfg.response_length, cfg.response_length)
+    decode = decode * turns * per_turn / cfg.response_length
+    prompt = rl_prompt_tokens(cfg, a)
+    context = (turns - 1) * a.response_fill * cfg.response_length / 2
+    prefill = prefill * turns + (prefill / max(prompt, 1)) * context
+    call = a.tool_call_seconds
+    if call is None:
+        call = sandbox_call_seconds(a) if "python" in cfg.tools else 0.001
+    tools = local_episodes * (turns - 1) * call / max(1, cfg.sandbox_workers)
+    return decode, prefill, tools, turns
+
+
 def rollout_seconds(generation: float, training: float, weight_sync: float, overlap: bool) -> float:
     """One rollout's wall clock. Synchronous: generate, then sync the weights, then train. Overlapped (async_steps
     > 0): the engines generate the next rollout while the trainer trains on this one, so the slower of the two
@@ -576,6 +610,10 @@ def rl_phases(
     decode = waves * cfg.response_length * step_bytes / (gpu.memory_bandwidth * a.decode_efficiency)
     prefill = seqs * prompt * 2 * params / (tp * flops_rate)
     generation = decode + prefill
+    turns, tool_seconds = 1, 0.0
+    if getattr(cfg, "environment", None):
+        decode, prefill, tool_seconds, turns = multi_turn_generation(cfg, a, decode, prefill, seqs, episodes / w)
+        generation = decode + prefill + tool_seconds
     weight_sync = weight_sync_seconds(params, layout, w, a)
 
     # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
@@ -642,6 +680,8 @@ def rl_phases(
         "training_seconds_per_rollout": training,
         "weight_sync_seconds_per_rollout": weight_sync,
         "verification_seconds_per_rollout": train_side.get("verification", 0.0),
+        "turns_per_episode": turns,
+        "tool_seconds_per_rollout": tool_seconds,
         "sandbox_call_seconds": call_seconds,
         "weight_sync_gb_s": (a.network_gb_s if layout.remote else a.interconnect_gb_s) if layout.dedicated else None,
         "rollout_seconds_sync": sync_rollout,
@@ -901,6 +941,11 @@ def generation_layout_lines(p: dict[str, Any]) -> list[str]:
         f"sync {duration(w / 3600)} ({f'{weights_gb:.0f} GB' if weights_gb >= 1 else f'{weights_gb * 1e3:.1f} MB'} "
         f"bf16 {link})"
     )
+    if p["turns_per_episode"] > 1:
+        lines.append(
+            f"  multi-turn: {p['turns_per_episode']} generation rounds per rollout (turns_per_episode), tool calls "
+            f"{duration(p['tool_seconds_per_rollout'] / 3600)} of the generation time"
+        )
     chosen = "async" if steps else "synchronous"
     lines.append(
         f"  synchronous: generation + weight sync + training = {duration(p['rollout_seconds_sync'] / 3600)}; async: "

@@ -23,7 +23,11 @@ backends behind `generation.py`'s contract, the algorithm names and traits in `r
     log_row             the metrics row of the rollout
 
 Per-token tensors of a rollout are *response-aligned*: column t is response token t of the row (prompt tokens are
-not stored), and `mask` marks real tokens (right padding after the response's stop).
+not stored), and `mask` marks real tokens (right padding after the response's stop). Multi-turn episodes
+(`environment:`, episode_rollouts.py): the response holds the policy's turns and the observations between them, and
+`mask` is the loss mask, 1 on policy tokens only: observations are context for every forward and never trained
+(no policy, KL, entropy or value term, no count); the score sits on the last policy token, each turn's reward on its
+turn's last policy token, and GAE / returns run over policy tokens only (episodes.multi_turn_gae).
 
 advantage_estimator: gae (PPO, Tulu 3: reward_t = -beta * KL_t plus the score at the last token; GAE(gamma, lam)
 with a value model, a scalar head on the backbone initialised from `value_model_path` or the policy; whitened),

@@ -1,7 +1,8 @@
 """The RL plumbing a forker of `rlvr_ppo.py` should not need to touch: where each rollout's prompts and completions
 come from (`RolloutSampler`, with the seeds that make a resumed run re-draw the same samples), the verifier call, the
 per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the held-out prompts, the samples.jsonl
-rows, and loading the prompts (checked before any model loads).
+rows, and loading the prompts (checked before any model loads). With an environment each of these plays or scores
+multi-turn episodes (episode_rollouts.py) instead of single completions.
 
 The RL math, the phases of a rollout step and `main` stay in `rlvr_ppo.py`.
 """

@@ -127,7 +127,27 @@ CASES = [
     (SFTConfig, lambda p: base(p) + ["--seed", "-1"], "seed must be in [0, 2**32 - 1], got -1"),
     # issue 22, item 10: a value starting with '-' is read as the value (then checked), not as a missing argument
     (SFTConfig, lambda p: base(p) + ["--adam_epsilon", "-1e-8"], "adam_epsilon must be >= 0, got -1e-08"),
+    # multi-turn (issue 25): the values, and the environment resolved (a user file imported) before any model loads
+    (RLVRConfig, lambda p: rl(p) + ["--environment", "tool", "--max_turns", "0"], "max_turns must be > 0"),
+    (RLVRConfig, lambda p: rl(p) + ["--tool_call_format", "xml"], "--tool_call_format"),
+    (RLVRConfig, lambda p: rl(p) + ["--max_turn_tokens", "999"], "max_turn_tokens 999 exceeds response_length 256"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", "nope"], "unknown environment 'nope'"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", str(p["tmp"] / "none.py") + ":X"], "no file"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", "tool", "--tools", "calculator", "abacus"], "tools: unknown"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", "tool", "--tool_call_format", "fenced"], "add python to tools"),
+    (
+        RLVRConfig,
+        lambda p: rl(p) + ["--environment", "tool", "--score_placement", "after_last_token"],
+        "after_last_token is single-turn only",
+    ),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", broken_env_file(p) + ":Env"], "importing it failed"),
 ]
+
+
+def broken_env_file(p) -> str:
+    path = p["tmp"] / "broken_env.py"
+    path.write_text("class Env(:\n")
+    return str(path)
 
 
 @pytest.mark.parametrize("cls,argv,needle", CASES, ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
