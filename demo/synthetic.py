@@ -170,6 +170,82 @@ def broad_rl_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
     return [rl_row(f"broad-{split}-{seed}-{i}", broad_problem(rng, split)) for i in range(n)]
 
 
+# Tool use (demo/tools.py): arithmetic on operands too large for a small model to do in its head, answered through
+# the `calculator` tool of environments.ToolEnvironment. Questions name the operation in words or symbols; held-out
+# sets: unseen problems of the training templates and ranges, and problems with larger operands ("out of range").
+TOOL_TEMPLATES = {
+    "train": ["What is {a}{op}{b}?", "Compute {a}{op}{b}."],
+    "held_out": ["Calculate {a} {op} {b}, please.", "How much is {a} {op} {b}?"],
+}
+# Operand ranges per operation: "train" for SFT, RL and the in-range held-out set; "out_of_range" one digit more.
+# Training operands have a fixed width, so a question's digits sit at a fixed distance from where the tool call copies
+# them: a 2-layer character-level model learns that copy (with 100..9999 it had not in the same steps).
+TOOL_RANGES = {
+    "train": {"+": (1000, 9999), "-": (1000, 9999), "*": (100, 999)},
+    "out_of_range": {"+": (10000, 99999), "-": (10000, 99999), "*": (1000, 9999)},
+}
+CALCULATOR = "calculator"
+
+
+def tool_problem(rng: random.Random, ranges: str = "train", templates: str = "train") -> dict[str, Any]:
+    """One problem: question, the calculator expression ("1234*567") and the integer answer."""
+    op = rng.choice(["+", "-", "*"])
+    low, high = TOOL_RANGES[ranges][op]
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    question = rng.choice(TOOL_TEMPLATES[templates]).format(a=a, b=b, op=op)
+    expression = f"{a}{op}{b}"
+    return {"question": question, "expression": expression, "answer": answer}
+
+
+def calculator_call(expression: str) -> dict[str, Any]:
+    """An OpenAI-style tool call of the calculator (what a chat template renders as `<tool_call>{json}</tool_call>`)."""
+    return {"type": "function", "function": {"name": CALCULATOR, "arguments": {"expression": expression}}}
+
+
+def head_answer(problem: dict[str, Any], rng: random.Random) -> int:
+    """A wrong answer of the kind a model computing in its head gives: the right leading digits, the last one or
+    two wrong."""
+    answer = problem["answer"]
+    wrong = answer + rng.choice([-1, 1]) * rng.randint(1, 99 if abs(answer) >= 100 else 9)
+    return wrong if wrong != answer else answer + 1
+
+
+def tool_sft_rows(n: int, seed: int, direct_fraction: float = 0.25, wrong_fraction: float = 0.5) -> list[dict]:
+    """Multi-turn tool-call traces: user question -> assistant calls the calculator -> `tool` message with the
+    result -> the assistant's final answer, the number ("699678"). A fraction `direct_fraction` of the rows instead
+    answers at once, without the tool, and `wrong_fraction` of those answers wrongly (head_answer): the SFT model
+    then sometimes skips the tool, and RL has that to improve."""
+    if not 0.0 <= direct_fraction <= 1.0 or not 0.0 <= wrong_fraction <= 1.0:
+        raise ValueError(f"direct_fraction and wrong_fraction must be in [0, 1]: {direct_fraction}, {wrong_fraction}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p = tool_problem(rng)
+        user = {"role": "user", "content": p["question"]}
+        if rng.random() < direct_fraction:
+            answer = head_answer(p, rng) if rng.random() < wrong_fraction else p["answer"]
+            messages = [user, {"role": "assistant", "content": str(answer)}]
+        else:
+            messages = [
+                user,
+                {"role": "assistant", "content": "", "tool_calls": [calculator_call(p["expression"])]},
+                {"role": "tool", "content": str(p["answer"])},
+                {"role": "assistant", "content": str(p["answer"])},
+            ]
+        rows.append({"id": f"tool-sft-{seed}-{i}", "messages": messages})
+    return rows
+
+
+def tool_rl_rows(n: int, seed: int, ranges: str = "train", templates: str = "train") -> list[dict[str, Any]]:
+    """RL prompt rows (messages + ground_truth + dataset=arithmetic) of tool problems; the same rows serve the run
+    with the calculator environment and the run without tools."""
+    rng = random.Random(seed)
+    return [rl_row(f"tool-{ranges}-{templates}-{seed}-{i}", tool_problem(rng, ranges, templates)) for i in range(n)]
+
+
 def write_jsonl(path: str, rows: list[dict[str, Any]]) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -12,9 +12,20 @@ import os
 import string
 from typing import Any
 
+# Tool calls render Hermes-style, as Qwen templates do and as environments.ToolEnvironment parses them: an assistant
+# message's OpenAI-style `tool_calls` become `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` after its
+# content (json.dumps' separators, so a call the model writes as text and the same call given as `tool_calls` are the
+# same tokens); a `tool` message is an ordinary turn. `tools=` schemas are not rendered (the demos' prompts are the
+# same with and without tools: only whether a call is run differs).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>' + {'name': f['name'], 'arguments': f['arguments']} | tojson + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

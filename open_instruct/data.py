@@ -280,11 +280,39 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "i
 TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
+def _validate_tool_calls(calls: Any, at: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI-style `tool_calls` ([{"type": "function", "function": {"name": ...,
+    "arguments": {...}}}], or the flat {"name", "arguments"}), normalised to the OpenAI form with `arguments` an
+    object: a JSON-string `arguments` (OpenAI's wire form) is parsed, so every template renders the same call."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{at}: 'tool_calls' must be a non-empty list of calls, got {calls!r:.120}")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+            raise DataError(
+                f"{at}: tool_calls[{k}] needs a string 'name' and object 'arguments' (optionally under 'function'), "
+                f"got {call!r:.120}"
+            )
+        normalised: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            normalised["id"] = call["id"]
+        out.append(normalised)
+    return out
+
+
 def _validate_messages(
     value: Any, column: str, where: str, need_final_assistant: bool, tool_keys: bool = False
 ) -> list[dict[str, Any]]:
     """The messages checked, as {role, content} (plus tool_calls / tool_call_id / name where set, with tool_keys:
-    RL prompts with earlier tool turns)."""
+    SFT traces of tool use, RL prompts with earlier tool turns; `tool_calls` checked and normalised,
+    _validate_tool_calls)."""
     if not isinstance(value, list):
         raise DataError(f"{where}: column {column!r} must be a list of messages, got {type(value).__name__}")
     if not value:
@@ -309,7 +337,11 @@ def _validate_messages(
             f"{where}: the last message of {column!r} must be from the assistant, got {value[-1]['role']!r}"
         )
     keys = ("role", "content", *TOOL_MESSAGE_KEYS) if tool_keys else ("role", "content")
-    return [{k: m[k] for k in keys if m.get(k) is not None} for m in value]
+    out = [{k: m[k] for k in keys if m.get(k) is not None} for m in value]
+    for j, m in enumerate(out):
+        if "tool_calls" in m:
+            m["tool_calls"] = _validate_tool_calls(m["tool_calls"], f"{where}: {column}[{j}]")
+    return out
 
 
 def _require_column(row: Row, column: str) -> Any:
@@ -510,18 +542,15 @@ def sft_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple:
     """("chat", messages, first trained turn) or ("raw", prompt, completion) for one SFT row."""
     where = row.where()
     if fmt.name == "messages":
-        return (
-            "chat",
-            _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, where, True),
-            0,
-        )
+        messages = _require_column(row, cfg.messages_column)
+        return "chat", _validate_messages(messages, cfg.messages_column, where, True, tool_keys=True), 0
     if fmt.name == "text":
         (text,) = _nonempty_strings(row, ["text"], "text")
         return "raw", "", text
     prompt, completion = _require_column(row, "prompt"), _require_column(row, "completion")
     if formats.is_conversation(prompt) and formats.is_conversation(completion):
-        p = _validate_messages(prompt, "prompt", where, False)
-        c = _validate_messages(completion, "completion", where, True)
+        p = _validate_messages(prompt, "prompt", where, False, tool_keys=True)
+        c = _validate_messages(completion, "completion", where, True, tool_keys=True)
         return "chat", p + c, len(p)  # only the completion's turns are trained
     prompt, completion = _nonempty_strings(row, ["prompt", "completion"], "prompt/completion")
     if _string_rows_as_chat(cfg):

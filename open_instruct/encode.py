@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 
 from open_instruct.chat_render import ChatRenderer, Skeleton
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # {role, content}, tool_calls on assistant turns of tool use
 NOT_PREFIX = (
     "the chat template does not render the conversation prefix as a prefix of the full conversation, so response "
     "tokens cannot be located"

@@ -171,7 +171,8 @@ def test_rows_carry_their_environment_tools_and_tool_turns(tiny_models, tiny, tm
     ]  # fmt: skip
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    cfg = config(tiny_models, "--tools", "calculator", "python")
+    # the tiny template renders the earlier call as <tool_call>{json}</tool_call>: 122 prompt tokens
+    cfg = config(tiny_models, "--tools", "calculator", "python", "--max_prompt_length", "160")
     examples, _ = data.tokenize_prompts(data.load_rows(str(path)), tiny["tokenizer"], cfg)
     assert examples[0]["verifier"] == "arithmetic" and examples[0]["example"]["tools"] == ["calculator"]
     assert examples[0]["example"]["messages"][1]["tool_calls"] == [call]
