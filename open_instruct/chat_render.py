@@ -213,7 +213,10 @@ class ChatRenderer:
         out: list[Optional[str]] = [None] * len(conversations)
         plain = []
         for k, messages in enumerate(conversations):
-            skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt)
+            # a message with more than role and content (tool_calls, name, ...) is rendered by the template itself:
+            # the skeletons are proven for contents only
+            opaque = all(m.keys() <= {"role", "content"} for m in messages)
+            skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt) if opaque else None
             if skeleton is None:
                 plain.append(k)
             else:
