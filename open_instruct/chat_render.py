@@ -15,10 +15,12 @@ output depend on the content other than by inserting it verbatim). Each skeleton
 3. A second set of contents is rendered both ways (the tokenizer's, and filled into the skeleton): equal.
 
 With no recorded operation the template's control flow cannot depend on the contents, so the skeleton holds for
-every conversation with those roles (validated messages hold only role and content). One operation is modelled
-rather than refused: `trim` (`strip()` with no argument) of a bare content, as Llama 3's template does; the slot is
-then filled with `content.strip()`, which is what `trim` computes. The named templates (chat_templates.py) and the
-tests' template all have skeletons.
+every conversation with those roles (messages with more than role and content, e.g. tool calls, are rendered by the
+template itself). One operation is modelled rather than refused: `trim` (`strip()` with no argument) of a bare
+content, as Llama 3's template does; the slot is then filled with `content.strip()`, which is what `trim` computes.
+One test is allowed: whether a content is empty (`{% if message['content'] %}`, as templates that also render tool
+calls do); such a skeleton holds for conversations whose contents are all non-empty, the others go through
+`apply_chat_template`. The named templates (chat_templates.py) and the tests' template all have skeletons.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class ContentText(str):
     def __add__(self, other: Any) -> Any:
         return ContentText(str.__add__(self, other))
 
+    def __bool__(self) -> bool:  # a marker is never empty: the skeleton then holds for non-empty contents only
+        ContentText.reads.append("__bool__")
+        return True
+
     def __radd__(self, other: Any) -> Any:
         if not isinstance(other, str):
             return NotImplemented
@@ -73,7 +79,7 @@ def _logged(name: str) -> Any:
 _NOT_READS = {
     "__new__", "__init__", "__getattribute__", "__setattr__", "__delattr__", "__init_subclass__", "__subclasshook__",
     "__class__", "__dir__", "__sizeof__", "__reduce__", "__reduce_ex__", "__getnewargs__", "__getstate__", "__repr__",
-    "__add__", "__radd__", "__class_getitem__", "strip",
+    "__add__", "__radd__", "__class_getitem__", "strip", "__bool__",
 }  # fmt: skip
 for _name, _value in vars(str).items():
     if callable(_value) and _name not in _NOT_READS:
@@ -136,6 +142,10 @@ class Skeleton:
     pieces: tuple[str, ...]
     slots: tuple[int, ...]
     stripped: tuple[bool, ...]
+    nonempty_only: bool = False  # the template tests whether a content is empty: holds when none is
+
+    def holds_for(self, messages: Sequence[dict[str, str]]) -> bool:
+        return not self.nonempty_only or all(m["content"] for m in messages)
 
     def fill(self, messages: Sequence[dict[str, str]]) -> str:
         parts = [self.pieces[0]]
@@ -170,7 +180,8 @@ def make_skeleton(tokenizer: Any, roles: tuple[str, ...], add_generation_prompt:
             messages=marked, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )
         reads, ContentText.reads = ContentText.reads, []
-        if reads:
+        nonempty_only = "__bool__" in reads
+        if any(r != "__bool__" for r in reads):
             return None
         plain = [{"role": r, "content": _marker(i)} for i, r in enumerate(roles)]
         rendered = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -180,7 +191,9 @@ def make_skeleton(tokenizer: Any, roles: tuple[str, ...], add_generation_prompt:
     if MARK_RE.sub(lambda m: _marker(int(m.group(1))), probed) != rendered:  # stripping leaves a marker as it is
         return None
     parts = MARK_RE.split(probed)  # text, index, "s" or "", text, ...
-    skeleton = Skeleton(tuple(parts[0::3]), tuple(int(i) for i in parts[1::3]), tuple(s == "s" for s in parts[2::3]))
+    skeleton = Skeleton(
+        tuple(parts[0::3]), tuple(int(i) for i in parts[1::3]), tuple(s == "s" for s in parts[2::3]), nonempty_only
+    )
     if any(slot >= len(roles) for slot in skeleton.slots):
         return None
     other = [{"role": r, "content": f" x{i}\n"} for i, r in enumerate(roles)]
@@ -209,14 +222,19 @@ class ChatRenderer:
             _SKELETONS[key] = make_skeleton(self.tokenizer, roles, add_generation_prompt)
         return _SKELETONS[key]
 
+    def skeleton_for(self, messages: Messages, add_generation_prompt: bool) -> Optional[Skeleton]:
+        """The skeleton that renders `messages` exactly, or None: a message with more than role and content (tool
+        calls, a name) is left to the template itself, as is an empty content where the template tests for one."""
+        if not all(m.keys() <= {"role", "content"} for m in messages):
+            return None
+        skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt)
+        return skeleton if skeleton is not None and skeleton.holds_for(messages) else None
+
     def render(self, conversations: Sequence[Messages], add_generation_prompt: bool) -> list[str]:
         out: list[Optional[str]] = [None] * len(conversations)
         plain = []
         for k, messages in enumerate(conversations):
-            # a message with more than role and content (tool_calls, name, ...) is rendered by the template itself:
-            # the skeletons are proven for contents only
-            opaque = all(m.keys() <= {"role", "content"} for m in messages)
-            skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt) if opaque else None
+            skeleton = self.skeleton_for(messages, add_generation_prompt)
             if skeleton is None:
                 plain.append(k)
             else:

@@ -127,7 +127,7 @@ def prefix_token_ids(
     """Token ids of each requested prefix (k, messages, cut, generation prompt): messages[:cut] rendered (with the
     generation prompt or not), conversation k of `wholes` being the whole conversation it is a prefix of. From the
     whole conversation's tokens where PrefixTokens proves them equal, else tokenized (one batch call)."""
-    skeletons = [renderer.skeleton(tuple(m["role"] for m in msgs[:cut]), gen) for _, msgs, cut, gen in requests]
+    skeletons = [renderer.skeleton_for(msgs[:cut], gen) for _, msgs, cut, gen in requests]
     texts: list[Optional[str]] = [None if sk is None else sk.fill(r[1]) for sk, r in zip(skeletons, requests)]
     for generation in (True, False):  # templates without skeletons: one apply_chat_template call for each kind
         plain = [j for j, t in enumerate(texts) if t is None and requests[j][3] == generation]

@@ -91,14 +91,23 @@ NOT_PREFIX_STABLE = (  # a later user turn loses its end-of-turn marker when the
 )
 
 
-READS_CONTENTS = (  # tests each content: no skeleton, every conversation through apply_chat_template
+READS_CONTENTS = (  # edits each content: no skeleton, every conversation through apply_chat_template
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'].replace('\t', ' ') }}"
+    "{{ '<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+TESTS_EMPTY = (  # only tests whether a content is empty: a skeleton for non-empty contents, the rest rendered
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + (m['content'] if m['content'] else '(none)') }}"
     "{{ '<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
 
 def tokenizers_under_test():
-    templates = {"llama3": NAMED_TEMPLATES["llama-3"], "unstable": NOT_PREFIX_STABLE, "reads": READS_CONTENTS}
+    templates = {
+        "llama3": NAMED_TEMPLATES["llama-3"],
+        "unstable": NOT_PREFIX_STABLE,
+        "reads": READS_CONTENTS,
+        "tests_empty": TESTS_EMPTY,
+    }
     out = {"tiny": build_tokenizer(), "bpe": bpe_tokenizer(), "merging": merging_tokenizer()}
     for name, template in templates.items():
         out[name] = build_tokenizer()
@@ -187,7 +196,17 @@ def test_the_sample_meets_every_case():
     expected, and the reply-boundary merge and the unstable template make the old path refuse some rows."""
     roles = ("system", "user", "assistant")
     have = {name: chat_render.make_skeleton(t, roles, False) is not None for name, t in TOKENIZERS.items()}
-    assert have == {"tiny": True, "bpe": True, "merging": True, "llama3": True, "unstable": True, "reads": False}
+    assert have == {
+        "tiny": True,
+        "bpe": True,
+        "merging": True,
+        "llama3": True,
+        "unstable": True,
+        "reads": False,
+        "tests_empty": True,
+    }
+    assert chat_render.make_skeleton(TOKENIZERS["tests_empty"], roles, False).nonempty_only
+    assert any(not m["content"] for c in chat_sample() for m in c)  # the sample has empty contents to fall back on
     chats = chat_sample()
     assert sum(c[-1]["content"].startswith("l") for c in chats) > 0
     assert old_sft(TOKENIZERS["merging"], chats)[1] and old_sft(TOKENIZERS["unstable"], chats)[1]
@@ -207,12 +226,17 @@ def test_prefix_tokens_come_from_the_whole_conversation(monkeypatch):
         return real(tokenizer, texts, add_special_tokens)
 
     monkeypatch.setattr(encode, "token_ids", spy)
-    chats = [(c, 0) for c in chat_sample()]
+    # conversations whose contents are all non-empty (the tiny template tests for an empty content: a conversation
+    # with one is rendered by the template, and its prefixes tokenized, as the equality test checks)
+    chats = [(c, 0) for c in chat_sample() if all(m["content"] for m in c)]
     prefixes = sum(2 * sum(m["role"] == "assistant" for m in c) - 1 for c, _ in chats)  # before and through
     for name in ("tiny", "merging", "reads", "llama3"):
         tokenized.clear()
         encode.encode_chats(TOKENIZERS[name], chats)
         assert len(tokenized) == (prefixes if name in ("reads", "llama3") else 0), name
+    tokenized.clear()
+    encode.encode_chats(TOKENIZERS["tiny"], [(c, 0) for c in chat_sample() if not all(m["content"] for m in c)])
+    assert tokenized
     stripping = build_tokenizer()
     from tokenizers import AddedToken
 
@@ -231,7 +255,6 @@ def test_prefix_tokens_come_from_the_whole_conversation(monkeypatch):
     [
         "{% for m in messages %}{{ ('<' + m['content']) | trim }}{% endfor %}",  # trim of more than a content
         "{% for m in messages %}{{ m['content'] | trim('x') }}{% endfor %}",  # trim of other characters
-        "{% for m in messages %}{% if m['content'] %}{{ m['content'] }}{% endif %}{% endfor %}",  # truth test
         "{% for m in messages %}{{ m['content'].split('</think>')[-1] }}{% endfor %}",  # Qwen 3's reasoning cut
         "{% for m in messages %}{{ ('[' + m['content']) | replace('<think>', '') }}{% endfor %}",  # after a +
         "{{ messages | tojson }}",  # escaped, not written verbatim
@@ -311,3 +334,20 @@ def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path, monkeypa
     train2, evals2, stats2 = data.load_train_eval(cfg, TOKENIZERS["tiny"], data.tokenize_sft)
     assert (train2, evals2) == (train, evals) and len(train) + len(evals) == 48 and len(evals) == 12
     assert stats2.inputs == f"format messages; tokenized data read from the cache {folder}"
+
+
+def test_a_template_that_tests_for_an_empty_content_renders_empty_ones_itself():
+    """`{% if content %}` (templates that also render tool calls): a skeleton for non-empty contents; a conversation
+    with an empty content, or a message with more than role and content, is rendered by the template."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{% if m['content'] %}{{ m['content'] }}{% else %}-{% endif %}>{% endfor %}"
+    )
+    renderer = chat_render.ChatRenderer(tokenizer)
+    assert chat_render.make_skeleton(tokenizer, ("user", "assistant"), False).nonempty_only
+    full = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    empty = [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]
+    extra = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "name": "x"}]
+    assert renderer.skeleton_for(full, False) is not None
+    assert renderer.skeleton_for(empty, False) is None and renderer.skeleton_for(extra, False) is None
+    assert renderer.render([full, empty], False) == ["<a><b>", "<a><->"]
