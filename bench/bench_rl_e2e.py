@@ -22,8 +22,10 @@ Variants (each in its own subprocess, one after another; the order rotates every
   ours_hf_sync       open_instruct/rlvr_ppo.py --algo grpo, generation_backend hf, async_steps 0       (.venv)
   ours_vllm_sync     generation_backend vllm_server (one dedicated vLLM engine), async_steps 0        (.venv-vllm)
   ours_vllm_async1   the same, async_steps 1: the next rollout is generated while this one trains
-  ours_vllm_asyncN   one per --async_steps value N > 1; a value this build's trainer refuses (its config check
-                     exits 2 before any model loads) is reported as "not supported by this build"
+  ours_hf_async1     async_steps 1 on the HF backend (generation beside training in the same process)
+  ours_{hf,vllm}_asyncN  one per --async_steps value N > 1 and --async_backends entry
+                     A variant this build's trainer refuses (its config check exits 2 naming async_steps, before
+                     any model loads) is reported as "not supported by this build" with the trainer's message.
   trl                trl.GRPOTrainer, its best CPU settings: use_vllm false (HF generate), bf16 off, gradient
                      checkpointing off (1.16 turns it on by default: recomputation costs ~1/3 more compute and
                      memory is no issue at 135M), generation_batch_size = the step's completions and
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -64,7 +67,9 @@ from typing import Any, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIX = " Think step by step, then give the final answer as a number."
 PHASES = ("generation", "scoring", "inference", "training", "weight_sync")
-BASE_VARIANTS = ("ours_hf_sync", "trl", "ours_vllm_sync", "ours_vllm_async1")  # run order: ours and TRL alternate
+# run order: ours and TRL alternate; async on the HF backend is refused by builds without it (reported, ~20 s)
+BASE_VARIANTS = ("ours_hf_sync", "trl", "ours_vllm_sync", "ours_vllm_async1", "ours_hf_async1")
+VARIANT_NAME = re.compile(r"ours_(hf|vllm)_(sync|async\d+)|trl|trl_vllm")
 UNSUPPORTED = "not supported by this build"
 
 
@@ -453,8 +458,10 @@ def spawn(name: str, w: Workload, model: str, data: str, out_dir: str) -> dict[s
 
 
 def variants_for(args: argparse.Namespace) -> list[str]:
+    """--variants, then ours_<backend>_asyncN for every --async_steps N and --async_backends entry."""
     names = list(args.variants)
-    names += [f"ours_vllm_async{n}" for n in args.async_steps if f"ours_vllm_async{n}" not in names]
+    for n in args.async_steps:
+        names += [f"ours_{b}_async{n}" for b in args.async_backends if f"ours_{b}_async{n}" not in names]
     return names
 
 
@@ -466,7 +473,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         parser.add_argument(f"--{key}", type=int, default=None, help="override the preset's value")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--variants", nargs="+", default=None, help=f"default: {' '.join(BASE_VARIANTS)}")
-    parser.add_argument("--async_steps", type=int, nargs="*", default=[2], help="ours_vllm_asyncN for each N")
+    parser.add_argument("--async_steps", type=int, nargs="*", default=[2], help="ours_<backend>_asyncN for each N")
+    parser.add_argument("--async_backends", nargs="*", choices=["hf", "vllm"], default=["vllm", "hf"])
     parser.add_argument("--repeats", type=int, default=1, help="rounds of all variants (order rotates per round)")
     parser.add_argument("--out", default=os.path.join(REPO, "output", "bench_rl_e2e"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -483,10 +491,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     w = Workload(**{**asdict(PRESETS[preset]), **{k: v for k, v in overrides.items() if v is not None}})
     if args.variants is None:
         args.variants = list(BASE_VARIANTS) + (["trl_vllm"] if preset == "gpu" else [])
-    bad = [n for n in args.variants if n not in (*BASE_VARIANTS, "trl_vllm") and not n.startswith("ours_vllm_async")]
+    bad = [n for n in args.variants if not VARIANT_NAME.fullmatch(n)]
     if bad or any(n < 1 for n in args.async_steps):
-        parser.error(f"--variants: unknown {bad} (known: {', '.join(BASE_VARIANTS)}, trl_vllm, ours_vllm_asyncN); "
-                     "--async_steps values must be >= 1")  # fmt: skip
+        parser.error(f"--variants: unknown {bad} (known: ours_hf_sync, ours_vllm_sync, ours_hf_asyncN, "
+                     "ours_vllm_asyncN, trl, trl_vllm); --async_steps values must be >= 1")  # fmt: skip
     if w.steps < 2 or w.group < 2 or w.prompts < 1 or w.episodes_per_step % 2:
         parser.error("--steps and --group must be >= 2, --prompts >= 1, prompts x group even (2 micro-batches)")
     names = variants_for(args)

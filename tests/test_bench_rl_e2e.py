@@ -2,6 +2,7 @@
 process tree, and its handling of an async depth the trainer refuses (the trainer's own config check, run for real on
 the tiny model: the refusal comes before any model loads)."""
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -102,6 +103,11 @@ def test_names_map_to_depths_and_backends(bench):
     assert [bench.async_steps_of(n) for n in ("ours_hf_sync", "ours_vllm_async1", "ours_vllm_async12")] == [0, 1, 12]
     assert bench.ratio_base("ours_vllm_async3") == "ours_vllm_sync"
     assert bench.ratio_base("ours_hf_sync") == "ours_hf_sync" and bench.ratio_base("trl") is None
+    assert bench.ratio_base("ours_hf_async2") == "ours_hf_sync"
+    args = argparse.Namespace(variants=["trl", "ours_vllm_async2"], async_steps=[2, 3], async_backends=["vllm", "hf"])
+    assert bench.variants_for(args) == [
+        "trl", "ours_vllm_async2", "ours_hf_async2", "ours_vllm_async3", "ours_hf_async3"
+    ]  # fmt: skip
 
 
 def test_bad_variant_is_refused_before_any_model_loads(bench, tmp_path, capsys):
@@ -111,9 +117,49 @@ def test_bad_variant_is_refused_before_any_model_loads(bench, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "model")
 
 
+def refused_async_depth(model, data):
+    """(depth, message) of the first async depth on the HF backend that this build's trainer config refuses, else
+    None (a build with HF async of every depth tried)."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.errors import ConfigError
+
+    for depth in (1, 2, 1000):
+        argv = ["--model_name_or_path", model, "--dataset_name_or_path", data, "--generation_backend", "hf",
+                "--async_steps", str(depth), "--output_dir", "unused"]  # fmt: skip
+        try:
+            parse_config(RLVRConfig, argv)
+        except ConfigError as e:
+            return depth, str(e)
+    return None
+
+
 def test_a_depth_the_trainer_refuses_is_reported_not_raised(bench, tiny_models, tmp_path):
-    """async on the HF backend: the trainer's config check exits 2 naming async_steps; the bench reports it."""
+    """The trainer's own config check (run for real in the child) exits 2 naming async_steps; the bench reports it
+    with the trainer's message instead of failing."""
     data = bench.write_prompts(str(tmp_path), 4, seed=0)
-    out = bench.spawn("ours_hf_async1", bench.PRESETS["smoke"], tiny_models["causal_lm"], data, str(tmp_path / "r"))
+    refused = refused_async_depth(tiny_models["causal_lm"], data)
+    if refused is None:
+        pytest.skip("this build accepts async_steps 1, 2 and 1000 on the HF backend")
+    depth, message = refused
+    name = f"ours_hf_async{depth}"
+    out = bench.spawn(name, bench.PRESETS["smoke"], tiny_models["causal_lm"], data, str(tmp_path / "r"))
     assert out["status"] == bench.UNSUPPORTED
-    assert "async_steps 1 needs generation_backend vllm_server" in out["reason"]
+    assert message in out["reason"]
+
+
+def test_refusal_and_failure_of_a_child_are_told_apart(bench, tmp_path, monkeypatch):
+    """A stand-in interpreter: exit 2 with the trainer's async_steps message is "not supported"; another exit is a
+    failure naming the log; the bench goes on either way."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "config error: async_steps must be 0 (synchronous) or 1, got 3"\nexit "$CODE"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench, "python_for", lambda name: str(fake))
+    monkeypatch.setenv("CODE", "2")
+    out = bench.spawn("ours_vllm_async3", bench.PRESETS["smoke"], "m", "d", str(tmp_path / "a"))
+    assert out == {
+        "status": bench.UNSUPPORTED,
+        "reason": "config error: async_steps must be 0 (synchronous) or 1, got 3",
+    }
+    monkeypatch.setenv("CODE", "1")
+    out = bench.spawn("ours_vllm_async3", bench.PRESETS["smoke"], "m", "d", str(tmp_path / "b"))
+    assert out["status"] == "failed (exit 1)" and str(tmp_path / "b" / "bench.log") in out["reason"]
