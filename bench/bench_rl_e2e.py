@@ -163,7 +163,8 @@ def summarize(steps: list[dict[str, Any]], episodes_per_step: int, peak_rss_mb: 
     window = steps[-1]["t"] - steps[0]["t"]
     episodes = len(timed) * episodes_per_step
     shares = {p: sum(s["phases"].get(p, 0.0) for s in timed) / window for p in PHASES}
-    engine = sum(s["phases"].get("generation_engine", 0.0) for s in timed) / window
+    # the generator's own time; without an engine of its own (HF, TRL) it is the generation the trainer ran
+    engine = sum(s["phases"].get("generation_engine", s["phases"].get("generation", 0.0)) for s in timed) / window
     return {
         "episodes_per_second": episodes / window,
         "tokens_per_second": sum(s["tokens"] for s in timed) / window,
