@@ -423,7 +423,7 @@ def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len
         shared: list[Any] = [None]
         if accelerator.is_main_process:
             try:
-                engines.write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code)
+                engines.write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code, cfg.gguf_file)
                 devices = engines.free_generation_devices(local_world) if on_gpu else None
                 if on_gpu and cfg.vllm_engine_devices is not None:  # e.g. one GPU shared: --vllm_engine_devices 0
                     devices = list(cfg.vllm_engine_devices)

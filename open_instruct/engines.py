@@ -55,13 +55,16 @@ def weight_transfer_backend(choice: str, on_gpu: bool) -> str:
     return choice
 
 
-def write_engine_model(model_name_or_path: str, out_dir: str, trust_remote_code: bool = False) -> tuple[str, bool]:
-    """A folder with the policy's config and tokenizer only, for `--load-format dummy`. Tied input/output
-    embeddings are untied there (vLLM 0.32's layerwise reload refreshes only one tensor of a tied pair; the trainer
-    sends lm_head too). Returns (folder, untied)."""
+def write_engine_model(
+    model_name_or_path: str, out_dir: str, trust_remote_code: bool = False, gguf_file: Optional[str] = None
+) -> tuple[str, bool]:
+    """A folder with the policy's config and tokenizer only, for `--load-format dummy` (a GGUF policy's are read
+    from its file: the engine gets plain ones). Tied input/output embeddings are untied there (vLLM 0.32's layerwise
+    reload refreshes only one tensor of a tied pair; the trainer sends lm_head too). Returns (folder, untied)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **gguf)
     if hasattr(config, "quantization_config"):  # a GGUF-loaded config still names its quantisation
         del config.quantization_config
     untied = bool(getattr(config, "tie_word_embeddings", False))
@@ -69,7 +72,8 @@ def write_engine_model(model_name_or_path: str, out_dir: str, trust_remote_code:
         config.tie_word_embeddings = False
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code, **gguf)
+    tokenizer.save_pretrained(out_dir)
     return out_dir, untied
 
 
@@ -421,7 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for spec in specs:
             print(spec.shell())
         return
-    write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code)
+    write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code, cfg.gguf_file)
     # SIGTERM (kill, a scheduler ending the job) stops the engines too, as Ctrl-C does: they do not die with us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engines = LocalEngines(specs, os.path.join(cfg.output_dir, "engine_logs"), cfg.vllm_engine_start_timeout, False)
