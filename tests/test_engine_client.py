@@ -597,3 +597,24 @@ def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
         assert result["sharded"] > 0 and result["synced"] and result["versions"] == [7]
     # rank 0 sent the weights (+ the untied lm_head), in float32
     assert json.loads((tmp_path / "rank0.json").read_text())["bytes"] > 0
+
+
+def test_multi_turn_episodes_on_a_dedicated_engine(task, tmp_path):
+    """Multi-turn RLVR with generation on a dedicated engine (token-in/token-out per turn, async 1 with weight
+    updates in flight): every episode plays its two turns, the observation tokens are in the rows and counted, and
+    the run trains and evaluates."""
+    from training_helpers import TWO_TURNS_ENV
+
+    env_file = tmp_path / "two_turns.py"
+    env_file.write_text(TWO_TURNS_ENV)
+    out_dir = str(tmp_path / "mt")
+    run(grpo_args(task, out_dir, "--environment", f"{env_file}:TwoTurns", "--total_episodes", "256",
+                  "--response_length", "48", "--max_turn_tokens", "16", "--async_steps", "1",
+                  "--num_samples_logged", "2"))  # fmt: skip
+    rows = read_rows(out_dir)
+    train = [r for r in rows if "train/turns_per_episode" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    assert all(r["train/turns_per_episode"] == 2.0 and r["train/observation_token_share"] > 0 for r in train)
+    assert {r["eval/turns_per_episode"] for r in rows if "eval/turns_per_episode" in r} == {2.0}
+    samples = read_rows_of(out_dir, "samples.jsonl")
+    assert samples and all("Say it again." in s["conversation"] for s in samples)

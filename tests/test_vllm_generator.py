@@ -611,3 +611,38 @@ def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
             "stale_differs": True,
             "synced": True,
         }
+
+
+def test_multi_turn_episodes_on_the_colocated_engine(tmp_path):
+    """Multi-turn RLVR on the colocated vLLM engine: each round of turns is one generate call with per-request
+    token budgets; every episode plays its two turns (the environment from a user file) and the run trains."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+
+    from training_helpers import TWO_TURNS_ENV
+
+    from demo.synthetic import rl_rows, write_jsonl
+    from demo.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    init = str(tmp_path / "init")
+    _tiny_cpu_llama(tokenizer).save_pretrained(init)
+    tokenizer.save_pretrained(init)
+    train = write_jsonl(str(tmp_path / "train.jsonl"), rl_rows(32, 0))
+    env_file = tmp_path / "two_turns.py"
+    env_file.write_text(TWO_TURNS_ENV)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(repo, "open_instruct", "rlvr_ppo.py"),
+           os.path.join(repo, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", init,
+           "--dataset_name_or_path", train, "--output_dir", str(out_dir), "--generation_backend", "vllm",
+           "--environment", f"{env_file}:TwoTurns", "--total_episodes", "32", "--local_rollout_batch_size", "8",
+           "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16", "--response_length", "32",
+           "--max_turn_tokens", "12", "--eval_steps", "100", "--checkpointing_steps", "100"]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": repo}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train_rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "turns_per_episode" in line]
+    assert [r["rollout_step"] for r in train_rows] == [1, 2]
+    assert all(r["train/turns_per_episode"] == 2.0 and r["train/observation_token_share"] > 0 for r in train_rows)

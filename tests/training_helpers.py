@@ -132,3 +132,24 @@ def write_fake_model(
     with open(os.path.join(folder, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header + b"\0" * (4 * len(keys)))
     return folder
+
+
+# A user-file environment for end-to-end multi-turn runs on any backend (written to a file, named by import path)
+TWO_TURNS_ENV = '''
+from open_instruct.environments import Environment, StepResult
+
+
+class TwoTurns(Environment):
+    """Every episode has two policy turns: the first is answered with a user turn, the second is verified."""
+
+    def reset(self, example):
+        self.turn, self.answer = 0, example["ground_truth"]
+        return example["messages"]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": "Say it again."}], 0.0, False, {})
+        right = action.strip().endswith(str(self.answer))
+        return StepResult(None, float(right), True, {"correct": right})
+'''
