@@ -125,11 +125,12 @@ def refused_async_depth(model, data):
 
     for depth in (1, 2, 1000):
         argv = ["--model_name_or_path", model, "--dataset_name_or_path", data, "--generation_backend", "hf",
-                "--async_steps", str(depth), "--output_dir", "unused"]  # fmt: skip
+                "--async_steps", str(depth), "--output_dir", "unused", "--total_episodes", "64"]  # fmt: skip
         try:
             parse_config(RLVRConfig, argv)
         except ConfigError as e:
-            return depth, str(e)
+            if "async_steps" in str(e):  # refused for its depth, not for something this probe left out
+                return depth, str(e)
     return None
 
 
