@@ -609,7 +609,7 @@ def test_multi_turn_episodes_on_a_dedicated_engine(task, tmp_path):
     env_file.write_text(TWO_TURNS_ENV)
     out_dir = str(tmp_path / "mt")
     run(grpo_args(task, out_dir, "--environment", f"{env_file}:TwoTurns", "--total_episodes", "256",
-                  "--response_length", "48", "--max_turn_tokens", "16", "--async_steps", "1",
+                  "--response_length", "96", "--max_turn_tokens", "16", "--async_steps", "1",
                   "--num_samples_logged", "2"))  # fmt: skip
     rows = read_rows(out_dir)
     train = [r for r in rows if "train/turns_per_episode" in r]

@@ -636,13 +636,14 @@ def test_multi_turn_episodes_on_the_colocated_engine(tmp_path):
     out_dir = tmp_path / "run"
     cmd = [sys.executable, os.path.join(repo, "open_instruct", "rlvr_ppo.py"),
            os.path.join(repo, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", init,
-           "--dataset_name_or_path", train, "--output_dir", str(out_dir), "--generation_backend", "vllm",
+           "--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--max_eval_samples", "4",
+           "--output_dir", str(out_dir), "--generation_backend", "vllm",
            "--environment", f"{env_file}:TwoTurns", "--total_episodes", "32", "--local_rollout_batch_size", "8",
-           "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16", "--response_length", "32",
+           "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "16", "--response_length", "96",
            "--max_turn_tokens", "12", "--eval_steps", "100", "--checkpointing_steps", "100"]  # fmt: skip
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": repo}
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    train_rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "turns_per_episode" in line]
+    train_rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "train/turns_per_episode" in line]
     assert [r["rollout_step"] for r in train_rows] == [1, 2]
     assert all(r["train/turns_per_episode"] == 2.0 and r["train/observation_token_share"] > 0 for r in train_rows)
