@@ -64,7 +64,7 @@ def held_out_episodes(
     seconds, cpu_seconds."""
     import torch
 
-    from eval.verifiable import wilson_interval
+    from eval.verifiable import wilson_interval, write_results
     from open_instruct.data import load_rows
     from open_instruct.environments import MultiTurnEnvironment, ToolEnvironment
     from open_instruct.episodes import EpisodeBudget, EpisodeTokenizer, render_episode, rollout_episodes
@@ -119,12 +119,7 @@ def held_out_episodes(
         "seconds": time.time() - start,
         "cpu_seconds": time.process_time() - cpu_start,
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
-        for p in predictions:
-            f.write(json.dumps(p) + "\n")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_results(out_dir, predictions, summary)
     return summary
 
 

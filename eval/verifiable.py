@@ -119,6 +119,16 @@ def evaluate_verifiable(
     return summary, predictions
 
 
+def write_results(out_dir: str, predictions: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """An evaluation's files: one prediction per line in predictions.jsonl, and summary.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
+        for p in predictions:
+            f.write(json.dumps(p) + "\n")
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
 def format_summary(summary: dict[str, Any], title: str = "") -> str:
     lo, hi = summary["ci95"]
     lines = [title] if title else []
@@ -179,12 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     )
     summary["seconds"] = time.time() - start
     out_dir = args.output_dir or os.path.join(args.model if os.path.isdir(args.model) else ".", "eval_verifiable")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
-        for p in predictions:
-            f.write(json.dumps(p) + "\n")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_results(out_dir, predictions, summary)
     print(
         format_summary(
             summary, f"{args.model} on {args.data} ({'greedy' if args.temperature == 0 else f'T={args.temperature}'})"

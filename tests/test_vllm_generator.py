@@ -448,6 +448,18 @@ def test_sleep_wake_order():
 
 # ------------------------------------------------------------------------------------- the RLVR script on vLLM
 @pytest.mark.slow
+def _tiny_rl_start(tmp_path) -> tuple[str, str]:
+    """(a random tiny Llama saved with its tokenizer, 32 arithmetic RL prompts) for a short rlvr_ppo.py run."""
+    from demo.synthetic import rl_rows, write_jsonl
+    from demo.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    init = str(tmp_path / "init")
+    _tiny_cpu_llama(tokenizer).save_pretrained(init)
+    tokenizer.save_pretrained(init)
+    return init, write_jsonl(str(tmp_path / "train.jsonl"), rl_rows(32, 0))
+
+
 def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
     """rlvr_ppo.py with generation_backend vllm: rollouts, training and evals run, time/weight_sync is logged, and
     each held-out eval (greedy, on the engine) equals an HF greedy eval of the policy at that point: at rollout 0
@@ -457,16 +469,11 @@ def test_rlvr_on_vllm_evaluates_the_current_policy(tmp_path):
     import subprocess
 
     from demo.synthetic import rl_rows, write_jsonl
-    from demo.tiny import build_tokenizer
     from eval.verifiable import load_prompts
     from open_instruct.models import load_causal_lm, load_tokenizer
     from open_instruct.rewards import score_batch
 
-    tokenizer = build_tokenizer()
-    init = str(tmp_path / "init")
-    _tiny_cpu_llama(tokenizer).save_pretrained(init)
-    tokenizer.save_pretrained(init)
-    train = write_jsonl(str(tmp_path / "train.jsonl"), rl_rows(32, 0))
+    init, train = _tiny_rl_start(tmp_path)
     evals = write_jsonl(str(tmp_path / "eval.jsonl"), rl_rows(12, 1))
     out_dir = tmp_path / "run"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -622,14 +629,7 @@ def test_multi_turn_episodes_on_the_colocated_engine(tmp_path):
 
     from training_helpers import TWO_TURNS_ENV
 
-    from demo.synthetic import rl_rows, write_jsonl
-    from demo.tiny import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    init = str(tmp_path / "init")
-    _tiny_cpu_llama(tokenizer).save_pretrained(init)
-    tokenizer.save_pretrained(init)
-    train = write_jsonl(str(tmp_path / "train.jsonl"), rl_rows(32, 0))
+    init, train = _tiny_rl_start(tmp_path)
     env_file = tmp_path / "two_turns.py"
     env_file.write_text(TWO_TURNS_ENV)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
