@@ -213,20 +213,27 @@ def head_answer(problem: dict[str, Any], rng: random.Random) -> int:
     return wrong if wrong != answer else answer + 1
 
 
-def tool_sft_rows(n: int, seed: int, direct_fraction: float = 0.25, wrong_fraction: float = 0.5) -> list[dict]:
+def tool_sft_rows(
+    n: int, seed: int, direct_fraction: float = 0.25, wrong_fraction: float = 0.5, direct_ops: str = "+-*"
+) -> list[dict]:
     """Multi-turn tool-call traces: user question -> assistant calls the calculator -> `tool` message with the
-    result -> the assistant's final answer, the number ("699678"). A fraction `direct_fraction` of the rows instead
-    answers at once, without the tool, and `wrong_fraction` of those answers wrongly (head_answer): the SFT model
-    then sometimes skips the tool, and RL has that to improve."""
+    result -> the assistant's final answer, the number ("699678"). For problems whose operation is in `direct_ops`,
+    a fraction `direct_fraction` of the rows instead answers at once, without the tool, and `wrong_fraction` of
+    those answers wrongly (head_answer): the SFT model then skips the tool on such problems (under greedy decoding
+    when direct_fraction > 0.5), and RL has that to improve."""
     if not 0.0 <= direct_fraction <= 1.0 or not 0.0 <= wrong_fraction <= 1.0:
         raise ValueError(f"direct_fraction and wrong_fraction must be in [0, 1]: {direct_fraction}, {wrong_fraction}")
+    if not direct_ops or set(direct_ops) - set("+-*"):
+        raise ValueError(f"direct_ops must be a non-empty string of the operations '+-*', got {direct_ops!r}")
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         p = tool_problem(rng)
         user = {"role": "user", "content": p["question"]}
-        if rng.random() < direct_fraction:
-            answer = head_answer(p, rng) if rng.random() < wrong_fraction else p["answer"]
+        # the same draws on every row, so the problems do not depend on direct_ops or the fractions
+        direct, wrong, guess = rng.random() < direct_fraction, rng.random() < wrong_fraction, head_answer(p, rng)
+        if direct and problem_op(p) in direct_ops:
+            answer = guess if wrong else p["answer"]
             messages = [user, {"role": "assistant", "content": str(answer)}]
         else:
             messages = [
@@ -237,6 +244,11 @@ def tool_sft_rows(n: int, seed: int, direct_fraction: float = 0.25, wrong_fracti
             ]
         rows.append({"id": f"tool-sft-{seed}-{i}", "messages": messages})
     return rows
+
+
+def problem_op(problem: dict[str, Any]) -> str:
+    """The operation of a tool_problem ("+", "-" or "*"), read from its expression."""
+    return next(c for c in problem["expression"] if c in "+-*")
 
 
 def tool_rl_rows(n: int, seed: int, ranges: str = "train", templates: str = "train") -> list[dict[str, Any]]:

@@ -138,16 +138,23 @@ def trainer_eval_rows(run_dir: str) -> dict[str, Any]:
 
 
 def write_data(
-    data_dir: str, seed: int, n_sft: int, n_rl: int, n_valid: int, n_test: int, direct_fraction: float = 0.25
+    data_dir: str,
+    seed: int,
+    n_sft: int,
+    n_rl: int,
+    n_valid: int,
+    n_test: int,
+    direct_fraction: float = 0.7,
+    direct_ops: str = "+-",
 ) -> dict[str, str]:
     """Task files, every split with its own seed; the test sets are used by no stage. `direct_fraction` of the
-    SFT traces answer without the tool (half of those wrongly)."""
+    SFT traces whose operation is in `direct_ops` answer without the tool (half of those wrongly)."""
     from demo.synthetic import tool_rl_rows, tool_sft_rows, write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     files = {
-        "sft_train": write_jsonl(j("sft_train"), tool_sft_rows(n_sft, seed, direct_fraction)),
-        "sft_eval": write_jsonl(j("sft_eval"), tool_sft_rows(200, seed + 1, direct_fraction)),
+        "sft_train": write_jsonl(j("sft_train"), tool_sft_rows(n_sft, seed, direct_fraction, direct_ops=direct_ops)),
+        "sft_eval": write_jsonl(j("sft_eval"), tool_sft_rows(200, seed + 1, direct_fraction, direct_ops=direct_ops)),
         "rl_train": write_jsonl(j("rl_train"), tool_rl_rows(n_rl, seed + 2)),
         "valid_in_range": write_jsonl(j("valid_in_range"), tool_rl_rows(n_valid, seed + 3)),
         "valid_out_of_range": write_jsonl(j("valid_out_of_range"), tool_rl_rows(n_valid, seed + 4, "out_of_range")),
@@ -173,10 +180,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer RL steps and held-out problems (the tests)")
     parser.add_argument("--seed", type=int, default=0, help="data and model initialisation seed")
     parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--n_test", type=int, default=None, help="problems per held-out set (default 500, quick 100)")
     parser.add_argument("--num_threads", type=int, default=1, help="torch threads per stage")
-    parser.add_argument("--direct_fraction", type=float, default=0.25, help="SFT traces answering without the tool")
+    parser.add_argument("--direct_fraction", type=float, default=0.7,
+                        help="of the SFT traces whose operation is in --direct_ops: those answering without the tool")
+    parser.add_argument("--direct_ops", default="+-", help="operations answered at once in --direct_fraction of traces")
     parser.add_argument("--sft_total_episodes", type=int, default=None, help="SFT traces seen (default: the recipe's)")
     parser.add_argument("--sft_model", default=None, help="skip SFT: start both RL runs from this model folder")
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
@@ -186,6 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         parser.error("--hidden_size must be a multiple of 4 and >= 8; --num_layers, --n_test, --num_threads >= 1")
     if not 0.0 <= args.direct_fraction <= 1.0:
         parser.error(f"--direct_fraction must be in [0, 1], got {args.direct_fraction}")
+    if not args.direct_ops or set(args.direct_ops) - set("+-*"):
+        parser.error(f"--direct_ops must be made of the operations +, - and *, got {args.direct_ops!r}")
     if args.sft_model and not os.path.isfile(os.path.join(args.sft_model, "config.json")):
         parser.error(f"--sft_model {args.sft_model}: no model there (config.json missing)")
     if any(not a.startswith("--") for a in rl_overrides[::2]) or len(rl_overrides) % 2:
@@ -224,7 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     cpu: dict[str, float] = {}
     print(f"tool-use demo ({'quick' if args.quick else 'full'}): tiny Llama, SFT on calculator traces, RLVR with "
           f"and without tools\noutput: {out}\n", flush=True)  # fmt: skip
-    files = write_data(os.path.join(out, "data"), args.seed, 8000, 4000, 100, n_test, args.direct_fraction)
+    files = write_data(
+        os.path.join(out, "data"), args.seed, 8000, 4000, 100, n_test, args.direct_fraction, args.direct_ops
+    )
     commands = {}
     if args.sft_model:
         sft_model = os.path.abspath(args.sft_model)
@@ -336,6 +349,7 @@ def write_summary(
         "quick": args.quick,
         "seed": args.seed,
         "direct_fraction": args.direct_fraction,
+        "direct_ops": args.direct_ops,
         "n_test": n_test,
         "held_out": results,
         "paired_vs_sft": paired,

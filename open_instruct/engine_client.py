@@ -43,14 +43,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 import torch
 
 from open_instruct.engines import EngineError, free_port
-from open_instruct.generation import (
-    GenerationConfig,
-    GenerationOutput,
-    check_prompts,
-    finalize_response,
-    new_token_budgets,
-    prompt_seed,
-)
+from open_instruct.generation import GenerationConfig, GenerationOutput, engine_budgets, finalize_response, prompt_seed
 
 
 class EngineFleet:
@@ -325,8 +318,7 @@ class ServerGenerator:
         config: GenerationConfig,
         max_new_tokens: Optional[Sequence[int]] = None,
     ) -> GenerationOutput:
-        budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
-        check_prompts(prompt_ids, budgets, self.max_model_len)
+        budgets = engine_budgets(prompt_ids, config, max_new_tokens, self.max_model_len)
         self._check_engines()
         self.generating += 1
         try:

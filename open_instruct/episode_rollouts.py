@@ -3,7 +3,7 @@ built once from the config; one rollout's episodes played turn by turn through t
 scores, metrics and samples.jsonl rows. The episode mechanics (token-in/token-out, the loss mask, per-turn rewards,
 GAE across turns) are `episodes.py`; the environments are `environments.py`.
 
-    run = EnvironmentRun(cfg, tokenizer, verify)           # verify(text, ground_truth, verifier name) -> [0, 1]
+    run = EnvironmentRun(cfg, tokenizer, verify)           # verify(text, ground_truth, verifier) -> (score, timed out)
     row["prompt_ids"] = run.prompt_ids(row)                 # at load time: the environment renders the prompt
     out = run.play(generator, rows, sampling_config)        # a GenerationOutput-shaped EpisodeOutput
 
@@ -39,8 +39,9 @@ from open_instruct.episodes import (
     rollout_episodes,
 )
 
-# verify(completion text, ground truth, verifier name) -> score in [0, 1] (rollouts.py binds the row verifiers)
-VerifyFn = Callable[[str, Any, str], float]
+# verify(completion text, ground truth, verifier name) -> (score in [0, 1], timed out) (rollouts.py binds the row
+# verifiers); an episode counts its verifier timeouts (Episode.verifier_timeouts, train/verifier_timeouts)
+VerifyFn = Callable[[str, Any, str], tuple[float, bool]]
 
 
 @dataclass
@@ -123,13 +124,17 @@ class EnvironmentRun:
         per_turn = min(self.cfg.max_turn_tokens or response_length, response_length)
         return EpisodeBudget(self.cfg.max_turns, per_turn, response_length)
 
-    def environment(self, row: dict[str, Any]) -> Environment:
-        """A fresh environment for one episode of `row` (the row's `environment` column wins over the recipe's)."""
+    def environment(self, row: dict[str, Any], count_timeout: Callable[[], None] = lambda: None) -> Environment:
+        """A fresh environment for one episode of `row` (the row's `environment` column wins over the recipe's);
+        each verifier call that times out calls `count_timeout`."""
         example = environment_example(row)
         verifier_name = example.get("verifier")
 
         def verifier(text: str, ground_truth: Any) -> float:
-            return self.verify(text, ground_truth, verifier_name)
+            score, timed_out = self.verify(text, ground_truth, verifier_name)
+            if timed_out:
+                count_timeout()
+            return score
 
         return environment_for_row(example, self.cfg.environment, {**self.resources, "verifier": verifier})
 
@@ -146,7 +151,15 @@ class EnvironmentRun:
         round's seed derives from config.seed (None: the backend's own draw)."""
         n, budget = config.n, budget or self.budget
         examples = [row for row in rows for _ in range(n)]
-        envs = [self.environment(row) for row in examples]
+        timeouts = [0] * len(examples)
+
+        def timeout_counter(i: int) -> Callable[[], None]:
+            def count() -> None:
+                timeouts[i] += 1
+
+            return count
+
+        envs = [self.environment(row, timeout_counter(i)) for i, row in enumerate(examples)]
         rounds = [0]
 
         def generate_fn(requests: list[list[int]], caps: list[int]) -> list[tuple]:
@@ -164,6 +177,8 @@ class EnvironmentRun:
             budget,
             step_workers=self.step_workers,
         )
+        for episode, n_timeouts in zip(episodes, timeouts):
+            episode.verifier_timeouts = n_timeouts
         return EpisodeOutput(
             prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
             response_ids=[e.response_ids for e in episodes],

@@ -167,6 +167,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: collections.Counter = field(default_factory=collections.Counter)
     truncations: collections.Counter = field(default_factory=collections.Counter)
+    verifier_timeouts: int = 0  # verifier calls of this episode's environment that timed out (scored 0)
 
     @property
     def finished(self) -> bool:

@@ -147,8 +147,15 @@ def new_token_budgets(
     return [min(int(m), config.max_new_tokens) for m in max_new_tokens]
 
 
-def check_prompts(prompt_ids: Sequence[Sequence[int]], budgets: Sequence[int], max_model_len: int) -> None:
-    """ValueError for an empty prompt, or one whose length + its new-token budget exceeds an engine's max_model_len."""
+def engine_budgets(
+    prompt_ids: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    max_new_tokens: Optional[Sequence[int]],
+    max_model_len: int,
+) -> list[int]:
+    """new_token_budgets for an engine with a context of max_model_len tokens: ValueError for an empty prompt, or
+    one whose length + its new-token budget exceeds max_model_len."""
+    budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) + budgets[i] > max_model_len]
@@ -158,6 +165,7 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], budgets: Sequence[int], m
             f"prompt {i} ({len(prompt_ids[i])} tokens) + max_new_tokens {budgets[i]} exceeds the engine's "
             f"max_model_len {max_model_len} ({len(too_long)} prompts do)"
         )
+    return budgets
 
 
 def prompt_seed(base: int, prompt_index: int) -> int:

@@ -301,7 +301,8 @@ def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: An
             dataset=[e["verifier"] for e in examples],
         )
         scores = [r + x for r, x in zip(scores, extra)]
-    return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], 0, 0.0, {})
+    timeouts = sum(e.verifier_timeouts for e in out.episodes)
+    return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], timeouts, 0.0, {})
 
 
 def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]:
@@ -311,11 +312,11 @@ def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]
         return None
     settings = code_settings(cfg)
 
-    def verify(text: str, ground_truth: Any, verifier: str) -> float:
+    def verify(text: str, ground_truth: Any, verifier: str) -> tuple[float, bool]:
         scored = rewards.score_batch(
             [text], [ground_truth], [verifier], verification_reward=1.0, timeout=cfg.verifier_timeout, code=settings
         )
-        return float(scored.rewards[0])
+        return float(scored.rewards[0]), scored.num_timeouts > 0
 
     return EnvironmentRun(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
 

@@ -57,10 +57,9 @@ from open_instruct.distributed import unwrap_model
 from open_instruct.generation import (
     GenerationConfig,
     GenerationOutput,
-    check_prompts,
     default_eos_token_ids,
+    engine_budgets,
     finalize_response,
-    new_token_budgets,
     prompt_seed,
 )
 from open_instruct.models import DTYPES
@@ -402,8 +401,7 @@ class VLLMGenerator:
         config: GenerationConfig,
         max_new_tokens: Optional[Sequence[int]] = None,
     ) -> GenerationOutput:
-        budgets = new_token_budgets(prompt_ids, config, max_new_tokens)
-        check_prompts(prompt_ids, budgets, self.max_model_len)
+        budgets = engine_budgets(prompt_ids, config, max_new_tokens, self.max_model_len)
         from vllm.inputs import TokensPrompt
 
         # seed None: draw the base from the global torch RNG, so a caller that seeds torch gets repeatable rollouts.

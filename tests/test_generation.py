@@ -178,3 +178,20 @@ def test_per_prompt_budgets_cut_each_response_like_a_shorter_max_new_tokens(lm, 
         assert len(out.response_ids[i]) <= budget and len(out.logprobs[i]) == len(out.response_ids[i])
     with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 2 prompts"):
         gen.generate(episodes, greedy, max_new_tokens=[3])
+
+
+def test_engine_budgets_cap_each_prompt_and_refuse_what_exceeds_the_context():
+    """The engines' per-request budgets: the config's max_new_tokens or the smaller per-prompt cap, and a prompt
+    whose length + budget passes max_model_len (or an empty one) refused, naming it."""
+    from open_instruct.generation import engine_budgets
+
+    config = GenerationConfig(max_new_tokens=8)
+    prompts = [[1] * 10, [1] * 20]
+    assert engine_budgets(prompts, config, None, 30) == [8, 8]
+    assert engine_budgets(prompts, config, [5, 12], 28) == [5, 8]  # 20 + 8 = 28 fits exactly
+    with pytest.raises(ValueError, match=r"prompt 1 \(20 tokens\) \+ max_new_tokens 8 exceeds .* max_model_len 27"):
+        engine_budgets(prompts, config, None, 27)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine_budgets([[1], []], config, None, 30)
+    with pytest.raises(ValueError, match="2 entries for 1 prompts"):
+        engine_budgets([[1]], config, [3, 4], 30)

@@ -612,6 +612,28 @@ def test_episode_output_round_trips_through_a_checkpoint_buffer(tiny_models, tin
     assert back.episodes[2].turns[0].info == out.episodes[2].turns[0].info and back.episodes[2].tool_calls == 2
 
 
+def test_verifier_timeouts_inside_environments_are_counted(tiny_models, tiny):
+    """A final answer whose verifier times out scores 0 and is counted: on its episode, in the rollout's scores
+    (train/verifier_timeouts), and through the checkpoint buffer's JSON."""
+    from open_instruct.rollouts import environment_run, output_from_state, output_state, score_rollout
+
+    hang = r"The answer is \boxed{10^{10^{10}}}"  # sympy tries to build a 10-billion-digit integer
+    cfg = config(tiny_models, "--verifier_timeout", "0.5")
+    environments = environment_run(cfg, tiny["tokenizer"])
+    prompts = []
+    for r in rows():
+        r = {**r, "ground_truth": "2", "verifier": "math", "example": {**r["example"], "ground_truth": "2",
+                                                                       "verifier": "math"}}  # fmt: skip
+        prompts.append({**r, "prompt_ids": environments.prompt_ids(r)})
+    scripts = [[hang, "\\boxed{2}", "\\boxed{3}", hang]]
+    out = environments.play(ScriptedGenerator(tiny["tokenizer"], scripts), prompts, GenerationConfig(n=2, seed=5))
+    assert [e.verifier_timeouts for e in out.episodes] == [1, 0, 0, 1]
+    scored = score_rollout(cfg, out, [p["example"] for p in prompts for _ in range(2)], tiny["tokenizer"])
+    assert scored.num_timeouts == 2 and scored.rewards == [0.0, 1.0, 0.0, 0.0]
+    back = output_from_state(json.loads(json.dumps(output_state(out))))
+    assert [e.verifier_timeouts for e in back.episodes] == [1, 0, 0, 1]
+
+
 @pytest.mark.slow
 def test_async_multi_turn_run_killed_with_episodes_in_the_checkpoint_resumes_bit_exactly(e2e, tmp_path):
     """async_steps 2 on the hf backend with the user-file environment: SIGKILL as weight version 2 goes to the

@@ -86,6 +86,23 @@ def test_synthetic_traces_call_the_calculator_and_answer_right():
     assert 0.3 <= wrong / len(direct) <= 0.7  # half of the direct answers are wrong
 
 
+def test_direct_answers_only_for_the_chosen_operations_on_the_same_problems():
+    """The demo's setting: 70% of sums and differences answered at once, every product through the calculator;
+    the questions are the same ones whatever operations answer at once."""
+    every_op = tool_sft_rows(600, 5, direct_fraction=0.7, direct_ops="+-*")
+    sums_only = tool_sft_rows(600, 5, direct_fraction=0.7, direct_ops="+-")
+    assert [r["messages"][0] for r in every_op] == [r["messages"][0] for r in sums_only]
+    by_op: dict[str, list[bool]] = {"+": [], "-": [], "*": []}
+    for r in sums_only:
+        op = re.search(r"\d ?([-+*]) ?\d", r["messages"][0]["content"]).group(1)
+        by_op[op].append(len(r["messages"]) == 2)
+    assert not any(by_op["*"]) and len(by_op["*"]) > 150
+    for op in "+-":
+        assert 0.6 <= sum(by_op[op]) / len(by_op[op]) <= 0.8  # 70% asked for (binomial sd ~3.2 points)
+    with pytest.raises(ValueError, match="direct_ops"):
+        tool_sft_rows(4, 0, direct_ops="/")
+
+
 def test_out_of_range_held_out_problems_have_one_digit_more():
     rng = random.Random(0)
     for _ in range(200):
@@ -266,7 +283,8 @@ def test_tool_demo_runs_every_stage_and_reports_paired_numbers(tmp_path):
 
     out = tmp_path / "demo"
     summary = demo_tools.main(["--output_dir", str(out), "--quick", "--quiet", "--hidden_size", "32",
-                               "--sft_total_episodes", "64", "--n_test", "6", "--total_episodes", "64",
+                               "--num_layers", "2", "--sft_total_episodes", "64", "--n_test", "6",
+                               "--total_episodes", "64",
                                "--local_rollout_batch_size", "4", "--per_device_train_batch_size", "16",
                                "--eval_steps", "1"])  # fmt: skip
     for name in ("sft", "rlvr_tools", "rlvr_no_tools"):
