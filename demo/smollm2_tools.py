@@ -33,6 +33,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from demo.pipeline import REPO, DemoError, fmt_seconds, paired_change, run_script, script_env
+from demo.synthetic import direct_answer_error
 from demo.tools import held_out_episodes, trainer_eval_rows
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_tools.yaml")
@@ -72,12 +73,15 @@ def with_system_prompt(rows: list[dict[str, Any]], system_prompt: str) -> list[d
     return [{**r, "messages": [{"role": "system", "content": system_prompt}, *r["messages"]]} for r in rows]
 
 
-def write_data(data_dir: str, seed: int, n_sft: int, n_train: int, n_eval: int) -> dict[str, str]:
+def write_data(
+    data_dir: str, seed: int, n_sft: int, n_train: int, n_eval: int, direct_fraction: float, direct_ops: str
+) -> dict[str, str]:
     from demo.synthetic import tool_rl_rows, tool_sft_rows, write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
+    traces = tool_sft_rows(n_sft, seed, direct_fraction, direct_ops=direct_ops)
     files = {
-        "sft_train": write_jsonl(j("sft_train"), as_text_calls(tool_sft_rows(n_sft, seed), SYSTEM_PROMPT)),
+        "sft_train": write_jsonl(j("sft_train"), as_text_calls(traces, SYSTEM_PROMPT)),
         "rl_train": write_jsonl(j("rl_train"), with_system_prompt(tool_rl_rows(n_train, seed + 1), SYSTEM_PROMPT)),
     }
     for k, (name, (ranges, templates)) in enumerate(HELD_OUT.items()):
@@ -93,11 +97,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
+    parser.add_argument("--direct_fraction", type=float, default=0.7,
+                        help="of the SFT traces whose operation is in --direct_ops: those answering without the tool")
+    parser.add_argument("--direct_ops", default="+-", help="operations answered at once in --direct_fraction of traces")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
+    if direct_answer_error(args.direct_fraction, args.direct_ops):
+        parser.error(f"--{direct_answer_error(args.direct_fraction, args.direct_ops)}")
 
     import transformers
 
@@ -124,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
-    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.n_train, args.n_eval)
+    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.n_train, args.n_eval,
+                       args.direct_fraction, args.direct_ops)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import random
-from typing import Any
+from typing import Any, Optional
 
 NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal"]
 ITEMS = ["apples", "pens", "cards", "shells", "coins", "books"]
@@ -221,10 +221,9 @@ def tool_sft_rows(
     a fraction `direct_fraction` of the rows instead answers at once, without the tool, and `wrong_fraction` of
     those answers wrongly (head_answer): the SFT model then skips the tool on such problems (under greedy decoding
     when direct_fraction > 0.5), and RL has that to improve."""
-    if not 0.0 <= direct_fraction <= 1.0 or not 0.0 <= wrong_fraction <= 1.0:
-        raise ValueError(f"direct_fraction and wrong_fraction must be in [0, 1]: {direct_fraction}, {wrong_fraction}")
-    if not direct_ops or set(direct_ops) - set("+-*"):
-        raise ValueError(f"direct_ops must be a non-empty string of the operations '+-*', got {direct_ops!r}")
+    problem = direct_answer_error(direct_fraction, direct_ops, wrong_fraction)
+    if problem:
+        raise ValueError(problem)
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -244,6 +243,15 @@ def tool_sft_rows(
             ]
         rows.append({"id": f"tool-sft-{seed}-{i}", "messages": messages})
     return rows
+
+
+def direct_answer_error(direct_fraction: float, direct_ops: str, wrong_fraction: float = 0.5) -> Optional[str]:
+    """What is wrong with tool_sft_rows' direct-answer settings, or None."""
+    if not 0.0 <= direct_fraction <= 1.0 or not 0.0 <= wrong_fraction <= 1.0:
+        return f"direct_fraction and wrong_fraction must be in [0, 1], got {direct_fraction} and {wrong_fraction}"
+    if not direct_ops or set(direct_ops) - set("+-*"):
+        return f"direct_ops must be a non-empty string of the operations +, - and *, got {direct_ops!r}"
+    return None
 
 
 def problem_op(problem: dict[str, Any]) -> str:

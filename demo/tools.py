@@ -34,6 +34,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from demo.pipeline import DemoError, fmt_seconds, paired_change, read_metrics, run_script, script_env
+from demo.synthetic import direct_answer_error
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_tools.yaml")
 RL_RECIPE = os.path.join("configs", "demo", "rlvr_tools.yaml")
@@ -193,10 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     n_test = args.n_test or (100 if args.quick else 500)
     if args.hidden_size < 8 or args.hidden_size % 4 or args.num_layers < 1 or n_test < 1 or args.num_threads < 1:
         parser.error("--hidden_size must be a multiple of 4 and >= 8; --num_layers, --n_test, --num_threads >= 1")
-    if not 0.0 <= args.direct_fraction <= 1.0:
-        parser.error(f"--direct_fraction must be in [0, 1], got {args.direct_fraction}")
-    if not args.direct_ops or set(args.direct_ops) - set("+-*"):
-        parser.error(f"--direct_ops must be made of the operations +, - and *, got {args.direct_ops!r}")
+    if direct_answer_error(args.direct_fraction, args.direct_ops):
+        parser.error(f"--{direct_answer_error(args.direct_fraction, args.direct_ops)}")
     if args.sft_model and not os.path.isfile(os.path.join(args.sft_model, "config.json")):
         parser.error(f"--sft_model {args.sft_model}: no model there (config.json missing)")
     if any(not a.startswith("--") for a in rl_overrides[::2]) or len(rl_overrides) % 2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -463,6 +464,9 @@ def make_optimizer_and_scheduler(
         eps=cfg.adam_epsilon,
         fused=fused,
     )
+    # A step skipped on purpose (a non-finite loss, a mini-batch whose groups were all filtered) still advances the
+    # schedule, so it stays a function of the step count; torch warns when that happens before any optimizer step.
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step")
     scheduler = get_scheduler(
         cfg.lr_scheduler_type,
         optimizer=optimizer,

@@ -99,7 +99,7 @@ def test_direct_answers_only_for_the_chosen_operations_on_the_same_problems():
     assert not any(by_op["*"]) and len(by_op["*"]) > 150
     for op in "+-":
         assert 0.6 <= sum(by_op[op]) / len(by_op[op]) <= 0.8  # 70% asked for (binomial sd ~3.2 points)
-    with pytest.raises(ValueError, match="direct_ops"):
+    with pytest.raises(ValueError, match="direct_ops must be"):
         tool_sft_rows(4, 0, direct_ops="/")
 
 
