@@ -230,19 +230,30 @@ class ChatRenderer:
         skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt)
         return skeleton if skeleton is not None and skeleton.holds_for(messages) else None
 
-    def render(self, conversations: Sequence[Messages], add_generation_prompt: bool) -> list[str]:
+    def render(
+        self,
+        conversations: Sequence[Messages],
+        add_generation_prompt: bool,
+        tools: Optional[Sequence[Optional[list]]] = None,
+    ) -> list[str]:
+        """The template's text of each conversation; `tools[k]` (tool schemas, or None) goes to the template with
+        conversation k, as apply_chat_template's `tools` (a conversation with tools never uses a skeleton)."""
         out: list[Optional[str]] = [None] * len(conversations)
-        plain = []
+        plain: dict[str, list[int]] = {}  # conversations for apply_chat_template, by their tools' JSON ("" = none)
         for k, messages in enumerate(conversations):
-            skeleton = self.skeleton_for(messages, add_generation_prompt)
+            row_tools = tools[k] if tools is not None else None
+            skeleton = None if row_tools else self.skeleton_for(messages, add_generation_prompt)
             if skeleton is None:
-                plain.append(k)
+                plain.setdefault(json.dumps(row_tools, sort_keys=True) if row_tools else "", []).append(k)
             else:
                 out[k] = skeleton.fill(messages)
-        if plain:
+        for key, ks in plain.items():  # one batched call per distinct tool list
             texts = self.tokenizer.apply_chat_template(
-                [conversations[k] for k in plain], tokenize=False, add_generation_prompt=add_generation_prompt
+                [conversations[k] for k in ks],
+                tools=tools[ks[0]] if key else None,  # type: ignore[index]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
-            for k, text in zip(plain, texts):
+            for k, text in zip(ks, texts):
                 out[k] = text
         return out  # type: ignore[return-value]

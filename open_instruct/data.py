@@ -538,12 +538,34 @@ def _nonempty_strings(row: Row, columns: Sequence[str], what: str) -> list[str]:
     return values
 
 
+def row_tool_schemas(row: Row) -> Optional[list[dict[str, Any]]]:
+    """The row's `tools` column for the chat template (apply_chat_template's `tools`, as TRL's SFT reads it): a list
+    of tool schemas (JSON objects, e.g. {"type": "function", "function": {"name", "description", "parameters"}}),
+    or that list as a JSON string; None when the column is absent, null or empty."""
+    value = row.data.get("tools")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{row.where()}: column 'tools' is a string but not JSON ({e.msg} at char {e.pos})")
+    if not value:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) and t for t in value):
+        raise DataError(
+            f"{row.where()}: column 'tools' must be a list of tool schemas (JSON objects, as the chat template "
+            f"takes them), got {str(value)[:120]!r}"
+        )
+    return value
+
+
 def sft_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple:
-    """("chat", messages, first trained turn) or ("raw", prompt, completion) for one SFT row."""
+    """("chat", messages, first trained turn, tool schemas or None) or ("raw", prompt, completion) for one SFT
+    row."""
     where = row.where()
     if fmt.name == "messages":
-        messages = _require_column(row, cfg.messages_column)
-        return "chat", _validate_messages(messages, cfg.messages_column, where, True, tool_keys=True), 0
+        messages = _validate_messages(_require_column(row, cfg.messages_column), cfg.messages_column, where, True,
+                                      tool_keys=True)  # fmt: skip
+        return "chat", messages, 0, row_tool_schemas(row)
     if fmt.name == "text":
         (text,) = _nonempty_strings(row, ["text"], "text")
         return "raw", "", text
@@ -551,10 +573,10 @@ def sft_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple:
     if formats.is_conversation(prompt) and formats.is_conversation(completion):
         p = _validate_messages(prompt, "prompt", where, False, tool_keys=True)
         c = _validate_messages(completion, "completion", where, True, tool_keys=True)
-        return "chat", p + c, len(p)  # only the completion's turns are trained
+        return "chat", p + c, len(p), row_tool_schemas(row)  # only the completion's turns are trained
     prompt, completion = _nonempty_strings(row, ["prompt", "completion"], "prompt/completion")
     if _string_rows_as_chat(cfg):
-        return "chat", [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], 1
+        return "chat", [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], 1, None
     return "raw", prompt, completion
 
 
@@ -642,7 +664,8 @@ def _encode_sft(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Format) 
             out[k] = e
             continue
         (chats if parts[0] == "chat" else raws).append((k, parts[1:]))
-    for (k, _), res in zip(chats, encode.encode_chats(tokenizer, [p for _, p in chats])):
+    encoded = encode.encode_chats(tokenizer, [p[:2] for _, p in chats], [p[2] for _, p in chats])
+    for (k, _), res in zip(chats, encoded):
         out[k] = DataError(f"{rows[k].where()}: {res}") if isinstance(res, str) else res
     for (k, _), res in zip(raws, encode.encode_raw_completions(tokenizer, [p for _, p in raws])):
         out[k] = res

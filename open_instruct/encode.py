@@ -122,16 +122,27 @@ def with_eos(text: str, eos: str) -> str:
 
 
 def prefix_token_ids(
-    tokenizer: Any, renderer: ChatRenderer, wholes: "WholeTokens", requests: Sequence[tuple[int, Messages, int, bool]]
+    tokenizer: Any,
+    renderer: ChatRenderer,
+    wholes: "WholeTokens",
+    requests: Sequence[tuple[int, Messages, int, bool]],
+    tools: Optional[Sequence[Optional[list]]] = None,
 ) -> list[list[int]]:
     """Token ids of each requested prefix (k, messages, cut, generation prompt): messages[:cut] rendered (with the
-    generation prompt or not), conversation k of `wholes` being the whole conversation it is a prefix of. From the
-    whole conversation's tokens where PrefixTokens proves them equal, else tokenized (one batch call)."""
-    skeletons = [renderer.skeleton_for(msgs[:cut], gen) for _, msgs, cut, gen in requests]
+    generation prompt or not, and conversation k's `tools`), conversation k of `wholes` being the whole conversation
+    it is a prefix of. From the whole conversation's tokens where PrefixTokens proves them equal, else tokenized (one
+    batch call)."""
+    skeletons = [
+        None if tools is not None and tools[k] else renderer.skeleton_for(msgs[:cut], gen)
+        for k, msgs, cut, gen in requests
+    ]
     texts: list[Optional[str]] = [None if sk is None else sk.fill(r[1]) for sk, r in zip(skeletons, requests)]
     for generation in (True, False):  # templates without skeletons: one apply_chat_template call for each kind
         plain = [j for j, t in enumerate(texts) if t is None and requests[j][3] == generation]
-        rendered = renderer.render([requests[j][1][: requests[j][2]] for j in plain], generation) if plain else []
+        plain_tools = None if tools is None else [tools[requests[j][0]] for j in plain]
+        rendered = (
+            renderer.render([requests[j][1][: requests[j][2]] for j in plain], generation, plain_tools) if plain else []
+        )
         for j, text in zip(plain, rendered):
             texts[j] = text
     out: list[Any] = []
@@ -164,10 +175,11 @@ class WholeTokens:
 
 
 def encode_chats(
-    tokenizer: Any, chats: Sequence[tuple[Messages, int]]
+    tokenizer: Any, chats: Sequence[tuple[Messages, int]], tools: Optional[Sequence[Optional[list]]] = None
 ) -> list[Union[tuple[list[int], list[int]], str]]:
     """(input_ids, labels) per (conversation, first trained turn): labels are -100 except on the tokens of each
-    assistant turn at or after `first trained turn` (the template's end-of-turn tokens included).
+    assistant turn at or after `first trained turn` (the template's end-of-turn tokens included). `tools[k]` (tool
+    schemas or None) is rendered with conversation k by the template (apply_chat_template's `tools`).
 
     A turn's tokens lie between the tokens of the conversation before it (with the generation prompt) and those of
     the conversation through it (the whole conversation for the last turn); each must be a token prefix of the
@@ -175,7 +187,7 @@ def encode_chats(
     if not chats:
         return []
     renderer = ChatRenderer(tokenizer)
-    wholes = WholeTokens(tokenizer, renderer.render([m for m, _ in chats], False))
+    wholes = WholeTokens(tokenizer, renderer.render([m for m, _ in chats], False, tools))
     requests: list[tuple[int, Messages, int, bool]] = []
     turns: list[list[tuple[int, int]]] = []  # per chat: (start request or -1 = none, end request or -1 = whole)
     for k, (messages, first) in enumerate(chats):
@@ -192,7 +204,7 @@ def encode_chats(
                 end = len(requests) - 1
             mine.append((start, end))
         turns.append(mine)
-    prefix_ids = prefix_token_ids(tokenizer, renderer, wholes, requests)
+    prefix_ids = prefix_token_ids(tokenizer, renderer, wholes, requests, tools)
 
     out: list[Union[tuple[list[int], list[int]], str]] = []
     for k, mine in enumerate(turns):

@@ -351,3 +351,51 @@ def test_a_template_that_tests_for_an_empty_content_renders_empty_ones_itself():
     assert renderer.skeleton_for(full, False) is not None
     assert renderer.skeleton_for(empty, False) is None and renderer.skeleton_for(extra, False) is None
     assert renderer.render([full, empty], False) == ["<a><b>", "<a><->"]
+
+
+# A template that writes the tool schemas into a system block, as Qwen2.5's does (`tools | tojson` per line).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def test_sft_rows_carry_their_tools_to_the_chat_template():
+    """An SFT row's `tools` column (schemas, or their JSON as a string) is rendered by the template with that row,
+    rows with different tool lists in one batch each get their own, a row without tools gets none; the trained
+    tokens are exactly each assistant turn's (the per-row reference computed with the same tools). A `tools` value
+    that is not a list of schemas is a bad row naming the file, the row and the column."""
+    import json
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    calc = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    search = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    chat = [{"role": "user", "content": "12*34?"}, {"role": "assistant", "content": "408"}]
+    values = [
+        {"messages": chat, "tools": [calc]},
+        {"messages": chat, "tools": json.dumps([calc, search])},
+        {"messages": chat},
+        {"messages": chat, "tools": []},
+        {"messages": chat, "tools": ["calculator"]},
+        {"messages": chat, "tools": "{not json"},
+    ]
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="mem.jsonl", skip_bad_rows=True, max_seq_length=400)
+    examples, stats = data.tokenize_sft(rows_of(values), tokenizer, cfg)
+    assert [e["row"] for e in examples] == [0, 1, 2, 3]
+    for example, tools in zip(examples, [[calc], [calc, search], None, None]):
+        whole = data.chat_ids(tokenizer, chat) if tools is None else list(
+            tokenizer.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=False)
+        )  # fmt: skip
+        prompt = list(tokenizer.apply_chat_template(chat[:1], tools=tools, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False))  # fmt: skip
+        assert example["input_ids"] == whole
+        assert example["labels"] == [-100] * len(prompt) + whole[len(prompt) :]
+        text = tokenizer.decode(example["input_ids"])
+        assert ('"name": "calculator"' in text) == (tools is not None)
+        assert ('"name": "search"' in text) == (tools is not None and len(tools) == 2)
+    assert tokenizer.decode([t for t in examples[0]["labels"] if t != -100]) == "408<|end|>\n"
+    assert stats.bad_rows == 2
+    assert "mem.jsonl" in stats.first_errors[0] and "'tools' must be a list of tool schemas" in stats.first_errors[0]
+    assert "'tools' is a string but not JSON" in stats.first_errors[1]
