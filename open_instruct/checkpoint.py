@@ -3,8 +3,9 @@
 Layout under <output_dir>:
     checkpoints/step_<N>/          model(s) + optimizer(s) (torch.distributed.checkpoint: sharded under FSDP,
                                    re-shardable to another world size), trainer_state.json (counters, scheduler,
-                                   data position in episodes, best metric), manifest.json (file sizes + sha256 of
-                                   the small files) and COMPLETE, written last.
+                                   data position in episodes, best metric), rollout_buffer.{json,ints.npy,
+                                   floats.npy} (async RL's rollouts in flight: ARRAY_STATE_KEYS), manifest.json
+                                   (file sizes + sha256 of the small files) and COMPLETE, written last.
     checkpoints/.tmp_step_<N>_*/   a checkpoint being written; renamed into place when complete, never read.
     best_model/                    HF-format model of the best eval metric so far (atomic).
     final_model/                   HF-format model at the end of training (atomic).
@@ -145,9 +146,74 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def read_state(path: str) -> dict[str, Any]:
-    """A checkpoint's trainer_state.json (counters, config, run_id, model classes): plain JSON, no torch."""
+    """A checkpoint's trainer_state.json (counters, config, run_id, model classes): plain JSON, no torch. An entry
+    kept in files of its own (ARRAY_STATE_KEYS) reads as {"in_files": key}; load_checkpoint reads it whole."""
     with open(os.path.join(path, STATE)) as f:
         return json.load(f)
+
+
+# Trainer-state entries that hold per-token lists (the async rollout buffer: millions of numbers on a large run) are
+# written beside trainer_state.json, not in it: <key>.json holds the structure, every long list of ints or floats
+# replaced by a reference into <key>.ints.npy / <key>.floats.npy (int64 / float64, so every value comes back exactly,
+# as the same Python type). A JSON line per number would cost ~45 bytes and ~4 us per token to write.
+ARRAY_STATE_KEYS = ("rollout_buffer",)
+_MIN_ARRAY_LENGTH = 16  # shorter lists stay in the JSON
+_ARRAY_KINDS = {"__ints__": (int, "int64"), "__floats__": (float, "float64")}
+_ESCAPE = "__dict__"  # wraps a one-key dict of the state whose key is one of these (so it is not read as a reference)
+
+
+def split_arrays(value: Any, flats: dict[str, list]) -> Any:
+    """`value` with each list of >= _MIN_ARRAY_LENGTH ints (floats) appended to flats["__ints__"]
+    (flats["__floats__"]) and replaced by {"__ints__": [start, length]} (start in the concatenation). Lists mixing
+    types, and bools, stay as they are; a one-key dict of the state keyed like a reference is escaped."""
+    if isinstance(value, dict):
+        out = {k: split_arrays(v, flats) for k, v in value.items()}
+        return {_ESCAPE: out} if len(out) == 1 and next(iter(out)) in (*_ARRAY_KINDS, _ESCAPE) else out
+    if isinstance(value, (list, tuple)):
+        kinds = {type(x) for x in value} if len(value) >= _MIN_ARRAY_LENGTH else set()
+        for name, (kind, _) in _ARRAY_KINDS.items():
+            if kinds == {kind}:
+                flat = flats.setdefault(name, [])
+                start = len(flat)
+                flat.extend(value)
+                return {name: [start, len(value)]}
+        return [split_arrays(v, flats) for v in value]
+    return value
+
+
+def join_arrays(value: Any, arrays: dict[str, Any]) -> Any:
+    """The value split_arrays split, from its structure and the flat arrays (numpy, by name)."""
+    if isinstance(value, dict):
+        ((name, inner),) = value.items() if len(value) == 1 else ((None, None),)
+        if name in _ARRAY_KINDS:
+            start, length = inner
+            return arrays[name][start : start + length].tolist()
+        if name == _ESCAPE:  # the state's own one-key dict whose key looks like a reference
+            return {k: join_arrays(v, arrays) for k, v in inner.items()}
+        return {k: join_arrays(v, arrays) for k, v in value.items()}
+    if isinstance(value, list):
+        return [join_arrays(v, arrays) for v in value]
+    return value
+
+
+def write_array_state(folder: str, key: str, value: Any) -> None:
+    """<folder>/<key>.json (the structure) and one .npy per kind of number (split_arrays)."""
+    import numpy as np
+
+    flats: dict[str, list] = {}
+    structure = split_arrays(value, flats)
+    for name, (_, dtype) in _ARRAY_KINDS.items():
+        np.save(os.path.join(folder, f"{key}.{name.strip('_')}.npy"), np.asarray(flats.get(name, []), dtype=dtype))
+    with open(os.path.join(folder, f"{key}.json"), "w") as f:
+        json.dump(structure, f, separators=(",", ":"))
+
+
+def read_array_state(folder: str, key: str) -> Any:
+    import numpy as np
+
+    arrays = {name: np.load(os.path.join(folder, f"{key}.{name.strip('_')}.npy")) for name in _ARRAY_KINDS}
+    with open(os.path.join(folder, f"{key}.json")) as f:
+        return join_arrays(json.load(f), arrays)
 
 
 def find_resume_checkpoint(output_dir: str, log: Any = print, run_id: Optional[str] = None) -> Optional[str]:
@@ -226,6 +292,10 @@ def save_checkpoint(
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(tmp, "hf", "tokenizer"))
             trainer_state = {**trainer_state, "model_classes": classes}
+            for key in ARRAY_STATE_KEYS:
+                if key in trainer_state:
+                    write_array_state(tmp, key, trainer_state[key])
+                    trainer_state[key] = {"in_files": key}
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(trainer_state, f, indent=1)
             write_manifest(tmp)
@@ -289,7 +359,11 @@ def load_checkpoint(path: str, models: dict[str, Any], optimizers: dict[str, Any
             model_state_dict=state[f"model.{name}"],
             optim_state_dict=state.get(f"optim.{name}", {}),
         )
-    return read_state(path)
+    trainer_state = read_state(path)
+    for key in ARRAY_STATE_KEYS:
+        if trainer_state.get(key) == {"in_files": key}:
+            trainer_state[key] = read_array_state(path, key)
+    return trainer_state
 
 
 def _auto_class_name(model: Any) -> str:
