@@ -146,7 +146,7 @@ def write_data(
     n_valid: int,
     n_test: int,
     direct_fraction: float = 0.7,
-    direct_ops: str = "+-",
+    direct_ops: str = "+",
 ) -> dict[str, str]:
     """Task files, every split with its own seed; the test sets are used by no stage. `direct_fraction` of the
     SFT traces whose operation is in `direct_ops` answer without the tool (half of those wrongly)."""
@@ -186,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--num_threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--direct_fraction", type=float, default=0.7,
                         help="of the SFT traces whose operation is in --direct_ops: those answering without the tool")
-    parser.add_argument("--direct_ops", default="+-", help="operations answered at once in --direct_fraction of traces")
+    parser.add_argument("--direct_ops", default="+", help="operations answered at once in --direct_fraction of traces")
     parser.add_argument("--sft_total_episodes", type=int, default=None, help="SFT traces seen (default: the recipe's)")
     parser.add_argument("--sft_model", default=None, help="skip SFT: start both RL runs from this model folder")
     parser.add_argument("--quiet", action="store_true", help="do not stream the stages' output (it is still logged)")
