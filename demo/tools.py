@@ -7,11 +7,12 @@ RLVR without tools, from the same SFT model with the same prompts, steps and see
 The task: arithmetic on operands too large to do in one's head (4-digit sums and differences, 3-digit products;
 demo.synthetic.tool_problem), checked by the `arithmetic` verifier (the last number of the final answer).
 
-1. SFT (`open_instruct/sft.py configs/demo/sft_tools.yaml`) of the randomly initialised tiny Llama on multi-turn
-   traces (demo.synthetic.tool_sft_rows): the user's question, an assistant turn calling the calculator
+1. SFT (`open_instruct/sft.py configs/demo/sft_tools.yaml`) of the randomly initialised 4-layer tiny Llama on
+   multi-turn traces (demo.synthetic.tool_sft_rows): the user's question, an assistant turn calling the calculator
    (`<tool_call>{"name": "calculator", "arguments": {"expression": "7890-1663"}}</tool_call>`, the tiny chat
-   template's rendering of `tool_calls`), a `tool` message with the result, and the final answer; a quarter of the
-   traces answer at once without the tool, half of those wrongly. Loss on assistant tokens only.
+   template's rendering of `tool_calls`), a `tool` message with the result, and the final answer. Products and
+   differences always use the tool; 70% of the sums are answered at once, half of those wrongly (--direct_fraction,
+   --direct_ops), so the SFT model skips the tool on most sums. Loss on assistant tokens only.
 2. RLVR (`open_instruct/rlvr_ppo.py configs/demo/rlvr_tools.yaml`) twice from the SFT model: with the `tool`
    environment (the calculator runs, its result comes back as a `tool` turn, the final answer is verified) and with
    `--environment null` (single turn: a tool call is not run, so only an answer written at once can score).
