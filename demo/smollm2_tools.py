@@ -93,7 +93,7 @@ def write_data(
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_tools")
-    parser.add_argument("--n_sft", type=int, default=128, help="SFT traces (one pass, 8 per step)")
+    parser.add_argument("--n_sft", type=int, default=16, help="SFT traces (one pass, 8 per step): a cold start")
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
