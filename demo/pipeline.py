@@ -115,7 +115,7 @@ def held_out_accuracy(
     Returns eval.verifiable's summary plus "seconds"; predictions go to <out_dir>/predictions.jsonl."""
     import torch
 
-    from eval.verifiable import evaluate_verifiable, load_prompts
+    from eval.verifiable import evaluate_verifiable, load_prompts, write_results
     from open_instruct.models import load_causal_lm, load_tokenizer
 
     start, cpu_start = time.time(), time.process_time()
@@ -135,12 +135,7 @@ def held_out_accuracy(
     summary["seconds"] = time.time() - start
     summary["cpu_seconds"] = time.process_time() - cpu_start
     summary["model"] = model_path if not gguf_file else os.path.join(model_path, gguf_file)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "predictions.jsonl"), "w") as f:
-        for p in predictions:
-            f.write(json.dumps(p) + "\n")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_results(out_dir, predictions, summary)
     return summary
 
 

@@ -107,8 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
-    if direct_answer_error(args.direct_fraction, args.direct_ops):
-        parser.error(f"--{direct_answer_error(args.direct_fraction, args.direct_ops)}")
+    direct_error = direct_answer_error(args.direct_fraction, args.direct_ops)
+    if direct_error:
+        parser.error(f"--{direct_error}")
 
     import transformers
 

@@ -195,8 +195,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     n_test = args.n_test or (100 if args.quick else 500)
     if args.hidden_size < 8 or args.hidden_size % 4 or args.num_layers < 1 or n_test < 1 or args.num_threads < 1:
         parser.error("--hidden_size must be a multiple of 4 and >= 8; --num_layers, --n_test, --num_threads >= 1")
-    if direct_answer_error(args.direct_fraction, args.direct_ops):
-        parser.error(f"--{direct_answer_error(args.direct_fraction, args.direct_ops)}")
+    direct_error = direct_answer_error(args.direct_fraction, args.direct_ops)
+    if direct_error:
+        parser.error(f"--{direct_error}")
     if args.sft_model and not os.path.isfile(os.path.join(args.sft_model, "config.json")):
         parser.error(f"--sft_model {args.sft_model}: no model there (config.json missing)")
     if any(not a.startswith("--") for a in rl_overrides[::2]) or len(rl_overrides) % 2:

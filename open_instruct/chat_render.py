@@ -222,10 +222,13 @@ class ChatRenderer:
             _SKELETONS[key] = make_skeleton(self.tokenizer, roles, add_generation_prompt)
         return _SKELETONS[key]
 
-    def skeleton_for(self, messages: Messages, add_generation_prompt: bool) -> Optional[Skeleton]:
+    def skeleton_for(
+        self, messages: Messages, add_generation_prompt: bool, tools: Optional[list] = None
+    ) -> Optional[Skeleton]:
         """The skeleton that renders `messages` exactly, or None: a message with more than role and content (tool
-        calls, a name) is left to the template itself, as is an empty content where the template tests for one."""
-        if not all(m.keys() <= {"role", "content"} for m in messages):
+        calls, a name) is left to the template itself, as is an empty content where the template tests for one,
+        and a conversation rendered with tool schemas (skeletons are made without them)."""
+        if tools or not all(m.keys() <= {"role", "content"} for m in messages):
             return None
         skeleton = self.skeleton(tuple(m["role"] for m in messages), add_generation_prompt)
         return skeleton if skeleton is not None and skeleton.holds_for(messages) else None
@@ -242,7 +245,7 @@ class ChatRenderer:
         plain: dict[str, list[int]] = {}  # conversations for apply_chat_template, by their tools' JSON ("" = none)
         for k, messages in enumerate(conversations):
             row_tools = tools[k] if tools is not None else None
-            skeleton = None if row_tools else self.skeleton_for(messages, add_generation_prompt)
+            skeleton = self.skeleton_for(messages, add_generation_prompt, row_tools)
             if skeleton is None:
                 plain.setdefault(json.dumps(row_tools, sort_keys=True) if row_tools else "", []).append(k)
             else:

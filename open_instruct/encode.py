@@ -132,17 +132,13 @@ def prefix_token_ids(
     generation prompt or not, and conversation k's `tools`), conversation k of `wholes` being the whole conversation
     it is a prefix of. From the whole conversation's tokens where PrefixTokens proves them equal, else tokenized (one
     batch call)."""
-    skeletons = [
-        None if tools is not None and tools[k] else renderer.skeleton_for(msgs[:cut], gen)
-        for k, msgs, cut, gen in requests
-    ]
+    request_tools = [None if tools is None else tools[k] for k, _, _, _ in requests]
+    skeletons = [renderer.skeleton_for(msgs[:cut], gen, t) for (_, msgs, cut, gen), t in zip(requests, request_tools)]
     texts: list[Optional[str]] = [None if sk is None else sk.fill(r[1]) for sk, r in zip(skeletons, requests)]
     for generation in (True, False):  # templates without skeletons: one apply_chat_template call for each kind
         plain = [j for j, t in enumerate(texts) if t is None and requests[j][3] == generation]
-        plain_tools = None if tools is None else [tools[requests[j][0]] for j in plain]
-        rendered = (
-            renderer.render([requests[j][1][: requests[j][2]] for j in plain], generation, plain_tools) if plain else []
-        )
+        prefixes = [requests[j][1][: requests[j][2]] for j in plain]
+        rendered = renderer.render(prefixes, generation, [request_tools[j] for j in plain]) if plain else []
         for j, text in zip(plain, rendered):
             texts[j] = text
     out: list[Any] = []

@@ -21,6 +21,8 @@ completion's is verification_reward x its verifier's score.
 
 from __future__ import annotations
 
+import collections
+import functools
 import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
@@ -151,15 +153,8 @@ class EnvironmentRun:
         round's seed derives from config.seed (None: the backend's own draw)."""
         n, budget = config.n, budget or self.budget
         examples = [row for row in rows for _ in range(n)]
-        timeouts = [0] * len(examples)
-
-        def timeout_counter(i: int) -> Callable[[], None]:
-            def count() -> None:
-                timeouts[i] += 1
-
-            return count
-
-        envs = [self.environment(row, timeout_counter(i)) for i, row in enumerate(examples)]
+        timeouts: collections.Counter = collections.Counter()  # verifier timeouts by episode index
+        envs = [self.environment(row, functools.partial(timeouts.update, [i])) for i, row in enumerate(examples)]
         rounds = [0]
 
         def generate_fn(requests: list[list[int]], caps: list[int]) -> list[tuple]:
@@ -177,8 +172,8 @@ class EnvironmentRun:
             budget,
             step_workers=self.step_workers,
         )
-        for episode, n_timeouts in zip(episodes, timeouts):
-            episode.verifier_timeouts = n_timeouts
+        for i, episode in enumerate(episodes):
+            episode.verifier_timeouts = timeouts[i]
         return EpisodeOutput(
             prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
             response_ids=[e.response_ids for e in episodes],
