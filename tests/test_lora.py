@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from test_reward_model import case_rows
+from tolerances import chain_atol, decoder_reduction_lengths
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
@@ -234,9 +235,16 @@ def test_sft_merged_and_adapter_saves_give_the_same_logits(task, sft_run, tmp_pa
         a, b = merged(input_ids=ids).logits, adapter(input_ids=ids).logits
         with adapter.disable_adapter():
             base = adapter(input_ids=ids).logits
-    print(f"merged vs adapter max |logit diff| {(a - b).abs().max().item():.2e}; vs base {(a - base).abs().max():.2e}")
-    assert torch.allclose(a, b, atol=1e-5, rtol=0)
-    assert not torch.allclose(a, base, atol=1e-3)
+    # Merged W + s*B@A vs x@W + s*(x@A)@B: equal in exact arithmetic, so the bound is the fp32 rounding of the forward
+    # chain, plus the adapter path's rank-length reduction per adapted projection (tests/tolerances.py).
+    lengths = decoder_reduction_lengths(merged.config, ids.shape[1])
+    # all-linear adapters: q/k/v, o, gate/up and down lie in sequence, four per layer
+    lengths += [adapter.peft_config["default"].r] * 4 * merged.config.num_hidden_layers
+    atol = chain_atol(lengths, a.abs().max().item())
+    diff, moved = (a - b).abs().max().item(), (a - base).abs().max().item()
+    print(f"merged vs adapter max |logit diff| {diff:.2e} (bound {atol:.2e}); vs base {moved:.2e}")
+    assert diff <= atol
+    assert moved > 10 * atol  # the adapter changed the model far beyond rounding
 
 
 # ---------------------------------------------------------------------------------------------------------------------
