@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
@@ -127,7 +127,7 @@ def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
         state.distributed_type = DistributedType.FSDP
         # AcceleratorState re-reads PartialState's fields whenever it is constructed again; on GPUs accelerate
         # writes FSDP there too (end of AcceleratorState.__init__).
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        PartialState().distributed_type = DistributedType.FSDP  # a Borg: every instance shares one state
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)  # keeps a policy already set by make_fsdp_plugin
         state.fsdp_plugin = plugin
@@ -273,35 +273,70 @@ def prepare_frozen(accelerator: Any, model: Any) -> Any:
     return accelerator.prepare_model(model, evaluation_mode=True)
 
 
+def fsdp2_reshard_settings(model: Any, units: Sequence[Any]) -> Callable[[], None]:
+    """The one adapter over FSDP2 internals (tests/test_private_api.py allows private torch access only here).
+
+    FSDP2 has public setters for a module's reshard-after-forward behaviour (`set_reshard_after_forward`) but no
+    getter, and no public way to run the root's lazy init outside a forward. This function runs that init on the root
+    (so `unshard()` before any forward finds its streams and defaults settled), records each unit's setting, and
+    returns a function that puts them back exactly (torch's automatic root/non-root choice included). The setting
+    lives on the unit's parameter groups: torch 2.11-2.12 hold one as `FSDPState._fsdp_param_group` (None for a unit
+    without parameters), torch 2.13+ a list `FSDPState._fsdp_param_groups`; both are read here."""
+
+    def groups(state: Any) -> list[Any]:
+        if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13
+            return list(state._fsdp_param_groups)
+        if hasattr(state, "_fsdp_param_group"):  # torch 2.11 / 2.12
+            group = state._fsdp_param_group
+            return [] if group is None else [group]
+        raise RuntimeError(
+            f"this torch ({_torch_version()}) keeps FSDP2 parameter groups under neither _fsdp_param_groups nor "
+            "_fsdp_param_group: supported torch versions are 2.11-2.14 (docs/gpu-support.md)"
+        )
+
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # settle the root's defaults first (normally done by the first forward)
+    states = [unit._get_fsdp_state() for unit in units]
+    saved = [(state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in groups(state)]) for state in states]
+
+    def restore() -> None:
+        for state, (auto, infos) in zip(states, saved):
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(groups(state), infos):
+                group.post_forward_mesh_info = info
+
+    return restore
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 @contextlib.contextmanager
 def full_params(model: Any) -> Iterator[Any]:
     """Gather FSDP2-sharded weights once and keep them whole inside the block (for `generate`): no collective runs
     per decoding step, so ranks may stop generating at different lengths without deadlocking. Re-sharded on exit.
-    Memory: the whole model in its compute dtype on every rank. No-op for unsharded models."""
+    Memory: the whole model in its compute dtype on every rank. No-op for unsharded models. Uses FSDP2's public
+    `unshard` / `set_reshard_after_forward` / `reshard`; only reading back the previous setting needs the adapter."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
         yield model
         return
-    if isinstance(model, FSDPModule):
-        model._get_fsdp_state()._lazy_init()  # settle the root's defaults first (normally done by the first forward)
-    # Remember each unit's reshard-after-forward setting (torch keeps it per parameter group) to restore it.
-    saved = []
-    for unit in units:
-        state = unit._get_fsdp_state()
-        saved.append((state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+    restore_reshard_settings = fsdp2_reshard_settings(model, units)
     for unit in units:
         unit.unshard()  # all-gather, same order on every rank
         unit.set_reshard_after_forward(False, recurse=False)
     try:
         yield model
     finally:
-        for unit, (auto, infos) in zip(units, saved):
-            state = unit._get_fsdp_state()
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
-                group.post_forward_mesh_info = info
+        restore_reshard_settings()
+        for unit in units:
             unit.reshard()
 
 
