@@ -273,7 +273,13 @@ def ours_argv(w: Workload, model: str, data: str, out_dir: str, backend: str, as
         "--mixed_precision", "bf16" if w.bf16 else "no",
     ]  # fmt: skip
     if backend == "vllm_server" and w.device == "cuda":
-        argv += ["--vllm_engine_devices", "0", "--vllm_gpu_memory_utilization", "0.3"]
+        import torch
+
+        if torch.cuda.device_count() > 1:  # the engine on a GPU of its own; weights over NCCL
+            argv += ["--vllm_engine_devices", "1"]
+        else:  # one GPU shared with the trainer: NCCL refuses two ranks on one GPU, so the host-staged transport
+            argv += ["--vllm_engine_devices", "0", "--vllm_weight_transfer", "gloo"]
+            argv += ["--vllm_gpu_memory_utilization", "0.3"]
     return argv
 
 

@@ -75,6 +75,11 @@ class BaseConfig:
     )
     activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
+    distributed_timeout_minutes: float = opt(
+        60.0,
+        "Minutes a collective (NCCL/gloo) may wait for the slowest rank before the run fails; rank 0 alone may spend "
+        "long stretches starting engines or writing a full model while the others wait (torch's default is 10).",
+    )
 
     # --- LoRA (peft; open_instruct/lora.py)
     use_lora: bool = opt(
@@ -233,6 +238,14 @@ class BaseConfig:
         _check_positive(self, "weight_decay", allow_zero=True)
         _check_positive(self, "adam_epsilon", allow_zero=True)
         _check_positive(self, "lora_rank")
+        _check_positive(self, "distributed_timeout_minutes")
+        if self.mixed_precision == "fp16":
+            # fp16 needs loss scaling: accelerate's GradScaler turns an overflow into an inf gradient norm and a
+            # skipped step, which the scripts' non-finite guard and clipping do not take part in (docs/gpu-support.md)
+            raise ConfigError(
+                "mixed_precision fp16 is not supported (it needs a loss scaler the scripts do not use): "
+                "use bf16 (Ampere GPUs and newer, and CPUs) or no"
+            )
         _check_positive(self, "lora_alpha")
         _check_range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         if self.lora_target_modules is not None and not self.lora_target_modules:

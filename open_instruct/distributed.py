@@ -68,10 +68,6 @@ def make_fsdp_plugin(cfg: Any) -> Any:
     kwargs: dict[str, Any] = {}
     if getattr(cfg, "fsdp_cpu_offload", False):
         kwargs["cpu_offload"] = True
-    if cfg.mixed_precision == "fp16":
-        raise ConfigError(
-            "mixed_precision fp16 is not supported under FSDP here (no loss scaling in the scripts' clipping): use bf16"
-        )
     if cfg.mixed_precision == "bf16":
         # Compute in half precision, keep fp32 master weights (the optimizer's) and reduce gradients in fp32:
         # a bf16 reduce-scatter over 40+ ranks loses bits of every gradient.
@@ -87,6 +83,7 @@ def build_accelerator(cfg: Any) -> Any:
     import torch
     from accelerate import Accelerator
 
+    check_supported_versions()
     use_fsdp = fsdp_requested()
     if getattr(cfg, "fsdp_cpu_offload", False) and not use_fsdp:
         raise ConfigError(
@@ -109,10 +106,55 @@ def build_accelerator(cfg: Any) -> Any:
             )
         accelerator = _cpu_fsdp_accelerator(cfg, plugin)
     else:
-        accelerator = Accelerator(mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
+        accelerator = Accelerator(
+            mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin, kwargs_handlers=process_group_kwargs(cfg)
+        )
     check_launch(accelerator)
     check_precision(cfg, accelerator)
     return accelerator
+
+
+SUPPORTED_TORCH = ((2, 11), (2, 14))  # oldest and newest minor release, both included
+MIN_TRANSFORMERS = (5, 17)
+
+
+def version_problems(torch_version: str, transformers_version: str) -> list[str]:
+    """What is wrong with these torch / transformers versions for this repo (empty: supported). Minor releases are
+    compared, so local builds (2.11.0+cu130) and pre-releases of a supported minor count as that minor."""
+
+    def minor(version: str) -> tuple[int, int]:
+        major, rest = version.split(".", 1)
+        return int(major), int("".join(c for c in rest.split(".")[0] if c.isdigit()) or 0)
+
+    problems = []
+    low, high = SUPPORTED_TORCH
+    if not low <= minor(torch_version) <= high:
+        problems.append(f"torch {torch_version} (supported: {low[0]}.{low[1]} to {high[0]}.{high[1]})")
+    if minor(transformers_version) < MIN_TRANSFORMERS:
+        problems.append(f"transformers {transformers_version} (supported: >= {'.'.join(map(str, MIN_TRANSFORMERS))})")
+    return problems
+
+
+def check_supported_versions() -> None:
+    """Stop (exit 2) before any model loads when torch or transformers is outside the supported range: FSDP2's
+    internals and transformers' generation API differ outside it (docs/gpu-support.md)."""
+    import torch
+    import transformers
+
+    problems = version_problems(torch.__version__, transformers.__version__)
+    if problems:
+        raise ConfigError(
+            "unsupported package versions: " + "; ".join(problems) + ". Install the ranges in requirements.txt"
+        )
+
+
+def process_group_kwargs(cfg: Any) -> list[Any]:
+    """accelerate's handler that sets the process group's collective timeout (`distributed_timeout_minutes`)."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=float(cfg.distributed_timeout_minutes)))]
 
 
 def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
@@ -121,7 +163,9 @@ def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType
 
-    accelerator = Accelerator(cpu=True, mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin)
+    accelerator = Accelerator(
+        cpu=True, mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin, kwargs_handlers=process_group_kwargs(cfg)
+    )
     if accelerator.num_processes > 1:
         state = accelerator.state
         state.distributed_type = DistributedType.FSDP

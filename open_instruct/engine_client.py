@@ -417,7 +417,8 @@ def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len
             try:
                 engines.write_engine_model(cfg.model_name_or_path, model_dir, cfg.trust_remote_code, cfg.gguf_file)
                 devices = engines.free_generation_devices(local_world) if on_gpu else None
-                if on_gpu and cfg.vllm_engine_devices is not None:  # e.g. one GPU shared: --vllm_engine_devices 0
+                if on_gpu and cfg.vllm_engine_devices is not None:  # device 0 only with gloo transfer (see
+                    # generation_backends.same_gpu_nccl_problem)
                     devices = list(cfg.vllm_engine_devices)
                 specs = engines.specs_for_config(
                     cfg, model_dir, devices, "127.0.0.1", engines.free_port(), max_model_len

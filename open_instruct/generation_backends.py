@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Optional
 
+from open_instruct.distributed import fsdp_requested
 from open_instruct.errors import ConfigError
 from open_instruct.generation import Generator
 
@@ -53,19 +54,51 @@ def check_before_loading(cfg: Any, max_model_len: int) -> None:
             f"async_steps {cfg.async_steps} with generation_backend hf runs in one process (it generates from whole "
             f"copies of the policy), not {world}: use generation_backend vllm_server for async training on several"
         )
-    if not cfg.vllm_server_urls:
-        return
+    if cfg.async_steps and cfg.generation_backend == "hf" and fsdp_requested():
+        # torch refuses to deep-copy an FSDP2 module ("FSDP does not support deepcopy"), even on one process
+        raise ConfigError(
+            f"async_steps {cfg.async_steps} with generation_backend hf generates from frozen copies of the policy, "
+            "and an FSDP-sharded policy cannot be copied: launch without the FSDP accelerate config (one process, "
+            "`python open_instruct/rlvr_ppo.py ...`), or use generation_backend vllm_server, or async_steps 0"
+        )
     import torch
 
     from open_instruct import engines
 
     on_gpu = torch.cuda.is_available()
+    problem = same_gpu_nccl_problem(cfg, on_gpu)
+    if problem:
+        raise ConfigError(problem)
+    if not cfg.vllm_server_urls:
+        return
     engines.check_running_engines(
         cfg.vllm_server_urls,
         cfg.vllm_tensor_parallel_size,
         max_model_len,
         dtype=engines.engine_dtype(cfg.mixed_precision),
         transfer=engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu),
+    )
+
+
+def same_gpu_nccl_problem(cfg: Any, on_gpu: bool) -> Optional[str]:
+    """Why the vllm_server engines this run starts cannot take NCCL weight transfer (None: they can). The weights go
+    from trainer rank 0, on CUDA device 0 of this node, to every engine worker over one NCCL group; an engine listed
+    in vllm_engine_devices on device 0 joins that group from the same physical GPU, which NCCL refuses ("Duplicate
+    GPU detected", ncclInvalidUsage) only after the engine has loaded."""
+    from open_instruct import engines
+
+    if cfg.generation_backend != "vllm_server" or cfg.vllm_server_urls or cfg.vllm_engine_devices is None:
+        return None  # engines started apart, or on the GPUs after the trainer's (the default)
+    if not on_gpu or engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu) != "nccl":
+        return None
+    if 0 not in cfg.vllm_engine_devices:
+        return None
+    return (
+        f"vllm_engine_devices {cfg.vllm_engine_devices} puts a vLLM engine on GPU 0, the GPU of trainer rank 0, and "
+        f"NCCL weight transfer (vllm_weight_transfer {cfg.vllm_weight_transfer}) cannot join two ranks on one GPU. "
+        "Use the colocated engine (generation_backend vllm), give the engines GPUs the trainer does not use "
+        "(vllm_engine_devices, or unset it: the GPUs after the training processes'), or vllm_weight_transfer gloo "
+        "(host-staged, slower)"
     )
 
 

@@ -110,17 +110,24 @@ def load_causal_lm(
     return add_logprob_head(model)
 
 
-def load_policy(cfg: Any) -> Any:
+def load_policy(cfg: Any, dtype: torch.dtype = DTYPES["no"]) -> Any:
     """The causal LM a script's config names (model_name_or_path, gguf_file, revision, attention kernel), in fp32:
-    the master weights every trainer starts from (mixed precision is autocast, never the stored dtype)."""
+    the master weights every trainer starts from (mixed precision is autocast, never the stored dtype). A frozen copy
+    (RL's reference) passes `frozen_dtype(cfg)` instead."""
     return load_causal_lm(
         cfg.model_name_or_path,
-        DTYPES["no"],
+        dtype,
         cfg.gguf_file,
         cfg.trust_remote_code,
         cfg.model_revision,
         attn_implementation=cfg.attention_kernel,
     )
+
+
+def frozen_dtype(cfg: Any) -> torch.dtype:
+    """The dtype a never-trained model (reference policy, reward model) is held in: the compute dtype under bf16
+    (half the memory of fp32; it has no optimizer that needs fp32 master weights), else fp32."""
+    return DTYPES["bf16"] if cfg.mixed_precision == "bf16" else DTYPES["no"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -520,20 +520,21 @@ def load_models(
         DTYPES,
         TokenValueModel,
         disable_dropout,
+        frozen_dtype,
         load_policy,
         load_sequence_classifier,
         make_optimizer_and_scheduler,
     )
 
-    def causal_lm() -> Any:
-        model = load_policy(cfg)
+    def causal_lm(dtype: torch.dtype = DTYPES["no"]) -> Any:
+        model = load_policy(cfg, dtype)
         disable_dropout(model)
         return model
 
     def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
         classifier = load_sequence_classifier(
             path,
-            DTYPES["no"],
+            DTYPES["no"] if trained else frozen_dtype(cfg),  # frozen: in the compute dtype under bf16
             gguf_file,
             cfg.trust_remote_code,
             pad_token_id=tokenizer.pad_token_id,
@@ -545,7 +546,7 @@ def load_models(
     # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
     models = RLModels(
         policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
-        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
+        reference=causal_lm(frozen_dtype(cfg)) if cfg.beta > 0 and not cfg.use_lora else None,
     )
     if cfg.uses_value_model:
         # A fresh scalar head (value model from the policy) is initialised the same way every run.

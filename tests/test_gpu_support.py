@@ -1,0 +1,173 @@
+"""GPU-launch hazards refused or handled before anything loads (docs/gpu-support.md), all checked on CPU:
+supported torch/transformers versions, fp16 (needs a loss scaler the scripts do not use), the collective timeout,
+async hf generation under an FSDP launch (torch cannot deep-copy an FSDP2 module), a vllm_server engine on the
+trainer's GPU with NCCL weight transfer, and frozen RL models held in the compute dtype."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from demo.synthetic import rl_rows, write_jsonl
+from open_instruct import distributed, generation_backends
+from open_instruct.config import RLVRConfig, SFTConfig, parse_config
+from open_instruct.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture()
+def rl_argv(tiny_models, tmp_path):
+    data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(16, 0))
+    return [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
+        "--model_name_or_path",
+        tiny_models["causal_lm"],
+        "--dataset_name_or_path",
+        data,
+        "--eval_dataset_name_or_path",
+        data,
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "torch_version,transformers_version,problems",
+    [
+        ("2.11.0+cu130", "5.17.0", 0),  # the GPU image
+        ("2.13.0+cpu", "5.24.0", 0),
+        ("2.14.1", "5.17.0", 0),
+        ("2.10.1", "5.17.0", 1),  # FSDP2 internals of a release the adapter was not written for
+        ("2.15.0a0+git123", "5.17.0", 1),  # a pre-release of an unsupported minor
+        ("2.11.0", "5.16.1", 1),
+        ("2.6.0", "4.57.0", 2),
+    ],
+)
+def test_supported_versions(torch_version, transformers_version, problems):
+    found = distributed.version_problems(torch_version, transformers_version)
+    assert len(found) == problems, found
+    if problems:
+        assert "supported: 2.11 to 2.14" in " ".join(found) or "supported: >= 5.17" in " ".join(found)
+
+
+def test_this_environment_is_supported():
+    import transformers
+
+    assert distributed.version_problems(torch.__version__, transformers.__version__) == []
+
+
+def test_fp16_is_refused_before_anything_loads(tiny_models, tmp_path):
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    data = write_jsonl(str(tmp_path / "sft.jsonl"), [row])
+    argv = ["--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", data]
+    argv += ["--output_dir", str(tmp_path / "out")]
+    parse_config(SFTConfig, [*argv, "--mixed_precision", "bf16"])
+    with pytest.raises(ConfigError, match=r"mixed_precision fp16 is not supported.*use bf16"):
+        parse_config(SFTConfig, [*argv, "--mixed_precision", "fp16"])
+
+
+def test_collective_timeout_reaches_the_accelerator(rl_argv, monkeypatch):
+    cfg = parse_config(RLVRConfig, [*rl_argv, "--distributed_timeout_minutes", "90"])
+    handlers = distributed.process_group_kwargs(cfg)
+    assert [h.timeout for h in handlers] == [timedelta(minutes=90)]
+    assert handlers[0].to_kwargs() == {"timeout": timedelta(minutes=90)}  # what accelerate hands init_process_group
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def recording_accelerator(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "Accelerator", recording_accelerator)
+    with pytest.raises(Stop):
+        distributed.build_accelerator(cfg)
+    assert [h.timeout for h in seen["kwargs_handlers"]] == [timedelta(minutes=90)]
+    assert parse_config(RLVRConfig, rl_argv).distributed_timeout_minutes == 60  # the default: torch's is 10
+    with pytest.raises(ConfigError, match="distributed_timeout_minutes"):
+        parse_config(RLVRConfig, [*rl_argv, "--distributed_timeout_minutes", "0"])
+
+
+def test_async_hf_generation_under_an_fsdp_launch_is_refused_before_loading(rl_argv, monkeypatch):
+    cfg = parse_config(RLVRConfig, [*rl_argv, "--generation_backend", "hf", "--async_steps", "1"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    generation_backends.check_before_loading(cfg, 128)  # one plain process: frozen copies of an unsharded policy
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # `accelerate launch --config_file fsdp_*.yaml --num_processes 1`
+    with pytest.raises(ConfigError, match=r"cannot be copied.*without the FSDP accelerate config.*async_steps 0"):
+        generation_backends.check_before_loading(cfg, 128)
+    synchronous = parse_config(RLVRConfig, [*rl_argv, "--generation_backend", "hf"])
+    generation_backends.check_before_loading(synchronous, 128)
+
+
+def _server_cfg(**overrides):
+    cfg = dict(
+        generation_backend="vllm_server",
+        vllm_server_urls=None,
+        vllm_engine_devices=[0],
+        vllm_weight_transfer="auto",
+        async_steps=0,
+    )
+    return SimpleNamespace(**{**cfg, **overrides})
+
+
+def test_an_engine_on_the_trainers_gpu_with_nccl_transfer_is_refused():
+    problem = generation_backends.same_gpu_nccl_problem(_server_cfg(), on_gpu=True)
+    assert "GPU 0" in problem and "generation_backend vllm" in problem and "vllm_weight_transfer gloo" in problem
+    assert generation_backends.same_gpu_nccl_problem(_server_cfg(vllm_weight_transfer="nccl"), on_gpu=True)
+    for fine in (
+        _server_cfg(vllm_engine_devices=[1]),  # a GPU of its own
+        _server_cfg(vllm_engine_devices=None),  # the default: the GPUs after the training processes'
+        _server_cfg(vllm_weight_transfer="gloo"),  # host-staged: no NCCL group
+        _server_cfg(vllm_server_urls=["http://gen-node:8000"]),  # engines started apart
+        _server_cfg(generation_backend="vllm"),
+    ):
+        assert generation_backends.same_gpu_nccl_problem(fine, on_gpu=True) is None
+    assert generation_backends.same_gpu_nccl_problem(_server_cfg(), on_gpu=False) is None  # CPU: gloo
+
+
+def test_check_before_loading_refuses_the_same_gpu_engine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="cannot join two ranks on one GPU"):
+        generation_backends.check_before_loading(_server_cfg(), 128)
+
+
+def test_frozen_rl_models_are_held_in_the_compute_dtype(rl_argv, tiny_models):
+    from open_instruct import rlvr_ppo, runtime
+    from open_instruct.models import load_tokenizer
+
+    argv = [*rl_argv, "--beta", "0.05", "--reward_model_path", tiny_models["seq_cls"], "--reward_model_multiplier", "1"]
+    from accelerate.state import AcceleratorState
+
+    dtypes = {}
+    for precision in ("bf16", "no"):
+        AcceleratorState._reset_state()  # one process-wide state, whose precision is fixed once set
+        cfg = parse_config(RLVRConfig, [*argv, "--mixed_precision", precision])
+        models, _, _ = rlvr_ppo.load_models(
+            cfg,
+            load_tokenizer(tiny_models["causal_lm"]),
+            runtime.make_accelerator(cfg),
+            SimpleNamespace(optimizer_steps=4),
+        )
+        dtypes[precision] = {
+            name: {p.dtype for p in getattr(models, name).parameters()}
+            for name in ("policy", "value", "reference", "reward")
+        }
+    # trained models keep fp32 master weights; frozen ones need none: bf16 halves their memory
+    assert dtypes["bf16"] == {
+        "policy": {torch.float32},
+        "value": {torch.float32},
+        "reference": {torch.bfloat16},
+        "reward": {torch.bfloat16},
+    }
+    assert all(d == {torch.float32} for d in dtypes["no"].values())
+    AcceleratorState._reset_state()
