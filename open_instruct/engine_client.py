@@ -152,8 +152,8 @@ class PolicyWeights:
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from open_instruct.vllm_generator import hf_weights
 
-        for name, tensor in hf_weights(self.model, untie=self.untie):
-            yield name, tensor.detach().to(self.dtype)
+        for name, tensor in hf_weights(self.model, untie=self.untie, dtype=self.dtype):  # cast before the gather
+            yield name, tensor.detach()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.bytes_sent = 0

@@ -122,10 +122,14 @@ def check_vllm_version(version: Optional[str] = None) -> str:
 _NAME_NOISE = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly FSDP2-sharded) parameter. Collective for DTensors: all ranks call it."""
+def _full_tensor(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) parameter, in `dtype` (default: its own). Collective for
+    DTensors: all ranks call it. The local shard is cast before the all-gather (rounding is elementwise, so the
+    result is the same): a bf16 gather moves and holds half the bytes of an fp32 one on every rank."""
     from torch.distributed.tensor import DTensor
 
+    if dtype is not None:
+        t = t.to(dtype)
     if not isinstance(t, DTensor):
         return t
     mesh_device = t.device_mesh.device_type
@@ -144,9 +148,13 @@ def _clean(name: str) -> str:
     return name
 
 
-def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter, one at a time; a shared tensor once under its first name, or, with
-    `untie`, the output embedding also under its own name (for an engine whose lm_head is a separate tensor)."""
+def hf_weights(
+    model: Any, untie: bool = False, dtype: Optional[torch.dtype] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor in `dtype`, default its own) for every parameter, one at a time; a shared tensor once
+    under its first name, or, with `untie`, the output embedding also under its own name (for an engine whose
+    lm_head is a separate tensor). Each shard is cast before it is gathered, except under LoRA (the merge is computed
+    in float64 from the fp32 weights, then cast)."""
     from open_instruct import lora
 
     model = unwrap_model(model)
@@ -161,14 +169,15 @@ def hf_weights(model: Any, untie: bool = False) -> Iterator[tuple[str, torch.Ten
             _full_tensor,
             lora.fan_in_fan_out_layers(model),
         )
+        pairs = ((name, t if dtype is None else t.to(dtype)) for name, t in pairs)
     else:
-        pairs = ((name, _full_tensor(p.detach())) for name, p in named.items())
+        pairs = ((name, _full_tensor(p.detach(), dtype)) for name, p in named.items())
     for name, tensor in pairs:
         yield _clean(lora.base_name(name)), tensor
     out = model.get_output_embeddings() if untie and hasattr(model, "get_output_embeddings") else None
     if out is not None and id(out.weight) in seen:  # tied: named_parameters gave it under the input embedding's name
         name = next(n for n, m in model.named_modules() if m is out)
-        yield _clean(lora.base_name(f"{name}.weight")), _full_tensor(out.weight.detach())
+        yield _clean(lora.base_name(f"{name}.weight")), _full_tensor(out.weight.detach(), dtype)
 
 
 class _RNGSnapshot:
@@ -265,6 +274,7 @@ class VLLMGenerator:
         config.save_pretrained(self._dir)
         tokenizer.save_pretrained(self._dir)
 
+        self.weight_dtype = dtype if isinstance(dtype, torch.dtype) else None  # what sync_weights gathers in
         kwargs: dict[str, Any] = dict(
             model=self._dir,
             load_format="dummy",
@@ -348,7 +358,7 @@ class VLLMGenerator:
         t0 = time.perf_counter()
         if self._weights_released:  # memory back, contents undefined until the reload below
             self.llm.wake_up(tags=["weights"])
-        weights = hf_weights(model, untie=self.untied_lm_head)
+        weights = hf_weights(model, untie=self.untied_lm_head, dtype=self.weight_dtype)
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._weights_released = False

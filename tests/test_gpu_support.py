@@ -171,3 +171,49 @@ def test_frozen_rl_models_are_held_in_the_compute_dtype(rl_argv, tiny_models):
     }
     assert all(d == {torch.float32} for d in dtypes["no"].values())
     AcceleratorState._reset_state()
+
+
+GATHER_SCRIPT = r"""
+import json, sys, tempfile
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from open_instruct.vllm_generator import hf_weights
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+for module in model:
+    for name, p in list(module.named_parameters()):
+        setattr(module, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+gathered = []
+original = DTensor.full_tensor
+def spy(self, *args, **kwargs):
+    gathered.append(str(self.dtype))
+    return original(self, *args, **kwargs)
+DTensor.full_tensor = spy
+out = dict(hf_weights(model, dtype=torch.bfloat16))
+exact = all(torch.equal(out[n], whole[n].to(torch.bfloat16)) for n in whole)
+print(json.dumps({"gathered": gathered, "dtypes": sorted({str(t.dtype) for t in out.values()}), "exact": exact}))
+dist.destroy_process_group()
+"""
+
+
+def test_weight_sync_casts_each_shard_before_the_gather(tmp_path):
+    """S5: the engine's dtype is applied to the local shard, so the all-gather moves bf16, and the gathered tensors
+    are exactly the fp32 weights rounded to bf16 (rounding is elementwise)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", GATHER_SCRIPT], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"gathered": ["torch.bfloat16"] * 4, "dtypes": ["torch.bfloat16"], "exact": True}
