@@ -468,6 +468,11 @@ class GenerationEngineConfig:
     )
     vllm_server_timeout: float = opt(600.0, "vllm_server: seconds an engine may take to answer before the run stops.")
     vllm_engine_start_timeout: float = opt(900.0, "vllm_server: seconds an engine may take to start.")
+    generation_micro_batch_size: Optional[int] = opt(
+        None,
+        "hf: sequences per generate call (one KV cache each); unset: as many as hold 131072 tokens of prompt + "
+        "response, at most the rank's whole rollout. Seeded samples depend on it; greedy outputs do not.",
+    )
     async_steps: int = opt(
         0,
         "Rollouts generated ahead of training (0: synchronous; N: up to N in flight, every token at most N weight "
@@ -489,6 +494,8 @@ class GenerationEngineConfig:
         for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
             _check_positive(self, name)
         _check_positive(self, "async_steps", allow_zero=True)
+        if self.generation_micro_batch_size is not None:
+            _check_positive(self, "generation_micro_batch_size")
         if self.async_steps and self.generation_backend == "vllm":
             raise ConfigError(
                 f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines, weights "

@@ -168,6 +168,11 @@ def engine_budgets(
     return budgets
 
 
+def rng_devices() -> list[int]:
+    """The CUDA devices whose RNG `torch.manual_seed` reseeds (all of them): what a fork_rng around it must restore."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
 def prompt_seed(base: int, prompt_index: int) -> int:
     """An independent-looking 56-bit seed per prompt. vLLM gives sample j of a prompt seed+j, so seeds spaced
     by 1 (base + i) would hand prompt i+1 the random stream of prompt i's second sample."""
@@ -261,29 +266,60 @@ class _SampledLogprobs:
 class _StopOnStrings:
     """Stopping criterion for HF generate: marks a row finished once its new tokens contain a stop string.
 
-    Only saves compute; the exact cut is made afterwards by `finalize_response`."""
+    Only saves compute; the exact cut is made afterwards by `finalize_response`. Per decoding step it decodes only
+    the rows still running (a row that met a stop string, or whose newest token is an EOS, is never decoded again),
+    and of each only a bounded tail: the work per step is at most rows x window tokens, whatever the length so far."""
 
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> None:
+    def __init__(
+        self, tokenizer: Any, stop_strings: Sequence[str], prompt_width: int, eos_ids: Sequence[int] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = list(stop_strings)
         self.prompt_width = prompt_width
+        self.eos_ids = torch.tensor(sorted({int(i) for i in eos_ids}), dtype=torch.long)
         # Every non-special token decodes to at least one character (byte-level BPE may need a few tokens for
         # one character): a tail this long always covers a stop string that the newest token just completed.
         self.window = max(len(s) for s in self.stop_strings) * 4 + 8
+        self.done: Optional[torch.Tensor] = None  # [rows] on the CPU: finished rows
+        self.rows_decoded = 0  # decoded tails so far (what the per-step work is counted in)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        tails = input_ids[:, self.prompt_width :][:, -self.window :].tolist()
-        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
-        done = [any(s in t for s in self.stop_strings) for t in texts]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        newest = input_ids[:, -1].cpu()
+        if self.done is None:
+            self.done = torch.zeros(len(input_ids), dtype=torch.bool)
+        self.done |= torch.isin(newest, self.eos_ids)  # generate's own EOS check ends these rows
+        running = (~self.done).nonzero().flatten()
+        if len(running):
+            tails = input_ids[running.to(input_ids.device), self.prompt_width :][:, -self.window :].tolist()
+            self.rows_decoded += len(tails)
+            texts = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
+            hit = torch.tensor([any(s in t for s in self.stop_strings) for t in texts], dtype=torch.bool)
+            self.done[running[hit]] = True
+        return self.done.to(input_ids.device)
+
+
+GENERATION_TOKENS_PER_CALL = 131072  # default KV-cache bound of one HF generate call, in tokens (prompt + response)
+
+
+def generation_sequences_per_call(cfg: Any, max_model_len: int) -> int:
+    """Sequences per HF generate call in an RL run: `generation_micro_batch_size`, or as many as hold
+    GENERATION_TOKENS_PER_CALL tokens at max_model_len each, never more than the rank's whole rollout
+    (local_rollout_batch_size x num_samples_per_prompt). At Llama-3-8B shapes a token's KV cache is 2 x 32 layers x
+    8 KV heads x 128 x 2 bytes (bf16) = 128 KiB, so the default bound is 16 GiB per call."""
+    rollout = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
+    chosen = cfg.generation_micro_batch_size or max(1, GENERATION_TOKENS_PER_CALL // max(1, max_model_len))
+    return max(1, min(rollout, chosen))
 
 
 class HFGenerator:
     """Batched generation with a transformers causal LM (`model.generate` with its KV cache).
 
     Prompts are left-padded and run in chunks of at most `batch_size` sequences (prompts x n), sorted by length
-    so a chunk carries little padding. With `config.seed` set, the same inputs and `batch_size` give the same
-    outputs, and the global torch RNG is left untouched; with `seed=None` the global RNG is used (and advanced).
+    so a chunk carries little padding; each chunk is one generate call with its own KV cache, so `batch_size` bounds
+    that memory. Greedy outputs do not depend on `batch_size`. With `config.seed` set, the same inputs and
+    `batch_size` give the same samples (the chunks draw from one seeded stream in turn, so another `batch_size` draws
+    other samples), and the global torch RNG (CPU and CUDA) is left untouched; with `seed=None` the global RNG is
+    used (and advanced).
     The generator holds a reference to a policy module, so `sync_weights` only records it and its version (the
     live policy when synchronous, a frozen copy per version under async_steps); under FSDP its
     `generation_context` gathers the sharded weights whole for the generate."""
@@ -313,9 +349,11 @@ class HFGenerator:
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> HFGenerator:
-        """One generate call per rollout: this rank's prompts x num_samples_per_prompt in one batch."""
-        batch_size = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
-        return cls(accelerator.unwrap_model(policy), tokenizer, batch_size=batch_size)
+        """This rank's prompts x num_samples_per_prompt in generate calls of `generation_sequences_per_call`
+        sequences (each call holds one KV cache)."""
+        return cls(
+            accelerator.unwrap_model(policy), tokenizer, batch_size=generation_sequences_per_call(cfg, max_model_len)
+        )
 
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
         """Generate with `model` from now on: the live policy (synchronous), or a frozen copy of it taken at a
@@ -373,7 +411,7 @@ class HFGenerator:
         extra: dict[str, Any] = {}
         if config.stop_strings:
             extra["stopping_criteria"] = StoppingCriteriaList(
-                [_StopOnStrings(self.tokenizer, config.stop_strings, width)]
+                [_StopOnStrings(self.tokenizer, config.stop_strings, width, self.eos_ids)]
             )
         recorder = _SampledLogprobs()  # after the warpers: it sees the distribution the token is drawn from
         out = self.model.generate(
@@ -405,7 +443,7 @@ class HFGenerator:
 
         was_training = self.model.training
         self.model.eval()
-        rng = torch.random.fork_rng(devices=[]) if config.seed is not None else contextlib.nullcontext()
+        rng = torch.random.fork_rng(devices=rng_devices()) if config.seed is not None else contextlib.nullcontext()
         try:
             with rng:
                 if config.seed is not None:

@@ -195,3 +195,81 @@ def test_engine_budgets_cap_each_prompt_and_refuse_what_exceeds_the_context():
         engine_budgets([[1], []], config, None, 30)
     with pytest.raises(ValueError, match="2 entries for 1 prompts"):
         engine_budgets([[1]], config, [3, 4], 30)
+
+
+def test_stop_strings_decode_only_running_rows_within_a_window(lm):
+    """The stop-string check of one decoding step decodes the rows still running, a bounded tail each: a row that met
+    a stop string or emitted EOS is not decoded again (before: every row, every step)."""
+    from open_instruct.generation import _StopOnStrings
+
+    _, tokenizer = lm
+    eos = tokenizer.eos_token_id
+    a, b, x = (tokenizer.convert_tokens_to_ids(c) for c in "abx")
+    decoded: list[int] = []
+
+    class CountingTokenizer:
+        def batch_decode(self, rows, **kwargs):
+            decoded.append(len(rows))
+            assert all(len(r) <= criterion.window for r in rows)
+            return tokenizer.batch_decode(rows, **kwargs)
+
+    criterion = _StopOnStrings(CountingTokenizer(), ["ab"], prompt_width=2, eos_ids=[eos])
+    prompt = [[x, x]] * 3
+    # row 0 completes "ab" at step 2; row 1 emits EOS at step 1 (generate pads it afterwards); row 2 runs on
+    steps = [[a, eos, x], [b, eos, x], [x, eos, x]] + [[x, eos, x]] * 40
+    flags = []
+    for t in range(len(steps)):
+        ids = torch.tensor([p + [s[r] for s in steps[: t + 1]] for r, p in enumerate(prompt)])
+        flags.append(criterion(ids, torch.zeros(3, 5)).tolist())
+    assert flags[0] == [False, True, False] and flags[1] == [True, True, False] and flags[-1] == [True, True, False]
+    assert decoded == [2, 2] + [1] * 41  # rows decoded per step: 45 in all, not 3 x 43 = 129
+    assert criterion.rows_decoded == 45
+
+
+def test_generation_sub_batches_match_one_batch(lm, prompts):
+    """HF generation in bounded sub-batches (one KV cache each): greedy outputs equal one whole batch's; seeded
+    sampling is reproducible for a given sub-batch size."""
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    greedy = GenerationConfig(max_new_tokens=10, temperature=0, n=2)
+    whole = HFGenerator(model, tokenizer, batch_size=len(prompts) * 2).generate(prompts, greedy)
+    for size in (1, 3):
+        parts = HFGenerator(model, tokenizer, batch_size=size).generate(prompts, greedy)
+        assert parts.response_ids == whole.response_ids and parts.texts == whole.texts
+    sampled = GenerationConfig(max_new_tokens=10, temperature=1.0, n=2, seed=7)
+    first = HFGenerator(model, tokenizer, batch_size=3).generate(prompts, sampled)
+    again = HFGenerator(model, tokenizer, batch_size=3).generate(prompts, sampled)
+    assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
+
+
+@pytest.mark.parametrize(
+    "micro,rollout,max_model_len,expected",
+    [
+        (None, (32, 1), 4096, 32),  # rlvr_8b: 131072 // 4096 = 32 = the whole rollout
+        (None, (64, 8), 4096, 32),  # 512 sequences of 4096 tokens: 16 calls of 32
+        (None, (32, 4), 108, 128),  # tiny recipes: the whole rollout in one call
+        (5, (32, 4), 108, 5),
+        (500, (32, 4), 108, 128),
+        (None, (1, 1), 10**6, 1),
+    ],
+)
+def test_generation_sequences_per_call(micro, rollout, max_model_len, expected):
+    from types import SimpleNamespace
+
+    from open_instruct.generation import generation_sequences_per_call
+
+    cfg = SimpleNamespace(
+        generation_micro_batch_size=micro, local_rollout_batch_size=rollout[0], num_samples_per_prompt=rollout[1]
+    )
+    assert generation_sequences_per_call(cfg, max_model_len) == expected
+
+
+def test_seeded_generation_restores_every_cuda_rng(monkeypatch):
+    """torch.manual_seed reseeds every CUDA device: the fork around a seeded generate must restore all of them."""
+    from open_instruct import generation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert generation.rng_devices() == [0, 1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert generation.rng_devices() == []
