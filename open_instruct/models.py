@@ -110,13 +110,12 @@ def load_causal_lm(
     return add_logprob_head(model)
 
 
-def load_policy(cfg: Any, dtype: torch.dtype = DTYPES["no"]) -> Any:
+def load_policy(cfg: Any) -> Any:
     """The causal LM a script's config names (model_name_or_path, gguf_file, revision, attention kernel), in fp32:
-    the master weights every trainer starts from (mixed precision is autocast, never the stored dtype). A frozen copy
-    (RL's reference) passes `frozen_dtype(cfg)` instead."""
+    the master weights every trainer starts from (mixed precision is autocast, never the stored dtype)."""
     return load_causal_lm(
         cfg.model_name_or_path,
-        dtype,
+        DTYPES["no"],
         cfg.gguf_file,
         cfg.trust_remote_code,
         cfg.model_revision,
@@ -124,10 +123,26 @@ def load_policy(cfg: Any, dtype: torch.dtype = DTYPES["no"]) -> Any:
     )
 
 
-def frozen_dtype(cfg: Any) -> torch.dtype:
-    """The dtype a never-trained model (reference policy, reward model) is held in: the compute dtype under bf16
-    (half the memory of fp32; it has no optimizer that needs fp32 master weights), else fp32."""
-    return DTYPES["bf16"] if cfg.mixed_precision == "bf16" else DTYPES["no"]
+def hold_frozen_in_compute_dtype(model: Any, mixed_precision: str, sharded: bool) -> Any:
+    """A never-trained model (RL's reference policy, a reward model) stored in the dtype its bf16 compute uses, with
+    the same numbers as the fp32 copy it replaces (it has no optimizer, so nothing needs fp32 master weights):
+    - under FSDP2 (`sharded`) the mixed-precision policy computes every parameter in bf16: all stored in bf16;
+    - under autocast (one process, DDP) only matmul weights are computed in bf16: Linear weights stored in bf16, while
+      embeddings, norms, tied output embeddings and fp32 scalar heads (`fp32_head`) stay fp32, so its outputs equal
+      the fp32 model's bit for bit.
+    Without mixed precision: unchanged (fp32)."""
+    if mixed_precision != "bf16":
+        return model
+    if sharded:
+        return model.to(torch.bfloat16)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or id(module.weight) in embeddings:
+            continue  # a tied output layer shares the input embedding's tensor, which autocast does not cast
+        if getattr(module.forward, "__func__", None) is _fp32_linear_forward:
+            continue  # computes in fp32 under autocast
+        module.to(torch.bfloat16)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from open_instruct import console, data, rewards
 from open_instruct.checkpoint import fault_point
 from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
-from open_instruct.distributed import global_sum, global_sums_by_source, prepare_frozen, zero_sums_by_source
+from open_instruct.distributed import global_sum, global_sums_by_source, is_fsdp, prepare_frozen, zero_sums_by_source
 from open_instruct.episode_rollouts import EnvironmentRun, episode_correct, episode_metrics, is_episode_output
 from open_instruct.episodes import episode_score
 from open_instruct.errors import ConfigError, DataError
@@ -520,21 +520,21 @@ def load_models(
         DTYPES,
         TokenValueModel,
         disable_dropout,
-        frozen_dtype,
+        hold_frozen_in_compute_dtype,
         load_policy,
         load_sequence_classifier,
         make_optimizer_and_scheduler,
     )
 
-    def causal_lm(dtype: torch.dtype = DTYPES["no"]) -> Any:
-        model = load_policy(cfg, dtype)
+    def causal_lm() -> Any:
+        model = load_policy(cfg)
         disable_dropout(model)
         return model
 
     def scalar_model(path: str, gguf_file: Optional[str], trained: bool) -> TokenValueModel:
         classifier = load_sequence_classifier(
             path,
-            DTYPES["no"] if trained else frozen_dtype(cfg),  # frozen: in the compute dtype under bf16
+            DTYPES["no"],
             gguf_file,
             cfg.trust_remote_code,
             pad_token_id=tokenizer.pad_token_id,
@@ -546,7 +546,7 @@ def load_models(
     # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
     models = RLModels(
         policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
-        reference=causal_lm(frozen_dtype(cfg)) if cfg.beta > 0 and not cfg.use_lora else None,
+        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
     )
     if cfg.uses_value_model:
         # A fresh scalar head (value model from the policy) is initialised the same way every run.
@@ -566,10 +566,13 @@ def load_models(
         optimizer, schedulers[name] = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
         prepared, optimizers[name] = accelerator.prepare(model, optimizer)
         setattr(models, name, prepared)
-    if models.reference is not None:
+    sharded = is_fsdp(accelerator)
+    if models.reference is not None:  # frozen models: half the memory under bf16, the same numbers
+        models.reference = hold_frozen_in_compute_dtype(models.reference, cfg.mixed_precision, sharded)
         models.reference = prepare_frozen(accelerator, models.reference)
     elif cfg.use_lora and cfg.beta > 0:
         models.reference = models.policy  # collect_rollout runs it with the adapters disabled
     if models.reward is not None:
+        hold_frozen_in_compute_dtype(models.reward.seq_cls, cfg.mixed_precision, sharded)
         models.reward = prepare_frozen(accelerator, models.reward)
     return models, optimizers, schedulers

@@ -142,35 +142,52 @@ def test_check_before_loading_refuses_the_same_gpu_engine(monkeypatch):
 
 
 def test_frozen_rl_models_are_held_in_the_compute_dtype(rl_argv, tiny_models):
-    from open_instruct import rlvr_ppo, runtime
-    from open_instruct.models import load_tokenizer
-
-    argv = [*rl_argv, "--beta", "0.05", "--reward_model_path", tiny_models["seq_cls"], "--reward_model_multiplier", "1"]
+    """Under bf16 autocast (no FSDP) the reference and reward models keep their matmul weights in bf16 (what autocast
+    computes them in), embeddings, norms and the fp32 score head in fp32: about half the bytes, and the reference's
+    log-probs equal an fp32 reference's exactly. Trained models keep fp32 master weights."""
     from accelerate.state import AcceleratorState
 
-    dtypes = {}
-    for precision in ("bf16", "no"):
-        AcceleratorState._reset_state()  # one process-wide state, whose precision is fixed once set
-        cfg = parse_config(RLVRConfig, [*argv, "--mixed_precision", precision])
-        models, _, _ = rlvr_ppo.load_models(
-            cfg,
-            load_tokenizer(tiny_models["causal_lm"]),
-            runtime.make_accelerator(cfg),
-            SimpleNamespace(optimizer_steps=4),
-        )
-        dtypes[precision] = {
-            name: {p.dtype for p in getattr(models, name).parameters()}
-            for name in ("policy", "value", "reference", "reward")
-        }
-    # trained models keep fp32 master weights; frozen ones need none: bf16 halves their memory
-    assert dtypes["bf16"] == {
-        "policy": {torch.float32},
-        "value": {torch.float32},
-        "reference": {torch.bfloat16},
-        "reward": {torch.bfloat16},
-    }
-    assert all(d == {torch.float32} for d in dtypes["no"].values())
+    from open_instruct import rlvr_ppo, runtime
+    from open_instruct.models import load_policy, load_tokenizer
+
+    argv = [*rl_argv, "--beta", "0.05", "--reward_model_path", tiny_models["seq_cls"], "--reward_model_multiplier", "1"]
+    AcceleratorState._reset_state()  # one process-wide state, whose precision is fixed once set
+    cfg = parse_config(RLVRConfig, [*argv, "--mixed_precision", "bf16"])
+    accelerator = runtime.make_accelerator(cfg)
+    models, _, _ = rlvr_ppo.load_models(
+        cfg, load_tokenizer(tiny_models["causal_lm"]), accelerator, SimpleNamespace(optimizer_steps=4)
+    )
+
+    def dtypes(model, kind):
+        return {n: p.dtype for n, p in model.named_parameters() if kind in n}
+
+    assert (
+        {p.dtype for p in models.policy.parameters()} == {p.dtype for p in models.value.parameters()} == {torch.float32}
+    )
+    for frozen in (models.reference, models.reward):
+        assert set(dtypes(frozen, "proj.weight").values()) == {torch.bfloat16}  # attention and MLP matmuls
+        assert set(dtypes(frozen, "norm").values()) == set(dtypes(frozen, "embed").values()) == {torch.float32}
+    assert set(dtypes(models.reward, "score").values()) == {torch.float32}
+    bytes_held = sum(p.numel() * p.element_size() for p in models.reference.parameters())
+    fp32_bytes = 4 * sum(p.numel() for p in models.reference.parameters())
+    assert bytes_held < 0.9 * fp32_bytes  # the tiny model is embedding-heavy; Llama-3-8B is ~93% matmul weights
+
+    fp32_reference = accelerator.prepare_model(load_policy(cfg).eval(), evaluation_mode=True)
+    ids = torch.randint(0, 60, (4, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), accelerator.autocast():
+        held = torch.log_softmax(models.reference(input_ids=ids).logits.float(), -1)
+        full = torch.log_softmax(fp32_reference(input_ids=ids).logits.float(), -1)
+    assert torch.equal(held, full)  # bit for bit: autocast rounds the fp32 weights to the same bf16 values
     AcceleratorState._reset_state()
+
+
+def test_frozen_models_under_fsdp_are_all_bf16_and_fp32_runs_are_unchanged(tiny_models):
+    from open_instruct.models import hold_frozen_in_compute_dtype, load_causal_lm
+
+    sharded = hold_frozen_in_compute_dtype(load_causal_lm(tiny_models["causal_lm"]), "bf16", sharded=True)
+    assert {p.dtype for p in sharded.parameters()} == {torch.bfloat16}  # FSDP2's policy computes all of it in bf16
+    plain = hold_frozen_in_compute_dtype(load_causal_lm(tiny_models["causal_lm"]), "no", sharded=False)
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}
 
 
 GATHER_SCRIPT = r"""
