@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
@@ -164,6 +164,19 @@ def engine_specs(
     return specs
 
 
+# What torchrun / accelerate launch export to each training process: an engine is not one of its ranks, and vLLM's
+# own torch.distributed set-up (tensor parallel workers) must not read the trainer's rank, world size or rendezvous.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def engine_environment(parent: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
+    """An engine process's environment: the trainer's without its launcher's rank variables (LAUNCHER_VARIABLES and
+    TORCHELASTIC_*), plus the engine's own."""
+    kept = {k: v for k, v in parent.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    return {**kept, **own}
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies (even by SIGKILL), so a killed
     trainer never leaves engines holding GPUs."""
@@ -226,7 +239,7 @@ class LocalEngines:
         with open(log_path, "ab") as log:
             return subprocess.Popen(
                 spec.argv,
-                env={**os.environ, **spec.env},
+                env=engine_environment(os.environ, spec.env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent if self.die_with_parent else None,

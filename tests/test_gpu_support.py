@@ -234,3 +234,12 @@ def test_weight_sync_casts_each_shard_before_the_gather(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"gathered": ["torch.bfloat16"] * 4, "dtypes": ["torch.bfloat16"], "exact": True}
+
+
+def test_engines_do_not_inherit_the_trainers_launcher_ranks():
+    from open_instruct.engines import engine_environment
+
+    parent = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    parent |= {"TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "HF_HOME": "/hf", "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = engine_environment(parent, {"CUDA_VISIBLE_DEVICES": "7", "VLLM_SERVER_DEV_MODE": "1"})
+    assert env == {"PATH": "/bin", "HF_HOME": "/hf", "CUDA_VISIBLE_DEVICES": "7", "VLLM_SERVER_DEV_MODE": "1"}
