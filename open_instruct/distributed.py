@@ -324,21 +324,21 @@ def fsdp2_reshard_settings(model: Any, units: Sequence[Any]) -> Callable[[], Non
     getter, and no public way to run the root's lazy init outside a forward. This function runs that init on the root
     (so `unshard()` before any forward finds its streams and defaults settled), records each unit's setting, and
     returns a function that puts them back exactly (torch's automatic root/non-root choice included). The setting
-    lives on the unit's parameter groups: torch 2.11-2.12 hold one as `FSDPState._fsdp_param_group` (None for a unit
-    without parameters), torch 2.13+ a list `FSDPState._fsdp_param_groups`; both are read here."""
+    lives on the unit's parameter groups: torch 2.11 holds one as `FSDPState._fsdp_param_group` (None for a unit
+    without parameters), torch 2.13 a list `FSDPState._fsdp_param_groups`; either is read, on any version."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
 
     def groups(state: Any) -> list[Any]:
-        if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.13
+        if hasattr(state, "_fsdp_param_groups"):  # torch 2.13
             return list(state._fsdp_param_groups)
-        if hasattr(state, "_fsdp_param_group"):  # torch 2.11 / 2.12
+        if hasattr(state, "_fsdp_param_group"):  # torch 2.11
             group = state._fsdp_param_group
             return [] if group is None else [group]
         raise RuntimeError(
-            f"this torch ({_torch_version()}) keeps FSDP2 parameter groups under neither _fsdp_param_groups nor "
+            f"this torch ({torch.__version__}) keeps FSDP2 parameter groups under neither _fsdp_param_groups nor "
             "_fsdp_param_group: supported torch versions are 2.11-2.14 (docs/gpu-support.md)"
         )
-
-    from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         model._get_fsdp_state()._lazy_init()  # settle the root's defaults first (normally done by the first forward)
@@ -352,12 +352,6 @@ def fsdp2_reshard_settings(model: Any, units: Sequence[Any]) -> Callable[[], Non
                 group.post_forward_mesh_info = info
 
     return restore
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 @contextlib.contextmanager
