@@ -130,18 +130,23 @@ def hold_frozen_in_compute_dtype(model: Any, mixed_precision: str, sharded: bool
     - under autocast (one process, DDP) only matmul weights are computed in bf16: Linear weights stored in bf16, while
       embeddings, norms, tied output embeddings and fp32 scalar heads (`fp32_head`) stay fp32, so its outputs equal
       the fp32 model's bit for bit.
+    Only parameters are cast: buffers (rotary inverse frequencies) stay as they are, as for the trained policy.
     Without mixed precision: unchanged (fp32)."""
     if mixed_precision != "bf16":
         return model
-    if sharded:
-        return model.to(torch.bfloat16)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or id(module.weight) in embeddings:
-            continue  # a tied output layer shares the input embedding's tensor, which autocast does not cast
-        if getattr(module.forward, "__func__", None) is _fp32_linear_forward:
-            continue  # computes in fp32 under autocast
-        module.to(torch.bfloat16)
+
+    def autocast_matmul(module: torch.nn.Module) -> bool:
+        return (
+            isinstance(module, torch.nn.Linear)
+            and id(module.weight) not in embeddings  # a tied output layer shares the input embedding's tensor
+            and getattr(module.forward, "__func__", None) is not _fp32_linear_forward  # fp32 under autocast
+        )
+
+    modules = [m for m in model.modules() if sharded or autocast_matmul(m)]
+    with torch.no_grad():
+        for param in {id(p): p for m in modules for p in m.parameters(recurse=False)}.values():
+            param.data = param.data.to(torch.bfloat16)
     return model
 
 

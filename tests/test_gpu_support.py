@@ -186,6 +186,8 @@ def test_frozen_models_under_fsdp_are_all_bf16_and_fp32_runs_are_unchanged(tiny_
 
     sharded = hold_frozen_in_compute_dtype(load_causal_lm(tiny_models["causal_lm"]), "bf16", sharded=True)
     assert {p.dtype for p in sharded.parameters()} == {torch.bfloat16}  # FSDP2's policy computes all of it in bf16
+    buffers = dict(sharded.named_buffers())
+    assert buffers and {b.dtype for n, b in buffers.items() if "inv_freq" in n} == {torch.float32}  # as the policy's
     plain = hold_frozen_in_compute_dtype(load_causal_lm(tiny_models["causal_lm"]), "no", sharded=False)
     assert {p.dtype for p in plain.parameters()} == {torch.float32}
 
