@@ -149,12 +149,16 @@ def check_supported_versions() -> None:
 
 
 def process_group_kwargs(cfg: Any) -> list[Any]:
-    """accelerate's handler that sets the process group's collective timeout (`distributed_timeout_minutes`)."""
+    """accelerate's handler that sets the process group's collective timeout (`distributed_timeout_minutes`; the
+    config's default for a caller's namespace without it)."""
     from datetime import timedelta
 
     from accelerate.utils import InitProcessGroupKwargs
 
-    return [InitProcessGroupKwargs(timeout=timedelta(minutes=float(cfg.distributed_timeout_minutes)))]
+    from open_instruct.config import BaseConfig
+
+    minutes = getattr(cfg, "distributed_timeout_minutes", BaseConfig.distributed_timeout_minutes)
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=float(minutes)))]
 
 
 def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:

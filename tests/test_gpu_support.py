@@ -93,6 +93,7 @@ def test_collective_timeout_reaches_the_accelerator(rl_argv, monkeypatch):
         distributed.build_accelerator(cfg)
     assert [h.timeout for h in seen["kwargs_handlers"]] == [timedelta(minutes=90)]
     assert parse_config(RLVRConfig, rl_argv).distributed_timeout_minutes == 60  # the default: torch's is 10
+    assert [h.timeout for h in distributed.process_group_kwargs(SimpleNamespace())] == [timedelta(minutes=60)]
     with pytest.raises(ConfigError, match="distributed_timeout_minutes"):
         parse_config(RLVRConfig, [*rl_argv, "--distributed_timeout_minutes", "0"])
 
