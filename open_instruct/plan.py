@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.gpu_stats import PEAK_BF16_FLOPS
 from open_instruct.memory_model import MemoryLayout, memory_lines, predict_peak, shape_of
 from open_instruct.mixture import mixture_summary, parse_mixer_list
 from open_instruct.preflight import DATASET_EXTENSIONS, looks_local
@@ -41,15 +42,18 @@ class GPUSpec:
     memory_gb: float
 
 
-# Published dense bf16 peaks and HBM bandwidth. "cpu" is this repo's 2-core test machine (measured bf16 matmul).
+# Published dense bf16 peaks (gpu_stats.PEAK_BF16_FLOPS) and HBM bandwidth; "H100" is the SXM card. "cpu" is this
+# repo's 2-core test machine (measured bf16 matmul).
 GPU_SPECS: dict[str, GPUSpec] = {
-    "H100": GPUSpec(989e12, 3.35e12, 80),
-    "H200": GPUSpec(989e12, 4.8e12, 141),
-    "B200": GPUSpec(2250e12, 8.0e12, 180),
-    "A100": GPUSpec(312e12, 2.04e12, 80),
-    "A100-40GB": GPUSpec(312e12, 1.56e12, 40),
-    "L40S": GPUSpec(362e12, 0.864e12, 48),
-    "A10G": GPUSpec(125e12, 0.6e12, 24),
+    "H100": GPUSpec(PEAK_BF16_FLOPS["H100 SXM"], 3.35e12, 80),
+    "H100-PCIe": GPUSpec(PEAK_BF16_FLOPS["H100 PCIe"], 2.0e12, 80),
+    "H100-NVL": GPUSpec(PEAK_BF16_FLOPS["H100 NVL"], 3.9e12, 94),
+    "H200": GPUSpec(PEAK_BF16_FLOPS["H200"], 4.8e12, 141),
+    "B200": GPUSpec(PEAK_BF16_FLOPS["B200"], 8.0e12, 180),
+    "A100": GPUSpec(PEAK_BF16_FLOPS["A100"], 2.04e12, 80),
+    "A100-40GB": GPUSpec(PEAK_BF16_FLOPS["A100"], 1.56e12, 40),
+    "L40S": GPUSpec(PEAK_BF16_FLOPS["L40S"], 0.864e12, 48),
+    "A10G": GPUSpec(PEAK_BF16_FLOPS["A10G"], 0.6e12, 24),
     "cpu": GPUSpec(1.84e12, 20e9, 24),
 }
 
