@@ -1024,7 +1024,7 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
         if isinstance(value, list) and kinds[key] != "list":
             raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
         if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
-            _check_no_underflow(key, value, f"recipe {recipe_path}", expected_script)
+            _check_no_underflow(key, value, f"recipe {recipe_path}")
     accepted = _accepted_keys(cls)
     for i, token in enumerate(argv):
         if _is_key(token) and _option_key(token) not in accepted:

@@ -56,15 +56,15 @@ def device_peak_flops(
 
 
 def matmul_params(model: Any) -> int:
-    """N of 6N: every parameter but the input embedding, plus the output layer when tied to it (see the module
-    docstring). Works on a plain, peft-wrapped or FSDP2-sharded HF model (a DTensor's numel is the global one)."""
-    embedding = model.get_input_embeddings()
-    embedding_weight = None if embedding is None else embedding.weight
-    n = sum(p.numel() for p in model.parameters() if p is not embedding_weight)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if output is not None and embedding_weight is not None and output.weight is embedding_weight:
-        n += embedding_weight.numel()
-    return n
+    """N of 6N: every parameter but the embedding tables, plus a linear layer's weight tied to one (see the module
+    docstring). Any module tree: a plain, peft-, DDP- or FSDP2-wrapped HF model, the RL value model (a DTensor's
+    numel is the global one)."""
+    import torch
+
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in tables)  # parameters() yields a tied one once
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return n + sum(w.numel() for w in {id(w): w for w in linears if id(w) in tables}.values())
 
 
 def flops_per_token(models: Iterable[Any]) -> int:
