@@ -203,7 +203,7 @@ def step_env(c: Check) -> dict[str, Any]:
             gpu_memory_gb=round(props.total_memory / 1e9, 1),
             gpu_kind=gpu_kind(props.name, props.total_memory),
             cuda=torch.version.cuda,
-            nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None,
+            nccl=str(torch.cuda.nccl.version()) if torch.distributed.is_nccl_available() else None,
             sdpa_flash=torch.backends.cuda.flash_sdp_enabled(),
             sdpa_mem_efficient=torch.backends.cuda.mem_efficient_sdp_enabled(),
         )
@@ -399,8 +399,7 @@ def step_parity(c: Check) -> dict[str, Any]:
             diff = rel_diff(scores, ref_scores)
             out[label + "_rel_diff"], checks[label] = diff, diff < tol
     del rm
-    if device == "cuda":
-        out.update(logits_memory(c))
+    out.update(logits_memory(c))
     out["checks"] = checks
     out["ok"] = all(checks.values())
     if not out["ok"]:
@@ -422,31 +421,37 @@ def pair_example(tokenizer: Any, pair: dict) -> dict[str, Any]:
 
 
 def logits_memory(c: Check) -> dict[str, Any]:
-    """Peak extra GB of the log-prob head's forward + backward over logits_tokens positions: the chunked head
-    (models.chunked_token_logprobs) against the full [tokens, vocab] logits path FSDP2 takes today."""
+    """The log-prob head's forward + backward over logits_tokens positions, chunked (models.chunked_token_logprobs)
+    and through full [tokens, vocab] logits (the path FSDP2 takes today): their largest log-prob difference and, on
+    a GPU, the peak extra GB of each."""
     import torch
 
     from open_instruct.models import chunked_token_logprobs, token_logprobs
 
-    s = c.scale
+    s, device = c.scale, c.device
     hidden_size = s.m1b["hidden_size"]
-    head = torch.nn.Linear(hidden_size, s.vocab, bias=False, device="cuda", dtype=torch.bfloat16)
-    labels = torch.randint(0, s.vocab, (s.logits_tokens,), device="cuda")
-    out = {}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    head = torch.nn.Linear(hidden_size, s.vocab, bias=False, device=device, dtype=dtype)
+    labels = torch.randint(0, s.vocab, (s.logits_tokens,), device=device)
+    hidden_values = torch.randn(s.logits_tokens, hidden_size, device=device, dtype=dtype)
+    out: dict[str, Any] = {"logits_tokens": s.logits_tokens}
+    logps = {}
     for label in ("chunked", "full"):
-        hidden = torch.randn(s.logits_tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        hidden = hidden_values.clone().requires_grad_(True)
+        synchronize(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         if label == "chunked":
-            logps = chunked_token_logprobs(hidden, head, labels)
+            logps[label] = chunked_token_logprobs(hidden, head, labels)
         else:
-            logps = token_logprobs(head(hidden), labels)
-        logps.sum().backward()
-        torch.cuda.synchronize()
-        out[f"logits_peak_extra_gb_{label}"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+            logps[label] = token_logprobs(head(hidden)[None], labels[None])[0]
+        logps[label].sum().backward()
+        synchronize(device)
+        if device == "cuda":
+            out[f"logits_peak_extra_gb_{label}"] = (torch.cuda.max_memory_allocated() - base) / 1e9
         head.weight.grad = None
-    out["logits_tokens"] = s.logits_tokens
+    out["logits_chunked_vs_full_max_abs_diff"] = float((logps["chunked"] - logps["full"]).abs().max())
     return out
 
 
