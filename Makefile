@@ -113,7 +113,7 @@ bench-gpu: install
 bench-tiny: install
 	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
 
-# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU in ~8 min, results in $(OUT).
+# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU (sized for ~8 min), results in $(OUT).
 # Uses whatever python has torch (a bare GPU image: no venv, no extra wheels). BUDGET=seconds, ONLY="step ...".
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 OUT ?= output/gpu_check

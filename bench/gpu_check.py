@@ -1,4 +1,5 @@
-"""The device check: one command that runs every GPU path of the repo on one GPU in about 8 minutes and writes a table.
+"""The device check: one command that runs every GPU path of the repo on one GPU (sized for ~8 minutes) and writes a
+table.
 
     make gpu-check OUT=DIR                      # or: python bench/gpu_check.py --out DIR
     BUDGET=450 ONLY="env peak build parity rl_1b_fsdp1 sft_1b_fsdp1 sft_1b_single summarize" make gpu-check
@@ -41,6 +42,7 @@ from typing import Any, Callable, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 OPTIONAL_PACKAGES = ("datasets", "trl", "wandb", "vllm", "flash_attn", "math_verify", "peft")
+STEP_TIMEOUT_S = 600  # without BUDGET: the longest one training step may take
 FSDP_CONFIG = {"gpu": "configs/accelerate/fsdp_8gpu.yaml", "cpu": "configs/accelerate/fsdp_cpu_2proc.yaml"}
 
 
@@ -626,7 +628,7 @@ def run_training(c: Check, step: TrainStep) -> dict[str, Any]:
         command += ["--num_processes", "1", script, path]
     else:
         command = [sys.executable, script, path]
-    timeout = max(60.0, c.budget - c.elapsed + 60) if c.budget else None
+    timeout = max(60.0, c.budget - c.elapsed + 60) if c.budget else STEP_TIMEOUT_S  # a hung step ends, the rest run
     log_path = os.path.join(c.out, "logs", f"{step.name}.log")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
