@@ -51,3 +51,20 @@ def test_unknown_gpu_has_no_peak_unless_given():
 def test_no_gpu_keys_on_cpu():
     stats = StepGPUStats(torch.device("cpu"), [_tiny(True)], peak_tflops=100)
     assert stats.metrics({"perf/tokens_per_second": 1000.0}) == {}
+
+
+def test_gpu_row_reads_and_resets_the_peaks_and_divides_tokens_by_the_world(monkeypatch):
+    """On a CUDA device (the allocator's counters stubbed here): the row carries the peaks in GB, resets them, and
+    MFU = 6 N x (global tokens/s / world) / peak."""
+    stats = StepGPUStats(torch.device("cpu"), [_tiny(True)], peak_tflops=100, world=4)
+    stats.cuda, stats.peak_flops = True, 100e12  # what __init__ sets on a GPU
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3.5e9)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 4.25e9)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: resets.append(device))
+    row = stats.metrics({"perf/tokens_per_second": 8e9})
+    n = matmul_params(_tiny(True))
+    assert row["gpu/peak_allocated_gb"] == 3.5 and row["gpu/peak_reserved_gb"] == 4.25 and len(resets) == 1
+    assert row["perf/mfu"] == pytest.approx(6 * n * 8e9 / 4 / 100e12, rel=1e-12)
+    assert row["perf/peak_tflops"] == 100
+    assert "perf/mfu" not in stats.metrics({"perf/response_tokens_per_second": 1.0})  # not a training rate
