@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)
 
 .PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
-        bench-rl bench-rl-gpu \
+        bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
@@ -112,6 +112,13 @@ bench-gpu: install
 	$(PY) bench/bench_throughput.py --preset gpu $(ARGS)
 bench-tiny: install
 	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
+
+# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU (sized for ~8 min), results in $(OUT).
+# Uses whatever python has torch (a bare GPU image: no venv, no extra wheels). BUDGET=seconds, ONLY="step ...".
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+OUT ?= output/gpu_check
+gpu-check:
+	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(ARGS)
 
 # Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:

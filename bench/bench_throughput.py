@@ -29,11 +29,12 @@ Measured. Tokens/s = real (non-pad) tokens of the timed optimizer steps (all but
 wall time; pairs/s (RM, DPO) likewise; CPU s/step = process CPU time per timed step (robust when other jobs share
 the machine). Peak memory: the worker's peak resident set (VmHWM, CPU) or torch's peak allocated GPU memory.
 MFU = 6 * N * tokens/s / peak FLOP/s, N = parameters without the input embedding (its lookup costs no FLOPs; the
-output layer is in), so padding, attention (not in 6N) and recomputation count as lost time. On CPU the peak is
-the best of matmuls of the model's own shapes (tokens x hidden @ hidden x {hidden, intermediate, vocab}) measured
-in each worker right before and after its training, with its threads, in fp32 and bf16: MFU is reported against
-the peak of the run's precision. On a GPU the peak is the published dense bf16 FLOP/s of the detected GPU
-(open_instruct/plan.py GPU_SPECS). Runs alternate (each variant once per repeat) so they share the machine's load;
+output layer is in, tied or not: open_instruct.gpu_stats.matmul_params), so padding, attention (not in 6N) and
+recomputation count as lost time. On CPU the peak is the best of matmuls of the model's own shapes (tokens x hidden
+@ hidden x {hidden, intermediate, vocab}) measured in each worker right before and after its training, with its
+threads, in fp32 and bf16: MFU is reported against the peak of the run's precision. On a GPU the peak is the
+published dense bf16 FLOP/s of the detected GPU (open_instruct/gpu_stats.py: H100 SXM, PCIe and NVL told apart).
+Runs alternate (each variant once per repeat) so they share the machine's load;
 ratios are per repeat, the median is reported.
 """
 
@@ -202,9 +203,10 @@ def build_models(out_dir: str, p: Preset, seed: int = 0) -> dict[str, str]:
 
 
 def flops_params(model: Any) -> int:
-    """N of 6N: every parameter but the input embedding (a lookup, no FLOPs)."""
-    embedding = model.get_input_embeddings().weight
-    return sum(p.numel() for p in model.parameters() if p is not embedding)
+    """N of 6N (open_instruct.gpu_stats.matmul_params: the output layer counts even when tied to the embedding)."""
+    from open_instruct.gpu_stats import matmul_params
+
+    return matmul_params(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,16 +232,14 @@ def gemm_peak(p: Preset, dtype: str, tokens: int = 2048, repeats: int = 5) -> fl
 
 
 def gpu_peak() -> tuple[str, Optional[float]]:
-    """(GPU name, published dense bf16 FLOP/s) from open_instruct/plan.py's table, or (name, None) if unknown."""
+    """(GPU name, published dense bf16 FLOP/s) from open_instruct.gpu_stats (H100 SXM, PCIe and NVL told apart), or
+    (name, None) if unknown."""
     import torch
 
-    from open_instruct.plan import GPU_SPECS
+    from open_instruct.gpu_stats import device_peak_flops
 
-    name = torch.cuda.get_device_name(0)
-    known = [k for k in GPU_SPECS if k != "cpu" and k.replace("-", " ").lower() in name.replace("-", " ").lower()]
-    if not known:
-        return name, None
-    return name, GPU_SPECS[max(known, key=len)].peak_flops  # the most specific name (A100-40GB over A100)
+    props = torch.cuda.get_device_properties(0)
+    return props.name, device_peak_flops(props.name, props.total_memory)
 
 
 def flash_attention() -> Optional[str]:
@@ -253,8 +253,10 @@ def flash_attention() -> Optional[str]:
 
 
 def mfu(flops_n: int, tokens_per_second: float, peak: Optional[float]) -> Optional[float]:
-    """Model FLOPs utilisation: 6 N tokens/s over the peak (None without a peak)."""
-    return 6 * flops_n * tokens_per_second / peak if peak else None
+    """Model FLOPs utilisation: 6 N tokens/s over the peak (None without a peak), open_instruct.gpu_stats.mfu."""
+    from open_instruct.gpu_stats import mfu as model_flops_utilisation
+
+    return model_flops_utilisation(6 * flops_n, tokens_per_second, peak)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

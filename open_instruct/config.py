@@ -169,6 +169,11 @@ class BaseConfig:
 
     # --- logging, eval, checkpoints
     logging_steps: int = opt(1, "Log a metrics row every N optimizer steps (RL: rollouts).")
+    peak_tflops: Optional[float] = opt(
+        None,
+        "Dense bf16 TFLOP/s of one GPU, the denominator of perf/mfu (default: the published peak of the detected "
+        "H100 SXM/PCIe/NVL, H200, A100 ...; none known: no perf/mfu).",
+    )
     eval_steps: Optional[int] = opt(None, "Evaluate every N steps (and at the first and last step).")
     checkpointing_steps: Optional[int] = opt(None, "Write a checkpoint every N steps (RL: rollouts).")
     keep_last_n_checkpoints: int = opt(2, "How many checkpoints to keep.")
@@ -220,6 +225,8 @@ class BaseConfig:
         _check_positive(self, "max_seq_length")
         _check_positive(self, "num_train_epochs")
         _check_positive(self, "logging_steps")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
         _check_positive(self, "keep_last_n_checkpoints")
         for name in (
             "total_episodes",
@@ -1037,7 +1044,7 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
         if isinstance(value, list) and kinds[key] != "list":
             raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
         if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
-            _check_no_underflow(key, value, f"recipe {recipe_path}", expected_script)
+            _check_no_underflow(key, value, f"recipe {recipe_path}")
     accepted = _accepted_keys(cls)
     for i, token in enumerate(argv):
         if _is_key(token) and _option_key(token) not in accepted:

@@ -28,6 +28,8 @@ BAR_METRICS: tuple[tuple[str, str], ...] = (
     ("train/correct_rate", "correct"),  # RL
     ("train/score_mean", "score"),
     ("train/kl", "kl"),
+    ("perf/mfu", "mfu"),  # GPU only (gpu_stats.StepGPUStats)
+    ("gpu/peak_allocated_gb", "mem GB"),
 )
 
 # An eval line's metrics, headline first (absent keys are skipped); per-source values of the first one follow.

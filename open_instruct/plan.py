@@ -27,6 +27,8 @@ from typing import Any, Optional, Sequence
 from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.gpu_stats import PEAK_BF16_FLOPS
+from open_instruct.memory_model import MemoryLayout, memory_lines, predict_peak, shape_of
 from open_instruct.mixture import mixture_summary, parse_mixer_list
 from open_instruct.preflight import DATASET_EXTENSIONS, looks_local
 
@@ -40,15 +42,18 @@ class GPUSpec:
     memory_gb: float
 
 
-# Published dense bf16 peaks and HBM bandwidth. "cpu" is this repo's 2-core test machine (measured bf16 matmul).
+# Published dense bf16 peaks (gpu_stats.PEAK_BF16_FLOPS) and HBM bandwidth; "H100" is the SXM card. "cpu" is this
+# repo's 2-core test machine (measured bf16 matmul).
 GPU_SPECS: dict[str, GPUSpec] = {
-    "H100": GPUSpec(989e12, 3.35e12, 80),
-    "H200": GPUSpec(989e12, 4.8e12, 141),
-    "B200": GPUSpec(2250e12, 8.0e12, 180),
-    "A100": GPUSpec(312e12, 2.04e12, 80),
-    "A100-40GB": GPUSpec(312e12, 1.56e12, 40),
-    "L40S": GPUSpec(362e12, 0.864e12, 48),
-    "A10G": GPUSpec(125e12, 0.6e12, 24),
+    "H100": GPUSpec(PEAK_BF16_FLOPS["H100 SXM"], 3.35e12, 80),
+    "H100-PCIe": GPUSpec(PEAK_BF16_FLOPS["H100 PCIe"], 2.0e12, 80),
+    "H100-NVL": GPUSpec(PEAK_BF16_FLOPS["H100 NVL"], 3.9e12, 94),
+    "H200": GPUSpec(PEAK_BF16_FLOPS["H200"], 4.8e12, 141),
+    "B200": GPUSpec(PEAK_BF16_FLOPS["B200"], 8.0e12, 180),
+    "A100": GPUSpec(PEAK_BF16_FLOPS["A100"], 2.04e12, 80),
+    "A100-40GB": GPUSpec(PEAK_BF16_FLOPS["A100"], 1.56e12, 40),
+    "L40S": GPUSpec(PEAK_BF16_FLOPS["L40S"], 0.864e12, 48),
+    "A10G": GPUSpec(PEAK_BF16_FLOPS["A10G"], 0.6e12, 24),
     "cpu": GPUSpec(1.84e12, 20e9, 24),
 }
 
@@ -187,6 +192,8 @@ class TimeAssumptions:
     sandbox_call_seconds: float = 0.0  # 0: measured on this machine (sandbox.measure_call_seconds)
     turns_per_episode: Optional[int] = None  # multi-turn: None = the recipe's max_turns (an upper bound)
     tool_call_seconds: Optional[float] = None  # multi-turn: None = a sandbox call with python, else ~0
+    gpu_memory_gb: Optional[float] = None  # None: the --gpu's memory (H100: 80)
+    fsdp: Optional[bool] = None  # None: FSDP2 when num_processes > 1
 
     def check(self) -> None:
         if self.gpu not in GPU_SPECS:
@@ -212,6 +219,8 @@ class TimeAssumptions:
             )
         if self.tool_call_seconds is not None and self.tool_call_seconds < 0:
             raise ConfigError(f"--tool_call_seconds must be >= 0, got {self.tool_call_seconds}")
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
+            raise ConfigError(f"--gpu_memory_gb must be > 0, got {self.gpu_memory_gb}")
         for name in ("generation_gpus", "stop_at_episode", "tokens_per_sample", "prompt_tokens", "turns_per_episode"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
@@ -250,6 +259,10 @@ ASSUMPTION_HELP = {
     "recipe's max_turns, an upper bound; train/turns_per_episode of a short run measures it)",
     "tool_call_seconds": "RL with an environment: seconds one tool call takes (default: a sandboxed call when tools "
     "include python, else 0.001 for the in-process calculator)",
+    "gpu_memory_gb": "memory of one training GPU in GB, for the memory prediction; a layout predicted above it is "
+    "refused (exit 2) (default: the --gpu's, H100 80)",
+    "fsdp": "plan FSDP2 sharding even with --num_processes 1 (default: FSDP2 when num_processes > 1, as the "
+    "launchers run it; one process without it otherwise)",
     "sandbox_call_seconds": "RL: seconds one response's sandboxed tests take (process start + tests); 0 = measure "
     "a trivial call on this machine (bench/bench_code_verifier.py measures real responses) (0)",
 }
@@ -797,7 +810,74 @@ def plan_from_config(
         result["estimated_hours"] = None
     else:
         result.update(estimate(cfg, plan, params, a))
+    result["memory"] = predict_memory(cfg, num_processes, a)
+    if result["memory"] is not None and not result["memory"]["fits"]:
+        raise ConfigError(
+            "this layout does not fit in GPU memory:\n"
+            + "\n".join(memory_lines(result["memory"]))
+            + "\nShard over more processes (--num_processes), turn on activation_checkpointing, lower "
+            "per_device_train_batch_size / max_tokens_per_micro_batch (RL: local_rollout_batch_size), or set "
+            "--gpu_memory_gb to the card's memory"
+        )
     return result
+
+
+def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
+    """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
+    --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
+    max_tokens_per_micro_batch); RL hf generation of local_rollout_batch_size x num_samples_per_prompt sequences."""
+    compute = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4
+    rows = 1 if cfg.script in ("sft", "rlvr_ppo") else 2  # RM/DPO: chosen and rejected in one batch
+    if isinstance(cfg, RLVRConfig):
+        length = cfg.max_prompt_length + cfg.response_length
+        eval_rows = cfg.per_device_train_batch_size  # scoring forwards take the training micro-batches
+    else:
+        length = cfg.max_seq_length
+        eval_rows = cfg.per_device_eval_batch_size
+    train = cfg.max_tokens_per_micro_batch or cfg.per_device_train_batch_size * rows * length
+    score = cfg.max_tokens_per_micro_batch or eval_rows * rows * length
+    sequences = tokens = 0
+    engine = 0.0
+    if isinstance(cfg, RLVRConfig) and cfg.generation_backend == "hf":
+        sequences, tokens = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt, length
+    elif isinstance(cfg, RLVRConfig) and cfg.generation_backend == "vllm":
+        engine = cfg.vllm_gpu_memory_utilization
+    return MemoryLayout(
+        world=world,
+        fsdp=bool(a.fsdp) or world > 1,
+        compute_bytes=compute,
+        activation_checkpointing=cfg.activation_checkpointing,
+        cpu_offload=cfg.fsdp_cpu_offload,
+        lora=bool(getattr(cfg, "use_lora", False)),
+        train_tokens=train,
+        scored_tokens=train,
+        score_tokens=score,
+        generation_sequences=sequences,
+        generation_tokens=tokens,
+        engine_fraction=engine,
+    )
+
+
+def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[dict[str, Any]]:
+    """memory_model.predict_peak for the recipe (None when the policy's shape is unknown offline: a hub name of
+    another size than the Llama 3.1 8B/70B shapes; pass a local model folder to have it)."""
+    policy = shape_of(cfg.model_name_or_path)
+    if policy is None:
+        return None
+    value, frozen = None, []
+    if isinstance(cfg, RLVRConfig):
+        if cfg.uses_value_model:
+            value = shape_of(cfg.value_model_path) or policy
+        if cfg.beta > 0 and not cfg.use_lora:
+            frozen.append(("reference", policy))
+        if cfg.reward_model_path:
+            frozen.append(("reward model", shape_of(cfg.reward_model_path) or policy))
+    memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb
+    m = predict_peak(
+        memory_layout(cfg, world, a), policy, memory, value, tuple(frozen), trains_lm_head=cfg.script != "reward_model"
+    )
+    m["shape_source"] = policy.source
+    return m
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -856,6 +936,10 @@ def format_plan(p: dict[str, Any]) -> str:
             taken = "?" if src["rows"] is None else f"{src['rows']:,}"
             lines.append(f"  {src['label']:<24} {taken:>12}  ({src['amount']} of {available})  {src['source']}")
     lines.append("")
+    if p.get("memory") is not None:
+        lines += memory_lines(p["memory"]) + [""]
+    else:
+        lines += ["Memory per GPU: unavailable (model shape unknown offline: pass a local model folder)", ""]
     if p.get("estimated_hours") is None:
         lines.append(f"Time estimate: unavailable, model size {p['model_params_source']}")
         return "\n".join(lines)
@@ -1020,7 +1104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"--{f.name}", action="store_const", const=True, default=None, help=ASSUMPTION_HELP[f.name]
             )
         else:
-            kind = {"float": float, "str": str}.get(str(f.type), int)
+            kind = float if "float" in str(f.type) else str if "str" in str(f.type) else int
             parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=ASSUMPTION_HELP[f.name])
     args, overrides = parser.parse_known_args(argv)
     assumptions = TimeAssumptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TimeAssumptions)})

@@ -1045,10 +1045,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         clock.add(rollout.seconds, int(rollout.mask.sum()), sync_bytes)
         run.throughput.add(int(rollout.mask.sum()), len(rollout.episodes))  # for the end-of-run summary
         if should_log(counters.rollout_step, cfg.logging_steps):
+            # the update phase's tokens/s (prompt + response, num_epochs passes): MFU's numerator on a GPU
+            trained = global_sum(accelerator, sum(episode_lengths(rollout.episodes, rollout.response_ids)))
             run.log(
                 {
                     **log_row(cfg, rollout, advantages, train_stats, plan, run),
                     **clock.report(accelerator, plan.episodes_per_rollout),
+                    "perf/train_tokens_per_second": trained * cfg.num_epochs / max(rollout.seconds["training"], 1e-9),
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from open_instruct.config import BaseConfig, parse_or_exit
 from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataError, NonFiniteError
+from open_instruct.gpu_stats import TRAINING_TOKENS_KEYS, StepGPUStats
 
 C = TypeVar("C", bound=BaseConfig)
 
@@ -294,6 +295,7 @@ class RunContext:
         self.best = BestTracker(cfg, state)
         self.logger = MetricsLogger(cfg, main, last_step, counter, self.step if self.resumed else None)
         self.throughput = Throughput()
+        self.gpu_stats = StepGPUStats(accelerator.device, models.values(), cfg.peak_tflops, accelerator.num_processes)
         self.started = time.perf_counter()
 
     @classmethod
@@ -323,7 +325,10 @@ class RunContext:
             print(*args, **kwargs)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """One metrics row (jsonl, wandb), stamped with the four counters."""
+        """One metrics row (jsonl, wandb), stamped with the four counters. A train row (one carrying a training
+        tokens/s) gets, on a GPU, the peak memory since the previous one and the MFU (gpu_stats.StepGPUStats)."""
+        if any(key in metrics for key in TRAINING_TOKENS_KEYS):
+            metrics = {**metrics, **self.gpu_stats.metrics(metrics)}
         self.logger.log({**self.counters.as_log(), **metrics})
 
     def update_is_finite(self, loss: float, **grad_norms: Any) -> bool:

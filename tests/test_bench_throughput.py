@@ -62,3 +62,15 @@ def test_flop_count_and_mfu_of_a_tiny_cpu_run(bench, tmp_path):
     assert result["tokens_per_second"] > 0 and result["peak_flops"] > 1e9
     assert result["mfu"] == pytest.approx(6 * n * result["tokens_per_second"] / result["peak_flops"], rel=1e-12)
     assert 0 < result["mfu"] < 1
+
+
+def test_bench_counts_flops_like_the_scripts(bench):
+    """One FLOPs count (open_instruct.gpu_stats): a tied output layer is no longer dropped from N."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from open_instruct.gpu_stats import matmul_params, mfu
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=100, tie_word_embeddings=True, **shape))
+    assert bench.flops_params(tied) == matmul_params(tied) == sum(p.numel() for p in tied.parameters())
+    assert bench.mfu(1000, 2.0, 12e3) == mfu(6000, 2.0, 12e3) == 1.0

@@ -115,7 +115,9 @@ def test_layout_flags_override_the_recipe(capsys):
     assert (p["generation_engines"], p["total_gpus"], p["async_steps"]) == (2, 8, 0)
     p = plan_json(capsys, "rlvr_8b.yaml", "--num_processes", "7", "--async_steps", "0", "--overlap_generation")
     assert p["async_steps"] == 1 and p["seconds_per_step"] == pytest.approx(p["rollout_seconds_async"])
-    p = plan_json(capsys, "rlvr_8b.yaml", "--num_processes", "7", "--generation_backend", "vllm", "--async_steps", "0")
+    # colocated: the engine's share (0.9 in the recipe, meant for a GPU of its own) beside the trainer must fit
+    colocated = ["--generation_backend", "vllm", "--vllm_gpu_memory_utilization", "0.5", "--gpu_memory_gb", "141"]
+    p = plan_json(capsys, "rlvr_8b.yaml", "--num_processes", "7", *colocated, "--async_steps", "0")
     assert (
         not p["generation_dedicated"]
         and p["total_gpus"] == 7
