@@ -295,3 +295,16 @@ def should_fire(step: int, every: Optional[int], last_step: Optional[int] = None
     if every and every > 0 and step % every == 0:
         return True
     return last_step is not None and step == last_step
+
+
+GENERATION_TOKENS_PER_CALL = 131072  # default KV-cache bound of one HF generate call, in tokens (prompt + response)
+
+
+def generation_sequences_per_call(cfg: Any, max_model_len: int) -> int:
+    """Sequences per HF generate call in an RL run: `generation_micro_batch_size`, or as many as hold
+    GENERATION_TOKENS_PER_CALL tokens at max_model_len each, never more than the rank's whole rollout
+    (local_rollout_batch_size x num_samples_per_prompt). At Llama-3-8B shapes a token's KV cache is 2 x 32 layers x
+    8 KV heads x 128 x 2 bytes (bf16) = 128 KiB, so the default bound is 16 GiB per call."""
+    rollout = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
+    chosen = cfg.generation_micro_batch_size or max(1, GENERATION_TOKENS_PER_CALL // max(1, max_model_len))
+    return max(1, min(rollout, chosen))

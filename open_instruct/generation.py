@@ -43,6 +43,7 @@ from typing import Any, ContextManager, Optional, Protocol, Sequence, runtime_ch
 
 import torch
 
+from open_instruct.batch_math import generation_sequences_per_call
 from open_instruct.distributed import full_params
 
 
@@ -296,19 +297,6 @@ class _StopOnStrings:
             hit = torch.tensor([any(s in t for s in self.stop_strings) for t in texts], dtype=torch.bool)
             self.done[running[hit]] = True
         return self.done.to(input_ids.device)
-
-
-GENERATION_TOKENS_PER_CALL = 131072  # default KV-cache bound of one HF generate call, in tokens (prompt + response)
-
-
-def generation_sequences_per_call(cfg: Any, max_model_len: int) -> int:
-    """Sequences per HF generate call in an RL run: `generation_micro_batch_size`, or as many as hold
-    GENERATION_TOKENS_PER_CALL tokens at max_model_len each, never more than the rank's whole rollout
-    (local_rollout_batch_size x num_samples_per_prompt). At Llama-3-8B shapes a token's KV cache is 2 x 32 layers x
-    8 KV heads x 128 x 2 bytes (bf16) = 128 KiB, so the default bound is 16 GiB per call."""
-    rollout = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
-    chosen = cfg.generation_micro_batch_size or max(1, GENERATION_TOKENS_PER_CALL // max(1, max_model_len))
-    return max(1, min(rollout, chosen))
 
 
 class HFGenerator:

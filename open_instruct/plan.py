@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples
+from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples, generation_sequences_per_call
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
 from open_instruct.gpu_stats import PEAK_BF16_FLOPS
@@ -825,7 +825,8 @@ def plan_from_config(
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
     """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
     --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
-    max_tokens_per_micro_batch); RL hf generation of local_rollout_batch_size x num_samples_per_prompt sequences."""
+    max_tokens_per_micro_batch); RL hf generation of the sequences one generate call decodes
+    (batch_math.generation_sequences_per_call: generation_micro_batch_size or the default KV-token bound)."""
     compute = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4
     rows = 1 if cfg.script in ("sft", "rlvr_ppo") else 2  # RM/DPO: chosen and rejected in one batch
     if isinstance(cfg, RLVRConfig):
@@ -839,7 +840,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
     sequences = tokens = 0
     engine = 0.0
     if isinstance(cfg, RLVRConfig) and cfg.generation_backend == "hf":
-        sequences, tokens = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt, length
+        sequences, tokens = generation_sequences_per_call(cfg, length), length
     elif isinstance(cfg, RLVRConfig) and cfg.generation_backend == "vllm":
         engine = cfg.vllm_gpu_memory_utilization
     return MemoryLayout(

@@ -256,7 +256,7 @@ def test_generation_sub_batches_match_one_batch(lm, prompts):
 def test_generation_sequences_per_call(micro, rollout, max_model_len, expected):
     from types import SimpleNamespace
 
-    from open_instruct.generation import generation_sequences_per_call
+    from open_instruct.batch_math import generation_sequences_per_call
 
     cfg = SimpleNamespace(
         generation_micro_batch_size=micro, local_rollout_batch_size=rollout[0], num_samples_per_prompt=rollout[1]

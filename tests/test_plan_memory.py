@@ -122,3 +122,15 @@ def test_colocated_engine_takes_its_share(repo_root):
     colocated = ["--generation_backend", "vllm", "--async_steps", "0", "--vllm_gpu_memory_utilization", "0.5"]
     m = build_plan(recipe, colocated, 8, None, assumptions=TimeAssumptions(gpu="H200"))["memory"]
     assert m["resident"]["colocated vLLM engine (gpu_memory_utilization)"] == 0.5 * 141 * GB
+
+
+def test_hf_generation_kv_cache_follows_the_generate_call_size(repo_root):
+    """The plan's KV cache is one generate call's: generation_micro_batch_size sequences (or the default token bound),
+    not the rank's whole rollout."""
+    recipe = _recipe(repo_root, "rlvr_8b")
+    hf = ["--generation_backend", "hf", "--async_steps", "0", "--local_rollout_batch_size", "64"]
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    tokens = 2048 + 2048  # the recipe's max_prompt_length + response_length
+    for extra, sequences in [([], 131072 // tokens), (["--generation_micro_batch_size", "4"], 4)]:
+        m = build_plan(recipe, hf + extra, 8, None)["memory"]
+        assert m["phases"]["HF generation"]["KV cache"] == kv_cache_bytes(shape, sequences, tokens, 2)
