@@ -243,7 +243,7 @@ def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
 
 # `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
 # contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
-_LAUNCHER = (
+LAUNCHER = (
     "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
@@ -269,7 +269,7 @@ def _spec(
         "hide": hide,
         "python": python,
         "python_prefix": prefix,
-        "python_args": ["-I", "-S", "-B", "-c", _LAUNCHER],
+        "python_args": ["-I", "-S", "-B", "-c", LAUNCHER],
         "main": "main.py",
         "files": {"main.py": program, **files},
         "uid": uid,
