@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -231,14 +232,53 @@ def _base_python() -> tuple[str, str]:
     return exe, os.path.realpath(sys.base_prefix)
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: sources, configs, demo data
+
+
 def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
-    """Paths covered in the mount namespace: the home dir, HF caches, the trainer's cwd, and `extra` (output_dir...)."""
-    paths = [os.path.expanduser("~"), "/root", os.getcwd()]
-    for var in ("HF_HOME", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
+    """Paths covered in the mount namespace: the home dir, HF caches, the checkout, the trainer's cwd, and `extra`
+    (a run's own paths: run_hidden_paths)."""
+    paths = [os.path.expanduser("~"), "/root", os.getcwd(), CHECKOUT]
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
         if os.environ.get(var):
             paths.append(os.environ[var])
     paths.extend(extra)
-    return sorted({os.path.realpath(os.path.abspath(p)) for p in paths if p} - {"/"})
+    return sorted({os.path.realpath(os.path.abspath(os.path.expanduser(p))) for p in paths if p} - {"/"})
+
+
+def _local_sources(value: Any) -> list[str]:
+    """The local files/folders among a config's data sources (a comma list of paths/names, or a mixer list
+    [source, amount, ...]); a file's folder too (other splits sit beside it). Hub names are not paths: skipped."""
+    if not value:
+        return []
+    tokens = [t.strip() for t in value.split(",")] if isinstance(value, str) else [str(t) for t in value[0::2]]
+    found = []
+    for token in tokens:
+        path = os.path.expanduser(token)
+        if token and os.path.exists(path):
+            found.append(path)
+            if os.path.isfile(path):
+                found.append(os.path.dirname(os.path.abspath(path)))
+    return found
+
+
+def run_hidden_paths(cfg: Any) -> tuple[str, ...]:
+    """THE hidden-path policy of a run, for every sandbox use (the `code` verifier and the `python` tool): the
+    run's output_dir, every local data source (train and eval, paths and mixtures), the tokenized-data cache, the
+    reference cache, besides default_hidden_paths() (home, HF caches, the checkout, the cwd)."""
+    from open_instruct.data_cache import cache_root
+
+    paths = [getattr(cfg, "output_dir", None), getattr(cfg, "reference_cache_dir", None)]
+    for key in ("dataset_name_or_path", "eval_dataset_name_or_path", "dataset_mixer_list", "eval_dataset_mixer_list"):
+        paths.extend(_local_sources(getattr(cfg, key, None)))
+    if hasattr(cfg, "dataset_cache_dir"):
+        paths.append(cache_root(cfg.dataset_cache_dir))
+    return tuple(default_hidden_paths([p for p in paths if p]))
+
+
+def tool_runtime(cfg: Any) -> Callable[[str, float], tuple[str, str, str]]:
+    """The `python` tool's runtime for a run: python_runtime hiding run_hidden_paths(cfg)."""
+    return functools.partial(python_runtime, hide_paths=run_hidden_paths(cfg))
 
 
 # `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
@@ -289,11 +329,17 @@ def _spec(
 
 
 def _command(iso: Isolation) -> list[str]:
+    """setpriv gives the first process of the call SIGKILL when the trainer's thread that started it ends (however
+    the trainer dies); unshare --kill-child passes that on to the supervisor, pid 1 of the pid namespace, whose
+    death ends every process of the call."""
+    setpriv = shutil.which("setpriv")
+    first = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
     boot = [sys.executable, "-I", "-S", BOOT_SCRIPT]
     if iso.mode != "namespaces":
-        return boot
+        return [*first, *boot]
     user = [] if iso.as_root else ["--user", "--map-root-user"]
-    return [iso.unshare, *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", *boot]
+    namespaces = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+    return [*first, iso.unshare, *user, *namespaces, *boot]
 
 
 def _hit_process_limit(stderr_tail: str) -> bool:
@@ -657,14 +703,16 @@ def truncate_middle(text: str, budget: int) -> str:
     return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2) :]
 
 
-def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000, stdin: str = "") -> str:
+def python_tool(
+    code: str, *, timeout: float = 5.0, max_output_chars: int = 4000, stdin: str = "", hide_paths: Sequence[str] = ()
+) -> str:
     """The `python` tool: run `code` in the sandbox and return what a model sees: stdout, then stderr (if any)
     under a "[stderr]" line, then a "[...]" line naming a limit or a non-zero exit, all within max_output_chars
     (head and tail kept, the middle cut)."""
     if max_output_chars < 100:
         raise ValueError(f"max_output_chars must be >= 100, got {max_output_chars}")
     limits = SandboxLimits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout + 0.999)))
-    res = run_in_sandbox(code, stdin, limits=limits)
+    res = run_in_sandbox(code, stdin, limits=limits, hide_paths=hide_paths)
     if res.setup_error:
         return f"[sandbox error: {res.setup_error}]"
     parts = [res.stdout]
@@ -680,13 +728,13 @@ def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000
     return (text + "\n" + tail).strip("\n") if tail else text
 
 
-def python_runtime(code: str, timeout_s: float) -> tuple[str, str, str]:
+def python_runtime(code: str, timeout_s: float, hide_paths: Sequence[str] = ()) -> tuple[str, str, str]:
     """The sandbox as the multi-turn environments' `python` runtime (environments.PythonRuntime): `code` run with
     `timeout_s` of wall and CPU time; returns (stdout, stderr, status), status "ok", the limit that ended the program
     (wall_time, cpu_time, memory, output, processes, file_size), "exit_<code>" for a non-zero exit, or
     "sandbox_error" when the sandbox itself could not run it."""
     limits = SandboxLimits(wall_seconds=timeout_s, cpu_seconds=max(1, int(timeout_s + 0.999)))
-    res = run_in_sandbox(code, limits=limits)
+    res = run_in_sandbox(code, limits=limits, hide_paths=hide_paths)
     if res.setup_error:
         return res.stdout, res.setup_error, "sandbox_error"
     if res.limit:
