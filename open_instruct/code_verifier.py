@@ -33,7 +33,7 @@ Where the verdict comes from (the expected values never enter the sandbox):
     script tests   any other test shape runs whole, after the program, in a fresh interpreter per test; it passes when
                    the interpreter reports it ran to its end. NOT hack-proof: the program shares that interpreter
                    with the test, so it can patch what the test calls, read the test's constants and fake the report.
-                   `test_paths` counts the tests on each path (docs/sandbox.md has the shares per dataset layout).
+                   `count_test_paths` counts the tests on each path (docs/sandbox.md has the shares per dataset layout).
 
 Scoring (per test): pass, or a failure reason: syntax_error (the program does not compile), wrong_answer (an assert
 fails / the value or output differs / the value is not plain data), timeout (a test ran past its CPU or wall time),
@@ -406,7 +406,7 @@ def value_check(test_source: str) -> Optional[ValueCheck]:
     return None
 
 
-def test_paths(tests: CodeTests) -> collections.Counter:
+def count_test_paths(tests: CodeTests) -> collections.Counter:
     """How many of a row's tests are judged here from plain data ("value": stdin/stdout, function calls and the
     assert shapes of value_check) and how many run whole in the sandbox ("script")."""
     if tests.kind != "assert":

@@ -306,6 +306,7 @@ def _spec(
         "mount_namespace": mounted,
         "workdir": workdir,
         "tmpfs_mb": 4 * limits.max_file_mb,
+        "cgroup_procs": None,  # the call's memory cgroup, joined by the supervisor first (memory_control)
         "hide": hide,
         "python": python,
         "python_prefix": prefix,
@@ -384,6 +385,111 @@ def run_in_sandbox(
     return _call(isolation(), program, stdin, limits, files or {}, hide_paths, deadline)
 
 
+# --------------------------------------------------------------------------------------------------------
+# A memory bound per call (all its processes and its tmpfs): a cgroup of its own, where the machine lets us make one
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryControl:
+    version: int  # 2 (unified) or 1 (the v1 memory controller)
+    parent: str  # the folder this process's calls get their cgroups in (this process's own cgroup)
+
+
+_memory_control: Optional[tuple[Optional[MemoryControl]]] = None
+
+
+def _mount_point(fstype: str, option: Optional[str] = None) -> Optional[str]:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if tail and tail[0] == fstype and (option is None or option in tail[-1].split(",")):
+                return fields[4]
+    return None
+
+
+def memory_control() -> Optional[MemoryControl]:
+    """How calls get a memory cgroup here (probed once): cgroup v2 where this process's cgroup delegates the memory
+    controller and is writable, else the v1 memory controller where writable, else None (RLIMIT_AS per process only,
+    docs/sandbox.md gives the bound that then holds)."""
+    global _memory_control
+    if _memory_control is None:
+        found = None
+        try:
+            with open("/proc/self/cgroup") as f:
+                lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+            v2 = _mount_point("cgroup2")
+            own = next((path for hid, ctrl, path in lines if hid == "0" and ctrl == ""), None)
+            if v2 and own is not None:
+                folder = os.path.normpath(v2 + "/" + own)
+                with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+                    if "memory" in f.read().split() and os.access(folder, os.W_OK):
+                        found = MemoryControl(2, folder)
+            v1 = _mount_point("cgroup", "memory")
+            own = next((path for _, ctrl, path in lines if "memory" in ctrl.split(",")), None)
+            if found is None and v1 and own is not None:
+                folder = os.path.normpath(v1 + "/" + own)
+                if os.access(folder, os.W_OK) and os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):
+                    found = MemoryControl(1, folder)
+        except OSError:
+            found = None
+        _memory_control = (found,)
+        logger.info("sandbox memory bound per call: %s", f"cgroup v{found.version}" if found else "none (rlimits)")
+    return _memory_control[0]
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _make_cgroup(ctl: MemoryControl, slot: int, limit_bytes: int) -> str:
+    """A fresh cgroup for one call, bounded to `limit_bytes` of memory (no swap beyond it)."""
+    path = os.path.join(ctl.parent, f"open_instruct_sandbox_{os.getpid()}_{slot}")
+    if os.path.isdir(path):
+        _remove_cgroup(path)
+    os.mkdir(path)
+    if ctl.version == 2:
+        _write(os.path.join(path, "memory.max"), str(limit_bytes))
+        if os.path.exists(os.path.join(path, "memory.swap.max")):
+            _write(os.path.join(path, "memory.swap.max"), "0")
+    else:
+        _write(os.path.join(path, "memory.limit_in_bytes"), str(limit_bytes))
+        if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+            _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(limit_bytes))
+    return path
+
+
+def _oom_kills(ctl: MemoryControl, path: str) -> int:
+    """Processes the kernel killed in the call's cgroup for memory."""
+    name = "memory.events" if ctl.version == 2 else "memory.oom_control"
+    try:
+        with open(os.path.join(path, name)) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _remove_cgroup(path: str) -> None:
+    for _ in range(100):  # EBUSY while the kernel finishes reaping the call's last processes
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+    logger.warning("sandbox: could not remove cgroup %s", path)
+
+
+def call_memory_bytes(limits: SandboxLimits) -> int:
+    """The cgroup bound of one call: memory_mb for all its processes together, plus its private tmpfs."""
+    return (limits.memory_mb + 4 * limits.max_file_mb) << 20
+
+
 def _call(
     iso: Isolation, program: str, stdin: str, limits: SandboxLimits, files: dict, hide_paths: Sequence[str], deadline
 ) -> SandboxResult:
@@ -392,15 +498,24 @@ def _call(
     if wall <= 0:
         return SandboxResult("", "", None, "wall_time", 0.0)
     slot = _take_slot()
-    workdir = None
+    workdir = cgroup = None
     try:
         if iso.mode != "namespaces":
             workdir = tempfile.mkdtemp(prefix="oi-sandbox-")
             if iso.drops_privileges:
                 os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
         spec = _spec(program, files, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
-        return _run(spec, stdin, limits, iso, wall, start)
+        ctl = memory_control() if iso.drops_privileges or iso.mode == "namespaces" else None
+        if ctl is not None:
+            cgroup = _make_cgroup(ctl, slot, call_memory_bytes(limits))
+            spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")
+        result = _run(spec, stdin, limits, iso, wall, start)
+        if cgroup is not None and result.limit is None and not result.ok and _oom_kills(ctl, cgroup):
+            result.limit = "memory"
+        return result
     finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         if iso.mode == "uid":
             kill_uid(SANDBOX_UID_BASE + slot)
         if workdir is not None:

@@ -6,6 +6,8 @@ The spec's `status_fd` (a pipe the parent reads) receives one JSON line: {"exit"
 the program ends, or {"setup_error": "..."} when the sandbox could not be built (nothing of the program ran).
 
 Steps, in this order (the supervisor is this process; the program is its forked child):
+  0. join the call's memory cgroup (spec `cgroup_procs`, when the trainer made one): the bound covers every
+     process of the call and the pages of its tmpfs.
   1. (mount namespace only) an empty read-only tmpfs over every path in `hide` (the run's output_dir, data, home,
      caches...); the interpreter's prefix bind-mounted back, read-only, at its own path when a hidden path contains
      it (so `python` and libpython still load); then EVERY mount read-only and nosuid (mount_setattr, recursive: no
@@ -201,6 +203,9 @@ def main():
     spec = read_spec()
     status_fd = spec["status_fd"]
     try:
+        if spec.get("cgroup_procs"):  # before anything else: every process of the call and its tmpfs count there
+            with open(spec["cgroup_procs"], "w") as f:
+                f.write("0")
         workdir = build_mounts(spec) if spec["mount_namespace"] else spec["workdir"]
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, json.dumps({"setup_error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
