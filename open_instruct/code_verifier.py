@@ -360,6 +360,40 @@ def _isclose_call(node: ast.AST) -> bool:
     )
 
 
+_OPERATOR_NODES = (ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp)
+
+
+def _depends_on_program(node: ast.AST) -> bool:
+    return any(isinstance(n, (ast.Name, ast.Call)) for n in ast.walk(node))
+
+
+def _answer_only(node: ast.AST) -> bool:
+    """Whether evaluating `node` in the program's interpreter yields only the program's answer: a call of a name
+    (or of a method of one, `Solution().f`), a name, an attribute or a literal index of one, with arguments in which
+    no operator (==, <, and, -, not...) touches anything the program computes and no dunder is named. Else a value the
+    program controls could meet a literal inside the sandbox (`assert 1 < f(x) < 3`, `assert f(x) - 2 == 0`,
+    `assert f(x).__eq__(2)`) and decide the verdict there."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr.startswith("__"):
+            return False
+        if isinstance(sub, _OPERATOR_NODES) and _depends_on_program(sub):
+            return False
+        if isinstance(sub, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            return False
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            func = func.value.func if isinstance(func.value, ast.Call) else func.value
+        return isinstance(func, ast.Name)
+    if isinstance(node, ast.Subscript):
+        return _answer_only(node.value) and _is_literal(node.slice)
+    if isinstance(node, ast.Attribute):
+        return _answer_only(node.value)
+    return False
+
+
 def value_check(test_source: str) -> Optional[ValueCheck]:
     """The ValueCheck of an assert test of a shape judged here (module docstring), else None (a script test)."""
     tree = ast.parse(test_source)
@@ -367,8 +401,8 @@ def value_check(test_source: str) -> Optional[ValueCheck]:
         return None
     cond = tree.body[0].test
 
-    def evaluated(node: ast.AST) -> Optional[str]:  # the part that runs in the sandbox: anything but a literal
-        return None if _is_literal(node) else ast.unparse(node)
+    def evaluated(node: ast.AST) -> Optional[str]:  # the part that runs in the sandbox
+        return ast.unparse(node) if _answer_only(node) else None
 
     if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and type(cond.ops[0]) in _COMPARE:
         left, right, op = cond.left, cond.comparators[0], _COMPARE[type(cond.ops[0])]
@@ -756,3 +790,40 @@ def score_programs(responses: Sequence[str], ground_truths: Sequence[Any], setti
 def count_statuses(outcomes: Sequence[CodeOutcome]) -> collections.Counter:
     """Tests per status ("pass" and each failure reason) over a batch."""
     return collections.Counter(s for o in outcomes for s in o.statuses)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m open_instruct.code_verifier DATA.jsonl [COLUMN ...]`: the tests of a dataset file on each path
+    (value: judged in the trainer; script: run whole in the sandbox), from the first column present of COLUMN
+    (default: ground_truth, test_list, test_cases, input_output, tests)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    path, columns = args[0], args[1:] or ["ground_truth", "test_list", "test_cases", "input_output", "tests"]
+    total, rows, bad = collections.Counter(), 0, 0
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            column = next((c for c in columns if c in row), None)
+            if column is None:
+                print(f"{path}:{line_number}: none of the columns {columns}", file=sys.stderr)
+                return 2
+            try:
+                total += count_test_paths(parse_code_tests(row[column]))
+            except ValueError as e:
+                bad += 1
+                print(f"{path}:{line_number}: {e}", file=sys.stderr)
+            rows += 1
+    tests = sum(total.values())
+    share = total["value"] / tests if tests else 0.0
+    print(json.dumps({"rows": rows, "bad_rows": bad, "tests": tests, **total, "value_share": round(share, 4)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -281,3 +281,69 @@ def test_value_paths_per_layout():
         "script": 1,
     }
     assert count_test_paths(parse_code_tests(FORMATS["APPS stdio"])) == {"value": 2}
+
+
+@pytest.mark.parametrize(
+    "test, check, expected, expression",
+    [
+        ("assert f(1) == [1, 2]", "eq", [1, 2], "f(1)"),
+        ("assert (3, 4) != f(2)", "ne", (3, 4), "f(2)"),
+        ("assert set(f(1)) == set([3, 1])", "eq", {1, 3}, "set(f(1))"),
+        ("assert f(1) is None", "is", None, "f(1)"),
+        ("assert 2 in f(1)", "in", 2, "f(1)"),
+        ("assert math.isclose(f(0.1), 0.3, rel_tol=1e-3)", "isclose", 0.3, "f(0.1)"),
+        ("assert abs(f(2) - 1.5) < 1e-6", "absdiff", 1.5, "f(2)"),
+        ("assert f(7)", "truthy", None, "f(7)"),
+        ("assert not f(8)", "falsy", None, "f(8)"),
+    ],
+)
+def test_assert_shapes_judged_outside(test, check, expected, expression):
+    found = code_verifier.value_check(test)
+    assert (found.check, found.expected, found.expression) == (check, expected, expression)
+
+
+def test_other_assert_shapes_are_script_tests():
+    """Shapes where a literal would meet the program's value inside the sandbox (the verdict decided there) or the
+    expected value is not a literal: run whole, counted as not hack-proof."""
+    for test in (
+        "assert f(1) == g(2)",
+        "assert f(1) == math.pi",
+        "x = f(1)\nassert x == 2",
+        "assert 1 < f(1) < 3",
+        "assert f(1) - 2 == 0",
+        "assert f(1).__eq__(2)",
+        "assert bool(f(1) == 2)",
+        "assert f(1) == 2 or f(1) == 3",
+        "assert all(x > 0 for x in f(1))",
+    ):
+        assert code_verifier.value_check(test) is None, test
+
+
+def test_plain_value_comparisons():
+    call = code_verifier.ValueCheck("call", [3, [4, 5]])
+    assert code_verifier.check_value(call, (3, (4, 5)))  # tuples compare as the JSON lists they would be
+    assert code_verifier.check_value(code_verifier.ValueCheck("call", [7]), 7)  # APPS's [value]
+    assert not code_verifier.check_value(call, [3, [4, 6]])
+    assert not code_verifier.check_value(code_verifier.ValueCheck("lt", 3, "f()"), "a")  # str < int: wrong, no raise
+    close = code_verifier.ValueCheck("isclose", 0.3, "f()", options=(("rel_tol", 1e-3),))
+    assert code_verifier.check_value(close, 0.3001) and not code_verifier.check_value(close, 0.31)
+    assert not code_verifier.check_value(close, "0.3")
+
+
+def test_path_counts_of_a_dataset_file(tmp_path, capsys):
+    rows = [
+        {"ground_truth": ["assert f(1) == 2", "x = f(1)\nassert x == 2"]},
+        {"test_list": "assert f(2) == 3"},
+        {"ground_truth": {"inputs": ["1"], "outputs": ["2"]}},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert code_verifier.main([str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "rows": 3,
+        "bad_rows": 0,
+        "tests": 4,
+        "value": 3,
+        "script": 1,
+        "value_share": 0.75,
+    }
