@@ -10,23 +10,32 @@ with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
     max_processes    RLIMIT_NPROC (processes + threads of the sandbox uid)         -> "processes" (fork/thread EAGAIN)
     max_file_mb      RLIMIT_FSIZE per file; the private /tmp is 4x this in total   -> "file_size" (EFBIG / ENOSPC)
 
-Isolation (chosen once per process by `isolation()`, logged; README "Sandboxed code execution" has the table):
+Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has the threat model and its tests):
 
   namespaces (Linux, root, or a user namespace when not root; `unshare` from util-linux):
       network  a new network namespace: only a loopback that is down -> no socket reaches 127.0.0.1 or outside
-      files    a new mount namespace: private tmpfs on /tmp, /var/tmp, /dev/shm (the working dir is /tmp/work);
-               empty read-only tmpfs over the hidden paths (home, the run's output_dir, caches, the trainer's cwd);
-               /proc shows only the sandbox's processes
+      files    a new mount namespace: empty read-only tmpfs over the hidden paths (run_hidden_paths: home, HF caches,
+               the checkout, the cwd, the run's output_dir, data sources and caches); then every mount read-only and
+               nosuid; one private tmpfs on /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is
+               the only writable place (the working dir is /tmp/work); /proc shows only the sandbox's processes
       procs    a new pid namespace whose pid 1 is the supervisor: when it exits, the kernel kills every process
                the program left (daemons, double forks, setsid escapes)
+      ipc      a new IPC namespace: SysV shared memory, semaphores, message queues and POSIX queues die with the call
       user     as root: a per-slot unprivileged uid (SANDBOX_UID_BASE + slot), no groups: RLIMIT_NPROC binds, and
                files not readable by "others" stay unreadable; not root: the caller's own uid (mapped to root of
                the user namespace), RLIMIT_NPROC = the uid's current tasks + max_processes
   uid (root without namespaces, e.g. a container whose seccomp refuses unshare):
       the per-slot uid, rlimits, a 0700 temp working dir; afterwards every process of that uid is killed.
-      NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp).
+      NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp), IPC objects.
   rlimits (neither): rlimits, a scrubbed environment, a temp working dir, the process group killed afterwards.
-      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid().
+      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid(), IPC objects.
+
+In every mode on Linux the program runs with no-new-privileges and a seccomp filter (socket(AF_UNIX), io_uring and
+the keyring calls fail: no host unix socket is reachable, no keyring outlives a call), and dies with its supervisor;
+the call's first process gets SIGKILL when the trainer's thread that started it ends, whatever kills the trainer
+(`setpriv --pdeathsig`). A call's processes and tmpfs share one memory cgroup bounded to memory_mb + its tmpfs where
+this process may make one (memory_control: cgroup v2 with the memory controller delegated, else v1); otherwise the
+bound is RLIMIT_AS per process: max_processes x memory_mb + the tmpfs.
 
 The environment is scrubbed (PATH, HOME and TMPDIR = the working dir, LANG=C.UTF-8; `-I` ignores PYTHON*), the
 program runs at nice 10 (training keeps the CPU), and the interpreter is the base one (standard library only, the
@@ -731,7 +740,7 @@ def isolation(mode: str = "auto") -> Isolation:
                     why = "; ".join(reasons) or ("forced" if mode != "auto" else "no unshare")
                     logger.warning(
                         "sandbox: no network/mount/pid namespaces (%s): programs can reach the network and "
-                        "world-readable files; see README 'Sandboxed code execution'",
+                        "world-readable files; see docs/sandbox.md",
                         why,
                     )
                 return _isolation

@@ -167,10 +167,11 @@ def run_child(spec, workdir, status_fd, supervisor):
             os.setgroups([])
             os.setgid(spec["gid"])
             os.setuid(spec["uid"])
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the supervisor
-        if os.getppid() != supervisor:
-            raise OSError("the supervisor ended before the program started")
-        seccomp_filter()  # sets no-new-privileges first
+        if sys.platform.startswith("linux"):
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the supervisor
+            if os.getppid() != supervisor:
+                raise OSError("the supervisor ended before the program started")
+            seccomp_filter()  # sets no-new-privileges first
         os.chdir(workdir)
         for name, content in spec["files"].items():
             with open(name, "x", encoding="utf-8") as f:
@@ -199,7 +200,8 @@ def read_spec():
 
 
 def main():
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # without namespaces: dies with the trainer's thread that started it
+    if sys.platform.startswith("linux"):  # without namespaces: dies with the trainer's thread that started it
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     spec = read_spec()
     status_fd = spec["status_fd"]
     try:
