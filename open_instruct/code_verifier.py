@@ -26,7 +26,8 @@ Where the verdict comes from (the expected values never enter the sandbox):
                    1e-6 relative or absolute (the APPS/TACO/LiveCodeBench judges' leniency)
     value tests    function calls and asserts of the shapes `assert E == L` (also !=, <, <=, >, >=, in, not in, is,
                    is not, either side), `assert math.isclose(E, L, ...)`, `assert abs(E - L) < L2`, `assert E`,
-                   `assert not E`, where L is a literal (or set/frozenset/sorted/list/tuple of one): only E is
+                   `assert not E` (after imports and `x = <answer>` lines, if any), where L is a literal (or
+                   set/frozenset/sorted/list/tuple of one) and E only the program's answer (value_check): only E is
                    evaluated in the sandbox, in a clean interpreter per test after the program's definitions, and its
                    value leaves as tagged JSON of built-in types (exact type checks: an int subclass or an object with
                    its own __eq__ is "unplain", a wrong answer); the comparison with L runs here on plain data
@@ -117,6 +118,7 @@ class ValueCheck:
     expression: Optional[str] = None
     literal_left: bool = False  # `assert L == E`: the literal is the left operand
     options: tuple = ()  # isclose keyword arguments; absdiff: (op, tolerance)
+    setup: tuple[str, ...] = ()  # statements run before `expression`: imports, `x = <the program's answer>`
 
 
 @dataclasses.dataclass
@@ -399,9 +401,23 @@ def _answer_only(node: ast.AST) -> bool:
 def value_check(test_source: str) -> Optional[ValueCheck]:
     """The ValueCheck of an assert test of a shape judged here (module docstring), else None (a script test)."""
     tree = ast.parse(test_source)
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
         return None
-    cond = tree.body[0].test
+    setup = tree.body[:-1]  # imports and `name = <the program's answer>` only: no literal that could be expected
+    for node in setup:
+        if isinstance(node, ast.Assign):
+            if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name) or not _answer_only(node.value):
+                return None
+        elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+            return None
+    found = _value_check_of(tree.body[-1].test)
+    if found is None or not setup:
+        return found
+    return dataclasses.replace(found, setup=tuple(ast.unparse(node) for node in setup))
+
+
+def _value_check_of(cond: ast.AST) -> Optional[ValueCheck]:
+    """The ValueCheck of an assert's condition, or None."""
 
     def evaluated(node: ast.AST) -> Optional[str]:  # the part that runs in the sandbox
         return ast.unparse(node) if _answer_only(node) else None
@@ -664,7 +680,7 @@ def build_call(program: str, tests: CodeTests, settings: CodeSettings) -> Sandbo
         if tests.kind == "stdio":
             runs.append({"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu})
             continue
-        run = {"kind": "value", "setup": list(tests.setup), "cpu_seconds": value_cpu}
+        run = {"kind": "value", "setup": [*tests.setup, *(check.setup if check else ())], "cpu_seconds": value_cpu}
         if tests.kind == "call":
             run.update(fn_name=tests.fn_name, args=test[0])
         elif check is not None:

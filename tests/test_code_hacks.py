@@ -28,6 +28,7 @@ FORMATS = {
     "assert list": [f"assert add{a} == {s}" for a, s in zip(ARGS, SUMS)],
     "MBPP string": "\n".join(f"assert add{a} == {s}" for a, s in zip(ARGS, SUMS)),
     "assert literal on the left": [f"assert {s} == add{a}" for a, s in zip(ARGS, SUMS)],
+    "assert after setup": [f"x = add{a}\nassert x == {s}" for a, s in zip(ARGS, SUMS)],
     "isclose": "import math\n" + "\n".join(f"assert math.isclose(add{a}, {s}.0)" for a, s in zip(ARGS, SUMS)),
     "stdio list": [{"input": f"{a[0]} {a[1]}\n", "output": f"{s}\n"} for a, s in zip(ARGS, SUMS)],
     "APPS stdio": {"inputs": [f"{a[0]} {a[1]}\n" for a in ARGS], "outputs": [f"{s}\n" for s in SUMS]},
@@ -276,10 +277,8 @@ def test_a_test_that_checks_nothing_is_bad_ground_truth_naming_the_row():
 
 def test_value_paths_per_layout():
     assert count_test_paths(parse_code_tests(FORMATS["MBPP string"])) == {"value": 2}
-    assert count_test_paths(parse_code_tests(["assert set(f(1)) == {1}", "x = f(1)\nassert x == 2"])) == {
-        "value": 1,
-        "script": 1,
-    }
+    mixed = ["assert set(f(1)) == {1}", "x = f(1)\nassert x == 2", "x = [2]\nassert f(1) == x"]
+    assert count_test_paths(parse_code_tests(mixed)) == {"value": 2, "script": 1}
     assert count_test_paths(parse_code_tests(FORMATS["APPS stdio"])) == {"value": 2}
 
 
@@ -308,7 +307,8 @@ def test_other_assert_shapes_are_script_tests():
     for test in (
         "assert f(1) == g(2)",
         "assert f(1) == math.pi",
-        "x = f(1)\nassert x == 2",
+        "x = [1, 2]\nassert f(1) == x",
+        "y = 3\nassert f(1) == y",
         "assert 1 < f(1) < 3",
         "assert f(1) - 2 == 0",
         "assert f(1).__eq__(2)",
@@ -332,7 +332,7 @@ def test_plain_value_comparisons():
 
 def test_path_counts_of_a_dataset_file(tmp_path, capsys):
     rows = [
-        {"ground_truth": ["assert f(1) == 2", "x = f(1)\nassert x == 2"]},
+        {"ground_truth": ["assert f(1) == 2", "x = [2]\nassert f(1) == x"]},
         {"test_list": "assert f(2) == 3"},
         {"ground_truth": {"inputs": ["1"], "outputs": ["2"]}},
     ]
