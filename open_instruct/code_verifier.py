@@ -42,10 +42,11 @@ memory (MemoryError / the address-space limit), crash (any other exception, a no
 (printed more than the limit), no_code (an empty response). The reward is 1.0 when every test passes
 (`code_reward: all`) or passed / total (`fraction`).
 
-Cost: all tests of a response run in ONE sandbox start. Inside, a runner gives each test a clean interpreter: a fork of
-itself taken before any program code ran in it (no expected value is in it either), in its own session, under its own
-CPU limit (test_seconds; 2 x test_seconds for a value test: the program's definitions, then the call); whatever the
-test's program left running is killed before the next test starts.
+Cost: all tests of a response run in ONE sandbox start (script tests, if any, in a second one: their source may
+hold expected values, which must not be where the judged tests' program runs). Inside, a runner gives each test a
+clean interpreter: a fork of itself taken before any program code ran in it (no expected value is in it either), in
+its own session, under its own CPU limit (test_seconds; 2 x test_seconds for a value test: the program's
+definitions, then the call); whatever the test's program left running is killed before the next test starts.
 """
 
 from __future__ import annotations
@@ -670,36 +671,44 @@ def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
     return [value_check(t) for t in tests.tests]
 
 
-def build_call(program: str, tests: CodeTests, settings: CodeSettings) -> SandboxCall:
-    """The one sandbox call that tests a program: the runner, the program, and each test's run (never an expected
-    value: stdio outputs, call results and assert right-hand sides stay in the trainer)."""
+def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[tuple[SandboxCall, list[int]]]:
+    """The sandbox calls that test a program, each with the indices of the tests it runs: one call (the runner, the
+    program, a run per test) for the stdio and value tests, and a second one only for script tests, whose source
+    (with its expected values) must not sit in the memory the value tests' program can read. No call holds an
+    expected value of a test judged here."""
     cpu = max(1, math.ceil(settings.test_seconds))
     value_cpu = max(1, math.ceil(2 * settings.test_seconds))  # the program's definitions, then the call
-    runs = []
-    for test, check in zip(tests.tests, _checks(tests)):
+    groups: dict[str, tuple[list[dict], list[int]]] = {"judged": ([], []), "script": ([], [])}
+    for index, (test, check) in enumerate(zip(tests.tests, _checks(tests))):
         if tests.kind == "stdio":
-            runs.append({"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu})
-            continue
-        run = {"kind": "value", "setup": [*tests.setup, *(check.setup if check else ())], "cpu_seconds": value_cpu}
-        if tests.kind == "call":
-            run.update(fn_name=tests.fn_name, args=test[0])
-        elif check is not None:
-            run["expression"] = check.expression
+            run = {"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu}
         else:
-            run.update(kind="script", source=test)
-        runs.append(run)
-    for run in runs:
+            run = {"kind": "value", "setup": [*tests.setup, *(check.setup if check else ())], "cpu_seconds": value_cpu}
+            if tests.kind == "call":
+                run.update(fn_name=tests.fn_name, args=test[0])
+            elif check is not None:
+                run["expression"] = check.expression
+            else:
+                run.update(kind="script", source=test)
         run["wall_seconds"] = STARTUP_SECONDS + WALL_FACTOR * run["cpu_seconds"]
+        runs, indices = groups["script" if run["kind"] == "script" else "judged"]
+        runs.append(run)
+        indices.append(index)
     max_output = SandboxLimits().max_output_bytes
-    plan = {"runs": runs, "max_output_bytes": max_output}
-    limits = SandboxLimits(
-        wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
-        cpu_seconds=10,  # the runner's own time; each test's interpreter has its own limit
-        memory_mb=settings.memory_mb,
-        max_output_bytes=len(runs) * (6 * max_output + 8192),  # JSON escapes: at most 6 characters a byte
-    )
-    files = {"solution.py": program, "probe.py": PROBE, "plan.json": json.dumps(plan)}
-    return SandboxCall(RUNNER, "", files, limits)
+    calls = []
+    for runs, indices in groups.values():
+        if not runs:
+            continue
+        limits = SandboxLimits(
+            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
+            cpu_seconds=10,  # the runner's own time; each test's interpreter has its own limit
+            memory_mb=settings.memory_mb,
+            max_output_bytes=len(runs) * (6 * max_output + 8192),  # JSON escapes: at most 6 characters a byte
+        )
+        plan = json.dumps({"runs": runs, "max_output_bytes": max_output})
+        files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}
+        calls.append((SandboxCall(RUNNER, "", files, limits), indices))
+    return calls
 
 
 _SYNTAX_ERRORS = ("SyntaxError", "IndentationError", "TabError")
@@ -768,44 +777,46 @@ def _limit_status(result: SandboxResult) -> str:
     )
 
 
-def judge(tests: CodeTests, result: SandboxResult) -> CodeOutcome:
-    """Per-test statuses of the sandbox result of build_call, decided here."""
-    records = _records(result)
-    missing = _limit_status(result)
-    statuses = []
-    for i, (test, check) in enumerate(zip(tests.tests, _checks(tests))):
-        record = records.get(i)
-        if record is None:
-            statuses.append(missing)
-        elif tests.kind == "stdio":
-            failure = _run_failure(record)
-            statuses.append(failure or ("pass" if outputs_match(str(record["stdout"]), test[1]) else "wrong_answer"))
-        else:
-            statuses.append(_judge_value(record, check))
-    return CodeOutcome(statuses)
+def judge(tests: CodeTests, parts: Sequence[tuple[list[int], SandboxResult]]) -> CodeOutcome:
+    """Per-test statuses from the results of build_calls (each with the test indices its call ran), decided here."""
+    statuses: list[Optional[str]] = [None] * len(tests.tests)
+    checks = _checks(tests)
+    for indices, result in parts:
+        records = _records(result)
+        for position, i in enumerate(indices):
+            record = records.get(position)
+            if record is None:
+                statuses[i] = _limit_status(result)
+            elif tests.kind == "stdio":
+                failure = _run_failure(record)
+                matched = outputs_match(str(record["stdout"]), tests.tests[i][1])
+                statuses[i] = failure or ("pass" if matched else "wrong_answer")
+            else:
+                statuses[i] = _judge_value(record, checks[i])
+    return CodeOutcome([s or "crash" for s in statuses])
 
 
 def score_programs(responses: Sequence[str], ground_truths: Sequence[Any], settings: CodeSettings) -> list[CodeOutcome]:
     """Test every response's program against its row's tests, `settings.workers` sandboxes at a time (one sandbox
-    start per response)."""
+    start per response; two when it has script tests)."""
     settings.validate()
     plans, calls = [], []
     for response, gt in zip(responses, ground_truths):
         tests = parse_code_tests(gt)
         program = extract_program(response)
-        plans.append((tests, bool(program.strip())))
-        if program.strip():
-            calls.append(build_call(program, tests, settings))
+        these = build_calls(program, tests, settings) if program.strip() else []
+        plans.append((tests, [indices for _, indices in these], len(calls)))
+        calls.extend(call for call, _ in these)
     results: list[SandboxResult] = []
     if calls:
         with SandboxPool(settings.workers, hide_paths=settings.hide_paths) as pool:
             results = pool.run(calls, batch_timeout=settings.batch_timeout)
-    outcomes, next_result = [], iter(results)
-    for tests, has_code in plans:
-        if not has_code:
+    outcomes = []
+    for tests, groups, first in plans:
+        if not groups:
             outcomes.append(CodeOutcome(["no_code"] * len(tests.tests)))
         else:
-            outcomes.append(judge(tests, next(next_result)))
+            outcomes.append(judge(tests, list(zip(groups, results[first : first + len(groups)]))))
     return outcomes
 
 

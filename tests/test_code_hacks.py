@@ -347,3 +347,27 @@ def test_path_counts_of_a_dataset_file(tmp_path, capsys):
         "script": 1,
         "value_share": 0.75,
     }
+
+
+def test_script_tests_run_apart_from_the_tests_judged_outside():
+    """A row mixing a judged test with a script test whose source holds the expected value: the program that reads
+    its sandbox's files for `= [<number>]` cheats the script test (not hack-proof: the control) but cannot find the
+    value in the judged test's sandbox, which never holds a script test's source."""
+    cheat = textwrap.dedent(
+        """
+        import os, re
+        def add(a, b):
+            for name in sorted(os.listdir(".")):
+                try:
+                    found = re.findall(r"= \\[(\\d+)\\]", open(name).read())
+                except OSError:
+                    continue
+                if found:
+                    return int(found[0])
+            return 0
+        """
+    )
+    truth = ["assert add(10000, 20003) == 30003", "x = [30003]\nassert [add(10000, 20003)] == x"]
+    assert count_test_paths(parse_code_tests(truth)) == {"value": 1, "script": 1}
+    (outcome,) = code_verifier.score_programs([cheat], [truth], SETTINGS)
+    assert outcome.statuses == ["wrong_answer", "pass"]
