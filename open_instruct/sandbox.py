@@ -439,11 +439,51 @@ def memory_control() -> Optional[MemoryControl]:
                 folder = os.path.normpath(v1 + "/" + own)
                 if os.access(folder, os.W_OK) and os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):
                     found = MemoryControl(1, folder)
+            if found is not None and not _can_join(found):
+                found = None
         except OSError:
             found = None
         _memory_control = (found,)
+        if found is not None:
+            remove_stale_cgroups()
         logger.info("sandbox memory bound per call: %s", f"cgroup v{found.version}" if found else "none (rlimits)")
     return _memory_control[0]
+
+
+_CGROUP_PREFIX = "open_instruct_sandbox_"
+
+
+def remove_stale_cgroups() -> list[str]:
+    """Remove the call cgroups of trainers that no longer run (a SIGKILLed trainer cannot remove its own; their calls
+    died with it, so the cgroups are empty). Done once per process by memory_control(); returns what was removed."""
+    ctl = memory_control()
+    removed = []
+    if ctl is None:
+        return removed
+    for name in os.listdir(ctl.parent):
+        owner = name[len(_CGROUP_PREFIX) :].split("_")[0]
+        if not name.startswith(_CGROUP_PREFIX) or not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
+            continue
+        try:
+            os.rmdir(os.path.join(ctl.parent, name))
+            removed.append(name)
+        except OSError:
+            continue  # still populated: its processes are being reaped; a later process removes it
+    return removed
+
+
+def _can_join(ctl: MemoryControl) -> bool:
+    """Whether a child process can move itself into a fresh cgroup under ctl.parent (as each call's supervisor does):
+    a machine where it cannot gets no cgroup rather than calls that all fail to start."""
+    try:
+        path = _make_cgroup(ctl, MAX_SLOTS, 64 << 20)
+    except OSError:
+        return False
+    try:
+        join = f"open({os.path.join(path, 'cgroup.procs')!r}, 'w').write('0')"
+        return subprocess.run([sys.executable, "-I", "-S", "-c", join], capture_output=True).returncode == 0
+    finally:
+        _remove_cgroup(path)
 
 
 def _write(path: str, value: str) -> None:
@@ -453,7 +493,7 @@ def _write(path: str, value: str) -> None:
 
 def _make_cgroup(ctl: MemoryControl, slot: int, limit_bytes: int) -> str:
     """A fresh cgroup for one call, bounded to `limit_bytes` of memory (no swap beyond it)."""
-    path = os.path.join(ctl.parent, f"open_instruct_sandbox_{os.getpid()}_{slot}")
+    path = os.path.join(ctl.parent, f"{_CGROUP_PREFIX}{os.getpid()}_{slot}")
     if os.path.isdir(path):
         _remove_cgroup(path)
     os.mkdir(path)
@@ -514,7 +554,7 @@ def _call(
             if iso.drops_privileges:
                 os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
         spec = _spec(program, files, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
-        ctl = memory_control() if iso.drops_privileges or iso.mode == "namespaces" else None
+        ctl = memory_control() if iso.drops_privileges else None  # the supervisor joins it as root
         if ctl is not None:
             cgroup = _make_cgroup(ctl, slot, call_memory_bytes(limits))
             spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")

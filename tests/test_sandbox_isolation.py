@@ -214,6 +214,12 @@ def test_a_call_dies_with_its_sigkilled_trainer(iso):
         gone, _, _ = select.select([pidfd], [], [], 30)
         assert gone, f"sandboxed program {pid} outlived its SIGKILLed trainer"
         os.close(pidfd)
+        ctl = sandbox.memory_control()
+        if ctl is not None:  # the dead trainer's call cgroup is removed by the next process that probes
+            prefix = f"open_instruct_sandbox_{proc.pid}_"
+            assert any(n.startswith(prefix) for n in os.listdir(ctl.parent))
+            assert any(n.startswith(prefix) for n in sandbox.remove_stale_cgroups())
+            assert not any(n.startswith(prefix) for n in os.listdir(ctl.parent))
     finally:
         if proc.poll() is None:
             proc.kill()
