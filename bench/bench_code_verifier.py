@@ -3,10 +3,11 @@
     python bench/bench_code_verifier.py [--responses 256] [--workers 2] [--repeats 2] [--stdio_share 0.25]
 
 Workload: --responses synthetic responses to "f(x) = x + k" tasks (demo.synthetic.code_rl_rows' shapes, 3 tests
-each): a --stdio_share of them stdin/stdout tasks (one sandboxed process per test: 3 processes), the rest assert
-tasks (one process for all tests); half the programs right, a quarter wrong, an eighth with a syntax error and an
-eighth that raise, as an early policy writes. No program runs long, so the figure is the sandbox's per-process cost
-(start an isolated interpreter, run, tear the namespaces down), which is what bounds a batch of 256.
+each): a --stdio_share of them stdin/stdout tasks, the rest assert tasks; half the programs right, a quarter wrong,
+an eighth with a syntax error and an eighth that raise, as an early policy writes. Each response is one sandbox start
+(an isolated interpreter: the runner), which gives each of its 3 tests a clean interpreter of its own (a fork taken
+before the program ran). No program runs long, so the figure is the sandbox's per-response cost, which is what bounds
+a batch of 256.
 
 Reported (one JSON line): responses/s and processes/s for the whole batch through rewards.score_batch (the trainer's
 path), the mean seconds of one trivial sandboxed call (the planner's --sandbox_call_seconds), the isolation mode, and
@@ -38,7 +39,7 @@ PROGRAMS = {
 
 
 def workload(n: int, stdio_share: float, seed: int = 0) -> tuple[list[str], list[str], int]:
-    """(responses, ground truths, sandboxed processes they need)."""
+    """(responses, ground truths, test interpreters they need: one per test)."""
     rng = random.Random(seed)
     responses, truths, processes = [], [], 0
     for i in range(n):
@@ -53,7 +54,7 @@ def workload(n: int, stdio_share: float, seed: int = 0) -> tuple[list[str], list
             kind = f"{kind}_{'stdio' if stdio else 'assert'}"
         responses.append(PROGRAMS[kind].format(k=k))
         truths.append(json.dumps(truth))
-        processes += 3 if stdio else 1
+        processes += 3
     return responses, truths, processes
 
 
@@ -87,10 +88,11 @@ def main() -> None:
         json.dumps(
             {
                 "responses": len(responses),
-                "processes": processes,
+                "sandbox_starts": len(responses),
+                "test_interpreters": processes,
                 "workers": args.workers,
                 "responses_per_second": round(statistics.median(rates), 2),
-                "processes_per_second": round(statistics.median(rates) * processes / len(responses), 2),
+                "tests_per_second": round(statistics.median(rates) * processes / len(responses), 2),
                 "all_rates": [round(r, 2) for r in rates],
                 "sandbox_call_seconds": round(call_seconds, 3),
                 "cpu_seconds_per_response": round(statistics.median(cpu), 4),

@@ -117,9 +117,9 @@ class EnvironmentRun:
             "verifier_timeout_s": cfg.verifier_timeout,
         }
         if "python" in cfg.tools:
-            from open_instruct.sandbox import python_runtime
+            from open_instruct.sandbox import tool_runtime
 
-            self.resources["python_runtime"] = python_runtime
+            self.resources["python_runtime"] = tool_runtime(cfg)  # hides what the `code` verifier hides
 
     def budget_for(self, response_length: int) -> EpisodeBudget:
         """response_length is the whole response's budget (observations included); max_turn_tokens per turn."""

@@ -345,14 +345,16 @@ def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environmen
 
 
 def code_settings(cfg: RLVRConfig) -> CodeSettings:
-    """The `code` verifier's sandbox settings from the config (the run's output_dir hidden from programs)."""
+    """The `code` verifier's sandbox settings from the config (the run's paths hidden: sandbox.run_hidden_paths)."""
+    from open_instruct.sandbox import run_hidden_paths
+
     return CodeSettings(
         reward=cfg.code_reward,
         test_seconds=cfg.code_test_seconds,
         memory_mb=cfg.code_memory_mb,
         workers=cfg.sandbox_workers,
         batch_timeout=cfg.sandbox_batch_timeout,
-        hide_paths=(cfg.output_dir,),
+        hide_paths=run_hidden_paths(cfg),
     )
 
 

@@ -10,23 +10,32 @@ with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
     max_processes    RLIMIT_NPROC (processes + threads of the sandbox uid)         -> "processes" (fork/thread EAGAIN)
     max_file_mb      RLIMIT_FSIZE per file; the private /tmp is 4x this in total   -> "file_size" (EFBIG / ENOSPC)
 
-Isolation (chosen once per process by `isolation()`, logged; README "Sandboxed code execution" has the table):
+Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has the threat model and its tests):
 
   namespaces (Linux, root, or a user namespace when not root; `unshare` from util-linux):
       network  a new network namespace: only a loopback that is down -> no socket reaches 127.0.0.1 or outside
-      files    a new mount namespace: private tmpfs on /tmp, /var/tmp, /dev/shm (the working dir is /tmp/work);
-               empty read-only tmpfs over the hidden paths (home, the run's output_dir, caches, the trainer's cwd);
-               /proc shows only the sandbox's processes
+      files    a new mount namespace: empty read-only tmpfs over the hidden paths (run_hidden_paths: home, HF caches,
+               the checkout, the cwd, the run's output_dir, data sources and caches); then every mount read-only and
+               nosuid; one private tmpfs on /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is
+               the only writable place (the working dir is /tmp/work); /proc shows only the sandbox's processes
       procs    a new pid namespace whose pid 1 is the supervisor: when it exits, the kernel kills every process
                the program left (daemons, double forks, setsid escapes)
+      ipc      a new IPC namespace: SysV shared memory, semaphores, message queues and POSIX queues die with the call
       user     as root: a per-slot unprivileged uid (SANDBOX_UID_BASE + slot), no groups: RLIMIT_NPROC binds, and
                files not readable by "others" stay unreadable; not root: the caller's own uid (mapped to root of
                the user namespace), RLIMIT_NPROC = the uid's current tasks + max_processes
   uid (root without namespaces, e.g. a container whose seccomp refuses unshare):
       the per-slot uid, rlimits, a 0700 temp working dir; afterwards every process of that uid is killed.
-      NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp).
+      NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp), IPC objects.
   rlimits (neither): rlimits, a scrubbed environment, a temp working dir, the process group killed afterwards.
-      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid().
+      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid(), IPC objects.
+
+In every mode on Linux the program runs with no-new-privileges and a seccomp filter (socket(AF_UNIX), io_uring and
+the keyring calls fail: no host unix socket is reachable, no keyring outlives a call), and dies with its supervisor;
+the call's first process gets SIGKILL when the trainer's thread that started it ends, whatever kills the trainer
+(`setpriv --pdeathsig`). A call's processes and tmpfs share one memory cgroup bounded to memory_mb + its tmpfs where
+this process may make one (memory_control: cgroup v2 with the memory controller delegated, else v1); otherwise the
+bound is RLIMIT_AS per process: max_processes x memory_mb + the tmpfs.
 
 The environment is scrubbed (PATH, HOME and TMPDIR = the working dir, LANG=C.UTF-8; `-I` ignores PYTHON*), the
 program runs at nice 10 (training keeps the CPU), and the interpreter is the base one (standard library only, the
@@ -38,6 +47,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -49,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -231,19 +241,58 @@ def _base_python() -> tuple[str, str]:
     return exe, os.path.realpath(sys.base_prefix)
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: sources, configs, demo data
+
+
 def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
-    """Paths covered in the mount namespace: the home dir, HF caches, the trainer's cwd, and `extra` (output_dir...)."""
-    paths = [os.path.expanduser("~"), "/root", os.getcwd()]
-    for var in ("HF_HOME", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
+    """Paths covered in the mount namespace: the home dir, HF caches, the checkout, the trainer's cwd, and `extra`
+    (a run's own paths: run_hidden_paths)."""
+    paths = [os.path.expanduser("~"), "/root", os.getcwd(), CHECKOUT]
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
         if os.environ.get(var):
             paths.append(os.environ[var])
     paths.extend(extra)
-    return sorted({os.path.realpath(os.path.abspath(p)) for p in paths if p} - {"/"})
+    return sorted({os.path.realpath(os.path.abspath(os.path.expanduser(p))) for p in paths if p} - {"/"})
+
+
+def _local_sources(value: Any) -> list[str]:
+    """The local files/folders among a config's data sources (a comma list of paths/names, or a mixer list
+    [source, amount, ...]); a file's folder too (other splits sit beside it). Hub names are not paths: skipped."""
+    if not value:
+        return []
+    tokens = [t.strip() for t in value.split(",")] if isinstance(value, str) else [str(t) for t in value[0::2]]
+    found = []
+    for token in tokens:
+        path = os.path.expanduser(token)
+        if token and os.path.exists(path):
+            found.append(path)
+            if os.path.isfile(path):
+                found.append(os.path.dirname(os.path.abspath(path)))
+    return found
+
+
+def run_hidden_paths(cfg: Any) -> tuple[str, ...]:
+    """THE hidden-path policy of a run, for every sandbox use (the `code` verifier and the `python` tool): the
+    run's output_dir, every local data source (train and eval, paths and mixtures), the tokenized-data cache, the
+    reference cache, besides default_hidden_paths() (home, HF caches, the checkout, the cwd)."""
+    from open_instruct.data_cache import cache_root
+
+    paths = [getattr(cfg, "output_dir", None), getattr(cfg, "reference_cache_dir", None)]
+    for key in ("dataset_name_or_path", "eval_dataset_name_or_path", "dataset_mixer_list", "eval_dataset_mixer_list"):
+        paths.extend(_local_sources(getattr(cfg, key, None)))
+    if hasattr(cfg, "dataset_cache_dir"):
+        paths.append(cache_root(cfg.dataset_cache_dir))
+    return tuple(default_hidden_paths([p for p in paths if p]))
+
+
+def tool_runtime(cfg: Any) -> Callable[[str, float], tuple[str, str, str]]:
+    """The `python` tool's runtime for a run: python_runtime hiding run_hidden_paths(cfg)."""
+    return functools.partial(python_runtime, hide_paths=run_hidden_paths(cfg))
 
 
 # `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
 # contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
-_LAUNCHER = (
+LAUNCHER = (
     "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
@@ -266,10 +315,11 @@ def _spec(
         "mount_namespace": mounted,
         "workdir": workdir,
         "tmpfs_mb": 4 * limits.max_file_mb,
+        "cgroup_procs": None,  # the call's memory cgroup, joined by the supervisor first (memory_control)
         "hide": hide,
         "python": python,
         "python_prefix": prefix,
-        "python_args": ["-I", "-S", "-B", "-c", _LAUNCHER],
+        "python_args": ["-I", "-S", "-B", "-c", LAUNCHER],
         "main": "main.py",
         "files": {"main.py": program, **files},
         "uid": uid,
@@ -289,11 +339,17 @@ def _spec(
 
 
 def _command(iso: Isolation) -> list[str]:
+    """setpriv gives the first process of the call SIGKILL when the trainer's thread that started it ends (however
+    the trainer dies); unshare --kill-child passes that on to the supervisor, pid 1 of the pid namespace, whose
+    death ends every process of the call."""
+    setpriv = shutil.which("setpriv")
+    first = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
     boot = [sys.executable, "-I", "-S", BOOT_SCRIPT]
     if iso.mode != "namespaces":
-        return boot
+        return [*first, *boot]
     user = [] if iso.as_root else ["--user", "--map-root-user"]
-    return [iso.unshare, *user, "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", *boot]
+    namespaces = ["--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc"]
+    return [*first, iso.unshare, *user, *namespaces, *boot]
 
 
 def _hit_process_limit(stderr_tail: str) -> bool:
@@ -338,6 +394,151 @@ def run_in_sandbox(
     return _call(isolation(), program, stdin, limits, files or {}, hide_paths, deadline)
 
 
+# --------------------------------------------------------------------------------------------------------
+# A memory bound per call (all its processes and its tmpfs): a cgroup of its own, where the machine lets us make one
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryControl:
+    version: int  # 2 (unified) or 1 (the v1 memory controller)
+    parent: str  # the folder this process's calls get their cgroups in (this process's own cgroup)
+
+
+_memory_control: Optional[tuple[Optional[MemoryControl]]] = None
+
+
+def _mount_point(fstype: str, option: Optional[str] = None) -> Optional[str]:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if tail and tail[0] == fstype and (option is None or option in tail[-1].split(",")):
+                return fields[4]
+    return None
+
+
+def memory_control() -> Optional[MemoryControl]:
+    """How calls get a memory cgroup here (probed once): cgroup v2 where this process's cgroup delegates the memory
+    controller and is writable, else the v1 memory controller where writable, else None (RLIMIT_AS per process only,
+    docs/sandbox.md gives the bound that then holds)."""
+    global _memory_control
+    if _memory_control is None:
+        found = None
+        try:
+            with open("/proc/self/cgroup") as f:
+                lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+            v2 = _mount_point("cgroup2")
+            own = next((path for hid, ctrl, path in lines if hid == "0" and ctrl == ""), None)
+            if v2 and own is not None:
+                folder = os.path.normpath(v2 + "/" + own)
+                with open(os.path.join(folder, "cgroup.subtree_control")) as f:
+                    if "memory" in f.read().split() and os.access(folder, os.W_OK):
+                        found = MemoryControl(2, folder)
+            v1 = _mount_point("cgroup", "memory")
+            own = next((path for _, ctrl, path in lines if "memory" in ctrl.split(",")), None)
+            if found is None and v1 and own is not None:
+                folder = os.path.normpath(v1 + "/" + own)
+                if os.access(folder, os.W_OK) and os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):
+                    found = MemoryControl(1, folder)
+            if found is not None and not _can_join(found):
+                found = None
+        except OSError:
+            found = None
+        _memory_control = (found,)
+        if found is not None:
+            remove_stale_cgroups()
+        logger.info("sandbox memory bound per call: %s", f"cgroup v{found.version}" if found else "none (rlimits)")
+    return _memory_control[0]
+
+
+_CGROUP_PREFIX = "open_instruct_sandbox_"
+
+
+def remove_stale_cgroups() -> list[str]:
+    """Remove the call cgroups of trainers that no longer run (a SIGKILLed trainer cannot remove its own; their calls
+    died with it, so the cgroups are empty). Done once per process by memory_control(); returns what was removed."""
+    ctl = memory_control()
+    removed = []
+    if ctl is None:
+        return removed
+    for name in os.listdir(ctl.parent):
+        owner = name[len(_CGROUP_PREFIX) :].split("_")[0]
+        if not name.startswith(_CGROUP_PREFIX) or not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
+            continue
+        try:
+            os.rmdir(os.path.join(ctl.parent, name))
+            removed.append(name)
+        except OSError:
+            continue  # still populated: its processes are being reaped; a later process removes it
+    return removed
+
+
+def _can_join(ctl: MemoryControl) -> bool:
+    """Whether a child process can move itself into a fresh cgroup under ctl.parent (as each call's supervisor does):
+    a machine where it cannot gets no cgroup rather than calls that all fail to start."""
+    try:
+        path = _make_cgroup(ctl, MAX_SLOTS, 64 << 20)
+    except OSError:
+        return False
+    try:
+        join = f"open({os.path.join(path, 'cgroup.procs')!r}, 'w').write('0')"
+        return subprocess.run([sys.executable, "-I", "-S", "-c", join], capture_output=True).returncode == 0
+    finally:
+        _remove_cgroup(path)
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _make_cgroup(ctl: MemoryControl, slot: int, limit_bytes: int) -> str:
+    """A fresh cgroup for one call, bounded to `limit_bytes` of memory (no swap beyond it)."""
+    path = os.path.join(ctl.parent, f"{_CGROUP_PREFIX}{os.getpid()}_{slot}")
+    if os.path.isdir(path):
+        _remove_cgroup(path)
+    os.mkdir(path)
+    if ctl.version == 2:
+        _write(os.path.join(path, "memory.max"), str(limit_bytes))
+        if os.path.exists(os.path.join(path, "memory.swap.max")):
+            _write(os.path.join(path, "memory.swap.max"), "0")
+    else:
+        _write(os.path.join(path, "memory.limit_in_bytes"), str(limit_bytes))
+        if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+            _write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(limit_bytes))
+    return path
+
+
+def _oom_kills(ctl: MemoryControl, path: str) -> int:
+    """Processes the kernel killed in the call's cgroup for memory."""
+    name = "memory.events" if ctl.version == 2 else "memory.oom_control"
+    try:
+        with open(os.path.join(path, name)) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _remove_cgroup(path: str) -> None:
+    for _ in range(100):  # EBUSY while the kernel finishes reaping the call's last processes
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+    logger.warning("sandbox: could not remove cgroup %s", path)
+
+
+def call_memory_bytes(limits: SandboxLimits) -> int:
+    """The cgroup bound of one call: memory_mb for all its processes together, plus its private tmpfs."""
+    return (limits.memory_mb + 4 * limits.max_file_mb) << 20
+
+
 def _call(
     iso: Isolation, program: str, stdin: str, limits: SandboxLimits, files: dict, hide_paths: Sequence[str], deadline
 ) -> SandboxResult:
@@ -346,15 +547,24 @@ def _call(
     if wall <= 0:
         return SandboxResult("", "", None, "wall_time", 0.0)
     slot = _take_slot()
-    workdir = None
+    workdir = cgroup = None
     try:
         if iso.mode != "namespaces":
             workdir = tempfile.mkdtemp(prefix="oi-sandbox-")
             if iso.drops_privileges:
                 os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
         spec = _spec(program, files, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
-        return _run(spec, stdin, limits, iso, wall, start)
+        ctl = memory_control() if iso.drops_privileges else None  # the supervisor joins it as root
+        if ctl is not None:
+            cgroup = _make_cgroup(ctl, slot, call_memory_bytes(limits))
+            spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")
+        result = _run(spec, stdin, limits, iso, wall, start)
+        if cgroup is not None and result.limit is None and not result.ok and _oom_kills(ctl, cgroup):
+            result.limit = "memory"
+        return result
     finally:
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
         if iso.mode == "uid":
             kill_uid(SANDBOX_UID_BASE + slot)
         if workdir is not None:
@@ -570,7 +780,7 @@ def isolation(mode: str = "auto") -> Isolation:
                     why = "; ".join(reasons) or ("forced" if mode != "auto" else "no unshare")
                     logger.warning(
                         "sandbox: no network/mount/pid namespaces (%s): programs can reach the network and "
-                        "world-readable files; see README 'Sandboxed code execution'",
+                        "world-readable files; see docs/sandbox.md",
                         why,
                     )
                 return _isolation
@@ -657,14 +867,16 @@ def truncate_middle(text: str, budget: int) -> str:
     return text[: keep // 2] + marker + text[len(text) - (keep - keep // 2) :]
 
 
-def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000, stdin: str = "") -> str:
+def python_tool(
+    code: str, *, timeout: float = 5.0, max_output_chars: int = 4000, stdin: str = "", hide_paths: Sequence[str] = ()
+) -> str:
     """The `python` tool: run `code` in the sandbox and return what a model sees: stdout, then stderr (if any)
     under a "[stderr]" line, then a "[...]" line naming a limit or a non-zero exit, all within max_output_chars
     (head and tail kept, the middle cut)."""
     if max_output_chars < 100:
         raise ValueError(f"max_output_chars must be >= 100, got {max_output_chars}")
     limits = SandboxLimits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout + 0.999)))
-    res = run_in_sandbox(code, stdin, limits=limits)
+    res = run_in_sandbox(code, stdin, limits=limits, hide_paths=hide_paths)
     if res.setup_error:
         return f"[sandbox error: {res.setup_error}]"
     parts = [res.stdout]
@@ -680,13 +892,13 @@ def python_tool(code: str, *, timeout: float = 5.0, max_output_chars: int = 4000
     return (text + "\n" + tail).strip("\n") if tail else text
 
 
-def python_runtime(code: str, timeout_s: float) -> tuple[str, str, str]:
+def python_runtime(code: str, timeout_s: float, hide_paths: Sequence[str] = ()) -> tuple[str, str, str]:
     """The sandbox as the multi-turn environments' `python` runtime (environments.PythonRuntime): `code` run with
     `timeout_s` of wall and CPU time; returns (stdout, stderr, status), status "ok", the limit that ended the program
     (wall_time, cpu_time, memory, output, processes, file_size), "exit_<code>" for a non-zero exit, or
     "sandbox_error" when the sandbox itself could not run it."""
     limits = SandboxLimits(wall_seconds=timeout_s, cpu_seconds=max(1, int(timeout_s + 0.999)))
-    res = run_in_sandbox(code, limits=limits)
+    res = run_in_sandbox(code, limits=limits, hide_paths=hide_paths)
     if res.setup_error:
         return res.stdout, res.setup_error, "sandbox_error"
     if res.limit:

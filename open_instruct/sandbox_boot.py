@@ -6,11 +6,17 @@ The spec's `status_fd` (a pipe the parent reads) receives one JSON line: {"exit"
 the program ends, or {"setup_error": "..."} when the sandbox could not be built (nothing of the program ran).
 
 Steps, in this order (the supervisor is this process; the program is its forked child):
-  1. (mount namespace only) a private size-limited tmpfs on /tmp, /var/tmp and /dev/shm; an empty read-only tmpfs
-     over every path in `hide` (the run's output_dir, home, caches...); the interpreter's prefix bind-mounted back,
-     read-only, at its own path when a hidden path contains it (so `python` and libpython still load).
+  0. join the call's memory cgroup (spec `cgroup_procs`, when the trainer made one): the bound covers every
+     process of the call and the pages of its tmpfs.
+  1. (mount namespace only) an empty read-only tmpfs over every path in `hide` (the run's output_dir, data, home,
+     caches...); the interpreter's prefix bind-mounted back, read-only, at its own path when a hidden path contains
+     it (so `python` and libpython still load); then EVERY mount read-only and nosuid (mount_setattr, recursive: no
+     host directory of any name stays writable), and last one private size-limited tmpfs on /tmp, with /var/tmp and
+     /dev/shm bound to folders of it (one size limit for all three): the only writable place.
   2. fork; the child lowers its priority, sets the rlimits, drops to the sandbox uid/gid (no supplementary groups),
-     enters the working directory, writes the program's files and execs python on them with a scrubbed environment.
+     sets no-new-privileges and the parent-death signal (SIGKILL), installs a seccomp filter (socket(AF_UNIX),
+     io_uring and the keyring calls fail: no host unix socket can be reached, no keyring survives a call), enters
+     the working directory, writes the program's files and execs python on them with a scrubbed environment.
   3. the supervisor waits for the child, reports its status and exits; as pid 1 of the pid namespace its exit makes
      the kernel kill everything the program left behind.
 
@@ -20,19 +26,74 @@ Standard library only: this runs before and outside the trainer's environment.
 import ctypes
 import json
 import os
+import platform
 import resource
 import signal
+import struct
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MNT_DETACH = 2
-_libc = None
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_FDCWD, AT_RECURSIVE, SYS_MOUNT_SETATTR = 1, 2, -100, 0x8000, 442
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
+# (audit arch, socket, add_key, request_key, keyctl, io_uring_setup) per machine
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 248, 249, 250, 425), "aarch64": (0xC00000B7, 198, 217, 218, 219, 425)}
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _check(ret, what):
+    if ret != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _prctl(option, arg):
+    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
+
+
+def read_only_everywhere():
+    """Every mount of this (private) mount namespace read-only and nosuid, recursively (Linux >= 5.12)."""
+    attr = struct.pack("QQQQ", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    ret = _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, attr, len(attr))
+    _check(0 if ret == 0 else -1, "mount_setattr / read-only, recursive")
+
+
+def seccomp_filter():
+    """A classic-BPF seccomp filter: socket(AF_UNIX, ...), io_uring_setup and add_key/request_key/keyctl fail with
+    EPERM; a foreign syscall ABI (x32, i386 on x86_64) is refused; everything else is allowed."""
+    machine = platform.machine()
+    if machine not in _SYSCALLS:
+        raise OSError(f"no seccomp filter for machine {machine!r}")
+    arch, sys_socket, *denied = _SYSCALLS[machine]
+    ld_w_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, eperm = 0x7FFF0000, 0x00050000 | 1
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # arch
+        (jeq, 1, 0, arch),
+        (ret, 0, 0, eperm),
+        (ld_w_abs, 0, 0, 0),  # syscall number
+        (jge, 0, 1, 0x40000000),  # x32
+        (ret, 0, 0, eperm),
+    ]
+    for nr in denied:
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+    prog += [
+        (jeq, 1, 0, sys_socket),
+        (ret, 0, 0, allow),
+        (ld_w_abs, 0, 0, 16),  # socket's first argument (the domain), low 32 bits
+        (jeq, 0, 1, 1),  # AF_UNIX
+        (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]
+    code = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "seccomp filter")
 
 
 def _mount(source, target, fstype, flags, options):
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     enc = [None if s is None else s.encode() for s in (source, target, fstype, options)]
     if _libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
         errno = ctypes.get_errno()
@@ -50,12 +111,9 @@ def _is_within(path, parent):
 
 
 def build_mounts(spec):
-    """Step 1: private temp dirs, hidden paths, the interpreter re-exposed. Returns the working directory."""
-    tmp_opts = f"size={spec['tmpfs_mb']}m,mode=1777,nr_inodes=4096"
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
-    for extra in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(extra):
-            _mount("tmpfs", extra, "tmpfs", MS_NOSUID | MS_NODEV, tmp_opts)
+    """Step 1: hidden paths, the interpreter re-exposed, all read-only, then the private temp dir. Returns the
+    working directory."""
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
     prefix = spec["python_prefix"]
     stage = "/tmp/.prefix"
     hide = sorted({p for p in spec["hide"] if os.path.lexists(p) and p != "/" and not _is_within(p, "/tmp")}, key=len)
@@ -84,13 +142,22 @@ def build_mounts(spec):
     if covering:
         _umount(stage)
         os.rmdir(stage)
+    _umount("/tmp")
+    read_only_everywhere()
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_mb']}m,mode=1777,nr_inodes=4096")
+    for extra in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(extra):
+            inside = "/tmp/." + extra.rsplit("/", 1)[1]
+            os.mkdir(inside, 0o1777)
+            os.chmod(inside, 0o1777)
+            _mount(inside, extra, None, MS_BIND, None)
     workdir = "/tmp/work"
     os.mkdir(workdir, 0o700)
     os.chown(workdir, spec["uid"], spec["gid"])
     return workdir
 
 
-def run_child(spec, workdir, status_fd):
+def run_child(spec, workdir, status_fd, supervisor):
     """Step 2, in the forked child: never returns (execs the program, or exits 127 after reporting why not)."""
     try:
         os.nice(spec["nice"])
@@ -100,6 +167,11 @@ def run_child(spec, workdir, status_fd):
             os.setgroups([])
             os.setgid(spec["gid"])
             os.setuid(spec["uid"])
+        if sys.platform.startswith("linux"):
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the supervisor
+            if os.getppid() != supervisor:
+                raise OSError("the supervisor ended before the program started")
+            seccomp_filter()  # sets no-new-privileges first
         os.chdir(workdir)
         for name, content in spec["files"].items():
             with open(name, "x", encoding="utf-8") as f:
@@ -128,17 +200,23 @@ def read_spec():
 
 
 def main():
+    if sys.platform.startswith("linux"):  # without namespaces: dies with the trainer's thread that started it
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     spec = read_spec()
     status_fd = spec["status_fd"]
     try:
+        if spec.get("cgroup_procs"):  # before anything else: every process of the call and its tmpfs count there
+            with open(spec["cgroup_procs"], "w") as f:
+                f.write("0")
         workdir = build_mounts(spec) if spec["mount_namespace"] else spec["workdir"]
     except BaseException as e:  # noqa: BLE001
         os.write(status_fd, json.dumps({"setup_error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
         sys.exit(127)
     os.set_inheritable(status_fd, False)  # closed by the child's exec; open in it only to report a setup failure
+    supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:
-        run_child(spec, workdir, status_fd)
+        run_child(spec, workdir, status_fd, supervisor)
     for fd in (0, 1, 2):  # the supervisor holds no end of the program's pipes
         os.close(fd)
     _, status, usage = os.wait4(pid, 0)
