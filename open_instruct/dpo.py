@@ -203,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         load_tokenizer,
         make_optimizer_and_scheduler,
         pair_logps,
+        with_scored_index,
     )
     from open_instruct.reference_cache import reference_logps
     from open_instruct.step_sums import StepSums
@@ -266,7 +267,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), len(group))
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # scored positions found on the host: no host sync per micro-batch
+            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
             sync = i == len(groups) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():

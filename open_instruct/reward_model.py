@@ -127,7 +127,6 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 
-
     from open_instruct import data
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora

@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from open_instruct import data
 from open_instruct.batch_math import should_log
@@ -73,7 +72,7 @@ from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
 from open_instruct.lora import adapter_disabled
-from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
+from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
@@ -428,12 +427,6 @@ def clipped_value_loss(
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z)."""
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
-
-
 def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(old || new) between the sampling policy and the current one: 0.5 * (logp - old)^2."""
     return 0.5 * (logp - old_logp) ** 2
@@ -549,7 +542,7 @@ def collect_rollout(
     )
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
-    device_out = {name: torch.zeros(n, width, device=accelerator.device) for name in ("old", "ref", "values")}
+    device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
@@ -559,17 +552,15 @@ def collect_rollout(
             r, at = batch["responses"].shape[1], torch.tensor(rows, device=accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
-                    logits = response_logits(models.policy, batch, cfg.temperature, group)
-                    device_out["old"][at, :r] = token_logprobs(logits, batch["responses"])
+                    device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
                 if models.reference is not None:
-                    logits = reference_logits(models.reference, batch, cfg.temperature, group)
-                    device_out["ref"][at, :r] = token_logprobs(logits, batch["responses"])
+                    device_out[1][at, :r] = reference_scores(models.reference, batch, cfg.temperature, group).logp
                 if models.value is not None:
-                    device_out["values"][at, :r] = token_values(models.value, batch, group)
+                    device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
-    old_logp, ref_logp, old_values = (device_out[name].cpu() for name in ("old", "ref", "values"))
+    old_logp, ref_logp, old_values = device_out.cpu()
     rm_scores = device_rm.cpu()
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
@@ -780,8 +771,8 @@ def micro_batch_loss(
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
     with autocast():  # ALGO LOGIC: the loss terms
-        logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
-        logp = token_logprobs(logits, batch["responses"])
+        scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
+        logp = scores.logp
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
         if cfg.truncated_importance_sampling:
@@ -814,7 +805,7 @@ def micro_batch_loss(
         stats["policy_loss"] = masked_sum(pg.detach(), w)
         stats["pg_clipfrac"] = masked_sum(pg_clipped, w)
         stats["approx_kl"] = masked_sum(approx_kl(logp.detach(), old_logp), w)
-        stats["entropy"] = masked_sum(entropy_from_logits(logits.detach()), w)
+        stats["entropy"] = masked_sum(scores.entropy.detach(), w)
         # How far the sampling engine's log-probs are from the trainer's (what truncated IS corrects).
         log_ratio = (old_logp - take(rollout.sampler_logp)) * mask
         stats["tokens"], stats["sampler_abs_diff"] = mask.sum(), log_ratio.abs().sum()
@@ -983,10 +974,10 @@ def log_row(
 # Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
 
 
-def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
-    """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
+def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
+    """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
     with adapter_disabled(reference):
-        return response_logits(reference, batch, temperature, group)
+        return response_scores(reference, batch, temperature, group)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

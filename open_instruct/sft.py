@@ -72,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct import data
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora
-    from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler, with_scored_index
     from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
@@ -115,7 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # scored positions found on the host: no host sync per micro-batch
+            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
