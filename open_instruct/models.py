@@ -230,19 +230,20 @@ class _ChunkedTokenScores(torch.autograd.Function):
             z = torch.nn.functional.linear(h, w, b).float()
             if t != 1.0:
                 z = z / t
+            # in place: two [chunk, V] fp32 buffers (z, p) and the gradient in ctx.dtype
             p = torch.softmax(z, dim=-1)
-            g = torch.zeros_like(p)
-            if g_ent is not None:  # -e * p * (z - E_p[z])
-                z -= (p * z).sum(-1, keepdim=True)
-                g -= p * z * g_ent[s : s + ctx.chunk, None]
-            del z
-            if g_logp is not None:  # g * (onehot - p)
-                g_out = g_logp[s : s + ctx.chunk, None]
-                g -= p * g_out
+            g_out = None if g_logp is None else g_logp[s : s + ctx.chunk, None]
+            if g_ent is not None:  # -e * p * (z - E_p[z]); E_p[z] as a batched dot product (no [chunk, V] temporary)
+                z.sub_(torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).squeeze(2))
+                g = z.mul_(p).mul_(-g_ent[s : s + ctx.chunk, None])
+                if g_out is not None:
+                    g.sub_(p.mul_(g_out))
+            else:
+                g = p.mul_(-g_out)
+            if g_out is not None:  # + g at the label: g * (onehot - p) in all
                 g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)
-            del p
             if t != 1.0:
-                g /= t
+                g.div_(t)
             g = g.to(ctx.dtype)
             grad_hidden[s : s + ctx.chunk] = g @ w
             grad_weight += (g.t() @ h).float()
