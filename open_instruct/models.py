@@ -99,7 +99,7 @@ def load_causal_lm(
     revision: Optional[str] = None,
     attn_implementation: Optional[str] = None,
 ) -> Any:
-    """A causal LM whose forward also takes `logprob_labels` (add_logprob_head)."""
+    """A causal LM whose forward also takes `token_scoring` (add_logprob_head)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -126,8 +126,9 @@ def load_policy(cfg: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------------------------
 # Log-probs of chosen tokens straight from the last hidden states: only the scored positions go through the output
 # layer, a chunk of tokens at a time, and no [tokens, vocab] logits are kept for the backward (it recomputes them).
-# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding); at a 128k vocabulary
-# the logits of 4k tokens are 2 GB in fp32.
+# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding), RL every response
+# position (with the entropy in the update); at a 128k vocabulary the logits of 4k tokens are 2 GB in fp32.
+# docs/memory-and-syncs.md describes it.
 
 LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once (128 MB at a 16k vocabulary)
 # Output-layer transforms of some architectures (Gemma 2 soft-capping, Cohere/Granite scaling): models that set one
@@ -335,22 +336,10 @@ def scored_positions(labels: torch.Tensor) -> torch.Tensor:
     return scored.reshape(-1).nonzero().squeeze(1)
 
 
-def _forward_with_logprobs(
-    self: Any,
-    *args: Any,
-    logprob_labels: Optional[torch.Tensor] = None,
-    token_scoring: Optional[TokenScoring] = None,
-    **kwargs: Any,
-) -> Any:
-    """The model's own forward, or the log-prob head on its last hidden states:
-    - token_scoring (TokenScoring): a TokenScores;
-    - logprob_labels ([B, T] ids, -100 where nothing is scored, aligned with input_ids): log p(logprob_labels[b, t]
-      | tokens < t) at every scored position, float32 [K] in row-major order (finding them is a host sync).
-    Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any forward."""
-    if logprob_labels is not None:
-        positions = scored_positions(logprob_labels)
-        labels = logprob_labels.reshape(-1)[positions + 1]
-        return _forward_with_logprobs(self, *args, token_scoring=TokenScoring(positions, labels), **kwargs).logp
+def _forward_with_logprobs(self: Any, *args: Any, token_scoring: Optional[TokenScoring] = None, **kwargs: Any) -> Any:
+    """The model's own forward, or with `token_scoring` (TokenScoring) the log-prob head on its last hidden states: a
+    TokenScores. Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any
+    forward."""
     if token_scoring is None:
         return type(self).forward(self, *args, **kwargs)
     kwargs.setdefault("use_cache", False)  # left as None, transformers fills a KV cache in training too
@@ -358,10 +347,9 @@ def _forward_with_logprobs(
     positions, labels, temperature, want_entropy = token_scoring
     if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
         out = type(self).forward(self, *args, **kwargs)
-        logits = out.logits.reshape(-1, out.logits.shape[-1])[positions.reshape(-1)].float()
-        logp, ent = logp_and_entropy(logits / temperature, labels.reshape(-1), want_entropy)
-        shape = labels.shape
-        return TokenScores(logp.view(shape), None if ent is None else ent.view(shape), out.past_key_values)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[positions].float()  # [*labels.shape, V]
+        logp, ent = logp_and_entropy(logits / temperature, labels, want_entropy)
+        return TokenScores(logp, ent, out.past_key_values)
     out = getattr(self, self.base_model_prefix)(*args, **kwargs)
     hidden = out.last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[positions.reshape(-1)]
@@ -370,7 +358,7 @@ def _forward_with_logprobs(
 
 
 def add_logprob_head(model: Any) -> Any:
-    """Give a causal LM the `logprob_labels` forward (see _forward_with_logprobs); its plain forward is unchanged
+    """Give a causal LM the `token_scoring` forward (see _forward_with_logprobs); its plain forward is unchanged
     (generation, export). Set on the instance, so checkpoints and parameter names are untouched; LoRA (peft) and
     DDP/FSDP/accelerate wrap it afterwards and pass the keyword through."""
     import functools
