@@ -124,9 +124,10 @@ def pair_stat_sums(
     rejected_rewards: torch.Tensor,
     policy: PairLogps,
     keep: Optional[torch.Tensor] = None,
-) -> dict[str, float]:
-    """Sums over pairs of the logged statistics (divided by the global pair count after the all-reduce); with
-    `keep` (a 0/1 weight per pair), over the kept pairs only (per-source eval).
+) -> torch.Tensor:
+    """Sums over pairs of the logged statistics, in STAT_KEYS order, as one float32 vector on the batch's device (the
+    step adds it up there and reads it once: no host sync per micro-batch); divided by the global pair count after
+    the all-reduce. With `keep` (a 0/1 weight per pair), over the kept pairs only (per-source eval).
 
     Accuracy counts a tie as half a win: before the first update the policy equals the reference, every reward is
     0 and the accuracy is 0.5 (chance), not 0."""
@@ -143,7 +144,7 @@ def pair_stat_sums(
         policy.rejected.detach(),
     ]
     weights = [v.float() if keep is None else v.float() * keep for v in values]
-    return dict(zip(STAT_KEYS, torch.stack([w.sum() for w in weights]).tolist()))  # one device sync
+    return torch.stack([w.sum() for w in weights])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def evaluate(
                 keep = torch.tensor(
                     [float(not name or evals[i]["source"] == name) for i in group], device=policy.chosen.device
                 )
-                for k, v in pair_stat_sums(*stats, policy, keep if name else None).items():
+                for k, v in zip(STAT_KEYS, pair_stat_sums(*stats, policy, keep if name else None).tolist()):
                     sums[name][k] += v
                 sums[name]["pairs"] += float(keep.sum())
     model.train()
@@ -202,8 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         load_tokenizer,
         make_optimizer_and_scheduler,
         pair_logps,
+        with_scored_index,
     )
     from open_instruct.reference_cache import reference_logps
+    from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -259,12 +262,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lengths = [data.packed_length(train[j]) for j in local_idx]  # packing: micro-batches by tokens
         groups = distributed.step_micro_batches(accelerator, local_idx, lengths, cfg)
 
-        sums = dict.fromkeys(STAT_KEYS, 0.0)
+        sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
         for i, (group, real) in enumerate(groups):
             batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), len(group))
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # scored positions found on the host: no host sync per micro-batch
+            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
             sync = i == len(groups) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
@@ -276,12 +280,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 # micro-batch (packing: this rank has fewer than another) counts 0.
                 accelerator.backward(losses.sum() * (world / plan.mini_batch_size if real else 0.0))
             if real:
-                for k, v in pair_stat_sums(losses, chosen_r, rejected_r, policy).items():
-                    sums[k] += v
+                sums.add_vector(pair_stat_sums(losses, chosen_r, rejected_r, policy))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         stats_step = {
-            f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums).items()
+            f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums.read()).items()
         }
         step_ok = run.update_is_finite(stats_step["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
         if step_ok:

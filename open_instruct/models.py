@@ -99,7 +99,7 @@ def load_causal_lm(
     revision: Optional[str] = None,
     attn_implementation: Optional[str] = None,
 ) -> Any:
-    """A causal LM whose forward also takes `logprob_labels` (add_logprob_head)."""
+    """A causal LM whose forward also takes `token_scoring` (add_logprob_head)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -153,8 +153,9 @@ def hold_frozen_in_compute_dtype(model: Any, mixed_precision: str, sharded: bool
 # ---------------------------------------------------------------------------------------------------------------------
 # Log-probs of chosen tokens straight from the last hidden states: only the scored positions go through the output
 # layer, a chunk of tokens at a time, and no [tokens, vocab] logits are kept for the backward (it recomputes them).
-# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding); at a 128k vocabulary
-# the logits of 4k tokens are 2 GB in fp32.
+# SFT, DPO and the reference pass score a fraction of the positions (not prompts, not padding), RL every response
+# position (with the entropy in the update); at a 128k vocabulary the logits of 4k tokens are 2 GB in fp32.
+# docs/memory-and-syncs.md describes it.
 
 LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once (128 MB at a 16k vocabulary)
 # Output-layer transforms of some architectures (Gemma 2 soft-capping, Cohere/Granite scaling): models that set one
@@ -162,12 +163,52 @@ LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log p(label) per row of `hidden` [K, d] under the output layer (weight [V, d], bias), float32 [K].
+class TokenScoring(NamedTuple):
+    """What the log-prob head scores: at each of `positions` (indices into the forward's last hidden states flattened
+    to [batch * seq]), log p(label) of the token in `labels` (same shape) under softmax(logits / temperature), and,
+    with `entropy`, the entropy of that distribution."""
 
-    The matmuls run in `dtype` (bf16 under autocast: the product accumulates in fp32 inside the GEMM), the
-    log-softmax in fp32. The forward keeps no logits; the backward recomputes a chunk's logits and forms
-    d logp / d z = onehot(label) - softmax(z) for it: one more output-layer matmul, [chunk, V] memory."""
+    positions: torch.Tensor
+    labels: torch.Tensor
+    temperature: float = 1.0
+    entropy: bool = False
+
+
+class TokenScores(NamedTuple):
+    """The head's output, float32, shaped like TokenScoring.labels (entropy None unless asked for); past_key_values:
+    the forward's cache when it was asked for one (use_cache=True)."""
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    past_key_values: Any = None
+
+
+def logp_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log p(labels) and (want_entropy) the entropy H = logsumexp(z) - sum(softmax(z) * z) per row of fp32 logits
+    [K, V] (already divided by the temperature): the full-logits formulas, which the chunked head applies per chunk."""
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    return logp, entropy_from_logits(logits, lse) if want_entropy else None
+
+
+def entropy_from_logits(logits: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-position entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z) (lse: logsumexp(z) if known)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, -1) if lse is None else lse
+    return lse - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+class _ChunkedTokenScores(torch.autograd.Function):
+    """log p(label) and the entropy per row of `hidden` [K, d] under the output layer (weight [V, d], bias) and a
+    temperature, float32 and shaped like `labels`.
+
+    The matmuls run in `dtype` (bf16 under autocast: the product accumulates in fp32 inside the GEMM), the softmax in
+    fp32. Only [chunk, V] logits exist at a time; the forward keeps none, and the backward recomputes each chunk's
+    logits z (a checkpoint per chunk) to form, per row with upstream gradients g (log-prob) and e (entropy),
+        dL/dz = g * (onehot(label) - p) - e * p * (z - sum(p * z)),    p = softmax(z),
+    divided by the temperature for the raw logits: one more output-layer matmul and [chunk, V] memory."""
 
     @staticmethod
     def forward(
@@ -178,72 +219,173 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         labels: torch.Tensor,
         dtype: torch.dtype,
         chunk: int,
-    ) -> torch.Tensor:  # noqa: E501
+        temperature: float,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        out = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(out)
+        flat = labels.reshape(-1)
+        logp = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(labels.shape if want_entropy else (0,), dtype=torch.float32, device=hidden.device)
         for s in range(0, len(hidden), chunk):
             logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w, b).float()
-            lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
-            out[s : s + chunk] = logits.gather(1, labels[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.dtype, ctx.chunk = dtype, chunk
-        return out
+            if temperature != 1.0:
+                logits = logits / temperature
+            lp, ent = logp_and_entropy(logits, flat[s : s + chunk], want_entropy)
+            logp.view(-1)[s : s + chunk] = lp
+            if want_entropy:
+                entropy.view(-1)[s : s + chunk] = ent
+        ctx.save_for_backward(hidden, weight, bias, flat)
+        ctx.dtype, ctx.chunk, ctx.temperature, ctx.want_entropy = dtype, chunk, temperature, want_entropy
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    def backward(
+        ctx: Any, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]
+    ) -> tuple[Optional[torch.Tensor], ...]:
         hidden, weight, bias, labels = ctx.saved_tensors
+        t = ctx.temperature
         w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        g_logp = None if grad_logp is None else grad_logp.reshape(-1).float()
+        g_ent = None if grad_entropy is None or not ctx.want_entropy else grad_entropy.reshape(-1).float()
         for s in range(0, len(hidden), ctx.chunk):
-            h, g_out = hidden[s : s + ctx.chunk].to(ctx.dtype), grad_out[s : s + ctx.chunk, None].float()
-            # -g * softmax, + g at the label (softmax: one fused pass, faster than exp(logits - lse))
-            g = torch.softmax(torch.nn.functional.linear(h, w, b).float(), dim=-1).mul_(-g_out)
-            g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)
+            h = hidden[s : s + ctx.chunk].to(ctx.dtype)
+            z = torch.nn.functional.linear(h, w, b).float()
+            if t != 1.0:
+                z = z / t
+            # in place: two [chunk, V] fp32 buffers (z, p) and the gradient in ctx.dtype
+            p = torch.softmax(z, dim=-1)
+            g_out = None if g_logp is None else g_logp[s : s + ctx.chunk, None]
+            if g_ent is not None:  # -e * p * (z - E_p[z]); E_p[z] as a batched dot product (no [chunk, V] temporary)
+                z.sub_(torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).squeeze(2))
+                g = z.mul_(p).mul_(-g_ent[s : s + ctx.chunk, None])
+                if g_out is not None:
+                    g.sub_(p.mul_(g_out))
+            else:
+                g = p.mul_(-g_out)
+            if g_out is not None:  # + g at the label: g * (onehot - p) in all
+                g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)
+            if t != 1.0:
+                g.div_(t)
             g = g.to(ctx.dtype)
             grad_hidden[s : s + ctx.chunk] = g @ w
             grad_weight += (g.t() @ h).float()
             if grad_bias is not None:
                 grad_bias += g.float().sum(0)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None, None
 
 
-def chunked_token_logprobs(
-    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int = LOGPROB_CHUNK_TOKENS
-) -> torch.Tensor:
-    """log p(labels) [K] (float32) of hidden states [K, d] under the output layer `head`, chunk by chunk."""
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    weight, bias = head.weight, head.bias
-    if type(head) is not torch.nn.Linear:  # a wrapped head (FSDP2's FSDPLinear, LoRA ...): its own forward and hooks
-        # Computed as a new tensor, not `token_logprobs(...)[0]`: a view returned by the FSDP root module makes torch
-        # warn on every step that an in-place op on it would skip the pre-backward all-gather.
-        logits = head(hidden).float()
-        return logits.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, dtype, chunk)
+def _plain_linear(head: torch.nn.Module) -> bool:
+    """An output layer that is a torch Linear, as is or as FSDP2 wraps it (FSDPLinear: its class derives from
+    FSDPModule and Linear). LoRA and other wrappers add to the forward, so they are not."""
+    if type(head) is torch.nn.Linear:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(head, FSDPModule) and type(head).__bases__[1:] == (torch.nn.Linear,)
 
 
-def _forward_with_logprobs(self: Any, *args: Any, logprob_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
-    """The model's own forward, or with `logprob_labels` ([B, T] token ids, -100 where nothing is scored, aligned
-    with input_ids): log p(logprob_labels[b, t] | tokens < t) at every scored position, float32 [K] in row-major
-    order. Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any forward."""
-    if logprob_labels is None:
+def _call_as_forward(module: torch.nn.Module, function: Any, *args: Any) -> Any:
+    """Call `function(*args)` as `module`'s forward, so the module's hooks run around it: under FSDP2 the output
+    layer is its own unit, whose hooks all-gather its weight once before (not once per chunk), free it after, gather it
+    again before the backward and reduce-scatter its gradient. The instance attribute shadows the class's forward
+    only for this call (as fp32_head does for good)."""
+    previous = module.__dict__.get("forward")
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def _wrapped_head_scores(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, temperature: float, want_entropy: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """logp_and_entropy of one chunk through the head's own forward (a LoRA-wrapped head adds its adapter there)."""
+    logits = head(hidden).float()
+    return logp_and_entropy(logits / temperature if temperature != 1.0 else logits, labels, want_entropy)
+
+
+def chunked_token_scores(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    chunk: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log p(labels) and (entropy=True) the entropy, float32 shaped like `labels`, of hidden states [K, d] under the
+    output layer `head` and softmax(logits / temperature), [chunk, vocab] logits at a time, forward and backward.
+
+    A Linear head (FSDP2's FSDPLinear too) runs _ChunkedTokenScores inside its own module call (_call_as_forward);
+    any other head (LoRA's) runs its forward per chunk under activation checkpointing (recomputed in the backward)."""
+    device, chunk = hidden.device.type, chunk or LOGPROB_CHUNK_TOKENS
+    if _plain_linear(head):
+
+        def scores(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # read inside the module call: under FSDP2, head.weight is the gathered weight only there
+            weight, bias = head.weight, head.bias
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+            return _ChunkedTokenScores.apply(h, weight, bias, labels, dtype, chunk, temperature, entropy)
+
+        logp, ent = _call_as_forward(head, scores, hidden)
+        return logp, ent if entropy else None
+    from torch.utils.checkpoint import checkpoint
+
+    flat, parts = labels.reshape(-1), []
+    for s in range(0, len(hidden), chunk):
+        args = (hidden[s : s + chunk], head, flat[s : s + chunk], temperature, entropy)
+        parts.append(checkpoint(_wrapped_head_scores, *args, use_reentrant=False))
+    # new tensors of labels' shape (cat copies; clone: a view returned by an FSDP root module makes torch warn)
+    logp = torch.cat([p[0] for p in parts]).view(labels.shape).clone()
+    ent = torch.cat([p[1] for p in parts]).view(labels.shape).clone() if entropy else None
+    return logp, ent
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Where labels aligned with input_ids ([B, T], -100 where nothing is scored) are predicted: the flat indices
+    b * T + t of the positions t whose next token labels[b, t + 1] is scored, row-major. Their number depends on the
+    values: on a device tensor this waits for the device (a host sync), so the training loops compute it on the host
+    batch (with_scored_index)."""
+    scored = torch.zeros_like(labels, dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != -100
+    return scored.reshape(-1).nonzero().squeeze(1)
+
+
+def _forward_with_logprobs(self: Any, *args: Any, token_scoring: Optional[TokenScoring] = None, **kwargs: Any) -> Any:
+    """The model's own forward, or with `token_scoring` (TokenScoring) the log-prob head on its last hidden states: a
+    TokenScores. Runs inside the model's forward, so DDP/FSDP hooks and accelerate's autocast wrap it like any
+    forward."""
+    if token_scoring is None:
         return type(self).forward(self, *args, **kwargs)
-    labels = logprob_labels[:, 1:]
-    scored = labels != -100
-    kwargs["use_cache"] = False  # left as None, transformers fills a KV cache in training too
+    kwargs.setdefault("use_cache", False)  # left as None, transformers fills a KV cache in training too
+    kwargs.pop("logits_to_keep", None)
+    positions, labels, temperature, want_entropy = token_scoring
     if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
-        logits = type(self).forward(self, *args, **kwargs).logits[:, :-1]
-        return token_logprobs(logits, labels)[scored]
-    hidden = getattr(self, self.base_model_prefix)(*args, **kwargs).last_hidden_state[:, :-1]
-    return chunked_token_logprobs(hidden[scored], self.get_output_embeddings(), labels[scored])
+        out = type(self).forward(self, *args, **kwargs)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[positions].float()  # [*labels.shape, V]
+        logp, ent = logp_and_entropy(logits / temperature, labels, want_entropy)
+        return TokenScores(logp, ent, out.past_key_values)
+    out = getattr(self, self.base_model_prefix)(*args, **kwargs)
+    hidden = out.last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[positions.reshape(-1)]
+    logp, ent = chunked_token_scores(hidden, self.get_output_embeddings(), labels, temperature, want_entropy)
+    return TokenScores(logp, ent, getattr(out, "past_key_values", None) if kwargs["use_cache"] else None)
 
 
 def add_logprob_head(model: Any) -> Any:
-    """Give a causal LM the `logprob_labels` forward (see _forward_with_logprobs); its plain forward is unchanged
+    """Give a causal LM the `token_scoring` forward (see _forward_with_logprobs); its plain forward is unchanged
     (generation, export). Set on the instance, so checkpoints and parameter names are untouched; LoRA (peft) and
     DDP/FSDP/accelerate wrap it afterwards and pass the keyword through."""
     import functools
@@ -383,20 +525,39 @@ def scored_logprobs(
     the batch holds."""
     from open_instruct.data import batch_sequences
 
-    logps = model(**forward_inputs(batch), logprob_labels=labels, use_cache=False)
-    scored = labels[:, 1:] != -100
-    if not isinstance(logps, torch.Tensor):  # a model without add_logprob_head ignored the keyword: full logits
-        logps = token_logprobs(logps.logits[:, :-1], labels[:, 1:])[scored]
-    owner = batch["sequence_ids"][:, 1:][scored] if is_packed(batch) else scored.nonzero()[:, 0]
+    # the batch's host-computed positions of these labels (with_scored_index), else found here (a host sync)
+    positions = batch["scored_index"] if "scored_index" in batch else scored_positions(labels)
+    targets = labels.reshape(-1)[positions + 1]
+    out = model(**forward_inputs(batch), token_scoring=TokenScoring(positions, targets), use_cache=False)
+    if isinstance(out, TokenScores):
+        logps = out.logp
+    else:  # a model without add_logprob_head ignored the keyword: full logits
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[positions]
+        logps = logp_and_entropy(logits.float(), targets, False)[0]
+    width = labels.shape[1]
+    owner = batch["sequence_ids"].reshape(-1)[positions + 1] if is_packed(batch) else positions // width
     return logps, owner, batch_sequences(batch)
+
+
+def trained_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tokens a batch trains on, aligned with input_ids (-100 elsewhere): a preference batch's response tokens
+    (loss_mask), or an SFT batch's labels."""
+    if "loss_mask" in batch:
+        return batch["input_ids"].masked_fill(batch["loss_mask"] == 0, -100)
+    return batch["labels"]
+
+
+def with_scored_index(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A host batch plus `scored_index`, the scored_positions of its trained_labels: computed before the batch moves
+    to the device, so scored_logprobs finds them without a host sync."""
+    return {**batch, "scored_index": scored_positions(trained_labels(batch))}
 
 
 def sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence sums of log p(token) over the tokens batch["loss_mask"] marks (responses only), padded or packed,
     and their counts. Only those tokens' positions go through the output layer (scored_logprobs)."""
-    loss_mask = batch["loss_mask"]
-    logps, owner, n = scored_logprobs(model, batch, batch["input_ids"].masked_fill(loss_mask == 0, -100))
-    return owner_sums(logps, owner, n), sequence_sums(loss_mask[:, 1:].float(), batch)
+    logps, owner, n = scored_logprobs(model, batch, trained_labels(batch))
+    return owner_sums(logps, owner, n), sequence_sums(batch["loss_mask"][:, 1:].float(), batch)
 
 
 class PairLogps(NamedTuple):
@@ -574,22 +735,31 @@ def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int)
     )
     if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return 1
-    prompts = batch["input_ids"][:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
+    # Compared on the host copy when the batch carries one (rlvr_ppo.device_batch): on the device, reading the
+    # answer would make the host wait for the device once per micro-batch.
+    ids = batch.get("host_input_ids", batch["input_ids"])
+    prompts = ids[:, : width - batch["responses"].shape[1]].view(n // group, group, -1)
     return group if bool((prompts == prompts[:, :1]).all()) else 1
 
 
 def shared_prefix_forward(
-    module: Any, batch: dict[str, torch.Tensor], group: int, feed_last: bool
+    module: Any,
+    batch: dict[str, torch.Tensor],
+    group: int,
+    feed_last: bool,
+    first_kwargs: Optional[dict[str, Any]] = None,
+    rest_kwargs: Optional[dict[str, Any]] = None,
 ) -> Optional[tuple[Any, Any]]:
     """Run each shared prompt once (rows 0, group, 2*group, ...) with a cache, repeat the cache `group` times and run
     the responses on it. Returns (prompt output, response output or None), or None when the module returns no cache
     (Hugging Face turns the cache off under activation checkpointing): callers then run the plain forward.
-    feed_last: also feed the last response column (needed for hidden states, not for next-token logits)."""
+    feed_last: also feed the last response column (needed for hidden states, not for next-token logits).
+    first_kwargs / rest_kwargs: more keywords of the two calls (default: the prompt call keeps the last logits only)."""
     width = batch["input_ids"].shape[1]
     width_p = width - batch["responses"].shape[1]
     end = width if feed_last else width - 1
     ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    kwargs = {} if feed_last else {"logits_to_keep": 1}
+    kwargs = first_kwargs if first_kwargs is not None else {} if feed_last else {"logits_to_keep": 1}
     first = module(
         input_ids=ids[::group, :width_p],
         attention_mask=mask[::group, :width_p],
@@ -609,6 +779,7 @@ def shared_prefix_forward(
         position_ids=pos[:, width_p:end],
         past_key_values=cache,
         use_cache=True,
+        **(rest_kwargs or {}),
     )
     return first, rest
 
@@ -641,6 +812,53 @@ def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: flo
         )
         logits = out.logits[:, :-1].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+def response_scores(
+    model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1, entropy: bool = False
+) -> TokenScores:
+    """log p(response token) under softmax(logits / temperature) and (entropy=True) that distribution's entropy at
+    every response position, float32 [B, R], through the chunked log-prob head: no [B, R, vocab] logits exist (the
+    numbers of token_logprobs(response_logits(...)) and entropy_from_logits of them).
+
+    Padded, packed (window_index) or, with group > 1, sharing each prompt's forward like response_logits."""
+    responses = batch["responses"]
+    rows, width_r = responses.shape
+    device = responses.device
+
+    def scoring(positions: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+        return {"token_scoring": TokenScoring(positions, labels, temperature, entropy)}
+
+    if is_packed(batch):  # one packed row: window_index are positions in it
+        return model(**forward_inputs(batch), **scoring(batch["window_index"][:, :-1], responses), use_cache=False)
+    group = shared_prompt_groups(model, batch, group)
+    width = batch["input_ids"].shape[1]
+    if group > 1:
+        width_p = width - width_r
+        # the prompt call's last position (of prompt row i // group) predicts response token 0 of row i; the response
+        # call (columns width_p .. width - 2) predicts tokens 1 .. R-1
+        first_at = (torch.arange(rows, device=device) // group * width_p + width_p - 1).unsqueeze(1)
+        rest_at = torch.arange(rows * (width_r - 1), device=device).view(rows, width_r - 1)
+        parts = shared_prefix_forward(
+            model, batch, group, False, scoring(first_at, responses[:, :1]), scoring(rest_at, responses[:, 1:])
+        )
+        if parts is not None:
+            first, rest = parts
+            if rest is None:
+                return TokenScores(first.logp, first.entropy)
+            return TokenScores(
+                torch.cat([first.logp, rest.logp], 1), torch.cat([first.entropy, rest.entropy], 1) if entropy else None
+            )
+    # columns width - R - 1 .. width - 2 predict the R response tokens
+    at = torch.arange(rows, device=device).unsqueeze(1) * width + torch.arange(
+        width - width_r - 1, width - 1, device=device
+    )
+    return model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        **scoring(at, responses),
+    )
 
 
 def token_values(value_model: Any, batch: dict[str, torch.Tensor], group: int = 1) -> torch.Tensor:

@@ -127,8 +127,6 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RewardModelConfig, argv)
 
-    import torch
-
     from open_instruct import data
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora
@@ -139,6 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         make_optimizer_and_scheduler,
         pair_rewards,
     )
+    from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -184,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         groups = distributed.step_micro_batches(accelerator, local, [data.packed_length(e) for e in local], cfg)
         batches = [(data.collate_preferences(mb, pad_id, cfg.packing), real) for mb, real in groups]
 
-        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=accelerator.device)
+        sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch) // 2)
@@ -198,10 +197,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 # dummy micro-batch (packing: this rank has fewer than another) counts 0.
                 accelerator.backward(losses.sum() * (world / plan.mini_batch_size if real else 0.0))
             if real:
-                sums += pair_sums(losses, chosen, rejected, center, batch.get("margin"))
+                sums.add_vector(pair_sums(losses, chosen, rejected, center, batch.get("margin")))
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        totals = distributed.global_sums(accelerator, dict(zip(STAT_KEYS, sums.tolist())))
+        totals = distributed.global_sums(accelerator, sums.read())
         metrics = summarize(totals, plan.mini_batch_size, "train")
         step_ok = run.update_is_finite(metrics["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
         if step_ok:

@@ -56,7 +56,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from open_instruct import data
 from open_instruct.batch_math import should_log
@@ -73,7 +72,7 @@ from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
 from open_instruct.lora import adapter_disabled
-from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
+from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
@@ -89,6 +88,7 @@ from open_instruct.rollouts import (
     score_rollout,
     token_version_lags,
 )
+from open_instruct.step_sums import StepSums
 
 # ---------------------------------------------------------------------------------------------------------------------
 # ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
@@ -427,12 +427,6 @@ def clipped_value_loss(
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits): H = logsumexp(z) - sum(softmax(z) * z)."""
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (F.softmax(logits, -1) * logits).sum(-1)
-
-
 def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(old || new) between the sampling policy and the current one: 0.5 * (logp - old)^2."""
     return 0.5 * (logp - old_logp) ** 2
@@ -498,6 +492,12 @@ class Advantages:
     keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
 
 
+def device_batch(host_batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+    """A collate_episodes batch moved to `device`, keeping the host's input_ids (host_input_ids): whether rows share
+    their prompt (models.shared_prompt_groups) is then decided without a host sync."""
+    return {**{k: v.to(device) for k, v in host_batch.items()}, "host_input_ids": host_batch["input_ids"]}
+
+
 def collect_rollout(
     cfg: RLVRConfig,
     models: RLModels,
@@ -529,36 +529,39 @@ def collect_rollout(
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     packed_lengths = episode_lengths(episodes, out.response_ids)
-    old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
+    mask, sampler_logp = torch.zeros(n, width), torch.zeros(n, width)
     loss_mask = torch.zeros(n, width)
     for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
         loss_mask[i, : len(lm)] = torch.tensor(lm, dtype=torch.float32)
-    rm_scores = torch.zeros(n)
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
     groups = data.micro_batches(
         list(range(n)), cfg.per_device_train_batch_size, packed_lengths, cfg.max_tokens_per_micro_batch
     )
+    # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
+    # host wait for each forward before it can queue the next).
+    device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
+    device_rm = torch.zeros(n, device=accelerator.device)
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-            batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            r = batch["responses"].shape[1]
+            host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
+            batch = device_batch(host_batch, accelerator.device)
+            r, at = batch["responses"].shape[1], torch.tensor(rows, device=accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
-                    logits = response_logits(models.policy, batch, cfg.temperature, group)
-                    old_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
+                    device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
                 if models.reference is not None:
-                    logits = reference_logits(models.reference, batch, cfg.temperature, group)
-                    ref_logp[rows, :r] = token_logprobs(logits, batch["responses"]).cpu()
+                    device_out[1][at, :r] = reference_scores(models.reference, batch, cfg.temperature, group).logp
                 if models.value is not None:
-                    old_values[rows, :r] = token_values(models.value, batch, group).cpu()
+                    device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
-                    rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
-            mask[rows, :r] = batch["mask"].cpu() * loss_mask[rows, :r]  # observation tokens: context, never trained
+                    device_rm[at] = sequence_scores(models.reward, batch, group)
+            mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
+    old_logp, ref_logp, old_values = device_out.cpu()
+    rm_scores = device_rm.cpu()
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
@@ -747,8 +750,9 @@ def micro_batch_loss(
     pad_id: int,
     device: Any,
     autocast: Callable[[], Any],
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics
+    (0-dim device tensors; a statistic the configuration does not compute is absent):
 
     loss = sum_t w_t * (keep_t * tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
@@ -756,7 +760,7 @@ def micro_batch_loss(
     off_policy_mask (1 when no mask is set)."""
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    batch = {k: v.to(device) for k, v in data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing).items()}
+    batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing), device)
     r = batch["responses"].shape[1]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -767,8 +771,8 @@ def micro_batch_loss(
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
     with autocast():  # ALGO LOGIC: the loss terms
-        logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
-        logp = token_logprobs(logits, batch["responses"])
+        scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
+        logp = scores.logp
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
         if cfg.truncated_importance_sampling:
@@ -791,22 +795,23 @@ def micro_batch_loss(
             value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
-    stats = dict.fromkeys(TRAIN_STATS + TOKEN_SUMS, 0.0)
+    stats: dict[str, torch.Tensor] = {}  # 0-dim tensors on the device, read once per optimizer step (StepSums)
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
-            stats["kl_loss"], stats["kl_sum"] = float(masked_sum(kl, w)), float(masked_sum(kl, mask))
+            stats["kl_loss"], stats["kl_sum"] = masked_sum(kl, w), masked_sum(kl, mask)
         if models.value is not None:
-            stats["value_loss"] = float(masked_sum(vf, w_value))
-            stats["vf_clipfrac"] = float(masked_sum(vf_clipped, w_value))
-        stats["policy_loss"] = float(masked_sum(pg.detach(), w))
-        stats["pg_clipfrac"] = float(masked_sum(pg_clipped, w))
-        stats["approx_kl"] = float(masked_sum(approx_kl(logp.detach(), old_logp), w))
-        stats["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), w))
+            stats["value_loss"] = masked_sum(vf, w_value)
+            stats["vf_clipfrac"] = masked_sum(vf_clipped, w_value)
+        stats["policy_loss"] = masked_sum(pg.detach(), w)
+        stats["pg_clipfrac"] = masked_sum(pg_clipped, w)
+        stats["approx_kl"] = masked_sum(approx_kl(logp.detach(), old_logp), w)
+        stats["entropy"] = masked_sum(scores.entropy.detach(), w)
         # How far the sampling engine's log-probs are from the trainer's (what truncated IS corrects).
         log_ratio = (old_logp - take(rollout.sampler_logp)) * mask
-        stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
-        stats["masked_tokens"] = float(((1.0 - pg_kept) * mask).sum())
-        stats["sampler_ratio_max"] = float(torch.exp(log_ratio[mask > 0].max())) if mask.any() else 0.0
+        stats["tokens"], stats["sampler_abs_diff"] = mask.sum(), log_ratio.abs().sum()
+        stats["masked_tokens"] = ((1.0 - pg_kept) * mask).sum()
+        # max over real tokens; none: exp(-inf) = 0 (a masked max, not a boolean index: no host sync)
+        stats["sampler_ratio_max"] = torch.exp(log_ratio.masked_fill(mask <= 0, float("-inf")).max())
     return loss_sum, stats
 
 
@@ -830,8 +835,9 @@ def update(
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", "sampler_ratio_max")
+    names = (*TRAIN_STATS, "grad_norm", "value_grad_norm", "skipped", "empty")
     totals = dict.fromkeys(names, 0.0)
+    token_sums = StepSums(TOKEN_SUMS, accelerator.device, maxima=("sampler_ratio_max",))  # read after the epochs
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
         random.Random(derived_seed(cfg.seed, step, accelerator.process_index, epoch)).shuffle(units)
@@ -845,7 +851,7 @@ def update(
                 counters.optimizer_step += 1
                 totals["empty"] += 1
                 continue
-            sums = dict.fromkeys(TRAIN_STATS, 0.0)
+            step_sums = StepSums(TRAIN_STATS, accelerator.device)  # read once per optimizer step
             micro_rows = data.micro_batches(
                 mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
             )
@@ -860,12 +866,9 @@ def update(
                     accelerator.backward(loss_sum * (world / global_units if real else 0.0))
                 if not real:
                     continue
-                for k in TRAIN_STATS:
-                    sums[k] += stats[k]
-                for k in TOKEN_SUMS if epoch == 0 else ():
-                    totals[k] += stats[k]
-                totals["sampler_ratio_max"] = max(totals["sampler_ratio_max"], stats["sampler_ratio_max"])
-            sums = global_sums(accelerator, sums)
+                step_sums.add(stats)
+                token_sums.add(stats if epoch == 0 else {"sampler_ratio_max": stats["sampler_ratio_max"]})
+            sums = global_sums(accelerator, step_sums.read())
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
             if models.value is not None:
@@ -885,7 +888,7 @@ def update(
             totals["grad_norm"] += float(grad_norm)
             totals["value_grad_norm"] += float(value_grad_norm)
             totals["skipped"] += int(not step_ok)
-    return totals
+    return {**totals, **token_sums.read()}
 
 
 def log_row(
@@ -971,10 +974,10 @@ def log_row(
 # Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
 
 
-def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> torch.Tensor:
-    """The reference's response logits; under LoRA the reference is the policy with its adapters disabled."""
+def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
+    """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
     with adapter_disabled(reference):
-        return response_logits(reference, batch, temperature, group)
+        return response_scores(reference, batch, temperature, group)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

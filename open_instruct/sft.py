@@ -72,7 +72,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct import data
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora
-    from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler
+    from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler, with_scored_index
+    from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -110,11 +111,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b, real in batches if real)
         global_tokens = distributed.global_sum(accelerator, local_tokens)
 
-        loss_sum_local = 0.0
+        sums = StepSums(("loss",), accelerator.device)  # read once, after the micro-batches (no per-batch sync)
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            # scored positions found on the host: no host sync per micro-batch
+            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():
@@ -122,10 +124,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 # DDP/FSDP average gradients over ranks, so scale by world size to get the global token mean; a
                 # dummy micro-batch (packing: this rank has fewer than another) counts 0.
                 accelerator.backward(loss_sum * (world / global_tokens if real else 0.0))
-            loss_sum_local += loss_sum.item() if real else 0.0
+            if real:
+                sums.add({"loss": loss_sum})
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        loss = distributed.global_sum(accelerator, loss_sum_local) / global_tokens
+        loss = distributed.global_sum(accelerator, sums.read()["loss"]) / global_tokens
         step_ok = run.update_is_finite(loss, grad_norm=grad_norm)  # else: stop (exit 3), or skip by on_nonfinite
         if step_ok:
             optimizer.step()

@@ -14,6 +14,8 @@ What is proved, from inside the training processes and from their outputs:
   losses, which differ from step to step, same final weights);
 - generation from sharded weights (full_params) with ranks stopping at different lengths, and a frozen sharded
   model (prepare_frozen), give the unsharded model's outputs (tests/_fsdp_worker.py);
+- the chunked log-prob head runs chunked under FSDP2, where accelerate makes lm_head its own unit (an FSDPLinear),
+  and gives the unsharded model's log-probs, entropies and gradients (tests/_fsdp_head_worker.py);
 - without the work-around, the FSDP config on CPU stops with a clear error instead of silently training unsharded.
 """
 
@@ -543,6 +545,32 @@ def test_generation_and_frozen_models_under_fsdp(tmp_path, tiny_models):
         assert r["new_tokens"] == (4 if rank == 0 else 11)  # ranks generated different lengths, no deadlock
         assert r["generated"] == r["expected"] and r["generated_frozen"] == r["expected"]
         assert r["after_step_logits_max_diff"] <= 1e-5 and r["step_moved_logits_by"] > 1e-3
+
+
+@pytest.mark.slow
+def test_chunked_logprob_head_under_fsdp(tmp_path, tiny_models):
+    """accelerate makes lm_head its own FSDP unit (FSDPLinear); the log-prob head still runs chunked there (no
+    full-logits fallback): RL's log-probs/entropies and SFT/DPO's sums, forward and backward, make no tensor of more
+    than one chunk (2) of vocabulary-wide rows, and equal the unsharded model's full-logit numbers and gradients."""
+    from tolerances import chain_atol, decoder_reduction_lengths
+    from transformers import AutoConfig
+
+    cmd, env = command("tests/_fsdp_head_worker.py", [tiny_models["causal_lm"], str(tmp_path)], "fsdp")
+    run_all([(cmd, env, str(tmp_path / "worker.log"))])
+    lengths = decoder_reduction_lengths(AutoConfig.from_pretrained(tiny_models["causal_lm"]), 7)
+    for rank in (0, 1):
+        with open(tmp_path / f"head_rank{rank}.json") as f:
+            r = json.load(f)
+        assert r["head_class"] == "FSDPLinear" and r["head_is_fsdp_unit"] and r["head_sharded"] and r["head_is_chunked"]
+        assert r["chunked_calls_rl"] == 1 and r["chunked_calls_sft"] == 1  # one head call per forward, chunked inside
+        assert r["vocab_rows_rl"] <= 2 and r["vocab_rows_sft"] <= 2 < r["full_logits_rows"]
+        # two evaluation orders of the decoder (tests/tolerances.py); a log-prob or entropy is two logit-sized terms,
+        # a sum up to 6 of them; a gradient runs the chain forward and back
+        value_bound = 2 * chain_atol(lengths, r["logits_max"])
+        assert r["rl_logp_max_diff"] <= value_bound and r["rl_entropy_max_diff"] <= value_bound
+        assert r["sft_sums_max_diff"] <= 6 * value_bound and r["sft_sums_vs_unsharded_head"] <= 6 * value_bound
+        assert r["rl_grad_max_diff"] <= chain_atol(2 * lengths, r["rl_grad_max"])
+        assert r["sft_grad_max_diff"] <= chain_atol(2 * lengths, r["sft_grad_max"])
 
 
 @pytest.mark.slow

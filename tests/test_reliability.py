@@ -809,7 +809,7 @@ def test_rlvr_skip_counts_the_skipped_ppo_update(tiny_models, task, tmp_path, mo
     from open_instruct import rlvr_ppo
 
     # training forwards: 2 mini-batches per rollout, so call 3 is rollout 2's first PPO update
-    nan_in_training(monkeypatch, rlvr_ppo, "response_logits", 3, lambda out: out * float("nan"))
+    nan_in_training(monkeypatch, rlvr_ppo, "response_scores", 3, lambda out: out._replace(logp=out.logp * float("nan")))
     out = tmp_path / "out"
     rlvr_ppo.main(rl_argv(tiny_models, task, out, "--on_nonfinite", "skip", "--total_episodes", "32"))
     train = [r for r in read_rows(str(out)) if "train/skipped_updates" in r]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from open_instruct.data import collate_episodes
+from open_instruct.models import entropy_from_logits
 from open_instruct.rlvr_ppo import (
     approx_kl,
     clipped_value_loss,
-    entropy_from_logits,
     episode_score,
     gae_advantages,
     group_advantages,
