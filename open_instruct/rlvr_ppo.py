@@ -72,6 +72,13 @@ from open_instruct.distributed import (
 from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.generation_check import (
+    MISMATCH_SUMS,
+    GenerationChecker,
+    mismatch_metrics,
+    mismatch_token_sums,
+    mismatch_warnings,
+)
 from open_instruct.lora import adapter_disabled
 from open_instruct.models import load_tokenizer, response_logits, sequence_scores, token_logprobs, token_values
 from open_instruct.rewards import combine_rewards
@@ -735,7 +742,8 @@ def cispo(
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
 TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
-TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
+TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens", *MISMATCH_SUMS)
+TOKEN_MAXES = ("sampler_ratio_max", "mismatch_abs_max")
 
 
 def micro_batch_loss(
@@ -807,6 +815,7 @@ def micro_batch_loss(
         stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
         stats["masked_tokens"] = float(((1.0 - pg_kept) * mask).sum())
         stats["sampler_ratio_max"] = float(torch.exp(log_ratio[mask > 0].max())) if mask.any() else 0.0
+        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap))  # the mismatch/ metrics' sums
     return loss_sum, stats
 
 
@@ -830,7 +839,7 @@ def update(
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", "sampler_ratio_max")
+    names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", *TOKEN_MAXES)
     totals = dict.fromkeys(names, 0.0)
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
@@ -864,7 +873,8 @@ def update(
                     sums[k] += stats[k]
                 for k in TOKEN_SUMS if epoch == 0 else ():
                     totals[k] += stats[k]
-                totals["sampler_ratio_max"] = max(totals["sampler_ratio_max"], stats["sampler_ratio_max"])
+                for k in TOKEN_MAXES:
+                    totals[k] = max(totals[k], stats[k])
             sums = global_sums(accelerator, sums)
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
@@ -912,6 +922,7 @@ def log_row(
             "sampler_abs_diff": train["sampler_abs_diff"],
             "lag": float(sum(rollout.policy_lag)),
             "masked_tokens": train["masked_tokens"],
+            **{k: train[k] for k in MISMATCH_SUMS},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
@@ -945,6 +956,11 @@ def log_row(
         ),
         **{f"train/version_lag_{k}": ep[f"lag_{k}"] / max(ep["lag_tokens"], 1.0) for k in range(cfg.async_steps + 1)},
     }
+    # sampler vs trainer per sampled token (docs/trusted-generation.md), with a warning line past the levels
+    row.update(mismatch_metrics(ep, global_max(run.accelerator, train["mismatch_abs_max"])))
+    if run.accelerator.is_main_process:
+        for line in mismatch_warnings(row, cfg.mismatch_warn_kl, cfg.mismatch_warn_beyond_cap):
+            print(f"warning: rollout {run.counters.rollout_step}: {line}", flush=True)
     if cfg.is_mask_low is not None or cfg.is_mask_high is not None or cfg.max_sequence_lag is not None:
         row["train/masked_token_fraction"] = ep["masked_tokens"] / max(ep["tokens"], 1.0)
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
@@ -991,6 +1007,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
+    # every sync under a deadline; the first checks the generator against the trainer, the others the weights it got
+    checker = GenerationChecker.from_config(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -1006,7 +1024,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return [train[i] for i in stream.local_slice(global_idx, rank, world)]
 
     sampler = RolloutSampler(
-        cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments
+        cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments, checker
     )
     if cfg.async_steps:  # the rollouts in flight are drained into every checkpoint and taken back on resume
         run.checkpoint_state["rollout_buffer"] = sampler.state_dict
@@ -1049,6 +1067,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 {
                     **log_row(cfg, rollout, advantages, train_stats, plan, run),
                     **clock.report(accelerator, plan.episodes_per_rollout),
+                    **checker.last,
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:
