@@ -267,3 +267,42 @@ def test_compare_flags_missing_scores():
     short.logprobs[0] = short.logprobs[0][:-1]
     assert compare(short, trainer).abs_max == math.inf
     assert compare(trainer, trainer).abs_max == 0.0
+
+
+# ------------------------------------------------------------------------------------------ in a run
+def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_models):
+    """Two PPO rollouts on hf (two epochs: the trainer's log-probs before the update are a separate forward, so the
+    mismatch is the generator's sampling vs the trainer's scoring of the same weights): every sync checked with
+    margin, the mismatch/ metrics in every row, and the sampler and trainer agreeing to float32 rounding."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from demo import synthetic
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = synthetic.write_task_files(str(tmp_path / "data"), n_train=64, n_eval=8)
+    out_dir = str(tmp_path / "run")
+    args = [
+        os.path.join(repo, "open_instruct", "rlvr_ppo.py"),
+        os.path.join(repo, "configs", "rlvr_tiny.yaml"),
+        *("--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", files["rl_train"]),
+        *("--eval_dataset_name_or_path", files["rl_eval"], "--output_dir", out_dir, "--total_episodes", "64"),
+        *("--local_rollout_batch_size", "8", "--per_device_train_batch_size", "16", "--eval_steps", "100"),
+        *("--checkpointing_steps", "100"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "train/correct_rate" in r]
+    assert len(rows) == 2
+    for row in rows:
+        print({k: v for k, v in row.items() if k.startswith(("check/", "mismatch/"))})
+        assert row["check/margin"] > 1
+        # the same fp32 module samples and scores: only the sampler's batched vs the trainer's padded forward differ
+        assert 0 <= row["mismatch/abs_mean"] <= row["mismatch/abs_max"] < Limits.for_dtype(torch.float32, 1.0).abs_max
+        # k3 = e^r - 1 - r <= r^2 for |r| < 1, plus float32 rounding of expm1(r) - r
+        k3_bound = row["mismatch/abs_max"] ** 2 + unit_roundoff(torch.float32) * row["mismatch/abs_max"]
+        assert row["mismatch/beyond_tis_cap"] == 0.0 and abs(row["mismatch/k3_kl"]) <= k3_bound
