@@ -234,7 +234,6 @@ class GenerationChecker:
     mode: str = "stop"
     sync_timeout: float = 600.0
     autocast: Callable[[], ContextManager[Any]] = field(default=lambda: torch.autocast("cpu", enabled=False))
-    unwrap: Callable[[Any], Any] = field(default=lambda m: m)
     launched: bool = False
     previous: Optional[TokenScores] = None  # the trainer's probe scores at the last checked version
     last: dict[str, float] = field(default_factory=dict)  # the last check's numbers (check/ metrics)
@@ -256,15 +255,14 @@ class GenerationChecker:
             cfg.generation_check,
             cfg.weight_sync_timeout,
             accelerator.autocast,
-            accelerator.unwrap_model,
         )
 
     # ------------------------------------------------------------------------------------------------ scoring
     def trainer_scores(self) -> TokenScores:
-        from open_instruct.distributed import full_params
-
-        with full_params(self.policy), self.autocast():
-            return forward_scores(self.unwrap(self.policy), self.probe.prompts, self.probe.continuations)
+        """The trainer's forward as it scores rollouts: the prepared (maybe sharded) policy under the run's autocast
+        (FSDP gathers layer by layer, as in training: collective, every rank calls it)."""
+        with self.autocast():
+            return forward_scores(self.policy, self.probe.prompts, self.probe.continuations)
 
     def generator_scores(self, top_k: int) -> dict[str, TokenScores]:
         with self.generator.generation_context(self.policy):
@@ -278,6 +276,7 @@ class GenerationChecker:
         run_with_deadline(lambda: self.generator.sync_weights(model, version), self.sync_timeout, what)
         if self.mode == "off":
             return
+        t0 = time.perf_counter()
         failure, trainer = self.check(version)
         if failure and self.launched:  # a sync that went wrong once: send again, then judge
             warnings.warn(f"generation check after weight sync {version} failed, re-sending once: {failure}")
@@ -285,6 +284,7 @@ class GenerationChecker:
             failure, trainer = self.check(version)
         launch = not self.launched
         self.launched, self.previous = True, trainer
+        self.last["check/seconds"] = time.perf_counter() - t0  # the probe forwards on both sides (and any retry)
         if failure:
             self.fail(failure, launch)
 
