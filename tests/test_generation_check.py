@@ -306,3 +306,28 @@ def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_
         # k3 = e^r - 1 - r <= r^2 for |r| < 1, plus float32 rounding of expm1(r) - r
         k3_bound = row["mismatch/abs_max"] ** 2 + unit_roundoff(torch.float32) * row["mismatch/abs_max"]
         assert row["mismatch/beyond_tis_cap"] == 0.0 and abs(row["mismatch/k3_kl"]) <= k3_bound
+
+
+# ------------------------------------------------------------------------------------------ the planner
+def test_the_planner_counts_the_check(repo_root, capsys):
+    """plan.py adds the probe check to every rollout: the trainer's probe forward (with its FSDP gather) and the
+    engine's prefill; off, it is gone and the rollout is that much shorter."""
+    import json
+    import os
+
+    from open_instruct import plan
+    from open_instruct.generation_check import MAX_PROBE_TOKENS, PROBE_TEXTS
+
+    assert plan.PROBE_TOKENS == len(PROBE_TEXTS) * MAX_PROBE_TOKENS
+    recipe = os.path.join(repo_root, "configs", "rlvr_8b.yaml")
+
+    def planned(*flags):
+        assert plan.main([recipe, "--num_processes", "7", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    on, off = planned(), planned("--generation_check", "off")
+    check = on["generation_check_seconds_per_rollout"]
+    assert check > 0 and off["generation_check_seconds_per_rollout"] == 0
+    assert on["rollout_seconds_sync"] - off["rollout_seconds_sync"] == pytest.approx(check, rel=1e-9)
+    assert on["phase_hours"]["generation check"] == pytest.approx(check * on["num_training_steps"] / 3600, rel=1e-9)
+    print(f"rlvr_8b on 7 GPUs: check {check:.3f} s per rollout of {on['rollout_seconds_sync']:.1f} s")
