@@ -351,31 +351,57 @@ class GenerationChecker:
 
 
 # ---------------------------------------------------------------------------------------------------- mismatch/
-MISMATCH_SUMS = ("mismatch_k3_sum", "mismatch_beyond_cap")
+def mismatch_sum_keys(async_steps: int) -> tuple[str, ...]:
+    """The per-rollout sums behind the mismatch/ metrics (besides the loop's tokens and sampler_abs_diff): k3 and
+    tokens beyond the TIS cap; under async also |dlogp| and tokens per version lag 0..async_steps."""
+    per_lag = [f"mismatch_{what}_lag_{k}" for k in range(async_steps + 1) for what in ("abs", "tokens")]
+    return ("mismatch_k3_sum", "mismatch_beyond_cap", *(per_lag if async_steps else ()))
 
 
-def mismatch_token_sums(log_ratio: torch.Tensor, mask: torch.Tensor, tis_cap: float) -> dict[str, float]:
+def mismatch_token_sums(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    tis_cap: float,
+    token_lags: Optional[Sequence[Sequence[int]]] = None,
+    async_steps: int = 0,
+) -> dict[str, float]:
     """Per micro-batch sums behind the mismatch/ metrics, r = trainer logp - sampler logp on the loss-mask tokens
     (policy tokens only in multi-turn episodes): k3 = exp(r) - 1 - r (an unbiased per-token estimate of
-    KL(sampler || trainer) on the sampled tokens), tokens whose TIS ratio exp(r) exceeds tis_cap, and max |r|."""
+    KL(sampler || trainer) on the sampled tokens), tokens whose TIS ratio exp(r) exceeds tis_cap, max |r|, and under
+    async (`token_lags`: per row, the version lag of each policy token in order) |r| and tokens per lag."""
     on = mask > 0
     r = log_ratio[on].float()
-    return {
+    sums = {
         "mismatch_k3_sum": float((torch.expm1(r) - r).sum()),
         "mismatch_beyond_cap": float((r > math.log(tis_cap)).sum()),
         "mismatch_abs_max": float(r.abs().max()) if r.numel() else 0.0,
     }
+    if async_steps and token_lags is not None:
+        lag = torch.full(mask.shape, -1, dtype=torch.long)
+        for i, lags in enumerate(token_lags):
+            where = on[i].nonzero().flatten().cpu()[: len(lags)]
+            lag[i, where] = torch.tensor(list(lags)[: len(where)], dtype=torch.long)
+        lag = lag.to(log_ratio.device)
+        for k in range(async_steps + 1):
+            at = on & (lag == k)
+            sums[f"mismatch_abs_lag_{k}"] = float(log_ratio[at].abs().sum())
+            sums[f"mismatch_tokens_lag_{k}"] = float(at.sum())
+    return sums
 
 
-def mismatch_metrics(sums: dict[str, float], abs_max: float) -> dict[str, float]:
-    """The mismatch/ row from rollout-wide sums (tokens, sampler_abs_diff, MISMATCH_SUMS) and the max |dlogp|."""
+def mismatch_metrics(sums: dict[str, float], abs_max: float, async_steps: int = 0) -> dict[str, float]:
+    """The mismatch/ row from rollout-wide sums (tokens, sampler_abs_diff, mismatch_sum_keys) and the max |dlogp|."""
     tokens = max(sums["tokens"], 1.0)
-    return {
+    row = {
         "mismatch/abs_mean": sums["sampler_abs_diff"] / tokens,
         "mismatch/abs_max": abs_max,
         "mismatch/k3_kl": sums["mismatch_k3_sum"] / tokens,
         "mismatch/beyond_tis_cap": sums["mismatch_beyond_cap"] / tokens,
     }
+    for k in range(async_steps + 1) if async_steps else ():
+        n = sums[f"mismatch_tokens_lag_{k}"]
+        row[f"mismatch/abs_mean_lag_{k}"] = sums[f"mismatch_abs_lag_{k}"] / n if n else 0.0
+    return row
 
 
 def mismatch_warnings(row: dict[str, float], warn_kl: float, warn_beyond_cap: float) -> list[str]:

@@ -73,9 +73,9 @@ from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
 from open_instruct.generation_check import (
-    MISMATCH_SUMS,
     GenerationChecker,
     mismatch_metrics,
+    mismatch_sum_keys,
     mismatch_token_sums,
     mismatch_warnings,
 )
@@ -742,7 +742,7 @@ def cispo(
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
 TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
-TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens", *MISMATCH_SUMS)
+TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
 TOKEN_MAXES = ("sampler_ratio_max", "mismatch_abs_max")
 
 
@@ -815,7 +815,8 @@ def micro_batch_loss(
         stats["tokens"], stats["sampler_abs_diff"] = float(mask.sum()), float(log_ratio.abs().sum())
         stats["masked_tokens"] = float(((1.0 - pg_kept) * mask).sum())
         stats["sampler_ratio_max"] = float(torch.exp(log_ratio[mask > 0].max())) if mask.any() else 0.0
-        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap))  # the mismatch/ metrics' sums
+        token_lags = [rollout.token_lags[j] for j in rows] if rollout.token_lags else None
+        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap, token_lags, cfg.async_steps))  # mismatch/
     return loss_sum, stats
 
 
@@ -839,7 +840,8 @@ def update(
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", *TOKEN_MAXES)
+    token_sums = (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps))
+    names = (*TRAIN_STATS, *token_sums, "grad_norm", "value_grad_norm", "skipped", "empty", *TOKEN_MAXES)
     totals = dict.fromkeys(names, 0.0)
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
@@ -871,7 +873,7 @@ def update(
                     continue
                 for k in TRAIN_STATS:
                     sums[k] += stats[k]
-                for k in TOKEN_SUMS if epoch == 0 else ():
+                for k in token_sums if epoch == 0 else ():
                     totals[k] += stats[k]
                 for k in TOKEN_MAXES:
                     totals[k] = max(totals[k], stats[k])
@@ -922,7 +924,7 @@ def log_row(
             "sampler_abs_diff": train["sampler_abs_diff"],
             "lag": float(sum(rollout.policy_lag)),
             "masked_tokens": train["masked_tokens"],
-            **{k: train[k] for k in MISMATCH_SUMS},
+            **{k: train[k] for k in mismatch_sum_keys(cfg.async_steps)},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
@@ -957,7 +959,7 @@ def log_row(
         **{f"train/version_lag_{k}": ep[f"lag_{k}"] / max(ep["lag_tokens"], 1.0) for k in range(cfg.async_steps + 1)},
     }
     # sampler vs trainer per sampled token (docs/trusted-generation.md), with a warning line past the levels
-    row.update(mismatch_metrics(ep, global_max(run.accelerator, train["mismatch_abs_max"])))
+    row.update(mismatch_metrics(ep, global_max(run.accelerator, train["mismatch_abs_max"]), cfg.async_steps))
     if run.accelerator.is_main_process:
         for line in mismatch_warnings(row, cfg.mismatch_warn_kl, cfg.mismatch_warn_beyond_cap):
             print(f"warning: rollout {run.counters.rollout_step}: {line}", flush=True)

@@ -119,6 +119,14 @@ def test_mismatch_sums_by_hand():
     lines = mismatch_warnings(row, warn_kl=1e-3, warn_beyond_cap=0.01)
     assert len(lines) == 2 and "mismatch/k3_kl" in lines[0] and "mismatch/beyond_tis_cap 0.333" in lines[1]
     assert mismatch_warnings(row, warn_kl=1.0, warn_beyond_cap=0.5) == []
+    # async 1: the three policy tokens were sampled with lags (0, 1, 1); the masked one carries none
+    lagged = mismatch_token_sums(r, mask, 2.0, token_lags=[[0, 1, 1]], async_steps=1)
+    assert (lagged["mismatch_tokens_lag_0"], lagged["mismatch_tokens_lag_1"]) == (1.0, 2.0)
+    assert lagged["mismatch_abs_lag_0"] == 0.0
+    assert lagged["mismatch_abs_lag_1"] == pytest.approx(math.log(6.0), rel=1e-6)
+    per_lag = mismatch_metrics({"tokens": 3.0, "sampler_abs_diff": math.log(6.0), **lagged}, 0.0, async_steps=1)
+    assert per_lag["mismatch/abs_mean_lag_0"] == 0.0
+    assert per_lag["mismatch/abs_mean_lag_1"] == pytest.approx(math.log(6.0) / 2, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ launch check
@@ -270,10 +278,12 @@ def test_compare_flags_missing_scores():
 
 
 # ------------------------------------------------------------------------------------------ in a run
-def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_models):
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_models, async_steps):
     """Two PPO rollouts on hf (two epochs: the trainer's log-probs before the update are a separate forward, so the
     mismatch is the generator's sampling vs the trainer's scoring of the same weights): every sync checked with
-    margin, the mismatch/ metrics in every row, and the sampler and trainer agreeing to float32 rounding."""
+    margin, the mismatch/ metrics in every row, and the sampler and trainer agreeing to float32 rounding. Async 1:
+    the second rollout was sampled one version back, so its tokens all have lag 1 and differ by the update."""
     import json
     import os
     import subprocess
@@ -290,7 +300,7 @@ def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_
         *("--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", files["rl_train"]),
         *("--eval_dataset_name_or_path", files["rl_eval"], "--output_dir", out_dir, "--total_episodes", "64"),
         *("--local_rollout_batch_size", "8", "--per_device_train_batch_size", "16", "--eval_steps", "100"),
-        *("--checkpointing_steps", "100"),
+        *("--checkpointing_steps", "100", "--async_steps", str(async_steps)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     done = subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
@@ -298,9 +308,19 @@ def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "train/correct_rate" in r]
     assert len(rows) == 2
+    for row in rows:  # the warning line a user sees (default mismatch_warn_kl 1e-3), exactly when it is crossed
+        line = f"warning: rollout {row['rollout_step']}: mismatch/k3_kl"
+        assert (line in done.stdout) == (row["mismatch/k3_kl"] > 1e-3), done.stdout[-2000:]
     for row in rows:
         print({k: v for k, v in row.items() if k.startswith(("check/", "mismatch/"))})
         assert row["check/margin"] > 1
+        if async_steps:
+            assert row["train/version_lag_1"] in (0.0, 1.0)
+            lagged = row["mismatch/abs_mean_lag_1"]
+            if row["train/version_lag_1"] == 1.0:  # sampled before the update: off by the update, not by rounding
+                assert lagged > Limits.for_dtype(torch.float32, 1.0).abs_max
+                continue
+            assert lagged == 0.0
         # the same fp32 module samples and scores: only the sampler's batched vs the trainer's padded forward differ
         assert 0 <= row["mismatch/abs_mean"] <= row["mismatch/abs_max"] < Limits.for_dtype(torch.float32, 1.0).abs_max
         # k3 = e^r - 1 - r <= r^2 for |r| < 1, plus float32 rounding of expm1(r) - r
