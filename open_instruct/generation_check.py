@@ -167,14 +167,14 @@ class Limits:
         return cls(2 * unit * scale, 16 * unit * scale, 2 * unit * unit * scale)
 
     def exceeded(self, c: Comparison) -> list[str]:
-        """The measures beyond their limit, as text (empty: within every limit)."""
+        """The limits a comparison exceeds, as text (empty: within every limit)."""
         out = []
         if not c.abs_mean <= self.abs_mean:
-            out.append(f"|dlogp| mean {c.abs_mean:.3g} > {self.abs_mean:.3g}")
+            out.append(f"mean {self.abs_mean:.3g}")
         if not c.abs_max <= self.abs_max:
-            out.append(f"|dlogp| max {c.abs_max:.3g} > {self.abs_max:.3g}")
+            out.append(f"max {self.abs_max:.3g}")
         if c.kl is not None and not c.kl <= self.kl:
-            out.append(f"KL {c.kl:.3g} > {self.kl:.3g}")
+            out.append(f"KL {self.kl:.3g}")
         return out
 
     def margin(self, c: Comparison) -> float:
@@ -311,7 +311,9 @@ class GenerationChecker:
                 worst = c
             beyond = limits.exceeded(c)
             if beyond:
-                failures.append(f"{name} at weight version {version}: {'; '.join(beyond)} ({c.text()})")
+                failures.append(
+                    f"{name} at weight version {version}: {c.text()}; beyond the limits {', '.join(beyond)}"
+                )
                 if previous is not None:
                     old = compare(scores, previous)
                     if not limits.exceeded(old) and limits.exceeded(compare(previous, trainer)):

@@ -148,7 +148,9 @@ def test_another_model_is_refused_at_launch():
     other, _ = tiny_model(1)
     gen = EngineDouble(other)
     gen.transport = lambda pairs: []
-    with pytest.raises(GenerationCheckError, match=r"launch check.*\n.*engine double.*\|dlogp\| mean .* > "):
+    with pytest.raises(
+        GenerationCheckError, match=r"launch check.*\n.*engine double.*\|dlogp\| mean .*; beyond the limits mean "
+    ):
         checker_for(gen, policy, tokenizer).sync(policy, 0)
     # the override: warn and go on
     with pytest.warns(UserWarning, match="launch check"):
@@ -190,7 +192,9 @@ def test_a_broken_sync_is_caught_at_the_next_check(transport):
     train_step(policy, seed=1)
     gen.transport = transport
     with pytest.warns(UserWarning, match="re-sending once"):  # the retry breaks the same way
-        with pytest.raises(GenerationCheckError, match=r"post-sync check.*\n.*version 1: \|dlogp\|"):
+        with pytest.raises(
+            GenerationCheckError, match=r"post-sync check.*\n.*version 1: \|dlogp\| mean .* beyond the limits"
+        ):
             checker.sync(policy, 1)
 
 
@@ -326,6 +330,36 @@ def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_
         # k3 = e^r - 1 - r <= r^2 for |r| < 1, plus float32 rounding of expm1(r) - r
         k3_bound = row["mismatch/abs_max"] ** 2 + unit_roundoff(torch.float32) * row["mismatch/abs_max"]
         assert row["mismatch/beyond_tis_cap"] == 0.0 and abs(row["mismatch/k3_kl"]) <= k3_bound
+
+
+def test_a_run_whose_generator_fails_the_launch_check_stops_before_training(tmp_path, tiny_models, monkeypatch):
+    """What a user sees: the run's generator serves another model (an engine double holding other weights, to which
+    the sync delivers nothing). The run stops at the first sync, before any rollout, naming the numbers, the likely
+    cause and the override; no rollout is logged."""
+    import os
+
+    from demo import synthetic
+    from open_instruct import rlvr_ppo
+
+    other, _ = tiny_model(seed=1)
+    double = EngineDouble(other)
+    double.transport = lambda pairs: iter(())
+    monkeypatch.setattr(rlvr_ppo, "make_generator", lambda *a, **kw: double)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = synthetic.write_task_files(str(tmp_path / "data"), n_train=64, n_eval=8)
+    out_dir = str(tmp_path / "run")
+    args = [
+        os.path.join(repo, "configs", "rlvr_tiny.yaml"),
+        *("--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", files["rl_train"]),
+        *("--eval_dataset_name_or_path", files["rl_eval"], "--output_dir", out_dir, "--total_episodes", "64"),
+        *("--local_rollout_batch_size", "8", "--per_device_train_batch_size", "16", "--eval_steps", "100"),
+    ]
+    with pytest.raises(GenerationCheckError) as stopped:
+        rlvr_ppo.main(args)
+    print(stopped.value)
+    assert "launch check" in str(stopped.value) and "--generation_check warn" in str(stopped.value)
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    assert not os.path.exists(metrics) or "train/correct_rate" not in open(metrics).read()
 
 
 # ------------------------------------------------------------------------------------------ the planner
