@@ -45,6 +45,9 @@ PROBE_TEXTS = (
     "Once upon a time, a small robot learned to paint the sky at dusk.",
 )
 PROBE_TOP_K = 20  # generator-side top-k per position for the KL estimate (vLLM's default max_logprobs is 20)
+# After a sync, the first probe sequence only: it passes through every layer, so any weight the sync missed moves it;
+# the launch check scores all of them (its job is the distribution, where more tokens give a steadier estimate).
+POST_SYNC_SEQUENCES = 1
 MAX_PROBE_TOKENS = 48  # per sequence: the probe stays a few hundred tokens whatever the tokenizer
 
 
@@ -258,15 +261,15 @@ class GenerationChecker:
         )
 
     # ------------------------------------------------------------------------------------------------ scoring
-    def trainer_scores(self) -> TokenScores:
-        """The trainer's forward as it scores rollouts: the prepared (maybe sharded) policy under the run's autocast
-        (FSDP gathers layer by layer, as in training: collective, every rank calls it)."""
+    def trainer_scores(self, n: int) -> TokenScores:
+        """The trainer's forward of the first n probe sequences as it scores rollouts: the prepared (maybe sharded)
+        policy under the run's autocast (FSDP gathers layer by layer, as in training: every rank calls it)."""
         with self.autocast():
-            return forward_scores(self.policy, self.probe.prompts, self.probe.continuations)
+            return forward_scores(self.policy, self.probe.prompts[:n], self.probe.continuations[:n])
 
-    def generator_scores(self, top_k: int) -> dict[str, TokenScores]:
+    def generator_scores(self, n: int, top_k: int) -> dict[str, TokenScores]:
         with self.generator.generation_context(self.policy):
-            return self.generator.score_tokens(self.probe.prompts, self.probe.continuations, top_k)
+            return self.generator.score_tokens(self.probe.prompts[:n], self.probe.continuations[:n], top_k)
 
     # ------------------------------------------------------------------------------------------------ checks
     def sync(self, model: Any, version: int) -> None:
@@ -274,8 +277,8 @@ class GenerationChecker:
         time); a failed post-sync check re-sends once before it stops the run."""
         what = engine_names(self.generator)
         run_with_deadline(lambda: self.generator.sync_weights(model, version), self.sync_timeout, what)
-        if self.mode == "off":
-            return
+        if self.mode == "off" or (self.launched and getattr(self.generator, "model", None) is model):
+            return  # off, or (hf) the generator samples with the very module the trainer holds: nothing was copied
         t0 = time.perf_counter()
         failure, trainer = self.check(version)
         if failure and self.launched:  # a sync that went wrong once: send again, then judge
@@ -301,9 +304,12 @@ class GenerationChecker:
         scores. An engine that fails but matches the previously checked version is named as serving that one."""
         t0 = time.perf_counter()
         launch = not self.launched
-        trainer = self.trainer_scores()
-        engines = self.generator_scores(PROBE_TOP_K if launch else 0)
+        n = len(self.probe.prompts) if launch else POST_SYNC_SEQUENCES
+        trainer = self.trainer_scores(n)
+        engines = self.generator_scores(n, PROBE_TOP_K if launch else 0)
         previous, limits = self.previous, Limits.for_dtype(self.dtype, logit_scale(trainer), self.scale)
+        if previous is not None:  # the launch check's scores: the sequences this check has
+            previous = TokenScores(previous.logprobs[:n], None, previous.full[:n])
         failures, worst = [], None
         for name, scores in engines.items():
             c = compare(scores, trainer)

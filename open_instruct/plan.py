@@ -390,15 +390,17 @@ def weight_sync_seconds(params: float, layout: GenerationLayout, world: int, a: 
     return fsdp_gather_seconds(params, world, 1, a)
 
 
-# generation_check.py's probe, at most: len(PROBE_TEXTS) x MAX_PROBE_TOKENS tokens (tests/test_generation_check.py)
-PROBE_TOKENS = 4 * 48
+# generation_check.py's post-sync probe, at most: POST_SYNC_SEQUENCES x MAX_PROBE_TOKENS tokens (the launch check's
+# four sequences run once); tests/test_generation_check.py keeps the two in step
+PROBE_TOKENS = 1 * 48
 
 
 def generation_check_seconds(
     params: float, layout: GenerationLayout, world: int, a: TimeAssumptions, flops_rate: float
 ) -> float:
-    """The probe check after each weight sync (generation_check.py): the trainer's forward of the probe (its FSDP
-    gather included) and the engine's prefill of it, one after the other; neither is hidden."""
+    """The probe check after each weight sync to an engine (generation_check.py; hf generates with the trainer's own
+    module and skips it): the trainer's forward of the probe (its FSDP gather included) and the engine's prefill of
+    it, one after the other; neither is hidden."""
     tp = layout.tensor_parallel if layout.dedicated else 1
     probe_flops = 2 * params * PROBE_TOKENS
     return probe_flops / flops_rate + fsdp_gather_seconds(params, world, 1, a) + probe_flops / (tp * flops_rate)
@@ -630,7 +632,8 @@ def rl_phases(
         decode, prefill, tool_seconds, turns = multi_turn_generation(cfg, a, decode, prefill, seqs, episodes / w)
         generation = decode + prefill + tool_seconds
     weight_sync = weight_sync_seconds(params, layout, w, a)
-    check = generation_check_seconds(params, layout, w, a, flops_rate) if cfg.generation_check != "off" else 0.0
+    checked = cfg.generation_check != "off" and layout.backend != "hf"
+    check = generation_check_seconds(params, layout, w, a, flops_rate) if checked else 0.0
 
     # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
     # their tokens fill). Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models;

@@ -370,9 +370,9 @@ def test_the_planner_counts_the_check(repo_root, capsys):
     import os
 
     from open_instruct import plan
-    from open_instruct.generation_check import MAX_PROBE_TOKENS, PROBE_TEXTS
+    from open_instruct.generation_check import MAX_PROBE_TOKENS, POST_SYNC_SEQUENCES
 
-    assert plan.PROBE_TOKENS == len(PROBE_TEXTS) * MAX_PROBE_TOKENS
+    assert plan.PROBE_TOKENS == POST_SYNC_SEQUENCES * MAX_PROBE_TOKENS
     recipe = os.path.join(repo_root, "configs", "rlvr_8b.yaml")
 
     def planned(*flags):
@@ -384,4 +384,5 @@ def test_the_planner_counts_the_check(repo_root, capsys):
     assert check > 0 and off["generation_check_seconds_per_rollout"] == 0
     assert on["rollout_seconds_sync"] - off["rollout_seconds_sync"] == pytest.approx(check, rel=1e-9)
     assert on["phase_hours"]["generation check"] == pytest.approx(check * on["num_training_steps"] / 3600, rel=1e-9)
+    assert planned("--generation_backend", "hf")["generation_check_seconds_per_rollout"] == 0  # the trainer's module
     print(f"rlvr_8b on 7 GPUs: check {check:.3f} s per rollout of {on['rollout_seconds_sync']:.1f} s")
