@@ -156,11 +156,9 @@ class RolloutSampler:
                 frozen = copy.deepcopy(self.accelerator.unwrap_model(self.policy)).eval()
             frozen.requires_grad_(False)
             self.pool.submit(self.generator.sync_weights, frozen, version)
-        elif self.checker is not None:
-            self.checker.sync(self.accelerator.unwrap_model(self.policy), version)
-            self.bytes_sent += self.generator.last_sync_bytes
-        else:
-            self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
+        else:  # checked: under a deadline, then the probe (generation_check.py)
+            send = self.checker.sync if self.checker is not None else self.generator.sync_weights
+            send(self.accelerator.unwrap_model(self.policy), version)
             self.bytes_sent += self.generator.last_sync_bytes
         self.synced = version
         return time.perf_counter() - t0
