@@ -240,8 +240,6 @@ class GenerationChecker:
     launched: bool = False
     previous: Optional[TokenScores] = None  # the trainer's probe scores at the last checked version
     last: dict[str, float] = field(default_factory=dict)  # the last check's numbers (check/ metrics)
-    checks: int = 0
-    seconds: float = 0.0  # spent checking (probe forwards), over the run
 
     @classmethod
     def from_config(
@@ -302,7 +300,6 @@ class GenerationChecker:
     def check(self, version: int) -> tuple[Optional[str], TokenScores]:
         """Compare every engine with the trainer on the probe: the failure text (None: passed), and the trainer's
         scores. An engine that fails but matches the previously checked version is named as serving that one."""
-        t0 = time.perf_counter()
         launch = not self.launched
         n = len(self.probe.prompts) if launch else POST_SYNC_SEQUENCES
         trainer = self.trainer_scores(n)
@@ -324,8 +321,6 @@ class GenerationChecker:
                     old = compare(scores, previous)
                     if not limits.exceeded(old) and limits.exceeded(compare(previous, trainer)):
                         failures[-1] += "; it matches the previous version: the new weights were not applied"
-        self.checks += 1
-        self.seconds += time.perf_counter() - t0
         if worst is not None:
             self.last = {
                 "check/probe_abs_mean": worst.abs_mean,
