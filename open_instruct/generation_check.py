@@ -239,7 +239,8 @@ class GenerationChecker:
     autocast: Callable[[], ContextManager[Any]] = field(default=lambda: torch.autocast("cpu", enabled=False))
     launched: bool = False
     previous: Optional[TokenScores] = None  # the trainer's probe scores at the last checked version
-    last: dict[str, float] = field(default_factory=dict)  # the last check's numbers (check/ metrics)
+    # the last check's numbers (check/ metrics); check/seconds: what the last sync spent checking (0: not checked)
+    last: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_config(
@@ -276,7 +277,8 @@ class GenerationChecker:
         what = engine_names(self.generator)
         run_with_deadline(lambda: self.generator.sync_weights(model, version), self.sync_timeout, what)
         if self.mode == "off" or (self.launched and getattr(self.generator, "model", None) is model):
-            return  # off, or (hf) the generator samples with the very module the trainer holds: nothing was copied
+            self.last["check/seconds"] = 0.0  # off, or (hf) it samples with the trainer's own module: nothing copied
+            return
         t0 = time.perf_counter()
         failure, trainer = self.check(version)
         if failure and self.launched:  # a sync that went wrong once: send again, then judge
@@ -291,9 +293,12 @@ class GenerationChecker:
 
     def launch_only(self) -> None:
         """The launch check without a sync (a generator that already holds the policy, e.g. hf with async copies)."""
+        self.last["check/seconds"] = 0.0
         if not self.launched and self.mode != "off":
+            t0 = time.perf_counter()
             failure, self.previous = self.check(getattr(self.generator, "version", 0))
             self.launched = True
+            self.last["check/seconds"] = time.perf_counter() - t0
             if failure:
                 self.fail(failure, launch=True)
 
