@@ -295,7 +295,7 @@ def run_ours(
             tokens = row["train/response_length"] * w.episodes_per_step
             phases = {p: row.get(f"time/{p}", 0.0) for p in PHASES}
             phases["generation_engine"] = row.get("time/generation_engine", phases["generation"])
-            phases["generation_check"] = row.get("check/seconds", 0.0)  # inside weight_sync: the probe check
+            phases["generation_check"] = row.get("time/generation_check", 0.0)  # inside weight_sync: the probe check
             steps.append(stamp(tokens, phases))
 
     tracking.MetricsLogger.log = log

@@ -2,7 +2,7 @@
 
     checker = GenerationChecker.from_config(cfg, generator, policy, tokenizer, accelerator, max_model_len)
     checker.sync(policy, version)     # every weight sync: under a deadline, then the probe fingerprint (one retry)
-    checker.last                      # the last check's numbers (check/ metrics)
+    checker.last                      # for the rollout's row: check/ (an engine's fingerprint), time/generation_check
     mismatch_token_sums(...)          # per rollout: sampler-vs-trainer sums behind the mismatch/ metrics
 
 The probe is a few fixed prompts and continuations (token ids of fixed text). Both sides score it: the generator
@@ -134,6 +134,15 @@ def coarse_kl(engine_top: dict[int, float], trainer_row: torch.Tensor) -> float:
     return max(kl, 0.0)
 
 
+def head(scores: TokenScores, n: int) -> TokenScores:
+    """The scores of the first n probe sequences."""
+    return TokenScores(
+        scores.logprobs[:n],
+        None if scores.top is None else scores.top[:n],
+        None if scores.full is None else scores.full[:n],
+    )
+
+
 def compare(engine: TokenScores, trainer: TokenScores) -> Comparison:
     gaps = [abs(a - b) for e, t in zip(engine.logprobs, trainer.logprobs) for a, b in zip(e, t)]
     if len(gaps) != sum(len(t) for t in trainer.logprobs) or not all(map(math.isfinite, gaps)):
@@ -239,8 +248,9 @@ class GenerationChecker:
     autocast: Callable[[], ContextManager[Any]] = field(default=lambda: torch.autocast("cpu", enabled=False))
     launched: bool = False
     previous: Optional[TokenScores] = None  # the trainer's probe scores at the last checked version
-    # the last check's numbers (check/ metrics); check/seconds: what the last sync spent checking (0: not checked)
+    # for the rollout's row: the last sync's fingerprint (check/) and the seconds it spent checking (time/)
     last: dict[str, float] = field(default_factory=dict)
+    at_launch: dict[str, float] = field(default_factory=dict)  # the launch check's numbers (all sequences, KL)
 
     @classmethod
     def from_config(
@@ -276,47 +286,57 @@ class GenerationChecker:
         time); a failed post-sync check re-sends once before it stops the run."""
         what = engine_names(self.generator)
         run_with_deadline(lambda: self.generator.sync_weights(model, version), self.sync_timeout, what)
-        if self.mode == "off" or (self.launched and getattr(self.generator, "model", None) is model):
-            self.last["check/seconds"] = 0.0  # off, or (hf) it samples with the trainer's own module: nothing copied
-            return
+        own_module = getattr(self.generator, "model", None) is model  # hf: it samples with the trainer's own module
+        self.last = {"time/generation_check": 0.0}
+        if self.mode == "off" or (self.launched and own_module):
+            return  # nothing was copied: nothing to check after a sync
         t0 = time.perf_counter()
-        failure, trainer = self.check(version)
+        failure, trainer, row = self.check(version)
         if failure and self.launched:  # a sync that went wrong once: send again, then judge
             warnings.warn(f"generation check after weight sync {version} failed, re-sending once: {failure}")
             run_with_deadline(lambda: self.generator.sync_weights(model, version), self.sync_timeout, what)
-            failure, trainer = self.check(version)
+            failure, trainer, row = self.check(version)
         launch = not self.launched
         self.launched, self.previous = True, trainer
-        self.last["check/seconds"] = time.perf_counter() - t0  # the probe forwards on both sides (and any retry)
+        # the rows carry the fingerprint of every sync to an engine (the same measure at launch and after, so a
+        # resumed run logs what an uninterrupted one does); hf's rows carry none
+        self.last = {**({} if own_module else row), "time/generation_check": time.perf_counter() - t0}
         if failure:
             self.fail(failure, launch)
 
     def launch_only(self) -> None:
         """The launch check without a sync (a generator that already holds the policy, e.g. hf with async copies)."""
-        self.last["check/seconds"] = 0.0
+        self.last = {"time/generation_check": 0.0}
         if not self.launched and self.mode != "off":
             t0 = time.perf_counter()
-            failure, self.previous = self.check(getattr(self.generator, "version", 0))
+            failure, self.previous, _ = self.check(getattr(self.generator, "version", 0))
             self.launched = True
-            self.last["check/seconds"] = time.perf_counter() - t0
+            self.last["time/generation_check"] = time.perf_counter() - t0
             if failure:
                 self.fail(failure, launch=True)
 
-    def check(self, version: int) -> tuple[Optional[str], TokenScores]:
-        """Compare every engine with the trainer on the probe: the failure text (None: passed), and the trainer's
-        scores. An engine that fails but matches the previously checked version is named as serving that one."""
+    def check(self, version: int) -> tuple[Optional[str], TokenScores, dict[str, float]]:
+        """Compare every engine with the trainer on the probe: the failure text (None: passed), the trainer's scores,
+        and the check/ row: the fingerprint (the first POST_SYNC_SEQUENCES sequences) of the engine closest to its
+        limits. An engine that fails but matches the previously checked version is named as serving that one. The
+        launch check's own numbers (all sequences, KL) go to `at_launch` and a printed line."""
         launch = not self.launched
         n = len(self.probe.prompts) if launch else POST_SYNC_SEQUENCES
         trainer = self.trainer_scores(n)
         engines = self.generator_scores(n, PROBE_TOP_K if launch else 0)
         previous, limits = self.previous, Limits.for_dtype(self.dtype, logit_scale(trainer), self.scale)
         if previous is not None:  # the launch check's scores: the sequences this check has
-            previous = TokenScores(previous.logprobs[:n], None, previous.full[:n])
-        failures, worst = [], None
+            previous = head(previous, n)
+        trainer_fp = head(trainer, POST_SYNC_SEQUENCES)
+        fp_limits = Limits.for_dtype(self.dtype, logit_scale(trainer_fp), self.scale)
+        failures, worst, worst_fp = [], None, None
         for name, scores in engines.items():
             c = compare(scores, trainer)
+            fp = compare(head(scores, POST_SYNC_SEQUENCES), trainer_fp)
             if worst is None or limits.margin(c) < limits.margin(worst):
                 worst = c
+            if worst_fp is None or fp_limits.margin(fp) < fp_limits.margin(worst_fp):
+                worst_fp = fp
             beyond = limits.exceeded(c)
             if beyond:
                 failures.append(
@@ -326,14 +346,20 @@ class GenerationChecker:
                     old = compare(scores, previous)
                     if not limits.exceeded(old) and limits.exceeded(compare(previous, trainer)):
                         failures[-1] += "; it matches the previous version: the new weights were not applied"
-        if worst is not None:
-            self.last = {
-                "check/probe_abs_mean": worst.abs_mean,
-                "check/probe_abs_max": worst.abs_max,
-                "check/margin": limits.margin(worst),
-                **({"check/probe_kl": worst.kl} if worst.kl is not None else {}),
+        row: dict[str, float] = {}
+        if worst_fp is not None:
+            row = {
+                "check/probe_abs_mean": worst_fp.abs_mean,
+                "check/probe_abs_max": worst_fp.abs_max,
+                "check/margin": fp_limits.margin(worst_fp),
             }
-        return "\n  ".join(failures) or None, trainer
+        if launch and worst is not None:
+            self.at_launch = {"abs_mean": worst.abs_mean, "abs_max": worst.abs_max, "margin": limits.margin(worst)}
+            if worst.kl is not None:
+                self.at_launch["kl"] = worst.kl
+            if not failures and not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+                print(f"generation check at launch: {worst.text()}; margin {limits.margin(worst):.3g}", flush=True)
+        return "\n  ".join(failures) or None, trainer, row
 
     def fail(self, failure: str, launch: bool) -> None:
         if launch:

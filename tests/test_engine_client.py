@@ -157,8 +157,8 @@ def test_generation_checks_on_a_dedicated_engine(server, monkeypatch):
     gen, model, tokenizer, *_ = server
     checker = GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.float32)
     checker.sync(model, 30)
-    print("dedicated vLLM fp32, launch check:", checker.last)
-    assert checker.last["check/margin"] > 1 and "check/probe_kl" in checker.last
+    print("dedicated vLLM fp32, launch check:", checker.at_launch)
+    assert checker.at_launch["margin"] > 1 and "kl" in checker.at_launch and checker.last["check/margin"] > 1
     honest_tensors = PolicyWeights._tensors
 
     def corrupted(self):

@@ -137,9 +137,11 @@ def test_honest_generators_pass_the_launch_check_with_margin():
     for gen in (HFGenerator(policy, tokenizer), EngineDouble(policy)):
         checker = checker_for(gen, policy, tokenizer)
         checker.sync(policy, 0)
-        print(type(gen).__name__, checker.last)
-        assert checker.launched and checker.last["check/margin"] > 1
-        assert checker.last["check/probe_kl"] == 0.0  # the same float32 module, the same probe: the same numbers
+        print(type(gen).__name__, checker.at_launch)
+        assert checker.launched and checker.at_launch["margin"] > 1
+        assert checker.at_launch["kl"] == 0.0  # the same float32 module, the same probe: the same numbers
+        # rows: an engine's fingerprint; hf samples with the trainer's module, nothing to fingerprint
+        assert ("check/margin" in checker.last) == isinstance(gen, EngineDouble)
 
 
 def test_another_model_is_refused_at_launch():
@@ -166,8 +168,8 @@ def test_another_dtype_is_refused_at_launch():
         checker_for(gen, policy, tokenizer).sync(policy, 0)
     checker = GenerationChecker(gen, policy, make_probe(tokenizer, 256), torch.bfloat16)
     checker.sync(policy, 0)
-    print("bf16 engine vs fp32 trainer under bf16 limits:", checker.last)
-    assert checker.last["check/margin"] > 1
+    print("bf16 engine vs fp32 trainer under bf16 limits:", checker.at_launch)
+    assert checker.at_launch["margin"] > 1
 
 
 # ------------------------------------------------------------------------------------------ post-sync fingerprint
@@ -312,12 +314,13 @@ def test_an_honest_rlvr_run_passes_every_check_and_logs_mismatch(tmp_path, tiny_
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "train/correct_rate" in r]
     assert len(rows) == 2
+    assert "generation check at launch: |dlogp| mean 0, max 0, KL 0 over 128 tokens" in done.stdout  # the same module
     for row in rows:  # the warning line a user sees (default mismatch_warn_kl 1e-3), exactly when it is crossed
         line = f"warning: rollout {row['rollout_step']}: mismatch/k3_kl"
         assert (line in done.stdout) == (row["mismatch/k3_kl"] > 1e-3), done.stdout[-2000:]
     for row in rows:
-        print({k: v for k, v in row.items() if k.startswith(("check/", "mismatch/"))})
-        assert row["check/margin"] > 1
+        print({k: v for k, v in row.items() if k.startswith(("check/", "mismatch/", "time/generation_check"))})
+        assert "check/margin" not in row and "time/generation_check" in row  # hf: the trainer's module, unchecked
         if async_steps:
             assert row["train/version_lag_1"] in (0.0, 1.0)
             lagged = row["mismatch/abs_mean_lag_1"]
