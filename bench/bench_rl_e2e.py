@@ -24,6 +24,8 @@ Variants (each in its own subprocess, one after another; the order rotates every
   ours_vllm_async1   the same, async_steps 1: the next rollout is generated while this one trains
   ours_hf_async1     async_steps 1 on the HF backend (generation beside training in the same process)
   ours_{hf,vllm}_asyncN  one per --async_steps value N > 1 and --async_backends entry
+  ours_..._nocheck   (opt-in) any of ours with --generation_check off: the cost of the launch and post-sync checks
+                     (docs/trusted-generation.md) is the difference to the same variant without the suffix
                      A variant this build's trainer refuses (its config check exits 2 naming async_steps, before
                      any model loads) is reported as "not supported by this build" with the trainer's message.
   trl                trl.GRPOTrainer, its best CPU settings: use_vllm false (HF generate), bf16 off, gradient
@@ -69,7 +71,7 @@ SUFFIX = " Think step by step, then give the final answer as a number."
 PHASES = ("generation", "scoring", "inference", "training", "weight_sync")
 # run order: ours and TRL alternate; async on the HF backend is refused by builds without it (reported, ~20 s)
 BASE_VARIANTS = ("ours_hf_sync", "trl", "ours_vllm_sync", "ours_vllm_async1", "ours_hf_async1")
-VARIANT_NAME = re.compile(r"ours_(hf|vllm)_(sync|async\d+)|trl|trl_vllm")
+VARIANT_NAME = re.compile(r"ours_(hf|vllm)_(sync|async\d+)(_nocheck)?|trl|trl_vllm")
 UNSUPPORTED = "not supported by this build"
 
 
@@ -255,7 +257,9 @@ def write_prompts(root: str, n: int, seed: int) -> str:
 # The children: one trainer each, stamping every optimizer step
 
 
-def ours_argv(w: Workload, model: str, data: str, out_dir: str, backend: str, async_steps: int) -> list[str]:
+def ours_argv(
+    w: Workload, model: str, data: str, out_dir: str, backend: str, async_steps: int, check: bool = True
+) -> list[str]:
     micro = w.episodes_per_step // 2
     argv = [
         "--algo", "grpo", "--model_name_or_path", model, "--dataset_name_or_path", data, "--output_dir", out_dir,
@@ -280,10 +284,12 @@ def ours_argv(w: Workload, model: str, data: str, out_dir: str, backend: str, as
         else:  # one GPU shared with the trainer: NCCL refuses two ranks on one GPU, so the host-staged transport
             argv += ["--vllm_engine_devices", "0", "--vllm_weight_transfer", "gloo"]
             argv += ["--vllm_gpu_memory_utilization", "0.3"]
-    return argv
+    return argv + ([] if check else ["--generation_check", "off"])
 
 
-def run_ours(w: Workload, model: str, data: str, out_dir: str, backend: str, async_steps: int) -> list[dict]:
+def run_ours(
+    w: Workload, model: str, data: str, out_dir: str, backend: str, async_steps: int, check: bool = True
+) -> list[dict]:
     from open_instruct import rlvr_ppo, tracking
 
     steps: list[dict] = []
@@ -295,10 +301,11 @@ def run_ours(w: Workload, model: str, data: str, out_dir: str, backend: str, asy
             tokens = row["train/response_length"] * w.episodes_per_step
             phases = {p: row.get(f"time/{p}", 0.0) for p in PHASES}
             phases["generation_engine"] = row.get("time/generation_engine", phases["generation"])
+            phases["generation_check"] = row.get("time/generation_check", 0.0)  # inside weight_sync: the probe check
             steps.append(stamp(tokens, phases))
 
     tracking.MetricsLogger.log = log
-    rlvr_ppo.main(ours_argv(w, model, data, out_dir, backend, async_steps))
+    rlvr_ppo.main(ours_argv(w, model, data, out_dir, backend, async_steps, check))
     return steps
 
 
@@ -400,7 +407,8 @@ def child(args: argparse.Namespace) -> None:
         steps = run_trl(w, args.model, args.data, args.out_dir, name == "trl_vllm")
     else:
         backend = "hf" if name.startswith("ours_hf") else "vllm_server"
-        steps = run_ours(w, args.model, args.data, args.out_dir, backend, async_steps_of(name))
+        check = not name.endswith("_nocheck")
+        steps = run_ours(w, args.model, args.data, args.out_dir, backend, async_steps_of(name), check)
     if len(steps) != w.steps:
         raise SystemExit(f"{name}: expected {w.steps} step stamps, got {len(steps)}")
     own_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -413,8 +421,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def async_steps_of(name: str) -> int:
-    """ours_vllm_async3 -> 3; sync -> 0."""
-    return int(name.rsplit("async", 1)[1]) if "async" in name else 0
+    """ours_vllm_async3 -> 3 (ours_vllm_async3_nocheck too); sync -> 0."""
+    found = re.search(r"async(\d+)", name)
+    return int(found.group(1)) if found else 0
 
 
 def python_for(name: str) -> str:

@@ -485,6 +485,16 @@ class GenerationEngineConfig:
         "Rollouts generated ahead of training (0: synchronous; N: up to N in flight, every token at most N weight "
         "versions older than the trainer that trains on it).",
     )
+    # generation_check.py: the generator must reproduce the trainer's log-probs (docs/trusted-generation.md)
+    generation_check: Literal["stop", "warn", "off"] = opt(
+        "stop", "Launch and post-sync probe checks: stop the run beyond the limits, warn and go on, or skip them."
+    )
+    generation_check_scale: float = opt(1.0, "Multiplies the probe check's dtype-derived limits.")
+    weight_sync_timeout: float = opt(600.0, "Seconds a weight sync may take before the run stops naming the engine.")
+    mismatch_warn_kl: float = opt(1e-3, "Warn when a rollout's mismatch/k3_kl (sampler vs trainer) exceeds this.")
+    mismatch_warn_beyond_cap: float = opt(
+        0.01, "Warn when a rollout's share of tokens with TIS ratio beyond tis_cap exceeds this."
+    )
 
     def resolve_defaults(self) -> None:
         super().resolve_defaults()  # type: ignore[misc]
@@ -498,7 +508,9 @@ class GenerationEngineConfig:
         _check_range(self, "vllm_gpu_memory_utilization", 0.0, 1.0, low_open=True)
         for name in ("vllm_num_engines", "vllm_tensor_parallel_size"):
             _check_positive(self, name)
-        for name in ("vllm_server_timeout", "vllm_engine_start_timeout"):
+        for name in ("vllm_server_timeout", "vllm_engine_start_timeout", "weight_sync_timeout"):
+            _check_positive(self, name)
+        for name in ("generation_check_scale", "mismatch_warn_kl", "mismatch_warn_beyond_cap"):
             _check_positive(self, name)
         _check_positive(self, "async_steps", allow_zero=True)
         if self.generation_micro_batch_size is not None:

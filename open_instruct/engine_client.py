@@ -33,6 +33,7 @@ weight-transfer engine): a `vllm_server` trainer runs in the vLLM venv.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import time
@@ -379,6 +380,37 @@ class ServerGenerator:
 
     def generation_context(self, model: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()  # the engines hold their own copy of the weights
+
+    def score_tokens(
+        self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
+    ) -> dict[str, Any]:
+        """Every engine's prompt log-probs of each continuation (`prompt_logprobs` on the token-in route: the raw
+        model, temperature 1), with the top-k per position; engines asked concurrently."""
+        from open_instruct.generation_check import TokenScores
+
+        def one(engine: int, prompt: Sequence[int], cont: Sequence[int]) -> tuple[list[float], list[dict]]:
+            sampling = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k, "stop_token_ids": self.eos_ids}
+            body = {"token_ids": list(prompt) + list(cont), "sampling_params": sampling, "output_mode": "tokens"}
+            rows = self.fleet.post(engine, "inference/v1/generate", body)["prompt_logprobs"]
+            rows = [{int(i): v for i, v in (row or {}).items()} for row in rows[len(prompt) : len(prompt) + len(cont)]]
+            logprobs = [float(row[int(t)]["logprob"]) if int(t) in row else -math.inf for row, t in zip(rows, cont)]
+            tops = [{i: float(v["logprob"]) for i, v in row.items() if int(v["rank"]) <= top_k} for row in rows]
+            return logprobs, tops
+
+        futures = {
+            k: [self.pool.submit(one, k, p, c) for p, c in zip(prompt_ids, continuation_ids)]
+            for k in range(len(self.urls))
+        }
+        out = {}
+        for k, fs in futures.items():
+            scores = TokenScores([], [] if top_k else None)
+            for f in fs:
+                logprobs, tops = f.result()
+                scores.logprobs.append(logprobs)
+                if top_k:
+                    scores.top.append(tops)
+            out[f"vLLM engine {k} ({self.urls[k]}, version {self.version})"] = scores
+        return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

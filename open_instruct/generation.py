@@ -125,6 +125,14 @@ class Generator(Protocol):
         `GenerationOutput.weight_versions`. Collective under FSDP: every rank calls it."""
         ...
 
+    def score_tokens(
+        self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
+    ) -> dict[str, Any]:
+        """The generator's own log-probs of given continuations (temperature 1, no top-p), per engine it serves from:
+        {engine name: generation_check.TokenScores} with, when top_k > 0, each position's top-k {id: log-prob}. Run
+        inside generation_context. What the launch and post-sync checks (generation_check.py) compare."""
+        ...
+
     def generation_context(self, model: Any) -> ContextManager[Any]:
         """What `generate` must run inside (hf: the FSDP-sharded policy gathered whole; engines: nothing).
         Collective under FSDP: every rank enters it, even one without prompts."""
@@ -351,6 +359,20 @@ class HFGenerator:
 
     def generation_context(self, model: Any) -> ContextManager[Any]:
         return full_params(model)
+
+    def score_tokens(
+        self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
+    ) -> dict[str, Any]:
+        from open_instruct.generation_check import forward_scores
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            scores = forward_scores(self.model, prompt_ids, continuation_ids, top_k)
+        finally:
+            self.model.train(was_training)
+        scores.full = None  # the trainer's side keeps the whole rows; a generator reports what an engine would
+        return {f"hf generator (version {self.version})": scores}
 
     def close(self) -> None:
         return None

@@ -403,6 +403,22 @@ def weight_sync_seconds(params: float, layout: GenerationLayout, world: int, a: 
     return fsdp_gather_seconds(params, world, 1, a)
 
 
+# generation_check.py's post-sync probe, at most: POST_SYNC_SEQUENCES x MAX_PROBE_TOKENS tokens (the launch check's
+# four sequences run once); tests/test_generation_check.py keeps the two in step
+PROBE_TOKENS = 1 * 48
+
+
+def generation_check_seconds(
+    params: float, layout: GenerationLayout, world: int, a: TimeAssumptions, flops_rate: float
+) -> float:
+    """The probe check after each weight sync to an engine (generation_check.py; hf generates with the trainer's own
+    module and skips it): the trainer's forward of the probe (its FSDP gather included) and the engine's prefill of
+    it, one after the other; neither is hidden."""
+    tp = layout.tensor_parallel if layout.dedicated else 1
+    probe_flops = 2 * params * PROBE_TOKENS
+    return probe_flops / flops_rate + fsdp_gather_seconds(params, world, 1, a) + probe_flops / (tp * flops_rate)
+
+
 def fsdp_gather_seconds(params: float, world: int, passes: float, a: TimeAssumptions) -> float:
     """FSDP/ZeRO-3 traffic: each pass moves the bf16 weights' (world-1)/world through every GPU's link. A training
     micro-batch makes 3 passes (all-gather for forward, again for backward, reduce-scatter of gradients), a
@@ -534,6 +550,7 @@ DOMINANT_ASSUMPTION = {
     "generation": "--response_fill / --decode_efficiency / the engines (vllm_num_engines x vllm_tensor_parallel_size; "
     "memory-bandwidth bound decoding), or async_steps 1 to hide it behind training",
     "weight sync": "--network_gb_s (engines on other nodes) or --interconnect_gb_s (engines on the training node)",
+    "generation check": "--interconnect_gb_s (the probe forward's FSDP gather), or generation_check off",
     "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
     "weight loading": "--load_gb_s",
     "verification": "--sandbox_call_seconds and --code_fraction, or more sandbox_workers (CPU cores per process)",
@@ -628,6 +645,8 @@ def rl_phases(
         decode, prefill, tool_seconds, turns = multi_turn_generation(cfg, a, decode, prefill, seqs, episodes / w)
         generation = decode + prefill + tool_seconds
     weight_sync = weight_sync_seconds(params, layout, w, a)
+    checked = cfg.generation_check != "off" and layout.backend != "hf"
+    check = generation_check_seconds(params, layout, w, a, flops_rate) if checked else 0.0
 
     # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
     # their tokens fill). Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models;
@@ -667,12 +686,13 @@ def rl_phases(
     # that neither hides (the trainer sends, the engines wait for the new weights). The overlap is taken off
     # generation in the phase table, so the phases still add up to the total.
     training = sum(train_side.values())
-    sync_rollout = rollout_seconds(generation, training, weight_sync, overlap=False)
-    async_rollout = rollout_seconds(generation, training, weight_sync, overlap=True)
+    sync_rollout = rollout_seconds(generation, training, weight_sync + check, overlap=False)
+    async_rollout = rollout_seconds(generation, training, weight_sync + check, overlap=True)
     visible_generation = max(0.0, generation - training) if layout.overlap else generation
     phases = {
         "generation": rollouts * visible_generation,
         "weight sync": rollouts * weight_sync,
+        "generation check": rollouts * check,
         **{n: rollouts * v for n, v in train_side.items()},
     }
     details = {
@@ -692,6 +712,7 @@ def rl_phases(
         "generation_seconds_per_rollout": generation,
         "training_seconds_per_rollout": training,
         "weight_sync_seconds_per_rollout": weight_sync,
+        "generation_check_seconds_per_rollout": check,
         "verification_seconds_per_rollout": train_side.get("verification", 0.0),
         "turns_per_episode": turns,
         "tool_seconds_per_rollout": tool_seconds,
@@ -1033,8 +1054,8 @@ def generation_layout_lines(p: dict[str, Any]) -> list[str]:
         )
     chosen = "async" if steps else "synchronous"
     lines.append(
-        f"  synchronous: generation + weight sync + training = {duration(p['rollout_seconds_sync'] / 3600)}; async: "
-        f"max(generation, training) + weight sync = {duration(p['rollout_seconds_async'] / 3600)}"
+        f"  synchronous: generation + weight sync + check + training = {duration(p['rollout_seconds_sync'] / 3600)}; "
+        f"async: max(generation, training) + weight sync + check = {duration(p['rollout_seconds_async'] / 3600)}"
         + (f"  (planned: {chosen})" if p["generation_dedicated"] else "  (colocated: synchronous only)")
     )
     return lines

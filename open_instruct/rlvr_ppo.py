@@ -71,6 +71,13 @@ from open_instruct.distributed import (
 from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.generation_check import (
+    GenerationChecker,
+    mismatch_metrics,
+    mismatch_sum_keys,
+    mismatch_token_sums,
+    mismatch_warnings,
+)
 from open_instruct.lora import adapter_disabled
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
@@ -739,6 +746,7 @@ def cispo(
 TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
 TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
+TOKEN_MAXES = ("sampler_ratio_max", "mismatch_abs_max")
 
 
 def micro_batch_loss(
@@ -812,6 +820,8 @@ def micro_batch_loss(
         stats["masked_tokens"] = ((1.0 - pg_kept) * mask).sum()
         # max over real tokens; none: exp(-inf) = 0 (a masked max, not a boolean index: no host sync)
         stats["sampler_ratio_max"] = torch.exp(log_ratio.masked_fill(mask <= 0, float("-inf")).max())
+        token_lags = [rollout.token_lags[j] for j in rows] if rollout.token_lags else None
+        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap, token_lags, cfg.async_steps))  # mismatch/
     return loss_sum, stats
 
 
@@ -837,7 +847,9 @@ def update(
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     names = (*TRAIN_STATS, "grad_norm", "value_grad_norm", "skipped", "empty")
     totals = dict.fromkeys(names, 0.0)
-    token_sums = StepSums(TOKEN_SUMS, accelerator.device, maxima=("sampler_ratio_max",))  # read after the epochs
+    token_sums = StepSums(  # read after the epochs
+        (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
+    )
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
         random.Random(derived_seed(cfg.seed, step, accelerator.process_index, epoch)).shuffle(units)
@@ -867,7 +879,7 @@ def update(
                 if not real:
                     continue
                 step_sums.add(stats)
-                token_sums.add(stats if epoch == 0 else {"sampler_ratio_max": stats["sampler_ratio_max"]})
+                token_sums.add(stats if epoch == 0 else {k: stats[k] for k in TOKEN_MAXES})
             sums = global_sums(accelerator, step_sums.read())
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
@@ -915,6 +927,7 @@ def log_row(
             "sampler_abs_diff": train["sampler_abs_diff"],
             "lag": float(sum(rollout.policy_lag)),
             "masked_tokens": train["masked_tokens"],
+            **{k: train[k] for k in mismatch_sum_keys(cfg.async_steps)},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
@@ -948,6 +961,11 @@ def log_row(
         ),
         **{f"train/version_lag_{k}": ep[f"lag_{k}"] / max(ep["lag_tokens"], 1.0) for k in range(cfg.async_steps + 1)},
     }
+    # sampler vs trainer per sampled token (docs/trusted-generation.md), with a warning line past the levels
+    row.update(mismatch_metrics(ep, global_max(run.accelerator, train["mismatch_abs_max"]), cfg.async_steps))
+    if run.accelerator.is_main_process:
+        for line in mismatch_warnings(row, cfg.mismatch_warn_kl, cfg.mismatch_warn_beyond_cap):
+            print(f"warning: rollout {run.counters.rollout_step}: {line}", flush=True)
     if cfg.is_mask_low is not None or cfg.is_mask_high is not None or cfg.max_sequence_lag is not None:
         row["train/masked_token_fraction"] = ep["masked_tokens"] / max(ep["tokens"], 1.0)
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
@@ -994,6 +1012,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
+    # every sync under a deadline; the first checks the generator against the trainer, the others the weights it got
+    checker = GenerationChecker.from_config(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -1009,7 +1029,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return [train[i] for i in stream.local_slice(global_idx, rank, world)]
 
     sampler = RolloutSampler(
-        cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments
+        cfg, generator, models.policy, accelerator, prompts_for, plan.num_training_steps, environments, checker
     )
     if cfg.async_steps:  # the rollouts in flight are drained into every checkpoint and taken back on resume
         run.checkpoint_state["rollout_buffer"] = sampler.state_dict
@@ -1055,6 +1075,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     **log_row(cfg, rollout, advantages, train_stats, plan, run),
                     **clock.report(accelerator, plan.episodes_per_rollout),
                     "perf/train_tokens_per_second": trained * cfg.num_epochs / max(rollout.seconds["training"], 1e-9),
+                    **checker.last,
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:

@@ -127,8 +127,10 @@ class RolloutSampler:
         prompts_for: Callable,
         num_rollouts: int,
         environments: Optional[EnvironmentRun] = None,
+        checker: Optional[Any] = None,
     ) -> None:
         self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
+        self.checker = checker  # generation_check.GenerationChecker: each sync under a deadline, then checked
         self.environments = environments  # set: each rollout plays multi-turn episodes (episode_rollouts.py)
         self.num_rollouts, self.depth = num_rollouts, cfg.async_steps
         self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
@@ -148,12 +150,15 @@ class RolloutSampler:
         t0 = time.perf_counter()
         fault_point("weight_sync", version)
         if self.copies:  # a frozen copy, handed over in order between the generations queued around it
+            if self.checker is not None:  # an in-process deep copy cannot miss a tensor: only the launch check
+                self.checker.launch_only()
             with torch.no_grad():
                 frozen = copy.deepcopy(self.accelerator.unwrap_model(self.policy)).eval()
             frozen.requires_grad_(False)
             self.pool.submit(self.generator.sync_weights, frozen, version)
-        else:
-            self.generator.sync_weights(self.accelerator.unwrap_model(self.policy), version)
+        else:  # checked: under a deadline, then the probe (generation_check.py)
+            send = self.checker.sync if self.checker is not None else self.generator.sync_weights
+            send(self.accelerator.unwrap_model(self.policy), version)
             self.bytes_sent += self.generator.last_sync_bytes
         self.synced = version
         return time.perf_counter() - t0

@@ -369,6 +369,38 @@ class VLLMGenerator:
     def generation_context(self, model: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()  # the engine holds its own copy of the weights
 
+    @torch.no_grad()
+    def score_tokens(
+        self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
+    ) -> dict[str, Any]:
+        """The engine's prompt log-probs of each continuation (vLLM's `prompt_logprobs`: the raw model, temperature
+        1), with the top-k per position."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from open_instruct.generation_check import TokenScores
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+        self._wake_for_generation()
+        rng = _RNGSnapshot()
+        try:
+            results = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompt_ids, continuation_ids)],
+                params,
+                use_tqdm=False,
+            )
+        finally:
+            rng.restore()
+            self._sleep()
+        scores = TokenScores([], [] if top_k else None)
+        for res, prompt, cont in zip(results, prompt_ids, continuation_ids):
+            rows = res.prompt_logprobs[len(prompt) : len(prompt) + len(cont)]
+            scores.logprobs.append([float(row[int(t)].logprob) for row, t in zip(rows, cont)])
+            if top_k:
+                scores.top.append([{i: lp.logprob for i, lp in row.items() if lp.rank <= top_k} for row in rows])
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return {f"the colocated vLLM engine of rank {rank} (version {self.version})": scores}
+
     def _sleep(self) -> None:
         """Between generations: hand the GPU memory back to the trainer (level 2: nothing kept, the next sync
         rewrites the weights anyway)."""

@@ -145,6 +145,52 @@ def test_a_stale_engine_is_caught(server):
     assert gen.generate([[1, 2, 3]], GenerationConfig(max_new_tokens=4, temperature=0)).weight_versions[0][0] == 5
 
 
+def test_generation_checks_on_a_dedicated_engine(server, monkeypatch):
+    """generation_check.py over HTTP and the gloo broadcast: the launch check passes with margin (top-k KL from the
+    engine's prompt_logprobs); after the policy moves, a broadcast with one tensor corrupted, or none at all (the
+    engine keeps the previous version), is caught; a broadcast that hangs times out naming the engine."""
+    import threading
+
+    from open_instruct.engine_client import PolicyWeights
+    from open_instruct.generation_check import GenerationChecker, GenerationCheckError, make_probe
+
+    gen, model, tokenizer, *_ = server
+    checker = GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.float32)
+    checker.sync(model, 30)
+    print("dedicated vLLM fp32, launch check:", checker.at_launch)
+    assert checker.at_launch["margin"] > 1 and "kl" in checker.at_launch and checker.last["check/margin"] > 1
+    honest_tensors = PolicyWeights._tensors
+
+    def corrupted(self):
+        return ((n, t * 0 if "0.mlp.up_proj" in n else t) for n, t in honest_tensors(self))
+
+    for version, what in [(31, "corrupted"), (32, "nothing sent")]:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        if what == "corrupted":
+            monkeypatch.setattr(PolicyWeights, "_tensors", corrupted)
+        else:
+            monkeypatch.setattr(gen.transfer, "send_weights", lambda: None)
+        expected = r"vLLM engine 0 .*version 3\d: \|dlogp\|" if what == "corrupted" else "matches the previous version"
+        with pytest.warns(UserWarning, match="re-sending once"), pytest.raises(GenerationCheckError, match=expected):
+            checker.sync(model, version)
+        monkeypatch.undo()
+        checker.sync(model, version)
+        assert checker.last["check/margin"] > 1, what
+
+    release = threading.Event()
+    monkeypatch.setattr(gen.transfer, "send_weights", lambda: release.wait())
+    checker.sync_timeout = 1.0
+    try:
+        with pytest.raises(GenerationCheckError, match=r"weight sync to vLLM engine 0 \(http://.*\) did not finish"):
+            checker.sync(model, 33)
+    finally:
+        release.set()
+    monkeypatch.undo()
+    gen.sync_weights(model, version=34)
+
+
 def test_weight_update_in_flight_keeps_the_request_and_labels_each_token(server):
     """async_steps > 0: a weight update lands while a request generates (a generate() in flight, as the sampler's
     background thread holds one). The engine pauses with the request kept (mode keep), takes version 8, resumes;

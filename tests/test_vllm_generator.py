@@ -349,6 +349,77 @@ def test_tied_embeddings_follow_the_policy(engine):
     assert gen.generate(prompts, cfg).response_ids == want
 
 
+def test_generation_checks_on_the_colocated_engine(engine, monkeypatch):
+    """generation_check.py on the real engine: the launch check passes with margin; after the policy moves, a sync
+    that skips a tensor, corrupts one, or sends nothing is caught at the check that follows it (the retry breaks the
+    same way), the last one named as the previous version still served; a sync that never returns times out naming
+    the engine; an honest sync passes again."""
+    import threading
+
+    from open_instruct import vllm_generator
+    from open_instruct.generation_check import GenerationChecker, GenerationCheckError, make_probe
+
+    gen, model, tokenizer, prompts, _ = engine
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    checker = GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.float32)
+    honest = vllm_generator.hf_weights
+    try:
+        checker.sync(model, 10)  # the launch check, with the top-k KL
+        print("colocated vLLM fp32, launch check:", checker.at_launch)
+        assert checker.at_launch["margin"] > 1 and "kl" in checker.at_launch and checker.last["check/margin"] > 1
+        breaks = {
+            "skipped": lambda m, **kw: (
+                (n, t) for n, t in honest(m, **kw) if n != "model.layers.1.mlp.down_proj.weight"
+            ),
+            "corrupted": lambda m, **kw: ((n, t * 0 if "0.self_attn.o_proj" in n else t) for n, t in honest(m, **kw)),
+            "nothing sent": lambda m, **kw: iter(()),
+        }
+        for i, (what, broken) in enumerate(breaks.items()):
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(i)
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            monkeypatch.setattr(vllm_generator, "hf_weights", broken)
+            expected = "matches the previous version" if what == "nothing sent" else r"version 1\d: \|dlogp\|"
+            with (
+                pytest.warns(UserWarning, match="re-sending once"),
+                pytest.raises(GenerationCheckError, match=expected),
+            ):
+                checker.sync(model, 11 + i)
+            monkeypatch.setattr(vllm_generator, "hf_weights", honest)
+            checker.sync(model, 11 + i)
+            assert checker.last["check/margin"] > 1, what
+
+        release = threading.Event()
+        monkeypatch.setattr(gen.llm, "collective_rpc", lambda *a, **kw: release.wait())
+        checker.sync_timeout = 1.0
+        try:
+            with pytest.raises(GenerationCheckError, match="weight sync to the VLLMGenerator did not finish within"):
+                checker.sync(model, 20)
+        finally:
+            release.set()
+        monkeypatch.undo()
+    finally:
+        model.load_state_dict(saved)
+        gen.sync_weights(model)
+
+
+def test_an_engine_in_another_dtype_is_refused_at_launch(engine):
+    """A bf16 engine where the run computes in fp32: beyond the fp32 limits, refused; within the bf16 limits."""
+    from open_instruct.generation_check import GenerationChecker, GenerationCheckError, make_probe
+
+    _, model, tokenizer, _, _ = engine
+    # A second engine in this process; left open (closing one tears down torch.distributed state both share).
+    gen = generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20, dtype="bfloat16")
+    with pytest.raises(GenerationCheckError, match="launch check(.|\n)*another dtype") as refused:
+        GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.float32).sync(model, 0)
+    print("bf16 engine under fp32 limits:", str(refused.value).splitlines()[1])
+    checker = GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.bfloat16)
+    checker.sync(model, 0)
+    print("bf16 engine under bf16 limits:", checker.at_launch)
+    assert checker.at_launch["margin"] > 1
+
+
 def test_bad_requests_fail_clearly(engine):
     gen, _, tokenizer, prompts, _ = engine
     with pytest.raises(ValueError, match="max_model_len 256"):
