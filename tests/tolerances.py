@@ -95,3 +95,16 @@ def run_rtol(config: Any, seq_len: int, tokens: int, steps: int, dtype: torch.dt
     lengths = decoder_reduction_lengths(config, seq_len)
     per_step = 2 * sum(gamma(n, dtype) for n in 2 * lengths + [tokens])
     return (steps + 1) * per_step
+
+
+def pass_atol(config: Any, seq_len: int, tokens: int, values: Any, dtype: torch.dtype = torch.float32) -> float:
+    """Any quantity computed from one forward and backward pass of a decoder (log-probs, values, advantages, a loss,
+    gradients), computed two ways: to first order its relative error is the pass's (run_rtol with no optimizer
+    step), scaled by the quantity's largest magnitude."""
+    return run_rtol(config, seq_len, tokens, 0, dtype) * max_abs(values)
+
+
+def rollout_width(rollout: Any) -> int:
+    """The widest prompt + response row of an RL rollout (rlvr_ppo.Rollout): the longest reduction over positions."""
+    prompts = [e["prompt_ids"] if isinstance(e, dict) else e.prompt_ids for e in rollout.episodes]
+    return max(map(len, prompts)) + rollout.mask.shape[1]
