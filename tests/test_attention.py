@@ -2,11 +2,14 @@
 the same outputs and gradients as transformers' sdpa with its block-diagonal mask; padded batches and generation go
 through sdpa unchanged."""
 
+import pytest
 import torch
 from tolerances import backward_atol, forward_atol
 
 from open_instruct import data
 from open_instruct.models import load_causal_lm
+
+pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
 
 
 def packed_and_padded(lengths, seed=0):

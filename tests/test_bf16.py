@@ -16,6 +16,8 @@ from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
 from open_instruct import dpo, rlvr_ppo, sft
 from open_instruct.models import load_causal_lm, load_sequence_classifier, pair_logps, token_logprobs
 
+pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -9,6 +9,8 @@ from tolerances import backward_atol, chain_atol, forward_atol, gamma
 
 from open_instruct.models import _ChunkedTokenLogprobs, load_causal_lm, sequence_logprobs, token_logprobs
 
+pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
+
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_chunked_logprobs_and_gradients_match_full_logits(bias):

@@ -288,6 +288,7 @@ def test_observation_tokens_carry_no_loss_weight(tiny_models, tiny, estimator, l
     assert base[1]["tokens"] == float(sum(sum(m) for m in out.loss_masks))  # policy tokens only
 
 
+@pytest.mark.numerics
 def test_two_turn_episode_loss_equals_the_hand_computed_one(tiny_models, tiny):
     """RLOO, PPO loss, token_mean, on-policy, no KL: A_i = r_i - r_j within a group of 2, and at ratio 1
 
@@ -335,6 +336,7 @@ def test_two_turn_episode_loss_equals_the_hand_computed_one(tiny_models, tiny):
     assert max(a.abs().max().item() for a in want) > 100 * bound
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_one_and_two_ranks_give_the_same_update(tiny_models, tiny, estimator):
     """The real micro-batch loss on the multi-turn rollout: one process on all 4 episodes in one micro-batch versus
@@ -366,6 +368,7 @@ def test_one_and_two_ranks_give_the_same_update(tiny_models, tiny, estimator):
     assert max(a.abs().max().item() for a in one) > 100 * bound
 
 
+@pytest.mark.numerics
 def test_packed_micro_batches_give_the_padded_loss(tiny_models, tiny):
     """Packing (max_tokens_per_micro_batch: every episode's prompt + policy and observation tokens in one packed
     row, sdpa_varlen) gives the padded rollout's log-probs, values, advantages, loss and gradients."""

@@ -28,6 +28,8 @@ from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 from demo.tiny import tiny_llama_config
 from open_instruct import data, models
 
+pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 100
 PAD, EOS = 0, 1

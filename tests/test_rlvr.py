@@ -287,6 +287,7 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     assert "eval/correct_rate" in err
 
 
+@pytest.mark.numerics
 def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     """Running each prompt once and its responses on the repeated cache gives the plain forward's logits, values and
     gradients; it is used only when rows really come in runs of identical prompts."""

@@ -272,6 +272,7 @@ def _fake_rollout(tokenizer, n_prompts: int, group: int, seed: int) -> Rollout:
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.numerics
 def test_aggregation_is_independent_of_ranks_and_micro_batches(tiny_models, aggregation):
     """The real micro-batch loss: one process on all 8 rows in one micro-batch, versus 2 'ranks' of 4 rows in
     micro-batches of 2, each backpropagating sum(w * l) * world / U, gradients averaged as DDP does. With a flat

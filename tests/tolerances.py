@@ -41,7 +41,8 @@ def decoder_reduction_lengths(config: Any, seq_len: int) -> list[int]:
     projection, gate/up, down (intermediate), and the RMSNorm's mean of squares; then the final norm and lm_head."""
     hidden = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    per_layer = [hidden, hidden, head_dim, seq_len, hidden, hidden, hidden, config.intermediate_size]
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden  # GPT-2
+    per_layer = [hidden, hidden, head_dim, seq_len, hidden, hidden, hidden, intermediate]
     return per_layer * config.num_hidden_layers + [hidden, hidden]
 
 
