@@ -13,15 +13,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The files that take longest (`python tests/_test_times.py`, docs/testing.md), run first: `make test` gives each file
 # whole to one pytest-xdist worker (--dist loadfile), and a long file handed out last would keep the run waiting.
 SLOW_FILES = (
-    "test_lora.py",
+    "test_demo.py",  # its module fixture runs the whole demo pipeline
     "test_fsdp.py",
+    "test_lora.py",
+    "test_rlvr.py",
+    "test_packing.py",
     "test_multiturn_rlvr.py",
     "test_tool_demo.py",
-    "test_packing.py",
-    "test_layouts.py",
-    "test_dpo.py",
     "test_reliability.py",
     "test_bad_inputs.py",
+    "test_layouts.py",
+    "test_dpo.py",
 )
 
 
