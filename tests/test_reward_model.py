@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from tolerances import forward_atol
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
@@ -197,6 +198,7 @@ def test_mixed_eval_set_reports_each_source(tiny_models, rm_data, tmp_path):
     assert row["eval/eval_upper/accuracy"] * 40 == pytest.approx(round(row["eval/eval_upper/accuracy"] * 40))
 
 
+@pytest.mark.numerics
 def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
     """HF's sequence classifier pools at the last non-pad token when config.pad_token_id is our pad id: a row's
     reward must not depend on the padding added for longer rows, and must equal the head applied by hand.
@@ -230,8 +232,9 @@ def test_reward_is_read_at_last_non_pad_token(tiny_models, monkeypatch):
             ids = torch.tensor([row])
             alone = model(input_ids=ids).logits.squeeze()
             hidden = model.model(input_ids=ids).last_hidden_state[0, -1]
-            assert reward.item() == pytest.approx(alone.item(), abs=1e-5)
-            assert reward.item() == pytest.approx(model.score(hidden).item(), abs=1e-5)
+            bound = forward_atol(model, batch["input_ids"].shape[1], alone)  # padded row vs alone: sums reorder
+            assert abs(reward.item() - alone.item()) <= bound
+            assert abs(reward.item() - model.score(hidden).item()) <= bound
 
 
 def test_rm_learns_a_rule_on_held_out_pairs(full_run):

@@ -13,8 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
+from tolerances import backward_atol, forward_atol
 
 from demo import synthetic
 
@@ -285,6 +287,7 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     assert "eval/correct_rate" in err
 
 
+@pytest.mark.numerics
 def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     """Running each prompt once and its responses on the repeated cache gives the plain forward's logits, values and
     gradients; it is used only when rows really come in runs of identical prompts."""
@@ -307,16 +310,23 @@ def test_shared_prompt_forward_matches_plain_forward(tiny_models):
     policy = load_causal_lm(tiny_models["causal_lm"])
     assert shared_prompt_groups(policy, batch, 4) == 4
     assert shared_prompt_groups(policy, batch, 3) == 1  # runs of 3 would mix prompts
-    plain, shared = response_logits(policy, batch, 0.7), response_logits(policy, batch, 0.7, group=4)
+    plain = response_logits(policy, batch, 0.7)
+    with warnings.catch_warnings(record=True) as caught:  # the cache is read and passed back under its current name
+        warnings.simplefilter("always")
+        shared = response_logits(policy, batch, 0.7, group=4)
+    assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
     mask = batch["mask"].bool()
-    torch.testing.assert_close(shared[mask], plain[mask], rtol=1e-5, atol=1e-5)
+    width, tokens = batch["input_ids"].shape[1], batch["input_ids"].numel()
+    bound = forward_atol(policy, width, plain[mask])  # the KV cache holds the same numbers: only sums reorder
+    assert (shared[mask] - plain[mask]).abs().max().item() <= bound
     grads = [torch.autograd.grad(x[mask].logsumexp(-1).sum(), list(policy.parameters())) for x in (plain, shared)]
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    grad_bound = backward_atol(policy, width, tokens, list(grads[0]))
+    assert max((a - b).abs().max().item() for a, b in zip(*grads)) <= grad_bound
     torch.manual_seed(0)
     value = TokenValueModel(load_sequence_classifier(tiny_models["causal_lm"]))
-    torch.testing.assert_close(
-        token_values(value, batch, 4)[mask], token_values(value, batch)[mask], rtol=1e-5, atol=1e-5
+    plain_values = token_values(value, batch)[mask]
+    assert (token_values(value, batch, 4)[mask] - plain_values).abs().max().item() <= forward_atol(
+        value, width, plain_values
     )
 
 

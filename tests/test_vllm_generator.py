@@ -671,13 +671,19 @@ def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
     import json
     import subprocess
 
+    from open_instruct.engines import free_port
+
     worker = tmp_path / "worker.py"
     worker.write_text(_DIST_WORKER)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "REPO": repo, "OUT": str(tmp_path), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", str(worker)], env=env, capture_output=True, text=True, timeout=600
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     for rank in (0, 1):
