@@ -1086,31 +1086,6 @@ def combine_rewards(
 REWARD_FUNCTION_ARGS = ("prompts", "completions", "completion_ids", "ground_truth", "dataset")
 
 
-def _load_module(module: str, spec: str) -> Any:
-    """A module by dotted name, or a .py file by path (also `pkg.mod` found as pkg/mod.py under the current folder:
-    the scripts run with their own folder, not the current one, on sys.path)."""
-    import importlib
-    import importlib.util
-
-    from open_instruct.errors import ConfigError
-
-    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
-    try:
-        if module.endswith(".py") or (not importlib.util.find_spec(module.split(".")[0]) and os.path.isfile(path)):
-            if not os.path.isfile(path):
-                raise ConfigError(f"reward function {spec!r}: file {path!r} does not exist")
-            name = "open_instruct_user_rewards_" + re.sub(r"\W", "_", os.path.abspath(path))
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            loaded = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(loaded)
-            return loaded
-        return importlib.import_module(module)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, its own errors)
-        raise ConfigError(f"reward function {spec!r}: importing {module!r} failed: {type(e).__name__}: {e}") from None
-
-
 def _check_signature(fn: Callable[..., Any], spec: str) -> None:
     from open_instruct.errors import ConfigError
 
@@ -1145,17 +1120,11 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     current folder) or `path/to/file.py:fn`. ConfigError when the spec, the import or the signature is wrong, so
     a run stops before any model loads (preflight)."""
     from open_instruct.errors import ConfigError
+    from open_instruct.user_code import load_object
 
-    module, sep, name = spec.rpartition(":")
-    if not sep or not module or not name.isidentifier():
-        raise ConfigError(
-            f"reward function {spec!r} must be module:function or path/to/file.py:function (e.g. my_rewards:length)"
-        )
-    loaded = _load_module(module, spec)
-    fn = getattr(loaded, name, None)
+    fn = load_object(spec, "reward function", "my_rewards:length")
     if not callable(fn):
-        found = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(f"reward function {spec!r}: {module!r} has no function {name!r} (it has {found})")
+        raise ConfigError(f"reward function {spec!r} is a {type(fn).__name__}, not a function")
     _check_signature(fn, spec)
     return fn
 
