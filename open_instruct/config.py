@@ -549,8 +549,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     reward_functions: Optional[list[str]] = opt(
         None,
         "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
-        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, ground_truth, dataset) -> a list of "
-        "float or None per completion (README: Custom reward functions). Checked before any model loads.",
+        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, **every column of the row) -> a "
+        "list of float or None per completion (docs/porting.md). Rows then need no verifier column. Each is called "
+        "once on real rows before any model loads.",
+    )
+    reward_function_timeout: float = opt(
+        60.0, "Seconds one reward-function call (a batch of completions) may take before the run stops (exit 2)."
     )
     reward_function_weights: Optional[list[float]] = opt(
         None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
@@ -717,7 +721,14 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
-        for name in ("cliprange", "cliprange_value", "verifier_timeout", "code_test_seconds", "sandbox_workers"):
+        for name in (
+            "cliprange",
+            "cliprange_value",
+            "verifier_timeout",
+            "reward_function_timeout",
+            "code_test_seconds",
+            "sandbox_workers",
+        ):
             _check_positive(self, name)
         if self.code_memory_mb < 64:
             raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
