@@ -656,6 +656,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     max_turn_tokens: Optional[int] = opt(
         None, "New tokens per turn at most (null: response_length, the budget of the whole episode's response)."
     )
+    environment_timeout: float = opt(
+        300.0,
+        "Seconds an environment's constructor, reset or step may take before the run stops (exit 2, naming the "
+        "class and the row); a step may run tools, up to max_tool_calls x tool_timeout.",
+    )
     turn_reward_aggregation: Literal["sum", "last"] = opt(
         "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
     )
@@ -836,6 +841,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         _check_positive(self, "max_tool_calls", allow_zero=True)
         _check_positive(self, "tool_output_max_tokens")
         _check_positive(self, "tool_timeout")
+        _check_positive(self, "environment_timeout")
         for name in ("max_turns", "max_tool_calls", "tool_output_max_tokens"):
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")

@@ -1176,14 +1176,14 @@ def call_reward_function(
     """One reward function on a batch, within `timeout` seconds: its list of float-or-None per completion. A call
     that raises, does not return in time, or returns the wrong number of values or a non-finite / non-numeric one
     is a ConfigError naming the function and the row (`where`: each completion's row)."""
-    from open_instruct.environments import run_with_deadline
+    from open_instruct.environments import call_with_deadline
     from open_instruct.errors import ConfigError
 
     fn = load_reward_function(spec)
     kwargs = _accepted(fn, inputs, spec)
     n = len(inputs["completions"])
     rows = where[0] if n == 1 else f"a batch of {n} rows from {where[0]}"
-    finished, values = run_with_deadline(lambda: fn(**kwargs), timeout)
+    finished, values = call_with_deadline(lambda: fn(**kwargs), timeout)
     if not finished:
         raise ConfigError(
             f"reward function {spec!r} did not return within {timeout:g} s (reward_function_timeout) on {rows}"

@@ -337,6 +337,8 @@ def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environmen
         kept.append({**example, "prompt_ids": ids})
     if examples and not kept:
         raise DataError(f"every prompt is longer than max_prompt_length {cfg.max_prompt_length} once rendered")
+    if kept:
+        environments.probe_step(kept[0])
     return kept
 
 
