@@ -267,7 +267,10 @@ class GuardedEnvironment(Environment):
 
     def __init__(self, env: Environment, where: str, timeout_s: float):
         self.env, self.where, self.timeout_s = env, where, timeout_s
-        self.tools = env.tools
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read after reset (a row may narrow them)
+        return self.env.tools
 
     def _call(self, method: str, fn: Callable[[], Any]) -> Any:
         finished, result = call_with_deadline(fn, self.timeout_s)
@@ -307,6 +310,9 @@ class GuardedEnvironment(Environment):
 
     def action_end(self, text: str) -> Optional[int]:
         return self.env.action_end(text)
+
+    def __getattr__(self, name: str) -> Any:  # the environment's own attributes (e.g. a tool environment's tools)
+        return getattr(self.__dict__["env"], name)
 
 
 def guarded_environment_for_row(

@@ -337,8 +337,6 @@ def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environmen
         kept.append({**example, "prompt_ids": ids})
     if examples and not kept:
         raise DataError(f"every prompt is longer than max_prompt_length {cfg.max_prompt_length} once rendered")
-    if kept:
-        environments.probe_step(kept[0])
     return kept
 
 
@@ -478,6 +476,7 @@ def load_prompts(
     if environments is not None:
         train = render_environment_prompts(cfg, train, environments)
         evals = render_environment_prompts(cfg, evals, environments)
+        environments.probe_step(train[0])  # one step of the user's environment, before any model loads
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file

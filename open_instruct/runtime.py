@@ -41,6 +41,7 @@ def claim_output_dir(cfg: BaseConfig) -> None:
     from open_instruct import checkpoint, run_dir
 
     resume = cfg.resume_from_checkpoint
+    checkpoint.check_allowed_resume_changes(cfg, world_size_from_env())  # every start, resumed or not
     explicit = resume not in (None, "", "auto")
     if explicit:
         check_explicit_checkpoint(resume)
