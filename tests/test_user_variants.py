@@ -155,3 +155,32 @@ def test_nan_and_inf_knobs_and_async_bound_exit_2():
         with pytest.raises(ConfigError) as e:
             parse_config(RLVRConfig, [*BASE, *extra])
         assert message in str(e.value), (extra, str(e.value))
+
+
+def test_the_extending_pages_example_resolves(tmp_path):
+    """docs/extending.md's variants file and recipe lines, as written there."""
+    import re
+
+    import yaml
+
+    with open(os.path.join(REPO, "docs", "extending.md")) as f:
+        page = f.read()
+    code = re.search(r"```python\n(# my_variants.py\n.*?)```", page, re.S).group(1)
+    recipe = yaml.safe_load(re.search(r"```yaml\n# in the recipe\n(.*?)```", page, re.S).group(1))
+    (tmp_path / "my_variants.py").write_text(code)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        lines = [f"{k}: {json.dumps(v)}" for k, v in recipe.items()]
+        (tmp_path / "r.yaml").write_text("\n".join(lines) + "\n")
+        cfg = parse_config(RLVRConfig, [str(tmp_path / "r.yaml"), *BASE, "--num_samples_per_prompt", "4"])
+        assert cfg.uses_groups and not cfg.uses_value_model  # the decorator's traits
+        assert cfg.variant_kwargs("advantage_estimator") == {"margin": 0.1}
+        assert cfg.variant_kwargs("policy_loss") == {"cap": 3.0} and cfg.variant_kwargs("kl_estimator") == {
+            "scale": 0.5
+        }
+    finally:
+        os.chdir(cwd)
+        for table, _, _ in rl_algorithms.TABLES.values():
+            for name in [n for n in table if n.startswith("my_variants.py:") or n == "top_half"]:
+                del table[name]
