@@ -63,6 +63,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from open_instruct import rewards
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.user_code import call_with_deadline
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], None]
@@ -201,43 +202,6 @@ def environment_for_row(row: dict[str, Any], default_spec: str, resources: dict[
 
 
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
-_GUARD_TASKS: Any = None  # queue of (fn, box, done) for the guard threads
-_GUARD_IDLE = [0]  # guard threads waiting for a task
-_GUARD_LOCK = threading.Lock()
-
-
-def _guard_worker() -> None:
-    while True:
-        fn, box, done = _GUARD_TASKS.get()
-        try:
-            box["result"] = fn()
-        except Exception as e:
-            box["result"] = e
-        done.set()
-        with _GUARD_LOCK:
-            _GUARD_IDLE[0] += 1
-
-
-def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
-    """(finished, result) of fn() on a long-lived daemon thread (reused, so per-thread resources such as the math
-    verifier's worker process are too), waiting at most deadline_s; an exception inside fn is the result. A call
-    past its deadline is abandoned (its caller stops the run; a daemon thread does not hold the process at exit)."""
-    global _GUARD_TASKS
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    with _GUARD_LOCK:
-        if _GUARD_TASKS is None:
-            import queue
-
-            _GUARD_TASKS = queue.SimpleQueue()
-        if _GUARD_IDLE[0] > 0:
-            _GUARD_IDLE[0] -= 1
-        else:
-            threading.Thread(target=_guard_worker, daemon=True, name="user-code").start()
-    _GUARD_TASKS.put((fn, box, done))
-    if not done.wait(deadline_s):
-        return False, None
-    return True, box["result"]
 
 
 def check_observation(observation: Any, allow_none: bool) -> Optional[str]:

@@ -1176,8 +1176,8 @@ def call_reward_function(
     """One reward function on a batch, within `timeout` seconds: its list of float-or-None per completion. A call
     that raises, does not return in time, or returns the wrong number of values or a non-finite / non-numeric one
     is a ConfigError naming the function and the row (`where`: each completion's row)."""
-    from open_instruct.environments import call_with_deadline
     from open_instruct.errors import ConfigError
+    from open_instruct.user_code import call_with_deadline
 
     fn = load_reward_function(spec)
     kwargs = _accepted(fn, inputs, spec)
