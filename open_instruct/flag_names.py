@@ -488,6 +488,14 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
+def differences_table() -> str:
+    """The porting page's table of TRL GRPO's defaults that differ from ours (TRL_GRPO_DIFFERENCES)."""
+    lines = ["| here | our default | TRL GRPOConfig | to get TRL's |", "|---|---|---|---|"]
+    for key, ours, theirs, write in TRL_GRPO_DIFFERENCES:
+        lines.append(f"| `{key}` | {ours} | {theirs} | {write.replace('(the same)', 'the same')} |")
+    return "\n".join(lines)
+
+
 def unsupported_table() -> str:
     """The porting page's table of the names with no counterpart here, grouped by reason."""
     by_reason: dict[str, list[str]] = {}

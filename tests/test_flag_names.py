@@ -25,6 +25,7 @@ def test_porting_page_shows_the_tables_the_parser_reads():
         page = f.read()
     assert flag_names.markdown_table() in page
     assert flag_names.unsupported_table() in page
+    assert flag_names.differences_table() in page
 
 
 def test_every_replacement_is_a_real_option_and_no_foreign_name_is_one():
