@@ -748,7 +748,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
         if self.dual_clip_c is not None and not POLICY_LOSSES[self.policy_loss].takes_dual_clip:
-            takers = "/".join(name for name, row in POLICY_LOSSES.items() if row.takes_dual_clip)
+            takers = "/".join(n for n, row in POLICY_LOSSES.items() if row.takes_dual_clip and ":" not in n)
             raise ConfigError(
                 f"dual_clip_c applies to policy_loss {takers}, not {self.policy_loss} (its weight is already capped)"
             )
@@ -784,7 +784,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"there carries the score back), not {self.advantage_estimator}"
             )
         if self.filter_zero_std_groups and not self.uses_groups:
-            groups = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups)
+            groups = ", ".join(n for n, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups and ":" not in n)
             raise ConfigError(
                 f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
             )

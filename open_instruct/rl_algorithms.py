@@ -173,9 +173,10 @@ def resolve(option: str, name: Any) -> Any:
         return table[name]
     if _deferring:
         raise NotYetRegistered(f"{option} {name!r}")
-    close = difflib.get_close_matches(str(name), list(table), n=1, cutoff=0.5)
+    names = [n for n in table if ":" not in n]  # registered names (a file spec registers its own row too)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{option} {name!r} is not one of {list(table)}{hint}; {how_to_add(option)}")
+    raise ConfigError(f"{option} {name!r} is not one of {names}{hint}; {how_to_add(option)}")
 
 
 def accepted_kwargs(function: Optional[Callable[..., Any]], fixed: int) -> Optional[set[str]]:

@@ -221,7 +221,18 @@ def test_last_value_wins_null_included(tmp_path):
     assert parse("--no_whiten_advantages", "--whiten_advantages", "true").whiten_advantages is True
 
 
-def test_algo_kwargs_from_recipe_and_command_line(tmp_path):
+@pytest.fixture
+def spec_rows_removed():
+    """The rows a `file.py:function` spec registers stay in the process's tables: removed after the test."""
+    from open_instruct import rl_algorithms
+
+    yield
+    for table, _, _ in rl_algorithms.TABLES.values():
+        for name in [n for n in table if ":" in n]:
+            del table[name]
+
+
+def test_algo_kwargs_from_recipe_and_command_line(tmp_path, spec_rows_removed):
     variant = tmp_path / "v.py"
     variant.write_text(
         "def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0, tag='x'):\n    return logp, mask\n"
