@@ -571,6 +571,34 @@ DATA_STREAM_KEYS = (
     "skip_bad_rows",
 )
 SCHEDULE_KEYS = ("num_train_epochs", "total_episodes", "learning_rate", "lr_scheduler_type", "warmup_ratio")
+# What the run trains on and towards, per script: a resume that changes one of these continues another experiment
+# (e.g. a new environment mixing single- and multi-turn rollouts in one run). Compared only when the checkpoint's
+# config has the key; `allow_resume_changes` may accept each knowingly.
+TRAINING_KEYS: dict[str, tuple[str, ...]] = {
+    "all": ("chat_template", "mixed_precision", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+            "max_grad_norm"),
+    "sft": ("messages_column",),
+    "reward_model": ("chosen_column", "rejected_column", "prompt_column", "margin_column",
+                     "center_rewards_coefficient"),
+    "dpo": ("chosen_column", "rejected_column", "prompt_column", "loss_type", "beta", "label_smoothing",
+            "gamma_beta_ratio"),
+    "rlvr_ppo": (
+        "messages_column", "ground_truth_column", "verifier_column", "max_prompt_length", "response_length",
+        "temperature", "top_p", "stop_strings",
+        # rewards
+        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "reward_model_path",
+        "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
+        "overlong_buffer_length", "overlong_penalty_factor",
+        # multi-turn episodes
+        "environment", "tools", "tool_call_format", "max_turns", "max_tool_calls", "tool_output_max_tokens",
+        "max_turn_tokens", "turn_reward_aggregation",
+        # the objective
+        "policy_loss", "kl_estimator", "algo_kwargs", "beta", "loss_aggregation", "loss_norm_length",
+        "cliprange_low", "cliprange_high", "dual_clip_c", "score_placement", "filter_zero_std_groups",
+        "truncated_importance_sampling", "tis_cap", "is_mask_low", "is_mask_high", "max_sequence_lag", "gamma",
+        "lam", "vf_coef", "cliprange_value", "whiten_advantages", "value_model_path",
+    ),
+}  # fmt: skip
 DATA_CONTENT = "dataset_content"  # the bytes of the local training files (data_identity), not a config key
 
 
@@ -597,7 +625,7 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
             layout[key] = (config.get(key), "the saved adapters' shapes")
         if "lora_alpha" in config:
             layout["lora_alpha"] = (config["lora_alpha"], "the adapters' scale alpha / r")
-    for key in DATA_STREAM_KEYS + SCHEDULE_KEYS:
+    for key in DATA_STREAM_KEYS + SCHEDULE_KEYS + TRAINING_KEYS["all"] + TRAINING_KEYS.get(config.get("script"), ()):
         if key in config:
             layout[key] = (config[key], "")
     if config.get("script") == "rlvr_ppo":
@@ -688,6 +716,28 @@ def data_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) ->
     return changes
 
 
+def check_allowed_resume_changes(cfg: Any, world_size: int) -> set[str]:
+    """The names in cfg.allow_resume_changes must be resume keys a resume may accept, checked on every start (also
+    when `auto` finds nothing to resume): a misspelt name would otherwise pass until the one resume that needs it.
+    Returns the acceptable keys."""
+    acceptable = (set(resume_layout(vars(cfg), world_size)) | {DATA_CONTENT}) - set(STRUCTURAL_RESUME_KEYS)
+    acceptable |= set(SCHEDULE_KEYS) | set(DATA_STREAM_KEYS)  # compared whenever a checkpoint has them
+    allowed = set(getattr(cfg, "allow_resume_changes", None) or [])
+    structural = sorted(allowed & set(STRUCTURAL_RESUME_KEYS))
+    unknown = sorted(allowed - acceptable - set(STRUCTURAL_RESUME_KEYS))
+    if structural or unknown:
+        problems = []
+        if structural:
+            problems.append(f"{structural} cannot be accepted (the saved state would not load into this run)")
+        if unknown:
+            problems.append(f"{unknown} are not resume keys")
+        raise ConfigError(
+            f"allow_resume_changes: {'; '.join(problems)}; the keys a resume compares and may accept: "
+            f"{sorted(acceptable)}"
+        )
+    return acceptable
+
+
 def check_resume_compatible(checkpoint: str, cfg: Any, world_size: int) -> None:
     """Exit-2 error (ConfigError) naming every difference between the checkpoint and this run that would make the
     resume wrong: another script or algorithm, another batch layout, data stream (its files' content too), run
@@ -719,20 +769,8 @@ def check_resume_compatible(checkpoint: str, cfg: Any, world_size: int) -> None:
                 for key in ARCHITECTURE_KEYS
                 if checkpoint_model.get(key) != model.get(key)
             ]
+    acceptable = check_allowed_resume_changes(cfg, world_size)
     allowed = set(getattr(cfg, "allow_resume_changes", None) or [])
-    acceptable = (set(now) | {DATA_CONTENT}) - set(STRUCTURAL_RESUME_KEYS)
-    structural = sorted(allowed & set(STRUCTURAL_RESUME_KEYS))
-    unknown = sorted(allowed - acceptable - set(STRUCTURAL_RESUME_KEYS))
-    if structural or unknown:
-        problems = []
-        if structural:
-            problems.append(f"{structural} cannot be accepted (the saved state would not load into this run)")
-        if unknown:
-            problems.append(f"{unknown} are not resume keys")
-        raise ConfigError(
-            f"allow_resume_changes: {'; '.join(problems)}; the keys a resume compares and may accept: "
-            f"{sorted(acceptable)}"
-        )
     for key, message in differences:
         if key in allowed:
             print(f"resume from {checkpoint}: accepting a change (allow_resume_changes): {message}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -22,7 +23,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
-from open_instruct import flag_names
+from open_instruct import flag_names, rl_algorithms
 from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list, source_labels
@@ -451,6 +452,9 @@ class DPOConfig(PreferenceDataConfig):
             raise ConfigError(f"gamma_beta_ratio applies to loss_type simpo only, not {self.loss_type!r}")
 
 
+MAX_ASYNC_STEPS = 64  # rollouts in flight at most: past this, staleness and held memory are no longer a sane recipe
+
+
 @dataclass
 class GenerationEngineConfig:
     """The generation-engine knobs of an RL run (`generation.py`'s backends), one group. A mixin of RLVRConfig: its
@@ -515,6 +519,12 @@ class GenerationEngineConfig:
         _check_positive(self, "async_steps", allow_zero=True)
         if self.generation_micro_batch_size is not None:
             _check_positive(self, "generation_micro_batch_size")
+        if self.async_steps > MAX_ASYNC_STEPS:
+            raise ConfigError(
+                f"async_steps {self.async_steps} is more than {MAX_ASYNC_STEPS}: every rollout in flight holds its "
+                f"completions in memory and trains on tokens up to async_steps weight versions old (open-instruct's "
+                f"default is 8)"
+            )
         if self.async_steps and self.generation_backend == "vllm":
             raise ConfigError(
                 f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines, weights "
@@ -578,8 +588,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     reward_functions: Optional[list[str]] = opt(
         None,
         "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
-        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, ground_truth, dataset) -> a list of "
-        "float or None per completion (README: Custom reward functions). Checked before any model loads.",
+        "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, **every column of the row) -> a "
+        "list of float or None per completion (docs/porting.md). Rows then need no verifier column. Each is called "
+        "once on real rows before any model loads.",
+    )
+    reward_function_timeout: float = opt(
+        60.0, "Seconds one reward-function call (a batch of completions) may take before the run stops (exit 2)."
     )
     reward_function_weights: Optional[list[float]] = opt(
         None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
@@ -597,12 +611,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     advantage_estimator: Optional[str] = opt(
         None,
         "A row of rl_algorithms.ADVANTAGE_ESTIMATORS: gae (value model), grpo, dr_grpo, rloo (group baselines), "
-        "reinforce_pp; default: from algo.",
+        "reinforce_pp, or your own as path/to/file.py:function or module:function; default: from algo.",
     )
     policy_loss: str = opt(
         "ppo",
         "A row of rl_algorithms.POLICY_LOSSES: ppo (token ratio, clip), gspo (sequence ratio, clip), cispo (clipped "
-        "IS weight).",
+        "IS weight), or your own as path/to/file.py:function or module:function.",
     )
     cliprange_low: Optional[float] = opt(None, "Lower clip 1 - low (default: cliprange).")
     cliprange_high: Optional[float] = opt(
@@ -640,7 +654,16 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         None, "Initialise the value model from this (reward) model; default: the policy."
     )
     beta: float = opt(0.05, "KL coefficient.")
-    kl_estimator: Literal["k1", "k2", "k3"] = opt("k1", "KL estimator (Schulman's k1/k2/k3).")
+    kl_estimator: str = opt(
+        "k1", "KL estimator: Schulman's k1/k2/k3, or your own (logp, ref_logp) -> KL as file.py:function."
+    )
+    algo_kwargs: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Keyword arguments for your own advantage_estimator / policy_loss / kl_estimator (each gets the "
+            "ones its function takes): a YAML mapping, or --algo_kwargs name=value ... (docs/extending.md)."
+        },
+    )
     gamma: float = opt(1.0, "PPO discount.")
     lam: float = opt(0.95, "PPO GAE lambda.")
     cliprange: float = opt(0.2, "Policy ratio clip range.")
@@ -671,6 +694,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     tool_timeout: float = opt(10.0, "Seconds a python tool call may run (the sandbox's wall and CPU limit).")
     max_turn_tokens: Optional[int] = opt(
         None, "New tokens per turn at most (null: response_length, the budget of the whole episode's response)."
+    )
+    environment_timeout: float = opt(
+        300.0,
+        "Seconds an environment's constructor, reset or step may take before the run stops (exit 2, naming the "
+        "class and the row); a step may run tools, up to max_tool_calls x tool_timeout.",
     )
     turn_reward_aggregation: Literal["sum", "last"] = opt(
         "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
@@ -737,7 +765,14 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
-        for name in ("cliprange", "cliprange_value", "verifier_timeout", "code_test_seconds", "sandbox_workers"):
+        for name in (
+            "cliprange",
+            "cliprange_value",
+            "verifier_timeout",
+            "reward_function_timeout",
+            "code_test_seconds",
+            "sandbox_workers",
+        ):
             _check_positive(self, name)
         if self.code_memory_mb < 64:
             raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
@@ -746,14 +781,13 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
         _check_choice(self, "algo", ALGO_ESTIMATORS)
-        _check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
-        _check_choice(self, "policy_loss", POLICY_LOSSES)
+        self._validate_variants()
         for name in ("cliprange_low", "cliprange_high"):
             _check_positive(self, name)
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(f"dual_clip_c must be > 1 (or null to turn it off), got {self.dual_clip_c}")
         if self.dual_clip_c is not None and not POLICY_LOSSES[self.policy_loss].takes_dual_clip:
-            takers = "/".join(name for name, row in POLICY_LOSSES.items() if row.takes_dual_clip)
+            takers = "/".join(n for n, row in POLICY_LOSSES.items() if row.takes_dual_clip and ":" not in n)
             raise ConfigError(
                 f"dual_clip_c applies to policy_loss {takers}, not {self.policy_loss} (its weight is already capped)"
             )
@@ -764,6 +798,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
             )
         _check_positive(self, "overlong_penalty_factor", allow_zero=True)
+        _check_positive(self, "tis_cap")
+        for name in ("is_mask_low", "is_mask_high"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name, allow_zero=True)
         if self.tis_cap < 1:
             raise ConfigError(
                 f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
@@ -785,7 +823,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"there carries the score back), not {self.advantage_estimator}"
             )
         if self.filter_zero_std_groups and not self.uses_groups:
-            groups = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups)
+            groups = ", ".join(n for n, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups and ":" not in n)
             raise ConfigError(
                 f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
             )
@@ -793,6 +831,9 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
             )
+        for i, weight in enumerate(self.reward_function_weights or []):
+            if not math.isfinite(weight):
+                raise ConfigError(f"reward_function_weights[{i}] must be a finite number, got {weight}")
         if self.reward_function_weights is not None and len(self.reward_function_weights) != len(
             self.reward_functions or []
         ):
@@ -806,6 +847,29 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
             )
 
+    def _validate_variants(self) -> None:
+        """advantage_estimator, policy_loss and kl_estimator name registered rows or the user's functions (imported
+        now); every algo_kwargs key is taken by one of them."""
+        for option in ("advantage_estimator", "policy_loss", "kl_estimator"):
+            rl_algorithms.resolve(option, getattr(self, option))
+        taken: set[str] = set()
+        for option in rl_algorithms.FIXED_ARGS:
+            row = rl_algorithms.TABLES[option][0][getattr(self, option)]
+            takes = rl_algorithms.accepted_kwargs(row.function, rl_algorithms.FIXED_ARGS[option])
+            taken |= set(self.algo_kwargs) if takes is None else takes
+        unused = sorted(set(self.algo_kwargs) - taken)
+        if unused:
+            chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.FIXED_ARGS)
+            raise ConfigError(
+                f"algo_kwargs {unused} is taken by none of {chosen}: the built-ins take none; a function of your "
+                "own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0))"
+            )
+
+    def variant_kwargs(self, option: str) -> dict[str, Any]:
+        """The algo_kwargs the function chosen for `option` (advantage_estimator, policy_loss, kl_estimator) takes."""
+        row = rl_algorithms.TABLES[option][0][getattr(self, option)]
+        return rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
+
     def _validate_environment(self) -> None:
         """The multi-turn knobs (their values; preflight.py resolves the environment and its tools)."""
         if self.environment is not None and (not isinstance(self.environment, str) or not self.environment.strip()):
@@ -816,6 +880,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         _check_positive(self, "max_tool_calls", allow_zero=True)
         _check_positive(self, "tool_output_max_tokens")
         _check_positive(self, "tool_timeout")
+        _check_positive(self, "environment_timeout")
         for name in ("max_turns", "max_tool_calls", "tool_output_max_tokens"):
             if not isinstance(getattr(self, name), int):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -894,30 +959,83 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(key: str, valid: Sequence[str], where: str, script: str = "") -> ConfigError:
+def _unknown_key_line(key: str, valid: Sequence[str], where: str, script: str, given: dict[str, Any]) -> str:
     """Names other libraries use get the porting table's answer (flag_names.py); others the closest valid key."""
-    known = flag_names.hint(key, valid, script)
+    known = flag_names.hint(key, valid, script, given)
     if known:
-        return ConfigError(f"unknown key {key!r} in {where}: {known}")
+        return f"unknown key {key!r} in {where}: {known}"
     close = difflib.get_close_matches(key, valid, n=2, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    return ConfigError(f"unknown key {key!r} in {where}{hint}")
+    return f"unknown key {key!r} in {where}{hint}"
 
 
-def _yaml_to_tokens(recipe: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-    """YAML mapping -> argv tokens (so argparse type-checks them); None values become parser defaults."""
-    tokens: list[str] = []
-    none_defaults: dict[str, Any] = {}
-    for key, value in recipe.items():
-        if value is None:
-            none_defaults[key] = None
-        elif isinstance(value, list):
-            tokens += [f"--{key}", *[str(v) for v in value]]
-        elif isinstance(value, dict):
-            raise ConfigError(f"key {key!r}: nested mappings are not supported in recipes, got {value!r}")
+def _unknown_keys_error(unknown: list[tuple[str, str]], valid: Sequence[str], script: str, given: dict) -> ConfigError:
+    """One error listing every unknown key of the run (recipe and command line), each with its hint, and for a
+    TRL GRPO recipe what differs here (flag_names.trl_port_notice): a port takes one pass, not one run per key."""
+    lines = [_unknown_key_line(key, valid, where, script, given) for key, where in unknown]
+    notice = flag_names.trl_port_notice([key for key, _ in unknown], script)
+    text = lines[0] if len(lines) == 1 else f"{len(lines)} unknown keys:\n  " + "\n  ".join(lines)
+    return ConfigError(text + (f"\n{notice}" if notice else ""))
+
+
+def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested recipe mapping (verl's hydra groups) as dotted keys, so each gets its own hint."""
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{name}."))
         else:
-            tokens += [f"--{key}", str(value)]
-    return tokens, none_defaults
+            flat[name] = value
+    return flat
+
+
+def _yaml_value_tokens(key: str, value: Any) -> list[str]:
+    """One recipe value as the argv tokens after `--key` (so argparse type-checks recipe and command line alike)."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    if isinstance(value, dict):
+        raise ConfigError(f"key {key!r}: nested mappings are not supported in recipes, got {value!r}")
+    return [str(value)]
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value as YAML reads it, with `3e-1` a number (YAML 1.1 wants `3.0e-1`)."""
+    value = yaml.safe_load(text) if text else ""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _mapping_value(key: str, value: Any, where: str) -> dict[str, Any]:
+    """A mapping option (algo_kwargs): a YAML mapping, or on the command line `name=value ...` or one JSON/YAML
+    mapping `{name: value}`; values read as YAML scalars (numbers, booleans, strings)."""
+    if isinstance(value, dict):
+        mapping = value
+    else:
+        tokens = [value] if isinstance(value, str) else list(value)
+        if len(tokens) == 1 and tokens[0].strip().startswith("{"):
+            try:
+                mapping = json.loads(tokens[0])
+            except ValueError:
+                mapping = None
+            try:
+                mapping = yaml.safe_load(tokens[0]) if mapping is None else mapping
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{key} in {where}: not a mapping: {e}") from None
+        else:
+            mapping = {}
+            for token in tokens:
+                name, sep, text = token.partition("=")
+                if not sep or not name.isidentifier():
+                    raise ConfigError(f"{key} in {where}: {token!r} is not name=value (e.g. --{key} alpha=0.5)")
+                mapping[name] = _scalar(text)
+    if not isinstance(mapping, dict) or not all(isinstance(k, str) and k.isidentifier() for k in mapping):
+        raise ConfigError(f"{key} in {where} must map argument names to values, got {value!r}")
+    return mapping
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -961,12 +1079,15 @@ def _is_key(token: str) -> bool:
 
 
 def _value_kinds(cls: type) -> dict[str, str]:
-    """Each field's kind of value: "list" (takes every token up to the next key), "float", or "one"."""
+    """Each field's kind of value: "list" (takes every token up to the next key), "mapping" (likewise, read as
+    name=value pairs), "float", or "one"."""
     kinds = {}
     for name, hint in typing.get_type_hints(cls).items():
         types = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
         if any(typing.get_origin(t) is list for t in types):
             kinds[name] = "list"
+        elif any(t is dict or typing.get_origin(t) is dict for t in types):
+            kinds[name] = "mapping"
         else:
             kinds[name] = "float" if float in types else "one"
     return kinds
@@ -980,7 +1101,7 @@ def _misplaced_recipe(argv: Sequence[str], kinds: dict[str, str]) -> Optional[st
     for token in argv:
         if _is_key(token):
             key = _option_key(token)
-            takes = 0 if "=" in token or key not in kinds else (-1 if kinds[key] == "list" else 1)
+            takes = 0 if "=" in token or key not in kinds else (-1 if kinds[key] in ("list", "mapping") else 1)
             continue
         is_recipe = token.endswith((".yaml", ".yml"))
         if takes == 1:
@@ -1027,9 +1148,31 @@ def _parser(cls: type) -> Any:
     )
 
 
+def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+    """`--key v1 v2 --flag --other=v` -> [(key, flag as written, values), ...] in order; `--key=value` is the flag
+    with one value. Tokens before the first key are kept under key "" (argparse reports them)."""
+    out: list[tuple[str, str, list[str]]] = []
+    for token in argv:
+        if _is_key(token):
+            flag, sep, value = token.partition("=")
+            out.append((_option_key(flag), flag, [value] if sep else []))
+        elif out:
+            out[-1][2].append(token)
+        else:
+            out.append(("", "", [token]))
+    return out
+
+
+NULL_TOKENS = ("null", "None", "none", "~")
+
+
 def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     """Parse `[RECIPE.yaml] [--key value ...]` into `cls`. Raises ConfigError (see `parse_or_exit`); `-h`/`--help`
-    prints every option with its help text and exits 0."""
+    prints every option with its help text and exits 0.
+
+    The recipe's values come first and each `--key value` (or `--key=value`) after them replaces the key's earlier
+    value: the last one wins, `null` included (it unsets an optional key). Every unknown key of the recipe and of
+    the command line is reported in one error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         _parser(cls).print_help()
@@ -1050,46 +1193,78 @@ def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     if recipe.get("script", expected_script) != expected_script:
         raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
     valid = _field_names(cls)
+    accepted = _accepted_keys(cls)
+    cli = _cli_assignments(argv)
+    # Every unknown key at once, recipe (nested groups as dotted names) and command line, with every value given,
+    # so that hints which depend on another foreign key (max_steps and num_iterations) can use it.
+    unknown: list[tuple[str, str]] = []
+    given: dict[str, Any] = {}
     for key, value in recipe.items():
         if key not in valid:
-            raise _unknown_key_error(key, valid, f"recipe {recipe_path}", expected_script)
+            flat = _flatten(value, f"{key}.") if isinstance(value, dict) and value else {key: value}
+            unknown += [(k, f"recipe {recipe_path}") for k in flat]
+            given.update(flat)
+        else:
+            given[key] = value
+    for key, _, values in cli:
+        if key and key not in accepted:
+            unknown.append((key, "command-line overrides"))
+        given[key] = values[0] if len(values) == 1 else values
+    if unknown:
+        raise _unknown_keys_error(list(dict.fromkeys(unknown)), valid, expected_script, given)
+
+    hints = typing.get_type_hints(cls)
+    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
+    # str), so a second parse in the same process would no longer see which keys are optional.
+    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
+    # key -> ("tokens", flag, values) | ("value", python value): the recipe first, then the command line in order;
+    # an assignment replaces the key's earlier one (dict order follows the last assignment).
+    merged: dict[str, tuple] = {}
+    for key, value in recipe.items():
+        where = f"recipe {recipe_path}"
+        if value is None or kinds[key] == "mapping":
+            merged[key] = ("value", None if value is None else _mapping_value(key, value, where))
+            continue
         if isinstance(value, list) and kinds[key] != "list":
             raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
         if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
-            _check_no_underflow(key, value, f"recipe {recipe_path}")
-    accepted = _accepted_keys(cls)
-    for i, token in enumerate(argv):
-        if _is_key(token) and _option_key(token) not in accepted:
-            raise _unknown_key_error(_option_key(token), valid, "command-line overrides", expected_script)
-        if _is_key(token) and kinds.get(_option_key(token)) == "float":  # 1e-400 would silently become 0.0
-            given = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else "")
-            _check_no_underflow(_option_key(token), given, "command line")
-
-    # `--key null` / `--key None` unsets an optional key (argparse would read it as the string "null").
-    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
-    # str), so a second parse in the same process would no longer see which keys are optional.
-    hints = typing.get_type_hints(cls)
-    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
-    for i, token in enumerate(argv[:-1]):
-        key = _option_key(token)
-        if token.startswith("--") and key in optional and argv[i + 1] in ("null", "None", "none", "~"):
-            recipe[key] = None
-            argv[i : i + 2] = [None, None]
-    argv = [t for t in argv if t is not None]
-    recipe_tokens, none_defaults = _yaml_to_tokens(recipe)
+            _check_no_underflow(key, value, where)
+        merged[key] = ("tokens", f"--{key}", _yaml_value_tokens(key, value))
+    stray: list[str] = []
+    for key, flag, values in cli:
+        if not key:
+            stray += values
+            continue
+        base = key[3:] if key not in valid and key.startswith("no_") else key
+        if kinds.get(key) == "float" and values:  # 1e-400 would silently become 0.0
+            _check_no_underflow(key, values[0], "command line")
+        merged.pop(base, None)
+        if key in optional and len(values) == 1 and values[0] in NULL_TOKENS:
+            merged[base] = ("value", None)
+        elif kinds.get(key) == "mapping":
+            merged[base] = ("value", _mapping_value(key, values, "the command line"))
+        else:
+            merged[base] = ("tokens", flag, values)
+    tokens: list[str] = stray
+    preset: dict[str, Any] = {}
+    for key, entry in merged.items():
+        if entry[0] == "value":
+            preset[key] = entry[1]
+        else:
+            tokens += [entry[1], *entry[2]]
     parser = _parser(cls)
     # Every token that is not a --key was checked above to be a value, so one starting with '-' (`--stop_strings
     # -----`, `--adam_epsilon -1e-8`) is a value too; argparse alone reads it as an option unless it is a plain
     # negative number.
     parser._negative_number_matcher = re.compile(r"^-")
-    parser.set_defaults(**none_defaults)
+    parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
     for action in parser._actions:  # recipe values satisfy required fields
-        if action.dest in recipe:
+        if action.dest in merged:
             action.required = False
     errors: list[str] = []
     parser.error = lambda message: errors.append(message) or (_ for _ in ()).throw(ConfigError(message))  # type: ignore[method-assign]
     try:
-        (config,) = parser.parse_args_into_dataclasses(args=recipe_tokens + argv)
+        (config,) = parser.parse_args_into_dataclasses(args=tokens)
     except SystemExit:  # argparse exits on --help
         raise
     except ConfigError:

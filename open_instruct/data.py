@@ -487,7 +487,8 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
     rows = check_duplicate_ids(rows, stats, cfg.skip_bad_rows)
     if rows:
         formats.detect_format(formats.PROMPT, rows[0].data, cfg, rows[0].where())
-    check_columns(rows, [cfg.ground_truth_column], "RL prompt")
+    if not getattr(cfg, "reward_functions", None):  # reward functions need no verifier or ground truth
+        check_columns(rows, [cfg.ground_truth_column], "RL prompt")
     examples = []
     for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.PROMPT, stats)):
         if isinstance(out, DataError):
@@ -509,6 +510,7 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 "source": row.label,
                 "where": row.where(),
                 **({"example": out["example"]} if "example" in out else {}),
+                **({k: out[k] for k in ("prompt", "columns") if k in out}),
             }
         )
     stats.kept = len(examples)
@@ -641,6 +643,8 @@ def prompt_parts(row: Row, fmt: formats.Format, cfg: Any) -> tuple[tuple, Any, s
         if not msgs:
             raise DataError(f"{where}: column {column!r} has no prompt turn")
         parts = ("chat_answer_dropped" if answer_dropped else "chat", msgs)
+    if getattr(cfg, "reward_functions", None) and row.data.get(cfg.verifier_column) is None:
+        return parts, row.data.get(cfg.ground_truth_column), None  # scored by the reward functions alone
     ground_truth = _require_column(row, cfg.ground_truth_column)
     verifier, ground_truth = formats.single_verifier(
         row.data.get(cfg.verifier_column), ground_truth, cfg.verifier_column, where
@@ -715,6 +719,10 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
             continue
         out[k] = {"ground_truth": ground_truth, "verifier": verifier, "raw": parts[0] == "raw"}
         out[k]["answer_dropped"] = parts[0] == "chat_answer_dropped"
+        if getattr(cfg, "reward_functions", None):  # TRL's reward_funcs get the prompt as given and every column
+            given = row.data.get("prompt") if fmt.name == "prompt" else None
+            out[k]["prompt"] = given if isinstance(given, str) else parts[1]
+            out[k]["columns"] = dict(row.data)
         if getattr(cfg, "environment", None):  # what the environment's reset(example) reads: the row's columns
             messages = [{"role": "user", "content": parts[1]}] if parts[0] == "raw" else parts[1]
             out[k]["example"] = {**row.data, "messages": messages, "ground_truth": ground_truth, "verifier": verifier}
@@ -1097,6 +1105,7 @@ DATA_FIELDS = (
     "seed",
     "string_rows",
     "environment",  # environment runs keep each row's columns for the environment's reset
+    "reward_functions",  # runs with reward functions keep each row's columns and prompt for them
 )
 # The modules that turn rows into examples: editing one invalidates the cache.
 DATA_CODE = ("data.py", "encode.py", "chat_render.py", "formats.py", "mixture.py", "data_cache.py")

@@ -63,6 +63,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from open_instruct import rewards
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.user_code import call_with_deadline
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], None]
@@ -194,6 +195,102 @@ def environment_for_row(row: dict[str, Any], default_spec: str, resources: dict[
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
         resources = {k: v for k, v in resources.items() if k in parameters}
     return cls(**resources)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The user's environment code, checked: every call under a deadline, every return value's type
+
+
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_observation(observation: Any, allow_none: bool) -> Optional[str]:
+    """Why `observation` is not one (None when it is): a non-empty string, a non-empty list of messages (dicts with
+    a role of MESSAGE_ROLES and string content), or None where allowed (a step that ends the episode)."""
+    if observation is None:
+        return None if allow_none else "None (only a step may return None, and only when done)"
+    if isinstance(observation, str):
+        return None
+    if not isinstance(observation, list) or not observation:
+        return f"{type(observation).__name__} {observation!r:.80} (a string or a non-empty list of messages)"
+    for i, message in enumerate(observation):
+        if not isinstance(message, dict):
+            return f"message {i} is a {type(message).__name__}, not a dict with role and content"
+        if message.get("role") not in MESSAGE_ROLES:
+            return f"message {i} has role {message.get('role')!r}, not one of {list(MESSAGE_ROLES)}"
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message["role"] == "assistant"):
+            return f"message {i} ({message['role']}) has content {content!r:.80}, not a string"
+    return None
+
+
+class GuardedEnvironment(Environment):
+    """An episode's environment (the user's class too) as the driver sees it: `reset` and `step` run under a
+    deadline (`timeout_s`), and what they raise or return of the wrong type becomes a ConfigError naming the class,
+    the method and the row (exit 2), not a traceback from deep in the rollout or a hang."""
+
+    def __init__(self, env: Environment, where: str, timeout_s: float):
+        self.env, self.where, self.timeout_s = env, where, timeout_s
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read after reset (a row may narrow them)
+        return self.env.tools
+
+    def _call(self, method: str, fn: Callable[[], Any]) -> Any:
+        finished, result = call_with_deadline(fn, self.timeout_s)
+        name = f"{type(self.env).__name__}.{method}"
+        if not finished:
+            raise ConfigError(f"environment {name} did not return within {self.timeout_s:g} s (environment_timeout) "
+                              f"on {self.where}")  # fmt: skip
+        if isinstance(result, Exception):
+            raise ConfigError(f"environment {name} raised {type(result).__name__}: {result} on {self.where}")
+        return result
+
+    def reset(self, example: dict[str, Any]) -> Observation:
+        observation = self._call("reset", lambda: self.env.reset(example))
+        problem = check_observation(observation, allow_none=False)
+        if problem:
+            raise ConfigError(f"environment {type(self.env).__name__}.reset returned {problem} on {self.where}")
+        return observation
+
+    def step(self, action: str) -> StepResult:
+        result = self._call("step", lambda: self.env.step(action))
+        name = f"environment {type(self.env).__name__}.step"
+        if not isinstance(result, tuple) or len(result) != 4:
+            raise ConfigError(
+                f"{name} returned {result!r:.80}, not (observation, reward, done, info) (a StepResult) on {self.where}"
+            )
+        observation, reward, done, info = result
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ConfigError(f"{name} returned reward {reward!r}, not a finite number, on {self.where}")
+        if not isinstance(done, bool):
+            raise ConfigError(f"{name} returned done {done!r}, not True or False, on {self.where}")
+        if info is not None and not isinstance(info, dict):
+            raise ConfigError(f"{name} returned info {info!r:.80}, not a dict, on {self.where}")
+        problem = check_observation(observation, allow_none=done)
+        if problem:
+            raise ConfigError(f"{name} returned observation {problem} on {self.where}")
+        return StepResult(observation, float(reward), done, info or {})
+
+    def action_end(self, text: str) -> Optional[int]:
+        return self.env.action_end(text)
+
+    def __getattr__(self, name: str) -> Any:  # the environment's own attributes (e.g. a tool environment's tools)
+        return getattr(self.__dict__["env"], name)
+
+
+def guarded_environment_for_row(
+    row: dict[str, Any], default_spec: str, resources: dict[str, Any], where: str, timeout_s: float
+) -> GuardedEnvironment:
+    """environment_for_row, its constructor's failure a ConfigError naming the class and the row, the environment
+    guarded (GuardedEnvironment)."""
+    cls = environment_class(row.get("environment") or default_spec)
+    finished, env = call_with_deadline(lambda: environment_for_row(row, default_spec, resources), timeout_s)
+    if not finished:
+        raise ConfigError(f"environment {cls.__name__}.__init__ did not return within {timeout_s:g} s on {where}")
+    if isinstance(env, Exception):
+        raise ConfigError(f"environment {cls.__name__}.__init__ raised {type(env).__name__}: {env} on {where}")
+    return GuardedEnvironment(env, where, timeout_s)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from open_instruct.distributed import global_sums_any_keys
-from open_instruct.environments import Environment, environment_for_row
+from open_instruct.environments import Environment, guarded_environment_for_row
 from open_instruct.episodes import (
     Episode,
     EpisodeBudget,
@@ -105,6 +105,7 @@ class EnvironmentRun:
 
     def __init__(self, cfg: Any, tokenizer: Any, verify: VerifyFn, step_workers: int = 1):
         self.cfg, self.verify, self.step_workers = cfg, verify, step_workers
+        self.timeout_s = getattr(cfg, "environment_timeout", 300.0)  # each reset / step / constructor call
         self.tokens = EpisodeTokenizer(tokenizer)
         self.budget = self.budget_for(cfg.response_length)
         self.resources: dict[str, Any] = {
@@ -138,13 +139,22 @@ class EnvironmentRun:
                 count_timeout()
             return score
 
-        return environment_for_row(example, self.cfg.environment, {**self.resources, "verifier": verifier})
+        where = row.get("where") or f"row {row.get('row')}"
+        resources = {**self.resources, "verifier": verifier}
+        return guarded_environment_for_row(example, self.cfg.environment, resources, where, self.timeout_s)
 
     def prompt_ids(self, row: dict[str, Any]) -> list[int]:
         """The prompt ids the row's environment starts its episodes with (reset, then the chat template with the
         environment's tool schemas)."""
         env = self.environment(row)
         return self.tokens.prompt_ids(env.reset(environment_example(row)), env.tools)
+
+    def probe_step(self, row: dict[str, Any]) -> None:
+        """One step of a fresh environment of `row` with an empty action (a policy may answer with nothing), before
+        any model loads: a step that raises, hangs or returns the wrong types stops the run now (GuardedEnvironment)."""
+        env = self.environment(row)
+        env.reset(environment_example(row))
+        env.step("")
 
     def play(
         self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Optional[EpisodeBudget] = None

@@ -1024,7 +1024,7 @@ def score_batch(
         )
     start = time.monotonic()
     rewards, correct, num_timeouts, code_statuses = [], [], 0, None
-    names = [normalize_verifier_name(n) for n in verifier_names]
+    names = [None if n is None else normalize_verifier_name(n) for n in verifier_names]  # None: no verifier
     code_rows = [i for i, n in enumerate(names) if n == "code"]
     code_scores: dict[int, float] = {}
     if code_rows:
@@ -1041,6 +1041,10 @@ def score_batch(
             score = code_scores[i]
             correct.append(score >= 1.0)
             rewards.append(float(verification_reward) * score)
+            continue
+        if name is None:  # a row scored by reward functions alone (rollouts.score_texts adds them)
+            correct.append(False)
+            rewards.append(0.0)
             continue
         score, timed_out = run_verifier(name, completion, gt, timeout=timeout)
         num_timeouts += timed_out
@@ -1082,36 +1086,16 @@ def combine_rewards(
 # Custom reward functions (`reward_functions: [module:function, ...]`)
 # --------------------------------------------------------------------------------------------------------
 # The keyword arguments every custom reward function receives, one list entry per completion: TRL's reward_funcs
-# convention (prompts, completions, completion_ids, then the dataset's columns), with this repo's RL columns.
-REWARD_FUNCTION_ARGS = ("prompts", "completions", "completion_ids", "ground_truth", "dataset")
-
-
-def _load_module(module: str, spec: str) -> Any:
-    """A module by dotted name, or a .py file by path (also `pkg.mod` found as pkg/mod.py under the current folder:
-    the scripts run with their own folder, not the current one, on sys.path)."""
-    import importlib
-    import importlib.util
-
-    from open_instruct.errors import ConfigError
-
-    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
-    try:
-        if module.endswith(".py") or (not importlib.util.find_spec(module.split(".")[0]) and os.path.isfile(path)):
-            if not os.path.isfile(path):
-                raise ConfigError(f"reward function {spec!r}: file {path!r} does not exist")
-            name = "open_instruct_user_rewards_" + re.sub(r"\W", "_", os.path.abspath(path))
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            loaded = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(loaded)
-            return loaded
-        return importlib.import_module(module)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, its own errors)
-        raise ConfigError(f"reward function {spec!r}: importing {module!r} failed: {type(e).__name__}: {e}") from None
+# convention: prompts (as the row gives them: a string, or the messages), completions (strings, or for a
+# conversational prompt [{"role": "assistant", "content": text}] each), completion_ids, then every column of the row
+# by its name (ground_truth and dataset among them; columns named like these three or prompt/completion excepted).
+REWARD_FUNCTION_ARGS = ("prompts", "completions", "completion_ids")
+_NOT_COLUMNS = ("prompt", "completion", *REWARD_FUNCTION_ARGS)
 
 
 def _check_signature(fn: Callable[..., Any], spec: str) -> None:
+    """What can be told without the data: a plain (not async) function whose required arguments can be passed by
+    name. Whether the data has the columns it requires is checked on real rows (probe_reward_functions)."""
     from open_instruct.errors import ConfigError
 
     if inspect.iscoroutinefunction(fn):
@@ -1120,22 +1104,11 @@ def _check_signature(fn: Callable[..., Any], spec: str) -> None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return  # a builtin without a readable signature: its first call tells
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    needed = [
-        p.name
-        for p in params
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and (p.kind is p.POSITIONAL_ONLY or p.name not in REWARD_FUNCTION_ARGS)
-    ]
-    refused = [] if takes_any else [a for a in REWARD_FUNCTION_ARGS if a not in named]
-    if needed or refused:
-        what = f"requires {needed}, which is never passed" if needed else f"does not accept {refused}"
-        call = ", ".join(f"{a}=[...]" for a in REWARD_FUNCTION_ARGS)
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
         raise ConfigError(
-            f"reward function {spec!r} {what}: it is called as fn({call}) "
-            "(one entry per completion; TRL's reward_funcs convention), so take those names or **kwargs, e.g. "
-            "def my_reward(completions, ground_truth, **kwargs) -> list[float]"
+            f"reward function {spec!r} requires {positional} by position; it is called with keyword arguments only "
+            "(TRL's reward_funcs convention), e.g. def my_reward(completions, ground_truth, **kwargs) -> list[float]"
         )
 
 
@@ -1145,50 +1118,143 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     current folder) or `path/to/file.py:fn`. ConfigError when the spec, the import or the signature is wrong, so
     a run stops before any model loads (preflight)."""
     from open_instruct.errors import ConfigError
+    from open_instruct.user_code import load_object
 
-    module, sep, name = spec.rpartition(":")
-    if not sep or not module or not name.isidentifier():
-        raise ConfigError(
-            f"reward function {spec!r} must be module:function or path/to/file.py:function (e.g. my_rewards:length)"
-        )
-    loaded = _load_module(module, spec)
-    fn = getattr(loaded, name, None)
+    fn = load_object(spec, "reward function", "my_rewards:length")
     if not callable(fn):
-        found = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(f"reward function {spec!r}: {module!r} has no function {name!r} (it has {found})")
+        raise ConfigError(f"reward function {spec!r} is a {type(fn).__name__}, not a function")
     _check_signature(fn, spec)
     return fn
 
 
+def reward_function_inputs(
+    examples: Sequence[dict], texts: Sequence[str], completion_ids: Sequence[Sequence[int]]
+) -> dict[str, list[Any]]:
+    """TRL's reward_funcs keyword arguments for a batch: prompts and completions in TRL's shape, completion_ids,
+    and every column of the rows (a column missing from a row is None there). Rows without `columns` (a run
+    without reward functions) give ground_truth and dataset (the verifier name) only."""
+    prompts = [e.get("prompt") for e in examples]
+    completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+    inputs: dict[str, list[Any]] = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": [list(ids) for ids in completion_ids],
+    }
+    names = dict.fromkeys(k for e in examples for k in e.get("columns", {}) if k not in _NOT_COLUMNS)
+    for name in names:
+        inputs[name] = [e.get("columns", {}).get(name) for e in examples]
+    inputs.setdefault("ground_truth", [e.get("ground_truth") for e in examples])
+    inputs.setdefault("dataset", [e.get("verifier") for e in examples])
+    return inputs
+
+
+def _accepted(fn: Callable[..., Any], inputs: dict[str, list[Any]], spec: str) -> dict[str, list[Any]]:
+    """The inputs `fn` takes: all of them with **kwargs, else those it names. ConfigError when it requires one the
+    rows do not have."""
+    from open_instruct.errors import ConfigError
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return inputs
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return inputs
+    missing = [
+        p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in inputs
+    ]
+    if missing:
+        raise ConfigError(
+            f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
+            f"completion_ids and the rows' columns {sorted(set(inputs) - set(REWARD_FUNCTION_ARGS))}"
+        )
+    return {k: v for k, v in inputs.items() if k in {p.name for p in params}}
+
+
+def call_reward_function(
+    spec: str, inputs: dict[str, list[Any]], where: Sequence[str], timeout: float
+) -> list[Optional[float]]:
+    """One reward function on a batch, within `timeout` seconds: its list of float-or-None per completion. A call
+    that raises, does not return in time, or returns the wrong number of values or a non-finite / non-numeric one
+    is a ConfigError naming the function and the row (`where`: each completion's row)."""
+    from open_instruct.errors import ConfigError
+    from open_instruct.user_code import call_with_deadline
+
+    fn = load_reward_function(spec)
+    kwargs = _accepted(fn, inputs, spec)
+    n = len(inputs["completions"])
+    rows = where[0] if n == 1 else f"a batch of {n} rows from {where[0]}"
+    finished, values = call_with_deadline(lambda: fn(**kwargs), timeout)
+    if not finished:
+        raise ConfigError(
+            f"reward function {spec!r} did not return within {timeout:g} s (reward_function_timeout) on {rows}"
+        )
+    if isinstance(values, Exception):
+        raise ConfigError(f"reward function {spec!r} raised {type(values).__name__}: {values} on {rows}")
+    listed = isinstance(values, (list, tuple)) or (hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1)
+    values = values.tolist() if listed and hasattr(values, "tolist") else values  # numpy / torch vectors too
+    if not listed or len(values) != n:
+        got = f"{len(values)} values" if listed else type(values).__name__
+        raise ConfigError(
+            f"reward function {spec!r} must return a list of {n} rewards (one per completion): {got} on {rows}"
+        )
+    for j, v in enumerate(values):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)):
+            raise ConfigError(
+                f"reward function {spec!r} returned {v!r} for completion {j}: not a finite number ({where[j]})"
+            )
+    return values
+
+
 def custom_rewards(
-    specs: Sequence[str], weights: Optional[Sequence[float]], **columns: Sequence[Any]
+    specs: Sequence[str],
+    weights: Optional[Sequence[float]],
+    inputs: dict[str, list[Any]],
+    where: Optional[Sequence[str]] = None,
+    timeout: float = 60.0,
 ) -> list[float]:
     """Sum over the custom reward functions of weight x value, per completion:
 
         extra_j = sum_i w_i * f_i(...)[j]            (a None from f_i, "not applicable here", counts 0)
 
-    `columns` are REWARD_FUNCTION_ARGS, one list entry per completion. A function that returns the wrong number of
-    values or a non-finite / non-numeric one raises ConfigError naming it (a bug in the user's function, not in
-    the model's text)."""
-    from open_instruct.errors import ConfigError
-
-    n = len(columns["completions"])
+    `inputs`: reward_function_inputs of the batch; `where`: each completion's row, for messages."""
+    n = len(inputs["completions"])
+    where = list(where) if where is not None else [f"completion {j}" for j in range(n)]
     total = [0.0] * n
     for i, spec in enumerate(specs):
         weight = 1.0 if weights is None else float(weights[i])
-        values = load_reward_function(spec)(**columns)
-        listed = isinstance(values, (list, tuple)) or (hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1)
-        values = values.tolist() if listed and hasattr(values, "tolist") else values  # numpy / torch vectors too
-        if not listed or len(values) != n:
-            got = f"{len(values)} values" if listed else type(values).__name__
-            raise ConfigError(f"reward function {spec!r} must return a list of {n} rewards (one per completion): {got}")
-        for j, v in enumerate(values):
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise ConfigError(f"reward function {spec!r} returned {v!r} for completion {j}: not a finite number")
-            total[j] += weight * float(v)
+        for j, v in enumerate(call_reward_function(spec, inputs, where, timeout)):
+            if v is not None:
+                total[j] += weight * float(v)
     return total
+
+
+PROBE_ROWS = 4  # rows each reward function is tried on before any model loads
+
+
+def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeout: float) -> None:
+    """Call each reward function once on the first training rows, an empty completion standing in for the model's
+    (a model can answer with nothing; the function must score it), before any model loads: a function that raises,
+    hangs, returns the wrong length or NaN/inf fails now, naming itself and the row (a failing batch is retried row
+    by row to find it)."""
+    from open_instruct.errors import ConfigError
+
+    rows = list(examples[:PROBE_ROWS])
+    for spec in specs:
+        try:
+            call_reward_function(spec, reward_function_inputs(rows, [""] * len(rows), [[]] * len(rows)),
+                                 [e.get("where", f"row {e.get('row')}") for e in rows], timeout)  # fmt: skip
+        except ConfigError as batch_error:
+            error = batch_error
+            if "did not return within" not in str(error):  # which row: each alone (a hang is not retried)
+                for e in rows:
+                    try:
+                        call_reward_function(
+                            spec, reward_function_inputs([e], [""], [[]]), [e.get("where", "")], timeout
+                        )
+                    except ConfigError as row_error:
+                        error = row_error
+                        break
+            raise ConfigError(f"{error} (probe call before loading, an empty completion)") from None
 
 
 def check_verifiers(examples: list[dict], what: str) -> None:
@@ -1199,6 +1265,7 @@ def check_verifiers(examples: list[dict], what: str) -> None:
     from open_instruct.errors import DataError
 
     names: dict[str, str] = {}
+    examples = [ex for ex in examples if ex["verifier"] is not None]  # rows scored by reward functions alone
     for ex in examples:
         try:
             if ex["verifier"] not in names:

@@ -81,7 +81,7 @@ from open_instruct.generation_check import (
 from open_instruct.lora import adapter_disabled
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
-from open_instruct.rl_algorithms import POLICY_LOSSES, advantage_estimator, policy_loss
+from open_instruct.rl_algorithms import KL_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
     PhaseClock,
     RLModels,
@@ -141,8 +141,9 @@ def masked_whiten(
     return ((x.double() - mean) * torch.rsqrt(var + eps) * mask).to(x.dtype)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from a token sampled from pi (Schulman's k1/k2/k3):
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, **algo_kwargs: Any) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from a token sampled from pi (Schulman's k1/k2/k3; another name: its
+    row of rl_algorithms.KL_ESTIMATORS, a function of the user's, called with its algo_kwargs):
 
     k1 = logp - ref_logp                       unbiased, can be negative
     k2 = 0.5 * (logp - ref_logp)^2             biased, >= 0
@@ -155,7 +156,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with log r = -log_ratio
-    raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
+    row = KL_ESTIMATORS.get(estimator)
+    if row is None or row.function is None:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
+    return row.function(logp, ref_logp, **algo_kwargs)
 
 
 def last_response_token(mask: torch.Tensor) -> torch.Tensor:
@@ -591,7 +595,9 @@ def collect_rollout(
             per_token = token_rewards(e, cfg.turn_reward_aggregation)
             turn_rewards[i, : len(per_token)] = cfg.verification_reward * torch.tensor(per_token, dtype=torch.float32)
     has_ref = models.reference is not None
-    kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator) * mask if has_ref and not on_policy else None
+    kl = None
+    if has_ref and not on_policy:
+        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator")) * mask
     return Rollout(
         episodes=episodes,
         response_ids=out.response_ids,
@@ -629,7 +635,7 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
     """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS)."""
-    return cfg.estimator.function(cfg, rollout, accelerator)
+    return cfg.estimator.function(cfg, rollout, accelerator, **cfg.variant_kwargs("advantage_estimator"))
 
 
 def group_baseline(cfg: RLVRConfig, rollout: Rollout, advantages: torch.Tensor) -> Advantages:
@@ -718,7 +724,9 @@ def token_policy_loss(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function."""
-    return POLICY_LOSSES[cfg.policy_loss].function(cfg, logp, old_logp, advantages, mask)
+    return POLICY_LOSSES[cfg.policy_loss].function(
+        cfg, logp, old_logp, advantages, mask, **cfg.variant_kwargs("policy_loss")
+    )
 
 
 @policy_loss("ppo")
@@ -792,7 +800,7 @@ def micro_batch_loss(
         pg = pg * pg_kept
         loss_sum = masked_sum(pg, w)
         if adv.kl_loss_coef > 0:
-            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator)
+            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator"))
             loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, w)
         if models.value is not None:
             values = token_values(models.value, batch, cfg.num_samples_per_prompt)

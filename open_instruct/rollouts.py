@@ -260,6 +260,18 @@ class RolloutSampler:
         return sorted(self.in_flight)
 
 
+def reward_function_scores(
+    cfg: RLVRConfig, examples: list[dict], texts: list[str], response_ids: list[list[int]]
+) -> list[float]:
+    """The weighted sum of the reward functions per completion, called as TRL calls reward_funcs (every column of
+    the row, TRL's completion shape), each call under reward_function_timeout."""
+    inputs = rewards.reward_function_inputs(examples, texts, response_ids)
+    where = [e.get("where", f"row {e.get('row')}") for e in examples]
+    return rewards.custom_rewards(
+        cfg.reward_functions, cfg.reward_function_weights, inputs, where, cfg.reward_function_timeout
+    )
+
+
 def score_texts(
     cfg: RLVRConfig, texts: list[str], examples: list[dict], tokenizer: Any, response_ids: list[list[int]]
 ) -> Any:
@@ -275,15 +287,7 @@ def score_texts(
     )
     if not cfg.reward_functions:
         return scored
-    extra = rewards.custom_rewards(
-        cfg.reward_functions,
-        cfg.reward_function_weights,
-        prompts=[tokenizer.decode(e["prompt_ids"]) for e in examples],
-        completions=texts,
-        completion_ids=response_ids,
-        ground_truth=[e["ground_truth"] for e in examples],
-        dataset=[e["verifier"] for e in examples],
-    )
+    extra = reward_function_scores(cfg, examples, texts, response_ids)
     return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
 
 
@@ -296,15 +300,7 @@ def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: An
     aggregation, scale = cfg.turn_reward_aggregation, cfg.verification_reward
     scores = [scale * episode_score(e, aggregation) for e in out.episodes]
     if cfg.reward_functions:
-        extra = rewards.custom_rewards(
-            cfg.reward_functions,
-            cfg.reward_function_weights,
-            prompts=[tokenizer.decode(e.prompt_ids) for e in out.episodes],
-            completions=out.texts,
-            completion_ids=out.response_ids,
-            ground_truth=[e["ground_truth"] for e in examples],
-            dataset=[e["verifier"] for e in examples],
-        )
+        extra = reward_function_scores(cfg, examples, out.texts, out.response_ids)
         scores = [r + x for r, x in zip(scores, extra)]
     timeouts = sum(e.verifier_timeouts for e in out.episodes)
     return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], timeouts, 0.0, {})
@@ -482,9 +478,12 @@ def load_prompts(
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
     rewards.check_verifiers(train, "train")
     rewards.check_verifiers(evals, "eval")
+    if cfg.reward_functions:  # each one called on real rows now, not after the models have loaded
+        rewards.probe_reward_functions(cfg.reward_functions, train, cfg.reward_function_timeout)
     if environments is not None:
         train = render_environment_prompts(cfg, train, environments)
         evals = render_environment_prompts(cfg, evals, environments)
+        environments.probe_step(train[0])  # one step of the user's environment, before any model loads
     plan = cfg.batch_plan(accelerator.num_processes, len(train))
     model_config = AutoConfig.from_pretrained(
         cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, gguf_file=cfg.gguf_file

@@ -35,7 +35,17 @@ from open_instruct.errors import ConfigError
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 # What a run writes into its output folder (removed by --overwrite_output_dir; anything else is left alone).
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final_model", "best_model", RUN_FILE, ".wandb_run_id")
+CONFIG_FILE = "config.yaml"  # the resolved config of the run's latest start (write_config)
+RUN_FILES = (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "checkpoints",
+    "final_model",
+    "best_model",
+    RUN_FILE,
+    CONFIG_FILE,
+    ".wandb_run_id",
+)
 RUN_DEBRIS_PREFIXES = (".tmp_", ".old_")  # temp files and folders of interrupted writes (checkpoint.py, tracking.py)
 
 
@@ -113,6 +123,35 @@ def write_run(output_dir: str, run: dict[str, Any]) -> None:
         raise
 
 
+def config_yaml(cfg: Any) -> str:
+    """The resolved config (every option, defaults and derived values filled in) as a recipe: `script.py
+    config.yaml` repeats the run."""
+    import dataclasses
+
+    import yaml
+
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=None, width=120)
+
+
+def write_config(output_dir: str, cfg: Any) -> None:
+    """<output_dir>/config.yaml: this start's resolved config, written atomically (temp file + rename) after the
+    folder was claimed for this run (run_dir.claim), so it never replaces another run's. A resume rewrites it with
+    the settings it resumed with."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_config_", dir=output_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"# resolved config of run {run_id_of(output_dir)}, written {_now()}\n")
+            f.write(config_yaml(cfg))
+            f.flush()
+            os.fsync(f.fileno())
+        apply_umask(tmp)
+        os.replace(tmp, os.path.join(output_dir, CONFIG_FILE))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def mark_finished(output_dir: str, counters: dict[str, Any]) -> None:
     """Record that the run ended normally (final model written): `auto` then finds nothing left to do."""
     run = read_run(output_dir)
@@ -136,7 +175,7 @@ def run_files(output_dir: str) -> list[str]:
         return []
     found = []
     for name in RUN_FILES:
-        if name in (RUN_FILE, ".wandb_run_id"):
+        if name in (RUN_FILE, CONFIG_FILE, ".wandb_run_id"):
             continue
         path = os.path.join(output_dir, name)
         if name == "checkpoints" and os.path.isdir(path):

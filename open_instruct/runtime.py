@@ -42,6 +42,7 @@ def claim_output_dir(cfg: BaseConfig) -> None:
     from open_instruct import checkpoint, run_dir
 
     resume = cfg.resume_from_checkpoint
+    checkpoint.check_allowed_resume_changes(cfg, world_size_from_env())  # every start, resumed or not
     explicit = resume not in (None, "", "auto")
     if explicit:
         check_explicit_checkpoint(resume)
@@ -85,7 +86,10 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
     try:
         if cfg.dry_run:
             from open_instruct.plan import print_dry_run
+            from open_instruct.run_dir import config_yaml
 
+            print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
+            print(config_yaml(cfg))
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
         from open_instruct import distributed, preflight, run_dir
@@ -97,6 +101,7 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             cfg.batch_plan(world_size_from_env(), None)
         if is_main_process_from_env():
             claim_output_dir(cfg)
+            run_dir.write_config(cfg.output_dir, cfg)
         elif cfg.resume_from_checkpoint == "auto" and (run_dir.read_run(cfg.output_dir) or {}).get("finished"):
             raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:
@@ -114,7 +119,13 @@ def start_before_imports(cls: type[BaseConfig]) -> None:
     config first, so a bad one exits 2 before the slow import. The script's `main` gets this same config from
     `start(cls)`."""
     global _started
-    _started = start(cls)
+    from open_instruct import rl_algorithms
+
+    try:
+        with rl_algorithms.deferring_unknown_names():  # a copied script registers its own variants below this call
+            _started = start(cls)
+    except rl_algorithms.NotYetRegistered:
+        _started = None  # the script's main checks the config with start(cls), after its registrations have run
 
 
 def run(main: Callable[..., Any], argv: Optional[Sequence[str]] = None) -> None:

@@ -614,7 +614,7 @@ def assert_refused_before_any_model_loads(case, t, capsys) -> None:
     if intact:
         assert snapshot(intact) == before, "the finished run's folder changed"
     written = set(snapshot(tmp_path / "out")) - set(out_before)
-    assert written <= {run_dir.RUN_FILE}, f"a refused run wrote {sorted(written)}"  # run.json is not a result
+    assert written <= {run_dir.RUN_FILE, run_dir.CONFIG_FILE}, f"a refused run wrote {sorted(written)}"  # not results
 
 
 def test_every_best_metric_the_configs_accept_is_what_the_scripts_log(finished_sft, finished_ppo):

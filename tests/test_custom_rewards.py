@@ -13,7 +13,7 @@ from training_helpers import write_fake_model
 
 from demo import synthetic
 from open_instruct.errors import ConfigError
-from open_instruct.rewards import custom_rewards, load_reward_function
+from open_instruct.rewards import custom_rewards, load_reward_function, reward_function_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -32,6 +32,9 @@ USER_FILE = textwrap.dedent(
         return [0.01 * len(ids) for ids in completion_ids]
 
     def takes_text(text):
+        return [0.0]
+
+    def by_position(completions, /):
         return [0.0]
 
     def narrow(completions, ground_truth):
@@ -57,22 +60,21 @@ def user_file(tmp_path):
 
 
 def columns(completions, ground_truth):
-    n = len(completions)
-    return dict(
-        prompts=["q"] * n,
-        completions=completions,
-        completion_ids=[[0] * len(c) for c in completions],
-        ground_truth=ground_truth,
-        dataset=["arithmetic"] * n,
-    )
+    """reward_function_inputs of string-prompt rows with ground_truth and dataset columns."""
+    rows = [{"prompt": "q", "columns": {"ground_truth": g, "dataset": "arithmetic"}} for g in ground_truth]
+    return reward_function_inputs(rows, completions, [[0] * len(c) for c in completions])
 
 
 def test_weighted_sum_of_user_functions_by_hand(user_file):
     specs = [f"{user_file}:brevity", f"{user_file}:exact"]
-    extra = custom_rewards(specs, [0.5, 2.0], **columns(["7", "12345", "x"], ["7", "5", "skip"]))
+    extra = custom_rewards(specs, [0.5, 2.0], columns(["7", "12345", "x"], ["7", "5", "skip"]))
     # brevity 0.9, 0.5, 0.9 (x 0.5); exact 1, 0, None (x 2): a None adds nothing
     assert extra == pytest.approx([0.5 * 0.9 + 2.0, 0.5 * 0.5, 0.5 * 0.9])
-    assert custom_rewards(specs[:1], None, **columns(["7"], ["7"])) == pytest.approx([0.9])  # weight 1 by default
+    assert custom_rewards(specs[:1], None, columns(["7"], ["7"])) == pytest.approx([0.9])  # weight 1 by default
+    # a function without **kwargs gets the inputs it names; one requiring a column the rows lack is refused
+    assert custom_rewards([f"{user_file}:narrow"], None, columns(["7"], ["7"])) == [0.0]
+    with pytest.raises(ConfigError, match=r"requires \['text'\], which is never passed: it gets prompts, "):
+        custom_rewards([f"{user_file}:takes_text"], None, columns(["7"], ["7"]))
 
 
 def test_dotted_module_from_the_current_folder(user_file, tmp_path, monkeypatch):
@@ -89,8 +91,7 @@ def test_dotted_module_from_the_current_folder(user_file, tmp_path, monkeypatch)
         ("no_such_module_xyz:fn", "importing 'no_such_module_xyz' failed: ModuleNotFoundError"),
         ("{d}/broken.py:fn", "importing '{d}/broken.py' failed: SyntaxError"),
         ("{f}:nope", "has no function 'nope' (it has ["),
-        ("{f}:takes_text", "requires ['text'], which is never passed"),
-        ("{f}:narrow", "does not accept ['prompts', 'completion_ids', 'dataset']"),
+        ("{f}:by_position", "requires ['completions'] by position"),
         ("{f}:later", "is async"),
     ],
 )
@@ -103,12 +104,13 @@ def test_bad_spec_import_or_signature_is_a_config_error(user_file, tmp_path, spe
 
 
 @pytest.mark.parametrize(
-    "name,message", [("one_value", "must return a list of 2 rewards (one per completion): 1 values"),
-                     ("not_a_number", "returned nan for completion 0: not a finite number")],
+    "name,message",
+    [("one_value", "must return a list of 2 rewards (one per completion): 1 values on a batch of 2 rows from row 7"),
+     ("not_a_number", "returned nan for completion 0: not a finite number (row 7)")],
 )  # fmt: skip
 def test_bad_return_value_names_the_function(user_file, name, message):
     with pytest.raises(ConfigError) as e:
-        custom_rewards([f"{user_file}:{name}"], None, **columns(["a", "b"], ["1", "2"]))
+        custom_rewards([f"{user_file}:{name}"], None, columns(["a", "b"], ["1", "2"]), ["row 7", "row 8"])
     assert str(e.value) == f"reward function '{user_file}:{name}' {message}"
 
 
@@ -126,7 +128,7 @@ def test_bad_reward_function_exits_2_before_the_model_loads(user_file, tmp_path)
     write_fake_model(str(model))  # passes the folder checks; loading it would fail: the run must stop before
     files = synthetic.write_task_files(str(tmp_path / "data"), n_train=8, n_eval=4)
     for spec, message in [
-        (f"{user_file}:takes_text", "requires ['text'], which is never passed"),
+        (f"{user_file}:by_position", "requires ['completions'] by position"),
         (f"{tmp_path}/nowhere.py:fn", "nowhere.py' does not exist"),
     ]:
         proc = subprocess.run(

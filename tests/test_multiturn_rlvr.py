@@ -178,7 +178,7 @@ def test_rows_carry_their_environment_tools_and_tool_turns(tiny_models, tiny, tm
     assert examples[0]["verifier"] == "arithmetic" and examples[0]["example"]["tools"] == ["calculator"]
     assert examples[0]["example"]["messages"][1]["tool_calls"] == [call]
     environments = environment_run(cfg, tiny["tokenizer"])
-    first, second = environments.environment(examples[0]), environments.environment(examples[1])
+    first, second = (environments.environment(e).env for e in examples[:2])  # the guarded classes
     assert isinstance(first, ToolEnvironment) and isinstance(second, MultiTurnEnvironment)
     rendered = render_environment_prompts(cfg, examples, environments)
     first.reset(examples[0]["example"])
@@ -589,8 +589,9 @@ def test_killed_inside_a_tool_call_resumes_bit_exactly(e2e, tmp_path):
     ref, out = tmp_path / "reference", tmp_path / "crashed"
     run_script(argv(e2e, ref, "--environment", e2e["env"]))
     gate = str(tmp_path / "gate")
-    # tool steps: 4 in the step-0 evaluation, 8 in rollout 1 (4 prompts x 2): the 13th is rollout 2's first
-    env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "13"}
+    # tool steps: the probe step before loading (rollouts.load_prompts), 4 in the step-0 evaluation,
+    # 8 in rollout 1 (4 prompts x 2): the 14th is rollout 2's first
+    env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "14"}
     proc = subprocess.Popen([sys.executable, *argv(e2e, out, "--environment", e2e["env"])], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:

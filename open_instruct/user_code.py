@@ -1,0 +1,105 @@
+"""Loading the user's own code named in a config: `module:name` (an importable module, or `pkg/mod.py` under the
+current folder) or `path/to/file.py:name`. Reward functions, environments, advantage estimators, policy losses and
+KL estimators are all named this way; a bad name, a missing file or a module that fails to import is a ConfigError
+(exit 2) naming the spec, before any model loads; `call_with_deadline` runs the user's code under a deadline.
+Imports nothing heavy."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import threading
+from typing import Any, Callable
+
+from open_instruct.errors import ConfigError
+
+
+def is_spec(value: Any) -> bool:
+    """`something:name` with an identifier after the last colon (a registered name never has a colon)."""
+    if not isinstance(value, str):
+        return False
+    module, sep, name = value.rpartition(":")
+    return bool(sep and module and name.isidentifier())
+
+
+def load_module(module: str, what: str) -> Any:
+    """A module by dotted name, or a .py file by path (also `pkg.mod` found as pkg/mod.py under the current folder:
+    the scripts run with their own folder, not the current one, on sys.path). A file is loaded once per process
+    (under a name derived from its absolute path), so its registrations run once."""
+    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
+    try:
+        if module.endswith(".py") or (not importlib.util.find_spec(module.split(".")[0]) and os.path.isfile(path)):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{what}: file {path!r} does not exist")
+            name = "open_instruct_user_" + re.sub(r"\W", "_", os.path.abspath(path))
+            if name in sys.modules:
+                return sys.modules[name]
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            loaded = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = loaded  # dataclasses and pickling look the module up by name
+            try:
+                loader_spec.loader.exec_module(loaded)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            return loaded
+        return importlib.import_module(module)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, its own errors)
+        raise ConfigError(f"{what}: importing {module!r} failed: {type(e).__name__}: {e}") from None
+
+
+def load_object(spec: str, what: str, example: str, noun: str = "function") -> Any:
+    """The object a `module:name` / `path/file.py:name` spec names (`what` names the option in messages, `example`
+    shows a right spec, `noun` says what the name is: function, Class)."""
+    module, sep, name = spec.rpartition(":")
+    if not sep or not module or not name.isidentifier():
+        raise ConfigError(f"{what} {spec!r} must be module:{noun} or path/to/file.py:{noun} (e.g. {example})")
+    loaded = load_module(module, f"{what} {spec!r}")
+    if not hasattr(loaded, name):
+        found = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_"))
+        raise ConfigError(f"{what} {spec!r}: {module!r} has no {noun.lower()} {name!r} (it has {found})")
+    return getattr(loaded, name)
+
+
+_GUARD_TASKS: Any = None  # queue of (fn, box, done) for the guard threads
+_GUARD_IDLE = [0]  # guard threads waiting for a task
+_GUARD_LOCK = threading.Lock()
+
+
+def _guard_worker() -> None:
+    while True:
+        fn, box, done = _GUARD_TASKS.get()
+        try:
+            box["result"] = fn()
+        except Exception as e:
+            box["result"] = e
+        done.set()
+        with _GUARD_LOCK:
+            _GUARD_IDLE[0] += 1
+
+
+def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
+    """(finished, result) of fn() on a long-lived daemon thread (reused, so per-thread resources such as the math
+    verifier's worker process are too), waiting at most deadline_s; an exception inside fn is the result. A call
+    past its deadline is abandoned (its caller stops the run; a daemon thread does not hold the process at exit)."""
+    global _GUARD_TASKS
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    with _GUARD_LOCK:
+        if _GUARD_TASKS is None:
+            import queue
+
+            _GUARD_TASKS = queue.SimpleQueue()
+        if _GUARD_IDLE[0] > 0:
+            _GUARD_IDLE[0] -= 1
+        else:
+            threading.Thread(target=_guard_worker, daemon=True, name="user-code").start()
+    _GUARD_TASKS.put((fn, box, done))
+    if not done.wait(deadline_s):
+        return False, None
+    return True, box["result"]

@@ -1,0 +1,186 @@
+"""Variants from the user's own file (issue 34, item 5): advantage_estimator, policy_loss and kl_estimator given as
+`path/file.py:function`, with algo_kwargs passed to the functions that take them; a copy of rlvr_ppo.py that
+registers its own estimator has it seen by its config check; the "not one of" message says how to add one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from open_instruct import rl_algorithms
+from open_instruct.config import RLVRConfig, parse_config
+from open_instruct.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl", "--total_episodes", "64"]
+
+VARIANTS_FILE = """
+import torch
+from open_instruct.rl_algorithms import advantage_estimator
+from open_instruct.rlvr_ppo import Advantages
+
+CALLS = {"estimator": [], "loss": [], "kl": []}
+
+
+@advantage_estimator("file_constant", uses_groups=False, kl_in_reward=False)
+def constant(cfg, rollout, accelerator, level=1.0):
+    CALLS["estimator"].append(level)
+    return Advantages(rollout.mask.clone() * level, None, cfg.beta, torch.ones(len(rollout.scores), dtype=torch.bool))
+
+
+def scaled_ratio(cfg, logp, old_logp, advantages, mask, scale=1.0):
+    CALLS["loss"].append(scale)
+    ratio = torch.exp(logp - old_logp)
+    return -scale * advantages * ratio, torch.zeros_like(ratio)
+
+
+def abs_log_ratio(logp, ref_logp, scale=1.0):
+    CALLS["kl"].append(scale)
+    return scale * (logp - ref_logp).abs()
+"""
+
+
+@pytest.fixture
+def variants_file(tmp_path):
+    path = tmp_path / "my_variants.py"
+    path.write_text(VARIANTS_FILE)
+    yield str(path)
+    for table, _, _ in rl_algorithms.TABLES.values():  # the rows the specs registered
+        for name in [n for n in table if str(path) in n or n == "file_constant"]:
+            del table[name]
+
+
+def test_unknown_variant_says_how_to_add_one():
+    for option, value in [("advantage_estimator", "grpo2"), ("policy_loss", "my_loss"), ("kl_estimator", "k4")]:
+        with pytest.raises(ConfigError) as e:
+            parse_config(RLVRConfig, [*BASE, f"--{option}", value])
+        message = str(e.value)
+        assert f"{option} {value!r} is not one of [" in message
+        assert f"to add one, name a function in your file: --{option} path/to/my_file.py:my_fn" in message
+
+
+def test_spec_rows_keep_the_decorators_traits_and_plain_functions_get_the_defaults(variants_file):
+    cfg = parse_config(RLVRConfig, [*BASE, "--advantage_estimator", f"{variants_file}:constant",
+                                    "--policy_loss", f"{variants_file}:scaled_ratio",
+                                    "--kl_estimator", f"{variants_file}:abs_log_ratio",
+                                    "--algo_kwargs", "level=0.5", "scale=3"])  # fmt: skip
+    assert not cfg.uses_value_model and not cfg.uses_groups and not cfg.kl_in_reward  # the decorator's traits
+    assert rl_algorithms.POLICY_LOSSES[cfg.policy_loss].takes_dual_clip  # a plain function: the default row
+    assert cfg.variant_kwargs("advantage_estimator") == {"level": 0.5}
+    assert cfg.variant_kwargs("policy_loss") == {"scale": 3} == cfg.variant_kwargs("kl_estimator")
+    with pytest.raises(ConfigError, match=r"policy_loss '.*:missing': '.*my_variants.py' has no function 'missing'"):
+        parse_config(RLVRConfig, [*BASE, "--policy_loss", f"{variants_file}:missing"])
+
+
+def test_variants_from_a_file_run_with_their_algo_kwargs(variants_file, tiny_models, tmp_path):
+    """Advantage `level` on every token and the loss -scale * A * ratio: one epoch in one mini-batch trains on the
+    weights that sampled, so ratio = 1 and loss/policy = token mean of -scale * level = -3 * 0.5 = -1.5; the KL
+    function runs with scale 3 in the loss (beta > 0, KL as a loss term: the estimator's kl_in_reward is false)."""
+    from demo import synthetic
+    from open_instruct import rlvr_ppo, runtime
+
+    data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(16, 0))
+    out = tmp_path / "out"
+    runtime.run(rlvr_ppo.main, [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+        "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--output_dir", str(out),
+        "--total_episodes", "16", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--num_epochs", "1",
+        "--response_length", "6", "--beta", "0.1", "--eval_steps", "100", "--checkpointing_steps", "100",
+        "--save_final_model", "false", "--best_metric", "null",
+        "--advantage_estimator", f"{variants_file}:constant", "--policy_loss", f"{variants_file}:scaled_ratio",
+        "--kl_estimator", f"{variants_file}:abs_log_ratio", "--algo_kwargs", "level=0.5", "scale=3",
+    ])  # fmt: skip
+    calls = rl_algorithms.TABLES["kl_estimator"][0][f"{variants_file}:abs_log_ratio"].function.__globals__["CALLS"]
+    assert calls["estimator"] == [0.5, 0.5] and set(calls["loss"]) == {3} and set(calls["kl"]) == {3}
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in rows if "loss/policy" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["loss/policy"] == pytest.approx(-1.5, abs=1e-6)
+        assert "loss/kl" in r and "loss/value" not in r
+
+
+COPY_ADDITION = """
+
+@advantage_estimator("copy_only", uses_groups=True)
+def copy_only(cfg, rollout, accelerator):
+    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt))
+
+"""
+
+
+def test_a_copied_script_sees_its_own_registrations(tmp_path):
+    """A copy of rlvr_ppo.py with its own estimator: the config check runs at the top of the file, before the
+    registration below it; the name is checked once the script's definitions have run (the traits too: a group
+    estimator needs num_samples_per_prompt >= 2). The original script refuses the name, saying how to add one."""
+    with open(os.path.join(REPO, "open_instruct", "rlvr_ppo.py")) as f:
+        source = f.read()
+    main_block = source.rindex('if __name__ == "__main__":')
+    copy = tmp_path / "my_rlvr.py"
+    copy.write_text(source[:main_block] + COPY_ADDITION + source[main_block:])
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    argv = [*BASE, "--advantage_estimator", "copy_only", "--output_dir", str(tmp_path / "out")]
+
+    def run(script, *extra):
+        return subprocess.run([sys.executable, script, *argv, *extra], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    ok = run(str(copy), "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "4", "--dry_run", "true")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "advantage_estimator: copy_only" in ok.stdout
+    traits = run(str(copy), "--num_samples_per_prompt", "1", "--dry_run", "true")
+    assert traits.returncode == 2 and "advantage_estimator copy_only needs num_samples_per_prompt >= 2" in traits.stderr
+    original = run(os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), "--dry_run", "true")
+    assert original.returncode == 2
+    assert "advantage_estimator 'copy_only' is not one of [" in original.stderr
+    assert "to add one, name a function in your file" in original.stderr
+
+
+def test_nan_and_inf_knobs_and_async_bound_exit_2():
+    cases = [
+        (["--tis_cap", "nan"], "tis_cap must be a finite number"),
+        (["--tis_cap", "inf"], "tis_cap must be a finite number"),
+        (["--is_mask_low", "nan"], "is_mask_low must be a finite number"),
+        (["--is_mask_high", "inf"], "is_mask_high must be a finite number"),
+        (
+            ["--reward_functions", "m:f", "--reward_function_weights", "nan"],
+            "reward_function_weights[0] must be a finite",
+        ),
+        (["--async_steps", "1000", "--generation_backend", "hf"], "async_steps 1000 is more than 64"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError) as e:
+            parse_config(RLVRConfig, [*BASE, *extra])
+        assert message in str(e.value), (extra, str(e.value))
+
+
+def test_the_extending_pages_example_resolves(tmp_path):
+    """docs/extending.md's variants file and recipe lines, as written there."""
+    import re
+
+    import yaml
+
+    with open(os.path.join(REPO, "docs", "extending.md")) as f:
+        page = f.read()
+    code = re.search(r"```python\n(# my_variants.py\n.*?)```", page, re.S).group(1)
+    recipe = yaml.safe_load(re.search(r"```yaml\n# in the recipe\n(.*?)```", page, re.S).group(1))
+    (tmp_path / "my_variants.py").write_text(code)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        lines = [f"{k}: {json.dumps(v)}" for k, v in recipe.items()]
+        (tmp_path / "r.yaml").write_text("\n".join(lines) + "\n")
+        cfg = parse_config(RLVRConfig, [str(tmp_path / "r.yaml"), *BASE, "--num_samples_per_prompt", "4"])
+        assert cfg.uses_groups and not cfg.uses_value_model  # the decorator's traits
+        assert cfg.variant_kwargs("advantage_estimator") == {"margin": 0.1}
+        assert cfg.variant_kwargs("policy_loss") == {"cap": 3.0} and cfg.variant_kwargs("kl_estimator") == {
+            "scale": 0.5
+        }
+    finally:
+        os.chdir(cwd)
+        for table, _, _ in rl_algorithms.TABLES.values():
+            for name in [n for n in table if n.startswith("my_variants.py:") or n == "top_half"]:
+                del table[name]
