@@ -195,7 +195,7 @@ STAGES = [
         "sft",
         "pref_train",
         "pref_eval",
-        {"total_episodes": 4000},
+        {"total_episodes": 8000},
         note="transformers' load report below is expected: the SFT model's lm_head is dropped, "
         "a new `score` head is added",
     ),
