@@ -1,6 +1,6 @@
 """The whole pipeline on a tiny model built locally, on CPU: SFT -> reward model -> DPO -> RLVR, then a report.
 
-    python -m demo                      # everything under output/demo (~3 CPU-minutes, ~4.5 min on 2 cores)
+    python -m demo                      # everything under output/demo (a few CPU-minutes; the summary has each stage's)
     python -m demo --quick              # the same pipeline with fewer steps (the test suite runs it)
     python -m demo --output_dir D --seed 0 --hidden_size 128 --num_layers 2
 
@@ -195,7 +195,7 @@ STAGES = [
         "sft",
         "pref_train",
         "pref_eval",
-        {"total_episodes": 4000},
+        {"total_episodes": 8000},
         note="transformers' load report below is expected: the SFT model's lm_head is dropped, "
         "a new `score` head is added",
     ),
