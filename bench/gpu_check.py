@@ -423,12 +423,12 @@ def pair_example(tokenizer: Any, pair: dict) -> dict[str, Any]:
 
 
 def logits_memory(c: Check) -> dict[str, Any]:
-    """The log-prob head's forward + backward over logits_tokens positions, chunked (models.chunked_token_logprobs)
-    and through full [tokens, vocab] logits (the path FSDP2 takes today): their largest log-prob difference and, on
+    """The log-prob head's forward + backward over logits_tokens positions, chunked (models.chunked_token_scores)
+    and through full [tokens, vocab] logits (what the head replaced): their largest log-prob difference and, on
     a GPU, the peak extra GB of each."""
     import torch
 
-    from open_instruct.models import chunked_token_logprobs, token_logprobs
+    from open_instruct.models import chunked_token_scores, token_logprobs
 
     s, device = c.scale, c.device
     hidden_size = s.m1b["hidden_size"]
@@ -445,7 +445,7 @@ def logits_memory(c: Check) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         if label == "chunked":
-            logps[label] = chunked_token_logprobs(hidden, head, labels)
+            logps[label] = chunked_token_scores(hidden, head, labels)[0]
         else:
             logps[label] = token_logprobs(head(hidden)[None], labels[None])[0]
         logps[label].sum().backward()

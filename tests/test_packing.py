@@ -371,7 +371,21 @@ def test_the_planner_shows_the_knob(capsys):
     padded = capsys.readouterr().out
     assert "max_tokens_per_micro_batch" in packed and "16,384" in packed
     assert "max_tokens_per_micro_batch" in padded and "off" in padded
-    assert plan.main([recipe, "--num_examples", "1000", "--max_tokens_per_micro_batch", "16384", "--json"]) == 0
+    assert (
+        plan.main(
+            [
+                recipe,
+                "--num_processes",
+                "8",
+                "--num_examples",
+                "1000",
+                "--max_tokens_per_micro_batch",
+                "16384",
+                "--json",
+            ]
+        )
+        == 0
+    )
     as_json = json.loads(capsys.readouterr().out)
     # sft_8b: 16 samples per device per update, max_seq_length 4096 at --fill 0.5 -> 16 x 2048 tokens = 2 packed rows
     assert as_json["max_tokens_per_micro_batch"] == 16384 and as_json["micro_batches_per_update"] == 2

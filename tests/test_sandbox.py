@@ -62,8 +62,10 @@ def test_infinite_loop_is_stopped(iso):
 def test_cpu_limit_fires_before_a_long_wall_limit(iso):
     limits = SandboxLimits(wall_seconds=30.0, cpu_seconds=1, memory_mb=256)
     res = contained(run_in_sandbox("while True:\n    pass", limits=limits), limits)
-    assert res.limit == "cpu_time"
-    assert res.cpu_seconds >= 0.9  # SIGXCPU at the 1 s limit (accounting is tick-grained)
+    assert res.limit == "cpu_time"  # SIGXCPU: the kernel sends it once the process has used its 1 s of CPU
+    # ...so at least 1 s of wall time passed. Not rusage's cpu_seconds: its user/system times are tick-sampled and
+    # scaled, and read 0.89 s for this same kill on a machine at load average 14 (1.003 s idle).
+    assert limits.cpu_seconds <= res.seconds < limits.wall_seconds
 
 
 def test_fork_bomb_is_contained(iso):
