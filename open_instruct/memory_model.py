@@ -167,7 +167,7 @@ def activation_bytes(shape: ModelShape, tokens: int, lay: MemoryLayout) -> float
 
 
 def logprob_head_bytes(shape: ModelShape, scored_tokens: int, lay: MemoryLayout, training: bool) -> float:
-    """The chunked log-prob head (models.chunked_token_logprobs): one chunk of at most LOGPROB_CHUNK_TOKENS rows of
+    """The chunked log-prob head (models.chunked_token_scores): one chunk of at most LOGPROB_CHUNK_TOKENS rows of
     [rows, vocab] logits in the compute dtype and in fp32; the backward adds the chunk's fp32 softmax gradient and
     the output layer's fp32 weight gradient (vocab x hidden x 4)."""
     rows = min(scored_tokens, LOGPROB_CHUNK_TOKENS)
