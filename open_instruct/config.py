@@ -589,7 +589,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         None,
         "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
         "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, **every column of the row) -> a "
-        "list of float or None per completion (docs/porting.md). Rows then need no verifier column. Each is called "
+        "list of float or None per completion (docs/extending.md). Rows then need no verifier column. Each is called "
         "once on real rows before any model loads.",
     )
     reward_function_timeout: float = opt(

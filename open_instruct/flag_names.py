@@ -80,7 +80,7 @@ FOREIGN_NAMES: tuple[ForeignName, ...] = (
     ),
     # --- precision, memory, parallelism
     _n("bf16", [HF, TRL, ORLHF], "`--mixed_precision bf16`", ["mixed_precision"], "master weights stay fp32"),
-    _n("fp16", [HF, TRL], "`--mixed_precision fp16`", ["mixed_precision"], "not under FSDP (use bf16)"),
+    _n("fp16", [HF, TRL], "`--mixed_precision bf16`", ["mixed_precision"], "fp16 is refused: it needs a loss scaler"),
     _n("torch_dtype", [TRL], "`--mixed_precision bf16`", ["mixed_precision"], "models load in fp32 (master weights)"),
     _n("dtype", [TRL], "`--mixed_precision bf16`", ["mixed_precision"], "models load in fp32 (master weights)"),
     _n(
