@@ -204,3 +204,67 @@ def check_teacher(cfg: Any) -> None:
             f"teacher_model_name_or_path {cfg.teacher_model_name_or_path!r} cannot distil into model "
             f"{student!r}: {problem}. The teacher must share the student's tokenizer."
         )
+
+
+def chunked_sampled_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    temperature: float,
+    chunk: int = JSD_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """No-grad log p(labels) [N] of hidden states [N, H] under an output layer at a temperature, chunk by chunk:
+
+    log p(y) = z_y / T - logsumexp(z / T),   z = W h + b"""
+    weight, out = _full_weight(weight), torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+    with torch.no_grad():
+        for s in range(0, len(hidden), chunk):
+            logits = _head_logits(hidden[s : s + chunk], weight, bias) / temperature
+            out[s : s + chunk] = logits.gather(1, labels[s : s + chunk, None]).squeeze(1) - logits.logsumexp(-1)
+    return out
+
+
+def teacher_hidden(teacher: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The frozen teacher's last hidden states predicting each response token [B, R, H_t], without its logits."""
+    from open_instruct.models import response_logits
+
+    with torch.no_grad(), output_layer_inputs(teacher, skip_output_layer=True) as captured:
+        response_logits(teacher, batch, 1.0, 1)
+    return response_hidden(captured, batch)
+
+
+def teacher_token_logprobs(
+    teacher: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log pi_teacher(y_t) [B, R] of the sampled response tokens at the sampling temperature, 0 off `mask` (no
+    [B, R, V] logits: the output layer runs on the masked positions, a chunk at a time)."""
+    hidden, keep = teacher_hidden(teacher, batch), mask > 0
+    weight, bias = output_layer(teacher)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[keep] = chunked_sampled_logprobs(hidden[keep], weight, bias, batch["responses"][keep], temperature)
+    return out
+
+
+def jsd_to_teacher(
+    student: Any,
+    student_captured: list[torch.Tensor],
+    teacher: Any,
+    t_hidden: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    beta: float,
+    temperature: float,
+    top_k: Optional[int],
+) -> torch.Tensor:
+    """generalized_jsd per response token [B, R] (0 off `mask`) between the student, whose last hidden states
+    output_layer_inputs recorded during its training forward (gradients flow through them and its output layer),
+    and the frozen teacher, whose hidden states `t_hidden` [B, R, H_t] teacher_hidden gave."""
+    keep = mask > 0
+    s_hidden = response_hidden(student_captured, batch)
+    (s_weight, s_bias), (t_weight, t_bias) = output_layer(student), output_layer(teacher)
+    per_token = chunked_generalized_jsd(
+        s_hidden[keep], s_weight, t_hidden[keep], t_weight, beta, temperature, top_k, s_bias, t_bias
+    )
+    out = torch.zeros(mask.shape, dtype=per_token.dtype, device=mask.device)
+    return out.masked_scatter(keep, per_token)

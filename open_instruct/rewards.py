@@ -1125,7 +1125,8 @@ def _check_signature(fn: Callable[..., Any], spec: str) -> None:
     needed = [
         p.name
         for p in params
-        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         and (p.kind is p.POSITIONAL_ONLY or p.name not in REWARD_FUNCTION_ARGS)
     ]
     refused = [] if takes_any else [a for a in REWARD_FUNCTION_ARGS if a not in named]
@@ -1160,9 +1161,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def custom_rewards(
-    specs: Sequence[str], weights: Optional[Sequence[float]], **columns: Sequence[Any]
-) -> list[float]:
+def custom_rewards(specs: Sequence[str], weights: Optional[Sequence[float]], **columns: Sequence[Any]) -> list[float]:
     """Sum over the custom reward functions of weight x value, per completion:
 
         extra_j = sum_i w_i * f_i(...)[j]            (a None from f_i, "not applicable here", counts 0)

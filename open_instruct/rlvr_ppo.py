@@ -52,6 +52,7 @@ if __name__ == "__main__":  # the math below needs torch at import: check the co
 
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -61,6 +62,14 @@ import torch.nn.functional as F
 from open_instruct import data
 from open_instruct.batch_math import should_log
 from open_instruct.code_verifier import TEST_STATUSES
+from open_instruct.distillation import (
+    check_teacher,
+    jsd_to_teacher,
+    output_layer_inputs,
+    teacher_advantages,
+    teacher_hidden,
+    teacher_token_logprobs,
+)
 from open_instruct.distributed import (
     clip_grad_norm_,
     equal_micro_batch_count,
@@ -488,6 +497,7 @@ class Rollout:
     # episodes (turns, tool calls, for the log row and samples)
     turn_rewards: Optional[torch.Tensor] = None
     played: list = field(default_factory=list)
+    teacher_logp: Optional[torch.Tensor] = None  # [n, R] the teacher's log-probs of the sampled tokens (distill)
 
 
 @dataclass
@@ -530,6 +540,7 @@ def collect_rollout(
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     packed_lengths = episode_lengths(episodes, out.response_ids)
     old_logp, ref_logp, old_values, mask, sampler_logp = (torch.zeros(n, width) for _ in range(5))
+    teacher_logp, teacher_seconds = torch.zeros(n, width), 0.0
     loss_mask = torch.zeros(n, width)
     for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
@@ -558,6 +569,12 @@ def collect_rollout(
                     old_values[rows, :r] = token_values(models.value, batch, group).cpu()
                 if models.reward is not None:
                     rm_scores[rows] = sequence_scores(models.reward, batch, group).cpu()
+                if models.teacher is not None:  # distill: the teacher's log-prob of every sampled token
+                    t_teacher = time.perf_counter()
+                    batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                    logp = teacher_token_logprobs(models.teacher, batch, batch_mask, cfg.temperature)
+                    teacher_logp[rows, :r] = logp.cpu()
+                    teacher_seconds += time.perf_counter() - t_teacher
             mask[rows, :r] = batch["mask"].cpu() * loss_mask[rows, :r]  # observation tokens: context, never trained
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
@@ -601,10 +618,16 @@ def collect_rollout(
         kl=kl,
         policy_lag=lags,
         token_lags=token_lags,
-        seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
+        seconds={
+            **seconds,
+            "scoring": t2 - t1,
+            "inference": time.perf_counter() - t2 - teacher_seconds,
+            **({"teacher_forward": teacher_seconds} if models.teacher is not None else {}),
+        },
         code_statuses=scored.code_statuses or {},
         turn_rewards=turn_rewards,
         played=played,
+        teacher_logp=teacher_logp * mask if models.teacher is not None else None,
     )
 
 
@@ -660,6 +683,25 @@ def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
         return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
     rest = rollout.scores - rollout.turn_rewards.sum(1)
     return per_token_rewards(rest, kl, rollout.mask, cfg.beta) + rollout.turn_rewards
+
+
+@advantage_estimator("distill")
+def distill(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """On-policy distillation (distillation.py): per token, the teacher term and the weighted score,
+
+        A_it = teacher_kl_weight * (teacher_logp_it - old_logp_it)      (distill_loss reverse_kl; jsd: a loss term)
+             + distill_reward_weight * (s_i - mean of s over i's group)  (group mean 0 without distill_group_baseline)
+
+    on policy tokens (the mask), no discount; the KL to the reference, when beta > 0, is a loss term."""
+    mask, group = rollout.mask, cfg.num_samples_per_prompt
+    scores = group_advantages(rollout.scores, group, scale=False) if cfg.distill_group_baseline else rollout.scores
+    advantages = cfg.distill_reward_weight * scores.unsqueeze(1) * mask
+    if cfg.distill_loss == "reverse_kl":
+        advantages = advantages + cfg.teacher_kl_weight * teacher_advantages(
+            rollout.old_logp, rollout.teacher_logp, mask
+        )
+    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
+    return Advantages(advantages, None, kl_loss_coef, torch.ones(len(rollout.scores), dtype=torch.bool))
 
 
 @advantage_estimator("reinforce_pp")
@@ -733,7 +775,7 @@ def cispo(
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
-TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
+TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss", "jsd_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
 TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
 
@@ -766,8 +808,11 @@ def micro_batch_loss(
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
+    jsd = cfg.uses_teacher and cfg.distill_loss == "jsd"  # the student's last hidden states feed the JSD
     with autocast():  # ALGO LOGIC: the loss terms
-        logits = response_logits(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt)
+        with output_layer_inputs(models.policy, skip_output_layer=False) if jsd else nullcontext([]) as hidden:
+            group = 1 if jsd else cfg.num_samples_per_prompt  # (one output-layer call per micro-batch)
+            logits = response_logits(models.policy, batch, cfg.temperature, group)
         logp = token_logprobs(logits, batch["responses"])
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
@@ -791,7 +836,25 @@ def micro_batch_loss(
             value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
+        if jsd:  # distill_loss jsd: teacher_kl_weight * JSD_beta(student, teacher) per policy token
+            t_teacher = time.perf_counter()
+            t_hidden = teacher_hidden(models.teacher, batch)
+            teacher_seconds = time.perf_counter() - t_teacher
+            divergence = jsd_to_teacher(
+                models.policy,
+                hidden,
+                models.teacher,
+                t_hidden,
+                batch,
+                mask,
+                cfg.distill_jsd_beta,
+                cfg.temperature,
+                cfg.distill_top_k,
+            )
+            loss_sum = loss_sum + cfg.teacher_kl_weight * masked_sum(divergence, w)
     stats = dict.fromkeys(TRAIN_STATS + TOKEN_SUMS, 0.0)
+    if jsd:
+        stats["jsd_loss"], stats["teacher_seconds"] = float(masked_sum(divergence.detach(), w)), teacher_seconds
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
             stats["kl_loss"], stats["kl_sum"] = float(masked_sum(kl, w)), float(masked_sum(kl, mask))
@@ -831,6 +894,7 @@ def update(
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     names = (*TRAIN_STATS, *TOKEN_SUMS, "grad_norm", "value_grad_norm", "skipped", "empty", "sampler_ratio_max")
+    names += ("teacher_seconds",)  # distill_loss jsd: the teacher's forwards inside the update
     totals = dict.fromkeys(names, 0.0)
     for epoch in range(cfg.num_epochs):
         units = list(range(len(rollout.episodes) // unit))
@@ -865,6 +929,7 @@ def update(
                 for k in TOKEN_SUMS if epoch == 0 else ():
                     totals[k] += stats[k]
                 totals["sampler_ratio_max"] = max(totals["sampler_ratio_max"], stats["sampler_ratio_max"])
+                totals["teacher_seconds"] += stats.get("teacher_seconds", 0.0)
             sums = global_sums(accelerator, sums)
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
@@ -886,6 +951,15 @@ def update(
             totals["value_grad_norm"] += float(value_grad_norm)
             totals["skipped"] += int(not step_ok)
     return totals
+
+
+def teacher_kl_sums(rollout: Rollout) -> dict[str, float]:
+    """Sums for train/teacher_kl: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
+    KL(pi_student || pi_teacher) per token), and those tokens; zeros without a teacher."""
+    if rollout.teacher_logp is None or rollout.old_logp is None:
+        return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
+    gap = masked_sum(rollout.old_logp - rollout.teacher_logp, rollout.mask)
+    return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
 
 
 def log_row(
@@ -913,6 +987,7 @@ def log_row(
             "lag": float(sum(rollout.policy_lag)),
             "masked_tokens": train["masked_tokens"],
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
+            **teacher_kl_sums(rollout),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
     )
@@ -960,6 +1035,10 @@ def log_row(
         row["loss/kl"] = train["kl_loss"] / updates
     if cfg.reward_model_path:
         row["train/rm_score_mean"] = ep["rm"] / n
+    if rollout.teacher_logp is not None:  # log pi_student - log pi_teacher per sampled policy token (reverse KL)
+        row["train/teacher_kl"] = ep["teacher_kl"] / max(ep["teacher_tokens"], 1.0)
+    if cfg.uses_teacher and cfg.distill_loss == "jsd":
+        row["loss/jsd"] = train["jsd_loss"] / updates
     if any(ep[f"code_{s}"] for s in TEST_STATUSES):  # the code verifier's tests by outcome, over every rank
         row.update({f"train/code_tests_{s}": ep[f"code_{s}"] for s in TEST_STATUSES})
     if cfg.environment is not None:  # turns, tool calls, tool errors by reason, observation share, truncations
@@ -980,6 +1059,7 @@ def reference_logits(reference: Any, batch: dict[str, torch.Tensor], temperature
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
+    check_teacher(cfg)  # distillation: a teacher whose vocabulary is not the student's fails before any load
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(
@@ -1000,6 +1080,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # One pass in one mini-batch trains on exactly the weights that sampled: the training forward gives the old
     # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
     on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)
+    on_policy = on_policy and not cfg.uses_teacher  # distill: the advantages need log pi_student before the update
 
     def prompts_for(step: int) -> list[dict]:  # a slice of the global prompt order, by position (world-size free)
         global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
@@ -1036,7 +1117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id
         )
         rollout.seconds["inference"] += t1 - t0
-        rollout.seconds["training"] = time.perf_counter() - t1
+        rollout.seconds["training"] = time.perf_counter() - t1 - train_stats["teacher_seconds"]
+        if models.teacher is not None:  # its scoring pass (collect_rollout) and, under jsd, its update forwards
+            rollout.seconds["teacher_forward"] += train_stats["teacher_seconds"]
 
         counters.rollout_step += 1
         counters.episode += plan.episodes_per_rollout
