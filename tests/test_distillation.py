@@ -386,3 +386,39 @@ def test_distillation_lowers_the_kl_to_the_teacher(tiny_models, teachers, rl_fil
     kl = [r["train/teacher_kl"] for r in rows_without_timing(out) if "train/teacher_kl" in r]
     print(f"{distill_loss}: train/teacher_kl by rollout {[round(k, 3) for k in kl]}")
     assert len(kl) == 8 and sum(kl[-3:]) / 3 < 0.85 * sum(kl[:2]) / 2
+
+
+@pytest.mark.parametrize("distill_loss,teacher_forwards", [("reverse_kl", 1), ("jsd", 1 + 4)])
+def test_the_planner_counts_the_teacher_forward(repo_root, capsys, distill_loss, teacher_forwards):
+    """rlvr_8b (4 epochs) with a 70B teacher: the teacher's forward compute is the policy's scoring compute (2
+    no-grad forwards per micro-batch: old log-probs, reference) x teacher/policy parameters / 2, once per rollout
+    with reverse_kl, and again every epoch with jsd."""
+    import json
+    import os
+
+    from open_instruct.plan import main as plan_main
+
+    base = [
+        os.path.join(repo_root, "configs", "rlvr_8b.yaml"),
+        "--num_processes",
+        "7",
+        "--json",
+        "--beta",
+        "0",
+        "--score_placement",
+        "last_token",
+        "--num_samples_per_prompt",
+        "4",
+        "--value_model_path",
+        "null",
+    ]
+    teacher = "allenai/Llama-3.1-Tulu-3-70B"
+    assert plan_main([*base, "--teacher_model_name_or_path", teacher, "--distill_loss", distill_loss]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["num_epochs"] == 4
+    phases = p["phase_hours"]
+    expected = phases["scoring"] / 2 * 70e9 / p["model_params"] * teacher_forwards
+    assert phases["teacher forward"] == pytest.approx(expected, rel=1e-9)
+    assert plan_main([*base, "--advantage_estimator", "grpo"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert "teacher forward" not in without["phase_hours"] and without["estimated_hours"] < p["estimated_hours"]
