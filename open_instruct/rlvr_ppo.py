@@ -32,8 +32,9 @@ turn's last policy token, and GAE / returns run over policy tokens only (episode
 advantage_estimator: gae (PPO, Tulu 3: reward_t = -beta * KL_t plus the score at the last token; GAE(gamma, lam)
 with a value model, a scalar head on the backbone initialised from `value_model_path` or the policy; whitened),
 grpo (group-normalised scores), dr_grpo (group-centred), rloo (leave-one-out baseline), reinforce_pp (discounted
-per-token rewards, globally whitened). policy_loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio),
-cispo (clipped detached IS weight). loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm.
+per-token rewards, globally whitened), distill (on-policy distillation toward a frozen teacher: docs/distillation.md).
+policy_loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio), cispo (clipped detached IS weight).
+loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm.
 The group estimators add the KL to the reference as a loss term beta * KL_t (k3 typical); a prompt's group never
 spans two devices or two mini-batches.
 
