@@ -422,3 +422,38 @@ def test_the_planner_counts_the_teacher_forward(repo_root, capsys, distill_loss,
     assert plan_main([*base, "--advantage_estimator", "grpo"]) == 0
     without = json.loads(capsys.readouterr().out)
     assert "teacher forward" not in without["phase_hours"] and without["estimated_hours"] < p["estimated_hours"]
+
+
+def test_packed_micro_batches_give_the_padded_distillation(tiny_models, teachers):
+    """Packing (one packed row per micro-batch) gives the padded layout's teacher log-probs, reverse-KL advantages,
+    JSD loss and gradients: the teacher's and the student's hidden states are read at the same positions."""
+    from test_multiturn_rlvr import ONE_PROCESS, config, play
+    from tolerances import decoder_reduction_lengths
+
+    from open_instruct.models import load_causal_lm, load_tokenizer
+    from open_instruct.rlvr_ppo import RLModels, collect_rollout, compute_advantages, micro_batch_loss
+
+    results = []
+    for extra in ([], ["--max_tokens_per_micro_batch", "2048"]):
+        base = ["--teacher_model_name_or_path", teachers["sharp"], "--num_epochs", "2", "--beta", "0"]
+        cfg = config(tiny_models, *base, "--distill_loss", "jsd", "--distill_jsd_beta", "0.5", *extra)
+        tokenizer = load_tokenizer(tiny_models["causal_lm"])
+        policy = load_causal_lm(tiny_models["causal_lm"], attn_implementation=cfg.attention_kernel)
+        teacher = load_causal_lm(teachers["sharp"], attn_implementation=cfg.attention_kernel)
+        models = RLModels(policy=policy, teacher=teacher)
+        prompts, out = play(cfg, tokenizer)
+        run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
+        rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id)
+        adv = compute_advantages(cfg, rollout, ONE_PROCESS)
+        loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+        loss_sum.backward()
+        results.append((rollout, float(loss_sum.detach()), [p.grad.clone() for p in policy.parameters()]))
+    seq = max(len(e.prompt_ids) + len(e.response_ids) for e in out.episodes)
+    (padded, loss_a, grads_a), (packed, loss_b, grads_b) = results
+    atol = 2 * chain_atol(decoder_reduction_lengths(policy.config, seq), padded.teacher_logp.abs().max().item())
+    assert padded.teacher_logp.abs().max() > 0
+    torch.testing.assert_close(packed.teacher_logp, padded.teacher_logp, rtol=0, atol=atol)
+    n_policy = float(padded.mask.sum())
+    assert abs(loss_a - loss_b) / n_policy <= atol
+    scale = max(g.abs().max().item() for g in grads_a)
+    assert max((a - b).abs().max().item() for a, b in zip(grads_a, grads_b)) <= atol * scale / (loss_a / n_policy)
