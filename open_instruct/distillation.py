@@ -162,21 +162,25 @@ def output_layer(model: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return head.weight, getattr(head, "bias", None)
 
 
-def vocabulary_problem(student: str, teacher: str, trust_remote_code: bool = False) -> Optional[str]:
+def vocabulary_problem(
+    student: str,
+    teacher: str,
+    trust_remote_code: bool = False,
+    student_gguf: Optional[str] = None,
+    student_tokenizer: Optional[str] = None,
+) -> Optional[str]:
     """Why the teacher cannot score the student's tokens (None when it can), from the two configs' vocab_size and
-    the two tokenizers' vocabularies: files only, no weights loaded."""
+    the two tokenizers' vocabularies: files only, no weights loaded (a GGUF student: its file's metadata)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    sizes = [
-        getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "vocab_size", None)
-        for path in (student, teacher)
-    ]
+    sources = ((student, {"gguf_file": student_gguf} if student_gguf else {}), (teacher, {}))
+    kwargs = {"trust_remote_code": trust_remote_code}
+    sizes = [getattr(AutoConfig.from_pretrained(p, **kwargs, **extra), "vocab_size", None) for p, extra in sources]
     if sizes[0] != sizes[1]:
         return f"vocab_size {sizes[0]} (student {student}) != {sizes[1]} (teacher {teacher})"
-    vocabularies = [
-        AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).get_vocab()
-        for path in (student, teacher)
-    ]
+    if student_tokenizer:  # the run's tokenizer_name_or_path
+        sources = ((student_tokenizer, {}), sources[1])
+    vocabularies = [AutoTokenizer.from_pretrained(p, **kwargs, **extra).get_vocab() for p, extra in sources]
     if vocabularies[0] != vocabularies[1]:
         differ = sorted(set(vocabularies[0].items()) ^ set(vocabularies[1].items()), key=str)[:3]
         return (
@@ -191,9 +195,11 @@ def check_teacher(cfg: Any) -> None:
     teacher scores the student's token ids, so one id must mean one token in both."""
     if not cfg.teacher_model_name_or_path:
         return
-    student = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+    student = cfg.model_name_or_path
     try:
-        problem = vocabulary_problem(student, cfg.teacher_model_name_or_path, cfg.trust_remote_code)
+        problem = vocabulary_problem(
+            student, cfg.teacher_model_name_or_path, cfg.trust_remote_code, cfg.gguf_file, cfg.tokenizer_name_or_path
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"teacher_model_name_or_path {cfg.teacher_model_name_or_path!r} (student {student!r}): cannot read its "
