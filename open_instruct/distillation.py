@@ -117,6 +117,12 @@ def chunked_generalized_jsd(
     return torch.cat(parts) if parts else student_hidden.new_zeros(0, dtype=torch.float32)
 
 
+def _unwrapped(model: Any) -> Any:
+    """The language model inside a DDP wrapper (which has no get_output_embeddings); others as they are (FSDP2
+    shards the module in place, peft forwards the call)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 @contextlib.contextmanager
 def output_layer_inputs(model: Any, skip_output_layer: bool) -> Iterator[list[torch.Tensor]]:
     """Record what the model's output layer receives (its last hidden states, [B, K, H]) during forwards in the block.
@@ -125,7 +131,7 @@ def output_layer_inputs(model: Any, skip_output_layer: bool) -> Iterator[list[to
     is only needed chunk by chunk: no [B, K, V] logits at all); else it runs as usual (the student, whose sampled-token
     log-probs the policy loss still takes from its logits). The layer is entered through its module call, so FSDP's
     hooks around it (gathering a sharded weight) run as for any forward."""
-    head = model.get_output_embeddings()
+    head = _unwrapped(model).get_output_embeddings()
     captured: list[torch.Tensor] = []
     original, previous = head.forward, vars(head).get("forward")  # an instance forward set before (fp32_head)
 
@@ -158,7 +164,7 @@ def response_hidden(captured: list[torch.Tensor], batch: dict[str, torch.Tensor]
 
 def output_layer(model: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The output layer's weight [V, H] and bias (None without one)."""
-    head = model.get_output_embeddings()
+    head = _unwrapped(model).get_output_embeddings()
     return head.weight, getattr(head, "bias", None)
 
 
