@@ -597,6 +597,9 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
         "cliprange_low", "cliprange_high", "dual_clip_c", "score_placement", "filter_zero_std_groups",
         "truncated_importance_sampling", "tis_cap", "is_mask_low", "is_mask_high", "max_sequence_lag", "gamma",
         "lam", "vf_coef", "cliprange_value", "whiten_advantages", "value_model_path",
+        # on-policy distillation (the teacher has no checkpoint state: it is loaded again from its path)
+        "teacher_model_name_or_path", "distill_loss", "teacher_kl_weight", "distill_reward_weight",
+        "distill_group_baseline", "distill_jsd_beta", "distill_top_k",
     ),
 }  # fmt: skip
 DATA_CONTENT = "dataset_content"  # the bytes of the local training files (data_identity), not a config key

@@ -703,6 +703,30 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     turn_reward_aggregation: Literal["sum", "last"] = opt(
         "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
     )
+    # on-policy distillation (advantage_estimator distill; distillation.py, docs/distillation.md)
+    teacher_model_name_or_path: Optional[str] = opt(
+        None,
+        "A frozen teacher (any causal LM with the student's tokenizer) the student is distilled towards on its own "
+        "samples; setting it alone picks advantage_estimator distill.",
+    )
+    distill_loss: Literal["reverse_kl", "jsd"] = opt(
+        "reverse_kl",
+        "reverse_kl: A_t = teacher_kl_weight * (log pi_teacher(y_t) - log pi_student(y_t)) through the policy loss; "
+        "jsd: teacher_kl_weight x the full-distribution generalized JSD as a loss term.",
+    )
+    teacher_kl_weight: float = opt(1.0, "Weight of the teacher term (the reverse-KL advantage or the JSD loss).")
+    distill_reward_weight: float = opt(
+        0.0, "Weight of the verifiable score added to every token's advantage (0: distillation alone)."
+    )
+    distill_group_baseline: Optional[bool] = opt(
+        None, "Centre the score on its prompt's group mean (default: when num_samples_per_prompt >= 2)."
+    )
+    distill_jsd_beta: float = opt(
+        1.0, "jsd: TRL's beta, 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), else JSD."
+    )
+    distill_top_k: Optional[int] = opt(
+        None, "jsd: restrict both distributions to the teacher's k likeliest tokens, renormalised (null: all)."
+    )
 
     def longest_packed_item(self) -> tuple[int, str]:
         longest = self.max_prompt_length + self.response_length
@@ -727,12 +751,21 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         return self.estimator.uses_groups
 
     @property
+    def uses_teacher(self) -> bool:
+        """On-policy distillation (distill): a frozen teacher scores the sampled tokens."""
+        return self.estimator.uses_teacher
+
+    @property
     def kl_in_reward(self) -> bool:
         """-beta * KL_t in the per-token reward (gae, reinforce_pp); otherwise beta * KL is a loss term."""
         return self.estimator.kl_in_reward
 
     def resolve_defaults(self) -> None:
         super().resolve_defaults()
+        if self.advantage_estimator is None and self.teacher_model_name_or_path:  # a teacher alone: distillation
+            self.advantage_estimator = "distill"
+        if self.distill_group_baseline is None:
+            self.distill_group_baseline = self.num_samples_per_prompt >= 2
         if self.advantage_estimator is None and self.algo in ALGO_ESTIMATORS:  # the preset
             self.advantage_estimator = ALGO_ESTIMATORS[self.algo]
         for name in ("cliprange_low", "cliprange_high"):
@@ -842,6 +875,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"{len(self.reward_functions or [])}: give one weight per function"
             )
         self._validate_environment()
+        self._validate_distillation()
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
@@ -869,6 +903,30 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         """The algo_kwargs the function chosen for `option` (advantage_estimator, policy_loss, kl_estimator) takes."""
         row = rl_algorithms.TABLES[option][0][getattr(self, option)]
         return rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
+
+    def _validate_distillation(self) -> None:
+        """The teacher and its estimator go together; the objective's knobs in range (distillation.check_teacher
+        compares the vocabularies, before any model loads)."""
+        teachers = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_teacher)
+        if self.uses_teacher and not self.teacher_model_name_or_path:
+            raise ConfigError(f"advantage_estimator {self.advantage_estimator} needs teacher_model_name_or_path")
+        if self.teacher_model_name_or_path and not self.uses_teacher:
+            raise ConfigError(
+                f"teacher_model_name_or_path is set but advantage_estimator {self.advantage_estimator} uses no "
+                f"teacher: use {teachers} (or leave advantage_estimator unset)"
+            )
+        _check_range(self, "distill_jsd_beta", 0.0, 1.0)
+        _check_positive(self, "teacher_kl_weight", allow_zero=True)
+        _check_positive(self, "distill_reward_weight", allow_zero=True)
+        if self.distill_top_k is not None:
+            _check_positive(self, "distill_top_k")
+            if self.distill_loss != "jsd":
+                raise ConfigError(f"distill_top_k applies to distill_loss jsd, not {self.distill_loss}")
+        if self.uses_teacher and self.distill_group_baseline and self.num_samples_per_prompt < 2:
+            raise ConfigError(
+                f"distill_group_baseline needs num_samples_per_prompt >= 2 (a group of "
+                f"{self.num_samples_per_prompt} centres every score to 0)"
+            )
 
     def _validate_environment(self) -> None:
         """The multi-turn knobs (their values; preflight.py resolves the environment and its tools)."""

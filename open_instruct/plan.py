@@ -552,6 +552,7 @@ DOMINANT_ASSUMPTION = {
     "weight sync": "--network_gb_s (engines on other nodes) or --interconnect_gb_s (engines on the training node)",
     "generation check": "--interconnect_gb_s (the probe forward's FSDP gather), or generation_check off",
     "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
+    "teacher forward": "--mfu and --rl_padding (the distillation teacher's no-grad forwards; its size)",
     "weight loading": "--load_gb_s",
     "verification": "--sandbox_call_seconds and --code_fraction, or more sandbox_workers (CPU cores per process)",
     "first step": "--first_step_factor",
@@ -604,6 +605,13 @@ def rollout_seconds(generation: float, training: float, weight_sync: float, over
     > 0): the engines generate the next rollout while the trainer trains on this one, so the slower of the two
     sets the pace; the weight sync between them is hidden by neither."""
     return (max(generation, training) if overlap else generation + training) + weight_sync
+
+
+def teacher_params(cfg: RLVRConfig, params: float) -> float:
+    """The distillation teacher's parameters (0 without one): from its local config.json or its name, else the
+    policy's."""
+    name = getattr(cfg, "teacher_model_name_or_path", None)
+    return (model_params(name, None)[0] or params) if name else 0.0
 
 
 def rl_phases(
@@ -666,6 +674,22 @@ def rl_phases(
                 {"scoring" if n == "training compute" else n: v for n, v in score.items()},
                 forwards * micro_batches,
             )
+    teacher = teacher_params(cfg, params)
+    if teacher:  # distillation: the teacher's no-grad forward per micro-batch (and again each epoch under jsd)
+        teacher_name = cfg.teacher_model_name_or_path
+        part = micro_batch_phases(
+            tokens * 2 * teacher / flops_rate,
+            fsdp_gather_seconds(teacher, w, 1, a),
+            num_layers(teacher_name, teacher),
+            False,
+            a,
+        )
+        forwards = 1 + (cfg.num_epochs if cfg.distill_loss == "jsd" else 0)
+        add_phases(
+            train_side,
+            {"teacher forward" if n == "training compute" else n: v for n, v in part.items()},
+            forwards * micro_batches,
+        )
     for size, n_layers in ((params, layers), (value, value_layers)):
         if size:
             step = micro_batch_phases(

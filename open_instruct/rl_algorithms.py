@@ -41,6 +41,7 @@ class AdvantageEstimator:
     uses_value_model: bool = False  # a learned value model (PPO's critic) is loaded, trained and fed to it
     uses_groups: bool = False  # a baseline from the prompt's group: a group never spans two ranks or mini-batches
     kl_in_reward: bool = False  # -beta * KL_t goes into the per-token reward; otherwise beta * KL is a loss term
+    uses_teacher: bool = False  # a frozen teacher (teacher_model_name_or_path) scores the sampled tokens
     function: Optional[Callable[..., Any]] = None  # (cfg, rollout, accelerator) -> rlvr_ppo.Advantages
 
 
@@ -58,6 +59,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "dr_grpo": AdvantageEstimator(uses_groups=True),
     "rloo": AdvantageEstimator(uses_groups=True),
     "reinforce_pp": AdvantageEstimator(kl_in_reward=True),
+    "distill": AdvantageEstimator(uses_teacher=True),  # on-policy distillation (distillation.py)
 }
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": PolicyLoss(),

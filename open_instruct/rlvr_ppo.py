@@ -32,8 +32,9 @@ turn's last policy token, and GAE / returns run over policy tokens only (episode
 advantage_estimator: gae (PPO, Tulu 3: reward_t = -beta * KL_t plus the score at the last token; GAE(gamma, lam)
 with a value model, a scalar head on the backbone initialised from `value_model_path` or the policy; whitened),
 grpo (group-normalised scores), dr_grpo (group-centred), rloo (leave-one-out baseline), reinforce_pp (discounted
-per-token rewards, globally whitened). policy_loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio),
-cispo (clipped detached IS weight). loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm.
+per-token rewards, globally whitened), distill (on-policy distillation toward a frozen teacher: docs/distillation.md).
+policy_loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio), cispo (clipped detached IS weight).
+loss_aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm.
 The group estimators add the KL to the reference as a loss term beta * KL_t (k3 typical); a prompt's group never
 spans two devices or two mini-batches.
 
@@ -60,6 +61,14 @@ import torch
 from open_instruct import data
 from open_instruct.batch_math import should_log
 from open_instruct.code_verifier import TEST_STATUSES
+from open_instruct.distillation import (
+    check_teacher,
+    jsd_to_teacher,
+    output_layer_inputs,
+    teacher_advantages,
+    teacher_hidden,
+    teacher_token_logprobs,
+)
 from open_instruct.distributed import (
     clip_grad_norm_,
     equal_micro_batch_count,
@@ -79,7 +88,16 @@ from open_instruct.generation_check import (
     mismatch_warnings,
 )
 from open_instruct.lora import adapter_disabled
-from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
+from open_instruct.models import (
+    TokenScores,
+    entropy_from_logits,
+    load_tokenizer,
+    response_logits,
+    response_scores,
+    sequence_scores,
+    token_logprobs,
+    token_values,
+)
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import KL_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
@@ -493,6 +511,7 @@ class Rollout:
     # episodes (turns, tool calls, for the log row and samples)
     turn_rewards: Optional[torch.Tensor] = None
     played: list = field(default_factory=list)
+    teacher_logp: Optional[torch.Tensor] = None  # [n, R] the teacher's log-probs of the sampled tokens (distill)
 
 
 @dataclass
@@ -541,6 +560,8 @@ def collect_rollout(
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     packed_lengths = episode_lengths(episodes, out.response_ids)
     mask, sampler_logp = torch.zeros(n, width), torch.zeros(n, width)
+    teacher_seconds = 0.0
+    device_teacher = torch.zeros(n, width, device=accelerator.device)  # distill
     loss_mask = torch.zeros(n, width)
     for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
@@ -570,9 +591,15 @@ def collect_rollout(
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
+                if models.teacher is not None:  # distill: the teacher's log-prob of every sampled token
+                    t_teacher = time.perf_counter()
+                    batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                    device_teacher[at, :r] = teacher_token_logprobs(models.teacher, batch, batch_mask, cfg.temperature)
+                    teacher_seconds += time.perf_counter() - t_teacher
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
     old_logp, ref_logp, old_values = device_out.cpu()
     rm_scores = device_rm.cpu()
+    teacher_logp = device_teacher.cpu() if models.teacher is not None else None
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
@@ -617,10 +644,16 @@ def collect_rollout(
         kl=kl,
         policy_lag=lags,
         token_lags=token_lags,
-        seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2},
+        seconds={
+            **seconds,
+            "scoring": t2 - t1,
+            "inference": time.perf_counter() - t2 - teacher_seconds,
+            **({"teacher_forward": teacher_seconds} if models.teacher is not None else {}),
+        },
         code_statuses=scored.code_statuses or {},
         turn_rewards=turn_rewards,
         played=played,
+        teacher_logp=teacher_logp * mask if models.teacher is not None else None,
     )
 
 
@@ -676,6 +709,25 @@ def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
         return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
     rest = rollout.scores - rollout.turn_rewards.sum(1)
     return per_token_rewards(rest, kl, rollout.mask, cfg.beta) + rollout.turn_rewards
+
+
+@advantage_estimator("distill")
+def distill(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
+    """On-policy distillation (distillation.py): per token, the teacher term and the weighted score,
+
+        A_it = teacher_kl_weight * (teacher_logp_it - old_logp_it)      (distill_loss reverse_kl; jsd: a loss term)
+             + distill_reward_weight * (s_i - mean of s over i's group)  (group mean 0 without distill_group_baseline)
+
+    on policy tokens (the mask), no discount; the KL to the reference, when beta > 0, is a loss term."""
+    mask, group = rollout.mask, cfg.num_samples_per_prompt
+    scores = group_advantages(rollout.scores, group, scale=False) if cfg.distill_group_baseline else rollout.scores
+    advantages = cfg.distill_reward_weight * scores.unsqueeze(1) * mask
+    if cfg.distill_loss == "reverse_kl":
+        advantages = advantages + cfg.teacher_kl_weight * teacher_advantages(
+            rollout.old_logp, rollout.teacher_logp, mask
+        )
+    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
+    return Advantages(advantages, None, kl_loss_coef, torch.ones(len(rollout.scores), dtype=torch.bool))
 
 
 @advantage_estimator("reinforce_pp")
@@ -751,7 +803,7 @@ def cispo(
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
-TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
+TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss", "jsd_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
 TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
 TOKEN_MAXES = ("sampler_ratio_max", "mismatch_abs_max")
@@ -786,8 +838,16 @@ def micro_batch_loss(
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
+    jsd = cfg.uses_teacher and cfg.distill_loss == "jsd"  # the student's last hidden states feed the JSD
     with autocast():  # ALGO LOGIC: the loss terms
-        scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
+        if (
+            jsd
+        ):  # the JSD needs the student's last hidden states: one full-logits output-layer call (docs/distillation.md)
+            with output_layer_inputs(models.policy, skip_output_layer=False) as hidden:
+                logits = response_logits(models.policy, batch, cfg.temperature, 1)
+            scores = TokenScores(token_logprobs(logits, batch["responses"]), entropy_from_logits(logits.detach()), None)
+        else:
+            scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
         logp = scores.logp
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
@@ -811,7 +871,26 @@ def micro_batch_loss(
             value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
+        if jsd:  # distill_loss jsd: teacher_kl_weight * JSD_beta(student, teacher) per policy token
+            t_teacher = time.perf_counter()
+            t_hidden = teacher_hidden(models.teacher, batch)
+            teacher_seconds = time.perf_counter() - t_teacher
+            divergence = jsd_to_teacher(
+                models.policy,
+                hidden,
+                models.teacher,
+                t_hidden,
+                batch,
+                mask,
+                cfg.distill_jsd_beta,
+                cfg.temperature,
+                cfg.distill_top_k,
+            )
+            loss_sum = loss_sum + cfg.teacher_kl_weight * masked_sum(divergence, w)
     stats: dict[str, torch.Tensor] = {}  # 0-dim tensors on the device, read once per optimizer step (StepSums)
+    if jsd:
+        stats["jsd_loss"] = masked_sum(divergence.detach(), w)
+        stats["teacher_seconds"] = teacher_seconds  # a host clock reading, summed on the host
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
             stats["kl_loss"], stats["kl_sum"] = masked_sum(kl, w), masked_sum(kl, mask)
@@ -853,7 +932,14 @@ def update(
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    names = (*TRAIN_STATS, "grad_norm", "value_grad_norm", "skipped", "empty")
+    names = (
+        *TRAIN_STATS,
+        "grad_norm",
+        "value_grad_norm",
+        "skipped",
+        "empty",
+        "teacher_seconds",
+    )  # teacher_seconds: distill jsd's teacher forwards in the update
     totals = dict.fromkeys(names, 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
@@ -888,6 +974,7 @@ def update(
                     continue
                 step_sums.add(stats)
                 token_sums.add(stats if epoch == 0 else {k: stats[k] for k in TOKEN_MAXES})
+                totals["teacher_seconds"] += stats.get("teacher_seconds", 0.0)
             sums = global_sums(accelerator, step_sums.read())
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
@@ -909,6 +996,15 @@ def update(
             totals["value_grad_norm"] += float(value_grad_norm)
             totals["skipped"] += int(not step_ok)
     return {**totals, **token_sums.read()}
+
+
+def teacher_kl_sums(rollout: Rollout) -> dict[str, float]:
+    """Sums for train/teacher_kl: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
+    KL(pi_student || pi_teacher) per token), and those tokens; zeros without a teacher."""
+    if rollout.teacher_logp is None or rollout.old_logp is None:
+        return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
+    gap = masked_sum(rollout.old_logp - rollout.teacher_logp, rollout.mask)
+    return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
 
 
 def log_row(
@@ -937,6 +1033,7 @@ def log_row(
             "masked_tokens": train["masked_tokens"],
             **{k: train[k] for k in mismatch_sum_keys(cfg.async_steps)},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
+            **teacher_kl_sums(rollout),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
         },
     )
@@ -989,6 +1086,10 @@ def log_row(
         row["loss/kl"] = train["kl_loss"] / updates
     if cfg.reward_model_path:
         row["train/rm_score_mean"] = ep["rm"] / n
+    if rollout.teacher_logp is not None:  # log pi_student - log pi_teacher per sampled policy token (reverse KL)
+        row["train/teacher_kl"] = ep["teacher_kl"] / max(ep["teacher_tokens"], 1.0)
+    if cfg.uses_teacher and cfg.distill_loss == "jsd":
+        row["loss/jsd"] = train["jsd_loss"] / updates
     if any(ep[f"code_{s}"] for s in TEST_STATUSES):  # the code verifier's tests by outcome, over every rank
         row.update({f"train/code_tests_{s}": ep[f"code_{s}"] for s in TEST_STATUSES})
     if cfg.environment is not None:  # turns, tool calls, tool errors by reason, observation share, truncations
@@ -1009,6 +1110,7 @@ def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
+    check_teacher(cfg)  # distillation: a teacher whose vocabulary is not the student's fails before any load
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(
@@ -1031,6 +1133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # One pass in one mini-batch trains on exactly the weights that sampled: the training forward gives the old
     # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
     on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)
+    on_policy = on_policy and not cfg.uses_teacher  # distill: the advantages need log pi_student before the update
 
     def prompts_for(step: int) -> list[dict]:  # a slice of the global prompt order, by position (world-size free)
         global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
@@ -1067,7 +1170,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id
         )
         rollout.seconds["inference"] += t1 - t0
-        rollout.seconds["training"] = time.perf_counter() - t1
+        rollout.seconds["training"] = time.perf_counter() - t1 - train_stats["teacher_seconds"]
+        if models.teacher is not None:  # its scoring pass (collect_rollout) and, under jsd, its update forwards
+            rollout.seconds["teacher_forward"] += train_stats["teacher_seconds"]
 
         counters.rollout_step += 1
         counters.episode += plan.episodes_per_rollout

@@ -364,6 +364,7 @@ class PhaseClock:
     excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
 
     PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
+    OPTIONAL_PHASES = ("teacher_forward",)  # reported by runs that have one (distillation)
 
     def __init__(self) -> None:
         self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
@@ -371,8 +372,8 @@ class PhaseClock:
 
     def add(self, seconds: dict[str, float], tokens: int, sync_bytes: int) -> None:
         for k, v in seconds.items():
-            if k in self.seconds:
-                self.seconds[k] += v
+            if k in self.seconds or k in self.OPTIONAL_PHASES:
+                self.seconds[k] = self.seconds.get(k, 0.0) + v
         # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
         self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
         self.sync_bytes += sync_bytes
@@ -510,6 +511,7 @@ class RLModels:
     value: Optional[Any] = None
     reference: Optional[Any] = None
     reward: Optional[Any] = None
+    teacher: Optional[Any] = None  # on-policy distillation: frozen like the reference (no checkpoint state)
 
     def trained(self) -> dict[str, Any]:
         return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
@@ -527,6 +529,7 @@ def load_models(
         TokenValueModel,
         disable_dropout,
         hold_frozen_in_compute_dtype,
+        load_causal_lm,
         load_policy,
         load_sequence_classifier,
         make_optimizer_and_scheduler,
@@ -581,4 +584,15 @@ def load_models(
     if models.reward is not None:
         hold_frozen_in_compute_dtype(models.reward.seq_cls, cfg.mixed_precision, sharded)
         models.reward = prepare_frozen(accelerator, models.reward)
+    if cfg.teacher_model_name_or_path:  # distillation.check_teacher compared the vocabularies before any load
+        teacher = load_causal_lm(
+            cfg.teacher_model_name_or_path,
+            DTYPES["no"],
+            None,
+            cfg.trust_remote_code,
+            attn_implementation=cfg.attention_kernel,
+        )
+        disable_dropout(teacher)
+        teacher = hold_frozen_in_compute_dtype(teacher, cfg.mixed_precision, sharded)
+        models.teacher = prepare_frozen(accelerator, teacher)
     return models, optimizers, schedulers
