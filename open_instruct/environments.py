@@ -49,21 +49,17 @@ Built in:
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import inspect
 import json
 import math
 import operator
-import os
 import re
-import sys
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from open_instruct import rewards
 from open_instruct.errors import ConfigError, DataError
-from open_instruct.user_code import call_with_deadline
+from open_instruct.user_code import call_with_deadline, load_module
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], None]
@@ -130,7 +126,7 @@ def environment_class(spec: str) -> type:
             )
         return ENVIRONMENTS[spec.lower()]
     module_name, _, class_name = spec.rpartition(":")
-    module = _import_environment_module(module_name, spec)
+    module = load_module(module_name, f"environment {spec!r}")
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         raise ConfigError(f"environment {spec!r}: {module_name} has no class {class_name!r}")
@@ -140,38 +136,10 @@ def environment_class(spec: str) -> type:
     return cls
 
 
-def _import_environment_module(module_name: str, spec: str) -> Any:
-    if module_name.endswith(".py"):
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise ConfigError(f"environment {spec!r}: no file {path}")
-        name = "open_instruct_user_env_" + re.sub(r"\W", "_", path)
-        if name in sys.modules:
-            return sys.modules[name]
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(file_spec)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        try:
-            file_spec.loader.exec_module(module)
-        except Exception:
-            del sys.modules[name]
-            raise
-        return module
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"environment {spec!r}: cannot import module {module_name!r} ({e})") from e
-
-
 def check_environment_config(spec: str, tools: Sequence[str], tool_call_format: str) -> type:
     """The recipe's `environment` resolved (its module imported: a user file runs here, before any model loads) and
     the tool list checked against it; ConfigError naming the key otherwise. Returns the class."""
-    try:
-        cls = environment_class(spec)
-    except ConfigError:
-        raise
-    except Exception as e:  # a user file that fails to import: its own error, named with the key
-        raise ConfigError(f"environment {spec!r}: importing it failed: {type(e).__name__}: {e}") from e
+    cls = environment_class(spec)  # a user file that fails to import: ConfigError naming it (user_code.load_module)
     if issubclass(cls, ToolEnvironment):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
         if unknown:

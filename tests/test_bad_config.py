@@ -132,7 +132,7 @@ CASES = [
     (RLVRConfig, lambda p: rl(p) + ["--tool_call_format", "xml"], "--tool_call_format"),
     (RLVRConfig, lambda p: rl(p) + ["--max_turn_tokens", "999"], "max_turn_tokens 999 exceeds response_length 256"),
     (RLVRConfig, lambda p: rl(p) + ["--environment", "nope"], "unknown environment 'nope'"),
-    (RLVRConfig, lambda p: rl(p) + ["--environment", str(p["tmp"] / "none.py") + ":X"], "no file"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", str(p["tmp"] / "none.py") + ":X"], "none.py' does not exist"),
     (RLVRConfig, lambda p: rl(p) + ["--environment", "tool", "--tools", "calculator", "abacus"], "tools: unknown"),
     (RLVRConfig, lambda p: rl(p) + ["--environment", "tool", "--tool_call_format", "fenced"], "add python to tools"),
     (
@@ -140,7 +140,7 @@ CASES = [
         lambda p: rl(p) + ["--environment", "tool", "--score_placement", "after_last_token"],
         "after_last_token is single-turn only",
     ),
-    (RLVRConfig, lambda p: rl(p) + ["--environment", broken_env_file(p) + ":Env"], "importing it failed"),
+    (RLVRConfig, lambda p: rl(p) + ["--environment", broken_env_file(p) + ":Env"], "py' failed: SyntaxError"),
 ]
 
 

@@ -291,9 +291,9 @@ def test_registry_and_import_paths(tmp_path, monkeypatch):
         environment_class("browser")
     with pytest.raises(ConfigError, match="no class 'Nope'"):
         environment_class(f"{user_file}:Nope")
-    with pytest.raises(ConfigError, match="cannot import module"):
+    with pytest.raises(ConfigError, match="importing 'no_such_module_xyz' failed"):
         environment_class("no_such_module_xyz:Env")
-    with pytest.raises(ConfigError, match="no file"):
+    with pytest.raises(ConfigError, match="missing.py' does not exist"):
         environment_class(str(tmp_path / "missing.py") + ":Env")
     with pytest.raises(ConfigError, match="no reset or step"):
         environment_class("collections:OrderedDict")

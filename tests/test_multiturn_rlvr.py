@@ -570,8 +570,8 @@ def test_two_processes_count_episodes_and_tool_errors_as_one(e2e, user_env_run, 
 
 
 def test_bad_environment_exits_2_before_loading(e2e, tmp_path):
-    for spec, words in [("nope", "unknown environment 'nope'"), (str(tmp_path / "missing.py") + ":X", "no file"),
-                        ("tool", "tools: unknown ['abacus']")]:  # fmt: skip
+    missing = (str(tmp_path / "missing.py") + ":X", "missing.py' does not exist")
+    for spec, words in [("nope", "unknown environment 'nope'"), missing, ("tool", "tools: unknown ['abacus']")]:
         extra = ["--tools", "calculator", "abacus"] if spec == "tool" else []
         proc = subprocess.run([sys.executable, *argv(e2e, tmp_path / "o", "--environment", spec, *extra)], cwd=REPO,
                               env=script_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
