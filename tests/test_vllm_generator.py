@@ -161,6 +161,16 @@ def engine():
     gen.close()
 
 
+_KEPT_OPEN: list = []  # engines that must outlive their test (see keep_open)
+
+
+def keep_open(gen):
+    """Hold a second in-process engine until the process exits: vLLM's finalizer shuts an engine down when it is
+    collected, and that destroys the model-parallel state every in-process engine shares."""
+    _KEPT_OPEN.append(gen)
+    return gen
+
+
 def test_engine_leaves_trainer_state_alone(engine):
     gen, *_, side_effects = engine
     assert side_effects == {"rng_kept": True, "threads_kept": True}
@@ -332,8 +342,9 @@ def test_tied_embeddings_follow_the_policy(engine):
     the embedding on every sync (vLLM 0.32's reload alone keeps the old lm_head: this failed before untying)."""
     _, _, tokenizer, prompts, _ = engine
     model = _tiny_cpu_llama(tokenizer, seed=1, tie_word_embeddings=True)
-    # A second engine in this process; left open (closing one tears down torch.distributed state both share).
-    gen = generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20)
+    # A second engine in this process, kept open to the end of the module: closing one (which collecting it does,
+    # through vLLM's finalizer) tears down the parallel state both share, and the module engine's next forward fails.
+    gen = keep_open(generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20))
     assert gen.untied_lm_head
     cfg = GenerationConfig(max_new_tokens=16, temperature=0)
     hf = HFGenerator(model, tokenizer, batch_size=4)
@@ -409,8 +420,10 @@ def test_an_engine_in_another_dtype_is_refused_at_launch(engine):
     from open_instruct.generation_check import GenerationChecker, GenerationCheckError, make_probe
 
     _, model, tokenizer, _, _ = engine
-    # A second engine in this process; left open (closing one tears down torch.distributed state both share).
-    gen = generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20, dtype="bfloat16")
+    # A second engine in this process, kept open (see test_tied_embeddings_follow_the_policy).
+    gen = keep_open(
+        generator_for("vllm", model, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20, dtype="bfloat16")
+    )
     with pytest.raises(GenerationCheckError, match="launch check(.|\n)*another dtype") as refused:
         GenerationChecker(gen, model, make_probe(tokenizer, 256), torch.float32).sync(model, 0)
     print("bf16 engine under fp32 limits:", str(refused.value).splitlines()[1])
@@ -480,6 +493,7 @@ def test_sleep_wake_order():
     gen = object.__new__(VLLMGenerator)
     gen.llm, gen.tokenizer, gen.eos_ids, gen.max_model_len = _FakeLLM(), build_tokenizer(), [1], 64
     gen.sleep_enabled, gen._weights_released, gen._kv_released, gen.untied_lm_head = True, False, False, False
+    gen.weight_dtype = None  # the policy's own dtype: no cast before the gather
     policy = torch.nn.Linear(2, 2)
     gen.sync_weights(policy)
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
