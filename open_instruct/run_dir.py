@@ -107,20 +107,27 @@ def run_id_of(output_dir: str) -> Optional[str]:
     return run["run_id"] if run else None
 
 
-def write_run(output_dir: str, run: dict[str, Any]) -> None:
-    """Atomic (temp file + rename): a crash leaves the old record or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_run_", dir=output_dir)
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` atomically (temp file beside it + fsync + rename): a crash or a full disk leaves the old
+    file or the new one, never half of one, and no temp file behind. The file gets the user's umask (mkstemp makes
+    it 0600)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp_{os.path.basename(path)}_", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(run, f, indent=1)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         apply_umask(tmp)
-        os.replace(tmp, os.path.join(output_dir, RUN_FILE))
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_run(output_dir: str, run: dict[str, Any]) -> None:
+    """Atomic: a crash leaves the old record or the new one, never half of one."""
+    write_text_atomic(os.path.join(output_dir, RUN_FILE), json.dumps(run, indent=1))
 
 
 def config_yaml(cfg: Any) -> str:
@@ -137,19 +144,8 @@ def write_config(output_dir: str, cfg: Any) -> None:
     """<output_dir>/config.yaml: this start's resolved config, written atomically (temp file + rename) after the
     folder was claimed for this run (run_dir.claim), so it never replaces another run's. A resume rewrites it with
     the settings it resumed with."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_config_", dir=output_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"# resolved config of run {run_id_of(output_dir)}, written {_now()}\n")
-            f.write(config_yaml(cfg))
-            f.flush()
-            os.fsync(f.fileno())
-        apply_umask(tmp)
-        os.replace(tmp, os.path.join(output_dir, CONFIG_FILE))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    header = f"# resolved config of run {run_id_of(output_dir)}, written {_now()}\n"
+    write_text_atomic(os.path.join(output_dir, CONFIG_FILE), header + config_yaml(cfg))
 
 
 def mark_finished(output_dir: str, counters: dict[str, Any]) -> None:

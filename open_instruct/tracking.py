@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from typing import Any, Optional
 
 from open_instruct import console, run_dir
@@ -41,21 +40,8 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def rewrite_jsonl(path: str, rows: list[dict[str, Any]]) -> None:
-    """Atomic rewrite (temp file + rename)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        run_dir.apply_umask(tmp)  # mkstemp makes it 0600; the file it replaces was made with the user's umask
-        os.replace(tmp, path)
-    except BaseException:  # e.g. a full disk: the original file is untouched; leave no temp file behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Atomic rewrite (temp file + rename): a full disk leaves the original file untouched."""
+    run_dir.write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 class MetricsLogger:
