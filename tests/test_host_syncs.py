@@ -65,63 +65,39 @@ def supervised_syncs(monkeypatch, script, argv):
     return counter
 
 
-def sft_argv(tiny_models, task, out, micro_batches):
+# script -> (recipe, training data, held-out data, model): one optimizer step of each supervised script
+SUPERVISED = {
+    "sft": ("sft_tiny.yaml", "sft", "sft_eval", "causal_lm"),
+    "dpo": ("dpo_tiny.yaml", "pref", "pref_eval", "causal_lm"),
+    "reward_model": ("rm_tiny.yaml", "pref", "pref_eval", "seq_cls"),
+}
+
+
+def supervised_argv(name, tiny_models, task, out, micro_batches):
+    recipe, train, held_out, model = SUPERVISED[name]
     return [
-        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        os.path.join(REPO, "configs", recipe),
         "--dataset_name_or_path",
-        task["sft"],
+        task[train],
         "--eval_dataset_name_or_path",
-        task["sft_eval"],
+        task[held_out],
         "--gradient_accumulation_steps",
         str(micro_batches),
         "--total_episodes",
         "8",
-        *common(tiny_models, out, micro_batches, 8),
+        *common(tiny_models, out, micro_batches, 8, model),
     ]
 
 
-def dpo_argv(tiny_models, task, out, micro_batches):
-    return [
-        os.path.join(REPO, "configs", "dpo_tiny.yaml"),
-        "--dataset_name_or_path",
-        task["pref"],
-        "--eval_dataset_name_or_path",
-        task["pref_eval"],
-        "--gradient_accumulation_steps",
-        str(micro_batches),
-        "--total_episodes",
-        "8",
-        *common(tiny_models, out, micro_batches, 8),
-    ]
-
-
-def rm_argv(tiny_models, task, out, micro_batches):
-    return [
-        os.path.join(REPO, "configs", "rm_tiny.yaml"),
-        "--dataset_name_or_path",
-        task["pref"],
-        "--eval_dataset_name_or_path",
-        task["pref_eval"],
-        "--gradient_accumulation_steps",
-        str(micro_batches),
-        "--total_episodes",
-        "8",
-        *common(tiny_models, out, micro_batches, 8, "seq_cls"),
-    ]
-
-
-@pytest.mark.parametrize(
-    "name,make_argv", [("sft", sft_argv), ("dpo", dpo_argv), ("reward_model", rm_argv)], ids=["sft", "dpo", "rm"]
-)
-def test_supervised_step_syncs_do_not_grow_with_micro_batches(
-    name, make_argv, tiny_models, task, tmp_path, monkeypatch
-):
+@pytest.mark.parametrize("name", list(SUPERVISED), ids=["sft", "dpo", "rm"])
+def test_supervised_step_syncs_do_not_grow_with_micro_batches(name, tiny_models, task, tmp_path, monkeypatch):
     import importlib
 
     script = importlib.import_module(f"open_instruct.{name}")
     counts = {}
     for n in (2, 4):
-        counter = supervised_syncs(monkeypatch, script, make_argv(tiny_models, task, tmp_path / f"mb{n}", n))
+        argv = supervised_argv(name, tiny_models, task, tmp_path / f"mb{n}", n)
+        counter = supervised_syncs(monkeypatch, script, argv)
         counts[n] = counter.ours()
         print(f"{name}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}")
     assert sum(counts[2].values()) == sum(counts[4].values()), counts
