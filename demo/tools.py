@@ -61,9 +61,9 @@ def held_out_episodes(
 ) -> dict[str, Any]:
     """Greedy held-out accuracy of one model playing episodes: with `tools` the `tool` environment (calculator,
     Hermes calls), else one turn whose text is the answer (a tool call is then just text). Each row's verifier is
-    its `dataset` column. Writes <out_dir>/predictions.jsonl (row, correct, tool_calls, conversation) and
-    summary.json; returns the summary: accuracy, correct, total, ci95, tool_calls_per_episode, tool_call_rate,
-    seconds, cpu_seconds."""
+    its `dataset` column. Writes <out_dir>/predictions.jsonl (row, correct, tool_calls, actions: the turns' texts,
+    conversation) and summary.json; returns the summary: accuracy, correct, total, ci95, tool_calls_per_episode,
+    tool_call_rate, seconds, cpu_seconds."""
     import torch
 
     from eval.verifiable import wilson_interval, write_results
@@ -105,7 +105,8 @@ def held_out_episodes(
         correct = e.end_reason == "done" and bool(e.turns[-1].info.get("correct"))
         predictions.append(
             {"row": i, "correct": correct, "tool_calls": e.tool_calls, "ground_truth": e.example.get("ground_truth"),
-             "end_reason": e.end_reason, "conversation": render_episode(e, tokens)}
+             "end_reason": e.end_reason, "actions": [t.action for t in e.turns],
+             "conversation": render_episode(e, tokens)}
         )  # fmt: skip
     n = len(predictions)
     n_correct = sum(p["correct"] for p in predictions)
@@ -185,8 +186,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--n_test", type=int, default=None, help="problems per held-out set (default 500, quick 100)")
     parser.add_argument("--num_threads", type=int, default=1, help="torch threads per stage")
-    parser.add_argument("--direct_fraction", type=float, default=0.7,
-                        help="of the SFT traces whose operation is in --direct_ops: those answering without the tool")
+    parser.add_argument(
+        "--direct_fraction",
+        type=float,
+        default=0.7,
+        help="of the SFT traces whose operation is in --direct_ops: those answering without the tool",
+    )
     parser.add_argument("--direct_ops", default="+", help="operations answered at once in --direct_fraction of traces")
     parser.add_argument("--sft_total_episodes", type=int, default=None, help="SFT traces seen (default: the recipe's)")
     parser.add_argument("--sft_model", default=None, help="skip SFT: start both RL runs from this model folder")
@@ -342,7 +347,8 @@ def write_summary(
     lines += [
         "",
         "wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()),
-        "CPU time:  " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
+        "CPU time:  "
+        + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
         + f"  ({cpu['total'] / 60:.1f} CPU-minutes)",
     ]
     report = "\n".join(lines)

@@ -186,14 +186,15 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(setting):
     episode counts as the observation's first token. Both demos' settings: the tiny template rendering
     `tool_calls`, and SmolLM2's (a template without tool syntax; calls as text, a system prompt)."""
     from demo.smollm2_tools import SYSTEM_PROMPT, as_text_calls
+    from demo.word_problems import calculator_traces
 
-    rows = tool_sft_rows(40, 3, direct_fraction=0.25)
     if setting.startswith("tiny"):
         tok, n_prompt = build_tokenizer(), 1
+        rows = tool_sft_rows(40, 3, direct_fraction=0.25)
     else:
         tok, n_prompt = chatml_char_tokenizer(), 2
-        rows = as_text_calls(rows, SYSTEM_PROMPT)
-    examples = encode_rows(rows, tok)
+        rows = as_text_calls(calculator_traces(20, 3, "symbolic") + calculator_traces(20, 3, "word"), SYSTEM_PROMPT)
+    examples = encode_rows(rows, tok, max_seq_length=1024)
     tokens = EpisodeTokenizer(tok)
     env_rows, scripts = [], []
     for row, example in zip(rows, examples):

@@ -1,0 +1,154 @@
+"""The SmolLM2 calculator demo's word problems (demo/word_problems.py): every problem's expression computes its
+answer, held-out sets share no phrasing family, template or distractor sentence with training, held-out-only shapes
+never reach training, and the call analysis classifies hand-written episodes as a reader would."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+
+import pytest
+
+from demo.word_problems import (
+    HELD_OUT_DISTRACTORS,
+    HELD_OUT_FAMILIES,
+    SHAPE_OPS,
+    SPLITS,
+    TRAIN_DISTRACTORS,
+    TRAIN_FAMILIES,
+    TWO_STEP_HELD_OUT_ONLY,
+    calculator_traces,
+    call_report,
+    episode_analysis,
+    word_problem,
+    word_problem_rows,
+)
+from open_instruct.environments import calculate
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_every_problem_is_consistent(split):
+    rng = random.Random(split)
+    spec = SPLITS[split]
+    for _ in range(500):
+        p = word_problem(rng, split)
+        assert int(calculate(p["expression"])) == p["answer"] > 0
+        assert p["family"] in spec["families"] and p["shape"] in spec["shapes"]
+        assert set(p["ops"]) == {c for c in p["expression"] if c in "+-*"} == set(SHAPE_OPS[p["shape"]])
+        numbers = [int(t) for t in p["question"].replace(".", " ").replace("?", " ").replace(",", " ").split()
+                   if t.isdigit()]  # fmt: skip
+        # every operand is in the question, and nothing else but the distractor
+        assert sorted(numbers) == sorted(p["operands"] + ([p["distractor"]] if p["distractor"] is not None else []))
+        if p["distractor"] is not None:
+            assert p["distractor"] not in p["operands"] and p["distractor"] != p["answer"]
+            sentences = [s.format(n="", d=p["distractor"]).strip() for s in spec["distractors"]]
+            assert any(s.split(str(p["distractor"]))[-1] in p["question"] for s in sentences)
+        assert p["question"].endswith("?")  # the question stays last, after any distractor
+
+
+def test_held_out_shares_no_family_template_or_distractor_with_training():
+    assert not set(TRAIN_FAMILIES) & set(HELD_OUT_FAMILIES)
+    train_templates = {t for shapes in TRAIN_FAMILIES.values() for ts in shapes.values() for t in ts}
+    held_templates = {t for shapes in HELD_OUT_FAMILIES.values() for ts in shapes.values() for t in ts}
+    assert not train_templates & held_templates
+    assert not set(TRAIN_DISTRACTORS) & set(HELD_OUT_DISTRACTORS)
+    shapes = collections.Counter(word_problem(random.Random(i), "train")["shape"] for i in range(3000))
+    assert not set(shapes) & set(TWO_STEP_HELD_OUT_ONLY)
+    # training draws every family and trained shape; a quarter carry a distractor
+    rows = word_problem_rows(2000, 0, "train")
+    assert {r["problem"]["family"] for r in rows} == set(TRAIN_FAMILIES)
+    share = sum(r["problem"]["distractor"] is not None for r in rows) / len(rows)
+    assert 0.2 < share < 0.3  # 0.25 +- 5 binomial standard deviations (sd = 0.0097)
+    two_step = word_problem_rows(400, 1000, "two_step")
+    assert {r["problem"]["shape"] for r in two_step} >= set(TWO_STEP_HELD_OUT_ONLY)
+
+
+def test_rows_depend_on_the_seed_only():
+    a, b, c = (word_problem_rows(50, s, "one_step", "SYS") for s in (7, 7, 8))
+    assert a == b and a != c
+    assert a[0]["messages"][0] == {"role": "system", "content": "SYS"}
+    assert all(r["ground_truth"] == str(r["problem"]["answer"]) and r["dataset"] == "arithmetic" for r in a)
+
+
+@pytest.mark.parametrize("task", ["symbolic", "word"])
+def test_calculator_traces_call_the_problem_expression(task):
+    for row in calculator_traces(60, 0, task):
+        user, call, tool, answer = row["messages"]
+        expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert tool["content"] == answer["content"] == calculate(expression)
+        assert (expression in user["content"]) == (task == "symbolic")
+
+
+def call(expression: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+ADD = {"answer": 1300, "ops": "+", "operands": [512, 788], "distractor": 43}
+TWO = {"answer": 1000, "ops": "+-", "operands": [600, 700, 300], "distractor": None}
+
+
+@pytest.mark.parametrize(
+    "problem, actions, correct, failure, right_operation, two_calls",
+    [
+        (ADD, [call("512+788"), "1300"], True, None, True, False),
+        (ADD, ["1299"], False, "no_call", False, False),
+        (ADD, ['<tool_call>{"name": "calculator", "arguments": {"expression": "512+"}}</tool_call>', "5"], False,
+         "malformed", False, False),
+        (ADD, ["<tool_call>{not json", "5"], False, "malformed", False, False),
+        (ADD, [call("512+788"), "1301"], False, "right_call_wrong_answer", True, False),
+        (ADD, [call("512+43"), "555"], False, "distractor", True, False),
+        (ADD, [call("12*34"), "408"], False, "foreign_number", False, False),
+        (ADD, [call("788-512"), "276"], False, "wrong_operation", False, False),
+        (ADD, [call("788"), "788"], False, "copied_number", False, False),
+        (TWO, [call("600+700"), "1300"], False, "one_step_of_two", False, False),
+        (TWO, [call("600+700"), call("1300-300"), "1000"], True, None, True, True),  # a result reused: not foreign
+        (TWO, [call("600-700+300"), "200"], False, "other", True, False),
+    ],
+)  # fmt: skip
+def test_episode_analysis_classifies_as_a_reader_would(problem, actions, correct, failure, right_operation, two_calls):
+    r = episode_analysis(problem, {"correct": correct, "actions": actions})
+    assert (r["failure"], r["right_operation"], r["two_calls"]) == (failure, right_operation, two_calls)
+
+
+def test_call_report_counts():
+    problems = [ADD, ADD, TWO, ADD]
+    predictions = [
+        {"row": 0, "correct": True, "actions": [call("512+788"), "1300"]},
+        {"row": 1, "correct": False, "actions": ["<tool_call>{bad", "7"]},
+        {"row": 2, "correct": True, "actions": [call("600+700"), call("1300-300"), "1000"]},
+        {"row": 3, "correct": False, "actions": ["1299"]},
+    ]
+    r = call_report(problems, predictions)
+    assert r["calls_per_episode"] == 4 / 4
+    assert r["well_formed_share"] == 3 / 4  # one of the four calls is malformed
+    assert r["right_operation_share"] == 2 / 2  # of the episodes with a well-formed call
+    assert r["two_call_episodes"] == 1 / 4
+    assert r["failures"] == {"no_call": 1, "malformed": 1}
+
+
+def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
+    """`--shipped_eval_from`: an earlier run's evaluation is copied (not played again) when its held-out file holds
+    the same problems, and refused, naming the folder, when it does not."""
+    from demo.pipeline import DemoError
+    from demo.smollm2_tools import evaluate, write_data
+
+    earlier, now = tmp_path / "earlier", tmp_path / "now"
+    files_earlier = write_data(str(earlier / "data"), 0, 4, "symbolic", 4, 3)
+    files_now = write_data(str(now / "data"), 5, 4, "word", 4, 3)  # another seed: the same held-out problems
+    where = earlier / "eval" / "shipped" / "one_step"
+    where.mkdir(parents=True)
+    predictions = [{"row": 0, "correct": True, "actions": [call("512+788"), "1300"]},
+                   {"row": 1, "correct": False, "actions": ["7"]},
+                   {"row": 2, "correct": False, "actions": [call("1"), "1"]}]  # fmt: skip
+    (where / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    (where / "summary.json").write_text(json.dumps({"accuracy": 1 / 3, "correct": 1, "total": 3, "ci95": [0, 1],
+                                                    "seconds": 9.0, "cpu_seconds": 8.0}))  # fmt: skip
+    assert files_earlier["one-step"] != files_now["one-step"]
+    res = evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))["one-step"]
+    assert res["accuracy"] == 1 / 3 and res["failures"] == {"no_call": 1, "copied_number": 1}
+    assert (now / "eval" / "shipped" / "one_step" / "predictions.jsonl").exists()
+    rows = (now / "data" / "eval_one_step.jsonl").read_text().splitlines()
+    (now / "data" / "eval_one_step.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # other order
+    with pytest.raises(DemoError, match="no evaluation of the same problems to reuse"):
+        evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))
