@@ -35,6 +35,7 @@ exact sign test, SFT -> RLVR. <output_dir>/summary.md and summary.json hold it a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ from typing import Any, Optional, Sequence
 from demo.pipeline import REPO, DemoError, fmt_seconds, paired_change, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
 from demo.word_problems import FAILURES, calculator_traces, call_report, word_problem_rows
+from open_instruct.run_dir import write_text_atomic
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_tools.yaml")
 RL_RECIPE = os.path.join("configs", "demo", "rlvr_smollm2_tools.yaml")
@@ -99,6 +101,23 @@ def write_data(data_dir: str, seed: int, n_sft: int, sft_task: str, n_train: int
     return files
 
 
+def data_digest(*paths: str) -> str:
+    """SHA-256 of the files' bytes: which problems (or traces) a stage saw."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def file_digest(path: str, missing: str) -> str:
+    """The digest recorded in `path`, or `missing` when there is none."""
+    if not os.path.isfile(path):
+        return missing
+    with open(path) as f:
+        return f.read().strip()
+
+
 def load_jsonl(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -113,24 +132,27 @@ def evaluate(
     sets: Sequence[str],
     no_tool: bool,
     reuse_from: Optional[str] = None,
+    resume: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """The held-out `sets` (titles of HELD_OUT), greedy, with the calculator and (with `no_tool`) without tools;
     returns set -> the summary of held_out_episodes plus call_report's fields and `no_tool_accuracy`. With
     `reuse_from` (an earlier run's output folder), an evaluation found there of the same model on the same problems
-    is copied instead of played again (the shipped model's: it does not change with --seed)."""
+    is copied instead of played again (the shipped model's: it does not change with --seed). With `resume` (the
+    model is the one evaluated before), an evaluation already in `out` of the same problems is kept."""
 
     def episodes(data: str, where: str, tools: bool, max_turns: int, max_response_tokens: int) -> dict[str, Any]:
         if reuse_from:
             earlier = os.path.join(reuse_from, os.path.relpath(where, out))
-            earlier_data = os.path.join(reuse_from, os.path.relpath(data, out))
-            summary = os.path.join(earlier, "summary.json")
-            if not os.path.isfile(summary) or load_jsonl(earlier_data) != load_jsonl(data):
+            if file_digest(os.path.join(earlier, "problems.sha256"), missing="") != data_digest(data):
                 raise DemoError(f"{earlier}: no evaluation of the same problems to reuse")
             shutil.copytree(earlier, where, dirs_exist_ok=True)
-            with open(summary) as f:
-                return json.load(f)
-        return held_out_episodes(model, data, where, tools, gguf, max_turns, BUDGET["max_turn_tokens"],
-                                 max_response_tokens, batch_size=50)  # fmt: skip
+        elif not (resume and file_digest(os.path.join(where, "problems.sha256"), missing="") == data_digest(data)):
+            held_out_episodes(model, data, where, tools, gguf, max_turns, BUDGET["max_turn_tokens"],
+                              max_response_tokens, batch_size=50)  # fmt: skip
+            with open(os.path.join(where, "problems.sha256"), "w") as f:
+                f.write(data_digest(data))
+        with open(os.path.join(where, "summary.json")) as f:
+            return json.load(f)
 
     results = {}
     for name in sets:
@@ -189,6 +211,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--skip_rl", action="store_true", help="stop after the SFT model's evaluation")
     parser.add_argument("--held_out", default=",".join(HELD_OUT), help="held-out sets to evaluate, comma-separated")
     parser.add_argument("--skip_no_tool_eval", action="store_true", help="evaluate with the calculator only")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep what an earlier run in --output_dir finished (models of the same commands and data, "
+                        "their evaluations of the same problems); redo the rest")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args, rlvr_overrides = parser.parse_known_args(argv)
@@ -226,10 +251,34 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval)
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
+    commands: dict[str, str] = {}
+    stages_path = os.path.join(out, "stages.json")
+    stages: dict[str, Any] = {}
+    if args.resume and os.path.isfile(stages_path):
+        with open(stages_path) as f:
+            stages = json.load(f)
 
-    def timed_evaluation(model: str, gguf: Optional[str], when: str) -> dict[str, dict[str, Any]]:
+    def train(name: str, cmd: list[str], inputs: Sequence[str], model_dir: str, may_resume: bool) -> bool:
+        """Run a training stage, or with --resume keep the model an earlier run of the same command on the same
+        data wrote; returns whether it was kept."""
+        key = data_digest(*inputs) + " " + " ".join(cmd[1:])
+        commands[name] = " ".join(cmd)
+        record = stages.get(name)
+        if may_resume and args.resume and record and record["key"] == key and os.path.isdir(model_dir):
+            timings[name], cpu[name] = record["seconds"], record["cpu_seconds"]
+            print(f"resumed: {model_dir} (an earlier run of the same command on the same data)", flush=True)
+            return True
+        stages.pop(name, None)
+        timings[name], cpu[name] = run_script(cmd, os.path.join(out, "logs", f"{name}.log"), env)
+        if not os.path.isdir(model_dir):
+            raise DemoError(f"{name} finished without writing {model_dir}")
+        stages[name] = {"key": key, "seconds": timings[name], "cpu_seconds": cpu[name]}
+        write_text_atomic(stages_path, json.dumps(stages, indent=1))
+        return False
+
+    def timed_evaluation(model: str, gguf: Optional[str], when: str, resume: bool) -> dict[str, dict[str, Any]]:
         reuse = os.path.abspath(args.shipped_eval_from) if when == "shipped" and args.shipped_eval_from else None
-        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse)
+        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse, resume)
         timings[f"eval {when}"] = sum(r["seconds"] for r in res.values())
         cpu[f"eval {when}"] = sum(r["cpu_seconds"] for r in res.values())
         return res
@@ -237,26 +286,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     results = {}
     if not args.skip_shipped_eval:
         print("\n== held-out evaluation as shipped", flush=True)
-        results["shipped"] = timed_evaluation(folder, gguf_file, "shipped")
+        results["shipped"] = timed_evaluation(folder, gguf_file, "shipped", args.resume)
     print(f"\n== SFT on {args.n_sft} {args.sft_task} calculator traces: open_instruct/sft.py {SFT_RECIPE}", flush=True)
     cmd = [sys.executable, os.path.join("open_instruct", "sft.py"), SFT_RECIPE, "--model_name_or_path", folder,
            "--gguf_file", gguf_file, "--dataset_name_or_path", files["sft_train"], "--output_dir", sft_dir,
            "--overwrite_output_dir", "true", "--total_episodes", str(args.n_sft),
            "--seed", str(args.seed + 1)]  # fmt: skip
-    timings["sft"], cpu["sft"] = run_script(cmd, os.path.join(out, "logs", "sft.log"), env)
-    commands = {"sft": " ".join(cmd)}
     sft_model = os.path.join(sft_dir, "final_model")
-    if not os.path.isdir(sft_model):
-        raise DemoError(f"SFT finished without writing {sft_model}")
+    sft_kept = train("sft", cmd, [files["sft_train"], os.path.join(REPO, SFT_RECIPE)], sft_model, True)
     print("\n== held-out evaluation after SFT", flush=True)
-    results["sft"] = timed_evaluation(sft_model, None, "sft")
+    results["sft"] = timed_evaluation(sft_model, None, "sft", sft_kept)
     if not args.skip_rl:
         print(f"\n== RLVR with the calculator: open_instruct/rlvr_ppo.py {RL_RECIPE}", flush=True)
         cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), *rlvr_args]
-        timings["rlvr"], cpu["rlvr"] = run_script(cmd, os.path.join(out, "logs", "rlvr.log"), env)
-        commands["rlvr"] = " ".join(cmd)
+        rl_model = os.path.join(rl_dir, "final_model")
+        rl_kept = train("rlvr", cmd, [files["rl_train"], os.path.join(REPO, RL_RECIPE)], rl_model, sft_kept)
         print("\n== held-out evaluation after RLVR", flush=True)
-        results["rlvr"] = timed_evaluation(os.path.join(rl_dir, "final_model"), None, "rlvr")
+        results["rlvr"] = timed_evaluation(rl_model, None, "rlvr", rl_kept)
 
     paired = {
         f"{a} -> {b}|{name}": paired_change(os.path.join(out, "eval", a, split), os.path.join(out, "eval", b, split))

@@ -129,9 +129,10 @@ def test_call_report_counts():
 
 def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     """`--shipped_eval_from`: an earlier run's evaluation is copied (not played again) when its held-out file holds
-    the same problems, and refused, naming the folder, when it does not."""
+    the same problems, and refused, naming the folder, when it does not; `--resume` keeps an evaluation already in
+    the run's folder."""
     from demo.pipeline import DemoError
-    from demo.smollm2_tools import evaluate, write_data
+    from demo.smollm2_tools import data_digest, evaluate, write_data
 
     earlier, now = tmp_path / "earlier", tmp_path / "now"
     files_earlier = write_data(str(earlier / "data"), 0, 4, "symbolic", 4, 3)
@@ -144,10 +145,14 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     (where / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
     (where / "summary.json").write_text(json.dumps({"accuracy": 1 / 3, "correct": 1, "total": 3, "ci95": [0, 1],
                                                     "seconds": 9.0, "cpu_seconds": 8.0}))  # fmt: skip
+    (where / "problems.sha256").write_text(data_digest(files_earlier["one-step"]))
     assert files_earlier["one-step"] != files_now["one-step"]
     res = evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))["one-step"]
     assert res["accuracy"] == 1 / 3 and res["failures"] == {"no_call": 1, "copied_number": 1}
     assert (now / "eval" / "shipped" / "one_step" / "predictions.jsonl").exists()
+    # --resume: the evaluation now in the run's folder is kept (playing it would fail: "model" is no model)
+    kept = evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, None, resume=True)
+    assert kept["one-step"]["accuracy"] == 1 / 3
     rows = (now / "data" / "eval_one_step.jsonl").read_text().splitlines()
     (now / "data" / "eval_one_step.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # other order
     with pytest.raises(DemoError, match="no evaluation of the same problems to reuse"):
