@@ -19,9 +19,10 @@ environment parses, and the result comes back as a `tool` turn. The prompt's exa
 is copied into calls: the earlier prompt's `12*34` was).
 
 1. Held-out evaluation as shipped (--skip_shipped_eval to skip: the problems and the model do not change with --seed).
-2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces: with --sft_task symbolic (the default)
-   the questions are the expressions themselves ("What is 340+5*12?"), so SFT teaches the call's format and no
-   translation from words; --sft_task word shows word problems of the training families instead.
+2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces (32: 4 steps) of training-family word
+   problems, each one call with the problem's expression, the result, the answer (--sft_task word, the default);
+   with --sft_task symbolic the questions are the expressions themselves ("What is 340+5*12?"): the call's format
+   and no translation from words. docs/demos.md gives what each choice measured.
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
    `--key value` arguments go to it), held-out evaluation after.
 
@@ -200,8 +201,8 @@ def summary_lines(results: dict[str, Any], titles: dict[str, str], n_eval: int) 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_tools")
-    parser.add_argument("--n_sft", type=int, default=16, help="cold-start SFT traces (one pass, 8 per step)")
-    parser.add_argument("--sft_task", choices=("symbolic", "word"), default="symbolic",
+    parser.add_argument("--n_sft", type=int, default=32, help="cold-start SFT traces (one pass, 8 per step)")
+    parser.add_argument("--sft_task", choices=("symbolic", "word"), default="word",
                         help="SFT questions: expressions (the call format only) or word problems")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
