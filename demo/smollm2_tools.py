@@ -13,7 +13,7 @@ and two-step (half of them shapes training never uses: c-x*y and (a+b)*x). The h
 only: the calculator is a means.
 
 SmolLM2's chat template has no tool syntax (it renders `<|im_start|>{role}\\n{content}<|im_end|>` and drops
-`tool_calls`), so a system prompt (SYSTEM_PROMPT) describes the calculator and the Hermes call format, the model writes
+`tool_calls`), so a system prompt (system_prompt) describes the calculator and the Hermes call format, the model writes
 `<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>` as plain text, which the `tool`
 environment parses, and the result comes back as a `tool` turn. The prompt's example holds no number (a number there
 is copied into calls: the earlier prompt's `12*34` was).
@@ -51,13 +51,20 @@ from open_instruct.run_dir import write_text_atomic
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_tools.yaml")
 RL_RECIPE = os.path.join("configs", "demo", "rlvr_smollm2_tools.yaml")
-SYSTEM_PROMPT = (
-    "You can use a calculator. To use it, reply with only "
-    '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> '
-    "with the arithmetic the problem needs in place of ..., written with the problem's numbers and + - * ( ). "
-    "The result comes back in a tool message, and you may call the calculator again. "
-    "Then reply with the final answer: the number only."
-)
+
+
+def system_prompt(call_example: str = "...") -> str:
+    """The tool description every row starts with; `call_example` is the expression its sample call shows."""
+    return (
+        "You can use a calculator. To use it, reply with only "
+        f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{call_example}"}}}}</tool_call> '
+        f"with the arithmetic the problem needs in place of {call_example}, written with the problem's numbers and "
+        "+ - * ( ). The result comes back in a tool message, and you may call the calculator again. "
+        "Then reply with the final answer: the number only."
+    )
+
+
+SYSTEM_PROMPT = system_prompt()
 NO_TOOL_PROMPT = "Solve the problem. Reply with the final answer: the number only."
 HELD_OUT = {"one-step": "one_step", "irrelevant number": "distractor", "two-step": "two_step"}  # title -> split
 HELD_OUT_SEED = 1000  # the held-out problems are the same for every --seed
@@ -83,19 +90,21 @@ def as_text_calls(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[s
     return out
 
 
-def write_data(data_dir: str, seed: int, n_sft: int, sft_task: str, n_train: int, n_eval: int) -> dict[str, str]:
+def write_data(
+    data_dir: str, seed: int, n_sft: int, sft_task: str, n_train: int, n_eval: int, prompt: str = SYSTEM_PROMPT
+) -> dict[str, str]:
     """The SFT traces, the RL prompts and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     files = {
         "sft_train": write_jsonl(
-            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), SYSTEM_PROMPT)
+            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), prompt)
         ),  # fmt: skip
-        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", SYSTEM_PROMPT)),
+        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt)),
     }
     for name, split in HELD_OUT.items():
-        files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, SYSTEM_PROMPT))
+        files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
         files[f"{name}|no tool"] = write_jsonl(
             j(f"eval_{split}_no_tool"), word_problem_rows(n_eval, HELD_OUT_SEED, split, NO_TOOL_PROMPT)
         )
@@ -204,6 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--n_sft", type=int, default=32, help="cold-start SFT traces (one pass, 8 per step)")
     parser.add_argument("--sft_task", choices=("symbolic", "word"), default="word",
                         help="SFT questions: expressions (the call format only) or word problems")  # fmt: skip
+    parser.add_argument("--call_example", default="...",
+                        help="the expression in the system prompt's sample call (default: no number)")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
@@ -249,7 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
-    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval)
+    files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
+                       system_prompt(args.call_example))  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}
@@ -333,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "model": os.path.join(folder, gguf_file),
         "seed": args.seed,
         "sft": {"n": args.n_sft, "task": args.sft_task},
-        "system_prompt": SYSTEM_PROMPT,
+        "system_prompt": system_prompt(args.call_example),
         "held_out": results,
         "paired": paired,
         "trainer_eval": trainer_eval_rows(rl_dir) if "rlvr" in results else None,

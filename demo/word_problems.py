@@ -288,6 +288,7 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NUMBER = re.compile(r"\d+")
 FAILURES = {  # the taxonomy of wrong answers, in the order an episode is classified
     "no_call": "no call: answered without the calculator",
+    "words_in_call": 'no well-formed call, and words in the expression ("29 chairs", "27. Cans per box")',
     "malformed": "no well-formed call (unparseable, not the calculator, or an expression it rejects)",
     "right_call_wrong_answer": "a call computed the answer, but the final answer was wrong or missing",
     "copied_number": "the calls hold no operation: a number copied into the calculator",
@@ -295,8 +296,14 @@ FAILURES = {  # the taxonomy of wrong answers, in the order an episode is classi
     "foreign_number": "a call used a number that is not in the problem (nor a tool result)",
     "wrong_operation": "the calls' operations are not the problem's",
     "one_step_of_two": "two-step problem: the calls did only one of the steps",
-    "other": "right operations and numbers, wrong grouping or order",
+    "operand_repeated_or_missing": "the right operations on the problem's numbers, one repeated or left out (41*41)",
+    "reversed": "the problem's numbers and operations, in the wrong order (473-909 for 909-473)",
+    "other": "the problem's numbers and operations, grouped otherwise",
 }
+
+
+def call_numbers(call: dict[str, Any]) -> list[int]:
+    return [int(t) for t in _NUMBER.findall(call["expression"])]
 
 
 def parse_calls(actions: list[str]) -> list[dict[str, Any]]:
@@ -343,7 +350,7 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
     if not calls:
         failure = "no_call"
     elif not good:
-        failure = "malformed"
+        failure = "words_in_call" if any(re.search("[A-Za-z]", c["expression"] or "") for c in calls) else "malformed"
     elif any(c["value"] == problem["answer"] for c in good):
         failure = "right_call_wrong_answer"
     elif not ops_used:
@@ -356,6 +363,10 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         failure = "one_step_of_two"
     elif ops_used != set(problem["ops"]):
         failure = "wrong_operation"
+    elif len(good) == 1 and sorted(call_numbers(good[0])) != sorted(problem["operands"]):
+        failure = "operand_repeated_or_missing"
+    elif len(good) == 1 and len(problem["ops"]) == 1:
+        failure = "reversed"
     else:
         failure = "other"
     result["failure"] = failure

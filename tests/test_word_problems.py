@@ -85,6 +85,7 @@ def call(expression: str) -> str:
 
 
 ADD = {"answer": 1300, "ops": "+", "operands": [512, 788], "distractor": 43}
+SUB = {"answer": 436, "ops": "-", "operands": [909, 473], "distractor": None}
 TWO = {"answer": 1000, "ops": "+-", "operands": [600, 700, 300], "distractor": None}
 
 
@@ -104,6 +105,9 @@ TWO = {"answer": 1000, "ops": "+-", "operands": [600, 700, 300], "distractor": N
         (TWO, [call("600+700"), "1300"], False, "one_step_of_two", False, False),
         (TWO, [call("600+700"), call("1300-300"), "1000"], True, None, True, True),  # a result reused: not foreign
         (TWO, [call("600-700+300"), "200"], False, "other", True, False),
+        (ADD, [call("788+788"), "1576"], False, "operand_repeated_or_missing", True, False),
+        (SUB, [call("473-909"), "-436"], False, "reversed", True, False),
+        (ADD, [call("29 chairs"), "29"], False, "words_in_call", False, False),
     ],
 )  # fmt: skip
 def test_episode_analysis_classifies_as_a_reader_would(problem, actions, correct, failure, right_operation, two_calls):
