@@ -91,7 +91,14 @@ def as_text_calls(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[s
 
 
 def write_data(
-    data_dir: str, seed: int, n_sft: int, sft_task: str, n_train: int, n_eval: int, prompt: str = SYSTEM_PROMPT
+    data_dir: str,
+    seed: int,
+    n_sft: int,
+    sft_task: str,
+    n_train: int,
+    n_eval: int,
+    prompt: str = SYSTEM_PROMPT,
+    two_step_share: Optional[float] = None,
 ) -> dict[str, str]:
     """The SFT traces, the RL prompts and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
@@ -101,7 +108,7 @@ def write_data(
         "sft_train": write_jsonl(
             j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), prompt)
         ),  # fmt: skip
-        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt)),
+        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt, two_step_share)),
     }
     for name, split in HELD_OUT.items():
         files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
@@ -216,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--call_example", default="...",
                         help="the expression in the system prompt's sample call (default: no number)")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
+    parser.add_argument("--two_step_share", type=float, default=None,
+                        help="share of two-step problems among the RL prompts (default: 1 in 4)")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -261,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
-                       system_prompt(args.call_example))  # fmt: skip
+                       system_prompt(args.call_example), args.two_step_share)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

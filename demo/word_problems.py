@@ -215,10 +215,15 @@ def insert_sentence(question: str, sentence: str, rng: random.Random) -> str:
     return " ".join(parts[:at] + [sentence] + parts[at:])
 
 
-def word_problem(rng: random.Random, split: str) -> dict[str, Any]:
-    """One problem of `split` (a key of SPLITS)."""
+def word_problem(rng: random.Random, split: str, two_step_share: Optional[float] = None) -> dict[str, Any]:
+    """One problem of `split` (a key of SPLITS); `two_step_share` sets how often its shape is a two-step one (default:
+    as the split's shape list draws them, 1 in 4 for training)."""
     spec = SPLITS[split]
-    shape = rng.choice(spec["shapes"])
+    if two_step_share is None:
+        shape = rng.choice(spec["shapes"])
+    else:
+        two_step = rng.random() < two_step_share
+        shape = rng.choice([s for s in spec["shapes"] if (len(SHAPE_OPS[s]) == 2) == two_step])
     family = rng.choice(sorted(f for f, shapes in spec["families"].items() if shape in shapes))
     slots, operands, expression, answer = shape_numbers(rng, shape)
     n, m, k = rng.sample(NAMES, 3)
@@ -231,13 +236,15 @@ def word_problem(rng: random.Random, split: str) -> dict[str, Any]:
             "operands": operands, "distractor": distractor, "family": family, "shape": shape}  # fmt: skip
 
 
-def word_problem_rows(n: int, seed: int, split: str, system_prompt: Optional[str] = None) -> list[dict[str, Any]]:
+def word_problem_rows(
+    n: int, seed: int, split: str, system_prompt: Optional[str] = None, two_step_share: Optional[float] = None
+) -> list[dict[str, Any]]:
     """RL / evaluation rows of `split`: messages (the system prompt first when given), ground_truth for the
     `arithmetic` verifier, and the problem's metadata under `problem` (for the demo's call analysis)."""
     rng = random.Random(f"{split}-{seed}")
     rows = []
     for i in range(n):
-        p = word_problem(rng, split)
+        p = word_problem(rng, split, two_step_share)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": p["question"]}
         ]
@@ -342,7 +349,7 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         "calls": len(calls),
         "well_formed_calls": len(good),
         "right_operation": bool(good) and ops_used == set(problem["ops"]),
-        "two_calls": len(good) >= 2,
+        "two_calls": len({c["expression"].replace(" ", "") for c in good}) >= 2,  # a repeated call is one
         "failure": None,
     }
     if prediction["correct"]:
