@@ -161,3 +161,13 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     (now / "data" / "eval_one_step.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # other order
     with pytest.raises(DemoError, match="no evaluation of the same problems to reuse"):
         evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))
+
+
+def test_two_step_share_sets_the_mix():
+    rows = word_problem_rows(2000, 3, "train", two_step_share=0.5)
+    share = sum(len(r["problem"]["ops"]) == 2 for r in rows) / len(rows)
+    assert 0.45 < share < 0.55  # 0.5 +- 4.5 binomial standard deviations (sd = 0.011)
+    assert {r["problem"]["shape"] for r in rows} == {"add", "sub", "mul", "add_sub", "mul_add"}
+    default = word_problem_rows(2000, 3, "train")
+    default_share = sum(len(r["problem"]["ops"]) == 2 for r in default) / len(default)
+    assert 0.2 < default_share < 0.3  # the shape list's 2 in 8
