@@ -36,7 +36,6 @@ exact sign test, SFT -> RLVR. <output_dir>/summary.md and summary.json hold it a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -47,6 +46,7 @@ from typing import Any, Optional, Sequence
 from demo.pipeline import REPO, DemoError, fmt_seconds, paired_change, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
 from demo.word_problems import FAILURES, calculator_traces, call_report, word_problem_rows
+from open_instruct.data_cache import code_identity
 from open_instruct.run_dir import write_text_atomic
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_tools.yaml")
@@ -118,15 +118,6 @@ def write_data(
     return files
 
 
-def data_digest(*paths: str) -> str:
-    """SHA-256 of the files' bytes: which problems (or traces) a stage saw."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()
-
-
 def file_digest(path: str, missing: str) -> str:
     """The digest recorded in `path`, or `missing` when there is none."""
     if not os.path.isfile(path):
@@ -158,16 +149,19 @@ def evaluate(
     model is the one evaluated before), an evaluation already in `out` of the same problems is kept."""
 
     def episodes(data: str, where: str, tools: bool, max_turns: int, max_response_tokens: int) -> dict[str, Any]:
+        problems = code_identity([data])  # the bytes of the held-out file: which problems were played
+        digest_path = os.path.join(where, "problems.sha256")
         if reuse_from:
             earlier = os.path.join(reuse_from, os.path.relpath(where, out))
-            if file_digest(os.path.join(earlier, "problems.sha256"), missing="") != data_digest(data):
+            if file_digest(os.path.join(earlier, "problems.sha256"), missing="") != problems:
                 raise DemoError(f"{earlier}: no evaluation of the same problems to reuse")
             shutil.copytree(earlier, where, dirs_exist_ok=True)
-        elif not (resume and file_digest(os.path.join(where, "problems.sha256"), missing="") == data_digest(data)):
+        elif not (resume and file_digest(digest_path, missing="") == problems):
+            if os.path.exists(digest_path):  # the digest marks a finished evaluation: a crash now must not keep one
+                os.remove(digest_path)
             held_out_episodes(model, data, where, tools, gguf, max_turns, BUDGET["max_turn_tokens"],
                               max_response_tokens, batch_size=50)  # fmt: skip
-            with open(os.path.join(where, "problems.sha256"), "w") as f:
-                f.write(data_digest(data))
+            write_text_atomic(digest_path, problems)
         with open(os.path.join(where, "summary.json")) as f:
             return json.load(f)
 
@@ -283,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     def train(name: str, cmd: list[str], inputs: Sequence[str], model_dir: str, may_resume: bool) -> bool:
         """Run a training stage, or with --resume keep the model an earlier run of the same command on the same
         data wrote; returns whether it was kept."""
-        key = data_digest(*inputs) + " " + " ".join(cmd[1:])
+        key = code_identity(list(inputs)) + " " + " ".join(cmd[1:])
         commands[name] = " ".join(cmd)
         record = stages.get(name)
         if may_resume and args.resume and record and record["key"] == key and os.path.isdir(model_dir):

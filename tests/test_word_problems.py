@@ -136,7 +136,8 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     the same problems, and refused, naming the folder, when it does not; `--resume` keeps an evaluation already in
     the run's folder."""
     from demo.pipeline import DemoError
-    from demo.smollm2_tools import data_digest, evaluate, write_data
+    from demo.smollm2_tools import evaluate, write_data
+    from open_instruct.data_cache import code_identity
 
     earlier, now = tmp_path / "earlier", tmp_path / "now"
     files_earlier = write_data(str(earlier / "data"), 0, 4, "symbolic", 4, 3)
@@ -149,7 +150,7 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     (where / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
     (where / "summary.json").write_text(json.dumps({"accuracy": 1 / 3, "correct": 1, "total": 3, "ci95": [0, 1],
                                                     "seconds": 9.0, "cpu_seconds": 8.0}))  # fmt: skip
-    (where / "problems.sha256").write_text(data_digest(files_earlier["one-step"]))
+    (where / "problems.sha256").write_text(code_identity([files_earlier["one-step"]]))
     assert files_earlier["one-step"] != files_now["one-step"]
     res = evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))["one-step"]
     assert res["accuracy"] == 1 / 3 and res["failures"] == {"no_call": 1, "copied_number": 1}
@@ -157,6 +158,10 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
     # --resume: the evaluation now in the run's folder is kept (playing it would fail: "model" is no model)
     kept = evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, None, resume=True)
     assert kept["one-step"]["accuracy"] == 1 / 3
+    # a new evaluation drops the digest before it plays: one that dies leaves nothing a later --resume would keep
+    with pytest.raises(Exception):
+        evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False)
+    assert not (now / "eval" / "shipped" / "one_step" / "problems.sha256").exists()
     rows = (now / "data" / "eval_one_step.jsonl").read_text().splitlines()
     (now / "data" / "eval_one_step.jsonl").write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # other order
     with pytest.raises(DemoError, match="no evaluation of the same problems to reuse"):
