@@ -825,6 +825,18 @@ def count_statuses(outcomes: Sequence[CodeOutcome]) -> collections.Counter:
     return collections.Counter(s for o in outcomes for s in o.statuses)
 
 
+def status_sums(rollout: Any) -> dict[str, float]:
+    """rlvr_ppo's rollout_sums hook: this rank's tests per status (code_<status>), summed over ranks in the row."""
+    return {f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES}
+
+
+def status_metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: Any, updates: float, _: Any) -> dict:
+    """rlvr_ppo's metrics hook: the code verifier's tests by outcome over every rank (none when no test ran)."""
+    if not any(sums[f"code_{s}"] for s in TEST_STATUSES):
+        return {}
+    return {f"train/code_tests_{s}": sums[f"code_{s}"] for s in TEST_STATUSES}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m open_instruct.code_verifier DATA.jsonl [COLUMN ...]`: the tests of a dataset file on each path
     (value: judged in the trainer; script: run whole in the sandbox), from the first column present of COLUMN

@@ -1,16 +1,22 @@
-"""On-policy distillation: a frozen teacher scores the tokens the student sampled (rlvr_ppo.py's `distill` row).
+"""On-policy distillation: a frozen teacher scores the tokens the student sampled (rl_algorithms.py's `distill` row).
 
 Two objectives (`distill_loss`), both over the student's own samples and only on policy tokens (the loss mask):
 
     reverse_kl  the sampled-token reverse KL as a dense per-token advantage, trained by the ordinary policy loss:
                     A_t = teacher_kl_weight * (log pi_teacher(y_t) - log pi_student(y_t))      (no discount)
-                its expectation under the student is -KL(pi_student || pi_teacher) per position (teacher_advantages)
+                its expectation under the student is -KL(pi_student || pi_teacher) per position
+                (rl_algorithms.teacher_advantages, in the `distill` estimator)
     jsd         the full-distribution generalized JSD of TRL's `beta` (here `distill_jsd_beta`) as a loss term,
                     loss_t = teacher_kl_weight * JSD_beta(p_student(.|y_<t) , p_teacher(.|y_<t))
                 computed from both models' last hidden states and output layers a chunk of tokens at a time, so no
                 [tokens, vocab] logits of either model are kept (chunked_generalized_jsd)
 
 The teacher needs no checkpoint state: it is frozen, loaded again from `teacher_model_name_or_path` on resume.
+
+All it does in a run is below, plugged into rlvr_ppo.py's hooks (rlvr_ppo.features_of): `teacher_scores` (each
+no-grad micro-batch of collect_rollout: the teacher's log-prob of every sampled token, which the `distill` estimator
+reads), under jsd `student_forward` and `jsd_loss_term` (the update), `teacher_kl_sums` and `metrics` (the log row);
+`check_teacher` before any model loads.
 """
 
 from __future__ import annotations
@@ -26,13 +32,6 @@ from torch.utils.checkpoint import checkpoint
 from open_instruct.errors import ConfigError
 
 JSD_CHUNK_TOKENS = 1024  # tokens whose [chunk, vocab] logits (both models, fp32) are alive at once
-
-
-def teacher_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The reverse-KL advantage of each sampled token (0 off the mask: padding, observation tokens):
-
-    A_t = -(log pi_student(y_t) - log pi_teacher(y_t)) * mask_t"""
-    return (teacher_logp - old_logp) * mask
 
 
 def generalized_jsd(
@@ -280,3 +279,61 @@ def jsd_to_teacher(
     )
     out = torch.zeros(mask.shape, dtype=per_token.dtype, device=mask.device)
     return out.masked_scatter(keep, per_token)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The hooks (rlvr_ppo.Feature): what distillation adds to a rollout step
+
+
+def teacher_scores(
+    cfg: Any, models: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """score_batch: the teacher's log-prob of every sampled policy token (the `distill` estimator's teacher_logp)."""
+    return {"teacher_logp": teacher_token_logprobs(models.teacher, batch, mask, cfg.temperature)}
+
+
+def student_forward(cfg: Any, models: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """policy_forward under jsd: the student's forward as one full-logits output-layer call that records its last
+    hidden states (the JSD needs them; docs/distillation.md): its TokenScores and those hidden states."""
+    from open_instruct.models import TokenScores, entropy_from_logits, response_logits, token_logprobs
+
+    with output_layer_inputs(models.policy, skip_output_layer=False) as hidden:
+        logits = response_logits(models.policy, batch, cfg.temperature, 1)
+    return TokenScores(token_logprobs(logits, batch["responses"]), entropy_from_logits(logits.detach()), None), hidden
+
+
+def jsd_loss_term(
+    cfg: Any,
+    models: Any,
+    batch: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    w: torch.Tensor,
+    hidden: list[torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """loss_term under jsd: teacher_kl_weight * sum_t w_t * JSD_beta(student, teacher)_t, and that sum (jsd_loss)."""
+    t_hidden = teacher_hidden(models.teacher, batch)
+    divergence = jsd_to_teacher(
+        models.policy, hidden, models.teacher, t_hidden, batch, mask, cfg.distill_jsd_beta, cfg.temperature,
+        cfg.distill_top_k,
+    )  # fmt: skip
+    return cfg.teacher_kl_weight * (divergence * w).sum(), {"jsd_loss": (divergence.detach() * w).sum()}
+
+
+def teacher_kl_sums(rollout: Any) -> dict[str, float]:
+    """rollout_sums: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
+    KL(pi_student || pi_teacher) per token), and those tokens; zeros without the student's log-probs."""
+    teacher_logp = rollout.extra.get("teacher_logp")
+    if teacher_logp is None or rollout.old_logp is None:
+        return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
+    gap = ((rollout.old_logp - teacher_logp) * rollout.mask).sum()
+    return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
+
+
+def metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: dict[str, float], updates: float, _: Any) -> dict:
+    """metrics: log pi_student - log pi_teacher per sampled policy token (train/teacher_kl), and loss/jsd."""
+    row = {}
+    if "teacher_logp" in rollout.extra:
+        row["train/teacher_kl"] = sums["teacher_kl"] / max(sums["teacher_tokens"], 1.0)
+    if cfg.distill_loss == "jsd":
+        row["loss/jsd"] = train["jsd_loss"] / updates
+    return row

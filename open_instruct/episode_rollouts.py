@@ -39,6 +39,7 @@ from open_instruct.episodes import (
     episode_state,
     episode_stats,
     rollout_episodes,
+    token_rewards,
 )
 
 # verify(completion text, ground truth, verifier name) -> (score in [0, 1], timed out) (rollouts.py binds the row
@@ -212,3 +213,27 @@ def episode_metrics(accelerator: Any, episodes: Sequence[Episode], prefix: str) 
     per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`. Collective."""
     stats = episode_stats(global_sums_any_keys(accelerator, episode_stat_sums(episodes)))
     return {prefix + key.removeprefix("env/").replace("/", "_"): value for key, value in stats.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The hooks (rlvr_ppo.Feature): what multi-turn episodes add to a rollout step (the sampler plays them: rollouts.py)
+
+
+def turn_reward_tensor(cfg: Any, out: Any, n: int, width: int) -> dict[str, Any]:
+    """score_rollout: each turn's reward on its turn's last policy token (episodes.token_rewards), in the score's
+    units (x verification_reward), as an [n, width] tensor (turn_rewards: the estimators' kl_rewards read it)."""
+    import torch
+
+    played = list(getattr(out, "episodes", None) or [])
+    if not played:
+        return {}
+    turn_rewards = torch.zeros(n, width)
+    for i, e in enumerate(played):
+        per_token = token_rewards(e, cfg.turn_reward_aggregation)
+        turn_rewards[i, : len(per_token)] = cfg.verification_reward * torch.tensor(per_token, dtype=torch.float32)
+    return {"turn_rewards": turn_rewards}
+
+
+def metrics(cfg: Any, rollout: Any, sums: Any, train: Any, updates: float, accelerator: Any) -> dict[str, float]:
+    """metrics: turns, tool calls, tool errors by reason, observation share, truncations (over every rank)."""
+    return episode_metrics(accelerator, rollout.played, "train/")

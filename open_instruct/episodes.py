@@ -38,9 +38,10 @@ turn_reward_aggregation "sum": every turn's reward on that turn's last policy to
 "last": only the last turn's reward, on the episode's last policy token (a budget-truncated episode's last turn is
 then whatever that turn earned, usually 0). The per-token rewards of an episode sum to its score either way.
 
-GAE across turns (`multi_turn_gae`): observation tokens get no reward, no advantage, no value target; the recursion
-runs over the policy tokens only, in order, as if the observations were not there (gamma and lambda are applied
-per policy token, so a long tool output does not discount the answer that follows it).
+GAE across turns (`rl_algorithms.multi_turn_gae`, with the other estimators' math): observation tokens get no reward,
+no advantage, no value target; the recursion runs over the policy tokens only, in order, as if the observations were
+not there (gamma and lambda are applied per policy token, so a long tool output does not discount the answer that
+follows it).
 """
 
 from __future__ import annotations
@@ -247,34 +248,6 @@ def token_rewards(episode: Episode, aggregation: str) -> list[float]:
         if index is not None:
             out[index] += float(turn.reward)
     return out
-
-
-def multi_turn_gae(
-    rewards: torch.Tensor, values: torch.Tensor, policy_mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the policy tokens of response-aligned [batch, T] tensors, skipping observation tokens and padding
-    (policy_mask 0). With p_1 < p_2 < ... < p_n the policy positions of a row, backwards over k:
-
-        delta_k  = r[p_k] + gamma * V[p_{k+1}] - V[p_k]          (V[p_{n+1}] = 0: the episode ends)
-        A[p_k]   = delta_k + gamma * lam * A[p_{k+1}]            (A[p_{n+1}] = 0)
-        R[p_k]   = A[p_k] + V[p_k]                               (the value target)
-
-    and A = R = 0 on every position with policy_mask 0. A reward on such a position would be silently lost, so it
-    raises ValueError instead (put turn rewards on policy tokens: `token_rewards`)."""
-    rewards, values, mask = rewards.float(), values.float(), policy_mask.float()
-    if bool(((rewards != 0) & (mask == 0)).any()):
-        raise ValueError("a reward sits on a non-policy token (observation or padding): it would be lost")
-    advantages = torch.zeros_like(rewards)
-    carry = torch.zeros_like(rewards[:, 0])
-    next_value = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        policy = mask[:, t] > 0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        step = delta + gamma * lam * carry
-        advantages[:, t] = torch.where(policy, step, torch.zeros_like(step))
-        carry = torch.where(policy, step, carry)  # observation tokens pass the recursion through unchanged
-        next_value = torch.where(policy, values[:, t], next_value)
-    return advantages, (advantages + values) * mask
 
 
 class EpisodeBatch(NamedTuple):

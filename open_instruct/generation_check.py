@@ -3,7 +3,6 @@
     checker = GenerationChecker.from_config(cfg, generator, policy, tokenizer, accelerator, max_model_len)
     checker.sync(policy, version)     # every weight sync: under a deadline, then the probe fingerprint (one retry)
     checker.last                      # for the rollout's row: check/ (an engine's fingerprint), time/generation_check
-    mismatch_token_sums(...)          # per rollout: sampler-vs-trainer sums behind the mismatch/ metrics
 
 The probe is a few fixed prompts and continuations (token ids of fixed text). Both sides score it: the generator
 returns its log-probs of the given continuation tokens (and its top-k per position), the trainer runs its own forward
@@ -382,76 +381,3 @@ class GenerationChecker:
             warnings.warn(message)
             return
         raise GenerationCheckError(message)
-
-
-# ---------------------------------------------------------------------------------------------------- mismatch/
-def mismatch_sum_keys(async_steps: int) -> tuple[str, ...]:
-    """The per-rollout sums behind the mismatch/ metrics (besides the loop's tokens and sampler_abs_diff): k3 and
-    tokens beyond the TIS cap; under async also |dlogp| and tokens per version lag 0..async_steps."""
-    per_lag = [f"mismatch_{what}_lag_{k}" for k in range(async_steps + 1) for what in ("abs", "tokens")]
-    return ("mismatch_k3_sum", "mismatch_beyond_cap", *(per_lag if async_steps else ()))
-
-
-def mismatch_token_sums(
-    log_ratio: torch.Tensor,
-    mask: torch.Tensor,
-    tis_cap: float,
-    token_lags: Optional[Sequence[Sequence[int]]] = None,
-    async_steps: int = 0,
-) -> dict[str, torch.Tensor]:
-    """Per micro-batch sums behind the mismatch/ metrics, r = trainer logp - sampler logp on the loss-mask tokens
-    (policy tokens only in multi-turn episodes): k3 = exp(r) - 1 - r (an unbiased per-token estimate of
-    KL(sampler || trainer) on the sampled tokens), tokens whose TIS ratio exp(r) exceeds tis_cap, max |r|, and under
-    async (`token_lags`: per row, the version lag of each policy token in order) |r| and tokens per lag.
-
-    0-dim tensors on log_ratio's device, computed with masks rather than boolean indexing: no host sync (the update
-    reads them once per rollout)."""
-    on = mask > 0
-    r = log_ratio.float().masked_fill(~on, 0.0)
-    sums = {
-        "mismatch_k3_sum": (torch.expm1(r) - r).sum(),  # 0 where masked: expm1(0) - 0
-        "mismatch_beyond_cap": ((r > math.log(tis_cap)) & on).sum().float(),
-        "mismatch_abs_max": r.abs().max() if r.numel() else r.new_zeros(()),
-    }
-    if async_steps and token_lags is not None:
-        # lags listed per policy token in order: the i-th policy token of a row (cumsum of the mask) takes lags[i];
-        # built on the host from the lists, so only a host-to-device copy
-        width = max(mask.shape[1], max((len(lags) for lags in token_lags), default=0))
-        padded = torch.full((len(token_lags), width), -1, dtype=torch.long)
-        for i, lags in enumerate(token_lags):
-            padded[i, : len(lags)] = torch.tensor(list(lags), dtype=torch.long)
-        nth = (on.long().cumsum(dim=1) - 1).clamp(min=0)
-        lag = torch.where(on, padded.to(log_ratio.device).gather(1, nth), -1)
-        for k in range(async_steps + 1):
-            at = lag == k
-            sums[f"mismatch_abs_lag_{k}"] = (r.abs() * at).sum()
-            sums[f"mismatch_tokens_lag_{k}"] = at.sum().float()
-    return sums
-
-
-def mismatch_metrics(sums: dict[str, float], abs_max: float, async_steps: int = 0) -> dict[str, float]:
-    """The mismatch/ row from rollout-wide sums (tokens, sampler_abs_diff, mismatch_sum_keys) and the max |dlogp|."""
-    tokens = max(sums["tokens"], 1.0)
-    row = {
-        "mismatch/abs_mean": sums["sampler_abs_diff"] / tokens,
-        "mismatch/abs_max": abs_max,
-        "mismatch/k3_kl": sums["mismatch_k3_sum"] / tokens,
-        "mismatch/beyond_tis_cap": sums["mismatch_beyond_cap"] / tokens,
-    }
-    for k in range(async_steps + 1) if async_steps else ():
-        n = sums[f"mismatch_tokens_lag_{k}"]
-        row[f"mismatch/abs_mean_lag_{k}"] = sums[f"mismatch_abs_lag_{k}"] / n if n else 0.0
-    return row
-
-
-def mismatch_warnings(row: dict[str, float], warn_kl: float, warn_beyond_cap: float) -> list[str]:
-    """Warning lines for a rollout whose mismatch crosses the documented levels."""
-    lines = []
-    if row["mismatch/k3_kl"] > warn_kl:
-        lines.append(f"mismatch/k3_kl {row['mismatch/k3_kl']:.3g} > mismatch_warn_kl {warn_kl:g}")
-    if row["mismatch/beyond_tis_cap"] > warn_beyond_cap:
-        lines.append(
-            f"mismatch/beyond_tis_cap {row['mismatch/beyond_tis_cap']:.3g} > mismatch_warn_beyond_cap "
-            f"{warn_beyond_cap:g}"
-        )
-    return lines

@@ -1,20 +1,29 @@
-"""The RL algorithm tables: advantage estimators and policy losses by name, each with the traits the rest of the run
-reads and the function `rlvr_ppo.py` dispatches to.
+"""The RL algorithms by name, verl's `core_algos` in one file: the tables the run reads, the math (pure functions
+with their formulas) and the built-in advantage estimators, policy losses and KL estimators, each one function with
+its registration above it:
 
-    ADVANTAGE_ESTIMATORS["grpo"]   -> AdvantageEstimator(uses_groups=True, function=<rlvr_ppo.grpo>)
-    POLICY_LOSSES["cispo"]         -> PolicyLoss(takes_dual_clip=False, function=<rlvr_ppo.cispo>)
+    @advantage_estimator("grpo", uses_groups=True)        # the row of ADVANTAGE_ESTIMATORS: name, traits, function
+    def grpo(x: AdvantageInputs) -> Advantages: ...
 
-Torch-free on purpose: the config (accepted names, the checks that depend on the traits) and the planner (a value
-model to budget for) read the traits before torch or the RL script loads. `rlvr_ppo.py` binds each built-in row to
-its function (`@advantage_estimator("grpo")` above the function); the config's `algo` preset picks a default row.
+    ADVANTAGE_ESTIMATORS["grpo"]   -> AdvantageEstimator(uses_groups=True, function=grpo)
+    POLICY_LOSSES["cispo"]         -> PolicyLoss(takes_dual_clip=False, function=cispo)
+
+A function receives a small typed input, not the run's config: `AdvantageInputs` (the rollout's tensors and the few
+settings estimators read) or `LossInputs` (one micro-batch's log-probs, advantages, mask and clip settings), plus
+the entries of `algo_kwargs` it names as keyword parameters; a KL estimator gets (logp, ref_logp). The training
+script (`rlvr_ppo.py`) builds the inputs and calls the row's function; docs/extending.md is the user's side.
+
+Torch is imported inside the functions that use it, not at the top: the config (accepted names, the checks that
+depend on the traits) and the planner read these tables before torch loads, and a bad config exits in a fraction
+of a second. The config's `algo` preset picks a default row (ALGO_ESTIMATORS).
 
 A new variant, in one file and with no library edit: a function and its row,
 
-    @advantage_estimator("my_baseline", uses_groups=True)        # (cfg, rollout, accelerator) -> Advantages
-    def my_baseline(cfg, rollout, accelerator): ...
+    @advantage_estimator("my_baseline", uses_groups=True)        # (x: AdvantageInputs, **algo_kwargs) -> Advantages
+    def my_baseline(x): ...
 
-    @policy_loss("my_loss")                                        # (cfg, logp, old_logp, advantages, mask)
-    def my_loss(cfg, logp, old_logp, advantages, mask): ...        #   -> (per-token loss, clipped indicator)
+    @policy_loss("my_loss")                                        # (x: LossInputs, **algo_kwargs)
+    def my_loss(x): ...                                            #   -> (per-token loss, clipped indicator)
 
 then run `rlvr_ppo.main` from that file (`runtime.run(rlvr_ppo.main)`), with `--advantage_estimator my_baseline
 --policy_loss my_loss` (tests/test_rlvr_variants.py does exactly this). Or, without a script of your own, name the
@@ -28,10 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from open_instruct.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,7 +54,8 @@ class AdvantageEstimator:
     uses_groups: bool = False  # a baseline from the prompt's group: a group never spans two ranks or mini-batches
     kl_in_reward: bool = False  # -beta * KL_t goes into the per-token reward; otherwise beta * KL is a loss term
     uses_teacher: bool = False  # a frozen teacher (teacher_model_name_or_path) scores the sampled tokens
-    function: Optional[Callable[..., Any]] = None  # (cfg, rollout, accelerator) -> rlvr_ppo.Advantages
+    settings: tuple[str, ...] = ()  # run settings (config keys) it receives as keyword arguments besides algo_kwargs
+    function: Optional[Callable[..., Any]] = None  # (x: AdvantageInputs, **kwargs) -> Advantages
 
 
 @dataclass
@@ -50,65 +63,51 @@ class PolicyLoss:
     """A row of POLICY_LOSSES."""
 
     takes_dual_clip: bool = True  # dual_clip_c bounds its loss for negative advantages
-    function: Optional[Callable[..., Any]] = None  # (cfg, logp, old_logp, advantages, mask) -> (loss, clipped)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator(uses_value_model=True, kl_in_reward=True),  # PPO, Tulu 3
-    "grpo": AdvantageEstimator(uses_groups=True),
-    "dr_grpo": AdvantageEstimator(uses_groups=True),
-    "rloo": AdvantageEstimator(uses_groups=True),
-    "reinforce_pp": AdvantageEstimator(kl_in_reward=True),
-    "distill": AdvantageEstimator(uses_teacher=True),  # on-policy distillation (distillation.py)
-}
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "ppo": PolicyLoss(),
-    "gspo": PolicyLoss(),
-    "cispo": PolicyLoss(takes_dual_clip=False),  # its importance weight is already capped
-}
+    function: Optional[Callable[..., Any]] = None  # (x: LossInputs, **algo_kwargs) -> (loss, clipped)
 
 
 @dataclass
 class KLEstimator:
-    """A row of KL_ESTIMATORS; the built-ins' formulas are rlvr_ppo.kl_penalty's."""
+    """A row of KL_ESTIMATORS."""
 
     function: Optional[Callable[..., Any]] = None  # (logp, ref_logp, **algo_kwargs) -> per-token KL estimate
 
 
-KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": KLEstimator(), "k2": KLEstimator(), "k3": KLEstimator()}
+# Filled by the decorators below (the built-ins) and by a user's file or a copied script (new rows).
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
 # `algo` is a preset: the advantage estimator it stands for when advantage_estimator is unset.
 ALGO_ESTIMATORS = {"ppo": "gae", "grpo": "grpo"}
 
 
 def advantage_estimator(name: str, **traits: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: `function` computes the advantages of estimator `name`. With traits (a new variant) it adds the
-    row; without, it binds the function to the row already in the table (the built-ins)."""
+    """Decorator: `function(x: AdvantageInputs, **kwargs) -> Advantages` is estimator `name`, with these traits."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
-        if traits or name not in ADVANTAGE_ESTIMATORS:
-            ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(**traits)
-        ADVANTAGE_ESTIMATORS[name].function = function
+        check_call("advantage_estimator", function, name)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(**traits, function=function)
         return function
 
     return bind
 
 
 def policy_loss(name: str, **traits: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: `function` is the per-token loss of policy loss `name` (adds the row when new, as above)."""
+    """Decorator: `function(x: LossInputs, **kwargs) -> (loss, clipped)` is policy loss `name`, with these traits."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
-        if traits or name not in POLICY_LOSSES:
-            POLICY_LOSSES[name] = PolicyLoss(**traits)
-        POLICY_LOSSES[name].function = function
+        check_call("policy_loss", function, name)
+        POLICY_LOSSES[name] = PolicyLoss(**traits, function=function)
         return function
 
     return bind
 
 
 def kl_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: `function(logp, ref_logp)` is the per-token KL estimate of kl_estimator `name`."""
+    """Decorator: `function(logp, ref_logp, **kwargs)` is the per-token KL estimate of kl_estimator `name`."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
+        check_call("kl_estimator", function, name)
         KL_ESTIMATORS[name] = KLEstimator(function=function)
         return function
 
@@ -117,9 +116,13 @@ def kl_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
 
 # option -> (its table, the decorator that adds a row, the function's call)
 TABLES: dict[str, tuple[dict[str, Any], str, str]] = {
-    "advantage_estimator": (ADVANTAGE_ESTIMATORS, "advantage_estimator", "(cfg, rollout, accelerator) -> Advantages"),
-    "policy_loss": (POLICY_LOSSES, "policy_loss", "(cfg, logp, old_logp, advantages, mask) -> (loss, clipped)"),
-    "kl_estimator": (KL_ESTIMATORS, "kl_estimator", "(logp, ref_logp) -> per-token KL"),
+    "advantage_estimator": (
+        ADVANTAGE_ESTIMATORS,
+        "advantage_estimator",
+        "(x: AdvantageInputs, **kwargs) -> Advantages",
+    ),
+    "policy_loss": (POLICY_LOSSES, "policy_loss", "(x: LossInputs, **kwargs) -> (loss, clipped)"),
+    "kl_estimator": (KL_ESTIMATORS, "kl_estimator", "(logp, ref_logp, **kwargs) -> per-token KL"),
 }
 _ROW_TYPES = {"advantage_estimator": AdvantageEstimator, "policy_loss": PolicyLoss, "kl_estimator": KLEstimator}
 
@@ -170,6 +173,7 @@ def resolve(option: str, name: Any) -> Any:
             raise ConfigError(f"{option} {name!r} is a {type(function).__name__}, not a function")
         if inspect.iscoroutinefunction(function):
             raise ConfigError(f"{option} {name!r} is async; give a plain function")
+        check_call(option, function, name)
         row = next((r for r in table.values() if r.function is function), None)  # registered by its decorator
         table[name] = row if row is not None else _ROW_TYPES[option](function=function)
         return table[name]
@@ -194,10 +198,634 @@ def accepted_kwargs(function: Optional[Callable[..., Any]], fixed: int) -> Optio
     return {p.name for p in params[fixed:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-FIXED_ARGS = {"advantage_estimator": 3, "policy_loss": 5, "kl_estimator": 2}
+FIXED_ARGS = {"advantage_estimator": 1, "policy_loss": 1, "kl_estimator": 2}
+
+
+def check_call(option: str, function: Callable[..., Any], name: str) -> None:
+    """A variant's function must take the call `option` makes: FIXED_ARGS positional arguments (the narrow input),
+    then keywords. One written for the old call (cfg, rollout, accelerator) or (cfg, logp, old_logp, advantages,
+    mask) gets a ConfigError showing the new one."""
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    takes_rest = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) > FIXED_ARGS[option] or (len(positional) < FIXED_ARGS[option] and not takes_rest):
+        got = ", ".join(p.name for p in positional)
+        raise ConfigError(
+            f"{option} {name!r}: {getattr(function, '__name__', function)}({got}) does not take the call "
+            f"{TABLES[option][2]}; {CALL_HELP[option]} (docs/extending.md)"
+        )
+
+
+CALL_HELP = {
+    "advantage_estimator": "x holds the rollout's tensors and settings (rl_algorithms.AdvantageInputs: x.scores, "
+    "x.mask, x.group_size, x.beta, ...), not cfg/rollout/accelerator",
+    "policy_loss": "x holds one micro-batch's tensors and clip settings (rl_algorithms.LossInputs: x.logp, "
+    "x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high, x.dual_clip_c), not cfg",
+    "kl_estimator": "logp and ref_logp are per-token log-probs of the policy and the reference",
+}
 
 
 def variant_kwargs(option: str, row: Any, algo_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The part of algo_kwargs the function of `row` (a row of `option`'s table) takes."""
     takes = accepted_kwargs(row.function, FIXED_ARGS[option])
     return dict(algo_kwargs) if takes is None else {k: v for k, v in algo_kwargs.items() if k in takes}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a variant's function receives (the contract a user's function may rely on; docs/extending.md)
+
+
+@dataclass
+class AdvantageInputs:
+    """This rank's rollout as an advantage estimator reads it. Per-token tensors are response-aligned [n, R] float32
+    (column t = response token t), 0 on padding; completions of one prompt are `group_size` contiguous rows."""
+
+    scores: torch.Tensor  # [n] sequence scores: verifiers (+ reward model) (+ penalties, custom reward functions)
+    mask: torch.Tensor  # [n, R] the loss mask: 1 on the policy's tokens (multi-turn: observations are 0)
+    group_size: int  # num_samples_per_prompt
+    beta: float  # the KL-to-reference coefficient
+    gamma: float
+    lam: float
+    whiten_advantages: bool
+    filter_zero_std_groups: bool  # drop groups whose completions all scored the same (Advantages.keep)
+    old_logp: Optional[torch.Tensor] = None  # the sampling policy's log-probs (None on-policy: not computed)
+    ref_logp: Optional[torch.Tensor] = None  # the frozen reference's (None without one: beta 0)
+    kl: Optional[torch.Tensor] = None  # kl_estimator(old_logp, ref_logp) per token (None without both)
+    values: Optional[torch.Tensor] = None  # the value model's (uses_value_model)
+    value_mask: Optional[torch.Tensor] = None  # where values are kept: mask, plus the score position under
+    # score_placement after_last_token (score_index: that position per row; None: the last policy token)
+    score_index: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None  # [n, R] multi-turn: each turn's reward on its last policy token
+    teacher_logp: Optional[torch.Tensor] = None  # [n, R] a teacher's log-probs of the sampled tokens (uses_teacher)
+    # sums a dict of floats over every process (identity on one): statistics every rank must agree on
+    sum_over_ranks: Callable[[dict[str, float]], dict[str, float]] = field(default=lambda sums: dict(sums))
+
+
+@dataclass
+class Advantages:
+    """An estimator's output: what the update trains on."""
+
+    advantages: torch.Tensor  # [n, R]
+    returns: Optional[torch.Tensor]  # [n, R] value targets (uses_value_model), else None
+    kl_loss_coef: float  # beta when the KL to the reference is a loss term, 0 when it is in the reward
+    keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as a policy loss reads it: [b, R] tensors of the rows being trained."""
+
+    logp: torch.Tensor  # the policy's log-probs of the sampled tokens, with gradient
+    old_logp: torch.Tensor  # the sampling policy's (no gradient; on-policy: logp detached)
+    advantages: torch.Tensor
+    mask: torch.Tensor  # the loss mask
+    clip_low: float  # cliprange_low
+    clip_high: float  # cliprange_high
+    dual_clip_c: Optional[float] = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """sum(x * mask) over `dim` (all elements when None)."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask) over `dim` (all elements when None)."""
+    return (
+        masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+        if dim is not None
+        else masked_sum(x, mask) / mask.sum().clamp(min=1)
+    )
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance of the masked elements: sum(mask * (x - mean)^2) / (n - 1), n = sum(mask)."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    return masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    mean: Optional[torch.Tensor] = None,
+    var: Optional[torch.Tensor] = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) on masked elements, 0 elsewhere.
+
+    mean/var default to the masked mean and unbiased variance of x, taken in float64 (float32 sums of equal values
+    miss their mean by a rounding step, which rsqrt(var + eps) would blow up to ~1e-3 instead of 0); the training
+    loop passes statistics summed over all processes so every rank whitens with the same numbers."""
+    import torch
+
+    if mean is None:
+        mean = masked_mean(x.double(), mask.double())
+    if var is None:
+        var = masked_var(x.double(), mask.double())
+    return ((x.double() - mean) * torch.rsqrt(var + eps) * mask).to(x.dtype)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, **algo_kwargs: Any) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from a token sampled from pi: the function of `estimator`'s row of
+    KL_ESTIMATORS (k1, k2, k3 below; another: a function of the user's, called with its algo_kwargs)."""
+    row = KL_ESTIMATORS.get(estimator)
+    if row is None or row.function is None:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return row.function(logp, ref_logp, **algo_kwargs)
+
+
+def last_response_token(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last masked token of each row (0 for an empty row): the last real token of a right-padded
+    response, the last policy token of an episode whose loss mask has observation holes.
+
+    index_b = max { t : mask[b, t] > 0 }"""
+    import torch
+
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, positions, torch.zeros_like(positions)).max(1).values
+
+
+def per_token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float, score_index: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """PPO rewards: reward_t = -beta * KL_t on every response token, and the sequence score added at one position,
+    by default the last real token:
+
+    reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == score_index(b)]
+    """
+    import torch
+
+    rewards = -beta * kl * mask
+    rows = torch.arange(len(scores), device=scores.device)
+    index = last_response_token(mask) if score_index is None else score_index
+    rewards[rows, index] += scores.to(rewards.dtype)
+    return rewards
+
+
+def after_last_token(mask: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tulu 3's score placement: one position after the last real token (the last one itself when the response ran
+    to max_length), with a value kept there so GAE carries the score back. Returns (score index, value mask =
+    mask plus that position). `mask` needs a spare column after the longest response.
+
+    L_b = sum_t mask[b, t];   index_b = L_b if L_b < max_length else L_b - 1
+    """
+    import torch
+
+    lengths = mask.sum(1).long()
+    index = torch.where(lengths < max_length, lengths, lengths - 1).clamp(min=0)
+    value_mask = mask.clone()
+    value_mask[torch.arange(len(mask)), index] = 1.0
+    return index, value_mask
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens, backwards in t:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        return_t = A_t + V_t
+
+    with V_{t+1} = A_{t+1} = 0 after the last real token (the episode ends there; padding never leaks in).
+    Returns (advantages, returns), both 0 on padding."""
+    import torch
+
+    rewards, values, mask = rewards.float(), values.float(), mask.float()
+    width = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    carry = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(width)):
+        alive_next = mask[:, t + 1] if t + 1 < width else torch.zeros_like(carry)
+        next_value = values[:, t + 1] * alive_next if t + 1 < width else torch.zeros_like(carry)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        carry = delta + gamma * lam * carry * alive_next
+        advantages[:, t] = carry
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO (scale=True) and Dr. GRPO (scale=False): each completion's score against its prompt's group of
+    `group_size` contiguous completions:
+
+        grpo:     A_i = (r_i - mean(group)) / (std(group) + eps)     (std with Bessel's correction, n - 1)
+        dr_grpo:  A_i =  r_i - mean(group)                           (no std: no bias towards easy/hard prompts)
+
+    A group whose completions all score the same gets exactly 0 (no signal), whatever the value: float32 means of
+    equal scores can miss them by a rounding step, which / (std + eps) would turn into a push of up to ~0.06, so the
+    math runs in float64 and a group of equal scores (zero_std_groups, an exact test) is set to 0 outright."""
+    import torch
+
+    if scores.numel() % group_size != 0:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
+    groups = scores.double().view(-1, group_size)
+    centred = groups - groups.mean(1, keepdim=True)
+    advantages = centred / (groups.std(1, keepdim=True) + eps) if scale else centred
+    return torch.where(zero_std_groups(scores, group_size).view_as(groups), 0.0, advantages).float().view(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: each completion's score against the mean of the *other* completions of its group (leave one out):
+
+    A_i = r_i - (sum_j r_j - r_i) / (k - 1)  =  k / (k - 1) * (r_i - mean(group)),   k = group_size >= 2
+
+    In float64, and exactly 0 for a group of equal scores (as group_advantages)."""
+    import torch
+
+    if group_size < 2 or scores.numel() % group_size != 0:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
+    groups = scores.double().view(-1, group_size)
+    others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+    flat = zero_std_groups(scores, group_size).view_as(groups)
+    return torch.where(flat, 0.0, groups - others_mean).float().view(-1)
+
+
+def multi_turn_gae(
+    rewards: torch.Tensor, values: torch.Tensor, policy_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over the policy tokens of response-aligned [batch, T] tensors, skipping observation tokens and padding
+    (policy_mask 0). With p_1 < p_2 < ... < p_n the policy positions of a row, backwards over k:
+
+        delta_k  = r[p_k] + gamma * V[p_{k+1}] - V[p_k]          (V[p_{n+1}] = 0: the episode ends)
+        A[p_k]   = delta_k + gamma * lam * A[p_{k+1}]            (A[p_{n+1}] = 0)
+        R[p_k]   = A[p_k] + V[p_k]                               (the value target)
+
+    and A = R = 0 on every position with policy_mask 0. A reward on such a position would be silently lost, so it
+    raises ValueError instead (put turn rewards on policy tokens: `episodes.token_rewards`)."""
+    import torch
+
+    rewards, values, mask = rewards.float(), values.float(), policy_mask.float()
+    if bool(((rewards != 0) & (mask == 0)).any()):
+        raise ValueError("a reward sits on a non-policy token (observation or padding): it would be lost")
+    advantages = torch.zeros_like(rewards)
+    carry = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        policy = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * carry
+        advantages[:, t] = torch.where(policy, step, torch.zeros_like(step))
+        carry = torch.where(policy, step, carry)  # observation tokens pass the recursion through unchanged
+        next_value = torch.where(policy, values[:, t], next_value)
+    return advantages, (advantages + values) * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns over the masked tokens, backwards in t (no value model, no bootstrap). With
+    p_1 < ... < p_n the masked positions of a row (an episode's policy tokens: observation tokens are skipped, as
+    in episodes.multi_turn_gae):
+
+    G[p_k] = r[p_k] + gamma * G[p_{k+1}],   G[p_{n+1}] = 0;   G = 0 where mask is 0
+    """
+    import torch
+
+    rewards, mask = rewards.float(), mask.float()
+    returns = torch.zeros_like(rewards)
+    carry = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        step = (rewards[:, t] + gamma * carry) * mask[:, t]
+        carry = torch.where(mask[:, t] > 0, step, carry)  # an observation token passes the return through
+        returns[:, t] = step
+    return returns
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the score of a response of L tokens (L_max = response_length,
+    B = buffer_length):
+
+    penalty = 0                                   if L <= L_max - B
+            = factor * (L_max - B - L) / B        if L_max - B < L <= L_max      (0 down to -factor)
+    """
+    over = (lengths.float() - (max_length - buffer_length)).clamp(min=0)
+    return -factor * over / buffer_length
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token (to minimise), with asymmetric clipping (clip-higher: clip_high > clip_low
+    keeps low-probability tokens able to grow) and optional dual clip, and where a clipped branch is the one taken:
+
+    ratio = exp(logp - old_logp)
+    loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+    dual clip (c > 1), tokens with A < 0:  loss = min(loss, -c * A)   (bounds the loss of a huge ratio)
+    """
+    import torch
+
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss, was_clipped = torch.maximum(unclipped, clipped), (clipped > unclipped)
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss, was_clipped = torch.where(dual, bound, loss), was_clipped | dual
+    return loss, was_clipped.float()
+
+
+def gspo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the importance ratio of a whole sequence (geometric mean of its token ratios), clipped per sequence,
+    in its token form so it aggregates like the other losses:
+
+    s_i    = exp( sum_t m_it (logp_it - old_it) / sum_t m_it )
+    s_it   = sg[s_i] * exp(logp_it - sg[logp_it])          (value s_i; gradient s_i * grad logp_it)
+    loss_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - clip_low, 1 + clip_high))
+    dual clip (c > 1), A_i < 0:  loss_it = min(loss_it, -c * A_i)   (as in ppo_policy_loss, on the sequence ratio)
+    """
+    import torch
+
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=1).unsqueeze(1)
+    log_ratio = seq_log_ratio.detach() + logp - logp.detach()
+    return ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high, dual_clip_c)
+
+
+def cispo_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: REINFORCE with a clipped, detached importance weight, so every token keeps a gradient (PPO's clip
+    zeroes the gradient of clipped tokens):
+
+    loss = -sg[min(exp(logp - old_logp), 1 + clip_high)] * A * logp
+    """
+    import torch
+
+    ratio = torch.exp(logp - old_logp)
+    weight = torch.clamp(ratio, max=1.0 + clip_high).detach()
+    return -weight * advantages * logp, (ratio > 1.0 + clip_high).float()
+
+
+def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: the sampling engine's log-probs differ from the trainer's (another kernel,
+    bf16, another engine), so each token's loss is re-weighted towards the trainer's policy, capped:
+
+    w_t = min(exp(old_logp_t - sampler_logp_t), cap)       (no gradient)
+    """
+    import torch
+
+    return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
+
+
+def off_policy_mask(
+    old_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    sequence_lag: Optional[torch.Tensor],
+    low: Optional[float],
+    high: Optional[float],
+    max_sequence_lag: Optional[int],
+) -> torch.Tensor:
+    """Which tokens keep their policy-gradient term (1) or lose it (0), for tokens too far off-policy to correct:
+
+    IcePop (token):   keep_t = [low <= exp(old_logp_t - sampler_logp_t) <= high]      (a bound left None: no limit)
+    staleness (seq):  keep_it = [lag_i <= max_sequence_lag]   (lag_i: versions since the oldest weights of row i)
+
+    All ones when every knob is None. A masked token still counts in the aggregation's denominator (its term is 0)."""
+    import torch
+
+    keep = torch.ones_like(old_logp)
+    ratio = torch.exp(old_logp - sampler_logp)
+    if low is not None:
+        keep = keep * (ratio >= low).to(keep.dtype)
+    if high is not None:
+        keep = keep * (ratio <= high).to(keep.dtype)
+    if max_sequence_lag is not None and sequence_lag is not None:
+        keep = keep * (sequence_lag <= max_sequence_lag).to(keep.dtype).unsqueeze(1)
+    return keep.detach()
+
+
+def teacher_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The reverse-KL advantage of each sampled token (0 off the mask: padding, observation tokens):
+
+    A_t = -(log pi_student(y_t) - log pi_teacher(y_t)) * mask_t"""
+    return (teacher_logp - old_logp) * mask
+
+
+def aggregation_weights(
+    mask: torch.Tensor, aggregation: str, loss_norm_length: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How per-token losses l_it of a mini-batch become one number: per-token weights w and per-row units u, so that
+
+    loss = sum_it w_it * l_it / U,     U = sum of u_i over the *global* mini-batch (all ranks, all micro-batches)
+
+    token_mean:               w_it = m_it,          u_i = sum_t m_it    ->  sum_it l_it / (number of tokens)
+    seq_mean_token_mean:      w_it = m_it / L_i,    u_i = 1             ->  mean over sequences of their token mean
+    seq_mean_token_sum_norm:  w_it = m_it / C,      u_i = 1             ->  mean over sequences of sum_t l_it / C
+                                                                            (Dr. GRPO; C = loss_norm_length)
+    A row with no tokens (u_i = 0 in every form) adds nothing. The split into ranks and micro-batches does not change
+    the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP average the gradients."""
+    mask = mask.float()
+    lengths = mask.sum(1, keepdim=True)
+    if aggregation == "token_mean":
+        return mask, lengths.squeeze(1)
+    alive = (lengths > 0).float()
+    if aggregation == "seq_mean_token_mean":
+        return mask / lengths.clamp(min=1), alive.squeeze(1)
+    if aggregation == "seq_mean_token_sum_norm":
+        return mask / loss_norm_length, alive.squeeze(1)
+    raise ValueError(f"unknown loss_aggregation {aggregation!r}")
+
+
+def zero_std_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per completion, True when every completion of its group scored the same (no learning signal for any group
+    estimator): DAPO's dynamic-sampling filter drops these groups from the update."""
+    groups = scores.view(-1, group_size)
+    same = (groups == groups[:, :1]).all(1, keepdim=True)
+    return same.expand_as(groups).reshape(-1)
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped value loss per token and where the clipped branch is the one taken:
+
+    V_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value)
+    loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
+    """
+    import torch
+
+    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped, clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(old || new) between the sampling policy and the current one: 0.5 * (logp - old)^2."""
+    return 0.5 * (logp - old_logp) ** 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the built-in variants, each one function and its row. An estimator maps AdvantageInputs to the
+# Advantages `update` trains on; a policy loss gives the per-token loss and where a clip was the branch taken (the
+# training script weights and aggregates it); a KL estimator gives the per-token KL to the reference.
+
+
+def group_baseline(x: AdvantageInputs, advantages: torch.Tensor) -> Advantages:
+    """A group baseline's per-completion advantages on every token of the completion; the KL to the reference is a
+    loss term (beta); flat groups dropped from the update under filter_zero_std_groups."""
+    import torch
+
+    keep = torch.ones(len(x.scores), dtype=torch.bool)
+    if x.filter_zero_std_groups:
+        keep = ~zero_std_groups(x.scores, x.group_size)
+    kl_loss_coef = x.beta if x.ref_logp is not None else 0.0
+    return Advantages(advantages.unsqueeze(1) * x.mask, None, kl_loss_coef, keep)
+
+
+@advantage_estimator("grpo", uses_groups=True)
+def grpo(x: AdvantageInputs) -> Advantages:
+    """Group-normalised scores (group_advantages, scale=True)."""
+    return group_baseline(x, group_advantages(x.scores, x.group_size, scale=True))
+
+
+@advantage_estimator("dr_grpo", uses_groups=True)
+def dr_grpo(x: AdvantageInputs) -> Advantages:
+    """Group-centred scores (group_advantages, scale=False)."""
+    return group_baseline(x, group_advantages(x.scores, x.group_size, scale=False))
+
+
+@advantage_estimator("rloo", uses_groups=True)
+def rloo(x: AdvantageInputs) -> Advantages:
+    """Leave-one-out baseline (rloo_advantages)."""
+    return group_baseline(x, rloo_advantages(x.scores, x.group_size))
+
+
+def kl_rewards(x: AdvantageInputs) -> torch.Tensor:
+    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token.
+    Multi-turn: each turn's reward on that turn's last policy token (turn_rewards) and the rest of the score
+    (penalties, reward model, custom functions: score - sum of turn rewards) on the episode's last policy token;
+    KL on policy tokens only (the mask)."""
+    import torch
+
+    kl = x.kl if x.kl is not None else torch.zeros_like(x.mask)
+    if x.turn_rewards is None:
+        return per_token_rewards(x.scores, kl, x.mask, x.beta, x.score_index)
+    rest = x.scores - x.turn_rewards.sum(1)
+    return per_token_rewards(rest, kl, x.mask, x.beta) + x.turn_rewards
+
+
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks: Callable[..., Any]) -> torch.Tensor:
+    """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree.
+
+    Two passes in float64 (the mean, then sum (x - mean)^2), not E[x^2] - E[x]^2: equal values then whiten to exactly
+    0, where the one-pass form leaves a variance of rounding noise that rsqrt(var + eps) blows up to ~1e-4."""
+    import torch
+
+    x64, mask64 = x.double(), mask.double()
+    m = sum_over_ranks({"s": float(masked_sum(x64, mask64)), "n": float(mask64.sum())})
+    mean = m["s"] / max(m["n"], 1.0)
+    ss = sum_over_ranks({"ss": float(masked_sum((x64 - mean) ** 2, mask64))})["ss"]
+    var = ss / max(m["n"] - 1, 1)
+    return masked_whiten(x, mask, torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64))
+
+
+@advantage_estimator("reinforce_pp", kl_in_reward=True)
+def reinforce_pp(x: AdvantageInputs) -> Advantages:
+    """The per-token rewards -> discounted returns -> whitened over the global batch."""
+    import torch
+
+    returns = discounted_returns(kl_rewards(x), x.mask, x.gamma)
+    keep = torch.ones(len(x.scores), dtype=torch.bool)
+    return Advantages(whiten_over_ranks(returns, x.mask, x.sum_over_ranks), None, 0.0, keep)
+
+
+@advantage_estimator("gae", uses_value_model=True, kl_in_reward=True)  # PPO, Tulu 3
+def gae(x: AdvantageInputs) -> Advantages:
+    """The per-token rewards -> GAE with the value model -> whitened with statistics over every rank
+    (whiten_advantages); the value targets are the returns."""
+    import torch
+
+    # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
+    # Multi-turn: GAE over the policy tokens only, observation tokens skipped (multi_turn_gae).
+    advantage_fn = gae_advantages if x.turn_rewards is None else multi_turn_gae
+    advantages, returns = advantage_fn(kl_rewards(x), x.values, x.value_mask, x.gamma, x.lam)
+    advantages = advantages * x.mask
+    if x.whiten_advantages:
+        advantages = whiten_over_ranks(advantages, x.mask, x.sum_over_ranks)
+    return Advantages(advantages, returns, 0.0, torch.ones(len(x.scores), dtype=torch.bool))
+
+
+DISTILL_SETTINGS = ("distill_loss", "teacher_kl_weight", "distill_reward_weight", "distill_group_baseline")
+
+
+@advantage_estimator("distill", uses_teacher=True, settings=DISTILL_SETTINGS)
+def distill(
+    x: AdvantageInputs,
+    *,
+    distill_loss: str,
+    teacher_kl_weight: float,
+    distill_reward_weight: float,
+    distill_group_baseline: bool,
+) -> Advantages:
+    """On-policy distillation toward a frozen teacher (docs/distillation.md): per token, the teacher term and the
+    weighted score,
+
+        A_it = teacher_kl_weight * (teacher_logp_it - old_logp_it)      (distill_loss reverse_kl; jsd: a loss term)
+             + distill_reward_weight * (s_i - mean of s over i's group)  (group mean 0 without distill_group_baseline)
+
+    on policy tokens (the mask), no discount; the KL to the reference, when beta > 0, is a loss term."""
+    import torch
+
+    scores = group_advantages(x.scores, x.group_size, scale=False) if distill_group_baseline else x.scores
+    advantages = distill_reward_weight * scores.unsqueeze(1) * x.mask
+    if distill_loss == "reverse_kl":
+        advantages = advantages + teacher_kl_weight * teacher_advantages(x.old_logp, x.teacher_logp, x.mask)
+    kl_loss_coef = x.beta if x.ref_logp is not None else 0.0
+    return Advantages(advantages, None, kl_loss_coef, torch.ones(len(x.scores), dtype=torch.bool))
+
+
+@policy_loss("ppo")
+def ppo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return ppo_policy_loss(x.logp, x.old_logp, x.advantages, x.clip_low, x.clip_high, x.dual_clip_c)
+
+
+@policy_loss("gspo")
+def gspo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return gspo_policy_loss(x.logp, x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high, x.dual_clip_c)
+
+
+@policy_loss("cispo", takes_dual_clip=False)  # its importance weight is already capped
+def cispo(x: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    return cispo_policy_loss(x.logp, x.old_logp, x.advantages, x.clip_high)
+
+
+@kl_estimator("k1")
+def k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = logp - ref_logp: unbiased, can be negative (Schulman's estimators)."""
+    return logp - ref_logp
+
+
+@kl_estimator("k2")
+def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 * (logp - ref_logp)^2: biased, >= 0."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@kl_estimator("k3")
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = (r - 1) - log r,  r = exp(ref_logp - logp): unbiased, >= 0 (GRPO's choice)."""
+    import torch
+
+    log_ratio = logp - ref_logp
+    return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with log r = -log_ratio

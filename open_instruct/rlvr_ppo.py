@@ -60,15 +60,6 @@ import torch
 
 from open_instruct import data
 from open_instruct.batch_math import should_log
-from open_instruct.code_verifier import TEST_STATUSES
-from open_instruct.distillation import (
-    check_teacher,
-    jsd_to_teacher,
-    output_layer_inputs,
-    teacher_advantages,
-    teacher_hidden,
-    teacher_token_logprobs,
-)
 from open_instruct.distributed import (
     clip_grad_norm_,
     equal_micro_batch_count,
@@ -77,29 +68,25 @@ from open_instruct.distributed import (
     global_sums,
     grad_sync_all,
 )
-from open_instruct.episode_rollouts import episode_metrics
-from open_instruct.episodes import multi_turn_gae, token_rewards
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
-from open_instruct.generation_check import (
-    GenerationChecker,
-    mismatch_metrics,
-    mismatch_sum_keys,
-    mismatch_token_sums,
-    mismatch_warnings,
-)
 from open_instruct.lora import adapter_disabled
-from open_instruct.models import (
-    TokenScores,
-    entropy_from_logits,
-    load_tokenizer,
-    response_logits,
-    response_scores,
-    sequence_scores,
-    token_logprobs,
-    token_values,
-)
+from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
-from open_instruct.rl_algorithms import KL_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
+from open_instruct.rl_algorithms import (
+    POLICY_LOSSES,
+    AdvantageInputs,
+    Advantages,
+    LossInputs,
+    after_last_token,
+    aggregation_weights,
+    approx_kl,
+    clipped_value_loss,
+    kl_penalty,
+    masked_sum,
+    off_policy_mask,
+    overlong_penalty,
+    truncated_is_weights,
+)
 from open_instruct.rollouts import (
     PhaseClock,
     RLModels,
@@ -113,354 +100,17 @@ from open_instruct.rollouts import (
     score_rollout,
     token_version_lags,
 )
-from open_instruct.step_sums import StepSums
-
-# ---------------------------------------------------------------------------------------------------------------------
-# ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """sum(x * mask) over `dim` (all elements when None)."""
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """sum(x * mask) / sum(mask) over `dim` (all elements when None)."""
-    return (
-        masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
-        if dim is not None
-        else masked_sum(x, mask) / mask.sum().clamp(min=1)
-    )
-
-
-def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unbiased variance of the masked elements: sum(mask * (x - mean)^2) / (n - 1), n = sum(mask)."""
-    mean = masked_mean(x, mask)
-    n = mask.sum()
-    return masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
-
-
-def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    mean: Optional[torch.Tensor] = None,
-    var: Optional[torch.Tensor] = None,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) on masked elements, 0 elsewhere.
-
-    mean/var default to the masked mean and unbiased variance of x, taken in float64 (float32 sums of equal values
-    miss their mean by a rounding step, which rsqrt(var + eps) would blow up to ~1e-3 instead of 0); the training
-    loop passes statistics summed over all processes so every rank whitens with the same numbers."""
-    if mean is None:
-        mean = masked_mean(x.double(), mask.double())
-    if var is None:
-        var = masked_var(x.double(), mask.double())
-    return ((x.double() - mean) * torch.rsqrt(var + eps) * mask).to(x.dtype)
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str, **algo_kwargs: Any) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from a token sampled from pi (Schulman's k1/k2/k3; another name: its
-    row of rl_algorithms.KL_ESTIMATORS, a function of the user's, called with its algo_kwargs):
-
-    k1 = logp - ref_logp                       unbiased, can be negative
-    k2 = 0.5 * (logp - ref_logp)^2             biased, >= 0
-    k3 = (r - 1) - log r,  r = exp(ref_logp - logp)   unbiased, >= 0 (GRPO's choice)
-    """
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio  # (r - 1) - log r with log r = -log_ratio
-    row = KL_ESTIMATORS.get(estimator)
-    if row is None or row.function is None:
-        raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
-    return row.function(logp, ref_logp, **algo_kwargs)
-
-
-def last_response_token(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last masked token of each row (0 for an empty row): the last real token of a right-padded
-    response, the last policy token of an episode whose loss mask has observation holes.
-
-    index_b = max { t : mask[b, t] > 0 }"""
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    return torch.where(mask > 0, positions, torch.zeros_like(positions)).max(1).values
-
-
-def per_token_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float, score_index: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """PPO rewards: reward_t = -beta * KL_t on every response token, and the sequence score added at one position,
-    by default the last real token:
-
-    reward[b, t] = -beta * kl[b, t] * mask[b, t]  +  scores[b] * [t == score_index(b)]
-    """
-    rewards = -beta * kl * mask
-    rows = torch.arange(len(scores), device=scores.device)
-    index = last_response_token(mask) if score_index is None else score_index
-    rewards[rows, index] += scores.to(rewards.dtype)
-    return rewards
-
-
-def after_last_token(mask: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tulu 3's score placement: one position after the last real token (the last one itself when the response ran
-    to max_length), with a value kept there so GAE carries the score back. Returns (score index, value mask =
-    mask plus that position). `mask` needs a spare column after the longest response.
-
-    L_b = sum_t mask[b, t];   index_b = L_b if L_b < max_length else L_b - 1
-    """
-    lengths = mask.sum(1).long()
-    index = torch.where(lengths < max_length, lengths, lengths - 1).clamp(min=0)
-    value_mask = mask.clone()
-    value_mask[torch.arange(len(mask)), index] = 1.0
-    return index, value_mask
-
-
-def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over response tokens, backwards in t:
-
-        delta_t = r_t + gamma * V_{t+1} - V_t
-        A_t     = delta_t + gamma * lam * A_{t+1}
-        return_t = A_t + V_t
-
-    with V_{t+1} = A_{t+1} = 0 after the last real token (the episode ends there; padding never leaks in).
-    Returns (advantages, returns), both 0 on padding."""
-    rewards, values, mask = rewards.float(), values.float(), mask.float()
-    width = rewards.shape[1]
-    advantages = torch.zeros_like(rewards)
-    carry = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(width)):
-        alive_next = mask[:, t + 1] if t + 1 < width else torch.zeros_like(carry)
-        next_value = values[:, t + 1] * alive_next if t + 1 < width else torch.zeros_like(carry)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        carry = delta + gamma * lam * carry * alive_next
-        advantages[:, t] = carry
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
-
-
-def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
-    """GRPO (scale=True) and Dr. GRPO (scale=False): each completion's score against its prompt's group of
-    `group_size` contiguous completions:
-
-        grpo:     A_i = (r_i - mean(group)) / (std(group) + eps)     (std with Bessel's correction, n - 1)
-        dr_grpo:  A_i =  r_i - mean(group)                           (no std: no bias towards easy/hard prompts)
-
-    A group whose completions all score the same gets exactly 0 (no signal), whatever the value: float32 means of
-    equal scores can miss them by a rounding step, which / (std + eps) would turn into a push of up to ~0.06, so the
-    math runs in float64 and a group of equal scores (zero_std_groups, an exact test) is set to 0 outright."""
-    if scores.numel() % group_size != 0:
-        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
-    groups = scores.double().view(-1, group_size)
-    centred = groups - groups.mean(1, keepdim=True)
-    advantages = centred / (groups.std(1, keepdim=True) + eps) if scale else centred
-    return torch.where(zero_std_groups(scores, group_size).view_as(groups), 0.0, advantages).float().view(-1)
-
-
-def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO: each completion's score against the mean of the *other* completions of its group (leave one out):
-
-    A_i = r_i - (sum_j r_j - r_i) / (k - 1)  =  k / (k - 1) * (r_i - mean(group)),   k = group_size >= 2
-
-    In float64, and exactly 0 for a group of equal scores (as group_advantages)."""
-    if group_size < 2 or scores.numel() % group_size != 0:
-        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size} >= 2")
-    groups = scores.double().view(-1, group_size)
-    others_mean = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
-    flat = zero_std_groups(scores, group_size).view_as(groups)
-    return torch.where(flat, 0.0, groups - others_mean).float().view(-1)
-
-
-def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++ returns over the masked tokens, backwards in t (no value model, no bootstrap). With
-    p_1 < ... < p_n the masked positions of a row (an episode's policy tokens: observation tokens are skipped, as
-    in episodes.multi_turn_gae):
-
-    G[p_k] = r[p_k] + gamma * G[p_{k+1}],   G[p_{n+1}] = 0;   G = 0 where mask is 0
-    """
-    rewards, mask = rewards.float(), mask.float()
-    returns = torch.zeros_like(rewards)
-    carry = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        step = (rewards[:, t] + gamma * carry) * mask[:, t]
-        carry = torch.where(mask[:, t] > 0, step, carry)  # an observation token passes the return through
-        returns[:, t] = step
-    return returns
-
-
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment, added to the score of a response of L tokens (L_max = response_length,
-    B = buffer_length):
-
-    penalty = 0                                   if L <= L_max - B
-            = factor * (L_max - B - L) / B        if L_max - B < L <= L_max      (0 down to -factor)
-    """
-    over = (lengths.float() - (max_length - buffer_length)).clamp(min=0)
-    return -factor * over / buffer_length
-
-
-def ppo_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip_c: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token (to minimise), with asymmetric clipping (clip-higher: clip_high > clip_low
-    keeps low-probability tokens able to grow) and optional dual clip, and where a clipped branch is the one taken:
-
-    ratio = exp(logp - old_logp)
-    loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
-    dual clip (c > 1), tokens with A < 0:  loss = min(loss, -c * A)   (bounds the loss of a huge ratio)
-    """
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss, was_clipped = torch.maximum(unclipped, clipped), (clipped > unclipped)
-    if dual_clip_c is not None:
-        bound = -dual_clip_c * advantages
-        dual = (advantages < 0) & (loss > bound)
-        loss, was_clipped = torch.where(dual, bound, loss), was_clipped | dual
-    return loss, was_clipped.float()
-
-
-def gspo_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip_c: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GSPO: the importance ratio of a whole sequence (geometric mean of its token ratios), clipped per sequence,
-    in its token form so it aggregates like the other losses:
-
-    s_i    = exp( sum_t m_it (logp_it - old_it) / sum_t m_it )
-    s_it   = sg[s_i] * exp(logp_it - sg[logp_it])          (value s_i; gradient s_i * grad logp_it)
-    loss_it = max(-A_i * s_it, -A_i * clip(s_it, 1 - clip_low, 1 + clip_high))
-    dual clip (c > 1), A_i < 0:  loss_it = min(loss_it, -c * A_i)   (as in ppo_policy_loss, on the sequence ratio)
-    """
-    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=1).unsqueeze(1)
-    log_ratio = seq_log_ratio.detach() + logp - logp.detach()
-    return ppo_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_low, clip_high, dual_clip_c)
-
-
-def cispo_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CISPO: REINFORCE with a clipped, detached importance weight, so every token keeps a gradient (PPO's clip
-    zeroes the gradient of clipped tokens):
-
-    loss = -sg[min(exp(logp - old_logp), 1 + clip_high)] * A * logp
-    """
-    ratio = torch.exp(logp - old_logp)
-    weight = torch.clamp(ratio, max=1.0 + clip_high).detach()
-    return -weight * advantages * logp, (ratio > 1.0 + clip_high).float()
-
-
-def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling: the sampling engine's log-probs differ from the trainer's (another kernel,
-    bf16, another engine), so each token's loss is re-weighted towards the trainer's policy, capped:
-
-    w_t = min(exp(old_logp_t - sampler_logp_t), cap)       (no gradient)
-    """
-    return torch.clamp(torch.exp(old_logp - sampler_logp), max=cap).detach()
-
-
-def off_policy_mask(
-    old_logp: torch.Tensor,
-    sampler_logp: torch.Tensor,
-    sequence_lag: Optional[torch.Tensor],
-    low: Optional[float],
-    high: Optional[float],
-    max_sequence_lag: Optional[int],
-) -> torch.Tensor:
-    """Which tokens keep their policy-gradient term (1) or lose it (0), for tokens too far off-policy to correct:
-
-    IcePop (token):   keep_t = [low <= exp(old_logp_t - sampler_logp_t) <= high]      (a bound left None: no limit)
-    staleness (seq):  keep_it = [lag_i <= max_sequence_lag]   (lag_i: versions since the oldest weights of row i)
-
-    All ones when every knob is None. A masked token still counts in the aggregation's denominator (its term is 0)."""
-    keep = torch.ones_like(old_logp)
-    ratio = torch.exp(old_logp - sampler_logp)
-    if low is not None:
-        keep = keep * (ratio >= low).to(keep.dtype)
-    if high is not None:
-        keep = keep * (ratio <= high).to(keep.dtype)
-    if max_sequence_lag is not None and sequence_lag is not None:
-        keep = keep * (sequence_lag <= max_sequence_lag).to(keep.dtype).unsqueeze(1)
-    return keep.detach()
-
-
-def version_lag_stats(token_lags: list[list[int]], bound: int) -> dict[str, float]:
-    """Sums for the version-lag metrics of a rollout: tokens, sum of lags, and per lag k in 0..bound the tokens with
-    that lag (lag_<k>); a lag beyond the bound (never trained on: rollouts.RolloutSampler) counts in lag_<bound+1>."""
-    sums = {"lag_tokens": 0.0, "lag_sum": 0.0, **{f"lag_{k}": 0.0 for k in range(bound + 2)}}
-    for lags in token_lags:
-        for lag in lags:
-            sums["lag_tokens"] += 1
-            sums["lag_sum"] += lag
-            sums[f"lag_{min(max(lag, 0), bound + 1)}"] += 1
-    return sums
-
-
-def aggregation_weights(
-    mask: torch.Tensor, aggregation: str, loss_norm_length: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """How per-token losses l_it of a mini-batch become one number: per-token weights w and per-row units u, so that
-
-    loss = sum_it w_it * l_it / U,     U = sum of u_i over the *global* mini-batch (all ranks, all micro-batches)
-
-    token_mean:               w_it = m_it,          u_i = sum_t m_it    ->  sum_it l_it / (number of tokens)
-    seq_mean_token_mean:      w_it = m_it / L_i,    u_i = 1             ->  mean over sequences of their token mean
-    seq_mean_token_sum_norm:  w_it = m_it / C,      u_i = 1             ->  mean over sequences of sum_t l_it / C
-                                                                            (Dr. GRPO; C = loss_norm_length)
-    A row with no tokens (u_i = 0 in every form) adds nothing. The split into ranks and micro-batches does not change
-    the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP average the gradients."""
-    mask = mask.float()
-    lengths = mask.sum(1, keepdim=True)
-    if aggregation == "token_mean":
-        return mask, lengths.squeeze(1)
-    alive = (lengths > 0).float()
-    if aggregation == "seq_mean_token_mean":
-        return mask / lengths.clamp(min=1), alive.squeeze(1)
-    if aggregation == "seq_mean_token_sum_norm":
-        return mask / loss_norm_length, alive.squeeze(1)
-    raise ValueError(f"unknown loss_aggregation {aggregation!r}")
-
-
-def zero_std_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per completion, True when every completion of its group scored the same (no learning signal for any group
-    estimator): DAPO's dynamic-sampling filter drops these groups from the update."""
-    groups = scores.view(-1, group_size)
-    same = (groups == groups[:, :1]).all(1, keepdim=True)
-    return same.expand_as(groups).reshape(-1)
-
-
-def clipped_value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped value loss per token and where the clipped branch is the one taken:
-
-    V_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value)
-    loss   = 0.5 * max((V - R)^2, (V_clip - R)^2)
-    """
-    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    unclipped, clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
-
-
-def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token estimate of KL(old || new) between the sampling policy and the current one: 0.5 * (logp - old)^2."""
-    return 0.5 * (logp - old_logp) ** 2
-
-
+from open_instruct.step_sums import (
+    StepSums,
+    mismatch_metrics,
+    mismatch_sum_keys,
+    mismatch_token_sums,
+    mismatch_warnings,
+    version_lag_stats,
+)
+
+
+# ALGO LOGIC: the sequence score (the estimators, losses and their math: rl_algorithms.py)
 def episode_score(
     verifiable: float,
     stopped: bool,
@@ -473,6 +123,87 @@ def episode_score(
     response_length without a stop: + non_stop_penalty (mode add), or the penalty alone (mode replace, Tulu 3's
     where(stopped, score, penalty)). The recipe gives the penalty signed: Tulu 3 uses -10."""
     return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optional features and where they act: every extension point of the loop, and every feature the config can turn on
+
+
+@dataclass
+class Feature:
+    """An optional feature's hooks into one rollout step (None: it does not act there). Hooks take the config first.
+
+    score_rollout  collect_rollout, once: (cfg, out, n, width) -> {name: [n, width] tensor} into Rollout.extra
+    score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {name: [b, r] tensor},
+                   masked into Rollout.extra (an estimator reads it through AdvantageInputs)
+    policy_forward update: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state for loss_term)
+    loss_term      update, each micro-batch: (cfg, models, batch, mask, w, state) -> (term added to the loss sum,
+                   {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
+    rollout_sums   log_row: (rollout) -> {name: float}, summed over ranks with the rollout's own sums
+    metrics        log_row: (cfg, rollout, sums over ranks, update stats, updates, accelerator) -> metrics of the row
+    clock          time/<clock>: the seconds spent in its score_batch and loss_term hooks"""
+
+    name: str
+    score_rollout: Optional[Callable[..., dict[str, torch.Tensor]]] = None
+    score_batch: Optional[Callable[..., dict[str, torch.Tensor]]] = None
+    policy_forward: Optional[Callable[..., tuple[TokenScores, Any]]] = None
+    loss_term: Optional[Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = None
+    loss_stats: tuple[str, ...] = ()
+    rollout_sums: Optional[Callable[..., dict[str, float]]] = None
+    metrics: Optional[Callable[..., dict[str, float]]] = None
+    clock: Optional[str] = None
+    seconds: float = 0.0  # host clock, summed since the last read (take_seconds)
+
+
+def features_of(cfg: RLVRConfig, train: Sequence[dict] = ()) -> list[Feature]:
+    """The features this run turns on, each imported only then. (The generator and its checks, vLLM engines and
+    async sampling plug in at set-up: make_generator, checker_for and RolloutSampler in `main`.)"""
+    features = []
+    if cfg.uses_teacher:  # on-policy distillation: the teacher scores, and under jsd adds a loss term
+        from open_instruct import distillation
+
+        jsd = cfg.distill_loss == "jsd"
+        features.append(
+            Feature(
+                "distillation",
+                score_batch=distillation.teacher_scores,
+                policy_forward=distillation.student_forward if jsd else None,
+                loss_term=distillation.jsd_loss_term if jsd else None,
+                loss_stats=("jsd_loss",) if jsd else (),
+                rollout_sums=distillation.teacher_kl_sums,
+                metrics=distillation.metrics,
+                clock="teacher_forward",
+            )
+        )
+    if cfg.environment is not None:  # multi-turn episodes: turn rewards, turns and tool calls in the log
+        from open_instruct import episode_rollouts
+
+        features.append(
+            Feature("episodes", score_rollout=episode_rollouts.turn_reward_tensor, metrics=episode_rollouts.metrics)
+        )
+    if any(row.get("verifier") == "code" for row in train):  # the code verifier's tests by outcome
+        from open_instruct import code_verifier
+
+        features.append(Feature("code", rollout_sums=code_verifier.status_sums, metrics=code_verifier.status_metrics))
+    return features
+
+
+def call_timed(feature: Feature, hook: Callable[..., Any], *args: Any) -> Any:
+    """hook(*args), its seconds added to the feature's clock."""
+    t0 = time.perf_counter()
+    result = hook(*args)
+    feature.seconds += time.perf_counter() - t0
+    return result
+
+
+def clock_seconds(features: Sequence[Feature]) -> dict[str, float]:
+    """{clock: seconds} the features' clocked hooks took since the last call (their clocks reset to 0)."""
+    clocks: dict[str, float] = {}
+    for f in features:
+        if f.clock is not None:
+            clocks[f.clock] = clocks.get(f.clock, 0.0) + f.seconds
+        f.seconds = 0.0
+    return clocks
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -507,19 +238,11 @@ class Rollout:
     seconds: dict[str, float] = field(default_factory=dict)
     code_statuses: dict[str, int] = field(default_factory=dict)  # `code` rows: tests per status (pass, timeout, ...)
     # multi-turn (an environment): `mask` is the loss mask (policy tokens; observation tokens are 0 inside the
-    # row), turn_rewards [n, R] each turn's reward x verification_reward on its last policy token, `played` the
-    # episodes (turns, tool calls, for the log row and samples)
-    turn_rewards: Optional[torch.Tensor] = None
+    # row), `played` the episodes (turns, tool calls, for the log row and samples)
     played: list = field(default_factory=list)
-    teacher_logp: Optional[torch.Tensor] = None  # [n, R] the teacher's log-probs of the sampled tokens (distill)
-
-
-@dataclass
-class Advantages:
-    advantages: torch.Tensor  # [n, R]
-    returns: Optional[torch.Tensor]  # [n, R] value targets (gae)
-    kl_loss_coef: float  # beta when the KL to the reference is a loss term (group estimators), 0 when in the reward
-    keep: torch.Tensor  # [n] bool: rows the update trains on (filter_zero_std_groups drops flat groups)
+    # the features' per-token tensors (Feature.score_rollout / score_batch): turn_rewards [n, R] (multi-turn: each
+    # turn's reward x verification_reward on its last policy token), teacher_logp [n, R] (distillation)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def device_batch(host_batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
@@ -538,11 +261,14 @@ def collect_rollout(
     run: runtime.RunContext,
     on_policy: bool,
     pad_id: int,
+    features: Optional[Sequence[Feature]] = None,
 ) -> Rollout:
     """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
     policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
-    per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens)."""
+    per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens); the features' score hooks
+    add their tensors (`features`: those of cfg when None)."""
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
+    features = features_of(cfg) if features is None else features
     played = list(getattr(out, "episodes", None) or [])  # multi-turn episodes (episode_rollouts.EpisodeOutput)
     loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
     episodes = [prompts[i] for i in out.prompt_index]
@@ -554,15 +280,10 @@ def collect_rollout(
     # version lag of each sampled token: rollouts trained on since the weights that sampled it (0 when synchronous);
     # a completion's policy lag is its largest
     token_lags = token_version_lags(out, step)
-    lags = [max(t, default=0) for t in token_lags]
 
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
-    packed_lengths = episode_lengths(episodes, out.response_ids)
-    mask, sampler_logp = torch.zeros(n, width), torch.zeros(n, width)
-    teacher_seconds = 0.0
-    device_teacher = torch.zeros(n, width, device=accelerator.device)  # distill
-    loss_mask = torch.zeros(n, width)
+    mask, sampler_logp, loss_mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
     for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
         loss_mask[i, : len(lm)] = torch.tensor(lm, dtype=torch.float32)
@@ -570,12 +291,14 @@ def collect_rollout(
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
     groups = data.micro_batches(
-        list(range(n)), cfg.per_device_train_batch_size, packed_lengths, cfg.max_tokens_per_micro_batch
-    )
+        list(range(n)), cfg.per_device_train_batch_size, episode_lengths(episodes, out.response_ids),
+        cfg.max_tokens_per_micro_batch,
+    )  # fmt: skip
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
+    device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
     with torch.no_grad():
         for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
@@ -591,40 +314,24 @@ def collect_rollout(
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
-                if models.teacher is not None:  # distill: the teacher's log-prob of every sampled token
-                    t_teacher = time.perf_counter()
+                for f in (f for f in features if f.score_batch is not None):
                     batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
-                    device_teacher[at, :r] = teacher_token_logprobs(models.teacher, batch, batch_mask, cfg.temperature)
-                    teacher_seconds += time.perf_counter() - t_teacher
+                    for name, x in call_timed(f, f.score_batch, cfg, models, batch, batch_mask).items():
+                        device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
     old_logp, ref_logp, old_values = device_out.cpu()
     rm_scores = device_rm.cpu()
-    teacher_logp = device_teacher.cpu() if models.teacher is not None else None
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
-    # ALGO LOGIC: the sequence score of each completion, and the KL of the sampling policy to the reference
-    rm_multiplier, mode = cfg.reward_model_multiplier, cfg.non_stop_penalty_mode
-    scores = torch.tensor(
-        [
-            episode_score(v, s, cfg.non_stop_penalty, rm if models.reward is not None else None, rm_multiplier, mode)
-            for v, s, rm in zip(scored.rewards, out.stopped, rm_scores.tolist())
-        ]
-    )
-    if cfg.overlong_buffer_length:  # over the whole response (observations count against response_length)
-        lengths = torch.tensor([float(len(r)) for r in out.response_ids])
-        scores = scores + overlong_penalty(
-            lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
-        )
-    turn_rewards = None
-    if played:  # each turn's reward on its last policy token (episodes.token_rewards), in the score's units
-        turn_rewards = torch.zeros(n, width)
-        for i, e in enumerate(played):
-            per_token = token_rewards(e, cfg.turn_reward_aggregation)
-            turn_rewards[i, : len(per_token)] = cfg.verification_reward * torch.tensor(per_token, dtype=torch.float32)
+    scores = sequence_scores_of(cfg, scored.rewards, out, rm_scores if models.reward is not None else None)
     has_ref = models.reference is not None
     kl = None
-    if has_ref and not on_policy:
+    if has_ref and not on_policy:  # ALGO LOGIC: the KL of the sampling policy to the reference
         kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator")) * mask
+    extras = {name: x.cpu() * mask for name, x in device_extra.items()}
+    for f in (f for f in features if f.score_rollout is not None):
+        extras.update(f.score_rollout(cfg, out, n, width))
+    clocks = clock_seconds(features)
     return Rollout(
         episodes=episodes,
         response_ids=out.response_ids,
@@ -642,19 +349,32 @@ def collect_rollout(
         ref_logp=ref_logp if has_ref else None,
         old_values=old_values if models.value is not None else None,
         kl=kl,
-        policy_lag=lags,
+        policy_lag=[max(t, default=0) for t in token_lags],
         token_lags=token_lags,
-        seconds={
-            **seconds,
-            "scoring": t2 - t1,
-            "inference": time.perf_counter() - t2 - teacher_seconds,
-            **({"teacher_forward": teacher_seconds} if models.teacher is not None else {}),
-        },
+        seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2 - sum(clocks.values()), **clocks},
         code_statuses=scored.code_statuses or {},
-        turn_rewards=turn_rewards,
         played=played,
-        teacher_logp=teacher_logp * mask if models.teacher is not None else None,
+        extra=extras,
     )
+
+
+def sequence_scores_of(
+    cfg: RLVRConfig, verifiable: list[float], out: Any, rm_scores: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """ALGO LOGIC: the sequence score of each completion (episode_score), less DAPO's overlong punishment."""
+    rm = rm_scores.tolist() if rm_scores is not None else [None] * len(verifiable)
+    scores = torch.tensor(
+        [
+            episode_score(v, s, cfg.non_stop_penalty, r, cfg.reward_model_multiplier, cfg.non_stop_penalty_mode)
+            for v, s, r in zip(verifiable, out.stopped, rm)
+        ]
+    )
+    if cfg.overlong_buffer_length:  # over the whole response (observations count against response_length)
+        lengths = torch.tensor([float(len(r)) for r in out.response_ids])
+        scores = scores + overlong_penalty(
+            lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
+        )
+    return scores
 
 
 def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:
@@ -662,148 +382,46 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
     return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
-# ALGO LOGIC: the advantage estimators, one function per row of rl_algorithms.ADVANTAGE_ESTIMATORS (its traits
-# there: uses_value_model, uses_groups, kl_in_reward). Each maps a Rollout to the Advantages `update` trains on.
+# ALGO LOGIC: the advantages and the policy loss of the variants the config names: their rows' functions
+# (rl_algorithms.py), each called with its narrow input and its keyword arguments.
 
 
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS)."""
-    return cfg.estimator.function(cfg, rollout, accelerator, **cfg.variant_kwargs("advantage_estimator"))
-
-
-def group_baseline(cfg: RLVRConfig, rollout: Rollout, advantages: torch.Tensor) -> Advantages:
-    """A group baseline's per-completion advantages on every token of the completion; the KL to the reference is a
-    loss term (beta); flat groups dropped from the update under filter_zero_std_groups."""
-    keep = torch.ones(len(rollout.scores), dtype=torch.bool)
-    if cfg.filter_zero_std_groups:
-        keep = ~zero_std_groups(rollout.scores, cfg.num_samples_per_prompt)
-    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
-    return Advantages(advantages.unsqueeze(1) * rollout.mask, None, kl_loss_coef, keep)
-
-
-@advantage_estimator("grpo")
-def grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """Group-normalised scores (group_advantages, scale=True)."""
-    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=True))
-
-
-@advantage_estimator("dr_grpo")
-def dr_grpo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """Group-centred scores (group_advantages, scale=False)."""
-    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt, scale=False))
-
-
-@advantage_estimator("rloo")
-def rloo(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """Leave-one-out baseline (rloo_advantages)."""
-    return group_baseline(cfg, rollout, rloo_advantages(rollout.scores, cfg.num_samples_per_prompt))
-
-
-def kl_rewards(cfg: RLVRConfig, rollout: Rollout) -> torch.Tensor:
-    """Per-token rewards: the score at its position (last token, or after it), -beta * KL_t on every token.
-    Multi-turn: each turn's reward on that turn's last policy token (turn_rewards) and the rest of the score
-    (penalties, reward model, custom functions: score - sum of turn rewards) on the episode's last policy token;
-    KL on policy tokens only (the mask)."""
-    kl = rollout.kl if rollout.kl is not None else torch.zeros_like(rollout.mask)
-    if rollout.turn_rewards is None:
-        return per_token_rewards(rollout.scores, kl, rollout.mask, cfg.beta, rollout.score_index)
-    rest = rollout.scores - rollout.turn_rewards.sum(1)
-    return per_token_rewards(rest, kl, rollout.mask, cfg.beta) + rollout.turn_rewards
-
-
-@advantage_estimator("distill")
-def distill(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """On-policy distillation (distillation.py): per token, the teacher term and the weighted score,
-
-        A_it = teacher_kl_weight * (teacher_logp_it - old_logp_it)      (distill_loss reverse_kl; jsd: a loss term)
-             + distill_reward_weight * (s_i - mean of s over i's group)  (group mean 0 without distill_group_baseline)
-
-    on policy tokens (the mask), no discount; the KL to the reference, when beta > 0, is a loss term."""
-    mask, group = rollout.mask, cfg.num_samples_per_prompt
-    scores = group_advantages(rollout.scores, group, scale=False) if cfg.distill_group_baseline else rollout.scores
-    advantages = cfg.distill_reward_weight * scores.unsqueeze(1) * mask
-    if cfg.distill_loss == "reverse_kl":
-        advantages = advantages + cfg.teacher_kl_weight * teacher_advantages(
-            rollout.old_logp, rollout.teacher_logp, mask
-        )
-    kl_loss_coef = cfg.beta if rollout.ref_logp is not None else 0.0
-    return Advantages(advantages, None, kl_loss_coef, torch.ones(len(rollout.scores), dtype=torch.bool))
-
-
-@advantage_estimator("reinforce_pp")
-def reinforce_pp(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """The per-token rewards -> discounted returns -> whitened over the global batch."""
-    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
-    returns = discounted_returns(kl_rewards(cfg, rollout), mask, cfg.gamma)
-    return Advantages(whiten_over_ranks(returns, mask, accelerator), None, 0.0, keep)
-
-
-@advantage_estimator("gae")
-def gae(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
-    """The per-token rewards -> GAE with the value model -> whitened with statistics over every rank
-    (whiten_advantages); the value targets are the returns."""
-    mask, keep = rollout.mask, torch.ones(len(rollout.scores), dtype=torch.bool)
-    # The episode runs over the value mask (one position longer with after_last_token); the policy trains on `mask`.
-    # Multi-turn: GAE over the policy tokens only, observation tokens skipped (episodes.multi_turn_gae).
-    advantage_fn = gae_advantages if rollout.turn_rewards is None else multi_turn_gae
-    advantages, returns = advantage_fn(
-        kl_rewards(cfg, rollout), rollout.old_values, rollout.value_mask, cfg.gamma, cfg.lam
+    """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS) on the
+    rollout's AdvantageInputs, with the run settings its row names and its algo_kwargs."""
+    x = AdvantageInputs(
+        scores=rollout.scores,
+        mask=rollout.mask,
+        group_size=cfg.num_samples_per_prompt,
+        beta=cfg.beta,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        whiten_advantages=cfg.whiten_advantages,
+        filter_zero_std_groups=cfg.filter_zero_std_groups,
+        old_logp=rollout.old_logp,
+        ref_logp=rollout.ref_logp,
+        kl=rollout.kl,
+        values=rollout.old_values,
+        value_mask=rollout.value_mask,
+        score_index=rollout.score_index,
+        turn_rewards=rollout.extra.get("turn_rewards"),
+        teacher_logp=rollout.extra.get("teacher_logp"),
+        sum_over_ranks=lambda sums: global_sums(accelerator, sums),
     )
-    advantages = advantages * mask
-    if cfg.whiten_advantages:
-        advantages = whiten_over_ranks(advantages, mask, accelerator)
-    return Advantages(advantages, returns, 0.0, keep)
-
-
-def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, accelerator: Any) -> torch.Tensor:
-    """masked_whiten with the mean and unbiased variance of the real tokens of every rank, so all ranks agree.
-
-    Two passes in float64 (the mean, then sum (x - mean)^2), not E[x^2] - E[x]^2: equal values then whiten to exactly
-    0, where the one-pass form leaves a variance of rounding noise that rsqrt(var + eps) blows up to ~1e-4."""
-    x64, mask64 = x.double(), mask.double()
-    m = global_sums(accelerator, {"s": float(masked_sum(x64, mask64)), "n": float(mask64.sum())})
-    mean = m["s"] / max(m["n"], 1.0)
-    ss = global_sums(accelerator, {"ss": float(masked_sum((x64 - mean) ** 2, mask64))})["ss"]
-    var = ss / max(m["n"] - 1, 1)
-    return masked_whiten(x, mask, torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64))
-
-
-# ALGO LOGIC: the policy losses, one function per row of rl_algorithms.POLICY_LOSSES. Each gives the per-token loss
-# and where a clip was the branch taken; `micro_batch_loss` weights and aggregates it.
+    settings = {name: getattr(cfg, name) for name in cfg.estimator.settings}
+    return cfg.estimator.function(x, **settings, **cfg.variant_kwargs("advantage_estimator"))
 
 
 def token_policy_loss(
     cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function."""
-    return POLICY_LOSSES[cfg.policy_loss].function(
-        cfg, logp, old_logp, advantages, mask, **cfg.variant_kwargs("policy_loss")
-    )
-
-
-@policy_loss("ppo")
-def ppo(
-    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return ppo_policy_loss(logp, old_logp, advantages, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
-
-
-@policy_loss("gspo")
-def gspo(
-    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return gspo_policy_loss(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
-
-
-@policy_loss("cispo")
-def cispo(
-    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cispo_policy_loss(logp, old_logp, advantages, cfg.cliprange_high)
+    """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function on the LossInputs."""
+    x = LossInputs(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
+    return POLICY_LOSSES[cfg.policy_loss].function(x, **cfg.variant_kwargs("policy_loss"))
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
-TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss", "jsd_loss")
+TRAIN_STATS = ("policy_loss", "value_loss", "pg_clipfrac", "vf_clipfrac", "approx_kl", "entropy", "kl_loss")
 # Plain sums over this rank's real tokens (and one maximum), for the rollout-level logs.
 TOKEN_SUMS = ("tokens", "kl_sum", "sampler_abs_diff", "masked_tokens")
 TOKEN_MAXES = ("sampler_ratio_max", "mismatch_abs_max")
@@ -818,6 +436,7 @@ def micro_batch_loss(
     pad_id: int,
     device: Any,
     autocast: Callable[[], Any],
+    features: Optional[Sequence[Feature]] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The weighted sum (divided by the global units U in `update`) of one micro-batch's loss, and its statistics
     (0-dim device tensors; a statistic the configuration does not compute is absent):
@@ -825,7 +444,8 @@ def micro_batch_loss(
     loss = sum_t w_t * (keep_t * tis_t * pg_t  +  kl_loss_coef * KL_t  +  vf_coef * vf_t)
 
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off); keep_t:
-    off_policy_mask (1 when no mask is set)."""
+    off_policy_mask (1 when no mask is set); plus the features' loss terms (`features`: those of cfg when None)."""
+    features = features_of(cfg) if features is None else features
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing), device)
@@ -838,16 +458,14 @@ def micro_batch_loss(
 
     kept = mask * adv.keep[rows].to(device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
-    jsd = cfg.uses_teacher and cfg.distill_loss == "jsd"  # the student's last hidden states feed the JSD
+    forward = next((f.policy_forward for f in features if f.policy_forward is not None), None)
+    stats: dict[str, torch.Tensor] = {}  # 0-dim tensors on the device, read once per optimizer step (StepSums)
     with autocast():  # ALGO LOGIC: the loss terms
-        if (
-            jsd
-        ):  # the JSD needs the student's last hidden states: one full-logits output-layer call (docs/distillation.md)
-            with output_layer_inputs(models.policy, skip_output_layer=False) as hidden:
-                logits = response_logits(models.policy, batch, cfg.temperature, 1)
-            scores = TokenScores(token_logprobs(logits, batch["responses"]), entropy_from_logits(logits.detach()), None)
+        if forward is not None:  # a feature's own forward of the policy (distillation's jsd keeps hidden states)
+            scores, state = forward(cfg, models, batch)
         else:
             scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
+            state = None
         logp = scores.logp
         old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
@@ -871,26 +489,10 @@ def micro_batch_loss(
             value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
-        if jsd:  # distill_loss jsd: teacher_kl_weight * JSD_beta(student, teacher) per policy token
-            t_teacher = time.perf_counter()
-            t_hidden = teacher_hidden(models.teacher, batch)
-            teacher_seconds = time.perf_counter() - t_teacher
-            divergence = jsd_to_teacher(
-                models.policy,
-                hidden,
-                models.teacher,
-                t_hidden,
-                batch,
-                mask,
-                cfg.distill_jsd_beta,
-                cfg.temperature,
-                cfg.distill_top_k,
-            )
-            loss_sum = loss_sum + cfg.teacher_kl_weight * masked_sum(divergence, w)
-    stats: dict[str, torch.Tensor] = {}  # 0-dim tensors on the device, read once per optimizer step (StepSums)
-    if jsd:
-        stats["jsd_loss"] = masked_sum(divergence.detach(), w)
-        stats["teacher_seconds"] = teacher_seconds  # a host clock reading, summed on the host
+        for f in (f for f in features if f.loss_term is not None):  # e.g. distillation's jsd term
+            term, term_stats = call_timed(f, f.loss_term, cfg, models, batch, mask, w, state)
+            loss_sum = loss_sum + term
+            stats.update(term_stats)
     with torch.no_grad():
         if adv.kl_loss_coef > 0:
             stats["kl_loss"], stats["kl_sum"] = masked_sum(kl, w), masked_sum(kl, mask)
@@ -922,25 +524,20 @@ def update(
     plan: Any,
     run: runtime.RunContext,
     pad_id: int,
+    features: Optional[Sequence[Feature]] = None,
 ) -> dict[str, float]:
     """num_epochs passes over the rollout, each num_mini_batches optimizer steps on a shuffled order of whole groups
     (group estimators: required; gae: when they fit, so micro-batches can share prompt forwards). Each step's loss is
     sum(w * loss) / U over its global mini-batch (aggregation_weights). Returns the TRAIN_STATS summed over the
-    steps, this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
+    steps (and the features' loss_stats), this rank's TOKEN_SUMS over the first epoch, and sampler_ratio_max."""
+    features = features_of(cfg) if features is None else features
+    loss_stats = (*TRAIN_STATS, *(name for f in features for name in f.loss_stats))
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
     _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    names = (
-        *TRAIN_STATS,
-        "grad_norm",
-        "value_grad_norm",
-        "skipped",
-        "empty",
-        "teacher_seconds",
-    )  # teacher_seconds: distill jsd's teacher forwards in the update
-    totals = dict.fromkeys(names, 0.0)
+    totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
     )
@@ -957,7 +554,7 @@ def update(
                 counters.optimizer_step += 1
                 totals["empty"] += 1
                 continue
-            step_sums = StepSums(TRAIN_STATS, accelerator.device)  # read once per optimizer step
+            step_sums = StepSums(loss_stats, accelerator.device)  # read once per optimizer step
             micro_rows = data.micro_batches(
                 mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
             )
@@ -965,7 +562,7 @@ def update(
             for i, (rows, real) in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
                     loss_sum, stats = micro_batch_loss(
-                        cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast
+                        cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast, features
                     )
                     # sum(w * loss) / U over the global mini-batch; DDP/FSDP average gradients, hence x world. A dummy
                     # micro-batch (packing: this rank has fewer than another) counts 0.
@@ -974,7 +571,6 @@ def update(
                     continue
                 step_sums.add(stats)
                 token_sums.add(stats if epoch == 0 else {k: stats[k] for k in TOKEN_MAXES})
-                totals["teacher_seconds"] += stats.get("teacher_seconds", 0.0)
             sums = global_sums(accelerator, step_sums.read())
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
@@ -990,7 +586,7 @@ def update(
                 schedulers[name].step()
                 optimizers[name].zero_grad(set_to_none=True)
             counters.optimizer_step += 1
-            for k in TRAIN_STATS:
+            for k in loss_stats:
                 totals[k] += sums[k] / global_units
             totals["grad_norm"] += float(grad_norm)
             totals["value_grad_norm"] += float(value_grad_norm)
@@ -998,20 +594,18 @@ def update(
     return {**totals, **token_sums.read()}
 
 
-def teacher_kl_sums(rollout: Rollout) -> dict[str, float]:
-    """Sums for train/teacher_kl: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
-    KL(pi_student || pi_teacher) per token), and those tokens; zeros without a teacher."""
-    if rollout.teacher_logp is None or rollout.old_logp is None:
-        return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
-    gap = masked_sum(rollout.old_logp - rollout.teacher_logp, rollout.mask)
-    return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
-
-
 def log_row(
-    cfg: RLVRConfig, rollout: Rollout, adv: Advantages, train: dict[str, float], plan: Any, run: runtime.RunContext
+    cfg: RLVRConfig,
+    rollout: Rollout,
+    adv: Advantages,
+    train: dict[str, float],
+    plan: Any,
+    run: runtime.RunContext,
+    features: Optional[Sequence[Feature]] = None,
 ) -> dict[str, Any]:
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
-    rollout's num_epochs x num_mini_batches optimizer steps (those that had data)."""
+    rollout's num_epochs x num_mini_batches optimizer steps (those that had data); then the features' metrics."""
+    features = features_of(cfg) if features is None else features
     # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
     kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["kl_sum"]
     ep = global_sums(
@@ -1033,8 +627,7 @@ def log_row(
             "masked_tokens": train["masked_tokens"],
             **{k: train[k] for k in mismatch_sum_keys(cfg.async_steps)},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
-            **teacher_kl_sums(rollout),
-            **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
+            **{k: v for f in features if f.rollout_sums is not None for k, v in f.rollout_sums(rollout).items()},
         },
     )
     n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
@@ -1086,14 +679,8 @@ def log_row(
         row["loss/kl"] = train["kl_loss"] / updates
     if cfg.reward_model_path:
         row["train/rm_score_mean"] = ep["rm"] / n
-    if rollout.teacher_logp is not None:  # log pi_student - log pi_teacher per sampled policy token (reverse KL)
-        row["train/teacher_kl"] = ep["teacher_kl"] / max(ep["teacher_tokens"], 1.0)
-    if cfg.uses_teacher and cfg.distill_loss == "jsd":
-        row["loss/jsd"] = train["jsd_loss"] / updates
-    if any(ep[f"code_{s}"] for s in TEST_STATUSES):  # the code verifier's tests by outcome, over every rank
-        row.update({f"train/code_tests_{s}": ep[f"code_{s}"] for s in TEST_STATUSES})
-    if cfg.environment is not None:  # turns, tool calls, tool errors by reason, observation share, truncations
-        row.update(episode_metrics(run.accelerator, rollout.played, "train/"))
+    for f in (f for f in features if f.metrics is not None):
+        row.update(f.metrics(cfg, rollout, ep, train, updates, run.accelerator))
     return row
 
 
@@ -1107,10 +694,24 @@ def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature
         return response_scores(reference, batch, temperature, group)
 
 
+def checker_for(cfg: RLVRConfig, generator: Any, policy: Any, tokenizer: Any, accelerator: Any, max_len: int) -> Any:
+    """Every weight sync under a deadline, the first checking the generator against the trainer and the others the
+    weights it got (generation_check.py); None when hf samples synchronously with the trainer's own module (nothing
+    is copied, nothing to check)."""
+    if cfg.generation_backend == "hf" and not cfg.async_steps:
+        return None
+    from open_instruct.generation_check import GenerationChecker
+
+    return GenerationChecker.from_config(cfg, generator, policy, tokenizer, accelerator, max_len)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
-    check_teacher(cfg)  # distillation: a teacher whose vocabulary is not the student's fails before any load
+    if cfg.uses_teacher:  # distillation: a teacher whose vocabulary is not the student's fails before any load
+        from open_instruct.distillation import check_teacher
+
+        check_teacher(cfg)
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(
@@ -1118,12 +719,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     environments = environment_run(cfg, tokenizer)  # None: single-turn completions; else multi-turn episodes
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator, environments)
+    features = features_of(cfg, train)  # the optional features this run turns on, and where each acts
     check_before_loading(cfg, max_model_len)  # engines started apart answer and fit the run
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
-    # every sync under a deadline; the first checks the generator against the trainer, the others the weights it got
-    checker = GenerationChecker.from_config(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
+    checker = checker_for(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -1161,18 +762,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     while counters.rollout_step < plan.num_training_steps:  # one rollout step: sample, score, advantages, update
         prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
-            cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id
+            cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id, features
         )
         t0 = time.perf_counter()
         advantages = compute_advantages(cfg, rollout, accelerator)
         t1 = time.perf_counter()
         train_stats = update(
-            cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id
+            cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id, features
         )
         rollout.seconds["inference"] += t1 - t0
-        rollout.seconds["training"] = time.perf_counter() - t1 - train_stats["teacher_seconds"]
-        if models.teacher is not None:  # its scoring pass (collect_rollout) and, under jsd, its update forwards
-            rollout.seconds["teacher_forward"] += train_stats["teacher_seconds"]
+        clocks = clock_seconds(features)  # the features' own time in the update (e.g. the teacher's forwards)
+        rollout.seconds["training"] = time.perf_counter() - t1 - sum(clocks.values())
+        for name, seconds in clocks.items():
+            rollout.seconds[name] += seconds
 
         counters.rollout_step += 1
         counters.episode += plan.episodes_per_rollout
@@ -1185,10 +787,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             trained = global_sum(accelerator, sum(episode_lengths(rollout.episodes, rollout.response_ids)))
             run.log(
                 {
-                    **log_row(cfg, rollout, advantages, train_stats, plan, run),
+                    **log_row(cfg, rollout, advantages, train_stats, plan, run, features),
                     **clock.report(accelerator, plan.episodes_per_rollout),
                     "perf/train_tokens_per_second": trained * cfg.num_epochs / max(rollout.seconds["training"], 1e-9),
-                    **checker.last,
+                    **(checker.last if checker is not None else {}),
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:

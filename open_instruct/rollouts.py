@@ -15,20 +15,21 @@ import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from transformers import AutoConfig
 
 from open_instruct import console, data, rewards
 from open_instruct.checkpoint import fault_point
-from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, is_fsdp, prepare_frozen, zero_sums_by_source
-from open_instruct.episode_rollouts import EnvironmentRun, episode_correct, episode_metrics, is_episode_output
-from open_instruct.episodes import episode_score
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
+
+if TYPE_CHECKING:  # multi-turn episodes and the code verifier are imported only by a run that uses them
+    from open_instruct.code_verifier import CodeSettings
+    from open_instruct.episode_rollouts import EnvironmentRun
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -277,13 +278,14 @@ def score_texts(
 ) -> Any:
     """Verifier rewards of completions (each row's verifier, under the time limit), plus the weighted custom reward
     functions (reward_functions; `correct` stays the verifiers' verdict)."""
+    verifiers = [e["verifier"] for e in examples]
     scored = rewards.score_batch(
         texts,
         [e["ground_truth"] for e in examples],
-        [e["verifier"] for e in examples],
+        verifiers,
         verification_reward=cfg.verification_reward,
         timeout=cfg.verifier_timeout,
-        code=code_settings(cfg),
+        code=code_settings(cfg) if "code" in verifiers else None,  # the sandbox only for `code` rows
     )
     if not cfg.reward_functions:
         return scored
@@ -295,8 +297,11 @@ def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: An
     """score_texts of the completions, or for episodes (episode_rollouts.EnvironmentRun.play) their environments'
     rewards: verification_reward x episode_score per episode (the verifier ran inside the environment) plus the
     custom reward functions of the whole response text; `correct` from the last turn."""
-    if not is_episode_output(out):
+    if getattr(out, "episodes", None) is None:  # single-turn completions
         return score_texts(cfg, out.texts, examples, tokenizer, out.response_ids)
+    from open_instruct.episode_rollouts import episode_correct
+    from open_instruct.episodes import episode_score
+
     aggregation, scale = cfg.turn_reward_aggregation, cfg.verification_reward
     scores = [scale * episode_score(e, aggregation) for e in out.episodes]
     if cfg.reward_functions:
@@ -311,6 +316,8 @@ def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]
     the row's verifier (its `dataset` column) as score_texts does, the score in [0, 1]."""
     if cfg.environment is None:
         return None
+    from open_instruct.episode_rollouts import EnvironmentRun
+
     settings = code_settings(cfg)
 
     def verify(text: str, ground_truth: Any, verifier: str) -> tuple[float, bool]:
@@ -347,6 +354,7 @@ def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environmen
 
 def code_settings(cfg: RLVRConfig) -> CodeSettings:
     """The `code` verifier's sandbox settings from the config (the run's paths hidden: sandbox.run_hidden_paths)."""
+    from open_instruct.code_verifier import CodeSettings
     from open_instruct.sandbox import run_hidden_paths
 
     return CodeSettings(
@@ -439,6 +447,8 @@ def evaluate(
     t, n = totals[""], max(totals[""]["n"], 1.0)
     played = {}
     if environments is not None:  # collective: every rank joins
+        from open_instruct.episode_rollouts import episode_metrics
+
         stats = episode_metrics(accelerator, out.episodes if out is not None else [], "eval/")
         played = {k: stats[k] for k in ("eval/turns_per_episode", "eval/tool_calls_per_episode")}
     return {

@@ -15,7 +15,8 @@ import torch
 from tolerances import chain_atol
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 
-from open_instruct.distillation import chunked_generalized_jsd, generalized_jsd, teacher_advantages
+from open_instruct.distillation import chunked_generalized_jsd, generalized_jsd
+from open_instruct.rl_algorithms import teacher_advantages
 
 N_ROWS, WIDTH, H_STUDENT, H_TEACHER, VOCAB = 3, 5, 8, 12, 40
 
