@@ -63,14 +63,14 @@ def check_before_loading(cfg: Any, max_model_len: int) -> None:
         )
     import torch
 
-    from open_instruct import engines
-
     on_gpu = torch.cuda.is_available()
     problem = same_gpu_nccl_problem(cfg, on_gpu)
     if problem:
         raise ConfigError(problem)
     if not cfg.vllm_server_urls:
         return
+    from open_instruct import engines  # the vLLM engines' module, imported only by a run that uses them
+
     engines.check_running_engines(
         cfg.vllm_server_urls,
         cfg.vllm_tensor_parallel_size,
@@ -85,10 +85,10 @@ def same_gpu_nccl_problem(cfg: Any, on_gpu: bool) -> Optional[str]:
     from trainer rank 0, on CUDA device 0 of this node, to every engine worker over one NCCL group; an engine listed
     in vllm_engine_devices on device 0 joins that group from the same physical GPU, which NCCL refuses ("Duplicate
     GPU detected", ncclInvalidUsage) only after the engine has loaded."""
-    from open_instruct import engines
-
     if cfg.generation_backend != "vllm_server" or cfg.vllm_server_urls or cfg.vllm_engine_devices is None:
         return None  # engines started apart, or on the GPUs after the trainer's (the default)
+    from open_instruct import engines
+
     if not on_gpu or engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu) != "nccl":
         return None
     if 0 not in cfg.vllm_engine_devices:

@@ -160,13 +160,13 @@ def how_to_add(option: str) -> str:
 def resolve(option: str, name: Any) -> Any:
     """The row `name` names in `option`'s table: a registered name, or a `file.py:function` / `module:function` spec
     (its module imported now and the row registered under the spec). ConfigError saying how to add one otherwise."""
+    table, _, _ = TABLES[option]
+    if isinstance(name, str) and name in table:
+        return table[name]
     import difflib
 
     from open_instruct import user_code
 
-    table, _, _ = TABLES[option]
-    if isinstance(name, str) and name in table:
-        return table[name]
     if user_code.is_spec(name):
         function = user_code.load_object(name, option, f"my_variants.py:my_{option}")
         if not callable(function):

@@ -69,7 +69,6 @@ from open_instruct.distributed import (
     grad_sync_all,
 )
 from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
-from open_instruct.lora import adapter_disabled
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import (
@@ -309,7 +308,7 @@ def collect_rollout(
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
                 if models.reference is not None:
-                    device_out[1][at, :r] = reference_scores(models.reference, batch, cfg.temperature, group).logp
+                    device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group).logp
                 if models.value is not None:
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
@@ -688,10 +687,14 @@ def log_row(
 # Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
 
 
-def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
+def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
     """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
-    with adapter_disabled(reference):
-        return response_scores(reference, batch, temperature, group)
+    if models.reference is not models.policy:
+        return response_scores(models.reference, batch, temperature, group)
+    from open_instruct.lora import adapter_disabled
+
+    with adapter_disabled(models.reference):
+        return response_scores(models.reference, batch, temperature, group)
 
 
 def checker_for(cfg: RLVRConfig, generator: Any, policy: Any, tokenizer: Any, accelerator: Any, max_len: int) -> Any:
