@@ -120,3 +120,14 @@ def generator_for(backend: str, model: Any, tokenizer: Any, **kw: Any) -> Genera
     """A backend built straight from a model, outside an RL run (the eval entry points); `kw` go to its class
     (hf: batch_size; vllm: max_model_len, seed, ...)."""
     return backend_class(backend)(model, tokenizer, **kw)
+
+
+def make_checker(cfg: Any, generator: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> Any:
+    """The generation check of `generator` (generation_check.GenerationChecker: every weight sync under a deadline,
+    the first checking the generator against the trainer, the others the weights it got), or None when it samples
+    synchronously with the trainer's own module (hf without async_steps): nothing is copied, nothing to check."""
+    if getattr(generator, "model", None) is policy and not cfg.async_steps:
+        return None
+    from open_instruct.generation_check import GenerationChecker
+
+    return GenerationChecker.from_config(cfg, generator, policy, tokenizer, accelerator, max_model_len)

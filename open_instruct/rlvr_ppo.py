@@ -68,7 +68,7 @@ from open_instruct.distributed import (
     global_sums,
     grad_sync_all,
 )
-from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.generation_backends import check_backend, check_before_loading, make_checker, make_generator
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import (
@@ -195,6 +195,14 @@ def call_timed(feature: Feature, hook: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
+def feature_scores(cfg: RLVRConfig, features: Sequence[Feature], models: Any, batch: dict, mask: Any) -> dict:
+    """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock)."""
+    scores = {}
+    for f in (f for f in features if f.score_batch is not None):
+        scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask))
+    return scores
+
+
 def clock_seconds(features: Sequence[Feature]) -> dict[str, float]:
     """{clock: seconds} the features' clocked hooks took since the last call (their clocks reset to 0)."""
     clocks: dict[str, float] = {}
@@ -313,10 +321,9 @@ def collect_rollout(
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
-                for f in (f for f in features if f.score_batch is not None):
-                    batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
-                    for name, x in call_timed(f, f.score_batch, cfg, models, batch, batch_mask).items():
-                        device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
+                batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                for name, x in feature_scores(cfg, features, models, batch, batch_mask).items():
+                    device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
     old_logp, ref_logp, old_values = device_out.cpu()
     rm_scores = device_rm.cpu()
@@ -388,7 +395,14 @@ def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list
 def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Advantages:
     """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS) on the
     rollout's AdvantageInputs, with the run settings its row names and its algo_kwargs."""
-    x = AdvantageInputs(
+    x = advantage_inputs(cfg, rollout, accelerator)
+    settings = {name: getattr(cfg, name) for name in cfg.estimator.settings}
+    return cfg.estimator.function(x, **settings, **cfg.variant_kwargs("advantage_estimator"))
+
+
+def advantage_inputs(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> AdvantageInputs:
+    """What an estimator reads of the rollout and the config (the narrow input: docs/extending.md)."""
+    return AdvantageInputs(
         scores=rollout.scores,
         mask=rollout.mask,
         group_size=cfg.num_samples_per_prompt,
@@ -407,8 +421,6 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
         teacher_logp=rollout.extra.get("teacher_logp"),
         sum_over_ranks=lambda sums: global_sums(accelerator, sums),
     )
-    settings = {name: getattr(cfg, name) for name in cfg.estimator.settings}
-    return cfg.estimator.function(x, **settings, **cfg.variant_kwargs("advantage_estimator"))
 
 
 def token_policy_loss(
@@ -697,17 +709,6 @@ def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperatu
         return response_scores(models.reference, batch, temperature, group)
 
 
-def checker_for(cfg: RLVRConfig, generator: Any, policy: Any, tokenizer: Any, accelerator: Any, max_len: int) -> Any:
-    """Every weight sync under a deadline, the first checking the generator against the trainer and the others the
-    weights it got (generation_check.py); None when hf samples synchronously with the trainer's own module (nothing
-    is copied, nothing to check)."""
-    if cfg.generation_backend == "hf" and not cfg.async_steps:
-        return None
-    from open_instruct.generation_check import GenerationChecker
-
-    return GenerationChecker.from_config(cfg, generator, policy, tokenizer, accelerator, max_len)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(RLVRConfig, argv)
     check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
@@ -727,7 +728,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
-    checker = checker_for(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
+    # every sync under a deadline and checked (generation_check.py); None: it samples with the trainer's own module
+    checker = make_checker(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"

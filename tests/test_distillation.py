@@ -212,7 +212,7 @@ def test_multi_turn_distillation_is_the_hand_formula_on_policy_tokens_only(tiny_
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
     rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id)
     obs = observation_positions(out)
-    assert obs.any() and (rollout.teacher_logp[obs] == 0).all()
+    assert obs.any() and (rollout.extra["teacher_logp"][obs] == 0).all()
     adv = compute_advantages(cfg, rollout, ONE_PROCESS)
     assert (adv.advantages[obs] == 0).all()
 
@@ -452,9 +452,9 @@ def test_packed_micro_batches_give_the_padded_distillation(tiny_models, teachers
         results.append((rollout, float(loss_sum.detach()), [p.grad.clone() for p in policy.parameters()]))
     seq = max(len(e.prompt_ids) + len(e.response_ids) for e in out.episodes)
     (padded, loss_a, grads_a), (packed, loss_b, grads_b) = results
-    atol = chain_atol(decoder_reduction_lengths(policy.config, seq), padded.teacher_logp.abs().max().item())
-    assert padded.teacher_logp.abs().max() > 0
-    torch.testing.assert_close(packed.teacher_logp, padded.teacher_logp, rtol=0, atol=atol)
+    atol = chain_atol(decoder_reduction_lengths(policy.config, seq), padded.extra["teacher_logp"].abs().max().item())
+    assert padded.extra["teacher_logp"].abs().max() > 0
+    torch.testing.assert_close(packed.extra["teacher_logp"], padded.extra["teacher_logp"], rtol=0, atol=atol)
     n_policy = float(padded.mask.sum())
     assert abs(loss_a - loss_b) / n_policy <= atol
     scale = max(g.abs().max().item() for g in grads_a)

@@ -24,13 +24,13 @@ from open_instruct.episodes import (
     episode_score,
     episode_stat_sums,
     episode_stats,
-    multi_turn_gae,
     pad_episodes,
     render_episode,
     rollout_episodes,
     token_rewards,
 )
 from open_instruct.errors import ConfigError
+from open_instruct.rl_algorithms import multi_turn_gae
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,8 @@ def test_turn_rewards_land_on_each_turns_last_policy_token(tiny_models, tiny, ag
     """turn_reward_aggregation sum: the score is verification_reward x (0.25 + 0.5) and the per-token rewards (beta
     0) are 2 x 0.25 on turn 1's last policy token and 2 x 0.5 on turn 2's; last: 2 x 0.5 on the episode's last
     policy token only. Nothing on observation tokens."""
-    from open_instruct.rlvr_ppo import RLModels, collect_rollout, kl_rewards
+    from open_instruct.rl_algorithms import kl_rewards
+    from open_instruct.rlvr_ppo import RLModels, advantage_inputs, collect_rollout
     from open_instruct.rollouts import environment_run
 
     cfg = config(tiny_models, "--environment", "test_multiturn_rlvr:TwoRewardedTurns", "--beta", "0.0",
@@ -226,7 +227,7 @@ def test_turn_rewards_land_on_each_turns_last_policy_token(tiny_models, tiny, ag
     rollout = collect_rollout(cfg, RLModels(policy=tiny["policy"]), prompts, out, {}, 0, run, True, 0)
     want_score = 2.0 * (0.75 if aggregation == "sum" else 0.5)
     assert rollout.scores.tolist() == [want_score] * 4
-    per_token = kl_rewards(cfg, rollout)
+    per_token = kl_rewards(advantage_inputs(cfg, rollout, ONE_PROCESS))
     for i, episode in enumerate(out.episodes):
         first_end, last_end = episode.turns[0].policy_end - 1, episode.turns[1].policy_end - 1
         want = torch.zeros(per_token.shape[1])
@@ -342,7 +343,8 @@ def test_one_and_two_ranks_give_the_same_update(tiny_models, tiny, estimator):
     """The real micro-batch loss on the multi-turn rollout: one process on all 4 episodes in one micro-batch versus
     2 ranks of one group each, each backpropagating sum(w * l) * world / U, gradients averaged as DDP does (the
     pattern of test_rlvr_variants' aggregation test)."""
-    from open_instruct.rlvr_ppo import aggregation_weights, compute_advantages, micro_batch_loss
+    from open_instruct.rl_algorithms import aggregation_weights
+    from open_instruct.rlvr_ppo import compute_advantages, micro_batch_loss
 
     cfg = config(tiny_models, "--advantage_estimator", estimator, "--num_epochs", "2", "--beta", "0.05",
                  "--truncated_importance_sampling", "true", "--whiten_advantages", "false")  # fmt: skip

@@ -7,10 +7,9 @@ import torch
 
 from open_instruct.data import collate_episodes
 from open_instruct.models import entropy_from_logits
-from open_instruct.rlvr_ppo import (
+from open_instruct.rl_algorithms import (
     approx_kl,
     clipped_value_loss,
-    episode_score,
     gae_advantages,
     group_advantages,
     kl_penalty,
@@ -20,6 +19,7 @@ from open_instruct.rlvr_ppo import (
     per_token_rewards,
     ppo_policy_loss,
 )
+from open_instruct.rlvr_ppo import episode_score
 from open_instruct.rollouts import derived_seed
 
 T = torch.tensor

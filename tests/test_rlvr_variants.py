@@ -13,19 +13,15 @@ import pytest
 import torch
 from tolerances import pass_atol, rollout_width
 
-from open_instruct.rlvr_ppo import (
+from open_instruct.rl_algorithms import (
     Advantages,
-    RLModels,
-    Rollout,
     after_last_token,
     aggregation_weights,
     cispo_policy_loss,
     discounted_returns,
-    episode_score,
     gae_advantages,
     group_advantages,
     gspo_policy_loss,
-    micro_batch_loss,
     overlong_penalty,
     per_token_rewards,
     ppo_policy_loss,
@@ -33,6 +29,7 @@ from open_instruct.rlvr_ppo import (
     truncated_is_weights,
     zero_std_groups,
 )
+from open_instruct.rlvr_ppo import RLModels, Rollout, episode_score, micro_batch_loss
 
 T = torch.tensor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,9 +64,7 @@ def test_groups_of_equal_scores_get_exactly_zero_whatever_the_values():
     non_stop_penalty -0.1) misses -0.1 by one rounding step; the old code divided that ~6e-8 by std ~6e-8 + 1e-6 and
     pushed every member up by +0.0074 (0.7 x 16: +0.056); Dr. GRPO and RLOO kept the ~6e-8 itself, and whitening
     equal values gave ~1e-4 (E[x^2] - E[x]^2) or ~1e-3 (masked_whiten). Now each is exactly 0."""
-    import types
-
-    from open_instruct.rlvr_ppo import masked_whiten, whiten_over_ranks
+    from open_instruct.rl_algorithms import masked_whiten, whiten_over_ranks
 
     all_truncated = episode_score(0.0, False, -0.1, None, 0.0, "add")
     assert all_truncated == -0.1
@@ -87,7 +82,7 @@ def test_groups_of_equal_scores_get_exactly_zero_whatever_the_values():
     # whitening (gae, reinforce_pp) of equal values over the batch: exactly 0 too
     x, mask = torch.full((64, 7), 0.7), torch.ones(64, 7)
     mask[:, 5:] = 0
-    one_process = types.SimpleNamespace(num_processes=1)
+    one_process = dict  # sum_over_ranks on one process: the sums as they are
     assert whiten_over_ranks(x, mask, one_process).abs().max().item() == 0.0
     assert masked_whiten(x, mask).abs().max().item() == 0.0
     # and a spread batch is whitened as before: [1, 2, 3] -> mean 2, unbiased var 1 -> [-1, 0, 1]
@@ -441,15 +436,15 @@ def test_a_new_estimator_and_policy_loss_registered_from_a_test_file(tiny_models
     calls = {"estimator": 0, "loss": 0}
 
     @advantage_estimator("all_ones", uses_groups=False, kl_in_reward=False)
-    def all_ones(cfg, rollout, accelerator):
+    def all_ones(x):
         calls["estimator"] += 1
-        return Advantages(rollout.mask.clone(), None, 0.0, torch.ones(len(rollout.scores), dtype=torch.bool))
+        return Advantages(x.mask.clone(), None, 0.0, torch.ones(len(x.scores), dtype=torch.bool))
 
     @policy_loss("unclipped_ratio", takes_dual_clip=False)
-    def unclipped_ratio(cfg, logp, old_logp, advantages, mask):
+    def unclipped_ratio(x):
         calls["loss"] += 1
-        ratio = torch.exp(logp - old_logp)
-        return -advantages * ratio, torch.ones_like(ratio)
+        ratio = torch.exp(x.logp - x.old_logp)
+        return -x.advantages * ratio, torch.ones_like(ratio)
 
     out = tmp_path / "out"
     try:

@@ -1,6 +1,8 @@
 """Variants from the user's own file (issue 34, item 5): advantage_estimator, policy_loss and kl_estimator given as
-`path/file.py:function`, with algo_kwargs passed to the functions that take them; a copy of rlvr_ppo.py that
-registers its own estimator has it seen by its config check; the "not one of" message says how to add one."""
+`path/file.py:function`, written against the narrow inputs (rl_algorithms.AdvantageInputs, LossInputs; issue 42),
+with algo_kwargs passed to the functions that take them; a function written for the old call (cfg, rollout,
+accelerator) exits 2 showing the new one; a copy of rlvr_ppo.py runs unchanged and registers its own estimator; the
+"not one of" message says how to add one."""
 
 import json
 import os
@@ -18,22 +20,21 @@ BASE = ["--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl", "--tot
 
 VARIANTS_FILE = """
 import torch
-from open_instruct.rl_algorithms import advantage_estimator
-from open_instruct.rlvr_ppo import Advantages
+from open_instruct.rl_algorithms import AdvantageInputs, Advantages, LossInputs, advantage_estimator
 
 CALLS = {"estimator": [], "loss": [], "kl": []}
 
 
 @advantage_estimator("file_constant", uses_groups=False, kl_in_reward=False)
-def constant(cfg, rollout, accelerator, level=1.0):
+def constant(x: AdvantageInputs, level=1.0) -> Advantages:
     CALLS["estimator"].append(level)
-    return Advantages(rollout.mask.clone() * level, None, cfg.beta, torch.ones(len(rollout.scores), dtype=torch.bool))
+    return Advantages(x.mask.clone() * level, None, x.beta, torch.ones(len(x.scores), dtype=torch.bool))
 
 
-def scaled_ratio(cfg, logp, old_logp, advantages, mask, scale=1.0):
+def scaled_ratio(x: LossInputs, scale=1.0):
     CALLS["loss"].append(scale)
-    ratio = torch.exp(logp - old_logp)
-    return -scale * advantages * ratio, torch.zeros_like(ratio)
+    ratio = torch.exp(x.logp - x.old_logp)
+    return -scale * x.advantages * ratio, torch.zeros_like(ratio)
 
 
 def abs_log_ratio(logp, ref_logp, scale=1.0):
@@ -104,29 +105,54 @@ def test_variants_from_a_file_run_with_their_algo_kwargs(variants_file, tiny_mod
 
 
 COPY_ADDITION = """
+from open_instruct.rl_algorithms import advantage_estimator, group_advantages, group_baseline
+
 
 @advantage_estimator("copy_only", uses_groups=True)
-def copy_only(cfg, rollout, accelerator):
-    return group_baseline(cfg, rollout, group_advantages(rollout.scores, cfg.num_samples_per_prompt))
+def copy_only(x):
+    CALLS.append(len(x.scores))
+    return group_baseline(x, group_advantages(x.scores, x.group_size))
+
+
+CALLS = []
 
 """
 
 
-def test_a_copied_script_sees_its_own_registrations(tmp_path):
+def test_a_copied_script_sees_its_own_registrations(tmp_path, tiny_models):
     """A copy of rlvr_ppo.py with its own estimator: the config check runs at the top of the file, before the
     registration below it; the name is checked once the script's definitions have run (the traits too: a group
-    estimator needs num_samples_per_prompt >= 2). The original script refuses the name, saying how to add one."""
+    estimator needs num_samples_per_prompt >= 2), and a tiny run trains with it. The original script refuses the
+    name, saying how to add one; copied unchanged into another folder, it runs a tiny GRPO step."""
+    from demo import synthetic
+
     with open(os.path.join(REPO, "open_instruct", "rlvr_ppo.py")) as f:
         source = f.read()
     main_block = source.rindex('if __name__ == "__main__":')
     copy = tmp_path / "my_rlvr.py"
     copy.write_text(source[:main_block] + COPY_ADDITION + source[main_block:])
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    unchanged = tmp_path / "elsewhere" / "rlvr_ppo.py"
+    unchanged.parent.mkdir()
+    unchanged.write_text(source)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     argv = [*BASE, "--advantage_estimator", "copy_only", "--output_dir", str(tmp_path / "out")]
 
-    def run(script, *extra):
-        return subprocess.run([sys.executable, script, *argv, *extra], env=env, capture_output=True, text=True,
+    def run(script, *extra, args=argv):
+        return subprocess.run([sys.executable, script, *args, *extra], env=env, capture_output=True, text=True,
                               timeout=300)  # fmt: skip
+
+    data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(8, 0))
+    tiny = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+            "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--total_episodes", "8",
+            "--local_rollout_batch_size", "2", "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "8",
+            "--response_length", "6", "--eval_steps", "100", "--checkpointing_steps", "100"]  # fmt: skip
+    for script, extra in [(unchanged, ["--algo", "grpo"]), (copy, ["--advantage_estimator", "copy_only"])]:
+        out = tmp_path / f"tiny_{script.stem}"
+        done = run(str(script), *extra, "--output_dir", str(out), args=tiny)
+        assert done.returncode == 0, done.stderr[-3000:]
+        train = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+        assert [r["rollout_step"] for r in train] == [1]
+        assert "loss/kl" in train[0] and "loss/value" not in train[0]  # a group estimator: KL a loss term
 
     ok = run(str(copy), "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "4", "--dry_run", "true")
     assert ok.returncode == 0, ok.stderr[-2000:]
@@ -184,3 +210,37 @@ def test_the_extending_pages_example_resolves(tmp_path):
         for table, _, _ in rl_algorithms.TABLES.values():
             for name in [n for n in table if n.startswith("my_variants.py:") or n == "top_half"]:
                 del table[name]
+
+
+OLD_CALLS_FILE = """
+def old_estimator(cfg, rollout, accelerator):
+    raise AssertionError("never called")
+
+
+def old_loss(cfg, logp, old_logp, advantages, mask):
+    raise AssertionError("never called")
+"""
+
+
+def test_a_function_written_for_the_old_call_exits_2_showing_the_new_one(tmp_path):
+    """Before issue 42 an estimator took (cfg, rollout, accelerator) and a loss (cfg, logp, old_logp, advantages,
+    mask); such a function is refused when the config is checked, with the call it must now take."""
+    path = tmp_path / "old_variants.py"
+    path.write_text(OLD_CALLS_FILE)
+    cases = [
+        ("advantage_estimator", "old_estimator", "(x: AdvantageInputs, **kwargs) -> Advantages"),
+        ("policy_loss", "old_loss", "(x: LossInputs, **kwargs) -> (loss, clipped)"),
+    ]
+    for option, name, call in cases:
+        with pytest.raises(ConfigError) as e:
+            parse_config(RLVRConfig, [*BASE, f"--{option}", f"{path}:{name}"])
+        message = str(e.value)
+        assert f"{name}(cfg, " in message and f"does not take the call {call}" in message, message
+        assert "docs/extending.md" in message
+    with pytest.raises(ConfigError, match=r"old\(cfg, rollout, accelerator\) does not take the call \(x: Adv"):
+
+        @rl_algorithms.advantage_estimator("old_style")
+        def old(cfg, rollout, accelerator):  # a copied script's own registration, old style
+            raise AssertionError("never called")
+
+    assert "old_style" not in rl_algorithms.ADVANTAGE_ESTIMATORS
