@@ -287,13 +287,9 @@ def collect_rollout(
     # version lag of each sampled token: rollouts trained on since the weights that sampled it (0 when synchronous);
     # a completion's policy lag is its largest
     token_lags = token_version_lags(out, step)
-
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
-    mask, sampler_logp, loss_mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
-    for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
-        sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
-        loss_mask[i, : len(lm)] = torch.tensor(lm, dtype=torch.float32)
+    mask, sampler_logp, loss_mask = torch.zeros(n, width), padded(out.logprobs, width), padded(loss_masks, width)
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
@@ -326,11 +322,10 @@ def collect_rollout(
                     device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
     old_logp, ref_logp, old_values = device_out.cpu()
-    rm_scores = device_rm.cpu()
+    rm_scores, has_ref = device_rm.cpu(), models.reference is not None
     score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     scores = sequence_scores_of(cfg, scored.rewards, out, rm_scores if models.reward is not None else None)
-    has_ref = models.reference is not None
     kl = None
     if has_ref and not on_policy:  # ALGO LOGIC: the KL of the sampling policy to the reference
         kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator")) * mask
@@ -381,6 +376,14 @@ def sequence_scores_of(
             lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
         )
     return scores
+
+
+def padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """Per-token values of each row, right-padded with 0 to `width`, as [len(rows), width] float32."""
+    out = torch.zeros(len(rows), width)
+    for i, values in enumerate(rows):
+        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:

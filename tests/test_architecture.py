@@ -1,6 +1,8 @@
 """The shape of the code, checked with `ast`: no import cycles, no upward imports, the RL script's `main` short and
-shallow, no sys.path hacks. Cheap (no torch import), so it runs first in spirit: a refactor that breaks the layering
-fails here with the cycle spelled out."""
+shallow, the RL script's line budgets, no sys.path hacks. Cheap (no torch import), so it runs first in spirit: a
+refactor that breaks the layering fails here with the cycle spelled out. One test runs a tiny plain GRPO step in a
+subprocess: the modules it imports and the modules its step runs code of are fixed sets, so features cannot creep
+back into the plain path."""
 
 from __future__ import annotations
 
@@ -119,6 +121,105 @@ def max_nesting(node: ast.AST, depth: int = 0) -> int:
 def test_nesting_counter():
     code = "def f():\n    for a in b:\n        if c:\n            with d:\n                x = 1\n    y = 2\n"
     assert max_nesting(ast.parse(code).body[0]) == 3
+
+
+RL_SCRIPT_MAX_LINES = 900  # issue 42: the algorithm top to bottom (loop, loss, advantages), readable in one sitting
+FUNCTION_MAX_LINES = 100
+
+
+def test_the_rl_script_stays_within_its_budgets():
+    path = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
+    source = open(path).read()
+    assert len(source.splitlines()) <= RL_SCRIPT_MAX_LINES, f"rlvr_ppo.py is {len(source.splitlines())} lines"
+    tree = ast.parse(source, path)
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.FunctionDef)}
+    long = {name: lines for name, lines in long.items() if lines > FUNCTION_MAX_LINES}
+    assert not long, f"functions over {FUNCTION_MAX_LINES} lines: {long}"
+
+
+# A plain RL run: GRPO, HF generation, synchronous; no teacher, environment, code rows, reward model or LoRA. The
+# open_instruct modules it imports (the features' modules are imported only by a run that turns them on:
+# distillation, episodes/environments, code_verifier/sandbox, generation_check, vLLM engines, user_code) ...
+PLAIN_RL_IMPORTS = {
+    "open_instruct", "open_instruct.attention", "open_instruct.batch_math", "open_instruct.chat_render",
+    "open_instruct.chat_templates", "open_instruct.checkpoint", "open_instruct.config", "open_instruct.console",
+    "open_instruct.data", "open_instruct.data_cache", "open_instruct.distributed", "open_instruct.encode",
+    "open_instruct.errors", "open_instruct.flag_names", "open_instruct.formats", "open_instruct.generation",
+    "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.lora", "open_instruct.mixture",
+    "open_instruct.models", "open_instruct.preflight", "open_instruct.rewards", "open_instruct.rl_algorithms",
+    "open_instruct.rlvr_ppo", "open_instruct.rollouts", "open_instruct.run_dir", "open_instruct.runtime",
+    "open_instruct.step_sums", "open_instruct.tracking",
+}  # fmt: skip
+# ... and the modules whose code one step runs (RolloutSampler.take, collect_rollout, compute_advantages, update):
+# what a reader follows. The algorithm: the script, rl_algorithms (estimators, losses, their math), rewards; the
+# plumbing: rollouts (the sampler), generation (the contract and its hf backend), models (forwards), data
+# (micro-batches), distributed (sums over ranks, gradient sync), step_sums (the step's statistics); and two touches
+# of the run's objects: config (derived settings: packing, estimator, variant_kwargs), runtime (update_is_finite).
+PLAIN_RL_STEP = {
+    "open_instruct.rlvr_ppo", "open_instruct.rl_algorithms", "open_instruct.rewards", "open_instruct.rollouts",
+    "open_instruct.generation", "open_instruct.models", "open_instruct.data", "open_instruct.distributed",
+    "open_instruct.step_sums", "open_instruct.config", "open_instruct.runtime",
+}  # fmt: skip
+
+PLAIN_RUN = """
+import functools, json, sys
+from open_instruct import rlvr_ppo, rollouts
+
+stepped = set()
+
+
+def profile(frame, event, arg):
+    module = frame.f_globals.get("__name__", "")
+    if event == "call" and module.startswith("open_instruct"):
+        stepped.add(module)
+
+
+def traced(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        sys.setprofile(profile)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+    return run
+
+
+for name in ("collect_rollout", "compute_advantages", "update"):
+    setattr(rlvr_ppo, name, traced(getattr(rlvr_ppo, name)))
+rollouts.RolloutSampler.take = traced(rollouts.RolloutSampler.take)
+rlvr_ppo.main(sys.argv[2:])
+imported = sorted(m for m in sys.modules if m == "open_instruct" or m.startswith("open_instruct."))
+json.dump({"imported": imported, "stepped": sorted(stepped)}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from demo import synthetic
+
+    data = synthetic.write_jsonl(str(tmp_path / "rl.jsonl"), synthetic.rl_rows(8, 0))
+    argv = [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--algo", "grpo", "--model_name_or_path",
+        tiny_models["causal_lm"], "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data,
+        "--total_episodes", "8", "--local_rollout_batch_size", "2", "--num_samples_per_prompt", "4",
+        "--per_device_train_batch_size", "8", "--response_length", "6", "--eval_steps", "100",
+        "--checkpointing_steps", "100", "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    report = tmp_path / "modules.json"
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-c", PLAIN_RUN, str(report), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    modules = json.loads(report.read_text())
+    imported, stepped = set(modules["imported"]), set(modules["stepped"])
+    assert imported == PLAIN_RL_IMPORTS, (
+        f"new: {sorted(imported - PLAIN_RL_IMPORTS)}, gone: {sorted(PLAIN_RL_IMPORTS - imported)}"
+    )
+    assert stepped == PLAIN_RL_STEP, f"new: {sorted(stepped - PLAIN_RL_STEP)}, gone: {sorted(PLAIN_RL_STEP - stepped)}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
