@@ -896,7 +896,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.FIXED_ARGS)
             raise ConfigError(
                 f"algo_kwargs {unused} is taken by none of {chosen}: the built-ins take none; a function of your "
-                "own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0))"
+                "own takes them as keyword parameters (def my_loss(x, alpha=1.0)): docs/extending.md"
             )
 
     def variant_kwargs(self, option: str) -> dict[str, Any]:

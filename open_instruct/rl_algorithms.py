@@ -232,7 +232,8 @@ CALL_HELP = {
 def variant_kwargs(option: str, row: Any, algo_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The part of algo_kwargs the function of `row` (a row of `option`'s table) takes."""
     takes = accepted_kwargs(row.function, FIXED_ARGS[option])
-    return dict(algo_kwargs) if takes is None else {k: v for k, v in algo_kwargs.items() if k in takes}
+    settings = set(getattr(row, "settings", ()))  # passed from the run's settings, never from algo_kwargs
+    return {k: v for k, v in algo_kwargs.items() if (takes is None or k in takes) and k not in settings}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@
     accelerate launch --config_file configs/accelerate/fsdp_7gpu.yaml open_instruct/rlvr_ppo.py configs/rlvr_8b.yaml
                         (7 training GPUs; the trainer starts the vLLM engine on GPU 7: scripts/rlvr_8b.sh)
 
-The file is the math (pure functions with their formulas), then one function per phase of a rollout step, then
-`main`, which loads everything and runs the phases in a loop. Lines marked ALGO LOGIC are the ones a new variant
-edits; the plumbing around them (sampling, model loading, evaluation, timing) is in `rollouts.py`, the generation
-backends behind `generation.py`'s contract, the algorithm names and traits in `rl_algorithms.py`.
+The file is the optional features' extension points (`Feature`, `features_of`: where each feature can act), then
+one function per phase of a rollout step, then `main`, which loads everything and runs the phases in a loop. Lines
+marked ALGO LOGIC are the ones a new variant edits; the estimators, policy losses and KL estimators, each one
+function with its registration, and their math (pure functions with their formulas) are `rl_algorithms.py`; the
+plumbing around them (sampling, model loading, evaluation, timing) is in `rollouts.py`, the generation backends
+behind `generation.py`'s contract, the step statistics in `step_sums.py`.
 
     RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
     (rollouts.py)       generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
@@ -15,8 +17,8 @@ backends behind `generation.py`'s contract, the algorithm names and traits in `r
     collect_rollout     completions -> score them (verifiers, plus a reward model, the non-stop penalty and the
                         overlong punishment when configured) -> no-grad log-probs of the policy and the frozen
                         reference, values (gae)                                                   -> Rollout
-    compute_advantages  the estimator's row of rl_algorithms.ADVANTAGE_ESTIMATORS: one function per estimator,
-                        bound here with @advantage_estimator(name)                                -> Advantages
+    compute_advantages  the estimator's row of rl_algorithms.ADVANTAGE_ESTIMATORS, called with the rollout's
+                        AdvantageInputs (the narrow input: docs/extending.md)                     -> Advantages
     update              num_epochs passes x num_mini_batches optimizer steps x micro-batches, the optimizer step in
                         sight; each step's loss is aggregated over the *global* mini-batch, so 1 or N processes
                         give the same update
@@ -27,7 +29,7 @@ not stored), and `mask` marks real tokens (right padding after the response's st
 (`environment:`, episode_rollouts.py): the response holds the policy's turns and the observations between them, and
 `mask` is the loss mask, 1 on policy tokens only: observations are context for every forward and never trained
 (no policy, KL, entropy or value term, no count); the score sits on the last policy token, each turn's reward on its
-turn's last policy token, and GAE / returns run over policy tokens only (episodes.multi_turn_gae).
+turn's last policy token, and GAE / returns run over policy tokens only (rl_algorithms.multi_turn_gae).
 
 advantage_estimator: gae (PPO, Tulu 3: reward_t = -beta * KL_t plus the score at the last token; GAE(gamma, lam)
 with a value model, a scalar head on the backbone initialised from `value_model_path` or the policy; whitened),

@@ -4,7 +4,8 @@ per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the hel
 rows, and loading the prompts (checked before any model loads). With an environment each of these plays or scores
 multi-turn episodes (episode_rollouts.py) instead of single completions.
 
-The RL math, the phases of a rollout step and `main` stay in `rlvr_ppo.py`.
+The phases of a rollout step and `main` stay in `rlvr_ppo.py`, the estimators and losses with their math in
+`rl_algorithms.py`.
 """
 
 from __future__ import annotations

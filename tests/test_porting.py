@@ -235,7 +235,7 @@ def spec_rows_removed():
 def test_algo_kwargs_from_recipe_and_command_line(tmp_path, spec_rows_removed):
     variant = tmp_path / "v.py"
     variant.write_text(
-        "def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0, tag='x'):\n    return logp, mask\n"
+        "def my_loss(x, alpha=1.0, tag='x'):\n    return x.logp, x.mask\n"
     )
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
