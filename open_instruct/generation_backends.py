@@ -126,7 +126,8 @@ def make_checker(cfg: Any, generator: Any, policy: Any, tokenizer: Any, accelera
     """The generation check of `generator` (generation_check.GenerationChecker: every weight sync under a deadline,
     the first checking the generator against the trainer, the others the weights it got), or None when it samples
     synchronously with the trainer's own module (hf without async_steps): nothing is copied, nothing to check."""
-    if getattr(generator, "model", None) is policy and not cfg.async_steps:
+    samples_with = getattr(generator, "model", None)  # hf: the trainer's module (unwrapped from DDP)
+    if not cfg.async_steps and (samples_with is policy or samples_with is accelerator.unwrap_model(policy)):
         return None
     from open_instruct.generation_check import GenerationChecker
 
