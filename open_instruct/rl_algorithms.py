@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from open_instruct.errors import ConfigError
@@ -82,22 +82,26 @@ ALGO_ESTIMATORS = {"ppo": "gae", "grpo": "grpo"}
 
 
 def advantage_estimator(name: str, **traits: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: `function(x: AdvantageInputs, **kwargs) -> Advantages` is estimator `name`, with these traits."""
+    """Decorator: `function(x: AdvantageInputs, **kwargs) -> Advantages` is estimator `name`, with these traits
+    (without traits, a name already registered keeps its row's: a copied script re-binding a built-in)."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
         check_call("advantage_estimator", function, name)
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(**traits, function=function)
+        row = ADVANTAGE_ESTIMATORS.get(name) if not traits else None
+        ADVANTAGE_ESTIMATORS[name] = replace(row or AdvantageEstimator(**traits), function=function)
         return function
 
     return bind
 
 
 def policy_loss(name: str, **traits: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: `function(x: LossInputs, **kwargs) -> (loss, clipped)` is policy loss `name`, with these traits."""
+    """Decorator: `function(x: LossInputs, **kwargs) -> (loss, clipped)` is policy loss `name`, with these traits
+    (or, without, the row's already registered under `name`)."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
         check_call("policy_loss", function, name)
-        POLICY_LOSSES[name] = PolicyLoss(**traits, function=function)
+        row = POLICY_LOSSES.get(name) if not traits else None
+        POLICY_LOSSES[name] = replace(row or PolicyLoss(**traits), function=function)
         return function
 
     return bind
