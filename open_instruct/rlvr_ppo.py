@@ -137,8 +137,8 @@ class Feature:
     score_rollout  collect_rollout, once: (cfg, out, n, width) -> {name: [n, width] tensor} into Rollout.extra
     score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {name: [b, r] tensor},
                    masked into Rollout.extra (an estimator reads it through AdvantageInputs)
-    policy_forward update: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state for loss_term)
-    loss_term      update, each micro-batch: (cfg, models, batch, mask, w, state) -> (term added to the loss sum,
+    policy_forward micro_batch_loss: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state for loss_term)
+    loss_term      micro_batch_loss: (cfg, models, batch, mask, w, state) -> (term added to the loss sum,
                    {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
     rollout_sums   log_row: (rollout) -> {name: float}, summed over ranks with the rollout's own sums
     metrics        log_row: (cfg, rollout, sums over ranks, update stats, updates, accelerator) -> metrics of the row
@@ -153,12 +153,13 @@ class Feature:
     rollout_sums: Optional[Callable[..., dict[str, float]]] = None
     metrics: Optional[Callable[..., dict[str, float]]] = None
     clock: Optional[str] = None
-    seconds: float = 0.0  # host clock, summed since the last read (take_seconds)
+    seconds: float = 0.0  # host clock, summed since the last read (clock_seconds)
 
 
 def features_of(cfg: RLVRConfig, train: Sequence[dict] = ()) -> list[Feature]:
-    """The features this run turns on, each imported only then. (The generator and its checks, vLLM engines and
-    async sampling plug in at set-up: make_generator, checker_for and RolloutSampler in `main`.)"""
+    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier).
+    The generator and its vLLM engines, the generation check and async sampling plug in at set-up instead:
+    make_generator, make_checker and RolloutSampler in `main`."""
     features = []
     if cfg.uses_teacher:  # on-policy distillation: the teacher scores, and under jsd adds a loss term
         from open_instruct import distillation
