@@ -137,9 +137,9 @@ class Feature:
     score_rollout  collect_rollout, once: (cfg, out, n, width) -> {name: [n, width] tensor} into Rollout.extra
     score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {name: [b, r] tensor},
                    masked into Rollout.extra (an estimator reads it through AdvantageInputs)
-    policy_forward micro_batch_loss: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state for loss_term)
-    loss_term      micro_batch_loss: (cfg, models, batch, mask, w, state) -> (term added to the loss sum,
-                   {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
+    policy_forward micro_batch_loss: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state)
+    loss_term      micro_batch_loss: (cfg, models, batch, mask, w, state from policy_forward) -> (term added to
+                   the loss sum, {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
     rollout_sums   log_row: (rollout) -> {name: float}, summed over ranks with the rollout's own sums
     metrics        log_row: (cfg, rollout, sums over ranks, update stats, updates, accelerator) -> metrics of the row
     clock          time/<clock>: the seconds spent in its score_batch and loss_term hooks"""
