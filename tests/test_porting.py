@@ -234,9 +234,7 @@ def spec_rows_removed():
 
 def test_algo_kwargs_from_recipe_and_command_line(tmp_path, spec_rows_removed):
     variant = tmp_path / "v.py"
-    variant.write_text(
-        "def my_loss(x, alpha=1.0, tag='x'):\n    return x.logp, x.mask\n"
-    )
+    variant.write_text("def my_loss(x, alpha=1.0, tag='x'):\n    return x.logp, x.mask\n")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"model_name_or_path: m\ndataset_name_or_path: d.jsonl\ntotal_episodes: 64\npolicy_loss: {variant}:my_loss\n"
