@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -32,6 +31,7 @@ from open_instruct import run_dir
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
 from open_instruct.rl_algorithms import ALGO_ESTIMATORS
+from open_instruct.run_dir import FAULT_ENV, fault_point  # noqa: F401 (FAULT_ENV: the tests' name for it)
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: start-up reads checkpoints before the slow import
     import torch
@@ -68,27 +68,6 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-FAULT_ENV = "OPEN_INSTRUCT_FAULT"
-
-
-def fault_point(name: str, step: Optional[int] = None) -> None:
-    """Testing hook, inert unless the environment asks: OPEN_INSTRUCT_FAULT=<name>[:step_<N>][:enospc] makes the
-    process SIGKILL itself (or, with `enospc`, raise "No space left on device") on reaching fault point <name>
-    (at step N only, when given). Points: checkpoint_state (model/optimizer state written, no manifest yet),
-    checkpoint_write (checkpoint complete in its temp folder, not yet renamed), checkpoint_prune (renamed into
-    place, older ones not yet pruned), <folder>_write (an HF folder such as final_model complete in its temp
-    folder, not yet moved into place). tests/test_reliability.py crashes runs at these points."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[0] != name or any(p.startswith("step_") and p != f"step_{step}" for p in parts[1:]):
-        return
-    if "enospc" in parts[1:]:
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={spec})")
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_manifest(folder: str) -> None:

@@ -21,7 +21,6 @@ import torch
 from transformers import AutoConfig
 
 from open_instruct import console, data, rewards
-from open_instruct.checkpoint import fault_point
 from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, is_fsdp, prepare_frozen, zero_sums_by_source
@@ -29,6 +28,7 @@ from open_instruct.episode_rollouts import EnvironmentRun, episode_correct, epis
 from open_instruct.episodes import episode_score
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
+from open_instruct.run_dir import fault_point
 
 
 def derived_seed(seed: int, *parts: int) -> int:

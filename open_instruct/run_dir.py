@@ -19,9 +19,11 @@ Imports only the standard library (start-up code: no torch)."""
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -31,6 +33,36 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from open_instruct.errors import ConfigError
+
+FAULT_ENV = "OPEN_INSTRUCT_FAULT"
+_stopped_at: set[str] = set()
+
+
+def fault_point(name: str, step: Optional[int] = None) -> None:
+    """Testing hook, inert unless the environment asks: OPEN_INSTRUCT_FAULT=<name>[:step_<N>][:enospc|:stop] makes
+    the process SIGKILL itself on reaching fault point <name> (at step N only, when given); with `enospc` it raises
+    "No space left on device" instead; with `stop` it SIGSTOPs itself, once, so that a test acts on it at exactly
+    this point (signal, kill, look at its files) and then SIGCONTs it: no race with the scheduler.
+    Points: checkpoint_state (model/optimizer state written, no manifest yet), checkpoint_write (checkpoint complete
+    in its temp folder, not yet renamed), checkpoint_prune (renamed into place, older ones not yet pruned),
+    <folder>_write (an HF folder such as final_model complete in its temp folder, not yet moved into place),
+    weight_sync (a generator's weights are being updated), metrics_row (a row of metrics.jsonl written; N is the
+    row's counter). tests/test_reliability.py crashes runs at these points."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != name or any(p.startswith("step_") and p != f"step_{step}" for p in parts[1:]):
+        return
+    if "enospc" in parts[1:]:
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={spec})")
+    if "stop" in parts[1:]:
+        if spec not in _stopped_at:
+            _stopped_at.add(spec)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"

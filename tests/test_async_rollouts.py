@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows
+from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows, stop_at
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread in this process)
 
 from demo.synthetic import rl_rows, write_jsonl
@@ -331,11 +331,11 @@ def test_async_run_killed_in_flight_preempted_and_killed_in_a_weight_update_and_
     assert rollouts_logged(out) <= 2
 
     # 2. SIGTERM after rollout 3's row: the rollouts in flight are completed and saved with the checkpoint.
-    run = start(zygote, resume, out)
-    run.signal_when(lambda: rollouts_logged(out) >= 3, signal.SIGTERM)
+    run = start(zygote, resume, out, env=stop_at("metrics_row", 3))
+    run.signal_at_stop(signal.SIGTERM)
     ended(run, 0)
-    reached = rollouts_logged(out)
-    assert 3 <= reached < 8 and f"SIGTERM: checkpoint written at rollout step {reached}" in run.output()
+    reached = rollouts_logged(out)  # stopped right after rollout 3's row: the SIGTERM lands there
+    assert reached == 3 and f"SIGTERM: checkpoint written at rollout step {reached}" in run.output()
 
     # 3. SIGKILL as the weights of version 5 go to the generator (rollout 5 taken, rollout 6 in flight).
     ended(start(zygote, resume, out, env={checkpoint.FAULT_ENV: "weight_sync:step_5"}), -signal.SIGKILL)

@@ -22,9 +22,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from _reliability_helpers import stop_at, wait_until_stopped
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
@@ -740,8 +740,11 @@ def test_auto_resumes_only_checkpoints_of_its_own_run(tiny_models, files, finish
 
 def test_two_concurrent_runs_the_second_refuses(tiny_models, files, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = sft_argv(tiny_models, files, out, "--num_train_epochs", "12")  # 48 steps: long enough to overlap
+    argv = sft_argv(tiny_models, files, out, "--num_train_epochs", "12")  # 48 steps
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.update(
+        stop_at("metrics_row", 1)
+    )  # the first run holds its folder, stopped after step 1, while the second tries
     first = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "open_instruct", "sft.py"), *argv],
         env=env,
@@ -750,13 +753,11 @@ def test_two_concurrent_runs_the_second_refuses(tiny_models, files, tmp_path, ca
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not os.path.exists(out / "metrics.jsonl") and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert first.poll() is None, first.communicate()[0][-3000:]
+        wait_until_stopped(first.pid, 300)
         capsys.readouterr()
         assert run_script("sft", argv + ["--resume_from_checkpoint", "auto"]) == 2
         assert f"in use by another run (pid {first.pid}" in capsys.readouterr().err
+        os.kill(first.pid, signal.SIGCONT)
         log, _ = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
