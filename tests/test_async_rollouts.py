@@ -312,6 +312,7 @@ def rollouts_logged(out) -> int:
     return max((r["rollout_step"] for r in read_rows(str(out)) if "train/score_mean" in r), default=0)
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_async_run_killed_in_flight_preempted_and_killed_in_a_weight_update_and_a_save_resumes_exactly(
     zygote, tiny_models, task, tmp_path

@@ -738,6 +738,7 @@ def test_auto_resumes_only_checkpoints_of_its_own_run(tiny_models, files, finish
     assert_weights_match(finished_sft / "final_model", out / "final_model")
 
 
+@pytest.mark.concurrency
 def test_two_concurrent_runs_the_second_refuses(tiny_models, files, tmp_path, capsys):
     out = tmp_path / "out"
     argv = sft_argv(tiny_models, files, out, "--num_train_epochs", "12")  # 48 steps
@@ -999,6 +1000,7 @@ def test_outputs_are_made_with_the_users_umask(finished_sft, tmp_path, umask_022
         assert oct(os.stat(os.path.join(finished_sft, file)).st_mode & 0o777) == oct(0o644), file
 
 
+@pytest.mark.concurrency
 def test_sigterm_while_the_model_loads_exits_0_saying_so(tiny_models, files, tmp_path, monkeypatch, capsys):
     from open_instruct import models
 
@@ -1020,6 +1022,7 @@ def test_sigterm_while_the_model_loads_exits_0_saying_so(tiny_models, files, tmp
     assert not os.path.exists(tmp_path / "out" / run_dir.LOCK_FILE)
 
 
+@pytest.mark.concurrency
 def test_sigterm_in_the_dpo_reference_pass_exits_0_saying_so(tiny_models, files, tmp_path, monkeypatch, capsys):
     from open_instruct import models
 

@@ -355,6 +355,7 @@ def rows_without_timing(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
+@pytest.mark.concurrency
 def test_killed_distillation_run_resumes_bit_exactly(tiny_models, teachers, rl_files, tmp_path, monkeypatch):
     """SIGTERM during rollout 2 of 4 (checkpoint, exit 0), resume: the metric rows and the final weights equal the
     uninterrupted run's exactly. The teacher is frozen: it is loaded again from its path, nothing of it is saved."""

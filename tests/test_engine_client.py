@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.concurrency  # engines, trainers and kills: every wait is on an event
 
 from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped  # noqa: E402
 

@@ -728,6 +728,7 @@ def test_sft_lora_under_fsdp2_matches_one_process(tmp_path, tiny_models):
     assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(resumed, "final_model"))
 
 
+@pytest.mark.concurrency
 def test_ppo_lora_resume_after_sigterm_is_exact(task):
     """PPO with LoRA on the policy and the value model, reference = adapter-disabled policy: SIGTERM after a few
     rollouts, resume, and the logs and final weights equal the uninterrupted run's."""

@@ -206,6 +206,7 @@ def sft_reference(zygote, tiny_models, task, tmp_path_factory):
     return out
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     zygote, sft_reference, tiny_models, task, tmp_path, rng
@@ -254,6 +255,7 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     assert checkpoint.validate(str(out / "final_model")) is None
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     zygote, tiny_models, task, tmp_path, rng
@@ -295,6 +297,7 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     assert debris(str(out)) == []
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(
     zygote, tiny_models, task, tmp_path, rng
@@ -356,6 +359,7 @@ def rm_argv(models, task, out, *extra):  # 16 steps of 4 pairs
     ]
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_reward_model_survives_sigkills_at_random_moments(zygote, tiny_models, task, tmp_path, rng):
     """Restarts SIGKILLed at random moments (start-up, restore, a step, an eval, a save or the final write: wherever

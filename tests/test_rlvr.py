@@ -171,6 +171,7 @@ def test_grpo_raises_heldout_accuracy(task):
 
 
 @pytest.mark.slow
+@pytest.mark.concurrency
 def test_resume_after_preemption_matches_uninterrupted(task):
     small = [
         "--local_rollout_batch_size",
