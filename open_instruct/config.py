@@ -607,6 +607,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     non_stop_penalty_mode: Literal["add", "replace"] = opt(
         "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
     )
+    mask_truncated_completions: bool = opt(
+        False,
+        "TRL's: a completion no EOS/stop string ended within response_length is left out of the loss (its tokens get "
+        "no weight); it still counts in its group's baseline (docs/porting.md).",
+    )
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
     advantage_estimator: Optional[str] = opt(
         None,
@@ -860,6 +865,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
             )
+        if self.mask_truncated_completions and self.uses_value_model:
+            raise ConfigError(
+                f"mask_truncated_completions is TRL's GRPO option: it needs an estimator without a value model (grpo, "
+                f"dr_grpo, rloo, ...), not {self.advantage_estimator}, whose value targets would still train on a "
+                "masked completion"
+            )
         if not self.uses_value_model and self.value_model_path:
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
@@ -1031,7 +1042,7 @@ def _unknown_keys_error(unknown: list[tuple[str, str]], valid: Sequence[str], sc
     """One error listing every unknown key of the run (recipe and command line), each with its hint, and for a
     TRL GRPO recipe what differs here (flag_names.trl_port_notice): a port takes one pass, not one run per key."""
     lines = [_unknown_key_line(key, valid, where, script, given) for key, where in unknown]
-    notice = flag_names.trl_port_notice([key for key, _ in unknown], script)
+    notice = flag_names.trl_port_notice([key for key, _ in unknown], script, given)
     text = lines[0] if len(lines) == 1 else f"{len(lines)} unknown keys:\n  " + "\n  ".join(lines)
     return ConfigError(text + (f"\n{notice}" if notice else ""))
 
