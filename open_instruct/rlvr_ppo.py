@@ -98,7 +98,7 @@ from open_instruct.models import (
     token_logprobs,
     token_values,
 )
-from open_instruct.rewards import combine_rewards
+from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import KL_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
     PhaseClock,
@@ -514,6 +514,7 @@ class Rollout:
     turn_rewards: Optional[torch.Tensor] = None
     played: list = field(default_factory=list)
     teacher_logp: Optional[torch.Tensor] = None  # [n, R] the teacher's log-probs of the sampled tokens (distill)
+    reward_function_values: dict = field(default_factory=dict)  # label -> each completion's value (None: n/a)
 
 
 @dataclass
@@ -655,6 +656,7 @@ def collect_rollout(
             **({"teacher_forward": teacher_seconds} if models.teacher is not None else {}),
         },
         code_statuses=scored.code_statuses or {},
+        reward_function_values=scored.function_values or {},
         turn_rewards=turn_rewards,
         played=played,
         teacher_logp=teacher_logp * mask if models.teacher is not None else None,
@@ -1041,6 +1043,7 @@ def log_row(
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **teacher_kl_sums(rollout),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
+            **reward_function_sums(rollout.reward_function_values),
         },
     )
     n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
@@ -1054,6 +1057,7 @@ def log_row(
         "train/entropy": train["entropy"] / updates,
         "train/approx_kl": train["approx_kl"] / updates,
         "train/verifier_timeouts": ep["timeouts"],
+        **reward_function_metrics(ep),  # reward/<function>/mean and /std
         "loss/policy": train["policy_loss"] / updates,
         "clipfrac/policy": train["pg_clipfrac"] / updates,
         "train/grad_norm": train["grad_norm"] / updates,
@@ -1198,7 +1202,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:
-                samples = sample_rows(rollout, tokenizer, cfg.num_samples_logged, environments)
+                samples = sample_rows(
+                    rollout, tokenizer, cfg.num_samples_logged, environments, cfg.reward_functions or ()
+                )
                 run.logger.log_samples(samples, counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             break
