@@ -838,7 +838,7 @@ def trl_shape_line(given: dict) -> str:
         max_steps=_int_of(given, "max_steps", None),
     )
     text = (
-        f"TRL's batch shape on 1 process (P processes: completions x P): {shape.completions_per_generation} "
+        f"TRL's batch shape on 1 process (P processes: completions and total_episodes x P): {shape.completions_per_generation} "
         f"completions per generation (per_device_train_batch_size {shape.per_device_train_batch_size} x "
         f"steps_per_generation {shape.steps_per_generation}), {shape.optimizer_steps_per_generation:g} optimizer "
         f"steps per generation (steps_per_generation x num_iterations {shape.num_iterations} / "
