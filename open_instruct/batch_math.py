@@ -381,8 +381,8 @@ def trl_grpo_shape(
     if local_completions % n:
         problems.append(
             f"a process generates per_device_train_batch_size {pd} x steps_per_generation {steps_per_generation} = "
-            f"{local_completions} completions, not whole groups of num_generations {n} (here each process holds "
-            "whole groups)"
+            f"{local_completions} completions, not whole groups of num_generations (num_samples_per_prompt) {n} "
+            "(here each process holds whole groups)"
         )
     else:
         ours["local_rollout_batch_size"] = local_completions // n
@@ -407,3 +407,23 @@ def trl_grpo_shape(
     return TRLGRPOShape(
         pd, ga, steps_per_generation, n, num_iterations, max_steps, processes, ours, "; ".join(problems) or None
     )
+
+
+def trl_rollout_batch_size(per_device_train_batch_size: Any, gradient_accumulation_steps: Any, group: Any) -> Any:
+    """local_rollout_batch_size null: TRL GRPO's default generation batch, per_device_train_batch_size x
+    gradient_accumulation_steps completions per process (steps_per_generation = gradient_accumulation_steps), in
+    prompts. Values that are not positive integers are returned as None for the field checks to name."""
+    values = (per_device_train_batch_size, gradient_accumulation_steps, group)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return None
+    shape = trl_grpo_shape(
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_generations=group,
+    )
+    if shape.mismatch:
+        raise ConfigError(
+            f"local_rollout_batch_size null (TRL's generation batch) cannot be derived: {shape.mismatch}; set "
+            "local_rollout_batch_size (prompts per process per rollout)"
+        )
+    return shape.ours["local_rollout_batch_size"]

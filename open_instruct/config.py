@@ -24,7 +24,13 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 import yaml
 
 from open_instruct import flag_names, rl_algorithms
-from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
+from open_instruct.batch_math import (
+    BatchPlan,
+    check_token_budget,
+    rl_batch_plan,
+    supervised_batch_plan,
+    trl_rollout_batch_size,
+)
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list, source_labels
 from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, ALGO_ESTIMATORS, POLICY_LOSSES, AdvantageEstimator
@@ -569,7 +575,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
     max_prompt_length: int = opt(512, "Longest prompt in tokens.")
     # rollouts
-    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
+    local_rollout_batch_size: Optional[int] = opt(
+        8,
+        "Prompts per device per rollout; null: TRL GRPO's generation batch, per_device_train_batch_size x "
+        "gradient_accumulation_steps / num_samples_per_prompt (one optimizer step per rollout and epoch).",
+    )
     num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
     num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
     response_length: int = opt(256, "Most new tokens per completion.")
@@ -771,6 +781,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             self.advantage_estimator = "distill"
         if self.distill_group_baseline is None:
             self.distill_group_baseline = self.num_samples_per_prompt >= 2
+        if self.local_rollout_batch_size is None:  # TRL's default steps_per_generation = gradient_accumulation_steps
+            self.local_rollout_batch_size = trl_rollout_batch_size(
+                self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_samples_per_prompt
+            )
         if self.advantage_estimator is None and self.algo in ALGO_ESTIMATORS:  # the preset
             self.advantage_estimator = ALGO_ESTIMATORS[self.algo]
         for name in ("cliprange_low", "cliprange_high"):

@@ -798,7 +798,7 @@ TRL_GRPO_DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
         "local_rollout_batch_size",
         "8 prompts per process per rollout",
         "per_device_train_batch_size x steps_per_generation completions (8: one prompt)",
-        "--local_rollout_batch_size (per_device_train_batch_size x steps_per_generation / num_generations)",
+        "--local_rollout_batch_size null (derived as TRL derives it; or the note's number)",
     ),
     (
         "truncated_importance_sampling",
@@ -837,12 +837,13 @@ def trl_shape_line(given: dict) -> str:
         generation_batch_size=_int_of(given, "generation_batch_size", None),
         max_steps=_int_of(given, "max_steps", None),
     )
+    per_generation = shape.optimizer_steps_per_generation
     text = (
-        f"TRL's batch shape on 1 process (P processes: completions and total_episodes x P): {shape.completions_per_generation} "
-        f"completions per generation (per_device_train_batch_size {shape.per_device_train_batch_size} x "
-        f"steps_per_generation {shape.steps_per_generation}), {shape.optimizer_steps_per_generation:g} optimizer "
-        f"steps per generation (steps_per_generation x num_iterations {shape.num_iterations} / "
-        f"gradient_accumulation_steps {shape.gradient_accumulation_steps})"
+        "TRL's batch shape on 1 process (P processes: completions and total_episodes x P): "
+        f"{shape.completions_per_generation} completions per generation (per_device_train_batch_size "
+        f"{shape.per_device_train_batch_size} x steps_per_generation {shape.steps_per_generation}), "
+        f"{per_generation:g} optimizer steps per generation (steps_per_generation x num_iterations "
+        f"{shape.num_iterations} / gradient_accumulation_steps {shape.gradient_accumulation_steps})"
     )
     if shape.max_steps is not None:
         text += f", {shape.max_steps} optimizer steps in all"

@@ -163,10 +163,11 @@ def test_grpo_trl_defaults_recipe_holds_trls_defaults():
     assert recipe["non_stop_penalty"] == 0.0
     # one prompt per device per rollout: TRL's generation batch is steps_per_generation (default: accumulation) x
     # the per-device batch of completions
-    assert recipe["local_rollout_batch_size"] * recipe["num_samples_per_prompt"] == (
+    assert recipe["local_rollout_batch_size"] is None  # derived as TRL derives it
+    cfg = parse_config(RLVRConfig, [os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), *BASE])
+    assert cfg.local_rollout_batch_size * cfg.num_samples_per_prompt == (
         defaults["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
     )
-    cfg = parse_config(RLVRConfig, [os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), *BASE])
     assert cfg.advantage_estimator == "grpo" and not cfg.uses_value_model and cfg.kl_estimator == "k3"
 
 

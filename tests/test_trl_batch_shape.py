@@ -129,7 +129,7 @@ def test_a_shape_with_no_equivalent_is_named_with_the_reason(tmp_path):
     # 4 completions per process per generation cannot hold whole groups of 8 on one process
     message = port_error(tmp_path, {"per_device_train_batch_size": 4, "num_generations": 8, "max_steps": 10})
     assert "not the same run here: a process generates per_device_train_batch_size 4 x steps_per_generation 1 = " \
-        "4 completions, not whole groups of num_generations 8" in message  # fmt: skip
+        "4 completions, not whole groups of num_generations (num_samples_per_prompt) 8" in message  # fmt: skip
     # a generation that fills half an optimizer step
     message = port_error(
         tmp_path,
@@ -156,13 +156,29 @@ def test_note_lists_only_settings_the_recipe_does_not_set(tmp_path):
     }  # fmt: skip
 
 
-def test_trl_defaults_recipe_resolves_to_trls_default_shape():
-    """configs/grpo_trl_defaults.yaml: TRL's default run (8 completions per device, one generation per optimizer
-    step); max_steps 50 there is total_episodes 50 x 8 here."""
+@pytest.mark.parametrize("pd,ga,group", [(8, 1, 8), (8, 4, 8), (16, 2, 4), (2, 4, 8)])
+def test_trl_defaults_recipe_resolves_to_trls_shape(pd, ga, group):
+    """configs/grpo_trl_defaults.yaml with TRL's batch settings changed (our names): local_rollout_batch_size null
+    is derived as TRL derives its generation batch, so the plan is TRL's run; max_steps 12 there is total_episodes
+    12 x per_device_train_batch_size x gradient_accumulation_steps here."""
     base = os.path.join(REPO, "configs", "grpo_trl_defaults.yaml")
-    cfg = parse_config(RLVRConfig, [base, "--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl",
-                                    "--total_episodes", str(50 * 8)])  # fmt: skip
-    plan = cfg.batch_plan(1, None)
-    completions, steps_per_generation, steps, generated = trl_run(max_steps=50)
+    argv = [base, "--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl",
+            "--per_device_train_batch_size", str(pd), "--gradient_accumulation_steps", str(ga),
+            "--num_samples_per_prompt", str(group), "--total_episodes", str(12 * pd * ga)]  # fmt: skip
+    plan = parse_config(RLVRConfig, argv).batch_plan(1, None)
+    completions, steps_per_generation, steps, generated = trl_run(pd=pd, ga=ga, num_generations=group, max_steps=12)
     assert (plan.episodes_per_rollout, plan.num_epochs * plan.num_mini_batches) == (completions, steps_per_generation)
     assert (plan.optimizer_steps, plan.total_episodes) == (steps, generated)
+
+
+def test_trl_defaults_recipe_says_when_the_generation_batch_splits_a_group():
+    base = os.path.join(REPO, "configs", "grpo_trl_defaults.yaml")
+    with pytest.raises(ConfigError) as e:
+        parse_config(RLVRConfig, [base, "--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl",
+                                  "--total_episodes", "64", "--per_device_train_batch_size", "4"])  # fmt: skip
+    assert str(e.value) == (
+        "local_rollout_batch_size null (TRL's generation batch) cannot be derived: a process generates "
+        "per_device_train_batch_size 4 x steps_per_generation 1 = 4 completions, not whole groups of num_generations "
+        "(num_samples_per_prompt) 8 (here each process holds whole groups); set local_rollout_batch_size (prompts per "
+        "process per rollout)"
+    )
