@@ -1240,15 +1240,9 @@ def custom_reward_values(
     return total, values
 
 
-def custom_rewards(
-    specs: Sequence[str],
-    weights: Optional[Sequence[float]],
-    inputs: dict[str, list[Any]],
-    where: Optional[Sequence[str]] = None,
-    timeout: float = 60.0,
-) -> list[float]:
-    """custom_reward_values' weighted sum alone."""
-    return custom_reward_values(specs, weights, inputs, where, timeout)[0]
+def custom_rewards(*args: Any, **kwargs: Any) -> list[float]:
+    """custom_reward_values' weighted sum alone (same arguments)."""
+    return custom_reward_values(*args, **kwargs)[0]
 
 
 def reward_function_sums(values: dict[str, list[Optional[float]]]) -> dict[str, float]:
@@ -1278,8 +1272,8 @@ def reward_function_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 
 def columns_used(specs: Sequence[str], columns: dict[str, Any]) -> dict[str, Any]:
-    """The row's columns the reward functions take (all of them for a function with **kwargs): what samples.jsonl
-    shows next to a completion."""
+    """The row's columns the reward functions take (all of them for a function with **kwargs), as JSON values: what
+    samples.jsonl shows next to a completion."""
     from open_instruct.errors import ConfigError
 
     row = {name: [value] for name, value in columns.items() if name not in _NOT_COLUMNS}
@@ -1291,7 +1285,7 @@ def columns_used(specs: Sequence[str], columns: dict[str, Any]) -> dict[str, Any
         except ConfigError:  # a column this row lacks: the function's own call says so
             continue
         used.update({name: values[0] for name, values in taken.items() if name in row})
-    return used
+    return json.loads(json.dumps(used, default=str))  # a value JSON cannot hold (a date) as its text
 
 
 PROBE_ROWS = 4  # rows each reward function is tried on before any model loads
