@@ -92,3 +92,22 @@ def test_off_by_default_and_refused_with_a_value_model(tiny_models):
     assert not cfg.mask_truncated_completions and int(rollout.mask[1].sum()) == n[1]
     with pytest.raises(ConfigError, match="mask_truncated_completions is TRL's GRPO option: it needs an estimator"):
         parse_config(RLVRConfig, [RECIPE, "--mask_truncated_completions", "true"])  # algo ppo: gae, a value model
+
+
+def test_a_run_with_truncated_completions_masked(tiny_models, tmp_path):
+    """The script end to end with response_length 4 (most completions are cut): it trains, and the logged policy loss
+    is finite."""
+    import json
+
+    from test_reward_functions_trl import command, run, write_rows
+
+    rewards_file = tmp_path / "r.py"
+    rewards_file.write_text(
+        "def solution_length(completions, solution, **kwargs):\n    return [len(s) for s in solution]\n"
+    )
+    data, out = write_rows(tmp_path / "rows.jsonl", False), tmp_path / "out"
+    argv = command(tiny_models["causal_lm"], data, out, "--reward_functions", f"{rewards_file}:solution_length",
+                   "--mask_truncated_completions", "true", "--loss_aggregation", "seq_mean_token_mean")  # fmt: skip
+    assert run(argv) == 0
+    (train,) = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+    assert train["train/non_stop_rate"] > 0 and math.isfinite(train["loss/policy"])
