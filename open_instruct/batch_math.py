@@ -365,18 +365,23 @@ def trl_grpo_shape(
     max_steps optimizer steps. `mismatch` says why no setting here is the same run (a group split across
     processes, a generation that does not fill whole optimizer steps, max_steps mid-generation)."""
     pd, ga, n = per_device_train_batch_size, gradient_accumulation_steps, num_generations
+    problems = []
     if steps_per_generation is None:
         if generation_batch_size is None:
             steps_per_generation = ga
         else:
-            steps_per_generation = generation_batch_size // (pd * processes)  # TRL refuses a remainder
+            steps_per_generation = max(generation_batch_size // (pd * processes), 1)
+            if generation_batch_size % (pd * processes):
+                problems.append(
+                    f"TRL refuses generation_batch_size {generation_batch_size}: not a multiple of "
+                    f"per_device_train_batch_size {pd} x processes {processes}"
+                )
     ours = {
         "per_device_train_batch_size": pd,
         "gradient_accumulation_steps": ga,
         "num_samples_per_prompt": n,
         "num_epochs": num_iterations,
     }
-    problems = []
     local_completions = pd * steps_per_generation
     if local_completions % n:
         problems.append(

@@ -821,8 +821,9 @@ def _set_here(key: str, given: dict) -> bool:
 
 
 def _int_of(given: dict, name: str, default: Optional[int]) -> Optional[int]:
-    value = _number(given.get(name, default))
-    return None if value is None else int(value)
+    """The recipe's positive whole number for `name`, else `default` (a bad value gets its own error later)."""
+    value = _number(given.get(name))
+    return int(value) if value is not None and value >= 1 and value == int(value) else default
 
 
 def trl_shape_line(given: dict) -> str:
@@ -851,7 +852,8 @@ def trl_shape_line(given: dict) -> str:
         k: v for k, v in shape.ours.items() if not (k in given or (k in _RENAMED_AS_IS and _RENAMED_AS_IS[k] in given))
     }
     if write:
-        text += "\n    the same run here: " + " ".join(f"--{k} {v}" for k, v in write.items())
+        label = "the closest here" if shape.mismatch else "the same run here"
+        text += f"\n    {label}: " + " ".join(f"--{k} {v}" for k, v in write.items())
     if shape.mismatch:
         text += f"\n    not the same run here: {shape.mismatch}"
     return text
