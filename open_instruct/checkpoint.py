@@ -565,8 +565,8 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
         "messages_column", "ground_truth_column", "verifier_column", "max_prompt_length", "response_length",
         "temperature", "top_p", "stop_strings",
         # rewards
-        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "reward_model_path",
-        "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
+        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "mask_truncated_completions",
+        "reward_model_path", "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
         "overlong_buffer_length", "overlong_penalty_factor",
         # multi-turn episodes
         "environment", "tools", "tool_call_format", "max_turns", "max_tool_calls", "tool_output_max_tokens",

@@ -24,7 +24,13 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 import yaml
 
 from open_instruct import flag_names, rl_algorithms
-from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
+from open_instruct.batch_math import (
+    BatchPlan,
+    check_token_budget,
+    rl_batch_plan,
+    supervised_batch_plan,
+    trl_rollout_batch_size,
+)
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list, source_labels
 from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, ALGO_ESTIMATORS, POLICY_LOSSES, AdvantageEstimator
@@ -569,7 +575,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
     max_prompt_length: int = opt(512, "Longest prompt in tokens.")
     # rollouts
-    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
+    local_rollout_batch_size: Optional[int] = opt(
+        8,
+        "Prompts per device per rollout; null: TRL GRPO's generation batch, per_device_train_batch_size x "
+        "gradient_accumulation_steps / num_samples_per_prompt (one optimizer step per rollout and epoch).",
+    )
     num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
     num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
     response_length: int = opt(256, "Most new tokens per completion.")
@@ -606,6 +616,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")
     non_stop_penalty_mode: Literal["add", "replace"] = opt(
         "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
+    )
+    mask_truncated_completions: bool = opt(
+        False,
+        "TRL's: a completion no EOS/stop string ended within response_length is left out of the loss (its tokens get "
+        "no weight); it still counts in its group's baseline (docs/porting.md).",
     )
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
     advantage_estimator: Optional[str] = opt(
@@ -766,6 +781,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             self.advantage_estimator = "distill"
         if self.distill_group_baseline is None:
             self.distill_group_baseline = self.num_samples_per_prompt >= 2
+        if self.local_rollout_batch_size is None:  # TRL's default steps_per_generation = gradient_accumulation_steps
+            self.local_rollout_batch_size = trl_rollout_batch_size(
+                self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_samples_per_prompt
+            )
         if self.advantage_estimator is None and self.algo in ALGO_ESTIMATORS:  # the preset
             self.advantage_estimator = ALGO_ESTIMATORS[self.algo]
         for name in ("cliprange_low", "cliprange_high"):
@@ -859,6 +878,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             groups = ", ".join(n for n, row in ADVANTAGE_ESTIMATORS.items() if row.uses_groups and ":" not in n)
             raise ConfigError(
                 f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
+            )
+        if self.mask_truncated_completions and self.uses_value_model:
+            raise ConfigError(
+                f"mask_truncated_completions is TRL's GRPO option: it needs an estimator without a value model (grpo, "
+                f"dr_grpo, rloo, ...), not {self.advantage_estimator}, whose value targets would still train on a "
+                "masked completion"
             )
         if not self.uses_value_model and self.value_model_path:
             raise ConfigError(
@@ -1031,7 +1056,7 @@ def _unknown_keys_error(unknown: list[tuple[str, str]], valid: Sequence[str], sc
     """One error listing every unknown key of the run (recipe and command line), each with its hint, and for a
     TRL GRPO recipe what differs here (flag_names.trl_port_notice): a port takes one pass, not one run per key."""
     lines = [_unknown_key_line(key, valid, where, script, given) for key, where in unknown]
-    notice = flag_names.trl_port_notice([key for key, _ in unknown], script)
+    notice = flag_names.trl_port_notice([key for key, _ in unknown], script, given)
     text = lines[0] if len(lines) == 1 else f"{len(lines)} unknown keys:\n  " + "\n  ".join(lines)
     return ConfigError(text + (f"\n{notice}" if notice else ""))
 

@@ -22,6 +22,16 @@ def test_bar_shows_each_scripts_key_numbers():
     assert console.bar_postfix({"eval/loss": 1.0}) == {}
 
 
+def test_bar_shows_the_score_and_each_reward_function_in_a_run_driven_by_them():
+    """Issue 41: rows scored by reward functions alone have no verifier, so `correct` is 0 and not shown; the score
+    that drives training and each function's mean are."""
+    row = {"train/correct_rate": 0.0, "train/score_mean": 0.3125, "reward/accuracy/mean": 0.3125,
+           "reward/accuracy/std": 0.46, "reward/brevity/mean": -0.05, "train/kl": 0.5}  # fmt: skip
+    assert console.bar_postfix(row) == {"score": "0.3125", "accuracy": "0.3125", "brevity": "-0.05", "kl": "0.5"}
+    with_verifiers = {**row, "train/correct_rate": 0.25}
+    assert list(console.bar_postfix(with_verifiers)) == ["correct", "score", "accuracy", "brevity", "kl"]
+
+
 def test_eval_line_is_compact_with_the_per_source_headline():
     row = {
         "rollout_step": 8,
