@@ -324,11 +324,23 @@ def exit_code(argv: list[str]) -> int:
     [
         ("wide", [], ["vocab_size 103", "!= 104", "causal_lm", "wide"]),
         ("swapped", [], ["tokenizers of student", "causal_lm", "swapped", "differ"]),
-        ("missing", [], ["cannot read", "missing"]),
+        ("missing", [], ["teacher_model_name_or_path", "missing' does not exist"]),
         ("sharp", ["--advantage_estimator", "grpo"], ["advantage_estimator grpo uses no teacher", "distill"]),
         ("sharp", ["--distill_jsd_beta", "1.5"], ["distill_jsd_beta must be in [0.0, 1.0], got 1.5"]),
         ("sharp", ["--distill_top_k", "5"], ["distill_top_k applies to distill_loss jsd"]),
         ("sharp", ["--num_samples_per_prompt", "1", "--distill_group_baseline", "true"], ["num_samples_per_prompt"]),
+        # a reward model (sequence classifier) as teacher or as policy: its lm_head would be initialised at random
+        (
+            "seq_cls",
+            [],
+            [
+                "teacher_model_name_or_path",
+                "seq_cls",
+                "has no trained language-model head",
+                "LlamaForSequenceClassification",
+            ],
+        ),
+        ("sharp", ["--model_name_or_path", "seq_cls"], ["model_name_or_path", "has no trained language-model head"]),
     ],
 )
 def test_bad_teacher_settings_exit_2_before_any_model_loads(
@@ -341,7 +353,8 @@ def test_bad_teacher_settings_exit_2_before_any_model_loads(
 
     monkeypatch.setattr(models, "load_causal_lm", refuse)
     monkeypatch.setattr(models, "load_policy", refuse)
-    path = teachers.get(teacher, str(tmp_path / "missing"))
+    path = {**teachers, "seq_cls": tiny_models["seq_cls"]}.get(teacher, str(tmp_path / "missing"))
+    extra = [tiny_models["seq_cls"] if e == "seq_cls" else e for e in extra]
     assert exit_code(distill_argv(tiny_models, path, rl_files, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err[-2000:]
