@@ -186,7 +186,8 @@ class BaseConfig:
     allow_resume_changes: Optional[list[str]] = opt(
         None,
         "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
-        "dataset_content); any other difference (data, run length, schedule, batch layout, lora_alpha) exits 2.",
+        "dataset_content user_code_content teacher_weights reference_weights); any other difference (data, run "
+        "length, schedule, batch layout, lora_alpha) exits 2.",
     )
     save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
     with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")

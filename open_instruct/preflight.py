@@ -59,7 +59,7 @@ def safetensors_keys(path: str) -> list[str]:
     return list(tensors)
 
 
-def _weight_files(folder: str) -> list[str]:
+def weight_files(folder: str) -> list[str]:
     """The weight files a folder's model loads from (shards listed in an index, or the single file)."""
     for index in WEIGHT_INDEXES:
         path = os.path.join(folder, index)
@@ -89,7 +89,7 @@ def check_model_folder(name_or_path: str, key: str, gguf_file: Optional[str] = N
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "is empty" if not os.listdir(path) else f"has no config.json (it holds: {_listing(path)})"
         raise ConfigError(f"{key} {name_or_path!r} {what}: not a Hugging Face model folder")
-    weights = _weight_files(path)
+    weights = weight_files(path)
     if not weights:
         raise ConfigError(f"{key} {name_or_path!r} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
     for file in weights:
@@ -105,7 +105,7 @@ def check_trained_score_head(name_or_path: str, key: str) -> None:
         return
     with open(os.path.join(name_or_path, "config.json")) as f:
         architectures = json.load(f).get("architectures") or []
-    keys = [k for file in _weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
+    keys = [k for file in weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
     has_head = any(k == "score.weight" or k.endswith(".score.weight") for k in keys)
     if not any("ForSequenceClassification" in a for a in architectures) or (keys and not has_head):
         raise ConfigError(
@@ -128,7 +128,7 @@ def check_trained_lm_head(name_or_path: str, key: str) -> None:
     with open(os.path.join(name_or_path, "config.json")) as f:
         config = json.load(f)
     architectures = config.get("architectures") or []
-    keys = [k for file in _weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
+    keys = [k for file in weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
     has_head = any(k == "lm_head.weight" or k.endswith(".lm_head.weight") for k in keys)
     tied = config.get("tie_word_embeddings", True) and not any(k.split(".")[0] == "score" for k in keys)
     classifier = [a for a in architectures if a.endswith(_NOT_A_LANGUAGE_MODEL)]

@@ -55,6 +55,22 @@ def load_module(module: str, what: str) -> Any:
         raise ConfigError(f"{what}: importing {module!r} failed: {type(e).__name__}: {e}") from None
 
 
+def spec_file(spec: str) -> Optional[str]:
+    """The absolute path of the file a `module:name` / `path/file.py:name` spec loads (as load_module finds it), or
+    None when there is none to read (not a spec, or a module without a source file)."""
+    if not is_spec(spec):
+        return None
+    module = spec.rpartition(":")[0]
+    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
+    try:
+        found = None if module.endswith(".py") else importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None and found.origin and os.path.isfile(found.origin):
+        return os.path.abspath(found.origin)
+    return os.path.abspath(path) if os.path.isfile(path) else None
+
+
 def load_object(spec: str, what: str, example: str, noun: str = "function") -> Any:
     """The object a `module:name` / `path/file.py:name` spec names (`what` names the option in messages, `example`
     shows a right spec, `noun` says what the name is: function, Class)."""
