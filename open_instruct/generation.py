@@ -401,9 +401,10 @@ class HFGenerator:
             repetition_penalty=1.0,
         )
         # Greedy decoding whatever the config: a sampled run draws its tokens in `_OwnSampler`, and temperature and
-        # top-p are applied by `_warpers`, ahead of the log-prob recorder (explicit values so the model's own
-        # generation_config, top_k=50 and the like, cannot leak in)
-        kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+        # top-p are applied by `_warpers`, ahead of the log-prob recorder. Greedy decoding ignores the sampling
+        # knobs; they are set to the values transformers does not warn about under greedy, so that the model's own
+        # generation_config (temperature 0.7, top_k 20, ...) is not merged in to be warned about on every call
+        kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
         return HFGenerationConfig(**kwargs)
 
     @staticmethod
