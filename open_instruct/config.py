@@ -192,7 +192,8 @@ class BaseConfig:
     allow_resume_changes: Optional[list[str]] = opt(
         None,
         "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
-        "dataset_content); any other difference (data, run length, schedule, batch layout, lora_alpha) exits 2.",
+        "dataset_content user_code_content teacher_weights reference_weights); any other difference (data, run "
+        "length, schedule, batch layout, lora_alpha) exits 2.",
     )
     save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
     with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
@@ -909,19 +910,31 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     def _validate_variants(self) -> None:
         """advantage_estimator, policy_loss and kl_estimator name registered rows or the user's functions (imported
         now); every algo_kwargs key is taken by one of them."""
-        for option in ("advantage_estimator", "policy_loss", "kl_estimator"):
-            rl_algorithms.resolve(option, getattr(self, option))
+        import difflib
+
+        from open_instruct import user_code
+
         taken: set[str] = set()
-        for option in rl_algorithms.FIXED_ARGS:
-            row = rl_algorithms.TABLES[option][0][getattr(self, option)]
-            takes = rl_algorithms.accepted_kwargs(row.function, rl_algorithms.FIXED_ARGS[option])
+        for option, (positional, returns) in rl_algorithms.CALLS.items():
+            row = rl_algorithms.resolve(option, getattr(self, option))
+            if row.function is None:
+                continue
+            what = f"{option} {getattr(self, option)!r}"
+            user_code.check_signature(row.function, what, positional, returns)
+            user_code.check_keyword_types(
+                row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
+            )
+            takes = rl_algorithms.accepted_kwargs(row.function, len(positional))
             taken |= set(self.algo_kwargs) if takes is None else takes
         unused = sorted(set(self.algo_kwargs) - taken)
         if unused:
-            chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.FIXED_ARGS)
+            chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.CALLS)
+            close = {k: difflib.get_close_matches(k, sorted(taken), n=1, cutoff=0.6) for k in unused}
+            hints = "".join(f"; did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
             raise ConfigError(
-                f"algo_kwargs {unused} is taken by none of {chosen}: the built-ins take none; a function of your "
-                "own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0))"
+                f"algo_kwargs {unused} is taken by none of {chosen}{hints}: the built-ins take none; a function of "
+                "your own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, "
+                "alpha=1.0))"
             )
 
     def variant_kwargs(self, option: str) -> dict[str, Any]:
@@ -1099,7 +1112,12 @@ def _mapping_value(key: str, value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, dict):
         mapping = value
     else:
-        tokens = [value] if isinstance(value, str) else list(value)
+        tokens = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(t, str) for t in tokens):
+            raise ConfigError(
+                f"{key} in {where} must be a mapping of argument names to values (e.g. {{alpha: 0.5}}, or on the "
+                f"command line --{key} alpha=0.5), got {value!r}"
+            )
         if len(tokens) == 1 and tokens[0].strip().startswith("{"):
             try:
                 mapping = json.loads(tokens[0])

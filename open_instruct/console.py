@@ -120,7 +120,10 @@ def _algorithm(cfg: Any) -> str:
     if cfg.script == "dpo":
         return f"; loss {cfg.loss_type}, beta {number(cfg.beta)}"
     if cfg.script == "rlvr_ppo":
-        return f"; {cfg.algo} ({cfg.advantage_estimator} advantages), generation {cfg.generation_backend}"
+        variants = f"{cfg.advantage_estimator} advantages, {cfg.policy_loss} loss"
+        if cfg.kl_estimator != "k1":
+            variants += f", {cfg.kl_estimator} KL"
+        return f"; {cfg.algo} ({variants}), generation {cfg.generation_backend}"
     return ""
 
 
