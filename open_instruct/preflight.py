@@ -326,3 +326,35 @@ def check_inputs(cfg: Any) -> None:
 
         for spec in cfg.reward_functions:
             load_reward_function(spec)
+
+
+def check_start(cfg: Any, launcher_world: int, dry_run: bool) -> None:
+    """Every check a start makes before loading a model, in one place: a real start runs it before it claims (and,
+    with --overwrite_output_dir, clears) the output folder, and --dry_run runs the same and stops after it, so both
+    exit 2 with the same message. Inputs (check_inputs: paths, tokenizer, template, LoRA targets, environment and
+    reward-function imports), the first rows of every local dataset in the declared format, each reward function
+    called on the first training rows, the generation backend and a distillation teacher (RL), then the memory
+    check of the layout judged (plan.judged_layout: a dry run on a machine without a GPU judges the layout the
+    recipe names, else this machine's). A real start checks memory on the CPU only (the host's memory): on a GPU a
+    prediction does not refuse a start (docs/gpu.md), the dry run and the planner do."""
+    from open_instruct import plan
+
+    layout = plan.judged_layout(cfg, launcher_world, real_start=not dry_run)
+    if cfg.script == "rlvr_ppo":  # RL batch math needs no dataset: checked first
+        cfg.batch_plan(layout.world, None)
+    check_inputs(cfg)
+    from open_instruct import data  # imports torch: after the checks that need none
+
+    probe = data.check_first_rows(cfg)
+    if getattr(cfg, "reward_functions", None) and probe:
+        from open_instruct.rewards import probe_reward_functions
+
+        probe_reward_functions(cfg.reward_functions, probe, cfg.reward_function_timeout)
+    if cfg.script == "rlvr_ppo":
+        from open_instruct.distillation import check_teacher
+        from open_instruct.generation_backends import check_backend
+
+        check_backend(cfg.generation_backend)  # a missing or unsupported vLLM
+        check_teacher(cfg)  # a teacher whose vocabulary is not the student's
+    if dry_run or layout.assumptions.gpu == "cpu":  # a real start on a GPU is not refused by a prediction (gpu.md)
+        plan.check_memory(cfg, layout)

@@ -52,6 +52,7 @@ def claim_output_dir(cfg: BaseConfig) -> None:
         resume,
         cfg.overwrite_output_dir,
         lambda: checkpoint.read_state(resume).get("run_id"),
+        cfg.delete_finished_run,
     )
     try:
         if claim.finished:
@@ -84,21 +85,21 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
         return cfg
     cfg = parse_or_exit(cls, argv)
     try:
-        if cfg.dry_run:
-            from open_instruct.plan import print_dry_run
-            from open_instruct.run_dir import config_yaml
-
-            print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
-            print(config_yaml(cfg))
-            print_dry_run(cfg, world_size_from_env())
-            raise SystemExit(0)
         from open_instruct import distributed, preflight, run_dir
 
-        distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
-        preflight.check_inputs(cfg)
+        if not cfg.dry_run:
+            distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
+        # The same checks for a dry run and a real start, all before the output folder is claimed (and, with
+        # --overwrite_output_dir, cleared): a start that fails one leaves the folder as it was.
+        preflight.check_start(cfg, world_size_from_env(), cfg.dry_run)
+        if cfg.dry_run:
+            from open_instruct.plan import print_dry_run
+
+            print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
+            print(run_dir.config_yaml(cfg))
+            print_dry_run(cfg, world_size_from_env())
+            raise SystemExit(0)
         preflight.check_output_dir_writable(cfg.output_dir)
-        if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
-            cfg.batch_plan(world_size_from_env(), None)
         if is_main_process_from_env():
             claim_output_dir(cfg)
             run_dir.write_config(cfg.output_dir, cfg)
@@ -106,6 +107,9 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+    except DataError as e:  # a dataset's first rows (preflight.check_start): as a real start's loader reports it
+        print(f"DataError: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
     preemption().requested = False  # from here a SIGTERM (e.g. during the model load) is noticed, not fatal
     return cfg
