@@ -259,8 +259,13 @@ def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
     train = _local_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
     held_out = _local_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
     for source, split in [(s, cfg.dataset_split) for s in train] + [(s, cfg.eval_dataset_split) for s in held_out]:
-        rows = load_source(source, split)[:FIRST_ROWS]
+        rows = check_duplicate_ids(load_source(source, split)[:FIRST_ROWS], DataStats(), cfg.skip_bad_rows)
         fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
+        # the loader's column checks (tokenize_prompts, tokenize_preferences), with its messages
+        if kind == formats.PROMPT and not getattr(cfg, "reward_functions", None):
+            check_columns(rows, [cfg.ground_truth_column], "RL prompt")
+        if kind == formats.PREFERENCE and getattr(cfg, "margin_column", None):
+            check_columns(rows, [cfg.margin_column], "margin")
         for row in rows:
             try:
                 parts = parts_of(row, fmt, cfg)

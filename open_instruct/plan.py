@@ -919,7 +919,7 @@ def judged_layout(cfg: BaseConfig, launcher_world: int, real_start: bool) -> Jud
 
 
 def check_memory(cfg: BaseConfig, layout: JudgedLayout) -> None:
-    """The memory check every start runs before loading a model (preflight.check_start): the predicted peak of the
+    """The memory check every start runs before loading a model (runtime.start_checks): the predicted peak of the
     judged layout must fit. On a machine without a GPU and no layout named, the refusal says how to name one."""
     how_to_tell = ""
     if not layout.told and layout.assumptions.gpu == "cpu":

@@ -1,8 +1,10 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
 present and not truncated, the GGUF file, a trained reward head), tokenizer files, dataset files and mixture sources,
 the chat template's syntax, the attention kernel's package, the output folder, and RL's custom reward functions
-(imported and their signature checked: the user's code may import what it likes). `runtime.start` runs them, so a bad
-path fails with exit 2 naming it in seconds, not after the weights have loaded. Hub names (not local paths) pass here
+(imported and their signature checked: the user's code may import what it likes). `runtime.start_checks` runs them with
+the first rows of the data, the reward-function probe and the memory check, for a real start (before the output folder
+is claimed) and for --dry_run alike, so a bad path fails with exit 2 naming it in seconds, not after the weights have
+loaded. Hub names (not local paths) pass here
 and are checked by their loaders. Two checks import torch, and only when they apply: LoRA target names (use_lora),
 tried on the model's skeleton built from its config on the meta device (no weights), and flash_attention_2's CUDA."""
 
@@ -326,35 +328,3 @@ def check_inputs(cfg: Any) -> None:
 
         for spec in cfg.reward_functions:
             load_reward_function(spec)
-
-
-def check_start(cfg: Any, launcher_world: int, dry_run: bool) -> None:
-    """Every check a start makes before loading a model, in one place: a real start runs it before it claims (and,
-    with --overwrite_output_dir, clears) the output folder, and --dry_run runs the same and stops after it, so both
-    exit 2 with the same message. Inputs (check_inputs: paths, tokenizer, template, LoRA targets, environment and
-    reward-function imports), the first rows of every local dataset in the declared format, each reward function
-    called on the first training rows, the generation backend and a distillation teacher (RL), then the memory
-    check of the layout judged (plan.judged_layout: a dry run on a machine without a GPU judges the layout the
-    recipe names, else this machine's). A real start checks memory on the CPU only (the host's memory): on a GPU a
-    prediction does not refuse a start (docs/gpu.md), the dry run and the planner do."""
-    from open_instruct import plan
-
-    layout = plan.judged_layout(cfg, launcher_world, real_start=not dry_run)
-    if cfg.script == "rlvr_ppo":  # RL batch math needs no dataset: checked first
-        cfg.batch_plan(layout.world, None)
-    check_inputs(cfg)
-    from open_instruct import data  # imports torch: after the checks that need none
-
-    probe = data.check_first_rows(cfg)
-    if getattr(cfg, "reward_functions", None) and probe:
-        from open_instruct.rewards import probe_reward_functions
-
-        probe_reward_functions(cfg.reward_functions, probe, cfg.reward_function_timeout)
-    if cfg.script == "rlvr_ppo":
-        from open_instruct.distillation import check_teacher
-        from open_instruct.generation_backends import check_backend
-
-        check_backend(cfg.generation_backend)  # a missing or unsupported vLLM
-        check_teacher(cfg)  # a teacher whose vocabulary is not the student's
-    if dry_run or layout.assumptions.gpu == "cpu":  # a real start on a GPU is not refused by a prediction (gpu.md)
-        plan.check_memory(cfg, layout)

@@ -3,7 +3,7 @@
 Replaying a finished run's saved config.yaml into its own folder: plainly (refused, nothing touched), with a recipe
 that still sets overwrite_output_dir (refused), with --overwrite_output_dir true on the command line (the finished
 run moved aside, byte for byte), with a check that fails (refused before the folder is touched), and with deletion
-asked for (--delete_finished_run true: gone). `--dry_run` runs the same start checks (preflight.check_start) and
+asked for (--delete_finished_run true: gone). `--dry_run` runs the same start checks (runtime.start_checks) and
 exits 2 with a real start's message for a missing dataset, a missing reward-function file, a misspelt function name,
 a function that raises, and a **kwargs function that needs a column the rows lack. The memory check judges the
 layout named (gpu / gpu_memory_gb / num_processes), and every flag a hint or error names exists."""
@@ -245,7 +245,13 @@ def test_dry_run_checks_the_first_rows_in_the_declared_format(fake_model, inputs
     sft_file.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     code, text = start(rl_argv(fake_model, inputs, tmp_path / "out", "--dataset_name_or_path", str(sft_file),
                                "--reward_functions", "null", "--dry_run", "true"), capsys)  # fmt: skip
-    assert code == 2 and f"DataError: {sft_file} line 1: missing column 'ground_truth'" in text, text
+    assert code == 2 and f"DataError: {sft_file} line 1: RL prompt column(s) ['ground_truth'] not found" in text, text
+    bad_rows = tmp_path / "rl.jsonl"  # the declared format, a bad row: the loader's message for it
+    row = '{"messages": [{"role": "asistant", "content": "hi"}], "ground_truth": "1", "dataset": "gsm8k"}'
+    bad_rows.write_text(row + "\n")
+    code, text = start(rl_argv(fake_model, inputs, tmp_path / "out", "--dataset_name_or_path", str(bad_rows),
+                               "--reward_functions", "null", "--dry_run", "true"), capsys)  # fmt: skip
+    assert code == 2 and f"DataError: {bad_rows} line 1:" in text and "did you mean 'assistant'" in text, text
 
 
 def test_dry_run_of_good_inputs_exits_0_and_says_the_layout(tiny_models, inputs, tmp_path, capsys):
