@@ -258,13 +258,15 @@ def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
     probe: list[dict[str, Any]] = []
     train = _local_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
     held_out = _local_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
-    for source, split in [(s, cfg.dataset_split) for s in train] + [(s, cfg.eval_dataset_split) for s in held_out]:
+    # (source, split, is a training source, is the first training source: the reward probe's rows)
+    sources = [(s, cfg.dataset_split, True, i == 0) for i, s in enumerate(train)]
+    for source, split, training, probed in sources + [(s, cfg.eval_dataset_split, False, False) for s in held_out]:
         rows = check_duplicate_ids(load_source(source, split)[:FIRST_ROWS], DataStats(), cfg.skip_bad_rows)
         fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
-        # the loader's column checks (tokenize_prompts, tokenize_preferences), with its messages
-        if kind == formats.PROMPT and not getattr(cfg, "reward_functions", None):
+        # the loader's column checks of the training rows (tokenize_prompts, tokenize_preferences), its messages
+        if training and kind == formats.PROMPT and not getattr(cfg, "reward_functions", None):
             check_columns(rows, [cfg.ground_truth_column], "RL prompt")
-        if kind == formats.PREFERENCE and getattr(cfg, "margin_column", None):
+        if training and kind == formats.PREFERENCE and getattr(cfg, "margin_column", None):
             check_columns(rows, [cfg.margin_column], "margin")
         for row in rows:
             try:
@@ -273,7 +275,7 @@ def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
                 if cfg.skip_bad_rows:
                     continue
                 raise
-            if kind == formats.PROMPT and source == train[0] and split == cfg.dataset_split:
+            if kind == formats.PROMPT and probed:
                 (chat, ground_truth, verifier) = parts
                 fields = reward_function_fields(row, fmt, chat)
                 probe.append({**fields, "ground_truth": ground_truth, "verifier": verifier, "where": row.where(),
