@@ -40,11 +40,13 @@ def run(program: str, limits: SandboxLimits = ROOMY, **kwargs) -> sandbox.Sandbo
     return res
 
 
-def visible_host_folder() -> str:
-    """A fresh folder on the host that the sandbox sees (not /tmp, home, the checkout or the cwd)."""
+def visible_host_folder(monkeypatch) -> str:
+    """A fresh folder on the host that the sandbox is made to see (its top-level folder, hidden by default, is
+    added to sandbox.VISIBLE_TOP_LEVEL; not /tmp, home, the checkout or the cwd)."""
     base = next((d for d in ("/srv", "/opt", "/mnt") if os.access(d, os.W_OK)), None)
     if base is None:
         pytest.skip("no writable host folder outside /tmp, home and the checkout")
+    monkeypatch.setattr(sandbox, "VISIBLE_TOP_LEVEL", (*sandbox.VISIBLE_TOP_LEVEL, base.strip("/")))
     folder = tempfile.mkdtemp(prefix="oi-sandbox-test-", dir=base)
     os.chmod(folder, 0o777)
     return folder
@@ -88,8 +90,8 @@ def test_ipc_objects_do_not_outlive_the_call(iso):
         assert f"{key}" not in [line.split()[0] for line in f.readlines()[1:]]  # and never on the host
 
 
-def test_host_unix_sockets_are_unreachable(iso):
-    folder = visible_host_folder()
+def test_host_unix_sockets_are_unreachable(iso, monkeypatch):
+    folder = visible_host_folder(monkeypatch)
     path = os.path.join(folder, "host.sock")
     abstract = "\0oi-sandbox-test-" + str(os.getpid())  # abstract names: per network namespace
     servers = []
