@@ -653,8 +653,7 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         if not runs:
             continue
         limits = SandboxLimits(
-            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
-            memory_mb=settings.memory_mb,
+            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs), memory_mb=settings.memory_mb
         )
         plan = json.dumps({"runs": runs})
         files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}

@@ -790,10 +790,8 @@ def _result(frames: _Frames, diagnostics: bytes, spec: dict, limit: Optional[str
             run_limit = _name_limit(end, stderr[-_STDERR_SCAN_CHARS:], run_spec["cpu_seconds"])
         elif run_limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
             run_limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
-        exit_code = end.get("exit")
-        runs.append(
-            SandboxResult(stdout, stderr, exit_code, run_limit, float(end.get("seconds", 0.0)), float(end.get("cpu", 0.0)))
-        )
+        seconds_used, cpu = float(end.get("seconds", 0.0)), float(end.get("cpu", 0.0))
+        runs.append(SandboxResult(stdout, stderr, end.get("exit"), run_limit, seconds_used, cpu))
     first = runs[0]
     return SandboxResult(
         first.stdout, first.stderr, first.exit_code, first.limit, seconds, first.cpu_seconds, first.setup_error, runs

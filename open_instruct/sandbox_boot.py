@@ -61,6 +61,7 @@ FCNTL_CHANNELS = (6, 7, 37, 38, 1024, 1026)
 # inotify/fanotify (channels through shared read-only files), ptrace, process_vm_readv/writev and pidfd_getfd (reach
 # into another process of the same uid), mounts, namespaces and chroot (undo the mount setup as a user namespace's
 # root).
+# fmt: off
 _SYSCALLS = {
     "x86_64": {
         "arch": 0xC000003E,
@@ -77,6 +78,7 @@ _SYSCALLS = {
         "signals": (129, 130, 131, 138, 240, 434),
     },
 }
+# fmt: on
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _TICK = 0.05  # seconds between two looks at a run's total CPU time

@@ -186,7 +186,7 @@ def test_a_tests_daemon_files_and_forged_records_do_not_reach_the_next_test(iso)
 # --------------------------------------------------------------------------------------------------------
 def test_a_later_phase_starts_only_after_every_call_of_the_earlier_one_ended(iso):
     stamp = "import time\nprint(time.monotonic())\ntime.sleep(0.3)\nprint(time.monotonic())\n"
-    calls = [SandboxCall(stamp, limits=ROOMY), SandboxCall(stamp, limits=ROOMY, phase=1), SandboxCall(stamp, limits=ROOMY)]
+    calls = [SandboxCall(stamp, limits=ROOMY, phase=phase) for phase in (0, 1, 0)]
     with SandboxPool(3) as pool:
         results = pool.run(calls)
     spans = [[float(v) for v in r.stdout.split()] for r in results]
@@ -195,7 +195,7 @@ def test_a_later_phase_starts_only_after_every_call_of_the_earlier_one_ended(iso
 
 # The script call's program finds the expected value in its test's source and holds an exclusive flock on stdlib
 # files for its bits; the judged call's program reads the bits by probing the locks (the issue's reproduction).
-LOCK_CHANNEL = '''
+LOCK_CHANNEL = """
 import fcntl, json, os, re, time
 FILES = sorted(os.path.join(os.path.dirname(os.__file__), n) for n in os.listdir(os.path.dirname(os.__file__))
                if n.endswith(".py"))[:16]
@@ -234,7 +234,7 @@ def f(x):
             return value
         time.sleep(0.01)
     return 0
-'''
+"""
 
 
 def test_rl_view_a_mixed_row_with_two_workers_pays_the_lock_channel_nothing(iso):
