@@ -324,14 +324,6 @@ def tool_runtime(cfg: Any) -> Callable[[str, float], tuple[str, str, str]]:
     return functools.partial(python_runtime, hide_paths=run_hidden_paths(cfg))
 
 
-# `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
-# contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
-LAUNCHER = (
-    "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
-)
-
-
 def _spec(
     program: str,
     files: dict,
@@ -342,7 +334,7 @@ def _spec(
     workdir: Optional[str],
     hide: list,
 ) -> dict:
-    python, prefix = _base_python()
+    prefix = _base_python()[1]
     uid = gid = SANDBOX_UID_BASE + slot
     if not iso.drops_privileges:
         uid, gid = os.getuid(), os.getgid()
@@ -358,9 +350,7 @@ def _spec(
         "tmpfs_mb": 4 * limits.max_file_mb,
         "cgroup_procs": None,  # the call's memory cgroup, joined by the supervisor first (memory_control)
         "hide": hide,
-        "python": python,
         "python_prefix": prefix,
-        "python_args": ["-I", "-S", "-B", "-c", LAUNCHER],
         "runs": [
             {
                 "argv": list(run.argv),
@@ -393,7 +383,7 @@ def _command(iso: Isolation) -> list[str]:
     death ends every process of the call."""
     setpriv = shutil.which("setpriv")
     first = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-    boot = [sys.executable, "-I", "-S", BOOT_SCRIPT]
+    boot = [_base_python()[0], "-I", "-S", "-B", BOOT_SCRIPT]  # the supervisor, whose forks become the programs
     if iso.mode != "namespaces":
         return [*first, *boot]
     user = [] if iso.as_root else ["--user", "--map-root-user"]
