@@ -106,6 +106,7 @@ class SandboxRun:
     stdin: str = ""
     cpu_seconds: Optional[float] = None
     wall_seconds: Optional[float] = None
+    max_output_bytes: Optional[int] = None  # stdout and stderr each; at most the call's limit
 
 
 @dataclasses.dataclass
@@ -357,7 +358,7 @@ def _spec(
                 "stdin": run.stdin,
                 "cpu_seconds": float(run.cpu_seconds or limits.cpu_seconds),
                 "wall_seconds": float(run.wall_seconds or limits.wall_seconds),
-                "max_output_bytes": int(limits.max_output_bytes),
+                "max_output_bytes": int(min(run.max_output_bytes or limits.max_output_bytes, limits.max_output_bytes)),
             }
             for run in runs
         ],
@@ -634,10 +635,10 @@ class _Frames:
     """The supervisor's frames (sandbox_boot's docstring), parsed as they arrive: per run, stdout and stderr held up
     to the cap (never more, whatever arrives), and its end record."""
 
-    def __init__(self, runs: int, cap: int):
+    def __init__(self, caps: Sequence[int]):
         self.buffer = bytearray()
-        self.cap = cap
-        self.output = [{1: bytearray(), 2: bytearray()} for _ in range(runs)]
+        self.caps = list(caps)  # per run: bytes kept of each stream
+        self.output = [{1: bytearray(), 2: bytearray()} for _ in self.caps]
         self.ends: dict[int, dict] = {}
         self.setup_error: Optional[str] = None
         self.pending: Optional[tuple[int, int, int]] = None  # (run, stream, bytes still to come)
@@ -649,7 +650,7 @@ class _Frames:
                 run, stream, left = self.pending
                 take = min(left, len(self.buffer))
                 target = self.output[run][stream]
-                target += self.buffer[: max(0, min(take, self.cap - len(target)))]
+                target += self.buffer[: max(0, min(take, self.caps[run] - len(target)))]
                 del self.buffer[:take]
                 self.pending = (run, stream, left - take) if left > take else None
                 if self.pending is not None:
@@ -691,7 +692,7 @@ def _run(spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: 
         )
     finally:
         os.close(status_w)
-    frames = _Frames(len(spec["runs"]), limits.max_output_bytes)
+    frames = _Frames([run["max_output_bytes"] for run in spec["runs"]])
     diagnostics = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     sel = selectors.DefaultSelector()
     for fd in (*diagnostics, status_r):

@@ -335,7 +335,12 @@ def test_trainer_memory_is_bounded_by_the_output_cap_per_test(iso):
         tracemalloc.stop()
     assert outcome.statuses == ["wrong_answer"] * tests
     per_test = (1 << 20) * (1 + 2)  # the capped bytes and their decoded text
-    assert peak < tests * per_test + (4 << 20), peak / tests / 2**20
+    assert peak < tests * per_test + (8 << 20), peak / tests / 2**20  # 18 MB a test before (6 bytes a byte, twice)
+
+
+def test_a_run_can_have_a_lower_output_cap_than_its_call(iso):
+    res = run("print('x' * 5000)", runs=[SandboxRun(max_output_bytes=1000), SandboxRun()])
+    assert [(r.limit, len(r.stdout)) for r in res.runs] == [("output", 1000), (None, 5001)]
 
 
 @pytest.mark.parametrize("test_seconds", [0.5, 6.0, 12.0, 30.0])
