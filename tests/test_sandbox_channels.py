@@ -7,7 +7,6 @@ what the standalone verifier hides. docs/sandbox.md has the table of layers."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 import textwrap
 import time
 import tracemalloc
@@ -20,16 +19,6 @@ from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, Sandb
 
 ROOMY = SandboxLimits(wall_seconds=60.0, cpu_seconds=30, memory_mb=256, max_output_bytes=1 << 20, max_file_mb=2)
 SETTINGS = CodeSettings(reward="all", test_seconds=1.0, memory_mb=256, workers=2)
-
-
-@pytest.fixture(scope="module")
-def iso():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the sandbox's containment needs Linux")
-    found = sandbox.isolation()
-    if found.mode != "namespaces" or not found.as_root:
-        pytest.skip(f"this machine gives isolation {found.mode!r} (root: {found.as_root}): {found.note}")
-    return found
 
 
 def run(program: str, limits: SandboxLimits = ROOMY, **kwargs) -> sandbox.SandboxResult:

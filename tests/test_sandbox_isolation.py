@@ -23,16 +23,6 @@ ROOMY = SandboxLimits(wall_seconds=60.0, cpu_seconds=30, memory_mb=256, max_outp
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-@pytest.fixture(scope="module")
-def iso():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the sandbox's containment needs Linux")
-    found = sandbox.isolation()
-    if found.mode != "namespaces" or not found.as_root:
-        pytest.skip(f"this machine gives isolation {found.mode!r} (root: {found.as_root}): {found.note}")
-    return found
-
-
 def run(program: str, limits: SandboxLimits = ROOMY, **kwargs) -> sandbox.SandboxResult:
     res = run_in_sandbox(textwrap.dedent(program), limits=limits, **kwargs)
     assert res.setup_error is None and res.limit is None and res.exit_code == 0, res
