@@ -53,7 +53,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096,
 MNT_DETACH = 2
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_FDCWD, AT_RECURSIVE, SYS_MOUNT_SETATTR = 1, 2, -100, 0x8000, 442
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
-PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 28, 36
+PR_SET_DUMPABLE, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 4, 28, 36
 SECBIT_NOROOT_AND_LOCK = 0x3  # uid 0 gains no capabilities across exec, locked
 CLONE_NEWCGROUP = 0x02000000
 AF_UNIX = 1
@@ -279,6 +279,7 @@ def become_program(spec, run, workdir, fds, setup_w, supervisor):
             _prctl(PR_SET_SECUREBITS, SECBIT_NOROOT_AND_LOCK)  # none regained by an exec either
             _drop_capabilities()
         if sys.platform.startswith("linux"):
+            _prctl(PR_SET_DUMPABLE, 1)  # its own /proc entries its own again (the supervisor's stay out of reach)
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the supervisor
             if os.getppid() != supervisor:
                 raise OSError("the supervisor ended before the program started")
@@ -520,6 +521,7 @@ def main():
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 takes only signals it handles: it handles none
     if sys.platform.startswith("linux"):  # without namespaces: dies with the trainer's thread that started it
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(PR_SET_DUMPABLE, 0)  # no process of its uid may open /proc/<supervisor>/fd (the channel) or ptrace it
     spec = read_spec()
     channel = Channel(spec["status_fd"])
     os.set_inheritable(channel.fd, False)

@@ -170,6 +170,37 @@ def test_a_tests_daemon_files_and_forged_records_do_not_reach_the_next_test(iso)
     assert one.exit_code == 3  # its own end, not the record test 0 forged
 
 
+def test_without_namespaces_the_supervisors_channel_is_out_of_reach_too(iso):
+    """The rlimits fallback (the program shares the supervisor's uid): the supervisor's fds (its channel to the
+    trainer) cannot be opened through /proc; the program's own /proc entries stay readable. (As root the program's
+    missing capabilities refuse it; as another user, the supervisor being non-dumpable does.)"""
+    previous = sandbox.isolation().mode
+    try:
+        sandbox.force_isolation("rlimits")
+        res = run(
+            """
+            import os
+            print(len(os.listdir("/proc/self/fd")) >= 3)
+            folder = f"/proc/{os.getppid()}/fd"
+            try:
+                names = os.listdir(folder)  # listable where the program's uid owns it (as root without capabilities)
+            except OSError:
+                names = [str(fd) for fd in range(64)]
+            opened = 0
+            for name in names:
+                try:
+                    os.close(os.open(os.path.join(folder, name), os.O_WRONLY))
+                    opened += 1
+                except OSError:
+                    pass
+            print("opened", opened)
+            """
+        )
+        assert res.stdout.splitlines() == ["True", "opened 0"], (res.stdout, res.stderr)
+    finally:
+        sandbox.force_isolation(previous)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The calls of a row: never at the same time; a lock channel between them pays nothing
 # --------------------------------------------------------------------------------------------------------
