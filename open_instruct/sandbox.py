@@ -17,9 +17,10 @@ Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has
   namespaces (Linux, root, or a user namespace when not root; `unshare` from util-linux):
       network  a new network namespace: only a loopback that is down -> no socket reaches 127.0.0.1 or outside
       files    a new mount namespace: empty read-only tmpfs over the hidden paths (run_hidden_paths: home, HF caches,
-               the checkout, the cwd, the run's output_dir, data sources and caches); then every mount read-only and
-               nosuid; one private tmpfs on /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is
-               the only writable place (the working dir is /tmp/work); /proc shows only the sandbox's processes
+               the checkout, the cwd, the run's output_dir, data sources and caches, /sys/fs/cgroup, every top-level
+               folder outside VISIBLE_TOP_LEVEL); then every mount read-only and nosuid; one private tmpfs per run on
+               /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is the only writable place (the
+               working dir is /tmp/work); /proc shows only the sandbox's processes; a cgroup namespace
       procs    a new pid namespace whose pid 1 is the supervisor: when it exits, the kernel kills every process
                the program left (daemons, double forks, setsid escapes)
       ipc      a new IPC namespace: SysV shared memory, semaphores, message queues and POSIX queues die with the call
@@ -29,11 +30,13 @@ Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has
   uid (root without namespaces, e.g. a container whose seccomp refuses unshare):
       the per-slot uid, rlimits, a 0700 temp working dir; afterwards every process of that uid is killed.
       NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp), IPC objects.
-  rlimits (neither): rlimits, a scrubbed environment, a temp working dir, the process group killed afterwards.
-      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid(), IPC objects.
+  rlimits (neither): rlimits, a scrubbed environment, a temp working dir, every descendant of the supervisor (a child
+      subreaper: setsid daemons too) killed after each run.
+      NOT blocked: network, files the trainer's user can read/write, IPC objects.
 
-In every mode on Linux the program runs with no-new-privileges and a seccomp filter (socket(AF_UNIX), io_uring and
-the keyring calls fail: no host unix socket is reachable, no keyring outlives a call), and dies with its supervisor;
+In every mode on Linux the program runs with no-new-privileges and a seccomp filter (sandbox_boot.seccomp_filter:
+unix sockets and socketpairs, file locks, leases and notifications, inotify/fanotify, ptrace and process_vm_*, signals
+to the supervisor or to -1, mounts and namespaces, io_uring and the keyring calls fail), and dies with its supervisor;
 the call's first process gets SIGKILL when the trainer's thread that started it ends, whatever kills the trainer
 (`setpriv --pdeathsig`). A call's processes and tmpfs share one memory cgroup bounded to memory_mb + its tmpfs where
 this process may make one (memory_control: cgroup v2 with the memory controller delegated, else v1); otherwise the
