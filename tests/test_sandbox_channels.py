@@ -71,6 +71,21 @@ def test_every_channel_and_the_supervisor_are_out_of_reach(iso):
     assert {name for name, verdict in verdicts.items() if verdict != "refused"} == set(), res.stdout
 
 
+def test_the_filter_holds_on_the_value_and_stdio_paths(iso):
+    """The same attempts as a stdio test (its expected output: every one refused by the filter, EPERM) and inside
+    a value test's call (the count of EPERM refusals): each test passes only if the filter holds in that layout."""
+    body = textwrap.dedent(CHANNELS)
+    every_one_refused = "".join(f"{name} refused 1\n" for name in NAMES)
+    value_program = (
+        f"import contextlib, io\nSOURCE = {body!r}\n"
+        "def refused():\n    out = io.StringIO()\n    with contextlib.redirect_stdout(out):\n"
+        "        exec(SOURCE, {'__name__': 'channels'})\n    return out.getvalue().count(' refused 1\\n')\n"
+    )
+    truths = [[{"input": "", "output": every_one_refused}], [f"assert refused() == {len(NAMES)}"]]
+    outcomes = code_verifier.score_programs([body, value_program], truths, SETTINGS)
+    assert [o.statuses for o in outcomes] == [["pass"], ["pass"]]
+
+
 def test_honest_programs_still_fork_thread_pipe_and_use_multiprocessing(iso):
     """The controls: what the filter leaves alone (fork, pipes, threads, signals to one's own children, a process
     pool, reading the standard library)."""
