@@ -86,7 +86,6 @@ def advantage_estimator(name: str, **traits: Any) -> Callable[[Callable[..., Any
     (without traits, a name already registered keeps its row's: a copied script re-binding a built-in)."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
-        check_call("advantage_estimator", function, name)
         row = ADVANTAGE_ESTIMATORS.get(name) if not traits else None
         ADVANTAGE_ESTIMATORS[name] = replace(row or AdvantageEstimator(**traits), function=function)
         return function
@@ -99,7 +98,6 @@ def policy_loss(name: str, **traits: Any) -> Callable[[Callable[..., Any]], Call
     (or, without, the row's already registered under `name`)."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
-        check_call("policy_loss", function, name)
         row = POLICY_LOSSES.get(name) if not traits else None
         POLICY_LOSSES[name] = replace(row or PolicyLoss(**traits), function=function)
         return function
@@ -111,7 +109,6 @@ def kl_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]
     """Decorator: `function(logp, ref_logp, **kwargs)` is the per-token KL estimate of kl_estimator `name`."""
 
     def bind(function: Callable[..., Any]) -> Callable[..., Any]:
-        check_call("kl_estimator", function, name)
         KL_ESTIMATORS[name] = KLEstimator(function=function)
         return function
 
@@ -177,7 +174,6 @@ def resolve(option: str, name: Any) -> Any:
             raise ConfigError(f"{option} {name!r} is a {type(function).__name__}, not a function")
         if inspect.iscoroutinefunction(function):
             raise ConfigError(f"{option} {name!r} is async; give a plain function")
-        check_call(option, function, name)
         row = next((r for r in table.values() if r.function is function), None)  # registered by its decorator
         table[name] = row if row is not None else _ROW_TYPES[option](function=function)
         return table[name]
@@ -202,35 +198,13 @@ def accepted_kwargs(function: Optional[Callable[..., Any]], fixed: int) -> Optio
     return {p.name for p in params[fixed:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-FIXED_ARGS = {"advantage_estimator": 1, "policy_loss": 1, "kl_estimator": 2}
-
-
-def check_call(option: str, function: Callable[..., Any], name: str) -> None:
-    """A variant's function must take the call `option` makes: FIXED_ARGS positional arguments (the narrow input),
-    then keywords. One written for the old call (cfg, rollout, accelerator) or (cfg, logp, old_logp, advantages,
-    mask) gets a ConfigError showing the new one."""
-    try:
-        params = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    takes_rest = any(p.kind is p.VAR_POSITIONAL for p in params)
-    if len(required) > FIXED_ARGS[option] or (len(positional) < FIXED_ARGS[option] and not takes_rest):
-        got = ", ".join(p.name for p in positional)
-        raise ConfigError(
-            f"{option} {name!r}: {getattr(function, '__name__', function)}({got}) does not take the call "
-            f"{TABLES[option][2]}; {CALL_HELP[option]} (docs/extending.md)"
-        )
-
-
-CALL_HELP = {
-    "advantage_estimator": "x holds the rollout's tensors and settings (rl_algorithms.AdvantageInputs: x.scores, "
-    "x.mask, x.group_size, x.beta, ...), not cfg/rollout/accelerator",
-    "policy_loss": "x holds one micro-batch's tensors and clip settings (rl_algorithms.LossInputs: x.logp, "
-    "x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high, x.dual_clip_c), not cfg",
-    "kl_estimator": "logp and ref_logp are per-token log-probs of the policy and the reference",
+# option -> the positional arguments the run calls its function with, in order, and what the function returns
+CALLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "advantage_estimator": (("x",), "Advantages, x an rl_algorithms.AdvantageInputs (docs/extending.md)"),
+    "policy_loss": (("x",), "(per-token loss, clipped indicator), x an rl_algorithms.LossInputs (docs/extending.md)"),
+    "kl_estimator": (("logp", "ref_logp"), "per-token KL estimate"),
 }
+FIXED_ARGS = {option: len(positional) for option, (positional, _) in CALLS.items()}
 
 
 def variant_kwargs(option: str, row: Any, algo_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -628,7 +602,7 @@ def teacher_advantages(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask:
 
 
 def aggregation_weights(
-    mask: torch.Tensor, aggregation: str, loss_norm_length: float
+    mask: torch.Tensor, aggregation: str, loss_norm_length: float, rows: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How per-token losses l_it of a mini-batch become one number: per-token weights w and per-row units u, so that
 
@@ -638,13 +612,15 @@ def aggregation_weights(
     seq_mean_token_mean:      w_it = m_it / L_i,    u_i = 1             ->  mean over sequences of their token mean
     seq_mean_token_sum_norm:  w_it = m_it / C,      u_i = 1             ->  mean over sequences of sum_t l_it / C
                                                                             (Dr. GRPO; C = loss_norm_length)
-    A row with no tokens (u_i = 0 in every form) adds nothing. The split into ranks and micro-batches does not change
-    the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP average the gradients."""
+    A row with no tokens (u_i = 0 in every form) adds nothing, unless `rows` ([n] bool) says which rows a sequence mean
+    counts: TRL counts a completion mask_truncated_completions left out (u_i = 1, no weight). The split into ranks
+    and micro-batches does not change the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP
+    average the gradients."""
     mask = mask.float()
     lengths = mask.sum(1, keepdim=True)
     if aggregation == "token_mean":
         return mask, lengths.squeeze(1)
-    alive = (lengths > 0).float()
+    alive = (lengths > 0).float() if rows is None else rows.float().unsqueeze(1)
     if aggregation == "seq_mean_token_mean":
         return mask / lengths.clamp(min=1), alive.squeeze(1)
     if aggregation == "seq_mean_token_sum_norm":

@@ -70,9 +70,9 @@ from open_instruct.distributed import (
     global_sums,
     grad_sync_all,
 )
-from open_instruct.generation_backends import check_backend, check_before_loading, make_checker, make_generator
+from open_instruct.generation_backends import check_before_loading, make_checker, make_generator
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
-from open_instruct.rewards import combine_rewards
+from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import (
     POLICY_LOSSES,
     AdvantageInputs,
@@ -247,6 +247,7 @@ class Rollout:
     # weight_sync, generation (waited for), generation_engine (engine wall time), scoring, inference
     seconds: dict[str, float] = field(default_factory=dict)
     code_statuses: dict[str, int] = field(default_factory=dict)  # `code` rows: tests per status (pass, timeout, ...)
+    reward_function_values: dict = field(default_factory=dict)  # label -> each completion's value (None: n/a)
     # multi-turn (an environment): `mask` is the loss mask (policy tokens; observation tokens are 0 inside the
     # row), `played` the episodes (turns, tool calls, for the log row and samples)
     played: list = field(default_factory=list)
@@ -293,6 +294,8 @@ def collect_rollout(
     extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
     n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
     mask, sampler_logp, loss_mask = torch.zeros(n, width), padded(out.logprobs, width), padded(loss_masks, width)
+    if cfg.mask_truncated_completions:  # TRL's: a completion cut at response_length gets no loss (its score counts)
+        loss_mask[~torch.tensor(out.stopped, dtype=torch.bool)] = 0.0
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
@@ -357,6 +360,7 @@ def collect_rollout(
         token_lags=token_lags,
         seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2 - sum(clocks.values()), **clocks},
         code_statuses=scored.code_statuses or {},
+        reward_function_values=scored.function_values or {},
         played=played,
         extra=extras,
     )
@@ -552,7 +556,9 @@ def update(
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
-    _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
+    counted = adv.keep if cfg.mask_truncated_completions else None  # a masked truncated row counts (TRL)
+    kept = rollout.mask * adv.keep.unsqueeze(1)
+    _, row_units = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length, counted)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
@@ -644,6 +650,7 @@ def log_row(
             "masked_tokens": train["masked_tokens"],
             **{k: train[k] for k in mismatch_sum_keys(cfg.async_steps)},
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
+            **reward_function_sums(rollout.reward_function_values),
             **{k: v for f in features if f.rollout_sums is not None for k, v in f.rollout_sums(rollout).items()},
         },
     )
@@ -658,6 +665,7 @@ def log_row(
         "train/entropy": train["entropy"] / updates,
         "train/approx_kl": train["approx_kl"] / updates,
         "train/verifier_timeouts": ep["timeouts"],
+        **reward_function_metrics(ep),  # reward/<function>/mean and /std
         "loss/policy": train["policy_loss"] / updates,
         "clipfrac/policy": train["pg_clipfrac"] / updates,
         "train/grad_norm": train["grad_norm"] / updates,
@@ -716,12 +724,7 @@ def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperatu
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    cfg = runtime.start(RLVRConfig, argv)
-    check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
-    if cfg.uses_teacher:  # distillation: a teacher whose vocabulary is not the student's fails before any load
-        from open_instruct.distillation import check_teacher
-
-        check_teacher(cfg)
+    cfg = runtime.start(RLVRConfig, argv)  # every check that needs no model (the backend, the teacher) first
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(
@@ -805,7 +808,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:
-                samples = sample_rows(rollout, tokenizer, cfg.num_samples_logged, environments)
+                samples = sample_rows(
+                    rollout, tokenizer, cfg.num_samples_logged, environments, cfg.reward_functions or ()
+                )
                 run.logger.log_samples(samples, counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             break

@@ -135,13 +135,14 @@ def test_a_copied_script_sees_its_own_registrations(tmp_path, tiny_models):
     unchanged.parent.mkdir()
     unchanged.write_text(source)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    argv = [*BASE, "--advantage_estimator", "copy_only", "--output_dir", str(tmp_path / "out")]
+    data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(8, 0))  # a dry run reads rows too
+    argv = [*BASE, "--dataset_name_or_path", data, "--advantage_estimator", "copy_only", "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
 
     def run(script, *extra, args=argv):
         return subprocess.run([sys.executable, script, *args, *extra], env=env, capture_output=True, text=True,
                               timeout=300)  # fmt: skip
 
-    data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(8, 0))
     tiny = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
             "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--total_episodes", "8",
             "--local_rollout_batch_size", "2", "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "8",
@@ -228,19 +229,105 @@ def test_a_function_written_for_the_old_call_exits_2_showing_the_new_one(tmp_pat
     path = tmp_path / "old_variants.py"
     path.write_text(OLD_CALLS_FILE)
     cases = [
-        ("advantage_estimator", "old_estimator", "(x: AdvantageInputs, **kwargs) -> Advantages"),
-        ("policy_loss", "old_loss", "(x: LossInputs, **kwargs) -> (loss, clipped)"),
-    ]
-    for option, name, call in cases:
+        ("advantage_estimator", "old_estimator(cfg, rollout, accelerator)", "x an rl_algorithms.AdvantageInputs"),
+        ("policy_loss", "old_loss(cfg, logp, old_logp, advantages, mask)", "x an rl_algorithms.LossInputs"),
+    ]  # fmt: skip
+    for option, function, call in cases:
         with pytest.raises(ConfigError) as e:
-            parse_config(RLVRConfig, [*BASE, f"--{option}", f"{path}:{name}"])
+            parse_config(RLVRConfig, [*BASE, f"--{option}", f"{path}:{function.split('(')[0]}"])
         message = str(e.value)
-        assert f"{name}(cfg, " in message and f"does not take the call {call}" in message, message
+        assert f"{function} cannot be called as (x, **algo_kwargs) -> " in message and call in message, message
         assert "docs/extending.md" in message
-    with pytest.raises(ConfigError, match=r"old\(cfg, rollout, accelerator\) does not take the call \(x: Adv"):
 
-        @rl_algorithms.advantage_estimator("old_style")
-        def old(cfg, rollout, accelerator):  # a copied script's own registration, old style
-            raise AssertionError("never called")
+    @rl_algorithms.advantage_estimator("old_style")  # a copied script's own registration, old style
+    def old(cfg, rollout, accelerator):
+        raise AssertionError("never called")
 
-    assert "old_style" not in rl_algorithms.ADVANTAGE_ESTIMATORS
+    try:
+        with pytest.raises(ConfigError, match=r"old\(cfg, rollout, accelerator\) cannot be called as \(x, \*\*algo"):
+            parse_config(RLVRConfig, [*BASE, "--advantage_estimator", "old_style"])
+    finally:
+        del rl_algorithms.ADVANTAGE_ESTIMATORS["old_style"]
+
+
+BAD_VARIANTS_FILE = """
+def no_arg():
+    return 0
+
+
+def extra_required(x, level):
+    return level
+
+
+def short_loss(logp, advantages):
+    return logp
+
+
+def estimator(x, margin=0.0, steps: int = 2):
+    return margin
+
+
+def kl_with_flag(logp, ref_logp, *, strict: bool = False):
+    return logp
+"""
+
+
+@pytest.fixture
+def bad_variants_file(tmp_path):
+    path = tmp_path / "bad_variants.py"
+    path.write_text(BAD_VARIANTS_FILE)
+    yield str(path)
+    for table, _, _ in rl_algorithms.TABLES.values():
+        for name in [n for n in table if str(path) in n]:
+            del table[name]
+
+
+def test_bad_signatures_and_algo_kwargs_types_exit_2_naming_the_function(bad_variants_file):
+    """A variant that cannot be called as the run calls it, or an algo_kwargs value of another type than the
+    function's parameter (its annotation, else its default), is a ConfigError when the config is checked (before
+    any model loads), naming the option, the function and the expected call."""
+    f = bad_variants_file
+    cases = [
+        (["--advantage_estimator", f"{f}:no_arg"], ["advantage_estimator", "no_arg()",
+         "(x, **algo_kwargs) -> Advantages"]),
+        (["--advantage_estimator", f"{f}:extra_required"], ["extra_required(x, level)",
+         "missing a required argument: 'level'", "needs a default"]),
+        (["--policy_loss", f"{f}:short_loss"], ["policy_loss", "short_loss(logp, advantages)",
+         "(x, **algo_kwargs) -> (per-token loss, clipped indicator)"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margin=abc"],
+         ["algo_kwargs margin='abc' is a str", "estimator's parameter margin takes int or float (its default 0.0)"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", '{"margin": [1, 2]}'],
+         ["algo_kwargs margin=[1, 2] is a list"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "steps=1.5"],
+         ["steps=1.5 is a float", "takes int (its annotation)"]),
+        (["--kl_estimator", f"{f}:kl_with_flag", "--algo_kwargs", "strict=1"], ["strict=1 is a int", "takes bool"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margn=0.5"],
+         ["algo_kwargs ['margn'] is taken by none", "did you mean 'margin' for 'margn'?"]),
+    ]  # fmt: skip
+    for extra, messages in cases:
+        with pytest.raises(ConfigError) as e:
+            parse_config(RLVRConfig, [*BASE, "--num_samples_per_prompt", "4", *extra])
+        for message in messages:
+            assert message in str(e.value), (extra, str(e.value))
+    fine = parse_config(
+        RLVRConfig, [*BASE, "--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margin=1", "steps=3"]
+    )  # an int where a float is the default is a number all the same
+    assert fine.variant_kwargs("advantage_estimator") == {"margin": 1, "steps": 3}
+
+
+def test_algo_kwargs_that_is_not_a_mapping_in_a_recipe_is_a_config_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algo_kwargs: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"algo_kwargs in .* must be a mapping of argument names to values"):
+        parse_config(RLVRConfig, [str(recipe), *BASE])
+
+
+def test_a_bad_signature_exits_2_before_loading(bad_variants_file, tmp_path):
+    """The script itself: exit 2 with the message, before the model path (which does not exist) is read."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    argv = [*BASE, "--policy_loss", f"{bad_variants_file}:short_loss", "--output_dir", str(tmp_path / "out")]
+    run = subprocess.run([sys.executable, os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), *argv], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "short_loss(logp, advantages) cannot be called as (x, **algo_kwargs)" in run.stderr
+    assert not (tmp_path / "out").exists()
