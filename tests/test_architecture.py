@@ -139,16 +139,18 @@ def test_the_rl_script_stays_within_its_budgets():
 
 # A plain RL run: GRPO, HF generation, synchronous; no teacher, environment, code rows, reward model or LoRA. The
 # open_instruct modules it imports (the features' modules are imported only by a run that turns them on:
-# distillation, episodes/environments, code_verifier/sandbox, generation_check, vLLM engines, user_code) ...
+# distillation, episodes/environments, code_verifier/sandbox, generation_check, vLLM engines; the start checks
+# bring plan/memory_model (the memory prediction) and user_code (the variants' signatures)) ...
 PLAIN_RL_IMPORTS = {
     "open_instruct", "open_instruct.attention", "open_instruct.batch_math", "open_instruct.chat_render",
     "open_instruct.chat_templates", "open_instruct.checkpoint", "open_instruct.config", "open_instruct.console",
     "open_instruct.data", "open_instruct.data_cache", "open_instruct.distributed", "open_instruct.encode",
     "open_instruct.errors", "open_instruct.flag_names", "open_instruct.formats", "open_instruct.generation",
-    "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.lora", "open_instruct.mixture",
-    "open_instruct.models", "open_instruct.preflight", "open_instruct.rewards", "open_instruct.rl_algorithms",
-    "open_instruct.rlvr_ppo", "open_instruct.rollouts", "open_instruct.run_dir", "open_instruct.runtime",
-    "open_instruct.step_sums", "open_instruct.tracking",
+    "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.lora", "open_instruct.memory_model",
+    "open_instruct.mixture", "open_instruct.models", "open_instruct.plan", "open_instruct.preflight",
+    "open_instruct.rewards", "open_instruct.rl_algorithms", "open_instruct.rlvr_ppo", "open_instruct.rollouts",
+    "open_instruct.run_dir", "open_instruct.runtime", "open_instruct.step_sums", "open_instruct.tracking",
+    "open_instruct.user_code",
 }  # fmt: skip
 # ... and the modules whose code one step runs (RolloutSampler.take, collect_rollout, compute_advantages, update):
 # what a reader follows. The algorithm: the script, rl_algorithms (estimators, losses, their math), rewards; the
