@@ -949,7 +949,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             if row.function is None:
                 continue
             what = f"{option} {getattr(self, option)!r}"
-            user_code.check_signature(row.function, what, positional, returns)
+            user_code.check_signature(row.function, what, positional, returns, getattr(row, "settings", ()))
             user_code.check_keyword_types(
                 row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
             )

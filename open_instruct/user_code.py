@@ -123,18 +123,20 @@ def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, 
     return True, box["result"]
 
 
-def check_signature(function: Callable[..., Any], what: str, positional: Sequence[str], returns: str) -> None:
+def check_signature(
+    function: Callable[..., Any], what: str, positional: Sequence[str], returns: str, keywords: Sequence[str] = ()
+) -> None:
     """ConfigError (exit 2) unless `function` can be called as the run calls it: with the `positional` arguments in
-    that order, and every other parameter optional (the algo_kwargs it takes are keyword arguments with defaults).
-    `what` names the option and the spec; `returns` completes the expected signature in the message. The one place
-    that knows the variants' calling contract."""
+    that order (and the run settings its row names, `keywords`), and every other parameter optional (the algo_kwargs
+    it takes are keyword arguments with defaults). `what` names the option and the spec; `returns` completes the
+    expected signature in the message. The one place that knows the variants' calling contract."""
     expected = f"({', '.join(positional)}, **algo_kwargs) -> {returns}"
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return  # a builtin or C function without a readable signature: its first call says what is wrong
     try:
-        signature.bind(*positional)
+        signature.bind(*positional, **dict.fromkeys(keywords))
     except TypeError as e:
         name = getattr(function, "__qualname__", repr(function))
         raise ConfigError(
