@@ -280,11 +280,7 @@ def collect_rollout(
     add their tensors (`features`: those of cfg when None)."""
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
     features = features_of(cfg) if features is None else features
-    played = list(getattr(out, "episodes", None) or [])  # multi-turn episodes (episode_rollouts.EpisodeOutput)
-    loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
-    episodes = [prompts[i] for i in out.prompt_index]
-    if played:  # the prompt each episode started from, as its environment rendered it
-        episodes = [{**row, "prompt_ids": e.prompt_ids} for row, e in zip(episodes, played)]
+    played, loss_masks, episodes = output_rows(out, prompts)
     t1 = time.perf_counter()
     scored = score_rollout(cfg, out, episodes, run.tokenizer)
     t2 = time.perf_counter()
@@ -364,6 +360,18 @@ def collect_rollout(
         played=played,
         extra=extras,
     )
+
+
+def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
+    """A generator output's played episodes (multi-turn: episode_rollouts.EpisodeOutput; else none), each
+    completion's loss mask (all 1 for a single-turn completion) and its prompt row (multi-turn: with the prompt as
+    its environment rendered it)."""
+    played = list(getattr(out, "episodes", None) or [])
+    loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
+    episodes = [prompts[i] for i in out.prompt_index]
+    if played:
+        episodes = [{**row, "prompt_ids": e.prompt_ids} for row, e in zip(episodes, played)]
+    return played, loss_masks, episodes
 
 
 def sequence_scores_of(
