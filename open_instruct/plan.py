@@ -901,6 +901,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         generation_sequences=sequences,
         generation_tokens=tokens,
         engine_fraction=engine,
+        generation_prompt_tokens=cfg.max_prompt_length if sequences else 0,
     )
 
 
@@ -917,7 +918,7 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
         if cfg.beta > 0 and not cfg.use_lora:
             frozen.append(("reference", policy))
         if cfg.reward_model_path:
-            frozen.append(("reward model", shape_of(cfg.reward_model_path) or policy))
+            frozen.append(("reward model", (shape_of(cfg.reward_model_path) or policy).without_output_layer()))
     memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb
     m = predict_peak(
         memory_layout(cfg, world, a), policy, memory, value, tuple(frozen), trains_lm_head=cfg.script != "reward_model"

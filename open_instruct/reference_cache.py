@@ -300,9 +300,9 @@ def reference_tables(
 def reference_logps(table: dict[str, torch.Tensor], indices: list[int], device: Any) -> PairLogps:
     import torch
 
+    from open_instruct.data import host_to_device
     from open_instruct.models import PairLogps
 
     idx = torch.tensor(indices)
-    return PairLogps(
-        *(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens"))
-    )
+    keys = ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
+    return PairLogps(*(host_to_device(table[k][idx], device) for k in keys))  # pinned, non-blocking on a GPU

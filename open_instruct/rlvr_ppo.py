@@ -581,7 +581,7 @@ def collect_rollout(
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
             host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = device_batch(host_batch, accelerator.device)
-            r, at = batch["responses"].shape[1], torch.tensor(rows, device=accelerator.device)
+            r, at = batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
@@ -593,7 +593,7 @@ def collect_rollout(
                     device_rm[at] = sequence_scores(models.reward, batch, group)
                 if models.teacher is not None:  # distill: the teacher's log-prob of every sampled token
                     t_teacher = time.perf_counter()
-                    batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                    batch_mask = batch["mask"] * data.host_to_device(loss_mask[rows, :r], batch["mask"].device)
                     device_teacher[at, :r] = teacher_token_logprobs(models.teacher, batch, batch_mask, cfg.temperature)
                     teacher_seconds += time.perf_counter() - t_teacher
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
