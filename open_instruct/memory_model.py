@@ -301,8 +301,15 @@ def predict_peak(
     # recompute comes later, with the inputs only: the larger of the two counts.
     head = logprob_head_bytes(policy, scored, lay, training=True) if trains_lm_head else 0.0
     later = max(recompute_bytes(s, tokens, lay) for s in trained) if lay.activation_checkpointing else 0.0
+    gathered = sum(working_weights_bytes(s, lay) for s in trained)
+    if lay.fsdp and trains_lm_head and head:
+        # The largest unit is the output layer's: its unsharded gradient and fp32 reduce-scatter copy come after the
+        # head's backward has freed its own weight-gradient buffers, so only what exceeds them adds.
+        b = lay.compute_bytes
+        unit_gradient = (b + 4) * policy.largest_unit_params
+        gathered -= min(unit_gradient, policy.vocab * policy.hidden * (4 + b + (4 if b < 4 else 0)))
     training = {
-        "gathered weights and gradients": sum(working_weights_bytes(s, lay) for s in trained),
+        "gathered weights and gradients": gathered,
         "activations" + (" (checkpointed)" if lay.activation_checkpointing else ""): sum(
             saved_activation_bytes(s, tokens, lay) + output_stack_bytes(s, tokens, scored if s is policy else 0, lay)
             for s in trained

@@ -857,14 +857,45 @@ def plan_from_config(
         result.update(estimate(cfg, plan, params, a))
     result["memory"] = predict_memory(cfg, num_processes, a)
     if result["memory"] is not None and not result["memory"]["fits"]:
+        problem = hf_generation_problem(result["memory"])
         raise ConfigError(
-            "this layout does not fit in GPU memory:\n"
+            problem
+            or "this layout does not fit in GPU memory:\n"
             + "\n".join(memory_lines(result["memory"]))
             + "\nShard over more processes (--num_processes), turn on activation_checkpointing, lower "
             "per_device_train_batch_size / max_tokens_per_micro_batch (RL: local_rollout_batch_size), or set "
             "--gpu_memory_gb to the card's memory"
         )
     return result
+
+
+def hf_generation_problem(memory: dict[str, Any]) -> Optional[str]:
+    """The refusal of a layout whose HF generation phase does not fit (its peak phase, the prediction over the
+    GPU's memory), naming the way out; None when HF generation is not what does not fit. HF generation holds the
+    whole policy in the compute dtype on every rank (FSDP2 gathers it: distributed.full_params) beside the KV cache
+    of one generate call, and vLLM holds neither on the training GPUs."""
+    if memory["fits"] or memory["peak_phase"] != "HF generation":
+        return None
+    return (
+        "HF generation does not fit in GPU memory (generation_backend hf):\n"
+        + "\n".join(memory_lines(memory))
+        + "\nGenerate with vLLM instead: generation_backend vllm_server (engines on GPUs of their own; "
+        "scripts/rlvr_8b.sh) or vllm (an engine colocated on each training GPU); or, with hf, lower "
+        "generation_micro_batch_size (sequences per generate call) or shard the policy over more processes"
+    )
+
+
+def check_hf_generation_fits(cfg: BaseConfig, world: int, gpu_memory_gb: float, fsdp: bool) -> None:
+    """What the RL script checks before loading any model: with generation_backend hf, the planner's prediction
+    on this GPU's memory (decimal GB) must not be refused for HF generation (hf_generation_problem). Nothing is
+    refused when the model's shape is unknown offline, or for the other phases (docs/gpu.md: why scripts do not
+    refuse those)."""
+    if not isinstance(cfg, RLVRConfig) or cfg.generation_backend != "hf":
+        return
+    memory = predict_memory(cfg, world, TimeAssumptions(gpu_memory_gb=gpu_memory_gb, fsdp=fsdp or None))
+    problem = hf_generation_problem(memory) if memory is not None else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
