@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,10 +38,13 @@ class Shape:
     sequences: int = 8  # generation: sequences x (prompt + response)
     prompt: int = 96
     response: int = 64
+    generation: bool = True  # measure HF generation at this shape
 
 
 SHAPES = (
-    Shape("head-heavy", hidden=256, layers=4, intermediate=688, vocab=4096, rows=4, tokens=256),
+    # No generation here: on CPU, the bf16 output-layer matmul of the last position (a strided slice) allocates a
+    # 2^24-byte oneDNN buffer at this vocabulary, more than the phase itself; a GPU's cuBLAS does not.
+    Shape("head-heavy", hidden=256, layers=4, intermediate=688, vocab=4096, rows=4, tokens=256, generation=False),
     Shape("layer-heavy", hidden=256, layers=4, intermediate=688, vocab=256, rows=8, tokens=256),
 )
 
@@ -137,10 +141,13 @@ def measure(shape: Shape) -> list[dict[str, Any]]:
                         scored_logprobs(model, batch, batch["labels"])
 
                 row("no-grad forward", bf16, False, peak_extra_bytes(forward), layout(shape, bf16, False))
+        if not shape.generation:
+            continue
         model = load_causal_lm(folder, torch.float32, attn_implementation="sdpa")
-        if bf16:  # as accelerate's prepare does without FSDP: autocast around every forward
-            model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
-        generator = HFGenerator(model, _Tokenizer(), batch_size=shape.sequences, eos_token_ids=[1])
+        if bf16:  # as accelerate's prepare does without FSDP: autocast around every forward, bound to the model
+            model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__), model)
+        dtype = torch.bfloat16 if bf16 else None  # bf16: the weights cast once into a copy (what RL's generator does)
+        generator = HFGenerator(model, _Tokenizer(), batch_size=shape.sequences, eos_token_ids=[1], compute_dtype=dtype)
         prompts = [torch.randint(5, shape.vocab, (shape.prompt - i % 3,)).tolist() for i in range(shape.sequences)]
         config = GenerationConfig(max_new_tokens=shape.response, temperature=1.0, seed=1)
         measured = peak_extra_bytes(lambda: generator.generate(prompts, config))
@@ -159,11 +166,52 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def generation_dtype(repeats: int = 3) -> str:
+    """HF generation of a bf16 run without FSDP, two ways: fp32 weights under autocast around each forward (every
+    decoding step casts every weight again: what it did) and a bf16 copy made once per weight version (what
+    HFGenerator does now, its copy counted in the time); seconds (best of `repeats`) and peak extra memory."""
+    import time
+
+    import torch
+
+    from open_instruct.generation import GenerationConfig, HFGenerator
+    from open_instruct.models import load_causal_lm
+
+    shape = Shape("gen", hidden=512, layers=8, intermediate=1376, vocab=2048, rows=0, tokens=0, sequences=8,
+                  prompt=64, response=64)  # fmt: skip
+    folder = build_model(shape, tempfile.mkdtemp(prefix="memory_check_"))
+    torch.manual_seed(1)
+    prompts = [torch.randint(5, shape.vocab, (shape.prompt,)).tolist() for _ in range(shape.sequences)]
+    config = GenerationConfig(max_new_tokens=shape.response, temperature=0)
+    lines = ["| weights while generating | seconds | new tokens/s | peak extra MB |", "|---|---|---|---|"]
+    outputs = {}
+    for label, dtype in (("fp32, cast under autocast at every step", None), ("bf16 copy, once per version", True)):
+        model = load_causal_lm(folder, torch.float32, attn_implementation="sdpa")
+        model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__), model)
+        best = float("inf")
+        for _ in range(repeats):
+            generator = HFGenerator(model, _Tokenizer(), batch_size=shape.sequences, eos_token_ids=[1],
+                                    compute_dtype=torch.bfloat16 if dtype else None)  # fmt: skip
+            t0 = time.perf_counter()
+            outputs[label] = generator.generate(prompts, config).response_ids
+            best = min(best, time.perf_counter() - t0)
+        generator = HFGenerator(model, _Tokenizer(), batch_size=shape.sequences, eos_token_ids=[1],
+                                compute_dtype=torch.bfloat16 if dtype else None)  # fmt: skip
+        peak = peak_extra_bytes(lambda: generator.generate(prompts, config))
+        tokens = shape.sequences * shape.response
+        lines.append(f"| {label} | {best:.2f} | {tokens / best:.0f} | {peak / 1e6:.1f} |")
+    same = sum(a == b for a, b in zip(*outputs.values()))
+    lines.append(f"\nGreedy responses identical in {same} of {shape.sequences} sequences (bf16 residual vs fp32).")
+    return "\n".join(lines)
+
+
 def main() -> None:
     import torch
 
     torch.set_num_threads(1)
     print(table([r for shape in SHAPES for r in measure(shape)]))
+    print()
+    print(generation_dtype())
 
 
 if __name__ == "__main__":

@@ -249,14 +249,15 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, dtype_bytes: 
 
 
 def generation_bytes(shape: ModelShape, lay: MemoryLayout) -> dict[str, float]:
-    """One HF `generate` call of `generation_sequences` sequences: the KV cache at its full length (the compute
-    dtype); then the larger of the prefill (one layer's no-grad intermediates over every prompt token, and the
-    [sequences, 1, prompt, prompt] boolean mask transformers builds for left-padded prompts) and the cache's growth
+    """One HF `generate` call of `generation_sequences` sequences, from weights in the compute dtype (FSDP2's gathered
+    ones, or one process's cast copy): the KV cache at its full length (the compute dtype); then the larger of the
+    prefill (one layer's no-grad intermediates over every prompt token, and the [sequences, 1, prompt, prompt]
+    boolean mask transformers builds for left-padded prompts) and the cache's growth
     (each decoding step concatenates every layer's K and V with the new token's: one layer's old and new cache
     coexist); and the sampling logits (the last position's, fp32, a few [sequences, vocab] buffers)."""
     b, n, prompt = lay.compute_bytes, lay.generation_sequences, lay.generation_prompt_tokens or lay.generation_tokens
     cache = kv_cache_bytes(shape, n, lay.generation_tokens, b)
-    prefill = n * prompt * shape.forward_bytes_per_token(b, lay.fp32_residual) + n * prompt * prompt
+    prefill = n * prompt * shape.forward_bytes_per_token(b) + n * prompt * prompt  # weights in b: residual too
     growth = cache / shape.layers
     return {
         "KV cache": cache,
@@ -327,9 +328,10 @@ def predict_peak(
     phases = {"training micro-batch": training, "no-grad forward": scoring}
     if lay.generation_sequences:
         # Between updates gradients are freed (zero_grad(set_to_none)). FSDP2 gathers the whole policy for generate
-        # (distributed.full_params); one process generates from a compute-dtype copy of the weights.
+        # (distributed.full_params); one process under bf16/fp16 generates from a copy of the weights in that dtype
+        # made once per weight version (HFGenerator._compute_dtype_model); fp32 from the weights as they are.
         freed = sum(v for k, v in resident.items() if "gradients" in k)
-        weights = lay.compute_bytes * policy.params if lay.fsdp else working_weights_bytes(policy, lay)
+        weights = lay.compute_bytes * policy.params if (lay.fsdp or lay.compute_bytes < 4) else 0.0
         phases["HF generation"] = {
             "whole policy in the compute dtype": weights,
             **generation_bytes(policy, lay),
