@@ -454,11 +454,11 @@ def full_weights(model: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
     save_pretrained leaves it out. An FSDP2 DTensor is all-gathered on the device first (every rank must iterate)."""
     from torch.distributed.tensor import DTensor
 
-    seen: set[int] = set()
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = every - {name for name, _ in model.named_parameters()}  # FSDP2's state dict holds each tied name apart
     for name, tensor in model.state_dict().items():
-        if id(tensor) in seen:
+        if name in tied:
             continue
-        seen.add(id(tensor))
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         full = full.detach().to("cpu", dtype) if full.is_floating_point() else full.detach().cpu()
         yield name, full
