@@ -259,7 +259,7 @@ class Rollout:
 def device_batch(host_batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
     """A collate_episodes batch moved to `device`, keeping the host's input_ids (host_input_ids): whether rows share
     their prompt (models.shared_prompt_groups) is then decided without a host sync."""
-    return {**{k: v.to(device) for k, v in host_batch.items()}, "host_input_ids": host_batch["input_ids"]}
+    return {**data.to_device(host_batch, device), "host_input_ids": host_batch["input_ids"]}
 
 
 def collect_rollout(
@@ -309,7 +309,7 @@ def collect_rollout(
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
             host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = device_batch(host_batch, accelerator.device)
-            r, at = batch["responses"].shape[1], torch.tensor(rows, device=accelerator.device)
+            r, at = batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
@@ -319,7 +319,7 @@ def collect_rollout(
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
-                batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                batch_mask = batch["mask"] * data.host_to_device(loss_mask[rows, :r], batch["mask"].device)
                 for name, x in feature_scores(cfg, features, models, batch, batch_mask).items():
                     device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
@@ -481,11 +481,11 @@ def micro_batch_loss(
     r = batch["responses"].shape[1]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
-        return x[rows, :r].to(device)
+        return data.host_to_device(x[rows, :r], device)
 
     mask = take(rollout.mask)  # the loss mask: real tokens, less an episode's observation tokens
 
-    kept = mask * adv.keep[rows].to(device).unsqueeze(1)
+    kept = mask * data.host_to_device(adv.keep[rows], device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
     forward = next((f.policy_forward for f in features if f.policy_forward is not None), None)
     stats: dict[str, torch.Tensor] = {}  # 0-dim tensors on the device, read once per optimizer step (StepSums)
@@ -500,7 +500,11 @@ def micro_batch_loss(
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
         if cfg.truncated_importance_sampling:
             pg = pg * truncated_is_weights(old_logp, take(rollout.sampler_logp), cfg.tis_cap)
-        lags = torch.tensor([rollout.policy_lag[j] for j in rows], device=device) if rollout.policy_lag else None
+        lags = (
+            data.host_to_device(torch.tensor([rollout.policy_lag[j] for j in rows]), device)
+            if rollout.policy_lag
+            else None
+        )
         pg_kept = off_policy_mask(
             old_logp, take(rollout.sampler_logp), lags, cfg.is_mask_low, cfg.is_mask_high, cfg.max_sequence_lag
         )
@@ -515,7 +519,7 @@ def micro_batch_loss(
                 values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
             )
             # over the value mask (after_last_token: one position more per row), normalised like the other terms
-            value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
+            value_rows = take(rollout.value_mask) * data.host_to_device(adv.keep[rows], device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
         for f in (f for f in features if f.loss_term is not None):  # e.g. distillation's jsd term
