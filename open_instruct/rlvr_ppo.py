@@ -198,10 +198,15 @@ def call_timed(feature: Feature, hook: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def feature_scores(cfg: RLVRConfig, features: Sequence[Feature], models: Any, batch: dict, mask: Any) -> dict:
-    """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock)."""
+def feature_scores(cfg: RLVRConfig, features: Sequence[Feature], models: Any, batch: dict, loss_mask: Any) -> dict:
+    """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock), given the
+    batch's padding mask times its host `loss_mask` (policy tokens)."""
+    hooks = [f for f in features if f.score_batch is not None]
+    if not hooks:
+        return {}
+    mask = batch["mask"] * data.host_to_device(loss_mask, batch["mask"].device)
     scores = {}
-    for f in (f for f in features if f.score_batch is not None):
+    for f in hooks:
         scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask))
     return scores
 
@@ -319,8 +324,7 @@ def collect_rollout(
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
-                batch_mask = batch["mask"] * data.host_to_device(loss_mask[rows, :r], batch["mask"].device)
-                for name, x in feature_scores(cfg, features, models, batch, batch_mask).items():
+                for name, x in feature_scores(cfg, features, models, batch, loss_mask[rows, :r]).items():
                     device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
     old_logp, ref_logp, old_values = device_out.cpu()
