@@ -10,6 +10,7 @@ any model is imported. This module imports no torch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -978,6 +979,154 @@ CONFIG_CLASSES: dict[str, type[BaseConfig]] = {
 }
 
 
+# Every setting's topic: the order of `--help`, of the saved config.yaml (a comment heads each group, the keys stay
+# one flat mapping) and of docs/running.md's settings table. A topic's keys in reading order; each script shows the
+# ones it has. tests/test_config_plan.py checks that every field of every script has exactly one topic.
+SETTING_TOPICS: dict[str, tuple[str, str]] = {
+    "run": ("which script, where its files go", "script exp_name output_dir overwrite_output_dir seed dry_run"),
+    "model": (
+        "what is loaded and how it runs",
+        "model_name_or_path tokenizer_name_or_path model_revision gguf_file trust_remote_code chat_template "
+        "mixed_precision attn_implementation activation_checkpointing fsdp_cpu_offload distributed_timeout_minutes "
+        "use_lora lora_rank lora_alpha lora_dropout lora_target_modules lora_save",
+    ),
+    "data": (
+        "train and held-out rows, their columns and lengths",
+        "dataset_name_or_path dataset_mixer_list dataset_split eval_dataset_name_or_path eval_dataset_mixer_list "
+        "eval_dataset_split eval_fraction max_train_samples max_eval_samples messages_column chosen_column "
+        "rejected_column prompt_column margin_column ground_truth_column verifier_column max_seq_length "
+        "max_prompt_length overlong skip_bad_rows string_rows dataset_num_proc dataset_cache_dir",
+    ),
+    "batch": (
+        "samples per step and run length (docs/batch-math.md)",
+        "per_device_train_batch_size gradient_accumulation_steps per_device_eval_batch_size "
+        "max_tokens_per_micro_batch local_rollout_batch_size num_samples_per_prompt num_epochs num_train_epochs "
+        "total_episodes",
+    ),
+    "optimizer": (
+        "AdamW and its schedule",
+        "learning_rate lr_scheduler_type warmup_ratio weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm",
+    ),
+    "algorithm": (
+        "the loss and, for RL, the advantages, KL and distillation (docs/algorithms.md)",
+        "loss_type beta label_smoothing gamma_beta_ratio reference_cache_dir center_rewards_coefficient algo "
+        "advantage_estimator policy_loss kl_estimator algo_kwargs cliprange cliprange_low cliprange_high dual_clip_c "
+        "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
+        "loss_norm_length filter_zero_std_groups truncated_importance_sampling tis_cap is_mask_low is_mask_high "
+        "max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight distill_reward_weight "
+        "distill_group_baseline distill_jsd_beta distill_top_k",
+    ),
+    "generation": (
+        "sampling and the engines that sample",
+        "response_length eval_response_length temperature top_p stop_strings generation_backend "
+        "generation_micro_batch_size async_steps vllm_gpu_memory_utilization vllm_enable_sleep vllm_num_engines "
+        "vllm_tensor_parallel_size vllm_server_urls vllm_engine_devices vllm_weight_transfer vllm_server_timeout "
+        "vllm_engine_start_timeout weight_sync_timeout",
+    ),
+    "rewards": (
+        "how a completion is scored",
+        "verification_reward verifier_timeout non_stop_penalty non_stop_penalty_mode overlong_buffer_length "
+        "overlong_penalty_factor reward_model_path reward_model_multiplier reward_functions reward_function_weights "
+        "reward_function_timeout code_reward code_test_seconds code_memory_mb sandbox_workers sandbox_batch_timeout",
+    ),
+    "environments": (
+        "multi-turn episodes and tools (docs/multi-turn.md)",
+        "environment tools tool_call_format max_turns max_tool_calls tool_output_max_tokens tool_timeout "
+        "max_turn_tokens environment_timeout turn_reward_aggregation",
+    ),
+    "checks": (
+        "what stops or warns during a run (docs/trusted-generation.md)",
+        "on_nonfinite generation_check generation_check_scale mismatch_warn_kl mismatch_warn_beyond_cap",
+    ),
+    "checkpointing": (
+        "checkpoints, resumes and the models written",
+        "checkpointing_steps keep_last_n_checkpoints resume_from_checkpoint allow_resume_changes save_final_model "
+        "best_metric best_metric_mode",
+    ),
+    "logging": (
+        "metrics, evaluation and samples",
+        "logging_steps eval_steps num_samples_logged peak_tflops with_tracking wandb_project wandb_entity",
+    ),
+}
+
+
+def settings_by_topic(cls: type) -> list[tuple[str, str, list[str]]]:
+    """[(topic, what it covers, the script's setting names in reading order), ...], topics without a setting of
+    this script left out. A field missing from SETTING_TOPICS comes last under "other" (never hidden)."""
+    names = _field_names(cls)
+    groups = []
+    for topic, (about, keys) in SETTING_TOPICS.items():
+        own = [k for k in keys.split() if k in names]
+        if own:
+            groups.append((topic, about, own))
+    placed = {k for _, _, keys in groups for k in keys}
+    rest = [n for n in names if n not in placed]
+    return groups + ([("other", "settings without a topic yet", rest)] if rest else [])
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """One key a line (block style), a list value on its key's line: `stop_strings: [a, b]`."""
+
+
+_RecipeDumper.add_representer(
+    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True)
+)
+
+
+def config_yaml(cfg: Any) -> str:
+    """The resolved config (every option, defaults and derived values filled in) as a recipe: `script.py
+    config.yaml` repeats the run. One flat mapping, its keys grouped by topic, a comment heading each group.
+    dry_run is written false: what --dry_run prints is the file the run it planned saves."""
+    values = {**dataclasses.asdict(cfg), "dry_run": False}
+    parts = []
+    for topic, about, keys in settings_by_topic(type(cfg)):
+        body = yaml.dump({k: values[k] for k in keys}, Dumper=_RecipeDumper, sort_keys=False, width=120)
+        parts.append(f"# --- {topic}: {about}\n{body}")
+    return "\n".join(parts)
+
+
+def help_text(cls: type) -> str:
+    """`--help`: every setting of the script with its type, default and help text, grouped by topic."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(
+        prog=f"{_script_of(cls)}.py",
+        usage="%(prog)s [RECIPE.yaml] [--key value ...]",
+        description=(
+            "Options come from the YAML recipe (first argument, optional) and then from --key value overrides (the "
+            "last value wins). Booleans take true/false; `null` unsets an optional key. Every option, by topic:"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+    )
+    for topic, about, keys in settings_by_topic(cls):
+        group = parser.add_argument_group(topic, about)
+        for key in keys:
+            f = fields[key]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            flags = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])  # both are accepted
+            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=f.metadata["help"])
+            if f"no_{key}" in _accepted_keys(cls):
+                group.add_argument(
+                    f"--no_{key}", action="store_true", default=argparse.SUPPRESS, help=f"--{key} false."
+                )
+    return parser.format_help()
+
+
+def _metavar(hint: Any) -> str:
+    """How --help shows a setting's value: its choices, type, or a list of them."""
+    types = [t for t in (typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,))]
+    types = [t for t in types if t is not type(None)]
+    (kind,) = types
+    if typing.get_origin(kind) is Literal:
+        return "{" + ",".join(map(str, typing.get_args(kind))) + "}"
+    if typing.get_origin(kind) is list:
+        return f"{_metavar(typing.get_args(kind)[0])} [...]"
+    if kind is dict or typing.get_origin(kind) is dict:
+        return "NAME=VALUE [...]"
+    return getattr(kind, "__name__", str(kind)).upper()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checks
 
@@ -1191,19 +1340,16 @@ def _accepted_keys(cls: type) -> set[str]:
     return {f.name for f in fields} | {f"no_{f.name}" for f in fields if f.type in ("bool", bool) and f.default is True}
 
 
+def _script_of(cls: type) -> str:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == "script")
+
+
 def _parser(cls: type) -> Any:
+    """transformers' HfArgumentParser for `cls`: it converts and checks each scalar value (types, choices,
+    booleans). Errors raise argparse.ArgumentError (exit_on_error=False) instead of exiting."""
     from transformers import HfArgumentParser  # light: does not import torch
 
-    script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
-    return HfArgumentParser(
-        cls,
-        prog=f"{script}.py",
-        usage="%(prog)s [RECIPE.yaml] [--key value ...]",
-        description=(
-            "Options come from the YAML recipe (first argument, optional) and then from --key value overrides (the "
-            "last value wins). Booleans take true/false. Every option:"
-        ),
-    )
+    return HfArgumentParser(cls, prog=f"{_script_of(cls)}.py", exit_on_error=False)
 
 
 def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
@@ -1224,112 +1370,169 @@ def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
 NULL_TOKENS = ("null", "None", "none", "~")
 
 
+@dataclass
+class _Sources:
+    """What a run was given: the recipe (its path and mapping) and the command line's assignments in order."""
+
+    recipe_path: Optional[str]
+    recipe: dict[str, Any]
+    cli: list[tuple[str, str, list[str]]]
+
+
+def _read_sources(cls: type, argv: list[str]) -> _Sources:
+    """The recipe (the first argument, if not an option) and the `--key value` assignments after it; a recipe placed
+    after the options, or one written for another script, is refused."""
+    recipe: dict[str, Any] = {}
+    recipe_path = None
+    if argv and not argv[0].startswith("-"):
+        recipe_path = argv.pop(0)
+        recipe = load_recipe(recipe_path)
+    late_recipe = _misplaced_recipe(argv, _value_kinds(cls))
+    if late_recipe is not None:
+        raise ConfigError(
+            f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
+            f"(script.py {late_recipe} [--key value ...])"
+        )
+    script = _script_of(cls)
+    if recipe.get("script", script) != script:
+        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {script!r}")
+    return _Sources(recipe_path, recipe, _cli_assignments(argv))
+
+
+def _check_known_keys(cls: type, sources: _Sources) -> None:
+    """Every unknown key at once, recipe (nested groups as dotted names) and command line, with every value given,
+    so that hints which depend on another foreign key (max_steps and num_iterations) can use it."""
+    valid = _field_names(cls)
+    accepted = _accepted_keys(cls)
+    unknown: list[tuple[str, str]] = []
+    given: dict[str, Any] = {}
+    for key, value in sources.recipe.items():
+        if key not in valid:
+            flat = _flatten(value, f"{key}.") if isinstance(value, dict) and value else {key: value}
+            unknown += [(k, f"recipe {sources.recipe_path}") for k in flat]
+            given.update(flat)
+        else:
+            given[key] = value
+    for key, _, values in sources.cli:
+        if key and key not in accepted:
+            unknown.append((key, "command-line overrides"))
+        given[key] = values[0] if len(values) == 1 else values
+    if unknown:
+        raise _unknown_keys_error(list(dict.fromkeys(unknown)), valid, _script_of(cls), given)
+
+
+# One key's assignment: ("tokens", flag as written, value tokens) for the parser to convert, or ("value", a Python
+# value) set as it is.
+_Assignment = tuple
+
+
+def _recipe_assignment(key: str, value: Any, kind: str, where: str) -> _Assignment:
+    if value is None or kind == "mapping":
+        return ("value", None if value is None else _mapping_value(key, value, where))
+    if isinstance(value, list) and kind != "list":
+        raise ConfigError(f"{where}: key {key!r} takes one value, got the list {value!r}")
+    if isinstance(value, str) and kind == "float":  # `1e-400` (YAML reads it as a string)
+        _check_no_underflow(key, value, where)
+    return ("tokens", f"--{key}", _yaml_value_tokens(key, value))
+
+
+def _cli_assignment(key: str, flag: str, values: list[str], kind: Optional[str], optional: bool) -> _Assignment:
+    if kind == "float" and values:  # 1e-400 would silently become 0.0
+        _check_no_underflow(key, values[0], "command line")
+    if optional and len(values) == 1 and values[0] in NULL_TOKENS:
+        return ("value", None)
+    if kind == "mapping":
+        return ("value", _mapping_value(key, values, "the command line"))
+    return ("tokens", flag, values)
+
+
+def _merged_assignments(cls: type, sources: _Sources) -> tuple[dict[str, _Assignment], list[str]]:
+    """key -> its last assignment: the recipe's first, then the command line's in order, each replacing the key's
+    earlier one (`null` unsets an optional key). Also the stray tokens before the first --key."""
+    kinds = _value_kinds(cls)
+    hints = typing.get_type_hints(cls)
+    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
+    # str), so a second parse in the same process would no longer see which keys are optional.
+    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
+    merged: dict[str, _Assignment] = {}
+    for key, value in sources.recipe.items():
+        merged[key] = _recipe_assignment(key, value, kinds[key], f"recipe {sources.recipe_path}")
+    stray: list[str] = []
+    for key, flag, values in sources.cli:
+        if not key:
+            stray += values
+            continue
+        base = key[3:] if key not in kinds and key.startswith("no_") else key
+        merged.pop(base, None)  # dict order follows the last assignment
+        merged[base] = _cli_assignment(key, flag, values, kinds.get(key), key in optional)
+    return merged, stray
+
+
+def _list_value(key: str, tokens: list[str], hint: Any) -> list[Any]:
+    """A list option's tokens as its element type (argparse's wording for a bad one). Converted here, not by
+    argparse, which would read a token starting with '-' (`--stop_strings -----`) as an option."""
+    if not tokens:
+        raise ConfigError(f"argument --{key}: expected at least one argument")
+    (item,) = typing.get_args(next(t for t in (*typing.get_args(hint), hint) if typing.get_origin(t) is list))
+    try:
+        return [item(t) for t in tokens]
+    except ValueError:
+        bad = next(t for t in tokens if not _converts(item, t))
+        raise ConfigError(f"argument --{key}: invalid {item.__name__} value: {bad!r}") from None
+
+
+def _converts(convert: Any, token: str) -> bool:
+    try:
+        convert(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _build(cls: type[T], merged: dict[str, _Assignment], stray: list[str]) -> T:
+    """The config from the merged assignments: python values and lists set as they are, every scalar converted and
+    checked by the parser. A scalar goes in as `--key=value`, so a value starting with '-' (`-1e-8`, `-----`) stays
+    a value."""
+    kinds = _value_kinds(cls)
+    hints = typing.get_type_hints(cls)
+    preset: dict[str, Any] = {}
+    tokens: list[str] = list(stray)
+    for key, entry in merged.items():
+        if entry[0] == "value":
+            preset[key] = entry[1]
+        elif kinds.get(key) == "list":
+            preset[key] = _list_value(key, entry[2], hints[key])
+        elif len(entry[2]) == 0:
+            tokens.append(entry[1])  # a flag alone: `--dry_run`, `--no_save_final_model`
+        else:
+            tokens += [f"{entry[1]}={entry[2][0]}", *entry[2][1:]]  # extra values: reported as not used
+
+    parser = _parser(cls)
+    parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
+    try:
+        (config,) = parser.parse_args_into_dataclasses(args=tokens)
+    except ConfigError:  # a check of the config itself (__post_init__)
+        raise
+    except (argparse.ArgumentError, TypeError, ValueError) as e:  # a value the parser could not convert
+        raise ConfigError(str(e)) from None
+    return config
+
+
 def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     """Parse `[RECIPE.yaml] [--key value ...]` into `cls`. Raises ConfigError (see `parse_or_exit`); `-h`/`--help`
-    prints every option with its help text and exits 0.
+    prints every option, grouped by topic, with its help text and exits 0.
 
     The recipe's values come first and each `--key value` (or `--key=value`) after them replaces the key's earlier
     value: the last one wins, `null` included (it unsets an optional key). Every unknown key of the recipe and of
     the command line is reported in one error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        _parser(cls).print_help()
+        print(help_text(cls))
         raise SystemExit(0)
-    recipe: dict[str, Any] = {}
-    recipe_path = None
-    if argv and not argv[0].startswith("-"):
-        recipe_path = argv.pop(0)
-        recipe = load_recipe(recipe_path)
-    kinds = _value_kinds(cls)
-    late_recipe = _misplaced_recipe(argv, kinds)
-    if late_recipe is not None:
-        raise ConfigError(
-            f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
-            f"(script.py {late_recipe} [--key value ...])"
-        )
-    expected_script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
-    if recipe.get("script", expected_script) != expected_script:
-        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
-    valid = _field_names(cls)
-    accepted = _accepted_keys(cls)
-    cli = _cli_assignments(argv)
-    # Every unknown key at once, recipe (nested groups as dotted names) and command line, with every value given,
-    # so that hints which depend on another foreign key (max_steps and num_iterations) can use it.
-    unknown: list[tuple[str, str]] = []
-    given: dict[str, Any] = {}
-    for key, value in recipe.items():
-        if key not in valid:
-            flat = _flatten(value, f"{key}.") if isinstance(value, dict) and value else {key: value}
-            unknown += [(k, f"recipe {recipe_path}") for k in flat]
-            given.update(flat)
-        else:
-            given[key] = value
-    for key, _, values in cli:
-        if key and key not in accepted:
-            unknown.append((key, "command-line overrides"))
-        given[key] = values[0] if len(values) == 1 else values
-    if unknown:
-        raise _unknown_keys_error(list(dict.fromkeys(unknown)), valid, expected_script, given)
-
-    hints = typing.get_type_hints(cls)
-    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
-    # str), so a second parse in the same process would no longer see which keys are optional.
-    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
-    # key -> ("tokens", flag, values) | ("value", python value): the recipe first, then the command line in order;
-    # an assignment replaces the key's earlier one (dict order follows the last assignment).
-    merged: dict[str, tuple] = {}
-    for key, value in recipe.items():
-        where = f"recipe {recipe_path}"
-        if value is None or kinds[key] == "mapping":
-            merged[key] = ("value", None if value is None else _mapping_value(key, value, where))
-            continue
-        if isinstance(value, list) and kinds[key] != "list":
-            raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
-        if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
-            _check_no_underflow(key, value, where)
-        merged[key] = ("tokens", f"--{key}", _yaml_value_tokens(key, value))
-    stray: list[str] = []
-    for key, flag, values in cli:
-        if not key:
-            stray += values
-            continue
-        base = key[3:] if key not in valid and key.startswith("no_") else key
-        if kinds.get(key) == "float" and values:  # 1e-400 would silently become 0.0
-            _check_no_underflow(key, values[0], "command line")
-        merged.pop(base, None)
-        if key in optional and len(values) == 1 and values[0] in NULL_TOKENS:
-            merged[base] = ("value", None)
-        elif kinds.get(key) == "mapping":
-            merged[base] = ("value", _mapping_value(key, values, "the command line"))
-        else:
-            merged[base] = ("tokens", flag, values)
-    tokens: list[str] = stray
-    preset: dict[str, Any] = {}
-    for key, entry in merged.items():
-        if entry[0] == "value":
-            preset[key] = entry[1]
-        else:
-            tokens += [entry[1], *entry[2]]
-    parser = _parser(cls)
-    # Every token that is not a --key was checked above to be a value, so one starting with '-' (`--stop_strings
-    # -----`, `--adam_epsilon -1e-8`) is a value too; argparse alone reads it as an option unless it is a plain
-    # negative number.
-    parser._negative_number_matcher = re.compile(r"^-")
-    parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
-    for action in parser._actions:  # recipe values satisfy required fields
-        if action.dest in merged:
-            action.required = False
-    errors: list[str] = []
-    parser.error = lambda message: errors.append(message) or (_ for _ in ()).throw(ConfigError(message))  # type: ignore[method-assign]
-    try:
-        (config,) = parser.parse_args_into_dataclasses(args=tokens)
-    except SystemExit:  # argparse exits on --help
-        raise
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    return config
+    sources = _read_sources(cls, argv)
+    _check_known_keys(cls, sources)
+    merged, stray = _merged_assignments(cls, sources)
+    return _build(cls, merged, stray)
 
 
 def parse_or_exit(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:

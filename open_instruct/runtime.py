@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from open_instruct.config import BaseConfig, parse_or_exit
+from open_instruct.config import BaseConfig, config_yaml, parse_or_exit
 from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataError, NonFiniteError
 from open_instruct.gpu_stats import TRAINING_TOKENS_KEYS, StepGPUStats
 
@@ -86,7 +86,6 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
     try:
         if cfg.dry_run:
             from open_instruct.plan import print_dry_run
-            from open_instruct.run_dir import config_yaml
 
             print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
             print(config_yaml(cfg))
@@ -101,7 +100,7 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             cfg.batch_plan(world_size_from_env(), None)
         if is_main_process_from_env():
             claim_output_dir(cfg)
-            run_dir.write_config(cfg.output_dir, cfg)
+            run_dir.write_config(cfg.output_dir, config_yaml(cfg))
         elif cfg.resume_from_checkpoint == "auto" and (run_dir.read_run(cfg.output_dir) or {}).get("finished"):
             raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:

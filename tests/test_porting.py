@@ -278,6 +278,11 @@ def test_resolved_config_saved_in_the_run_folder_and_shown_by_dry_run(tiny_model
         text = saved.read_text()
         assert text.startswith(f"# resolved config of run {run_dir.run_id_of(str(out))}")
         assert yaml.safe_load(text) == dataclasses.asdict(cfg)
+        assert text.split("\n", 1)[1] in shown  # what the dry run printed, below the header line
+        headers = [line.split(":")[0] for line in text.splitlines()[1:] if line.startswith("# --- ")]
+        assert headers == [f"# --- {t}" for t in ("run", "model", "data", "batch", "optimizer", "algorithm")] + [
+            f"# --- {t}" for t in ("generation", "rewards", "environments", "checks", "checkpointing", "logging")
+        ]
         assert [n for n in os.listdir(out) if n.startswith(".tmp_")] == []  # written by rename
         again = parse_config(RLVRConfig, [str(saved)])  # the saved file is a recipe that repeats the run
         assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
