@@ -219,34 +219,17 @@ class BaseConfig:
         checks). Subclasses extend it."""
 
     def validate(self) -> None:
-        """Value checks that need no dataset and no model. Subclasses extend it."""
-        _check_positive(self, "learning_rate", allow_zero=True)
-        _check_positive(self, "per_device_train_batch_size")
-        _check_positive(self, "gradient_accumulation_steps")
-        _check_positive(self, "per_device_eval_batch_size")
-        _check_positive(self, "max_seq_length")
-        _check_positive(self, "num_train_epochs")
-        _check_positive(self, "logging_steps")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
-        _check_positive(self, "keep_last_n_checkpoints")
-        for name in (
-            "total_episodes",
-            "eval_steps",
-            "checkpointing_steps",
-            "max_train_samples",
-            "max_eval_samples",
-            "dataset_num_proc",
-        ):
-            if getattr(self, name) is not None:
-                _check_positive(self, name)
-        _check_range(self, "warmup_ratio", 0.0, 1.0)
-        _check_range(self, "eval_fraction", 0.0, 0.9)
-        _check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
-        _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
-        _check_positive(self, "weight_decay", allow_zero=True)
-        _check_positive(self, "adam_epsilon", allow_zero=True)
-        _check_positive(self, "lora_rank")
+        """Value checks that need no dataset and no model, by topic. Subclasses extend it."""
+        if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
+            raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+        self._validate_model()
+        self._validate_data_sources()
+        self._validate_batch_and_optimizer()
+        self._validate_logging_and_checkpoints()
+
+    def _validate_model(self) -> None:
+        if not self.model_name_or_path:
+            raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         _check_positive(self, "distributed_timeout_minutes")
         if self.mixed_precision == "fp16":
             # fp16 needs loss scaling: accelerate's GradScaler turns an overflow into an inf gradient norm and a
@@ -255,6 +238,7 @@ class BaseConfig:
                 "mixed_precision fp16 is not supported (it needs a loss scaler the scripts do not use): "
                 "use bf16 (Ampere GPUs and newer, and CPUs) or no"
             )
+        _check_positive(self, "lora_rank")
         _check_positive(self, "lora_alpha")
         _check_range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         if self.lora_target_modules is not None and not self.lora_target_modules:
@@ -268,18 +252,39 @@ class BaseConfig:
                     f"{', '.join(changed)} set but use_lora is false: every weight would be trained, without "
                     "adapters; set use_lora true, or remove the LoRA settings"
                 )
-        if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
-            raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+
+    def _validate_batch_and_optimizer(self) -> None:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"):
+            _check_positive(self, name)
+        _check_positive(self, "max_seq_length")
+        _check_positive(self, "num_train_epochs")
+        for name in ("total_episodes", "max_train_samples", "max_eval_samples", "dataset_num_proc"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
+        _check_positive(self, "learning_rate", allow_zero=True)
+        _check_range(self, "warmup_ratio", 0.0, 1.0)
+        _check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
+        _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
+        _check_positive(self, "weight_decay", allow_zero=True)
+        _check_positive(self, "adam_epsilon", allow_zero=True)
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    def _validate_logging_and_checkpoints(self) -> None:
+        """Logging, evaluation (its data and best_metric) and checkpoints."""
+        _check_positive(self, "logging_steps")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
+        _check_positive(self, "keep_last_n_checkpoints")
+        for name in ("eval_steps", "checkpointing_steps"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
         if self.allow_resume_changes and not self.resume_from_checkpoint:
             raise ConfigError(
                 f"allow_resume_changes {self.allow_resume_changes} applies to a resume: set resume_from_checkpoint "
                 "(auto or a checkpoint path)"
             )
-        if not self.model_name_or_path:
-            raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
-        self._validate_data_sources()
+        _check_range(self, "eval_fraction", 0.0, 0.9)
         logged = [*self.eval_metrics, *self.per_source_metric_names()]
         if self.best_metric and self.eval_metrics and self.best_metric not in logged:  # '' = none
             close = difflib.get_close_matches(self.best_metric, logged, n=1, cutoff=0.5)
@@ -780,38 +785,37 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             self.truncated_importance_sampling = self.async_steps > 0
 
     def validate(self) -> None:
+        """By topic: batch, sampling, algorithm, rewards, environments, distillation (the engines: the mixin's)."""
         super().validate()
-        for name in (
-            "local_rollout_batch_size",
-            "num_samples_per_prompt",
-            "num_epochs",
-            "response_length",
-            "max_prompt_length",
-        ):
+        self._validate_batch()
+        self._validate_sampling()
+        self._validate_algorithm()
+        self._validate_off_policy()
+        self._validate_rewards()
+        self._validate_environment()
+        self._validate_distillation()
+
+    def _validate_batch(self) -> None:
+        for name in ("local_rollout_batch_size", "num_samples_per_prompt", "num_epochs", "max_prompt_length"):
             _check_positive(self, name)
-        if self.eval_response_length is not None:
-            _check_positive(self, "eval_response_length")
-        _check_positive(self, "num_samples_logged", allow_zero=True)
         if self.total_episodes is None:
             raise ConfigError("total_episodes is required for RLVR (completions to train on)")
+        _check_positive(self, "num_samples_logged", allow_zero=True)
+
+    def _validate_sampling(self) -> None:
+        _check_positive(self, "response_length")
+        if self.eval_response_length is not None:
+            _check_positive(self, "eval_response_length")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0 for sampling, got {self.temperature}")
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
+
+    def _validate_algorithm(self) -> None:
+        """The estimator, the policy loss and their knobs, and the settings that only some estimators use."""
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
-        for name in (
-            "cliprange",
-            "cliprange_value",
-            "verifier_timeout",
-            "reward_function_timeout",
-            "code_test_seconds",
-            "sandbox_workers",
-        ):
+        for name in ("cliprange", "cliprange_value"):
             _check_positive(self, name)
-        if self.code_memory_mb < 64:
-            raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
-        if self.sandbox_batch_timeout is not None:
-            _check_positive(self, "sandbox_batch_timeout")
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
         _check_choice(self, "algo", ALGO_ESTIMATORS)
@@ -826,26 +830,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"dual_clip_c applies to policy_loss {takers}, not {self.policy_loss} (its weight is already capped)"
             )
         _check_positive(self, "loss_norm_length")
-        _check_positive(self, "overlong_buffer_length", allow_zero=True)
-        if self.overlong_buffer_length > self.response_length:
-            raise ConfigError(
-                f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
-            )
-        _check_positive(self, "overlong_penalty_factor", allow_zero=True)
-        _check_positive(self, "tis_cap")
-        for name in ("is_mask_low", "is_mask_high"):
-            if getattr(self, name) is not None:
-                _check_positive(self, name, allow_zero=True)
-        if self.tis_cap < 1:
-            raise ConfigError(
-                f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
-            )
-        if self.is_mask_low is not None and not 0 <= self.is_mask_low <= 1:
-            raise ConfigError(f"is_mask_low must be in [0, 1] (the ratio masked below), got {self.is_mask_low}")
-        if self.is_mask_high is not None and self.is_mask_high < 1:
-            raise ConfigError(f"is_mask_high must be >= 1 (the ratio masked above), got {self.is_mask_high}")
-        if self.max_sequence_lag is not None:
-            _check_positive(self, "max_sequence_lag", allow_zero=True)
         if self.uses_groups and self.num_samples_per_prompt < 2:
             raise ConfigError(
                 f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "
@@ -865,6 +849,37 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
             )
+
+    def _validate_off_policy(self) -> None:
+        """Corrections for tokens sampled by another policy: truncated IS, IcePop masks, the lag limit."""
+        _check_positive(self, "tis_cap")
+        if self.tis_cap < 1:
+            raise ConfigError(
+                f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
+            )
+        for name in ("is_mask_low", "is_mask_high"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name, allow_zero=True)
+        if self.is_mask_low is not None and not 0 <= self.is_mask_low <= 1:
+            raise ConfigError(f"is_mask_low must be in [0, 1] (the ratio masked below), got {self.is_mask_low}")
+        if self.is_mask_high is not None and self.is_mask_high < 1:
+            raise ConfigError(f"is_mask_high must be >= 1 (the ratio masked above), got {self.is_mask_high}")
+        if self.max_sequence_lag is not None:
+            _check_positive(self, "max_sequence_lag", allow_zero=True)
+
+    def _validate_rewards(self) -> None:
+        for name in ("verifier_timeout", "reward_function_timeout", "code_test_seconds", "sandbox_workers"):
+            _check_positive(self, name)
+        if self.code_memory_mb < 64:
+            raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
+        if self.sandbox_batch_timeout is not None:
+            _check_positive(self, "sandbox_batch_timeout")
+        _check_positive(self, "overlong_buffer_length", allow_zero=True)
+        if self.overlong_buffer_length > self.response_length:
+            raise ConfigError(
+                f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
+            )
+        _check_positive(self, "overlong_penalty_factor", allow_zero=True)
         for i, weight in enumerate(self.reward_function_weights or []):
             if not math.isfinite(weight):
                 raise ConfigError(f"reward_function_weights[{i}] must be a finite number, got {weight}")
@@ -875,8 +890,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"reward_function_weights has {len(self.reward_function_weights)} entries but reward_functions has "
                 f"{len(self.reward_functions or [])}: give one weight per function"
             )
-        self._validate_environment()
-        self._validate_distillation()
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
