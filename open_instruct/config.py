@@ -1098,6 +1098,25 @@ def config_yaml(cfg: Any) -> str:
     return "\n".join(parts)
 
 
+def settings_table() -> str:
+    """docs/running.md's table of every setting by topic: those every script has first, then those of some scripts
+    after the scripts' names (tests/test_config_plan.py checks the page holds this table)."""
+    have = {name: [s for s, cls in CONFIG_CLASSES.items() if name in _field_names(cls)] for name in _all_settings()}
+    lines = ["| topic | what it covers | settings |", "|---|---|---|"]
+    for topic, (about, keys) in SETTING_TOPICS.items():
+        by_scripts: dict[str, list[str]] = {}
+        for key in keys.split():
+            scripts = "" if len(have[key]) == len(CONFIG_CLASSES) else " and ".join(have[key]) + ": "
+            by_scripts.setdefault(scripts, []).append(f"`{key}`")
+        cell = "; ".join(scripts + ", ".join(names) for scripts, names in sorted(by_scripts.items()))
+        lines.append(f"| {topic} | {about} | {cell} |")
+    return "\n".join(lines)
+
+
+def _all_settings() -> list[str]:
+    return list(dict.fromkeys(name for cls in CONFIG_CLASSES.values() for name in _field_names(cls)))
+
+
 def help_text(cls: type) -> str:
     """`--help`: every setting of the script with its type, default and help text, grouped by topic."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

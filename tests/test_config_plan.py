@@ -256,3 +256,10 @@ def test_every_setting_has_one_topic_and_help_groups_them():
         "checkpointing",
         "logging",
     ]
+
+
+def test_running_page_shows_the_settings_by_topic():
+    from open_instruct.config import settings_table
+
+    with open(os.path.join(REPO, "docs", "running.md")) as f:
+        assert settings_table() in f.read()
