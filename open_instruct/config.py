@@ -679,7 +679,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     # eval: greedy verifiable accuracy on held-out prompts
     eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
     num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
-    # multi-turn episodes (environments.py, episodes.py; README: Multi-turn tool use)
+    # multi-turn episodes (environments.py, episodes.py; docs/multi-turn.md)
     environment: Optional[str] = opt(
         None,
         "Play multi-turn episodes against this environment: a registered name (tool, multi_turn) or an import path "

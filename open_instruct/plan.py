@@ -8,7 +8,7 @@ field of `TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `
 are read here; every other `--key value` is a recipe override. RL plans read the generation layout from the recipe
 (generation_backend, vllm_num_engines x vllm_tensor_parallel_size, vllm_server_urls, async_steps). Invalid plans
 and layouts that cannot start exit 2. The time is a sum of per-phase costs; the plan names the phase that dominates
-and the flag that governs it (README: "The time model and its calibration"). Imports neither torch nor model code.
+and the flag that governs it (docs/planner.md#the-time-model-and-its-calibration). Imports neither torch nor model code.
 """
 
 from __future__ import annotations
