@@ -2,10 +2,12 @@
 
     python open_instruct/dpo.py configs/dpo_8b.yaml --learning_rate 1e-6
 
-Parsing uses transformers' HfArgumentParser. YAML values are turned into command-line tokens placed before the
-user's overrides, so both go through the same argparse type checks and the last value wins. Unknown keys,
-wrong types and invalid values stop the run with exit status 2 and a message naming the key, before torch or
-any model is imported. This module imports no torch.
+The recipe's values and the `--key value` overrides are merged key by key (the last value wins), then every scalar
+goes through transformers' HfArgumentParser as `--key=value` (its type checks and choices; a value may start with
+'-'), and list values are converted by their element type. Unknown keys, wrong types and invalid values stop the
+run with exit status 2 and a message naming the key, before torch or any model is imported. The settings are
+grouped by topic (SETTING_TOPICS) in `--help`, in the saved config.yaml and in docs/running.md#settings-by-topic.
+This module imports no torch.
 """
 
 from __future__ import annotations
