@@ -1506,13 +1506,18 @@ def _list_value(key: str, tokens: list[str], hint: Any) -> list[Any]:
     """A list option's tokens as its element type (argparse's wording for a bad one). Converted here, not by
     argparse, which would read a token starting with '-' (`--stop_strings -----`) as an option."""
     if not tokens:
-        raise ConfigError(f"argument --{key}: expected at least one argument")
+        raise ConfigError(f"argument {_argument_name(key)}: expected at least one argument")
     (item,) = typing.get_args(next(t for t in (*typing.get_args(hint), hint) if typing.get_origin(t) is list))
     try:
         return [item(t) for t in tokens]
     except ValueError:
         bad = next(t for t in tokens if not _converts(item, t))
-        raise ConfigError(f"argument --{key}: invalid {item.__name__} value: {bad!r}") from None
+        raise ConfigError(f"argument {_argument_name(key)}: invalid {item.__name__} value: {bad!r}") from None
+
+
+def _argument_name(key: str) -> str:
+    """How argparse names an option in its errors: `--key/--dashed-alias`."""
+    return f"--{key}" + (f"/--{key.replace('_', '-')}" if "_" in key else "")
 
 
 def _converts(convert: Any, token: str) -> bool:
