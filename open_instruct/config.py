@@ -92,7 +92,7 @@ class BaseConfig:
         "value model too) gets low-rank adapters, a scalar head stays fully trained.",
     )
     lora_rank: int = opt(16, "LoRA rank r.")
-    lora_alpha: float = opt(32, "LoRA alpha: the update B@A is scaled by alpha / r.")
+    lora_alpha: float = opt(32.0, "LoRA alpha: the update B@A is scaled by alpha / r.")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too).")
     lora_target_modules: Optional[list[str]] = opt(
         None, "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."
