@@ -308,3 +308,127 @@ def generation_sequences_per_call(cfg: Any, max_model_len: int) -> int:
     rollout = cfg.local_rollout_batch_size * cfg.num_samples_per_prompt
     chosen = cfg.generation_micro_batch_size or max(1, GENERATION_TOKENS_PER_CALL // max(1, max_model_len))
     return max(1, min(rollout, chosen))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL GRPO's batch shape in this repo's keys
+
+
+@dataclass(frozen=True)
+class TRLGRPOShape:
+    """The batch shape of a TRL GRPOTrainer run (trl/trainer/grpo_config.py `__post_init__` and grpo_trainer.py
+    `_prepare_inputs`, TRL 1.16), per process, and the keys that give the same shape here (`ours`), or why none
+    does (`mismatch`).
+
+        steps_per_generation  = gradient_accumulation_steps        (neither it nor generation_batch_size set)
+                              = generation_batch_size / (per_device_train_batch_size x processes)
+        generation_batch_size = per_device_train_batch_size x processes x steps_per_generation   (completions)
+        optimizer steps per generation = steps_per_generation x num_iterations / gradient_accumulation_steps
+        completions generated = max_steps x per_device_train_batch_size x gradient_accumulation_steps x processes
+                                / num_iterations
+    """
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    num_generations: int
+    num_iterations: int
+    max_steps: Optional[int]
+    processes: int = 1
+    ours: dict[str, int] = field(default_factory=dict)
+    mismatch: Optional[str] = None
+
+    @property
+    def completions_per_generation(self) -> int:
+        return self.per_device_train_batch_size * self.processes * self.steps_per_generation
+
+    @property
+    def optimizer_steps_per_generation(self) -> float:
+        return self.steps_per_generation * self.num_iterations / self.gradient_accumulation_steps
+
+
+def trl_grpo_shape(
+    *,
+    per_device_train_batch_size: int = 8,
+    gradient_accumulation_steps: int = 1,
+    num_generations: int = 8,
+    num_iterations: int = 1,
+    steps_per_generation: Optional[int] = None,
+    generation_batch_size: Optional[int] = None,
+    max_steps: Optional[int] = None,
+    processes: int = 1,
+) -> TRLGRPOShape:
+    """TRL's shape for these GRPOConfig values (TRL's defaults as the keyword defaults) and the keys that train the
+    same run here: per_device_train_batch_size and gradient_accumulation_steps as they are, num_samples_per_prompt
+    = num_generations, num_epochs = num_iterations, local_rollout_batch_size = per_device_train_batch_size x
+    steps_per_generation / num_generations prompts per process, total_episodes = the completions TRL generates in
+    max_steps optimizer steps. `mismatch` says why no setting here is the same run (a group split across
+    processes, a generation that does not fill whole optimizer steps, max_steps mid-generation)."""
+    pd, ga, n = per_device_train_batch_size, gradient_accumulation_steps, num_generations
+    problems = []
+    if steps_per_generation is None:
+        if generation_batch_size is None:
+            steps_per_generation = ga
+        else:
+            steps_per_generation = max(generation_batch_size // (pd * processes), 1)
+            if generation_batch_size % (pd * processes):
+                problems.append(
+                    f"TRL refuses generation_batch_size {generation_batch_size}: not a multiple of "
+                    f"per_device_train_batch_size {pd} x processes {processes}"
+                )
+    ours = {
+        "per_device_train_batch_size": pd,
+        "gradient_accumulation_steps": ga,
+        "num_samples_per_prompt": n,
+        "num_epochs": num_iterations,
+    }
+    local_completions = pd * steps_per_generation
+    if local_completions % n:
+        problems.append(
+            f"a process generates per_device_train_batch_size {pd} x steps_per_generation {steps_per_generation} = "
+            f"{local_completions} completions, not whole groups of num_generations (num_samples_per_prompt) {n} "
+            "(here each process holds whole groups)"
+        )
+    else:
+        ours["local_rollout_batch_size"] = local_completions // n
+    if steps_per_generation % ga:
+        problems.append(
+            f"steps_per_generation {steps_per_generation} is not a multiple of gradient_accumulation_steps {ga} "
+            "(TRL then mixes generations inside one optimizer step; here a rollout fills whole optimizer steps)"
+        )
+    if max_steps is not None:
+        completions = max_steps * pd * ga * processes
+        if completions % num_iterations:
+            problems.append(
+                f"max_steps {max_steps} ends inside a pass over a generation (num_iterations {num_iterations})"
+            )
+        ours["total_episodes"] = completions // num_iterations
+        per_generation = steps_per_generation * num_iterations / ga
+        if not problems and max_steps % per_generation:
+            problems.append(
+                f"max_steps {max_steps} is not a multiple of the {per_generation:g} optimizer steps per generation: "
+                "TRL stops inside a generation, here the last partial rollout is not run"
+            )
+    return TRLGRPOShape(
+        pd, ga, steps_per_generation, n, num_iterations, max_steps, processes, ours, "; ".join(problems) or None
+    )
+
+
+def trl_rollout_batch_size(per_device_train_batch_size: Any, gradient_accumulation_steps: Any, group: Any) -> Any:
+    """local_rollout_batch_size null: TRL GRPO's default generation batch, per_device_train_batch_size x
+    gradient_accumulation_steps completions per process (steps_per_generation = gradient_accumulation_steps), in
+    prompts. Values that are not positive integers are returned as None for the field checks to name."""
+    values = (per_device_train_batch_size, gradient_accumulation_steps, group)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return None
+    shape = trl_grpo_shape(
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        num_generations=group,
+    )
+    if shape.mismatch:
+        raise ConfigError(
+            f"local_rollout_batch_size null (TRL's generation batch) cannot be derived: {shape.mismatch}; set "
+            "local_rollout_batch_size (prompts per process per rollout)"
+        )
+    return shape.ours["local_rollout_batch_size"]

@@ -23,15 +23,16 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from open_instruct import run_dir
+from open_instruct import run_dir, user_code
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
+from open_instruct.preflight import looks_local, weight_files
 from open_instruct.rl_algorithms import ALGO_ESTIMATORS
+from open_instruct.run_dir import FAULT_ENV, fault_point  # noqa: F401 (FAULT_ENV: the tests' name for it)
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: start-up reads checkpoints before the slow import
     import torch
@@ -68,27 +69,6 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError:
         pass
-
-
-FAULT_ENV = "OPEN_INSTRUCT_FAULT"
-
-
-def fault_point(name: str, step: Optional[int] = None) -> None:
-    """Testing hook, inert unless the environment asks: OPEN_INSTRUCT_FAULT=<name>[:step_<N>][:enospc] makes the
-    process SIGKILL itself (or, with `enospc`, raise "No space left on device") on reaching fault point <name>
-    (at step N only, when given). Points: checkpoint_state (model/optimizer state written, no manifest yet),
-    checkpoint_write (checkpoint complete in its temp folder, not yet renamed), checkpoint_prune (renamed into
-    place, older ones not yet pruned), <folder>_write (an HF folder such as final_model complete in its temp
-    folder, not yet moved into place). tests/test_reliability.py crashes runs at these points."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[0] != name or any(p.startswith("step_") and p != f"step_{step}" for p in parts[1:]):
-        return
-    if "enospc" in parts[1:]:
-        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={spec})")
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_manifest(folder: str) -> None:
@@ -496,6 +476,7 @@ def save_training_state(
         "run_id": run_dir.run_id_of(cfg.output_dir),
         # the training files' identity, for a resume to refuse changed data (the main process writes the state)
         "data_identity": data_identity(vars(cfg)) if accelerator.is_main_process else [],
+        "input_identity": input_identity(vars(cfg)) if accelerator.is_main_process else [],
         **(extra or {}),
     }
     check_finite_weights(models, accelerator, counters.optimizer_step)
@@ -586,8 +567,8 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
         "messages_column", "ground_truth_column", "verifier_column", "max_prompt_length", "response_length",
         "temperature", "top_p", "stop_strings",
         # rewards
-        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "reward_model_path",
-        "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
+        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "mask_truncated_completions",
+        "reward_model_path", "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
         "overlong_buffer_length", "overlong_penalty_factor",
         # multi-turn episodes
         "environment", "tools", "tool_call_format", "max_turns", "max_tool_calls", "tool_output_max_tokens",
@@ -603,6 +584,12 @@ TRAINING_KEYS: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 DATA_CONTENT = "dataset_content"  # the bytes of the local training files (data_identity), not a config key
+# The bytes of what else a run loads by name (input_identity), resume keys that are not config keys either: the user's
+# code files, the teacher's weights, and the weights of the model the run starts from (RL's and DPO's reference)
+USER_CODE_CONTENT, TEACHER_WEIGHTS, REFERENCE_WEIGHTS = "user_code_content", "teacher_weights", "reference_weights"
+INPUT_CONTENT_KEYS = (USER_CODE_CONTENT, TEACHER_WEIGHTS, REFERENCE_WEIGHTS)
+# the options that may name a file of the user's code (`path/file.py:name` or `module:name`)
+USER_CODE_OPTIONS = ("reward_functions", "advantage_estimator", "policy_loss", "kl_estimator", "environment")
 
 
 def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[Any, str]]:
@@ -699,6 +686,54 @@ def data_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
     return identity
 
 
+def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The identity of every file a run loads by name besides its data, recorded in each checkpoint: the user's code
+    files (reward functions, variants, environment) and the local weight files of the teacher and, for the scripts
+    that keep a frozen copy of it, of the starting model (the reference). [{key, what, path, blake2b}]: `key` the
+    resume key that accepts a change, `what` the setting that named the file. Each file is hashed once per process
+    (file_digest); hub models are known by name (and revision) only."""
+    entries: list[tuple[str, str, str]] = []
+    for option in USER_CODE_OPTIONS:
+        values = config.get(option)
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            path = user_code.spec_file(value) if isinstance(value, str) else None
+            if path:
+                entries.append((USER_CODE_CONTENT, f"{option} {value}", path))
+    models = [(TEACHER_WEIGHTS, "teacher_model_name_or_path")]
+    if config.get("script") in ("rlvr_ppo", "dpo") and not config.get("gguf_file"):
+        models.append((REFERENCE_WEIGHTS, "model_name_or_path"))
+    for key, option in models:
+        folder = config.get(option)
+        if folder and looks_local(folder) and os.path.isdir(folder):
+            entries += [(key, f"{option} {folder}", os.path.abspath(path)) for path in weight_files(folder)]
+    return [{"key": k, "what": w, "path": p, "blake2b": file_digest(p)} for k, w, p in entries]
+
+
+def input_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(resume key, message) for each setting whose files differ from the checkpoint's input_identity. Only settings
+    named the same way on both sides are compared: another spec or path is a config difference already."""
+
+    def by_setting(entries: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:
+        grouped: dict[tuple[str, str], dict[str, str]] = {}
+        for entry in entries:
+            grouped.setdefault((entry["key"], entry["what"]), {})[entry["path"]] = entry["blake2b"]
+        return grouped
+
+    before, now = by_setting(saved), by_setting(input_identity(config))
+    changes = []
+    for (key, what), files in before.items():
+        current = now.get((key, what))
+        if current is None or current == files:
+            continue
+        changed = [
+            f"{os.path.basename(p)} blake2b {files[p][:12]} -> {current[p][:12]}" if p in current else f"{p} is gone"
+            for p in files
+            if current.get(p) != files[p]
+        ] + [f"{p} is new" for p in current if p not in files]
+        changes.append((key, f"{key}: {what}: {'; '.join(changed)} (the file's content changed since the checkpoint)"))
+    return changes
+
+
 def data_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) -> list[str]:
     """How the training files differ from a checkpoint's data_identity, file by file in source order ([] when
     the same). Cheap when nothing changed: same path, size and mtime is the same file; a file of the same size
@@ -723,7 +758,8 @@ def check_allowed_resume_changes(cfg: Any, world_size: int) -> set[str]:
     """The names in cfg.allow_resume_changes must be resume keys a resume may accept, checked on every start (also
     when `auto` finds nothing to resume): a misspelt name would otherwise pass until the one resume that needs it.
     Returns the acceptable keys."""
-    acceptable = (set(resume_layout(vars(cfg), world_size)) | {DATA_CONTENT}) - set(STRUCTURAL_RESUME_KEYS)
+    acceptable = set(resume_layout(vars(cfg), world_size)) | {DATA_CONTENT, *INPUT_CONTENT_KEYS}
+    acceptable -= set(STRUCTURAL_RESUME_KEYS)
     acceptable |= set(SCHEDULE_KEYS) | set(DATA_STREAM_KEYS)  # compared whenever a checkpoint has them
     allowed = set(getattr(cfg, "allow_resume_changes", None) or [])
     structural = sorted(allowed & set(STRUCTURAL_RESUME_KEYS))
@@ -759,6 +795,8 @@ def check_resume_compatible(checkpoint: str, cfg: Any, world_size: int) -> None:
         differences += [
             (DATA_CONTENT, f"{DATA_CONTENT}: {c}") for c in data_content_changes(state["data_identity"], vars(cfg))
         ]
+    if "input_identity" in state:
+        differences += input_content_changes(state["input_identity"], vars(cfg))
     if saved["script"] == now["script"]:
         checkpoint_model = _model_config(os.path.join(checkpoint, "hf", "policy"))
         model = _model_config(cfg.model_name_or_path) if os.path.isdir(cfg.model_name_or_path) else None

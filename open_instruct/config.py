@@ -27,7 +27,13 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 import yaml
 
 from open_instruct import flag_names, rl_algorithms
-from open_instruct.batch_math import BatchPlan, check_token_budget, rl_batch_plan, supervised_batch_plan
+from open_instruct.batch_math import (
+    BatchPlan,
+    check_token_budget,
+    rl_batch_plan,
+    supervised_batch_plan,
+    trl_rollout_batch_size,
+)
 from open_instruct.errors import ConfigError
 from open_instruct.mixture import parse_mixer_list, source_labels
 from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, ALGO_ESTIMATORS, POLICY_LOSSES, AdvantageEstimator
@@ -54,10 +60,34 @@ class BaseConfig:
     exp_name: str = opt("run", "Run name (wandb).")
     output_dir: str = opt("output/run", "Folder of this run: metrics.jsonl, checkpoints/, best_model/, final_model/.")
     overwrite_output_dir: bool = opt(
-        False, "Delete a previous run's files in output_dir and start a new run there (else such a folder is refused)."
+        False,
+        "Start a new run in an output_dir that holds another run (else such a folder is refused), once every start "
+        "check has passed: a finished run (final_model/) is moved aside to <output_dir>.replaced-<time>, an "
+        "unfinished one deleted. Command line only: a recipe (or a saved config.yaml) cannot set it.",
+    )
+    delete_finished_run: bool = opt(
+        False,
+        "With overwrite_output_dir: delete a finished run's files instead of moving them aside. Command line only.",
     )
     seed: int = opt(1, "Random seed: data order, sampling and freshly initialised heads.")
-    dry_run: bool = opt(False, "Print the plan (batch math, steps, time) and exit.")
+    dry_run: bool = opt(
+        False,
+        "Run every start check that needs no model (paths, first data rows, reward functions, memory), print the "
+        "plan and exit: 0 if a real start would get past them, else 2 with the same message.",
+    )
+    gpu: Optional[str] = opt(
+        None,
+        "GPU the memory check judges a layout on (a name of the planner's table, e.g. H100, A100, H200); unset: "
+        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100.",
+    )
+    gpu_memory_gb: Optional[float] = opt(
+        None, "Memory of one training GPU for the memory check, in GB; unset: the gpu's (H100: 80)."
+    )
+    num_processes: Optional[int] = opt(
+        None,
+        "Training processes a --dry_run plans for (the launcher's --num_processes); unset: WORLD_SIZE of the "
+        "launch, else 1. A real start takes the launcher's world size and refuses a different one.",
+    )
 
     # --- model
     model_name_or_path: str = opt("", "Hub model name or local model folder (with config.json) to start from.")
@@ -189,7 +219,8 @@ class BaseConfig:
     allow_resume_changes: Optional[list[str]] = opt(
         None,
         "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
-        "dataset_content); any other difference (data, run length, schedule, batch layout, lora_alpha) exits 2.",
+        "dataset_content user_code_content teacher_weights reference_weights); any other difference (data, run "
+        "length, schedule, batch layout, lora_alpha) exits 2.",
     )
     save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
     with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
@@ -224,6 +255,11 @@ class BaseConfig:
         """Value checks that need no dataset and no model, by topic. Subclasses extend it."""
         if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
             raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+        for name in ("gpu_memory_gb", "num_processes"):  # the layout a dry run plans
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
+        if self.delete_finished_run and not self.overwrite_output_dir:
+            raise ConfigError("delete_finished_run applies with --overwrite_output_dir true only; pass both or neither")
         self._validate_model()
         self._validate_data_sources()
         self._validate_batch_and_optimizer()
@@ -577,7 +613,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
     max_prompt_length: int = opt(512, "Longest prompt in tokens.")
     # rollouts
-    local_rollout_batch_size: int = opt(8, "Prompts per device per rollout.")
+    local_rollout_batch_size: Optional[int] = opt(
+        8,
+        "Prompts per device per rollout; null: TRL GRPO's generation batch, per_device_train_batch_size x "
+        "gradient_accumulation_steps / num_samples_per_prompt (one optimizer step per rollout and epoch).",
+    )
     num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
     num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
     response_length: int = opt(256, "Most new tokens per completion.")
@@ -614,6 +654,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")
     non_stop_penalty_mode: Literal["add", "replace"] = opt(
         "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
+    )
+    mask_truncated_completions: bool = opt(
+        False,
+        "TRL's: a completion no EOS/stop string ended within response_length is left out of the loss (its tokens get "
+        "no weight); it still counts in its group's baseline (docs/porting.md).",
     )
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
     advantage_estimator: Optional[str] = opt(
@@ -774,6 +819,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             self.advantage_estimator = "distill"
         if self.distill_group_baseline is None:
             self.distill_group_baseline = self.num_samples_per_prompt >= 2
+        if self.local_rollout_batch_size is None:  # TRL's default steps_per_generation = gradient_accumulation_steps
+            self.local_rollout_batch_size = trl_rollout_batch_size(
+                self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_samples_per_prompt
+            )
         if self.advantage_estimator is None and self.algo in ALGO_ESTIMATORS:  # the preset
             self.advantage_estimator = ALGO_ESTIMATORS[self.algo]
         for name in ("cliprange_low", "cliprange_high"):
@@ -847,6 +896,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"filter_zero_std_groups needs a group estimator ({groups}), not {self.advantage_estimator}"
             )
+        if self.mask_truncated_completions and self.uses_value_model:
+            raise ConfigError(
+                f"mask_truncated_completions is TRL's GRPO option: it needs an estimator without a value model (grpo, "
+                f"dr_grpo, rloo, ...), not {self.advantage_estimator}, whose value targets would still train on a "
+                "masked completion"
+            )
         if not self.uses_value_model and self.value_model_path:
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
@@ -900,19 +955,31 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     def _validate_variants(self) -> None:
         """advantage_estimator, policy_loss and kl_estimator name registered rows or the user's functions (imported
         now); every algo_kwargs key is taken by one of them."""
-        for option in ("advantage_estimator", "policy_loss", "kl_estimator"):
-            rl_algorithms.resolve(option, getattr(self, option))
+        import difflib
+
+        from open_instruct import user_code
+
         taken: set[str] = set()
-        for option in rl_algorithms.FIXED_ARGS:
-            row = rl_algorithms.TABLES[option][0][getattr(self, option)]
-            takes = rl_algorithms.accepted_kwargs(row.function, rl_algorithms.FIXED_ARGS[option])
+        for option, (positional, returns) in rl_algorithms.CALLS.items():
+            row = rl_algorithms.resolve(option, getattr(self, option))
+            if row.function is None:
+                continue
+            what = f"{option} {getattr(self, option)!r}"
+            user_code.check_signature(row.function, what, positional, returns)
+            user_code.check_keyword_types(
+                row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
+            )
+            takes = rl_algorithms.accepted_kwargs(row.function, len(positional))
             taken |= set(self.algo_kwargs) if takes is None else takes
         unused = sorted(set(self.algo_kwargs) - taken)
         if unused:
-            chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.FIXED_ARGS)
+            chosen = ", ".join(f"{o} {getattr(self, o)}" for o in rl_algorithms.CALLS)
+            close = {k: difflib.get_close_matches(k, sorted(taken), n=1, cutoff=0.6) for k in unused}
+            hints = "".join(f"; did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
             raise ConfigError(
-                f"algo_kwargs {unused} is taken by none of {chosen}: the built-ins take none; a function of your "
-                "own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, alpha=1.0))"
+                f"algo_kwargs {unused} is taken by none of {chosen}{hints}: the built-ins take none; a function of "
+                "your own takes them as keyword parameters (def my_loss(cfg, logp, old_logp, advantages, mask, "
+                "alpha=1.0))"
             )
 
     def variant_kwargs(self, option: str) -> dict[str, Any]:
@@ -998,7 +1065,11 @@ CONFIG_CLASSES: dict[str, type[BaseConfig]] = {
 # one flat mapping) and of docs/running.md's settings table. A topic's keys in reading order; each script shows the
 # ones it has. tests/test_config_plan.py checks that every field of every script has exactly one topic.
 SETTING_TOPICS: dict[str, tuple[str, str]] = {
-    "run": ("which script, where its files go", "script exp_name output_dir overwrite_output_dir seed dry_run"),
+    "run": (
+        "which script, where its files go, the layout a dry run plans",
+        "script exp_name output_dir overwrite_output_dir delete_finished_run seed dry_run gpu gpu_memory_gb "
+        "num_processes",
+    ),
     "model": (
         "what is loaded and how it runs",
         "model_name_or_path tokenizer_name_or_path model_revision gguf_file trust_remote_code chat_template "
@@ -1027,8 +1098,8 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
         "loss_type beta label_smoothing gamma_beta_ratio reference_cache_dir center_rewards_coefficient algo "
         "advantage_estimator policy_loss kl_estimator algo_kwargs cliprange cliprange_low cliprange_high dual_clip_c "
         "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
-        "loss_norm_length filter_zero_std_groups truncated_importance_sampling tis_cap is_mask_low is_mask_high "
-        "max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight distill_reward_weight "
+        "loss_norm_length filter_zero_std_groups mask_truncated_completions truncated_importance_sampling tis_cap "
+        "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight distill_reward_weight "
         "distill_group_baseline distill_jsd_beta distill_top_k",
     ),
     "generation": (
@@ -1090,12 +1161,15 @@ _RecipeDumper.add_representer(
 
 def config_yaml(cfg: Any) -> str:
     """The resolved config (every option, defaults and derived values filled in) as a recipe: `script.py
-    config.yaml` repeats the run. One flat mapping, its keys grouped by topic, a comment heading each group.
-    dry_run is written false: what --dry_run prints is the file the run it planned saves."""
-    values = {**dataclasses.asdict(cfg), "dry_run": False}
+    config.yaml` repeats the run. One flat mapping, its keys grouped by topic, a comment heading each group. The
+    decisions of one command (NOT_SAVED) are left out: what --dry_run prints is the file the run it planned saves."""
+    values = dataclasses.asdict(cfg)
     parts = []
     for topic, about, keys in settings_by_topic(type(cfg)):
-        body = yaml.dump({k: values[k] for k in keys}, Dumper=_RecipeDumper, sort_keys=False, width=120)
+        saved = [k for k in keys if k not in NOT_SAVED]
+        if not saved:
+            continue
+        body = yaml.dump({k: values[k] for k in saved}, Dumper=_RecipeDumper, sort_keys=False, width=120)
         parts.append(f"# --- {topic}: {about}\n{body}")
     return "\n".join(parts)
 
@@ -1214,7 +1288,7 @@ def _unknown_keys_error(unknown: list[tuple[str, str]], valid: Sequence[str], sc
     """One error listing every unknown key of the run (recipe and command line), each with its hint, and for a
     TRL GRPO recipe what differs here (flag_names.trl_port_notice): a port takes one pass, not one run per key."""
     lines = [_unknown_key_line(key, valid, where, script, given) for key, where in unknown]
-    notice = flag_names.trl_port_notice([key for key, _ in unknown], script)
+    notice = flag_names.trl_port_notice([key for key, _ in unknown], script, given)
     text = lines[0] if len(lines) == 1 else f"{len(lines)} unknown keys:\n  " + "\n  ".join(lines)
     return ConfigError(text + (f"\n{notice}" if notice else ""))
 
@@ -1257,7 +1331,12 @@ def _mapping_value(key: str, value: Any, where: str) -> dict[str, Any]:
     if isinstance(value, dict):
         mapping = value
     else:
-        tokens = [value] if isinstance(value, str) else list(value)
+        tokens = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+        if not all(isinstance(t, str) for t in tokens):
+            raise ConfigError(
+                f"{key} in {where} must be a mapping of argument names to values (e.g. {{alpha: 0.5}}, or on the "
+                f"command line --{key} alpha=0.5), got {value!r}"
+            )
         if len(tokens) == 1 and tokens[0].strip().startswith("{"):
             try:
                 mapping = json.loads(tokens[0])
@@ -1301,6 +1380,12 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
+# Decisions about one command, never a recipe's: refused in a recipe file (set true), left out of the saved
+# config.yaml (so is dry_run: the saved config and the --dry_run print repeat the run, not the dry run).
+COMMAND_LINE_ONLY = ("overwrite_output_dir", "delete_finished_run")
+NOT_SAVED = (*COMMAND_LINE_ONLY, "dry_run")
+
+
 def load_recipe(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file {path!r} does not exist")
@@ -1311,6 +1396,13 @@ def load_recipe(path: str) -> dict[str, Any]:
             raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
     if not isinstance(recipe, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping of key: value, got {type(recipe).__name__}")
+    for key in COMMAND_LINE_ONLY:  # a recipe never deletes a run; `false` (an older saved config.yaml) is harmless
+        if recipe.get(key) not in (None, False):
+            raise ConfigError(
+                f"recipe {path} sets {key}: {recipe[key]!r}, which only the command line may set (a recipe or a "
+                f"saved config.yaml replayed must not clear a run): remove it and pass --{key} true if you mean it"
+            )
+        recipe.pop(key, None)
     return recipe
 
 

@@ -74,8 +74,22 @@ def duration(seconds: float) -> str:
 
 
 def bar_postfix(row: dict[str, Any]) -> dict[str, str]:
-    """The progress bar's postfix for a train row: {label: value} of BAR_METRICS present in it."""
-    return {label: number(row[key]) for key, label in BAR_METRICS if key in row}
+    """The progress bar's postfix for a train row: {label: value} of BAR_METRICS present in it, and after the score
+    that drives training each reward function's mean (`reward/<function>/mean`). In a run driven by reward functions
+    the verifiers' `correct` is left out while it is 0 (rows with no verifier are never "correct")."""
+    functions = {key[len("reward/") : -len("/mean")]: row[key] for key in row if _is_function_mean(key)}
+    shown: dict[str, str] = {}
+    for key, label in BAR_METRICS:
+        if key not in row or (functions and key == "train/correct_rate" and not row[key]):
+            continue
+        shown[label] = number(row[key])
+        if key == "train/score_mean":
+            shown.update({name: number(value) for name, value in functions.items()})
+    return shown
+
+
+def _is_function_mean(key: str) -> bool:
+    return key.startswith("reward/") and key.endswith("/mean")
 
 
 def eval_line(row: dict[str, Any], counter: str = "optimizer_step") -> Optional[str]:
@@ -106,7 +120,10 @@ def _algorithm(cfg: Any) -> str:
     if cfg.script == "dpo":
         return f"; loss {cfg.loss_type}, beta {number(cfg.beta)}"
     if cfg.script == "rlvr_ppo":
-        return f"; {cfg.algo} ({cfg.advantage_estimator} advantages), generation {cfg.generation_backend}"
+        variants = f"{cfg.advantage_estimator} advantages, {cfg.policy_loss} loss"
+        if cfg.kl_estimator != "k1":
+            variants += f", {cfg.kl_estimator} KL"
+        return f"; {cfg.algo} ({variants}), generation {cfg.generation_backend}"
     return ""
 
 

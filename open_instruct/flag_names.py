@@ -5,7 +5,7 @@ checks that the page holds exactly these tables, so the two cannot drift).
 
     python -m open_instruct.flag_names      # prints the porting tables
 
-This module imports nothing from the project (the config module imports it).
+This module imports only batch_math from the project (the config module imports it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import yaml
+
+from open_instruct import batch_math
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,61 @@ def _max_steps_hint(given: dict) -> str:
     return text
 
 
-def trl_port_notice(foreign: Iterable[str], script: str) -> Optional[str]:
-    """For an RL run given TRL's GRPO names: which algorithm the recipe gets here and which defaults differ from
-    TRL's, or None when no TRL name was given."""
+# Our keys that make TRL's batch shape (batch_math.trl_grpo_shape computes their values from the recipe's numbers)
+TRL_SHAPE_KEYS = ("num_samples_per_prompt", "local_rollout_batch_size", "num_epochs")
+# TRL's names whose value is ours as it is: the hint's rename is enough, the shape line does not repeat them
+_RENAMED_AS_IS = {"num_epochs": "num_iterations", "num_samples_per_prompt": "num_generations"}
+
+
+def _set_here(key: str, given: dict) -> bool:
+    """Whether the recipe sets our `key`, under our name or a foreign name the table maps to it."""
+    return key in given or any(lookup(k) is not None and key in lookup(k).keys for k in given)  # type: ignore[union-attr]
+
+
+def _int_of(given: dict, name: str, default: Optional[int]) -> Optional[int]:
+    """The recipe's positive whole number for `name`, else `default` (a bad value gets its own error later)."""
+    value = _number(given.get(name))
+    return int(value) if value is not None and value >= 1 and value == int(value) else default
+
+
+def trl_shape_line(given: dict) -> str:
+    """TRL's batch shape for the recipe's numbers (TRL's defaults where it sets none) and the settings here that train
+    the same run, those the recipe does not already write; or what cannot match."""
+    shape = batch_math.trl_grpo_shape(
+        per_device_train_batch_size=_int_of(given, "per_device_train_batch_size", 8),
+        gradient_accumulation_steps=_int_of(given, "gradient_accumulation_steps", 1),
+        num_generations=_int_of(given, "num_generations", 8),
+        num_iterations=_int_of(given, "num_iterations", 1),
+        steps_per_generation=_int_of(given, "steps_per_generation", None),
+        generation_batch_size=_int_of(given, "generation_batch_size", None),
+        max_steps=_int_of(given, "max_steps", None),
+    )
+    per_generation = shape.optimizer_steps_per_generation
+    text = (
+        "TRL's batch shape on 1 process (P processes: completions and total_episodes x P): "
+        f"{shape.completions_per_generation} completions per generation (per_device_train_batch_size "
+        f"{shape.per_device_train_batch_size} x steps_per_generation {shape.steps_per_generation}), "
+        f"{per_generation:g} optimizer steps per generation (steps_per_generation x num_iterations "
+        f"{shape.num_iterations} / gradient_accumulation_steps {shape.gradient_accumulation_steps})"
+    )
+    if shape.max_steps is not None:
+        text += f", {shape.max_steps} optimizer steps in all"
+    write = {
+        k: v for k, v in shape.ours.items() if not (k in given or (k in _RENAMED_AS_IS and _RENAMED_AS_IS[k] in given))
+    }
+    if write:
+        label = "the closest here" if shape.mismatch else "the same run here"
+        text += f"\n    {label}: " + " ".join(f"--{k} {v}" for k, v in write.items())
+    if shape.mismatch:
+        text += f"\n    not the same run here: {shape.mismatch}"
+    return text
+
+
+def trl_port_notice(foreign: Iterable[str], script: str, given: Optional[dict] = None) -> Optional[str]:
+    """For an RL run given TRL's GRPO names: which algorithm the recipe gets here, TRL's defaults that differ from
+    ours for the settings the recipe does not set, and TRL's batch shape with the values that give it here; None
+    when no TRL name was given. `given`: every key of the run (ours and foreign) with its value."""
+    given = given or {}
     trl_names = [k for k in foreign if (lookup(k) and TRL in lookup(k).libraries) or k in UNSUPPORTED]  # type: ignore[union-attr]
     if script != "rlvr_ppo" or not trl_names:
         return None
@@ -119,8 +173,9 @@ def trl_port_notice(foreign: Iterable[str], script: str) -> Optional[str]:
         "(configs/grpo_trl_defaults.yaml sets TRL's values in our keys):"
     ]
     for key, ours, theirs, write in TRL_GRPO_DIFFERENCES:
-        if write != "(the same)":
+        if write != "(the same)" and key not in TRL_SHAPE_KEYS and not _set_here(key, given):
             lines.append(f"    {key}: here {ours}; TRL {theirs} -> {write}")
+    lines.append(trl_shape_line(given))
     return "\n".join(lines)
 
 

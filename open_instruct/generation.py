@@ -36,7 +36,6 @@ Conventions every backend keeps:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Optional, Protocol, Sequence, runtime_checkable
@@ -177,11 +176,6 @@ def engine_budgets(
     return budgets
 
 
-def rng_devices() -> list[int]:
-    """The CUDA devices whose RNG `torch.manual_seed` reseeds (all of them): what a fork_rng around it must restore."""
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-
-
 def prompt_seed(base: int, prompt_index: int) -> int:
     """An independent-looking 56-bit seed per prompt. vLLM gives sample j of a prompt seed+j, so seeds spaced
     by 1 (base + i) would hand prompt i+1 the random stream of prompt i's second sample."""
@@ -272,6 +266,23 @@ class _SampledLogprobs:
         return torch.stack(self.steps, 1) if self.steps else torch.zeros(len(sequences), 0)
 
 
+class _OwnSampler:
+    """HF logits processor (last, after the log-prob recorder) that draws each step's token with the generator's own
+    `torch.Generator` and hands generate a distribution with all its mass on that token, which greedy decoding then
+    picks. HF's sampling draws from the process-wide RNG, which another thread may reseed or restore at any moment
+    (torch.utils.checkpoint saves and restores it around every recompute in the training thread of an async run);
+    its own generator makes a seeded generate independent of whatever else the process does. `generator=None`
+    draws from the process-wide RNG (an unseeded generate)."""
+
+    def __init__(self, generator: Optional[torch.Generator]) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1)  # what HF's own sampling step draws from
+        chosen = torch.multinomial(probs, num_samples=1, generator=self.generator)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+
+
 class _StopOnStrings:
     """Stopping criterion for HF generate: marks a row finished once its new tokens contain a stop string.
 
@@ -314,8 +325,9 @@ class HFGenerator:
     so a chunk carries little padding; each chunk is one generate call with its own KV cache, so `batch_size` bounds
     that memory. Greedy outputs do not depend on `batch_size`. With `config.seed` set, the same inputs and
     `batch_size` give the same samples (the chunks draw from one seeded stream in turn, so another `batch_size` draws
-    other samples), and the global torch RNG (CPU and CUDA) is left untouched; with `seed=None` the global RNG is
-    used (and advanced).
+    other samples) from a `torch.Generator` of the call's own: the process-wide torch RNG (CPU and CUDA) is neither
+    read nor advanced, so another thread reseeding or restoring it cannot change them; with `seed=None` the
+    process-wide RNG is used (and advanced).
     The generator holds a reference to a policy module, so `sync_weights` only records it and its version (the
     live policy when synchronous, a frozen copy per version under async_steps); under FSDP its
     `generation_context` gathers the sharded weights whole for the generate."""
@@ -388,11 +400,11 @@ class HFGenerator:
             num_beams=1,
             repetition_penalty=1.0,
         )
-        if config.greedy:
-            kwargs.update(do_sample=False)
-        else:  # explicit values so the model's own generation_config (top_k=50, penalties, ...) cannot leak in;
-            # temperature and top-p are applied by `_warpers` instead, ahead of the log-prob recorder
-            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        # Greedy decoding whatever the config: a sampled run draws its tokens in `_OwnSampler`, and temperature and
+        # top-p are applied by `_warpers`, ahead of the log-prob recorder. Greedy decoding ignores the sampling
+        # knobs; they are set to the values transformers does not warn about under greedy, so that the model's own
+        # generation_config (temperature 0.7, top_k 20, ...) is not merged in to be warned about on every call
+        kwargs.update(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
         return HFGenerationConfig(**kwargs)
 
     @staticmethod
@@ -407,7 +419,7 @@ class HFGenerator:
         return warpers + ([TopPLogitsWarper(top_p=float(config.top_p))] if config.top_p < 1.0 else [])
 
     def _generate_chunk(
-        self, rows: list[list[int]], config: GenerationConfig, hf_config: Any
+        self, rows: list[list[int]], config: GenerationConfig, hf_config: Any, sampler: list[Any]
     ) -> tuple[list[list[int]], list[list[float]]]:
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -428,7 +440,7 @@ class HFGenerator:
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=hf_config,
-            logits_processor=LogitsProcessorList([*self._warpers(config), recorder]),
+            logits_processor=LogitsProcessorList([*self._warpers(config), recorder, *sampler]),
             **extra,
         )
         return out[:, width:].tolist(), recorder.per_token(out).tolist()
@@ -453,16 +465,19 @@ class HFGenerator:
 
         was_training = self.model.training
         self.model.eval()
-        rng = torch.random.fork_rng(devices=rng_devices()) if config.seed is not None else contextlib.nullcontext()
+        sampler: list[Any] = []
+        if not config.greedy:
+            generator = None
+            if config.seed is not None:  # this call's own stream, on the device the logits are on
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(config.seed)
+            sampler = [_OwnSampler(generator)]
         try:
-            with rng:
-                if config.seed is not None:
-                    torch.manual_seed(config.seed)
-                for start in range(0, len(order), batch_size):
-                    chunk = order[start : start + batch_size]
-                    ids, logprobs = self._generate_chunk([rows[j] for j in chunk], config, hf_config)
-                    for j, gen, lp in zip(chunk, ids, logprobs):
-                        raw[j], raw_logprobs[j] = gen, lp
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                ids, logprobs = self._generate_chunk([rows[j] for j in chunk], config, hf_config, sampler)
+                for j, gen, lp in zip(chunk, ids, logprobs):
+                    raw[j], raw_logprobs[j] = gen, lp
         finally:
             self.model.train(was_training)
 

@@ -1,8 +1,10 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
 present and not truncated, the GGUF file, a trained reward head), tokenizer files, dataset files and mixture sources,
 the chat template's syntax, the attention kernel's package, the output folder, and RL's custom reward functions
-(imported and their signature checked: the user's code may import what it likes). `runtime.start` runs them, so a bad
-path fails with exit 2 naming it in seconds, not after the weights have loaded. Hub names (not local paths) pass here
+(imported and their signature checked: the user's code may import what it likes). `runtime.start_checks` runs them with
+the first rows of the data, the reward-function probe and the memory check, for a real start (before the output folder
+is claimed) and for --dry_run alike, so a bad path fails with exit 2 naming it in seconds, not after the weights have
+loaded. Hub names (not local paths) pass here
 and are checked by their loaders. Two checks import torch, and only when they apply: LoRA target names (use_lora),
 tried on the model's skeleton built from its config on the meta device (no weights), and flash_attention_2's CUDA."""
 
@@ -59,7 +61,7 @@ def safetensors_keys(path: str) -> list[str]:
     return list(tensors)
 
 
-def _weight_files(folder: str) -> list[str]:
+def weight_files(folder: str) -> list[str]:
     """The weight files a folder's model loads from (shards listed in an index, or the single file)."""
     for index in WEIGHT_INDEXES:
         path = os.path.join(folder, index)
@@ -89,7 +91,7 @@ def check_model_folder(name_or_path: str, key: str, gguf_file: Optional[str] = N
     if not os.path.isfile(os.path.join(path, "config.json")):
         what = "is empty" if not os.listdir(path) else f"has no config.json (it holds: {_listing(path)})"
         raise ConfigError(f"{key} {name_or_path!r} {what}: not a Hugging Face model folder")
-    weights = _weight_files(path)
+    weights = weight_files(path)
     if not weights:
         raise ConfigError(f"{key} {name_or_path!r} has config.json but no weights ({' or '.join(WEIGHT_FILES)})")
     for file in weights:
@@ -105,13 +107,38 @@ def check_trained_score_head(name_or_path: str, key: str) -> None:
         return
     with open(os.path.join(name_or_path, "config.json")) as f:
         architectures = json.load(f).get("architectures") or []
-    keys = [k for file in _weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
+    keys = [k for file in weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
     has_head = any(k == "score.weight" or k.endswith(".score.weight") for k in keys)
     if not any("ForSequenceClassification" in a for a in architectures) or (keys and not has_head):
         raise ConfigError(
             f"{key} {name_or_path!r} is not a trained reward model (architectures {architectures}, "
             f"{'a' if has_head else 'no'} score.weight in its weights): its score head would be randomly initialised. "
             "Train one with reward_model.py and pass its final_model/"
+        )
+
+
+_NOT_A_LANGUAGE_MODEL = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def check_trained_lm_head(name_or_path: str, key: str) -> None:
+    """A model that generates or scores tokens (the policy, a distillation teacher) must have a trained language-model
+    head: a sequence classifier (a reward model) has a `score` head instead, transformers would initialise `lm_head`
+    at random, and the run would sample from / distil toward noise. Read from config.json and the weights' names
+    (safetensors headers) before anything loads: an `lm_head` weight, or output embeddings tied to the input ones."""
+    if not looks_local(name_or_path) or not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        return
+    with open(os.path.join(name_or_path, "config.json")) as f:
+        config = json.load(f)
+    architectures = config.get("architectures") or []
+    keys = [k for file in weight_files(name_or_path) if file.endswith(".safetensors") for k in safetensors_keys(file)]
+    has_head = any(k == "lm_head.weight" or k.endswith(".lm_head.weight") for k in keys)
+    tied = config.get("tie_word_embeddings", True) and not any(k.split(".")[0] == "score" for k in keys)
+    classifier = [a for a in architectures if a.endswith(_NOT_A_LANGUAGE_MODEL)]
+    if classifier or (keys and not has_head and not tied):
+        raise ConfigError(
+            f"{key} {name_or_path!r} has no trained language-model head (architectures {architectures}, "
+            f"{'an' if has_head else 'no'} lm_head.weight in its weights): its output layer would be randomly "
+            "initialised. Give a causal language model (a ...ForCausalLM checkpoint, e.g. an SFT final_model/)"
         )
 
 
@@ -304,6 +331,11 @@ def check_inputs(cfg: Any) -> None:
         folder = cfg.tokenizer_name_or_path or cfg.model_name_or_path
         if looks_local(folder) and os.path.isdir(folder):
             check_tokenizer_folder(folder, key)
+    if cfg.script != "reward_model" and not cfg.gguf_file:  # the others generate or score tokens with it
+        check_trained_lm_head(cfg.model_name_or_path, "model_name_or_path")
+    if getattr(cfg, "teacher_model_name_or_path", None):
+        check_model_folder(cfg.teacher_model_name_or_path, "teacher_model_name_or_path")
+        check_trained_lm_head(cfg.teacher_model_name_or_path, "teacher_model_name_or_path")
     for key in ("value_model_path", "reward_model_path"):
         if getattr(cfg, key, None):
             check_model_folder(getattr(cfg, key), key)

@@ -1001,6 +1001,8 @@ class BatchScores(NamedTuple):
     num_timeouts: int
     seconds: float  # wall time spent verifying the batch
     code_statuses: Optional[dict] = None  # `code` rows: tests per status ("pass", "wrong_answer", "timeout", ...)
+    # reward functions: each one's values per completion, by its label (reward_function_labels); None: not applicable
+    function_values: Optional[dict] = None
 
 
 def score_batch(
@@ -1157,17 +1159,20 @@ def _accepted(fn: Callable[..., Any], inputs: dict[str, list[Any]], spec: str) -
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return inputs
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in inputs]  # with **kwargs too
+    if missing:
+        raise ConfigError(_missing_columns_message(spec, missing, inputs))
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return inputs
-    missing = [
-        p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in inputs
-    ]
-    if missing:
-        raise ConfigError(
-            f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
-            f"completion_ids and the rows' columns {sorted(set(inputs) - set(REWARD_FUNCTION_ARGS))}"
-        )
-    return {k: v for k, v in inputs.items() if k in {p.name for p in params}}
+    return {k: v for k, v in inputs.items() if k in {p.name for p in named}}
+
+
+def _missing_columns_message(spec: str, missing: list[str], inputs: dict[str, list[Any]]) -> str:
+    return (
+        f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
+        f"completion_ids and the rows' columns {sorted(set(inputs) - set(REWARD_FUNCTION_ARGS))}"
+    )
 
 
 def call_reward_function(
@@ -1188,6 +1193,9 @@ def call_reward_function(
         raise ConfigError(
             f"reward function {spec!r} did not return within {timeout:g} s (reward_function_timeout) on {rows}"
         )
+    if isinstance(values, KeyError) and values.args and isinstance(values.args[0], str):  # kwargs["a_column"]
+        if values.args[0] not in inputs:
+            raise ConfigError(f"{_missing_columns_message(spec, [values.args[0]], inputs)} (KeyError on {rows})")
     if isinstance(values, Exception):
         raise ConfigError(f"reward function {spec!r} raised {type(values).__name__}: {values} on {rows}")
     listed = isinstance(values, (list, tuple)) or (hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1)
@@ -1205,14 +1213,22 @@ def call_reward_function(
     return values
 
 
-def custom_rewards(
+def reward_function_labels(specs: Sequence[str]) -> list[str]:
+    """Each reward function's name in the logs (`reward/<label>/mean`): its function name, or the whole spec when
+    two specs name functions alike."""
+    names = [spec.rsplit(":", 1)[-1] for spec in specs]
+    return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]
+
+
+def custom_reward_values(
     specs: Sequence[str],
     weights: Optional[Sequence[float]],
     inputs: dict[str, list[Any]],
     where: Optional[Sequence[str]] = None,
     timeout: float = 60.0,
-) -> list[float]:
-    """Sum over the custom reward functions of weight x value, per completion:
+) -> tuple[list[float], dict[str, list[Optional[float]]]]:
+    """Sum over the custom reward functions of weight x value, per completion, and each function's own values (by
+    reward_function_labels, unweighted, as TRL logs them):
 
         extra_j = sum_i w_i * f_i(...)[j]            (a None from f_i, "not applicable here", counts 0)
 
@@ -1220,15 +1236,74 @@ def custom_rewards(
     n = len(inputs["completions"])
     where = list(where) if where is not None else [f"completion {j}" for j in range(n)]
     total = [0.0] * n
-    for i, spec in enumerate(specs):
+    values: dict[str, list[Optional[float]]] = {}
+    for i, (spec, label) in enumerate(zip(specs, reward_function_labels(specs))):
         weight = 1.0 if weights is None else float(weights[i])
-        for j, v in enumerate(call_reward_function(spec, inputs, where, timeout)):
+        values[label] = [None if v is None else float(v) for v in call_reward_function(spec, inputs, where, timeout)]
+        for j, v in enumerate(values[label]):
             if v is not None:
-                total[j] += weight * float(v)
-    return total
+                total[j] += weight * v
+    return total, values
+
+
+def custom_rewards(*args: Any, **kwargs: Any) -> list[float]:
+    """custom_reward_values' weighted sum alone (same arguments)."""
+    return custom_reward_values(*args, **kwargs)[0]
+
+
+def reward_function_sums(values: dict[str, list[Optional[float]]]) -> dict[str, float]:
+    """Per reward function: the sum, sum of squares and count of its values that are not None, to be summed over
+    ranks (reward_function_metrics reads them)."""
+    sums: dict[str, float] = {}
+    for label, vs in values.items():
+        real = [v for v in vs if v is not None]
+        sums.update({f"reward/{label}/sum": sum(real), f"reward/{label}/sumsq": sum(v * v for v in real)})
+        sums[f"reward/{label}/count"] = float(len(real))
+    return sums
+
+
+def reward_function_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """`reward/<label>/mean` and `reward/<label>/std` (population std) of each reward function's values over the
+    completions it scored (None excluded, TRL's nanmean), from reward_function_sums summed over ranks."""
+    metrics: dict[str, float] = {}
+    for key in sums:
+        if key.startswith("reward/") and key.endswith("/count"):
+            label = key[len("reward/") : -len("/count")]
+            count = sums[key]
+            if count:
+                mean = sums[f"reward/{label}/sum"] / count
+                variance = max(sums[f"reward/{label}/sumsq"] / count - mean**2, 0.0)
+                metrics.update({f"reward/{label}/mean": mean, f"reward/{label}/std": variance**0.5})
+    return metrics
+
+
+def columns_used(specs: Sequence[str], columns: dict[str, Any]) -> dict[str, Any]:
+    """The row's columns the reward functions take (all of them for a function with **kwargs), as JSON values: what
+    samples.jsonl shows next to a completion."""
+    from open_instruct.errors import ConfigError
+
+    row = {name: [value] for name, value in columns.items() if name not in _NOT_COLUMNS}
+    inputs = {**{name: [None] for name in REWARD_FUNCTION_ARGS}, **row}
+    used: dict[str, Any] = {}
+    for spec in specs:
+        try:
+            taken = _accepted(load_reward_function(spec), inputs, spec)
+        except ConfigError:  # a column this row lacks: the function's own call says so
+            continue
+        used.update({name: values[0] for name, values in taken.items() if name in row})
+    return json.loads(json.dumps(used, default=str))  # a value JSON cannot hold (a date) as its text
 
 
 PROBE_ROWS = 4  # rows each reward function is tried on before any model loads
+
+
+def probe_line(specs: Sequence[str], num_rows: int) -> str:
+    """The console line that announces the probe, so that a function's first call (empty completions) is no surprise."""
+    rows = min(PROBE_ROWS, num_rows)
+    return (
+        f"reward functions: probing {', '.join(reward_function_labels(specs))} once before any model loads, on the "
+        f"first {rows} training rows with {rows} empty completions (a model can answer with nothing)"
+    )
 
 
 def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeout: float) -> None:

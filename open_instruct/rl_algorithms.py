@@ -194,7 +194,13 @@ def accepted_kwargs(function: Optional[Callable[..., Any]], fixed: int) -> Optio
     return {p.name for p in params[fixed:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-FIXED_ARGS = {"advantage_estimator": 3, "policy_loss": 5, "kl_estimator": 2}
+# option -> the positional arguments the run calls its function with, in order, and what the function returns
+CALLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "advantage_estimator": (("cfg", "rollout", "accelerator"), "rlvr_ppo.Advantages"),
+    "policy_loss": (("cfg", "logp", "old_logp", "advantages", "mask"), "(per-token loss, clipped indicator)"),
+    "kl_estimator": (("logp", "ref_logp"), "per-token KL estimate"),
+}
+FIXED_ARGS = {option: len(positional) for option, (positional, _) in CALLS.items()}
 
 
 def variant_kwargs(option: str, row: Any, algo_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,6 @@ from open_instruct import data
 from open_instruct.batch_math import should_log
 from open_instruct.code_verifier import TEST_STATUSES
 from open_instruct.distillation import (
-    check_teacher,
     jsd_to_teacher,
     output_layer_inputs,
     teacher_advantages,
@@ -79,7 +78,7 @@ from open_instruct.distributed import (
 )
 from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
-from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.generation_backends import check_before_loading, make_generator
 from open_instruct.generation_check import (
     GenerationChecker,
     mismatch_metrics,
@@ -98,7 +97,7 @@ from open_instruct.models import (
     token_logprobs,
     token_values,
 )
-from open_instruct.rewards import combine_rewards
+from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import KL_ESTIMATORS, POLICY_LOSSES, advantage_estimator, policy_loss
 from open_instruct.rollouts import (
     PhaseClock,
@@ -411,7 +410,7 @@ def version_lag_stats(token_lags: list[list[int]], bound: int) -> dict[str, floa
 
 
 def aggregation_weights(
-    mask: torch.Tensor, aggregation: str, loss_norm_length: float
+    mask: torch.Tensor, aggregation: str, loss_norm_length: float, rows: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """How per-token losses l_it of a mini-batch become one number: per-token weights w and per-row units u, so that
 
@@ -421,13 +420,15 @@ def aggregation_weights(
     seq_mean_token_mean:      w_it = m_it / L_i,    u_i = 1             ->  mean over sequences of their token mean
     seq_mean_token_sum_norm:  w_it = m_it / C,      u_i = 1             ->  mean over sequences of sum_t l_it / C
                                                                             (Dr. GRPO; C = loss_norm_length)
-    A row with no tokens (u_i = 0 in every form) adds nothing. The split into ranks and micro-batches does not change
-    the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP average the gradients."""
+    A row with no tokens (u_i = 0 in every form) adds nothing, unless `rows` ([n] bool) says which rows a sequence mean
+    counts: TRL counts a completion mask_truncated_completions left out (u_i = 1, no weight). The split into ranks
+    and micro-batches does not change the result: each rank backpropagates sum(w * l) * world / U and DDP/FSDP
+    average the gradients."""
     mask = mask.float()
     lengths = mask.sum(1, keepdim=True)
     if aggregation == "token_mean":
         return mask, lengths.squeeze(1)
-    alive = (lengths > 0).float()
+    alive = (lengths > 0).float() if rows is None else rows.float().unsqueeze(1)
     if aggregation == "seq_mean_token_mean":
         return mask / lengths.clamp(min=1), alive.squeeze(1)
     if aggregation == "seq_mean_token_sum_norm":
@@ -512,6 +513,7 @@ class Rollout:
     turn_rewards: Optional[torch.Tensor] = None
     played: list = field(default_factory=list)
     teacher_logp: Optional[torch.Tensor] = None  # [n, R] the teacher's log-probs of the sampled tokens (distill)
+    reward_function_values: dict = field(default_factory=dict)  # label -> each completion's value (None: n/a)
 
 
 @dataclass
@@ -566,6 +568,8 @@ def collect_rollout(
     for i, (logprobs, lm) in enumerate(zip(out.logprobs, loss_masks)):
         sampler_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
         loss_mask[i, : len(lm)] = torch.tensor(lm, dtype=torch.float32)
+    if cfg.mask_truncated_completions:  # TRL's: a completion cut at response_length gets no loss (its score counts)
+        loss_mask[~torch.tensor(out.stopped, dtype=torch.bool)] = 0.0
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
@@ -651,6 +655,7 @@ def collect_rollout(
             **({"teacher_forward": teacher_seconds} if models.teacher is not None else {}),
         },
         code_statuses=scored.code_statuses or {},
+        reward_function_values=scored.function_values or {},
         turn_rewards=turn_rewards,
         played=played,
         teacher_logp=teacher_logp * mask if models.teacher is not None else None,
@@ -930,7 +935,9 @@ def update(
     accelerator, counters = run.accelerator, run.counters
     world, group, step = accelerator.num_processes, cfg.num_samples_per_prompt, run.counters.rollout_step
     unit = group if plan.local_mini_batch_size % group == 0 else 1
-    _, row_units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length)
+    counted = adv.keep if cfg.mask_truncated_completions else None  # a masked truncated row counts (TRL)
+    kept = rollout.mask * adv.keep.unsqueeze(1)
+    _, row_units = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length, counted)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     names = (
         *TRAIN_STATS,
@@ -1035,6 +1042,7 @@ def log_row(
             **version_lag_stats(rollout.token_lags, cfg.async_steps),
             **teacher_kl_sums(rollout),
             **{f"code_{s}": float(rollout.code_statuses.get(s, 0)) for s in TEST_STATUSES},
+            **reward_function_sums(rollout.reward_function_values),
         },
     )
     n, updates = ep["n"], max(cfg.num_epochs * plan.num_mini_batches - train["empty"], 1)
@@ -1048,6 +1056,7 @@ def log_row(
         "train/entropy": train["entropy"] / updates,
         "train/approx_kl": train["approx_kl"] / updates,
         "train/verifier_timeouts": ep["timeouts"],
+        **reward_function_metrics(ep),  # reward/<function>/mean and /std
         "loss/policy": train["policy_loss"] / updates,
         "clipfrac/policy": train["pg_clipfrac"] / updates,
         "train/grad_norm": train["grad_norm"] / updates,
@@ -1108,9 +1117,7 @@ def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    cfg = runtime.start(RLVRConfig, argv)
-    check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
-    check_teacher(cfg)  # distillation: a teacher whose vocabulary is not the student's fails before any load
+    cfg = runtime.start(RLVRConfig, argv)  # every check that needs no model (the backend, the teacher) first
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(
@@ -1192,7 +1199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 }
             )
             if cfg.num_samples_logged and accelerator.is_main_process:
-                samples = sample_rows(rollout, tokenizer, cfg.num_samples_logged, environments)
+                samples = sample_rows(
+                    rollout, tokenizer, cfg.num_samples_logged, environments, cfg.reward_functions or ()
+                )
                 run.logger.log_samples(samples, counters.as_log())
         if run.end_of_step(evaluate_policy if evals else None):  # eval, best model, checkpoint; True on SIGTERM
             break

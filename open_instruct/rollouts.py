@@ -15,13 +15,12 @@ import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from transformers import AutoConfig
 
 from open_instruct import console, data, rewards
-from open_instruct.checkpoint import fault_point
 from open_instruct.code_verifier import CodeSettings
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import global_sum, global_sums_by_source, is_fsdp, prepare_frozen, zero_sums_by_source
@@ -29,6 +28,7 @@ from open_instruct.episode_rollouts import EnvironmentRun, episode_correct, epis
 from open_instruct.episodes import episode_score
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
+from open_instruct.run_dir import fault_point
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -262,12 +262,13 @@ class RolloutSampler:
 
 def reward_function_scores(
     cfg: RLVRConfig, examples: list[dict], texts: list[str], response_ids: list[list[int]]
-) -> list[float]:
-    """The weighted sum of the reward functions per completion, called as TRL calls reward_funcs (every column of
-    the row, TRL's completion shape), each call under reward_function_timeout."""
+) -> tuple[list[float], dict[str, list[Optional[float]]]]:
+    """The weighted sum of the reward functions per completion and each one's values (rewards.custom_reward_values),
+    called as TRL calls reward_funcs (every column of the row, TRL's completion shape), each call under
+    reward_function_timeout."""
     inputs = rewards.reward_function_inputs(examples, texts, response_ids)
     where = [e.get("where", f"row {e.get('row')}") for e in examples]
-    return rewards.custom_rewards(
+    return rewards.custom_reward_values(
         cfg.reward_functions, cfg.reward_function_weights, inputs, where, cfg.reward_function_timeout
     )
 
@@ -287,8 +288,8 @@ def score_texts(
     )
     if not cfg.reward_functions:
         return scored
-    extra = reward_function_scores(cfg, examples, texts, response_ids)
-    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)])
+    extra, values = reward_function_scores(cfg, examples, texts, response_ids)
+    return scored._replace(rewards=[r + x for r, x in zip(scored.rewards, extra)], function_values=values)
 
 
 def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: Any) -> Any:
@@ -298,12 +299,12 @@ def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: An
     if not is_episode_output(out):
         return score_texts(cfg, out.texts, examples, tokenizer, out.response_ids)
     aggregation, scale = cfg.turn_reward_aggregation, cfg.verification_reward
-    scores = [scale * episode_score(e, aggregation) for e in out.episodes]
+    scores, values = [scale * episode_score(e, aggregation) for e in out.episodes], None
     if cfg.reward_functions:
-        extra = reward_function_scores(cfg, examples, out.texts, out.response_ids)
+        extra, values = reward_function_scores(cfg, examples, out.texts, out.response_ids)
         scores = [r + x for r, x in zip(scores, extra)]
     timeouts = sum(e.verifier_timeouts for e in out.episodes)
-    return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], timeouts, 0.0, {})
+    return rewards.BatchScores(scores, [episode_correct(e) for e in out.episodes], timeouts, 0.0, {}, values)
 
 
 def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]:
@@ -452,22 +453,29 @@ def evaluate(
 
 
 def sample_rows(
-    rollout: Any, tokenizer: Any, k: int, environments: Optional[EnvironmentRun] = None
+    rollout: Any,
+    tokenizer: Any,
+    k: int,
+    environments: Optional[EnvironmentRun] = None,
+    reward_functions: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """The first k completions of this rollout, for samples.jsonl (episodes: the whole conversation, each tool
-    output between [[observation]] markers)."""
+    output between [[observation]] markers). With reward functions: each one's value (`rewards`) and the row's
+    columns they take (`columns`), instead of a ground truth the row may not have."""
     if environments is not None and rollout.played:
         return environments.sample_rows(rollout.played, k)
-    return [
-        {
-            "prompt": tokenizer.decode(e["prompt_ids"]),
-            "response": rollout.texts[j],
-            "score": float(rollout.scores[j]),
-            "ground_truth": str(e["ground_truth"]),
-            "stopped": bool(rollout.stopped[j]),
-        }
-        for j, e in enumerate(rollout.episodes[:k])
-    ]
+    values = getattr(rollout, "reward_function_values", None) or {}
+    rows = []
+    for j, e in enumerate(rollout.episodes[:k]):
+        row = {"prompt": tokenizer.decode(e["prompt_ids"]), "response": rollout.texts[j]}
+        row["score"] = float(rollout.scores[j])
+        if e.get("verifier") is not None or not reward_functions:
+            row["ground_truth"] = str(e["ground_truth"])
+        if reward_functions:
+            row["rewards"] = {label: v[j] for label, v in values.items()}
+            row["columns"] = rewards.columns_used(reward_functions, e.get("columns", {}))
+        rows.append({**row, "stopped": bool(rollout.stopped[j])})
+    return rows
 
 
 def load_prompts(
@@ -479,7 +487,9 @@ def load_prompts(
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
     rewards.check_verifiers(train, "train")
     rewards.check_verifiers(evals, "eval")
-    if cfg.reward_functions:  # each one called on real rows now, not after the models have loaded
+    if cfg.reward_functions and not data.first_rows_checked(cfg):  # a hub dataset: probed on its rows now
+        if accelerator.is_main_process:
+            print(rewards.probe_line(cfg.reward_functions, len(train)), flush=True)
         rewards.probe_reward_functions(cfg.reward_functions, train, cfg.reward_function_timeout)
     if environments is not None:
         train = render_environment_prompts(cfg, train, environments)

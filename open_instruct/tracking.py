@@ -93,6 +93,7 @@ class MetricsLogger:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        run_dir.fault_point("metrics_row", row.get(self.counter))
         if self.wandb is not None:
             self.wandb.log(row)
         if self.bar is not None:

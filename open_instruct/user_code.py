@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
 import threading
-from typing import Any, Callable
+import typing
+from typing import Any, Callable, Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
@@ -51,6 +53,22 @@ def load_module(module: str, what: str) -> Any:
         raise
     except Exception as e:  # the user's module failed to import (ImportError, SyntaxError, its own errors)
         raise ConfigError(f"{what}: importing {module!r} failed: {type(e).__name__}: {e}") from None
+
+
+def spec_file(spec: str) -> Optional[str]:
+    """The absolute path of the file a `module:name` / `path/file.py:name` spec loads (as load_module finds it), or
+    None when there is none to read (not a spec, or a module without a source file)."""
+    if not is_spec(spec):
+        return None
+    module = spec.rpartition(":")[0]
+    path = module if module.endswith(".py") else module.replace(".", os.sep) + ".py"
+    try:
+        found = None if module.endswith(".py") else importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None and found.origin and os.path.isfile(found.origin):
+        return os.path.abspath(found.origin)
+    return os.path.abspath(path) if os.path.isfile(path) else None
 
 
 def load_object(spec: str, what: str, example: str, noun: str = "function") -> Any:
@@ -103,3 +121,60 @@ def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, 
     if not done.wait(deadline_s):
         return False, None
     return True, box["result"]
+
+
+def check_signature(function: Callable[..., Any], what: str, positional: Sequence[str], returns: str) -> None:
+    """ConfigError (exit 2) unless `function` can be called as the run calls it: with the `positional` arguments in
+    that order, and every other parameter optional (the algo_kwargs it takes are keyword arguments with defaults).
+    `what` names the option and the spec; `returns` completes the expected signature in the message. The one place
+    that knows the variants' calling contract."""
+    expected = f"({', '.join(positional)}, **algo_kwargs) -> {returns}"
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # a builtin or C function without a readable signature: its first call says what is wrong
+    try:
+        signature.bind(*positional)
+    except TypeError as e:
+        name = getattr(function, "__qualname__", repr(function))
+        raise ConfigError(
+            f"{what}: function {name}{signature} cannot be called as {expected} ({e}); every parameter after the "
+            f"first {len(positional)} needs a default"
+        ) from None
+
+
+def _expected_type(parameter: inspect.Parameter, hints: dict[str, Any]) -> Optional[tuple[type, ...]]:
+    """The scalar type(s) a keyword parameter's annotation or default says it takes (None: not known)."""
+    hint = hints.get(parameter.name)
+    if hint in (bool, int, float, str):
+        kind: Any = hint
+    elif parameter.default is not inspect.Parameter.empty and type(parameter.default) in (bool, int, float, str):
+        kind = type(parameter.default)
+    else:
+        return None
+    return {float: (int, float), int: (int,), bool: (bool,), str: (str,)}[kind]
+
+
+def check_keyword_types(function: Callable[..., Any], kwargs: dict[str, Any], what: str) -> None:
+    """ConfigError (exit 2) when a value in `kwargs` is not of the type the function's parameter of that name takes,
+    as its annotation (bool, int, float, str) or else its default's type says: `margin=abc` for `margin=0.0`."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation that does not resolve: fall back on the defaults
+        hints = {}
+    name = getattr(function, "__qualname__", repr(function))
+    for key, value in kwargs.items():
+        parameter = parameters.get(key)
+        expected = _expected_type(parameter, hints) if parameter is not None else None
+        if expected is None:
+            continue
+        if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
+            wanted = " or ".join(t.__name__ for t in expected)
+            raise ConfigError(
+                f"{what}: algo_kwargs {key}={value!r} is a {type(value).__name__}, but {name}'s parameter {key} takes "
+                f"{wanted} (its {'annotation' if key in hints else 'default ' + repr(parameter.default)})"
+            )

@@ -7,8 +7,10 @@ log, so a SIGKILL or SIGTERM sent to it behaves as on a cluster node. The zygote
 runs a torch op, so forking it is safe; each child starts from the same freshly imported state.
 
 Crash points inside a child come from two places:
-  - `OPEN_INSTRUCT_FAULT` in the child's environment (open_instruct/checkpoint.py `fault_point`: during checkpoint
-    and final_model writes);
+  - `OPEN_INSTRUCT_FAULT` in the child's environment (open_instruct/run_dir.py `fault_point`: during checkpoint
+    and final_model writes, weight syncs, metrics rows); with `:stop` the child stops itself at that point instead
+    (`stop_at`, `wait_until_stopped`, `Run.signal_at_stop`), so a signal lands exactly there, not wherever the
+    scheduler let the run get to;
   - `faults` installed in the child before the script starts (test-only wrappers, nothing in the product code):
     `{"kill_in_generation": {"call": k, "forward": m}}` SIGKILLs the child at the m-th model forward (decoding step)
     of its k-th generate() call; `{"kill_in_reference_pass": {"forward": m}}` at the m-th forward of DPO's reference
@@ -34,6 +36,44 @@ SCRIPTS = ("sft", "reward_model", "dpo", "rlvr_ppo")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Test side
+
+
+def stop_at(point: str, step: Optional[int] = None) -> dict[str, str]:
+    """The environment that makes a run SIGSTOP itself at fault point `point` (at `step`, when given), once."""
+    return {"OPEN_INSTRUCT_FAULT": f"{point}{f':step_{step}' if step is not None else ''}:stop"}
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of /proc/<pid>/stat (R, S, T for stopped, Z ...), None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def wait_until_stopped(pid: int, timeout: float = 600.0, log: Callable[[], str] = lambda: "") -> None:
+    """Wait for the event "the run stopped itself at its fault point" (`stop_at`); fails if it ends first."""
+    deadline = time.monotonic() + timeout
+    while (state := process_state(pid)) not in ("T", "t"):
+        if state in (None, "Z", "X"):
+            raise AssertionError(f"process {pid} ended before its stop point; log:\n{log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not reach its stop point in {timeout:.0f} s; log:\n{log()[-3000:]}")
+        time.sleep(0.01)
+
+
+def signal_stopped(pid: int, sig: int, delay: float = 0.0) -> None:
+    """Send `sig` to a run stopped at its fault point. SIGKILL: `delay` s after letting it go on (a random moment
+    after the point); any other signal is queued while it is stopped, so it lands exactly at the point."""
+    if sig == signal.SIGKILL:
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(delay)
+        os.kill(pid, sig)
+    else:
+        assert delay == 0.0, "a signal other than SIGKILL lands at the stop point itself"
+        os.kill(pid, sig)
+        os.kill(pid, signal.SIGCONT)
 
 
 class Zygote:
@@ -149,19 +189,10 @@ class Run:
         with open(self.log, errors="replace") as f:
             return f.read()
 
-    def signal_when(self, condition: Callable[[], bool], sig: int, delay: float = 0.0, timeout: float = 300.0) -> None:
-        """Send `sig` `delay` s after `condition()` first holds (polled every 10 ms); fails if the run ends first."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.poll() is not None:
-                raise AssertionError(
-                    f"run ended (code {self.returncode}) before the signal point; log:\n{self.output()[-3000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError("signal point not reached")
-            time.sleep(0.01)
-        time.sleep(delay)
-        os.kill(self.pid, sig)
+    def signal_at_stop(self, sig: int, delay: float = 0.0, timeout: float = 300.0) -> None:
+        """The run was started with `stop_at(...)`: wait until it stops there, then `signal_stopped`."""
+        wait_until_stopped(self.pid, timeout, self.output)
+        signal_stopped(self.pid, sig, delay)
 
 
 def read_rows(output_dir: str, name: str = "metrics.jsonl") -> list[dict[str, Any]]:

@@ -22,9 +22,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from _reliability_helpers import stop_at, wait_until_stopped
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
@@ -738,10 +738,14 @@ def test_auto_resumes_only_checkpoints_of_its_own_run(tiny_models, files, finish
     assert_weights_match(finished_sft / "final_model", out / "final_model")
 
 
+@pytest.mark.concurrency
 def test_two_concurrent_runs_the_second_refuses(tiny_models, files, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = sft_argv(tiny_models, files, out, "--num_train_epochs", "12")  # 48 steps: long enough to overlap
+    argv = sft_argv(tiny_models, files, out, "--num_train_epochs", "12")  # 48 steps
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.update(
+        stop_at("metrics_row", 1)
+    )  # the first run holds its folder, stopped after step 1, while the second tries
     first = subprocess.Popen(
         [sys.executable, os.path.join(REPO, "open_instruct", "sft.py"), *argv],
         env=env,
@@ -750,13 +754,11 @@ def test_two_concurrent_runs_the_second_refuses(tiny_models, files, tmp_path, ca
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not os.path.exists(out / "metrics.jsonl") and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert first.poll() is None, first.communicate()[0][-3000:]
+        wait_until_stopped(first.pid, 300)
         capsys.readouterr()
         assert run_script("sft", argv + ["--resume_from_checkpoint", "auto"]) == 2
         assert f"in use by another run (pid {first.pid}" in capsys.readouterr().err
+        os.kill(first.pid, signal.SIGCONT)
         log, _ = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
@@ -998,6 +1000,7 @@ def test_outputs_are_made_with_the_users_umask(finished_sft, tmp_path, umask_022
         assert oct(os.stat(os.path.join(finished_sft, file)).st_mode & 0o777) == oct(0o644), file
 
 
+@pytest.mark.concurrency
 def test_sigterm_while_the_model_loads_exits_0_saying_so(tiny_models, files, tmp_path, monkeypatch, capsys):
     from open_instruct import models
 
@@ -1019,6 +1022,7 @@ def test_sigterm_while_the_model_loads_exits_0_saying_so(tiny_models, files, tmp
     assert not os.path.exists(tmp_path / "out" / run_dir.LOCK_FILE)
 
 
+@pytest.mark.concurrency
 def test_sigterm_in_the_dpo_reference_pass_exits_0_saying_so(tiny_models, files, tmp_path, monkeypatch, capsys):
     from open_instruct import models
 

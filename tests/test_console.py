@@ -1,6 +1,7 @@
 """The console a researcher reads (open_instruct/console.py): the progress bar's key numbers, one line per eval, a
 plain start-up summary and an end-of-run summary, checked as text and in a real DPO run."""
 
+import copy
 import json
 import math
 import os
@@ -20,6 +21,16 @@ def test_bar_shows_each_scripts_key_numbers():
     rl_row = {"train/correct_rate": 0.0703125, "train/score_mean": 0.0703125, "train/kl": 0.3875, "train/entropy": 2}
     assert console.bar_postfix(rl_row) == {"correct": "0.07031", "score": "0.07031", "kl": "0.3875"}
     assert console.bar_postfix({"eval/loss": 1.0}) == {}
+
+
+def test_bar_shows_the_score_and_each_reward_function_in_a_run_driven_by_them():
+    """Issue 41: rows scored by reward functions alone have no verifier, so `correct` is 0 and not shown; the score
+    that drives training and each function's mean are."""
+    row = {"train/correct_rate": 0.0, "train/score_mean": 0.3125, "reward/accuracy/mean": 0.3125,
+           "reward/accuracy/std": 0.46, "reward/brevity/mean": -0.05, "train/kl": 0.5}  # fmt: skip
+    assert console.bar_postfix(row) == {"score": "0.3125", "accuracy": "0.3125", "brevity": "-0.05", "kl": "0.5"}
+    with_verifiers = {**row, "train/correct_rate": 0.25}
+    assert list(console.bar_postfix(with_verifiers)) == ["correct", "score", "accuracy", "brevity", "kl"]
 
 
 def test_eval_line_is_compact_with_the_per_source_headline():
@@ -59,6 +70,11 @@ def test_startup_summary_is_plain_words_not_a_dict():
     rl = _cfg(RLVRConfig, "rlvr_tiny.yaml")
     text = console.startup_summary(rl, rl.batch_plan(2, 2000), "2000/2000 rows kept", 200)
     assert "{" not in text  # the RL start line printed plan.to_dict() raw
+    assert "; ppo (gae advantages, ppo loss), generation hf)" in text.splitlines()[0]
+    custom = copy.copy(rl)  # (replace would import the file the name points at)
+    custom.policy_loss, custom.kl_estimator = "my_losses.py:capped", "k3"
+    first = console.startup_summary(custom, rl.batch_plan(2, 2000), "", 200).splitlines()[0]
+    assert "(gae advantages, my_losses.py:capped loss, k3 KL)" in first  # a user's loss is named like its estimator
     assert text.splitlines()[2] == (
         "  batch  64 prompts x 4 = 256 completions per rollout; 2 epoch(s) x 2 mini-batch(es) of 64 x 1 accumulation "
         "x 2 processes = 128; 8 rollouts, 32 optimizer steps (2,048 completions)"

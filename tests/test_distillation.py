@@ -324,11 +324,23 @@ def exit_code(argv: list[str]) -> int:
     [
         ("wide", [], ["vocab_size 103", "!= 104", "causal_lm", "wide"]),
         ("swapped", [], ["tokenizers of student", "causal_lm", "swapped", "differ"]),
-        ("missing", [], ["cannot read", "missing"]),
+        ("missing", [], ["teacher_model_name_or_path", "missing' does not exist"]),
         ("sharp", ["--advantage_estimator", "grpo"], ["advantage_estimator grpo uses no teacher", "distill"]),
         ("sharp", ["--distill_jsd_beta", "1.5"], ["distill_jsd_beta must be in [0.0, 1.0], got 1.5"]),
         ("sharp", ["--distill_top_k", "5"], ["distill_top_k applies to distill_loss jsd"]),
         ("sharp", ["--num_samples_per_prompt", "1", "--distill_group_baseline", "true"], ["num_samples_per_prompt"]),
+        # a reward model (sequence classifier) as teacher or as policy: its lm_head would be initialised at random
+        (
+            "seq_cls",
+            [],
+            [
+                "teacher_model_name_or_path",
+                "seq_cls",
+                "has no trained language-model head",
+                "LlamaForSequenceClassification",
+            ],
+        ),
+        ("sharp", ["--model_name_or_path", "seq_cls"], ["model_name_or_path", "has no trained language-model head"]),
     ],
 )
 def test_bad_teacher_settings_exit_2_before_any_model_loads(
@@ -341,7 +353,8 @@ def test_bad_teacher_settings_exit_2_before_any_model_loads(
 
     monkeypatch.setattr(models, "load_causal_lm", refuse)
     monkeypatch.setattr(models, "load_policy", refuse)
-    path = teachers.get(teacher, str(tmp_path / "missing"))
+    path = {**teachers, "seq_cls": tiny_models["seq_cls"]}.get(teacher, str(tmp_path / "missing"))
+    extra = [tiny_models["seq_cls"] if e == "seq_cls" else e for e in extra]
     assert exit_code(distill_argv(tiny_models, path, rl_files, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err[-2000:]
@@ -355,25 +368,38 @@ def rows_without_timing(out) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
-def test_killed_distillation_run_resumes_bit_exactly(tiny_models, teachers, rl_files, tmp_path, monkeypatch):
+# async JSD (beta 0): the JSD loss recomputes under activation checkpointing while the background thread generates
+ASYNC_JSD = ["--distill_loss", "jsd", "--distill_jsd_beta", "0", "--async_steps", "2"]
+
+
+@pytest.mark.concurrency
+@pytest.mark.parametrize("extra", [[], ASYNC_JSD], ids=["sync_reverse_kl", "async_jsd"])
+def test_killed_distillation_run_resumes_bit_exactly(tiny_models, teachers, rl_files, tmp_path, monkeypatch, extra):
     """SIGTERM during rollout 2 of 4 (checkpoint, exit 0), resume: the metric rows and the final weights equal the
-    uninterrupted run's exactly. The teacher is frozen: it is loaded again from its path, nothing of it is saved."""
+    uninterrupted run's exactly. The teacher is frozen: it is loaded again from its path, nothing of it is saved.
+    Async JSD: a second uninterrupted run equals the first too (the generator samples from its own RNG)."""
     from safetensors.torch import load_file
     from training_helpers import sigterm_at_step
 
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    assert exit_code(distill_argv(tiny_models, teachers["sharp"], rl_files, full)) == 0
+    def argv(out, *more):
+        return distill_argv(tiny_models, teachers["sharp"], rl_files, out, *extra, *more)
+
+    full, cut, again = tmp_path / "full", tmp_path / "cut", tmp_path / "again"
+    assert exit_code(argv(full)) == 0
     with sigterm_at_step(monkeypatch, 2):
-        assert exit_code(distill_argv(tiny_models, teachers["sharp"], rl_files, cut)) == 0
+        assert exit_code(argv(cut)) == 0
     assert max(r["rollout_step"] for r in rows_without_timing(cut)) == 2
-    assert (
-        exit_code(distill_argv(tiny_models, teachers["sharp"], rl_files, cut, "--resume_from_checkpoint", "auto")) == 0
-    )
+    assert exit_code(argv(cut, "--resume_from_checkpoint", "auto")) == 0
     full_rows = rows_without_timing(full)
     assert rows_without_timing(cut) == full_rows
     assert [r["rollout_step"] for r in full_rows if "train/teacher_kl" in r] == [1, 2, 3, 4]
-    a, b = load_file(full / "final_model" / "model.safetensors"), load_file(cut / "final_model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finals = [full, cut]
+    if extra:
+        assert exit_code(argv(again)) == 0
+        assert rows_without_timing(again) == full_rows
+        finals.append(again)
+    weights = [load_file(out / "final_model" / "model.safetensors") for out in finals]
+    assert all(w.keys() == weights[0].keys() and all(torch.equal(w[k], weights[0][k]) for k in w) for w in weights)
 
 
 @pytest.mark.parametrize("distill_loss", ["jsd"])

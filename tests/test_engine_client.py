@@ -17,6 +17,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.concurrency  # engines, trainers and kills: every wait is on an event
+
+from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped  # noqa: E402
 
 from demo import synthetic  # noqa: E402
 from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_port, healthy, write_engine_model  # noqa: E402
@@ -71,6 +74,9 @@ def server(tmp_path_factory):
         devices=None,
         port=free_port(),  # never a fixed port: the suite runs on several workers (pytest-xdist)
     )
+    # The step gate (tests/vllm_step_gate.py) lets a test hold a request mid-generation; inert for other requests.
+    specs[0].argv += ["--logits-processors", "vllm_step_gate:StepGate"]
+    specs[0].env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO])
     engines = LocalEngines(specs, os.path.join(root, "logs"), start_timeout=600)
     gen = ServerGenerator(
         engines.urls, tokenizer, [tokenizer.eos_token_id], model, rank=0, num_ranks=1, transfer="gloo",
@@ -192,39 +198,68 @@ def test_generation_checks_on_a_dedicated_engine(server, monkeypatch):
     gen.sync_weights(model, version=34)
 
 
-def test_weight_update_in_flight_keeps_the_request_and_labels_each_token(server):
+def test_weight_update_in_flight_keeps_the_request_and_labels_each_token(server, tmp_path, monkeypatch):
     """async_steps > 0: a weight update lands while a request generates (a generate() in flight, as the sampler's
     background thread holds one). The engine pauses with the request kept (mode keep), takes version 8, resumes;
     the response keeps its tokens, its first ones labelled 7 and the rest 8 (vLLM's spans, per token), and the same
-    prompt sampled afterwards is version 8 throughout."""
-    import re
-    from concurrent.futures import ThreadPoolExecutor
+    prompt sampled afterwards is version 8 throughout.
 
-    import requests
+    No race with the engine: the step gate (tests/vllm_step_gate.py) holds the request before its 51st token, and
+    from then on lets one token through at a time, only while the sync's /pause has not landed (the engine core
+    takes it between two steps). So the update lands after 50 + k tokens of 200, k >= 1 the tokens let through,
+    whatever the load; the 2 s wait on the pause only decides how many tokens go through meanwhile."""
+    import select
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     from open_instruct.engine_client import token_versions
 
     gen, model, _, prompts, _ = server
     gen.sync_weights(model, version=7)
-    sampling = {"n": 1, "temperature": 1.0, "max_tokens": 200, "ignore_eos": True, "seed": 1, "logprobs": 0}
+    fifos = {name: os.path.join(tmp_path, name) for name in ("signal", "gate")}
+    for path in fifos.values():
+        os.mkfifo(path)
+    # O_RDWR: neither open blocks, and the engine's own opens find their other end
+    from_engine, to_engine = os.open(fifos["signal"], os.O_RDWR), os.open(fifos["gate"], os.O_RDWR)
+    sampling = {
+        "n": 1, "temperature": 1.0, "max_tokens": 200, "ignore_eos": True, "seed": 1, "logprobs": 0,
+        "extra_args": {"step_gate": {"at": 50, **fifos}},
+    }  # fmt: skip
     body = {"token_ids": prompts[0], "sampling_params": sampling, "output_mode": "tokens"}
+    paused, post = threading.Event(), gen.fleet.post
 
-    def running() -> bool:  # the engine's own gauge: the request is being decoded
-        metrics = requests.get(f"{gen.urls[0]}/metrics", timeout=10).text
-        return any(float(v) >= 1 for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M))
+    def post_noting_the_pause(index: int, route: str, *args, **kwargs):
+        answer = post(index, route, *args, **kwargs)
+        if route == "pause":
+            paused.set()
+        return answer
 
-    with ThreadPoolExecutor(1) as pool:
+    def engine_holds_the_request() -> bool:  # the engine wrote b"w": it waits before the request's next step
+        ready, _, _ = select.select([from_engine], [], [], 600)
+        return bool(ready) and os.read(from_engine, 1) == b"w"
+
+    monkeypatch.setattr(gen.fleet, "post", post_noting_the_pause)
+    with ThreadPoolExecutor(2) as pool:
         gen.generating += 1  # a generate() in flight: the sync keeps its requests
         try:
-            reply = pool.submit(gen.fleet.post, 0, "inference/v1/generate", body)
-            while not running():
-                assert not reply.done(), reply.result()
-            gen.sync_weights(model, version=8)
+            reply = pool.submit(post, 0, "inference/v1/generate", body)
+            assert engine_holds_the_request(), "the engine never reached token 50"
+            sync = pool.submit(gen.sync_weights, model, 8)
+            let_through = 0
+            while not paused.wait(timeout=2.0):  # the engine core takes the /pause after the step it is in
+                os.write(to_engine, b"s")
+                let_through += 1
+                assert engine_holds_the_request()  # the next step: at once, or after the whole update
+            os.write(to_engine, b"d")  # paused, updated and resumed: the request runs freely
+            sync.result(timeout=600)
         finally:
             gen.generating -= 1
-        choice = reply.result()["choices"][0]
+        choice = reply.result(timeout=600)["choices"][0]
+    os.close(from_engine)
+    os.close(to_engine)
     versions = token_versions(choice["weight_versions"], len(choice["token_ids"]), -1)
-    assert len(versions) == 200 and versions == sorted(versions) and versions[0] == 7 and versions[-1] == 8, versions
+    assert len(versions) == 200 and versions == sorted(versions), versions
+    assert let_through >= 1 and versions.count(7) == 50 + let_through and versions[-1] == 8, (let_through, versions)
     after = gen.generate([prompts[0]], GenerationConfig(max_new_tokens=8, temperature=1.0, seed=1))
     assert after.weight_versions == [[8] * len(after.response_ids[0])]
 
@@ -336,7 +371,6 @@ def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_up
         )  # fmt: skip
     try:
         assert trainer.stdout.readline().strip() == "MID", open(log).read()[-3000:]
-        time.sleep(1)
     finally:
         trainer.kill()
         trainer.wait()
@@ -439,18 +473,16 @@ def test_async_two_with_in_flight_updates_preempted_resumes_with_its_rollouts_in
         run(grpo_args(task, sync_dir))
     out_dir = os.path.join(task["root"], "async2")
     args = grpo_args(task, out_dir, "--async_steps", "2")
-    proc = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    proc = subprocess.Popen(  # stops itself after rollout 3's row: the SIGTERM lands there
+        [sys.executable, *args], cwd=REPO, env={**ENV, **stop_at("metrics_row", 3)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
     trained = lambda: [r for r in read_rows(out_dir) if "train/version_lag_mean" in r]  # noqa: E731
-    deadline = time.monotonic() + 900
-    while not (os.path.exists(os.path.join(out_dir, "metrics.jsonl")) and len(trained()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    wait_until_stopped(proc.pid, 900)
+    signal_stopped(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
     reached = trained()[-1]["rollout_step"]
-    assert reached < 8
+    assert reached == 3, reached
     run([*args, "--resume_from_checkpoint", "auto"])
     rows = trained()
     assert [r["rollout_step"] for r in rows] == list(range(1, 9))
@@ -470,16 +502,14 @@ def test_killed_engine_stops_the_run_with_a_clear_error(task):
     it had written is intact (a resume with a new engine finishes the run)."""
     out_dir = os.path.join(task["root"], "engine_killed")
     args = grpo_args(task, out_dir, "--async_steps", "1", "--vllm_server_timeout", "60")
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 600
-    ckpt = os.path.join(out_dir, "checkpoints")
-    while time.monotonic() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        time.sleep(0.5)
+    env = {**ENV, **stop_at("checkpoint_prune")}  # the trainer stops itself once its first checkpoint is in place
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_until_stopped(proc.pid, 600)
     engine_pid = engine_pids(out_dir)
     assert engine_pid, "no engine process found"
     for pid in engine_pid:
         os.kill(pid, signal.SIGKILL)  # the server only: its engine core and worker are orphaned
+    os.kill(proc.pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=300)
     stderr = stderr.decode()
     assert proc.returncode not in (0, None)
@@ -506,14 +536,11 @@ def test_sigkill_of_the_trainer_then_resume_completes(task):
     completes the run from the last checkpoint, regenerating the rollout that was in flight."""
     out_dir = os.path.join(task["root"], "trainer_killed")
     args = grpo_args(task, out_dir, "--async_steps", "1")
-    proc = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 600
-    ckpt = os.path.join(out_dir, "checkpoints")
-    while time.monotonic() < deadline and not (os.path.isdir(ckpt) and len(os.listdir(ckpt)) >= 1):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        time.sleep(0.5)
+    proc = subprocess.Popen(  # stops itself once its first checkpoint is in place (a rollout in flight)
+        [sys.executable, *args], cwd=REPO, env={**ENV, **stop_at("checkpoint_prune")}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    wait_until_stopped(proc.pid, 600)
     servers = engine_pids(out_dir)
     assert servers
     proc.kill()
@@ -549,13 +576,9 @@ def test_trainer_restarts_against_engines_started_apart(task):
             line = cli.stdout.readline()
         assert line.split() == ["engines", "ready:", "http://127.0.0.1:18361"], line
         urls = ["--vllm_server_urls", "http://127.0.0.1:18361"]
-        trainer = subprocess.Popen([sys.executable, *args, *urls], cwd=REPO, env=ENV, stderr=subprocess.PIPE)
-        ckpt = os.path.join(out_dir, "checkpoints")
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (os.path.isdir(ckpt) and os.listdir(ckpt)):
-            assert trainer.poll() is None, trainer.stderr.read().decode()[-3000:]
-            time.sleep(0.5)
-        time.sleep(1.0)
+        stopping = {**ENV, **stop_at("checkpoint_prune")}  # stops once its first checkpoint is in place
+        trainer = subprocess.Popen([sys.executable, *args, *urls], cwd=REPO, env=stopping, stderr=subprocess.PIPE)
+        wait_until_stopped(trainer.pid, 600)
         trainer.kill()
         trainer.wait()
         assert healthy("http://127.0.0.1:18361") and cli.poll() is None  # the engine outlives its trainer

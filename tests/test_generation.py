@@ -264,12 +264,43 @@ def test_generation_sequences_per_call(micro, rollout, max_model_len, expected):
     assert generation_sequences_per_call(cfg, max_model_len) == expected
 
 
-def test_seeded_generation_restores_every_cuda_rng(monkeypatch):
-    """torch.manual_seed reseeds every CUDA device: the fork around a seeded generate must restore all of them."""
-    from open_instruct import generation
+def test_seeded_generation_ignores_the_process_rng(lm, prompts):
+    """A seeded generate draws from a generator of its own: the process-wide RNG reseeded, consumed and restored at
+    every decoding step (what torch.utils.checkpoint does in the training thread of an async run, on every
+    recompute) changes none of its tokens or log-probs."""
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts[:2]]
+    cfg = GenerationConfig(max_new_tokens=10, temperature=1.0, top_p=0.95, n=3, seed=5)
+    quiet = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    steps = [0]
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert generation.rng_devices() == [0, 1]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert generation.rng_devices() == []
+    def churn(module, args):  # every forward: reseed, draw, and restore an older state, as other threads may
+        steps[0] += 1
+        saved = torch.get_rng_state()
+        torch.manual_seed(1000 + steps[0])
+        torch.rand(7)
+        if steps[0] % 2:
+            torch.set_rng_state(saved)
+
+    hook = model.register_forward_pre_hook(churn)
+    try:
+        busy = HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    finally:
+        hook.remove()
+    assert steps[0] >= 10  # the process RNG really was disturbed at each decoding step
+    assert busy.response_ids == quiet.response_ids and busy.logprobs == quiet.logprobs
+    assert len({tuple(r) for r in quiet.response_ids}) > 1  # it sampled (not greedy)
+
+
+def test_unseeded_generation_draws_from_the_process_rng(lm, prompts):
+    """seed=None samples from the process-wide RNG: the same global seed gives the same samples."""
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts[:2]]
+    cfg = GenerationConfig(max_new_tokens=10, temperature=1.0, n=2)
+    gen = HFGenerator(model, tokenizer, batch_size=4)
+    torch.manual_seed(3)
+    a = gen.generate(prompts, cfg)
+    torch.manual_seed(3)
+    b = gen.generate(prompts, cfg)
+    c = gen.generate(prompts, cfg)  # the global stream moved on
+    assert a.response_ids == b.response_ids and a.response_ids != c.response_ids

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped
 from test_reward_model import case_rows
 from tolerances import chain_atol, decoder_reduction_lengths, forward_atol, gamma, max_abs
 from training_helpers import (
@@ -727,11 +728,11 @@ def test_sft_lora_under_fsdp2_matches_one_process(tmp_path, tiny_models):
     assert_same_weights(os.path.join(out["single"], "final_model"), os.path.join(resumed, "final_model"))
 
 
+@pytest.mark.concurrency
 def test_ppo_lora_resume_after_sigterm_is_exact(task):
     """PPO with LoRA on the policy and the value model, reference = adapter-disabled policy: SIGTERM after a few
     rollouts, resume, and the logs and final weights equal the uninterrupted run's."""
     import signal
-    import time
 
     from test_rlvr import ENV, read_rows, rl_args, run
 
@@ -744,18 +745,13 @@ def test_ppo_lora_resume_after_sigterm_is_exact(task):
     proc = subprocess.Popen(
         [sys.executable, *rl_args(rl_task, cut_dir, *small)],
         cwd=REPO,
-        env=ENV,
+        env={**ENV, **stop_at("metrics_row", 2)},  # stops itself after rollout 2's row: the SIGTERM lands there
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        metrics_file = os.path.join(cut_dir, "metrics.jsonl")
-        if os.path.exists(metrics_file) and any(r.get("rollout_step", 0) >= 2 for r in read_rows(cut_dir)):
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    wait_until_stopped(proc.pid, 300)
+    signal_stopped(proc.pid, signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "SIGTERM: checkpoint written" in log, log[-3000:]
     stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))

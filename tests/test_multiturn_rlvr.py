@@ -579,6 +579,7 @@ def test_bad_environment_exits_2_before_loading(e2e, tmp_path):
         assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_killed_inside_a_tool_call_resumes_bit_exactly(e2e, tmp_path):
     """SIGKILL while a tool call of rollout 2 is blocked (the runtime says so with a file and waits for the test's
@@ -650,6 +651,7 @@ def test_verifier_timeouts_inside_environments_are_counted(tiny_models, tiny):
     assert [e.verifier_timeouts for e in back.episodes] == [1, 0, 0, 1]
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_async_multi_turn_run_killed_with_episodes_in_the_checkpoint_resumes_bit_exactly(e2e, tmp_path):
     """async_steps 2 on the hf backend with the user-file environment: SIGKILL as weight version 2 goes to the

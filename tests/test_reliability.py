@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows
+from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows, stop_at
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread in this process)
 
 from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
@@ -167,10 +167,6 @@ def max_counter(out, counter="optimizer_step") -> int:
     return max((r[counter] for r in read_rows(str(out))), default=0)
 
 
-def rows_reach(out, n: int, counter: str = "optimizer_step"):
-    return lambda: max_counter(out, counter) >= n
-
-
 def step_dirs(out) -> list[str]:
     return sorted(os.listdir(os.path.join(out, "checkpoints")), key=lambda n: (len(n), n))
 
@@ -210,6 +206,7 @@ def sft_reference(zygote, tiny_models, task, tmp_path_factory):
     return out
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     zygote, sft_reference, tiny_models, task, tmp_path, rng
@@ -219,8 +216,8 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     resume = argv + ["--resume_from_checkpoint", "auto"]
 
     # 1. SIGKILL at a random moment after the 3rd step's row (mid-step, mid-eval or mid-save: all must be survivable).
-    run = start(zygote, "sft", argv, out)
-    run.signal_when(rows_reach(out, 3), signal.SIGKILL, delay=rng.uniform(0, 0.03))
+    run = start(zygote, "sft", argv, out, env=stop_at("metrics_row", 3))
+    run.signal_at_stop(signal.SIGKILL, delay=rng.uniform(0, 0.03))
     killed(run)
     assert max_counter(out) < 12
 
@@ -232,11 +229,11 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     assert checkpoint.find_resume_checkpoint(str(out), lambda m: None).endswith("step_9")
 
     # 3. SIGTERM (preemption) after step 13: checkpoint at the next step boundary, exit 0, no final model.
-    run = start(zygote, "sft", resume, out)
-    run.signal_when(rows_reach(out, 13), signal.SIGTERM)
+    run = start(zygote, "sft", resume, out, env=stop_at("metrics_row", 13))
+    run.signal_at_stop(signal.SIGTERM)
     assert run.wait() == 0, run.output()[-3000:]
-    reached = max_counter(out)  # 13 or 14 unless this machine stalls
-    assert 13 <= reached <= 16
+    reached = max_counter(out)  # stopped right after step 13's row: the SIGTERM lands there, whatever the load
+    assert reached == 13, reached
     assert f"SIGTERM: checkpoint written at optimizer step {reached}" in run.output()
     assert f"step_{reached}" in step_dirs(out) and not (out / "final_model").exists()
     assert not any(d.startswith(".tmp_") for d in os.listdir(out / "checkpoints"))  # the step-12 debris is pruned
@@ -258,6 +255,7 @@ def test_sft_killed_at_five_points_resumes_to_the_uninterrupted_result(
     assert checkpoint.validate(str(out / "final_model")) is None
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     zygote, tiny_models, task, tmp_path, rng
@@ -273,8 +271,8 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     assert glob.glob(str(cache / "ref_logps_*.safetensors")) == []
 
     # 2. SIGKILL at a random moment after step 5 (the reference pass is recomputed first).
-    run = start(zygote, "dpo", resume, out)
-    run.signal_when(rows_reach(out, 5), signal.SIGKILL, delay=rng.uniform(0, 0.25))
+    run = start(zygote, "dpo", resume, out, env=stop_at("metrics_row", 5))
+    run.signal_at_stop(signal.SIGKILL, delay=rng.uniform(0, 0.25))
     killed(run)
     assert "reference log-probs: computed" in run.output() and max_counter(out) < 12
 
@@ -299,6 +297,7 @@ def test_dpo_killed_in_reference_pass_mid_training_and_mid_save_resumes_exactly(
     assert debris(str(out)) == []
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(
     zygote, tiny_models, task, tmp_path, rng
@@ -313,17 +312,17 @@ def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(
     assert max_counter(out, "rollout_step") == 1
 
     # 2. SIGTERM after rollout 4's row: checkpoint at the rollout reached (named by its optimizer step), exit 0.
-    run = start(zygote, "rlvr_ppo", resume, out)
-    run.signal_when(rows_reach(out, 4, "rollout_step"), signal.SIGTERM)
+    run = start(zygote, "rlvr_ppo", resume, out, env=stop_at("metrics_row", 4))
+    run.signal_at_stop(signal.SIGTERM)
     assert run.wait() == 0, run.output()[-3000:]
-    reached = max_counter(out, "rollout_step")  # 4 or 5 unless this machine stalls
-    assert 4 <= reached <= 6
+    reached = max_counter(out, "rollout_step")  # stopped right after rollout 4's row: the SIGTERM lands there
+    assert reached == 4, reached
     assert f"SIGTERM: checkpoint written at rollout step {reached}" in run.output()
     assert f"step_{2 * reached}" in step_dirs(out) and not (out / "final_model").exists()
 
     # 3. SIGKILL at a random moment after rollout 6 (generation, scoring, PPO epochs, eval or checkpoint).
-    run = start(zygote, "rlvr_ppo", resume, out)
-    run.signal_when(rows_reach(out, max(6, reached + 1), "rollout_step"), signal.SIGKILL, delay=rng.uniform(0, 0.2))
+    run = start(zygote, "rlvr_ppo", resume, out, env=stop_at("metrics_row", max(6, reached + 1)))
+    run.signal_at_stop(signal.SIGKILL, delay=rng.uniform(0, 0.2))
     killed(run)
 
     # 4. Resume to the end.
@@ -360,6 +359,7 @@ def rm_argv(models, task, out, *extra):  # 16 steps of 4 pairs
     ]
 
 
+@pytest.mark.concurrency
 @pytest.mark.slow
 def test_reward_model_survives_sigkills_at_random_moments(zygote, tiny_models, task, tmp_path, rng):
     """Restarts SIGKILLed at random moments (start-up, restore, a step, an eval, a save or the final write: wherever

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from open_instruct import checkpoint, runtime
 from open_instruct.config import RLVRConfig, parse_config
@@ -66,3 +67,60 @@ def test_allow_resume_changes_names_are_checked_on_every_start(tmp_path, tiny_mo
         parse_config(RLVRConfig, [*argv, "--allow_resume_changes", "response_length"]), 1
     )
     assert not os.path.exists(tmp_path / "out" / "config.yaml")  # refused before the folder was claimed
+
+
+def test_a_variant_file_edited_or_model_weights_replaced_on_resume_is_refused_unless_accepted(
+    tmp_path, monkeypatch, tiny_models
+):
+    """A checkpoint records the bytes of the user's code files and of the teacher's and the reference's weights
+    (input_identity); a resume whose files changed under the same spec or path is refused like a changed setting,
+    naming the setting and the file, unless --allow_resume_changes accepts that key."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    variants = tmp_path / "my_kl.py"
+    variants.write_text("def my_kl(logp, ref_logp, scale=1.0):\n    return scale * (logp - ref_logp)\n")
+    teacher, policy = str(tmp_path / "teacher"), str(tmp_path / "policy")
+    shutil.copytree(tiny_models["causal_lm"], teacher)
+    shutil.copytree(tiny_models["causal_lm"], policy)
+    argv = [*BASE, "--model_name_or_path", policy, "--teacher_model_name_or_path", teacher, "--kl_estimator",
+            f"{variants}:my_kl", "--num_samples_per_prompt", "4"]  # fmt: skip
+    saved_cfg = parse_config(RLVRConfig, argv)
+    step, state = saved_checkpoint(tmp_path, saved_cfg)
+    state["input_identity"] = checkpoint.input_identity(vars(saved_cfg))
+    assert sorted((e["key"], os.path.basename(e["path"])) for e in state["input_identity"]) == [
+        ("reference_weights", "model.safetensors"),
+        ("teacher_weights", "model.safetensors"),
+        ("user_code_content", "my_kl.py"),
+    ]
+    monkeypatch.setattr(checkpoint, "read_state", lambda path: state)
+
+    def resume(*extra):
+        checkpoint.check_resume_compatible(step, parse_config(RLVRConfig, [*argv, "--resume_from_checkpoint", step,
+                                                                           *extra]), 1)  # fmt: skip
+
+    resume()  # nothing changed
+    source = variants.read_text()
+    variants.write_text(source.replace("scale * (logp - ref_logp)", "scale * (logp - ref_logp).abs()"))
+    with pytest.raises(ConfigError) as e:
+        resume()
+    assert f"user_code_content: kl_estimator {variants}:my_kl: my_kl.py blake2b" in str(e.value)
+    assert "--allow_resume_changes user_code_content" in str(e.value)
+    resume("--allow_resume_changes", "user_code_content")
+    variants.write_text(source)
+    resume()  # the same bytes again
+
+    for folder, key in ((teacher, "teacher_weights"), (policy, "reference_weights")):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            model.model.norm.weight.mul_(2.0)
+        model.save_pretrained(folder)  # same path, same size, other weights
+        with pytest.raises(ConfigError) as e:
+            resume()
+        option = "teacher_model_name_or_path" if key == "teacher_weights" else "model_name_or_path"
+        assert f"{key}: {option} {folder}: model.safetensors blake2b" in str(e.value), str(e.value)
+        assert f"--allow_resume_changes {key}" in str(e.value)
+        resume("--allow_resume_changes", key)
+        state["input_identity"] = checkpoint.input_identity(vars(saved_cfg))  # the next checkpoint records them
+        resume()

@@ -16,6 +16,7 @@ import time
 import warnings
 
 import pytest
+from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped
 from tolerances import backward_atol, forward_atol
 
 from demo import synthetic
@@ -170,6 +171,7 @@ def test_grpo_raises_heldout_accuracy(task):
 
 
 @pytest.mark.slow
+@pytest.mark.concurrency
 def test_resume_after_preemption_matches_uninterrupted(task):
     small = [
         "--local_rollout_batch_size",
@@ -194,19 +196,13 @@ def test_resume_after_preemption_matches_uninterrupted(task):
     proc = subprocess.Popen(
         [sys.executable, *rl_args(task, cut_dir, *small)],
         cwd=REPO,
-        env=ENV,
+        env={**ENV, **stop_at("metrics_row", 2)},  # stops itself after rollout 2's row: the SIGTERM lands there
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(os.path.join(cut_dir, "metrics.jsonl")) and any(
-            r.get("rollout_step", 0) >= 2 for r in read_rows(cut_dir)
-        ):
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    wait_until_stopped(proc.pid, 300)
+    signal_stopped(proc.pid, signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-3000:]
     assert "SIGTERM: checkpoint written" in log

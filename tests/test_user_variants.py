@@ -122,7 +122,11 @@ def test_a_copied_script_sees_its_own_registrations(tmp_path):
     copy = tmp_path / "my_rlvr.py"
     copy.write_text(source[:main_block] + COPY_ADDITION + source[main_block:])
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    argv = [*BASE, "--advantage_estimator", "copy_only", "--output_dir", str(tmp_path / "out")]
+    from demo.synthetic import rl_rows, write_jsonl
+
+    data = write_jsonl(str(tmp_path / "d.jsonl"), rl_rows(8, 0))  # a dry run reads the first rows
+    argv = [*BASE, "--dataset_name_or_path", data, "--advantage_estimator", "copy_only", "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
 
     def run(script, *extra):
         return subprocess.run([sys.executable, script, *argv, *extra], env=env, capture_output=True, text=True,
@@ -184,3 +188,86 @@ def test_the_extending_pages_example_resolves(tmp_path):
         for table, _, _ in rl_algorithms.TABLES.values():
             for name in [n for n in table if n.startswith("my_variants.py:") or n == "top_half"]:
                 del table[name]
+
+
+BAD_VARIANTS_FILE = """
+def one_arg(x):
+    return x
+
+
+def extra_required(cfg, rollout, accelerator, level):
+    return level
+
+
+def short_loss(logp, advantages):
+    return logp
+
+
+def estimator(cfg, rollout, accelerator, margin=0.0, steps: int = 2):
+    return margin
+
+
+def kl_with_flag(logp, ref_logp, *, strict: bool = False):
+    return logp
+"""
+
+
+@pytest.fixture
+def bad_variants_file(tmp_path):
+    path = tmp_path / "bad_variants.py"
+    path.write_text(BAD_VARIANTS_FILE)
+    yield str(path)
+    for table, _, _ in rl_algorithms.TABLES.values():
+        for name in [n for n in table if str(path) in n]:
+            del table[name]
+
+
+def test_bad_signatures_and_algo_kwargs_types_exit_2_naming_the_function(bad_variants_file):
+    """A variant that cannot be called as the run calls it, or an algo_kwargs value of another type than the
+    function's parameter (its annotation, else its default), is a ConfigError when the config is checked (before
+    any model loads), naming the option, the function and the expected call."""
+    f = bad_variants_file
+    cases = [
+        (["--advantage_estimator", f"{f}:one_arg"], ["advantage_estimator", "one_arg(x)",
+         "(cfg, rollout, accelerator, **algo_kwargs) -> rlvr_ppo.Advantages"]),
+        (["--advantage_estimator", f"{f}:extra_required"], ["extra_required(cfg, rollout, accelerator, level)",
+         "missing a required argument: 'level'", "needs a default"]),
+        (["--policy_loss", f"{f}:short_loss"], ["policy_loss", "short_loss(logp, advantages)",
+         "(cfg, logp, old_logp, advantages, mask, **algo_kwargs)"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margin=abc"],
+         ["algo_kwargs margin='abc' is a str", "estimator's parameter margin takes int or float (its default 0.0)"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", '{"margin": [1, 2]}'],
+         ["algo_kwargs margin=[1, 2] is a list"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "steps=1.5"],
+         ["steps=1.5 is a float", "takes int (its annotation)"]),
+        (["--kl_estimator", f"{f}:kl_with_flag", "--algo_kwargs", "strict=1"], ["strict=1 is a int", "takes bool"]),
+        (["--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margn=0.5"],
+         ["algo_kwargs ['margn'] is taken by none", "did you mean 'margin' for 'margn'?"]),
+    ]  # fmt: skip
+    for extra, messages in cases:
+        with pytest.raises(ConfigError) as e:
+            parse_config(RLVRConfig, [*BASE, "--num_samples_per_prompt", "4", *extra])
+        for message in messages:
+            assert message in str(e.value), (extra, str(e.value))
+    fine = parse_config(
+        RLVRConfig, [*BASE, "--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margin=1", "steps=3"]
+    )  # an int where a float is the default is a number all the same
+    assert fine.variant_kwargs("advantage_estimator") == {"margin": 1, "steps": 3}
+
+
+def test_algo_kwargs_that_is_not_a_mapping_in_a_recipe_is_a_config_error(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algo_kwargs: [1, 2]\n")
+    with pytest.raises(ConfigError, match=r"algo_kwargs in .* must be a mapping of argument names to values"):
+        parse_config(RLVRConfig, [str(recipe), *BASE])
+
+
+def test_a_bad_signature_exits_2_before_loading(bad_variants_file, tmp_path):
+    """The script itself: exit 2 with the message, before the model path (which does not exist) is read."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    argv = [*BASE, "--policy_loss", f"{bad_variants_file}:short_loss", "--output_dir", str(tmp_path / "out")]
+    run = subprocess.run([sys.executable, os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), *argv], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "short_loss(logp, advantages) cannot be called as (cfg, logp, old_logp, advantages, mask" in run.stderr
+    assert not (tmp_path / "out").exists()
