@@ -1099,8 +1099,8 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
         "advantage_estimator policy_loss kl_estimator algo_kwargs cliprange cliprange_low cliprange_high dual_clip_c "
         "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
         "loss_norm_length filter_zero_std_groups mask_truncated_completions truncated_importance_sampling tis_cap "
-        "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight distill_reward_weight "
-        "distill_group_baseline distill_jsd_beta distill_top_k",
+        "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight "
+        "distill_reward_weight distill_group_baseline distill_jsd_beta distill_top_k",
     ),
     "generation": (
         "sampling and the engines that sample",
