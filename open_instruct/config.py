@@ -1214,9 +1214,10 @@ def help_text(cls: type) -> str:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             flags = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])  # both are accepted
             group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=f.metadata["help"])
-            if f"no_{key}" in _accepted_keys(cls):
+            negated = f"no_{key}"  # a boolean that defaults to true also takes --no_<key>
+            if negated in _accepted_keys(cls):
                 group.add_argument(
-                    f"--no_{key}", action="store_true", default=argparse.SUPPRESS, help=f"--{key} false."
+                    f"--{negated}", action="store_true", default=argparse.SUPPRESS, help=f"--{key} false."
                 )
     return parser.format_help()
 
@@ -1608,7 +1609,7 @@ def _list_value(key: str, tokens: list[str], hint: Any) -> list[Any]:
 
 
 def _argument_name(key: str) -> str:
-    """How argparse names an option in its errors: `--key/--dashed-alias`."""
+    """How argparse names an option in its errors: the flag, then its dashed alias after a slash."""
     return f"--{key}" + (f"/--{key.replace('_', '-')}" if "_" in key else "")
 
 
