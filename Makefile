@@ -137,12 +137,12 @@ bench-gpu: install
 bench-tiny: install
 	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
 
-# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU (sized for ~8 min), results in $(OUT).
+# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU in one short slot, results in $(OUT).
 # Uses whatever python has torch (a bare GPU image: no venv, no extra wheels). BUDGET=seconds, ONLY="step ...".
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 OUT ?= output/gpu_check
 gpu-check:
-	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(ARGS)
+	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(if $(BUDGET),--budget $(BUDGET)) $(if $(ONLY),--only "$(ONLY)") $(ARGS)
 
 # Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:

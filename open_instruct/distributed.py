@@ -170,7 +170,9 @@ def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
     accelerator = Accelerator(
         cpu=True, mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin, kwargs_handlers=process_group_kwargs(cfg)
     )
-    if accelerator.num_processes > 1:
+    # A torchrun launch of one process forms a gloo group of one (MULTI_CPU): FSDP2 over it is the one-process path
+    # every single-GPU FSDP run takes, so it is switched too; a plain `python script.py` has no group and stays as is.
+    if accelerator.num_processes > 1 or accelerator.distributed_type == DistributedType.MULTI_CPU:
         state = accelerator.state
         state.distributed_type = DistributedType.FSDP
         # AcceleratorState re-reads PartialState's fields whenever it is constructed again; on GPUs accelerate

@@ -171,7 +171,7 @@ def evaluate(
         for group, real in mine:
             batch = data.collate_preferences([evals[i] for i in group], pad_id, cfg.packing)
             with accelerator.autocast():
-                policy = pair_logps(model, {k: v.to(accelerator.device) for k, v in batch.items()})
+                policy = pair_logps(model, data.to_device(batch, accelerator.device))
             if not real:
                 continue
             ref = reference_logps(ref_table, group, accelerator.device) if ref_table else None
@@ -216,7 +216,7 @@ def backward_step(
         if real:  # counted on the CPU batch: no device sync
             run.throughput.add(data.batch_tokens(batch), len(group))
         # scored positions found on the host: no host sync per micro-batch
-        batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
+        batch = data.to_device(with_scored_index(batch), accelerator.device)
         sync = i == len(groups) - 1
         with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
             with accelerator.autocast():

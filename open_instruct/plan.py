@@ -901,6 +901,9 @@ def check_memory_fits(m: Optional[dict[str, Any]], judged: str, how_to_tell: str
     judged, what to change, and (`how_to_tell`) how to name the layout the recipe targets."""
     if m is None or m["fits"]:
         return
+    problem = hf_generation_problem(m)
+    if problem:
+        raise ConfigError(f"{problem}\n(judged: {judged})")
     raise ConfigError(
         f"this layout does not fit in {'host' if on_cpu else 'GPU'} memory (judged: {judged}):\n"
         + "\n".join(memory_lines(m))
@@ -968,6 +971,35 @@ def check_memory(cfg: BaseConfig, layout: JudgedLayout) -> None:
     check_memory_fits(m, layout.describe(), how_to_tell, on_cpu=layout.assumptions.gpu == "cpu")
 
 
+def hf_generation_problem(memory: dict[str, Any]) -> Optional[str]:
+    """The refusal of a layout whose HF generation phase does not fit (its peak phase, the prediction over the
+    GPU's memory), naming the way out; None when HF generation is not what does not fit. HF generation holds the
+    whole policy in the compute dtype on every rank (FSDP2 gathers it: distributed.full_params) beside the KV cache
+    of one generate call, and vLLM holds neither on the training GPUs."""
+    if memory["fits"] or memory["peak_phase"] != "HF generation":
+        return None
+    return (
+        "HF generation does not fit in GPU memory (generation_backend hf):\n"
+        + "\n".join(memory_lines(memory))
+        + "\nGenerate with vLLM instead: generation_backend vllm_server (engines on GPUs of their own; "
+        "scripts/rlvr_8b.sh) or vllm (an engine colocated on each training GPU); or, with hf, lower "
+        "generation_micro_batch_size (sequences per generate call) or shard the policy over more processes"
+    )
+
+
+def check_hf_generation_fits(cfg: BaseConfig, world: int, gpu_memory_gb: float, fsdp: bool) -> None:
+    """What the RL script checks before loading any model: with generation_backend hf, the planner's prediction
+    on this GPU's memory (decimal GB) must not be refused for HF generation (hf_generation_problem). Nothing is
+    refused when the model's shape is unknown offline, or for the other phases (docs/gpu.md: why scripts do not
+    refuse those)."""
+    if not isinstance(cfg, RLVRConfig) or cfg.generation_backend != "hf":
+        return
+    memory = predict_memory(cfg, world, TimeAssumptions(gpu_memory_gb=gpu_memory_gb, fsdp=fsdp or None))
+    problem = hf_generation_problem(memory) if memory is not None else None
+    if problem:
+        raise ConfigError(problem)
+
+
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
     """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
     --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
@@ -1002,6 +1034,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         generation_sequences=sequences,
         generation_tokens=tokens,
         engine_fraction=engine,
+        generation_prompt_tokens=cfg.max_prompt_length if sequences else 0,
     )
 
 
@@ -1018,7 +1051,7 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
         if cfg.beta > 0 and not cfg.use_lora:
             frozen.append(("reference", policy))
         if cfg.reward_model_path:
-            frozen.append(("reward model", shape_of(cfg.reward_model_path) or policy))
+            frozen.append(("reward model", (shape_of(cfg.reward_model_path) or policy).without_output_layer()))
     memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb
     m = predict_peak(
         memory_layout(cfg, world, a), policy, memory, value, tuple(frozen), trains_lm_head=cfg.script != "reward_model"
