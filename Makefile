@@ -1,6 +1,6 @@
 # Two commands for a newcomer: `make demo` (whole pipeline on a tiny model, CPU, minutes) and `make test`.
 # Both create .venv and install what they need. On a machine without CUDA, torch is pinned to the CPU
-# build 2.13.0; with an NVIDIA GPU, install your CUDA torch into .venv first (see README) and it is kept.
+# build 2.13.0; with an NVIDIA GPU, install your CUDA torch into .venv first (see README.md#two-commands) and it is kept.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python

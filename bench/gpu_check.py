@@ -548,7 +548,6 @@ def common(c: Check, name: str, script: str, model: str) -> dict[str, Any]:
         "script": script,
         "exp_name": f"gpu_check_{name}",
         "output_dir": os.path.join(c.work, "runs", name),
-        "overwrite_output_dir": True,
         "model_name_or_path": c.models[model],
         "mixed_precision": "no" if c.tiny else "bf16",
         "logging_steps": 1,
@@ -761,15 +760,16 @@ def child_env() -> dict[str, str]:
 
 def training_command(c: Check, step: TrainStep, recipe_path: str) -> tuple[list[str], dict[str, str]]:
     script = os.path.join(REPO, "open_instruct", f"{step.script}.py")
+    run_args = [recipe_path, "--overwrite_output_dir", "true"]  # a rerun (--only) replaces the step's own run
     env = child_env()
     if not step.fsdp:
-        return [sys.executable, script, recipe_path], env
+        return [sys.executable, script, *run_args], env
     config = FSDP_CONFIG["cpu" if c.tiny else "gpu"]
     if c.tiny:
         env["OPEN_INSTRUCT_CPU_FSDP"] = "1"  # one gloo process on FSDP2: the same path one GPU takes on NCCL
     env["OPEN_INSTRUCT_SHARD_REPORT"] = os.path.join(c.work, "shards", step.name)  # read after a checkpoint
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO, config)]
-    return command + ["--num_processes", "1", script, recipe_path], env
+    return command + ["--num_processes", "1", script, *run_args], env
 
 
 def descendants(pid: int) -> list[int]:

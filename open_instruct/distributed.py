@@ -254,9 +254,9 @@ def check_cpu_launch(script: str) -> None:
             f"accelerate launch was asked for {count} processes but started one: with no GPU (or one) and no FSDP "
             "config, its simple launcher runs the script once, which would train alone. To run "
             f"{count} processes on CPU: {CPU_FSDP_ENV}=1 accelerate launch --config_file "
-            f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see the "
-            f"README's multi-GPU section); on {count} GPUs: --config_file configs/accelerate/fsdp_8gpu.yaml; for one "
-            "process drop --num_processes"
+            f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see "
+            f"docs/fsdp-and-engines.md#multi-gpu-fsdp2-and-multi-node); on {count} GPUs: --config_file "
+            "configs/accelerate/fsdp_8gpu.yaml; for one process drop --num_processes"
         )
 
 
