@@ -365,16 +365,15 @@ def _is_constant(node: ast.AST) -> bool:
     try:
         evaluate(node, {})
         return True
-    except NotJudgeable:
+    except Exception:  # NotJudgeable, or fails here: `sum(10, 15)` calls the program's own `sum`
         return False
-    except Exception:  # e.g. 1/0 in a test: evaluated, it fails (the test does too)
-        return True
 
 
-def answer_only(node: ast.AST) -> bool:
+def answer_only(node: ast.AST, shadowed: bool = False) -> bool:
     """Whether evaluating `node` in the program's interpreter yields only the program's answer: a call of a name
     (or of a method of one, `Solution().f`), a name, an attribute or a literal index of one, with arguments in which
-    no operator touches anything the program computes and no dunder is named."""
+    no operator touches anything the program computes and no dunder is named. `shadowed`: the call may be of a
+    builtin's name (which the program then defines: `sum(10, 15)` where the builtin fails)."""
     for sub in ast.walk(node):
         if isinstance(sub, ast.Attribute) and sub.attr.startswith("__"):
             return False
@@ -388,7 +387,7 @@ def answer_only(node: ast.AST) -> bool:
         func = node.func
         while isinstance(func, ast.Attribute):
             func = func.value.func if isinstance(func.value, ast.Call) else func.value
-        return isinstance(func, ast.Name) and func.id not in _NAMES
+        return isinstance(func, ast.Name) and (shadowed or func.id not in _NAMES)
     if isinstance(node, ast.Subscript):
         return answer_only(node.value) and _is_constant(node.slice)
     if isinstance(node, ast.Attribute):
@@ -406,8 +405,10 @@ class _Splitter:
         self.test_names = test_names  # functions the test code defines: they never run in the sandbox
         self.answers: list[str] = []
 
-    def answer(self, node: ast.AST) -> ast.AST:
-        if not answer_only(node) or any(isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(node)):
+    def answer(self, node: ast.AST, shadowed: bool = False) -> ast.AST:
+        if not answer_only(node, shadowed) or any(
+            isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(node)
+        ):
             raise NotJudgeable(ast.unparse(node))
         self.answers.append(ast.unparse(node))
         return ast.Name(f"_answer{len(self.answers) - 1}", ast.Load())
@@ -426,8 +427,8 @@ class _Splitter:
                     or (func.attr in _METHODS and not _constructed(func.value))
                 )
             )
-            if not here:
-                return self.answer(node)
+            if not here or isinstance(func, ast.Name) and all(_is_constant(a) for a in node.args):
+                return self.answer(node, shadowed=here)  # a builtin's name that fails here: the program's own
             if isinstance(func, ast.Attribute) and not (isinstance(func.value, ast.Name) and func.value.id in _MODULES):
                 func = ast.Attribute(self.split(func.value), func.attr, ast.Load())
             args = [
@@ -475,10 +476,10 @@ class _Splitter:
 def split_condition(cond: ast.AST, test_names: frozenset[str] = frozenset()) -> tuple[str, tuple[str, ...]]:
     """(the condition over _answer0.., the answers' sources); NotJudgeable if some part is neither."""
     splitter = _Splitter(test_names)
-    outside = ast.fix_missing_locations(ast.Expression(splitter.split(cond)))
+    outside = splitter.split(cond)
     if not splitter.answers:
         raise NotJudgeable("the condition involves nothing the program computes")
-    return ast.unparse(outside.body), tuple(splitter.answers)
+    return ast.unparse(outside), tuple(splitter.answers)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -573,13 +574,22 @@ class _Expander:
         self.checks: list[ValueCheck] = []
         self.imports: list[ast.stmt] = []
         self.globals: dict[str, ast.AST] = {}
+        self.shapes = {name: shape(d) for name, d in self.defs.items()}
 
     def substitute(self, node: ast.AST, env: dict[str, ast.AST]) -> ast.AST:
-        class Substitute(ast.NodeTransformer):
-            def visit_Name(self, name: ast.Name) -> ast.AST:
-                return copy.deepcopy(env[name.id]) if isinstance(name.ctx, ast.Load) and name.id in env else name
-
-        return Substitute().visit(copy.deepcopy(node))
+        """`node` with the names bound in `env` replaced by their nodes (shared, not copied: nothing here changes a
+        node in place)."""
+        if isinstance(node, ast.Name):
+            return env[node.id] if isinstance(node.ctx, ast.Load) and node.id in env else node
+        if not env or not any(isinstance(n, ast.Name) and n.id in env for n in ast.walk(node)):
+            return node
+        new = copy.copy(node)
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, ast.AST):
+                setattr(new, field, self.substitute(value, env))
+            elif isinstance(value, list):
+                setattr(new, field, [self.substitute(v, env) if isinstance(v, ast.AST) else v for v in value])
+        return new
 
     def add(self, cond: ast.AST, setup: list[str]) -> None:
         condition, answers = split_condition(cond, self.test_names)
@@ -637,11 +647,11 @@ class _Expander:
 
     def call(self, name: str, args: list[ast.AST], env: dict[str, ast.AST], setup: list[str], depth: int) -> None:
         definition = self.defs[name]
-        if isinstance(definition, ast.FunctionDef) and shape(definition) in EVALPLUS_ASSERTIONS:
+        if isinstance(definition, ast.FunctionDef) and self.shapes[name] in EVALPLUS_ASSERTIONS:
             helpers = [d for d in self.defs.values() if d is not definition and d.name in _called_names([definition])]
-            if any(shape(d) not in EVALPLUS_HELPERS for d in helpers) or len(args) != 3:
+            if any(self.shapes[d.name] not in EVALPLUS_HELPERS for d in helpers) or len(args) != 3:
                 raise NotJudgeable("an EvalPlus assertion with changed helpers")
-            self.add(ast.Call(ast.Name(EVALPLUS_ASSERTIONS[shape(definition)], ast.Load()), args, []), setup)
+            self.add(ast.Call(ast.Name(EVALPLUS_ASSERTIONS[self.shapes[name]], ast.Load()), args, []), setup)
             return
         if not isinstance(definition, ast.FunctionDef) or depth > 4:
             raise NotJudgeable(f"a call of {name}")
@@ -721,14 +731,16 @@ class _Expander:
 
     def with_imports(self, check: ValueCheck) -> ValueCheck:
         """The check with the imports its answers and setup use (the others, numpy say, stay out of the sandbox)."""
-        used = {
-            n.id for src in (*check.answers, *check.setup) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)
-        }
-        needed = []
+        needed, used, text = [], None, "\n".join((*check.answers, *check.setup))
         for node in self.imports:
             bound = {(a.asname or a.name).split(".")[0] for a in node.names}
-            if bound & used or any(a.name == "*" for a in node.names):
+            if any(a.name == "*" for a in node.names):
                 needed.append(ast.unparse(node))
+            elif any(name in text for name in bound):  # (a quick test first: parsing every answer is slow)
+                if used is None:
+                    used = {n.id for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Name)}
+                if bound & used:
+                    needed.append(ast.unparse(node))
         return dataclasses.replace(check, setup=(*needed, *check.setup)) if needed else check
 
 
@@ -759,8 +771,10 @@ def expand(source: str, entry_point: Optional[str] = None) -> tuple[list[ValueCh
                 f"the test code defines {name}({', '.join(params)}) with checks but never calls it; "
                 "it would check nothing (give the row's entry point, HumanEval's entry_point column, to call it with)"
             )
-    script = source if not implicit else source.rstrip() + "\n\n" + "\n".join(implicit) + "\n"
-    module = ast.parse(script)
+    script, module = source, tree
+    if implicit:
+        script = source.rstrip() + "\n\n" + "\n".join(implicit) + "\n"
+        module = ast.parse(script)
     expander = _Expander(module)
     judgeable = True
     try:
