@@ -33,6 +33,7 @@ import fractions
 import hashlib
 import math
 import operator
+import sys
 from typing import Any, Optional, Sequence
 
 MAX_UNROLLED = 100_000  # tests one loop of a harness may unroll to (the row's own cap applies after)
@@ -730,11 +731,13 @@ class _Expander:
             raise NotJudgeable(type(s).__name__)
 
     def with_imports(self, check: ValueCheck) -> ValueCheck:
-        """The check with the imports its answers and setup use (the others, numpy say, stay out of the sandbox)."""
+        """The check with the test code's imports of the standard library (a program may lean on them, as it could
+        when the test ran after it) and any other its answers use (numpy, say, only then: the sandbox has none)."""
         needed, used, text = [], None, "\n".join((*check.answers, *check.setup))
         for node in self.imports:
+            modules = {node.module or ""} if isinstance(node, ast.ImportFrom) else {a.name for a in node.names}
             bound = {(a.asname or a.name).split(".")[0] for a in node.names}
-            if any(a.name == "*" for a in node.names):
+            if all(m.split(".")[0] in sys.stdlib_module_names for m in modules) and not getattr(node, "level", 0):
                 needed.append(ast.unparse(node))
             elif any(name in text for name in bound):  # (a quick test first: parsing every answer is slow)
                 if used is None:

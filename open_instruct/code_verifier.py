@@ -150,13 +150,22 @@ def _check_test_source(source: str, where: str) -> None:
         raise ValueError(f"{where}: test code does not parse ({e.msg}, line {e.lineno}): {source[:200]!r}") from None
 
 
-def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None) -> CodeTests:
+def _display(check: ValueCheck) -> str:
+    """A check as the test it stands for: `assert f(1) == 2`, `f(-1) raises ValueError` (after its setup lines)."""
+    if check.raises:
+        shown = f"{check.answers[0]} raises {' or '.join(check.raises)}"
+    else:
+        shown = "assert " + re.sub(r"\b_answer(\d+)\b", lambda m: check.answers[int(m.group(1))], check.condition)
+    return "\n".join((*check.setup, shown))
+
+
+def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None, numbered: bool = True) -> CodeTests:
     """Each piece of test code expanded into its checks (code_checks.expand), or kept whole as one script test."""
     if entry_point is not None and (not isinstance(entry_point, str) or not entry_point.isidentifier()):
         raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
     tests, checks = [], []
     for i, source in enumerate(sources):
-        where = f"test {i}" if len(sources) > 1 else "test code"
+        where = f"test {i}" if numbered else "test code"
         _check_test_source(source, where)
         try:
             found, script = expand(source, entry_point)
@@ -166,7 +175,7 @@ def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None) -> 
             tests.append(script)
             checks.append(None)
         for check in found:
-            tests.append(" ; ".join((*check.setup, *check.answers)) + (f" -> {check.condition or check.raises}"))
+            tests.append(_display(check))
             checks.append(check)
     return CodeTests("assert", tuple(tests), checks=tuple(checks))
 
@@ -223,7 +232,7 @@ def parse_code_tests(ground_truth: Any, entry_point: Optional[str] = None) -> Co
             except json.JSONDecodeError:
                 pass  # e.g. a test string starting with a list literal: parsed as Python below
         if isinstance(gt, str):
-            return _assert_tests([gt], entry_point)
+            return _assert_tests([gt], entry_point, numbered=False)
     if isinstance(gt, (list, tuple)):
         if not gt:
             raise ValueError("code ground truth has no tests (empty list)")
