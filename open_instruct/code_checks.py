@@ -401,14 +401,26 @@ def _constructed(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id[:1].isupper()
 
 
+def _root_name(node: ast.AST) -> Optional[str]:
+    """The name a call/attribute/index chain starts from: `random` of `random.randint(1, 9)`."""
+    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 class _Splitter:
-    def __init__(self, test_names: frozenset[str]):
+    def __init__(self, test_names: frozenset[str], imported: frozenset[str] = frozenset()):
         self.test_names = test_names  # functions the test code defines: they never run in the sandbox
+        # modules the test code imports: a call of one is no answer of the program's, though it would run in the
+        # program's interpreter, which can patch it (`random.randint` answering what the program wants)
+        self.imported = imported
         self.answers: list[str] = []
 
     def answer(self, node: ast.AST, shadowed: bool = False) -> ast.AST:
-        if not answer_only(node, shadowed) or any(
-            isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(node)
+        if (
+            not answer_only(node, shadowed)
+            or _root_name(node) in self.imported
+            or any(isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(node))
         ):
             raise NotJudgeable(ast.unparse(node))
         self.answers.append(ast.unparse(node))
@@ -474,9 +486,11 @@ class _Splitter:
         raise NotJudgeable(type(node).__name__)
 
 
-def split_condition(cond: ast.AST, test_names: frozenset[str] = frozenset()) -> tuple[str, tuple[str, ...]]:
+def split_condition(
+    cond: ast.AST, test_names: frozenset[str] = frozenset(), imported: frozenset[str] = frozenset()
+) -> tuple[str, tuple[str, ...]]:
     """(the condition over _answer0.., the answers' sources); NotJudgeable if some part is neither."""
-    splitter = _Splitter(test_names)
+    splitter = _Splitter(test_names, imported)
     outside = splitter.split(cond)
     if not splitter.answers:
         raise NotJudgeable("the condition involves nothing the program computes")
@@ -507,13 +521,13 @@ def _to_node(value: Any) -> ast.expr:
 
 
 def _checks_in(node: ast.AST, constant_asserts: bool = True) -> bool:
-    """An assert (with constant_asserts False: of something not constant), a raise, or a call of an assert*/raises
-    function anywhere under `node`."""
+    """An assert (with constant_asserts False: not of a true constant, `assert True`), a raise, or a call of an
+    assert*/raises function anywhere under `node`."""
     for sub in ast.walk(node):
         if (
             isinstance(sub, ast.Raise)
             or isinstance(sub, ast.Assert)
-            and (constant_asserts or not _is_constant(sub.test))
+            and (constant_asserts or not _is_constant(sub.test) or not evaluate(sub.test, {}))
         ):
             return True
         if isinstance(sub, ast.Call):
@@ -576,6 +590,12 @@ class _Expander:
         self.imports: list[ast.stmt] = []
         self.globals: dict[str, ast.AST] = {}
         self.shapes = {name: shape(d) for name, d in self.defs.items()}
+        self.imported = frozenset(
+            (a.asname or a.name).split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+        )
 
     def substitute(self, node: ast.AST, env: dict[str, ast.AST]) -> ast.AST:
         """`node` with the names bound in `env` replaced by their nodes (shared, not copied: nothing here changes a
@@ -593,11 +613,15 @@ class _Expander:
         return new
 
     def add(self, cond: ast.AST, setup: list[str]) -> None:
-        condition, answers = split_condition(cond, self.test_names)
+        condition, answers = split_condition(cond, self.test_names, self.imported)
         self.checks.append(ValueCheck(condition, answers, tuple(setup)))
 
     def add_raises(self, expr: ast.AST, exception: ast.AST, setup: list[str]) -> None:
-        if not answer_only(expr) or any(isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(expr)):
+        if (
+            not answer_only(expr)
+            or _root_name(expr) in self.imported
+            or any(isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(expr))
+        ):
             raise NotJudgeable("a raises test of something other than the program's call")
         self.checks.append(ValueCheck("", (ast.unparse(expr),), tuple(setup), raises=_exception_names(exception)))
 
@@ -696,8 +720,10 @@ class _Expander:
                 env[name] = value
                 if depth == 0:
                     self.globals[name] = value
-            elif answer_only(value) and not any(
-                isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(value)
+            elif (
+                answer_only(value)
+                and _root_name(value) not in self.imported
+                and not any(isinstance(n, ast.Name) and n.id in self.test_names for n in ast.walk(value))
             ):
                 setup.append(f"{name} = {ast.unparse(value)}")
                 env.pop(name, None)
