@@ -4,9 +4,10 @@ decide every verdict here, in the trainer, from plain data the sandbox returns.
 Ground truth (a Python object, or a JSON string of one), in the formats RLVR code datasets use:
 
     assert tests   a list of strings, each test code run after the program (open-instruct `code`, AceCoder
-                   `test_cases`, MBPP `test_list`), or one string of test code: each top-level `assert` is a test
-                   when every statement is one (leading imports are kept as every test's setup), else the whole string
-                   is a single test; {"test_list": [...]} and {"tests": [...]} too
+                   `test_cases`, MBPP `test_list`), or one string of test code; {"test_list": [...], "test_imports":
+                   [...]} (MBPP), {"tests": [...]}, {"test": code, "entry_point": name} (HumanEval's check(candidate),
+                   EvalPlus's assertion() harness, pytest-style test_* functions); each is expanded into one test per
+                   assert (code_checks.expand), or kept whole as a script test
     stdin/stdout   a list of {"input": str, "output": str} (open-instruct `code_stdio`), {"inputs": [...],
                    "outputs": [...]} (APPS / TACO), or PrimeIntellect's {"test_cases": [{"type": "stdin_stdout",
                    "input", "output"}, ...]}; an input/output given as a list of lines is joined with newlines
@@ -14,27 +15,29 @@ Ground truth (a Python object, or a JSON string of one), in the formats RLVR cod
                    of arguments, output = the expected value (or [value], as APPS stores it); a method of a
                    `Solution` class (LeetCode style) is found too
 
-A malformed ground truth (unparseable test code, no tests, lengths that differ, a test that checks nothing) raises
-ValueError naming what is wrong; the trainer reports it with the row before any model loads (rewards.check_verifiers,
-exit 2): a test without a check would pay any program that runs.
+A malformed ground truth (unparseable test code, no tests, lengths that differ, a test that checks nothing, a check
+function nothing calls without an entry_point) raises ValueError naming what is wrong, and so do a row with more tests
+than settings.max_tests and one with script tests the run does not allow (check_limits); the trainer reports it with
+the row before any model loads (rewards.check_verifiers, exit 2): a test without a check would pay any program.
 
 The program: the last fenced code block of the response (```python / ```py / ```), else the whole answer.
 
 Where the verdict comes from (the expected values never enter the sandbox):
     stdin/stdout   the program runs as __main__ with the input; its stdout comes back and is compared here: equal after
-                   dropping trailing spaces per line and trailing blank lines, or token by token with numbers within
-                   1e-6 relative or absolute (the APPS/TACO/LiveCodeBench judges' leniency)
-    value tests    function calls and asserts of the shapes `assert E == L` (also !=, <, <=, >, >=, in, not in, is,
-                   is not, either side), `assert math.isclose(E, L, ...)`, `assert abs(E - L) < L2`, `assert E`,
-                   `assert not E` (after imports and `x = <answer>` lines, if any), where L is a literal (or
-                   set/frozenset/sorted/list/tuple of one) and E only the program's answer (value_check): only E is
-                   evaluated in the sandbox, in a clean interpreter per test after the program's definitions, and its
-                   value leaves as tagged JSON of built-in types (exact type checks: an int subclass or an object with
-                   its own __eq__ is "unplain", a wrong answer); the comparison with L runs here on plain data
-    script tests   any other test shape runs whole, after the program, in a clean interpreter per test; it passes when
-                   the interpreter reports it ran to its end. NOT hack-proof: the program shares that interpreter
-                   with the test, so it can patch what the test calls, read the test's constants and fake the report.
-                   `count_test_paths` counts the tests on each path (docs/sandbox.md has the shares per dataset layout).
+                   dropping trailing spaces per line and trailing blank lines, or token by token with expected decimal
+                   numbers met within 1e-6 relative or absolute (the APPS/TACO/LiveCodeBench judges' leniency) and
+                   expected integers exactly
+    value tests    function calls, and every assert of test code that code_checks can split into the program's
+                   answers (evaluated in the sandbox, in a clean interpreter per test after the program's
+                   definitions; their values leave as tagged JSON of built-in and standard-library types, by exact
+                   type: a subclass or an object with its own __eq__ is "unplain", a wrong answer) and the rest (the
+                   comparison, predicates, tolerances, literals), evaluated here on the decoded values; raises tests
+                   pass when the answer raised the named built-in exception
+    script tests   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
+                   test (only with allow_script_tests); it passes when the interpreter reports it ran to its end. NOT
+                   hack-proof: the program shares that interpreter with the test, so it can patch what the test
+                   calls, read the test's constants and fake the report. `count_test_paths` counts the tests on each
+                   path (docs/sandbox.md has the shares per dataset).
 
 Scoring (per test): pass, or a failure reason: syntax_error (the program does not compile), wrong_answer (an assert
 fails / the value or output differs / the value is not plain data), timeout (a test ran past its CPU or wall time),
