@@ -218,18 +218,16 @@ BUILTIN_EXCEPTIONS = frozenset(
     name for name, value in vars(_builtins).items() if isinstance(value, type) and issubclass(value, BaseException)
 )
 _BINARY = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.BitAnd: operator.and_,
-    ast.BitOr: operator.or_,
-    ast.BitXor: operator.xor,
-    ast.LShift: operator.lshift,
-    ast.RShift: operator.rshift,
+    getattr(ast, node): getattr(operator, function)
+    for node, function in (
+        ("Add", "add"),
+        ("Sub", "sub"),
+        ("Mult", "mul"),
+        ("Div", "truediv"),
+        ("FloorDiv", "floordiv"),
+    )
+    + (("Mod", "mod"), ("Pow", "pow"), ("BitAnd", "and_"), ("BitOr", "or_"), ("BitXor", "xor"))
+    + (("LShift", "lshift"), ("RShift", "rshift"))
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
 _COMPARE = {
@@ -284,13 +282,7 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
             return _NAMES[node.id]
         raise NotJudgeable(f"name {node.id}")
     if kind in (ast.List, ast.Tuple, ast.Set):
-        items = []
-        for elt in node.elts:
-            if isinstance(elt, ast.Starred):
-                items.extend(evaluate(elt.value, env))
-            else:
-                items.append(evaluate(elt, env))
-        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[kind](items)
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[kind](_unpacked(node.elts, env))
     if kind is ast.Dict:
         if any(k is None for k in node.keys):
             raise NotJudgeable("dict unpacking")
@@ -335,16 +327,22 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
         func = evaluate(node.func, env)
         if not (callable(func) and (_is_named_function(node.func) or isinstance(node.func, ast.Attribute))):
             raise NotJudgeable("call")
-        args = []
-        for arg in node.args:
-            if isinstance(arg, ast.Starred):
-                args.extend(evaluate(arg.value, env))
-            else:
-                args.append(evaluate(arg, env))
+        args = _unpacked(node.args, env)
         if any(k.arg is None for k in node.keywords):
             raise NotJudgeable("keyword unpacking")
         return func(*args, **{k.arg: evaluate(k.value, env) for k in node.keywords})
     raise NotJudgeable(type(node).__name__)
+
+
+def _unpacked(nodes: Sequence[ast.AST], env: dict[str, Any]) -> list:
+    """The values of a list display's items or a call's arguments, `*x` unpacked."""
+    items: list = []
+    for node in nodes:
+        if isinstance(node, ast.Starred):
+            items.extend(evaluate(node.value, env))
+        else:
+            items.append(evaluate(node, env))
+    return items
 
 
 def _is_named_function(node: ast.AST) -> bool:

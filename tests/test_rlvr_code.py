@@ -120,33 +120,17 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
     assert evals_rows and all(0.0 <= r["eval/correct_rate"] <= 1.0 for r in evals_rows)
 
 
-def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys):
-    rows = code_rl_rows(8, 0)
-    rows[5]["ground_truth"] = json.dumps(["assert f(0) =="])
-    train = write_jsonl(str(tmp_path / "bad_code.jsonl"), rows)
-    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
-    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(tmp_path / "o")]
-    args += ["--total_episodes", "128", "--max_prompt_length", "128"]
-    with pytest.raises(SystemExit) as e:
-        runtime.run(rlvr_ppo.main, args)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert f"{train} line 6" in err and "does not parse" in err
-
-
 @pytest.mark.parametrize(
     "truth, message",
     [
-        (
-            {"test": "def check(candidate):\n    assert candidate(0) == 1\n"},
-            "defines check(candidate) with checks but never",
-        ),
+        (["assert f(0) =="], "does not parse"),
+        ({"test": "def check(candidate):\n    assert candidate(0) == 1\n"}, "defines check(candidate) with checks but"),
         (["def ok(x):\n    return x == 1\nassert ok(f(0))"], "can only run as a script"),
     ],
 )
-def test_unjudgeable_code_rows_exit_2_naming_the_row(tiny_models, tmp_path, capsys, truth, message):
-    """A check(candidate) nothing calls (no entry_point) and a test only a script can run (code_allow_script_tests
-    off, the default): both stop the run before any model loads, naming the row."""
+def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys, truth, message):
+    """Unparseable tests, a check(candidate) nothing calls (no entry_point) and a test only a script can run
+    (code_allow_script_tests off, the default) stop the run before any model loads, naming the row."""
     rows = code_rl_rows(8, 0)
     rows[3]["ground_truth"] = json.dumps(truth)
     train = write_jsonl(str(tmp_path / "bad_code.jsonl"), rows)
