@@ -21,6 +21,7 @@ import argparse
 import collections
 import gzip
 import json
+import sys
 import time
 from typing import Any, Iterator
 
@@ -78,10 +79,17 @@ def measure(name: str, rows: list[tuple[str, Any, str]], score: bool, workers: i
     }
     if score:
         settings = CodeSettings(workers=workers, allow_script_tests=True, batch_timeout=None, max_tests=10_000)
-        start = time.monotonic()
-        outcomes = score_programs([f"```python\n{r}\n```" for _, _, r in parsed], [t for _, t, _ in parsed], settings)
-        failing = {task: dict(collections.Counter(o.statuses)) for (task, _, _), o in zip(parsed, outcomes)}
-        failing = {task: counts for task, counts in failing.items() if set(counts) != {"pass"}}
+        start, failing = time.monotonic(), {}
+        for first in range(0, len(parsed), 20):  # in chunks, with progress on stderr (MBPP+ has ~40k tests)
+            chunk = parsed[first : first + 20]
+            outcomes = score_programs([f"```python\n{r}\n```" for _, _, r in chunk], [t for _, t, _ in chunk], settings)
+            for (task, _, _), outcome in zip(chunk, outcomes):
+                if set(outcome.statuses) != {"pass"}:
+                    failing[task] = dict(collections.Counter(outcome.statuses))
+            done = first + len(chunk)
+            print(
+                f"{name}: {done} of {len(parsed)} scored, {len(failing)} not 1: {failing}", file=sys.stderr, flush=True
+            )
         report.update(
             references_scored=len(parsed),
             references_scoring_1=len(parsed) - len(failing),

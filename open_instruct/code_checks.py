@@ -438,7 +438,8 @@ class _Splitter:
                     or (func.attr in _METHODS and not _constructed(func.value))
                 )
             )
-            if not here or isinstance(func, ast.Name) and all(_is_constant(a) for a in node.args):
+            constant_args = all(_is_constant(a.value if isinstance(a, ast.Starred) else a) for a in node.args)
+            if not here or isinstance(func, ast.Name) and constant_args:
                 return self.answer(node, shadowed=here)  # a builtin's name that fails here: the program's own
             if isinstance(func, ast.Attribute) and not (isinstance(func.value, ast.Name) and func.value.id in _MODULES):
                 func = ast.Attribute(self.split(func.value), func.attr, ast.Load())

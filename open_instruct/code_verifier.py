@@ -59,6 +59,7 @@ import base64
 import binascii
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -263,6 +264,19 @@ def parse_code_tests(ground_truth: Any, entry_point: Optional[str] = None) -> Co
             f"code ground truth dict has none of test_cases/tests/test_list/test/inputs+outputs: keys {sorted(gt)}"
         )
     raise ValueError(f"code ground truth must be test code, a list of tests or a dict of them, got {type(gt).__name__}")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_key(key: str, is_text: bool) -> CodeTests:
+    return parse_code_tests(key if is_text else json.loads(key))
+
+
+def parse_cached(ground_truth: Any) -> CodeTests:
+    """parse_code_tests, remembered for the last 256 rows: a group's completions (and the check before scoring) share
+    their row's tests, and expanding a harness of hundreds of asserts takes tens of milliseconds."""
+    if isinstance(ground_truth, str):
+        return _parse_key(ground_truth, True)
+    return _parse_key(json.dumps(ground_truth, sort_keys=True, default=str), False)
 
 
 def check_limits(tests: CodeTests, settings: "CodeSettings") -> None:
@@ -643,13 +657,10 @@ def score_programs(responses: Sequence[str], ground_truths: Sequence[Any], setti
     """Test every response's program against its row's tests, `settings.workers` sandboxes at a time (one sandbox
     start per response; two when it has script tests)."""
     settings.validate()
-    plans, calls, parsed = [], [], {}
+    plans, calls = [], []
     for response, gt in zip(responses, ground_truths):
-        key = gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True, default=str)
-        if key not in parsed:  # a group's completions share their row's tests
-            parsed[key] = parse_code_tests(gt)
-            check_limits(parsed[key], settings)
-        tests = parsed[key]
+        tests = parse_cached(gt)
+        check_limits(tests, settings)
         program = extract_program(response)
         these = build_calls(program, tests, settings) if program.strip() else []
         plans.append((tests, [indices for _, indices in these], len(calls)))
@@ -675,14 +686,14 @@ def count_statuses(outcomes: Sequence[CodeOutcome]) -> collections.Counter:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m open_instruct.code_verifier DATA.jsonl [COLUMN ...]`: the tests of a dataset file on each path
     (value: judged in the trainer; script: run whole in the sandbox), from the first column present of COLUMN
-    (default: ground_truth, test_list, test_cases, input_output, tests)."""
+    (default: ground_truth, test_list, test_cases, input_output, tests, test) and the row's entry_point, if any."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(main.__doc__, file=sys.stderr)
         return 2
-    path, columns = args[0], args[1:] or ["ground_truth", "test_list", "test_cases", "input_output", "tests"]
+    path, columns = args[0], args[1:] or ["ground_truth", "test_list", "test_cases", "input_output", "tests", "test"]
     total, rows, bad = collections.Counter(), 0, 0
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):
@@ -694,7 +705,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{path}:{line_number}: none of the columns {columns}", file=sys.stderr)
                 return 2
             try:
-                total += count_test_paths(parse_code_tests(row[column]))
+                total += count_test_paths(parse_code_tests(row[column], row.get("entry_point")))
             except ValueError as e:
                 bad += 1
                 print(f"{path}:{line_number}: {e}", file=sys.stderr)

@@ -716,10 +716,10 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 # --------------------------------------------------------------------------------------------------------
 def _code_tests(ground_truth: Any, settings: Any = None) -> Any:
     """The row's tests, within the run's limits (code_verifier.check_limits; default CodeSettings)."""
-    from open_instruct.code_verifier import CodeSettings, check_limits, parse_code_tests
+    from open_instruct.code_verifier import CodeSettings, check_limits, parse_cached
 
     try:
-        tests = parse_code_tests(ground_truth)
+        tests = parse_cached(ground_truth)
         check_limits(tests, settings or CodeSettings())
         return tests
     except ValueError as e:
@@ -745,8 +745,8 @@ def _score_code_rows(
     """Scores of a batch's `code` rows, run `settings.workers` at a time, and their test statuses (logged)."""
     from open_instruct.code_verifier import count_statuses, score_programs
 
-    for gt in set(gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True, default=str) for gt in ground_truths):
-        _code_tests(gt, settings)  # (once per row: a group's completions share it)
+    for gt in ground_truths:
+        _code_tests(gt, settings)  # (parsed once per row: code_verifier.parse_cached)
     texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]  # overlong: no_code
     outcomes = score_programs(texts, ground_truths, settings)
     statuses = count_statuses(outcomes)
