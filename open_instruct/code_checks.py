@@ -68,6 +68,13 @@ def _isclose(a: Any, b: Any, rel_tol: float = 1e-9, abs_tol: float = 0.0) -> boo
     return math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol)
 
 
+def _range(*args: int) -> range:
+    span = range(*args)
+    if len(span) > 10**6:
+        raise NotJudgeable("range too long to compute here")
+    return span
+
+
 def _is_floats(x: Any) -> bool:
     """EvalPlus's is_floats on plain data: a float, or a list/tuple of floats only."""
     if type(x) is float:
@@ -147,6 +154,7 @@ _FUNCTIONS: dict[str, Any] = {
     "ord": ord,
     "chr": chr,
     "isclose": _isclose,
+    "range": _range,
     "Counter": collections.Counter,
     "OrderedDict": collections.OrderedDict,
     "deque": collections.deque,
@@ -308,6 +316,10 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
                 return False
             left = right
         return True
+    if kind in (ast.ListComp, ast.SetComp, ast.GeneratorExp):
+        results: list = []
+        _comprehend(node, list(node.generators), env, results)
+        return set(results) if kind is ast.SetComp else results
     if kind is ast.IfExp:
         return evaluate(node.body if evaluate(node.test, env) else node.orelse, env)
     if kind is ast.Subscript:
@@ -332,6 +344,36 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
             raise NotJudgeable("keyword unpacking")
         return func(*args, **{k.arg: evaluate(k.value, env) for k in node.keywords})
     raise NotJudgeable(type(node).__name__)
+
+
+def _bind(target: ast.AST, value: Any, env: dict[str, Any]) -> None:
+    if isinstance(target, ast.Name):
+        env[target.id] = value
+    elif isinstance(target, (ast.Tuple, ast.List)) and not any(isinstance(t, ast.Starred) for t in target.elts):
+        values = list(value)
+        if len(values) != len(target.elts):
+            raise ValueError("cannot unpack")
+        for t, v in zip(target.elts, values):
+            _bind(t, v, env)
+    else:
+        raise NotJudgeable("a comprehension target")
+
+
+def _comprehend(node: ast.AST, generators: list, env: dict[str, Any], results: list) -> None:
+    """A list/set comprehension or generator expression, evaluated eagerly (at most _MAX_BUILT steps)."""
+    if not generators:
+        results.append(evaluate(node.elt, env))
+        return
+    first, rest = generators[0], generators[1:]
+    if first.is_async:
+        raise NotJudgeable("async comprehension")
+    for steps, item in enumerate(evaluate(first.iter, env)):
+        if steps > _MAX_BUILT or len(results) > _MAX_BUILT:
+            raise NotJudgeable("comprehension too long to compute here")
+        inner = dict(env)
+        _bind(first.target, item, inner)
+        if all(evaluate(condition, inner) for condition in first.ifs):
+            _comprehend(node, rest, inner, results)
 
 
 def _unpacked(nodes: Sequence[ast.AST], env: dict[str, Any]) -> list:
@@ -700,8 +742,8 @@ class _Expander:
                     raise NotJudgeable("assert of a false constant")
                 return  # `assert True`: checks nothing
             self.add(cond, setup)
-        elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) or isinstance(s, ast.Pass):
-            return  # a docstring
+        elif isinstance(s, ast.Expr) and isinstance(s.value, (ast.Constant, ast.Name)) or isinstance(s, ast.Pass):
+            return  # a docstring, a bare `print`
         elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call):
             call = self.substitute(s.value, env)
             func = call.func

@@ -398,6 +398,11 @@ def test_value_paths_per_layout():
         ("y = 3\nassert f(1) == y", "_answer0 == 3", ("f(1)",)),
         ("assert Solution().count(3) == 1", "_answer0 == 1", ("Solution().count(3)",)),
         ("assert sum(10, 15) == 6", "_answer0 == 6", ("sum(10, 15)",)),  # the builtin fails: the program's sum
+        (  # HumanEval/151's shape: a computed expected value, evaluated here
+            "lst = list(range(1, 4))\nodd = sum([i * i for i in lst if i % 2])\nprint\nassert f(lst) == odd",
+            "_answer0 == sum([i * i for i in list(range(1, 4)) if i % 2])",
+            ("f(list(range(1, 4)))",),
+        ),
     ],
 )
 def test_assert_shapes_judged_outside(test, condition, answers):
