@@ -358,7 +358,7 @@ def outputs_match(actual: str, expected: str) -> bool:
 # 20 ms cheaper than starting one): the child takes its CPU limit, its own session and files for stdin/stdout/stderr,
 # then runs the program as __main__ (stdio) or probe.py (value and script tests), and ends as that program would.
 RUNNER = r"""
-import base64, builtins, json, os, resource, runpy, select, sys
+import base64, builtins, collections, json, os, re, resource, runpy, select, sys
 plan = json.load(open("plan.json", encoding="utf-8"))
 cap = plan["max_output_bytes"]
 probe = compile(open("probe.py", encoding="utf-8").read(), "probe.py", "exec")
@@ -409,14 +409,14 @@ for i, run in enumerate(plan["runs"]):
 # exception classes it is an instance of (for raises tests). What the program could still do here (write its own line
 # to the result fd) gives it nothing it could not return: the expected value is not in this sandbox.
 PROBE = r"""
-import builtins, collections, decimal, fractions, json, os, re, sys
+import builtins, collections, json, os, re, sys
 _exit, _write, _type, _len, _isinstance, _id = os._exit, os.write, type, len, isinstance, id
 _dumps = json.dumps
 _int, _float, _complex, _str, _bytes, _bool, _list, _tuple, _dict, _set, _frozenset, _NoneType = (
     int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset, type(None))
 _Counter, _OrderedDict, _defaultdict, _deque = (
     collections.Counter, collections.OrderedDict, collections.defaultdict, collections.deque)
-_Fraction, _Decimal, _Match = fractions.Fraction, decimal.Decimal, re.Match
+_Match, _modules, _getattr = re.Match, sys.modules, getattr
 _int_format, _float_hex, _bytes_hex, _dict_items, _od_items = (
     int.__format__, float.hex, bytes.hex, dict.items, collections.OrderedDict.items)
 _str_of, _match_group, _match_span = str, re.Match.group, re.Match.span
@@ -447,11 +447,14 @@ def _encode(x, depth):
         return ["s", x]
     if t is _bytes:
         return ["y", _bytes_hex(x)]
-    if t is _Fraction or t is _Decimal:
-        text = _str_of(x)
-        if _type(text) is not _str:
-            raise _Unplain("fraction")
-        return ["Q" if t is _Fraction else "D", text]
+    for module, name, tag in (("fractions", "Fraction", "Q"), ("decimal", "Decimal", "D")):
+        # (looked up now, not imported per test: a value can only be one if the program imported the module; a
+        # module it planted under that name only decides how its own value is written, decoded as a real one)
+        if t is _getattr(_modules.get(module), name, None):
+            text = _str_of(x)
+            if _type(text) is not _str:
+                raise _Unplain(name)
+            return [tag, text]
     if t is _Match:
         text, span = _match_group(x, 0), _match_span(x)
         if _type(text) is not _str:
