@@ -274,6 +274,8 @@ def _binary(op: type, a: Any, b: Any) -> Any:
             raise NotJudgeable("product too large to compute here")
     if op is ast.LShift and isinstance(b, int) and b > _MAX_BUILT:
         raise NotJudgeable("shift too large to compute here")
+    if op in (ast.FloorDiv, ast.Mod) and isinstance(a, int) and isinstance(b, int) and _size(a) * _size(b) > 10**11:
+        raise NotJudgeable("division of integers too large to compute here")  # (long division: bits x bits)
     return _BINARY[op](a, b)
 
 
