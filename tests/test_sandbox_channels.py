@@ -273,10 +273,11 @@ def f(x):
 
 
 def test_rl_view_a_mixed_row_with_two_workers_pays_the_lock_channel_nothing(iso):
-    truth = ["assert f(7) == 1234", "assert [f(7)][0] == [1234][0]"]  # a judged test and a script test
+    # a judged test and a script test (a helper the test defines: the value path leaves it whole), scripts allowed
+    truth = ["assert f(7) == 1234", "def g():\n    return [f(7)][0]\nassert g() == [1234][0]"]
     assert [code_verifier.value_check(t) is not None for t in truth] == [True, False]
     honest = "```python\ndef f(x):\n    return 1234\n```"
-    settings = dataclasses.replace(SETTINGS, test_seconds=4.0, workers=2)
+    settings = dataclasses.replace(SETTINGS, test_seconds=4.0, workers=2, allow_script_tests=True)
     completions = [honest, f"```python\n{LOCK_CHANNEL}```"]
     scored = rewards.score_batch(completions, [truth] * 2, "code", verification_reward=1.0, code=settings)
     assert scored.rewards == [1.0, 0.0]
