@@ -81,7 +81,7 @@ _FENCE_RE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOT
 
 
 MAX_TEST_SECONDS = 60.0  # code_test_seconds' upper end: a row's tests run one after another in one sandbox call
-MAX_RESPONSE_OUTPUT_BYTES = 16 << 20  # what one response's tests may print in all (stdout + stderr, split per test)
+MAX_RESPONSE_OUTPUT_BYTES = 16 << 20  # what the trainer keeps of one response's tests' stdout and stderr in all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,14 +490,15 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         runs, indices = groups["script" if run["kind"] == "script" else "judged"]
         runs.append(run)
         indices.append(index)
-    # every test's stdout and stderr together within MAX_RESPONSE_OUTPUT_BYTES: all the trainer holds of one response
-    max_output = min(SandboxLimits().max_output_bytes, MAX_RESPONSE_OUTPUT_BYTES // (2 * max(1, len(tests.tests))))
     calls = []
     for phase, (runs, indices) in enumerate(groups.values()):  # script calls start after every judged call ended
         if not runs:
             continue
         limits = SandboxLimits(
-            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs), memory_mb=settings.memory_mb
+            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
+            memory_mb=settings.memory_mb,
+            # every test's stdout and stderr together (its share of the response's): all the trainer holds of them
+            max_total_output_bytes=MAX_RESPONSE_OUTPUT_BYTES * len(runs) // len(tests.tests),
         )
         plan = json.dumps({"runs": runs})
         files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}
@@ -507,7 +508,6 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
                 run.get("stdin", ""),
                 cpu_seconds=run["cpu_seconds"],
                 wall_seconds=run["wall_seconds"],
-                max_output_bytes=max_output,
             )
             for i, run in enumerate(runs)
         )

@@ -380,6 +380,14 @@ def test_a_run_can_have_a_lower_output_cap_than_its_call(iso):
     assert [(r.limit, len(r.stdout)) for r in res.runs] == [("output", 1000), (None, 5001)]
 
 
+def test_a_calls_total_output_cap_cuts_the_run_that_passes_it(iso):
+    """Three runs printing 5001 bytes each under a call-wide cap of 12000: the first two are kept whole, the third is
+    cut to what was left (1998 bytes) and ends as "output"; nothing past the cap is held."""
+    limits = dataclasses.replace(ROOMY, max_total_output_bytes=12000)
+    res = run("print('x' * 5000)", limits, runs=[SandboxRun()] * 3)
+    assert [(r.limit, len(r.stdout)) for r in res.runs] == [(None, 5001), (None, 5001), ("output", 1998)]
+
+
 @pytest.mark.parametrize("test_seconds", [0.5, 6.0, 12.0, 30.0])
 def test_code_test_seconds_over_its_range_scores_an_honest_program(iso, test_seconds):
     settings = dataclasses.replace(SETTINGS, test_seconds=test_seconds)
