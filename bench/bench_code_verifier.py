@@ -5,9 +5,9 @@
 Workload: --responses synthetic responses to "f(x) = x + k" tasks (demo.synthetic.code_rl_rows' shapes, 3 tests
 each): a --stdio_share of them stdin/stdout tasks, the rest assert tasks; half the programs right, a quarter wrong,
 an eighth with a syntax error and an eighth that raise, as an early policy writes. Each response is one sandbox start
-(an isolated interpreter: the runner), which gives each of its 3 tests a clean interpreter of its own (a fork taken
-before the program ran). No program runs long, so the figure is the sandbox's per-response cost, which is what bounds
-a batch of 256.
+(an isolated supervisor), which gives each of its 3 tests a clean interpreter of its own (a run: a fork of the
+supervisor taken before the program ran). No program runs long, so the figure is the sandbox's per-response cost,
+which is what bounds a batch of 256.
 
 Reported (one JSON line): responses/s and processes/s for the whole batch through rewards.score_batch (the trainer's
 path), the mean seconds of one trivial sandboxed call (the planner's --sandbox_call_seconds), the isolation mode, and

@@ -4,9 +4,10 @@ decide every verdict here, in the trainer, from plain data the sandbox returns.
 Ground truth (a Python object, or a JSON string of one), in the formats RLVR code datasets use:
 
     assert tests   a list of strings, each test code run after the program (open-instruct `code`, AceCoder
-                   `test_cases`, MBPP `test_list`), or one string of test code: each top-level `assert` is a test
-                   when every statement is one (leading imports are kept as every test's setup), else the whole string
-                   is a single test; {"test_list": [...]} and {"tests": [...]} too
+                   `test_cases`, MBPP `test_list`), or one string of test code; {"test_list": [...], "test_imports":
+                   [...]} (MBPP), {"tests": [...]}, {"test": code, "entry_point": name} (HumanEval's check(candidate),
+                   EvalPlus's assertion() harness, pytest-style test_* functions); each is expanded into one test per
+                   assert (code_checks.expand), or kept whole as a script test
     stdin/stdout   a list of {"input": str, "output": str} (open-instruct `code_stdio`), {"inputs": [...],
                    "outputs": [...]} (APPS / TACO), or PrimeIntellect's {"test_cases": [{"type": "stdin_stdout",
                    "input", "output"}, ...]}; an input/output given as a list of lines is joined with newlines
@@ -14,27 +15,29 @@ Ground truth (a Python object, or a JSON string of one), in the formats RLVR cod
                    of arguments, output = the expected value (or [value], as APPS stores it); a method of a
                    `Solution` class (LeetCode style) is found too
 
-A malformed ground truth (unparseable test code, no tests, lengths that differ, a test that checks nothing) raises
-ValueError naming what is wrong; the trainer reports it with the row before any model loads (rewards.check_verifiers,
-exit 2): a test without a check would pay any program that runs.
+A malformed ground truth (unparseable test code, no tests, lengths that differ, a test that checks nothing, a check
+function nothing calls without an entry_point) raises ValueError naming what is wrong, and so do a row with more tests
+than settings.max_tests and one with script tests the run does not allow (check_limits); the trainer reports it with
+the row before any model loads (rewards.check_verifiers, exit 2): a test without a check would pay any program.
 
 The program: the last fenced code block of the response (```python / ```py / ```), else the whole answer.
 
 Where the verdict comes from (the expected values never enter the sandbox):
     stdin/stdout   the program runs as __main__ with the input; its stdout comes back and is compared here: equal after
-                   dropping trailing spaces per line and trailing blank lines, or token by token with numbers within
-                   1e-6 relative or absolute (the APPS/TACO/LiveCodeBench judges' leniency)
-    value tests    function calls and asserts of the shapes `assert E == L` (also !=, <, <=, >, >=, in, not in, is,
-                   is not, either side), `assert math.isclose(E, L, ...)`, `assert abs(E - L) < L2`, `assert E`,
-                   `assert not E` (after imports and `x = <answer>` lines, if any), where L is a literal (or
-                   set/frozenset/sorted/list/tuple of one) and E only the program's answer (value_check): only E is
-                   evaluated in the sandbox, in a clean interpreter per test after the program's definitions, and its
-                   value leaves as tagged JSON of built-in types (exact type checks: an int subclass or an object with
-                   its own __eq__ is "unplain", a wrong answer); the comparison with L runs here on plain data
-    script tests   any other test shape runs whole, after the program, in a clean interpreter per test; it passes when
-                   the interpreter reports it ran to its end. NOT hack-proof: the program shares that interpreter
-                   with the test, so it can patch what the test calls, read the test's constants and fake the report.
-                   `count_test_paths` counts the tests on each path (docs/sandbox.md has the shares per dataset layout).
+                   dropping trailing spaces per line and trailing blank lines, or token by token with expected decimal
+                   numbers met within 1e-6 relative or absolute (the APPS/TACO/LiveCodeBench judges' leniency) and
+                   expected integers exactly
+    value tests    function calls, and every assert of test code that code_checks can split into the program's
+                   answers (evaluated in the sandbox, in a clean interpreter per test after the program's
+                   definitions; their values leave as tagged JSON of built-in and standard-library types, by exact
+                   type: a subclass or an object with its own __eq__ is "unplain", a wrong answer) and the rest (the
+                   comparison, predicates, tolerances, literals), evaluated here on the decoded values; raises tests
+                   pass when the answer raised the named built-in exception
+    script tests   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
+                   test (only with allow_script_tests); it passes when the interpreter reports it ran to its end. NOT
+                   hack-proof: the program shares that interpreter with the test, so it can patch what the test
+                   calls, read the test's constants and fake the report. `count_test_paths` counts the tests on each
+                   path (docs/sandbox.md has the shares per dataset).
 
 Scoring (per test): pass, or a failure reason: syntax_error (the program does not compile), wrong_answer (an assert
 fails / the value or output differs / the value is not plain data), timeout (a test ran past its CPU or wall time),
@@ -55,13 +58,14 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
-import operator
 import re
 from typing import Any, Optional, Sequence
 
+from open_instruct.code_checks import ValueCheck, check_value, decode_value, expand
 from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxResult, SandboxRun
 
 logger = logging.getLogger(__name__)
@@ -76,51 +80,49 @@ WALL_FACTOR = 2.0
 _FENCE_RE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
+MAX_TEST_SECONDS = 60.0  # code_test_seconds' upper end: a row's tests run one after another in one sandbox call
+MAX_RESPONSE_OUTPUT_BYTES = 16 << 20  # what the trainer keeps of one response's tests' stdout and stderr in all
+
+
 @dataclasses.dataclass(frozen=True)
 class CodeSettings:
     """How the `code` verifier runs: the config fields code_reward, code_test_seconds, code_memory_mb,
-    sandbox_workers, sandbox_batch_timeout."""
+    code_max_tests, code_allow_script_tests, sandbox_workers, sandbox_batch_timeout."""
 
     reward: str = "all"  # all | fraction
-    test_seconds: float = 2.0  # per test case
+    test_seconds: float = 2.0  # per test case, in (0, MAX_TEST_SECONDS]
     memory_mb: int = 1024
     workers: int = 2
-    batch_timeout: Optional[float] = None  # seconds for a whole batch of responses (None: no batch limit)
+    batch_timeout: Optional[float] = 600.0  # seconds for a whole batch of responses (None: no batch limit)
     hide_paths: tuple[str, ...] = ()  # besides the sandbox's defaults: the run's output_dir
+    max_tests: int = 1024  # tests per row (a row with more is bad ground truth)
+    allow_script_tests: bool = False  # run tests the value path cannot judge (NOT hack-proof: docs/sandbox.md)
 
     def validate(self) -> None:
         if self.reward not in ("all", "fraction"):
             raise ValueError(f"code_reward must be all or fraction, got {self.reward!r}")
-        if not self.test_seconds > 0:
-            raise ValueError(f"code_test_seconds must be > 0, got {self.test_seconds!r}")
+        if not 0 < self.test_seconds <= MAX_TEST_SECONDS:
+            raise ValueError(f"code_test_seconds must be > 0 and <= {MAX_TEST_SECONDS:g}, got {self.test_seconds!r}")
         if self.workers < 1:
             raise ValueError(f"sandbox_workers must be >= 1, got {self.workers!r}")
         if self.batch_timeout is not None and not self.batch_timeout > 0:
             raise ValueError(f"sandbox_batch_timeout must be > 0 (or null), got {self.batch_timeout!r}")
+        if self.max_tests < 1:
+            raise ValueError(f"code_max_tests must be >= 1, got {self.max_tests!r}")
         SandboxLimits(memory_mb=self.memory_mb).validate()
 
 
 @dataclasses.dataclass(frozen=True)
 class CodeTests:
     kind: str  # assert | stdio | call
-    tests: tuple  # assert: test source strings; stdio: (stdin, expected stdout); call: (args list, expected)
+    tests: tuple  # assert: each test's source (a script test: the code run whole); stdio: (stdin, expected stdout);
+    # call: (args list, expected)
     fn_name: Optional[str] = None
-    setup: tuple[str, ...] = ()  # assert: import lines run before every test
+    checks: tuple = ()  # assert: per test its ValueCheck (judged here), or None (a script test)
 
-
-@dataclasses.dataclass(frozen=True)
-class ValueCheck:
-    """A test whose verdict is computed in the trainer: `expression` (or fn_name(*args)) is evaluated in the sandbox
-    and its plain-data value checked here by `check` against `expected` (which never enters the sandbox)."""
-
-    check: (
-        str  # an operator name (eq, ne, lt, le, gt, ge, in, not_in, is, is_not), isclose, absdiff, truthy, falsy, call
-    )
-    expected: Any = None
-    expression: Optional[str] = None
-    literal_left: bool = False  # `assert L == E`: the literal is the left operand
-    options: tuple = ()  # isclose keyword arguments; absdiff: (op, tolerance)
-    setup: tuple[str, ...] = ()  # statements run before `expression`: imports, `x = <the program's answer>`
+    @property
+    def scripts(self) -> int:
+        return sum(c is None for c in self.checks) if self.kind == "assert" else 0
 
 
 @dataclasses.dataclass
@@ -151,45 +153,34 @@ def _check_test_source(source: str, where: str) -> None:
         raise ValueError(f"{where}: test code does not parse ({e.msg}, line {e.lineno}): {source[:200]!r}") from None
 
 
-def _split_asserts(source: str) -> tuple[list[str], list[str]]:
-    """'import m\\nassert f(1) == 2\\nassert f(2) == 3' -> (one test per assert, the imports as setup); anything else
-    (other setup lines) -> one test, no setup."""
-    _check_test_source(source, "test code")
-    tree = ast.parse(source)
-    imports = 0
-    while imports < len(tree.body) and isinstance(tree.body[imports], (ast.Import, ast.ImportFrom)):
-        imports += 1
-    rest = tree.body[imports:]
-    if rest and all(isinstance(node, ast.Assert) for node in rest):
-        segment = [ast.get_source_segment(source, node) or ast.unparse(node) for node in tree.body]
-        return segment[imports:], segment[:imports]
-    return [source], []
+def _display(check: ValueCheck) -> str:
+    """A check as the test it stands for: `assert f(1) == 2`, `f(-1) raises ValueError` (after its setup lines)."""
+    if check.raises:
+        shown = f"{check.answers[0]} raises {' or '.join(check.raises)}"
+    else:
+        shown = "assert " + re.sub(r"\b_answer(\d+)\b", lambda m: check.answers[int(m.group(1))], check.condition)
+    return "\n".join((*check.setup, shown))
 
 
-def _checks_something(tree: ast.AST) -> bool:
-    """An assert with a condition that is not a constant, a raise, or a call of an assert* function (unittest)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assert) and not _is_literal(node.test):
-            return True
-        if isinstance(node, ast.Raise):
-            return True
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-            if name.lower().startswith("assert"):
-                return True
-    return False
-
-
-def _assert_tests(sources: Sequence[str], setup: Sequence[str] = ()) -> CodeTests:
+def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None, numbered: bool = True) -> CodeTests:
+    """Each piece of test code expanded into its checks (code_checks.expand), or kept whole as one script test."""
+    if entry_point is not None and (not isinstance(entry_point, str) or not entry_point.isidentifier()):
+        raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
+    tests, checks = [], []
     for i, source in enumerate(sources):
-        _check_test_source(source, f"test {i}")
-        if not _checks_something(ast.parse(source)):
-            raise ValueError(
-                f"test {i} checks nothing (no assert on anything the program computes): {source[:200]!r}; "
-                "it would reward any program that runs"
-            )
-    return CodeTests("assert", tuple(sources), setup=tuple(setup))
+        where = f"test {i}" if numbered else "test code"
+        _check_test_source(source, where)
+        try:
+            found, script = expand(source, entry_point)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if script is not None:
+            tests.append(script)
+            checks.append(None)
+        for check in found:
+            tests.append(_display(check))
+            checks.append(check)
+    return CodeTests("assert", tuple(tests), checks=tuple(checks))
 
 
 def _text(value: Any, what: str) -> str:
@@ -232,8 +223,9 @@ def _from_case_dicts(cases: list) -> CodeTests:
     return _io_tests([c["input"] for c in cases], [c["output"] for c in cases], next(iter(fn_names), None))
 
 
-def parse_code_tests(ground_truth: Any) -> CodeTests:
-    """The test cases of one row (formats in the module docstring); ValueError if there are none or they are broken."""
+def parse_code_tests(ground_truth: Any, entry_point: Optional[str] = None) -> CodeTests:
+    """The test cases of one row (formats in the module docstring); ValueError if there are none or they are broken.
+    `entry_point`: the function a `check(candidate)` the test code never calls is called with."""
     gt = ground_truth
     if isinstance(gt, str):
         stripped = gt.strip()
@@ -243,27 +235,76 @@ def parse_code_tests(ground_truth: Any) -> CodeTests:
             except json.JSONDecodeError:
                 pass  # e.g. a test string starting with a list literal: parsed as Python below
         if isinstance(gt, str):
-            return _assert_tests(*_split_asserts(gt))
+            return _assert_tests([gt], entry_point, numbered=False)
     if isinstance(gt, (list, tuple)):
         if not gt:
             raise ValueError("code ground truth has no tests (empty list)")
         if all(isinstance(t, str) for t in gt):
-            return _assert_tests(list(gt))
+            return _assert_tests(list(gt), entry_point)
         return _from_case_dicts(list(gt))
     if isinstance(gt, dict):
+        entry_point = gt.get("entry_point", entry_point)
         if "test_cases" in gt:
-            return parse_code_tests(gt["test_cases"])
-        for key in ("test_list", "tests"):
+            return parse_code_tests(gt["test_cases"], entry_point)
+        for key in ("test_list", "tests", "test"):
             if key in gt:
-                return parse_code_tests(gt[key])
+                imports = gt.get("test_imports") or []
+                if imports and not (isinstance(imports, list) and all(isinstance(i, str) for i in imports)):
+                    raise ValueError(f"test_imports must be a list of import lines, got {str(imports)[:100]!r}")
+                tests = gt[key]
+                if imports and isinstance(tests, list) and all(isinstance(t, str) for t in tests):
+                    tests = ["\n".join([*imports, t]) for t in tests]  # MBPP's test_imports: every test's setup
+                return parse_code_tests(tests, entry_point)
         if "inputs" in gt and "outputs" in gt:
             return _io_tests(list(gt["inputs"]), list(gt["outputs"]), gt.get("fn_name"))
         if "input" in gt and "output" in gt:
             return _from_case_dicts([gt])
         raise ValueError(
-            f"code ground truth dict has none of test_cases/tests/test_list/inputs+outputs: keys {sorted(gt)}"
+            f"code ground truth dict has none of test_cases/tests/test_list/test/inputs+outputs: keys {sorted(gt)}"
         )
     raise ValueError(f"code ground truth must be test code, a list of tests or a dict of them, got {type(gt).__name__}")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_key(key: str, is_text: bool) -> CodeTests:
+    return parse_code_tests(key if is_text else json.loads(key))
+
+
+def parse_cached(ground_truth: Any) -> CodeTests:
+    """parse_code_tests, remembered for the last 256 rows: a group's completions (and the check before scoring) share
+    their row's tests, and expanding a harness of hundreds of asserts takes tens of milliseconds."""
+    if isinstance(ground_truth, str):
+        return _parse_key(ground_truth, True)
+    return _parse_key(json.dumps(ground_truth, sort_keys=True, default=str), False)
+
+
+def check_limits(tests: CodeTests, settings: "CodeSettings") -> None:
+    """ValueError when a row has more tests than settings.max_tests, or script tests the run does not allow."""
+    if len(tests.tests) > settings.max_tests:
+        raise ValueError(
+            f"{len(tests.tests)} tests, more than code_max_tests {settings.max_tests} (raise it, or split the row)"
+        )
+    if tests.scripts and not settings.allow_script_tests:
+        first = next(t for t, c in zip(tests.tests, tests.checks) if c is None)
+        raise ValueError(
+            f"{tests.scripts} test(s) can only run as a script, which a program can fake (e.g. {first[:160]!r}); "
+            "rewrite them as asserts on the program's answers, or set code_allow_script_tests: true "
+            "(docs/sandbox.md says what that risks)"
+        )
+
+
+def value_check(test_source: str) -> Optional[ValueCheck]:
+    """The ValueCheck of a test of one check judged here (code_checks), else None (a script test)."""
+    found, script = expand(test_source)
+    return found[0] if script is None and len(found) == 1 else None
+
+
+def count_test_paths(tests: CodeTests) -> collections.Counter:
+    """How many of a row's tests are judged here from plain data ("value": stdin/stdout, function calls and the
+    checks of code_checks) and how many run whole in the sandbox ("script")."""
+    if tests.kind != "assert":
+        return collections.Counter(value=len(tests.tests))
+    return collections.Counter("script" if c is None else "value" for c in tests.checks)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -276,9 +317,14 @@ def extract_program(response: str) -> str:
     return blocks[-1][1] if blocks else response
 
 
+_INTEGER_RE = re.compile(r"[+-]?\d+")
+_DECIMAL_RE = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
+
+
 def outputs_match(actual: str, expected: str) -> bool:
-    """Equal after trailing spaces per line and trailing blank lines are dropped, or token by token (numbers within
-    1e-6 relative or absolute): contest judges' usual leniency."""
+    """Equal after trailing spaces per line and trailing blank lines are dropped, or token by token where an expected
+    decimal number (1.5, 2e-3) may be met within 1e-6 relative or absolute (contest judges' usual leniency); an
+    expected integer only by the same integer."""
 
     def lines(text: str) -> list[str]:
         out = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
@@ -294,260 +340,41 @@ def outputs_match(actual: str, expected: str) -> bool:
     for a, b in zip(got, want):
         if a == b:
             continue
-        try:
-            fa, fb = float(a), float(b)
-        except ValueError:
+        if _INTEGER_RE.fullmatch(b):
+            if not (_INTEGER_RE.fullmatch(a) and len(a) < 5000 and int(a) == int(b)):
+                return False
+        elif not (_DECIMAL_RE.fullmatch(a) and _DECIMAL_RE.fullmatch(b)):
             return False
-        if not math.isclose(fa, fb, rel_tol=1e-6, abs_tol=1e-6):
+        elif not math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6):
             return False
     return True
-
-
-# --------------------------------------------------------------------------------------------------------
-# Value checks: which tests are judged here, from plain data
-# --------------------------------------------------------------------------------------------------------
-_LITERAL_WRAPPERS = {"set": set, "frozenset": frozenset, "sorted": sorted, "list": list, "tuple": tuple}
-_COMPARE = {
-    ast.Eq: "eq",
-    ast.NotEq: "ne",
-    ast.Lt: "lt",
-    ast.LtE: "le",
-    ast.Gt: "gt",
-    ast.GtE: "ge",
-    ast.In: "in",
-    ast.NotIn: "not_in",
-    ast.Is: "is",
-    ast.IsNot: "is_not",
-}
-_OPERATORS = {
-    "eq": operator.eq,
-    "ne": operator.ne,
-    "lt": operator.lt,
-    "le": operator.le,
-    "gt": operator.gt,
-    "ge": operator.ge,
-    "in": lambda a, b: a in b,
-    "not_in": lambda a, b: a not in b,
-    "is": operator.is_,
-    "is_not": operator.is_not,
-}
-_NO_VALUE = object()
-
-
-def _literal(node: ast.AST) -> Any:
-    """The value of a literal (ast.literal_eval), or of set/frozenset/sorted/list/tuple applied to one; else
-    _NO_VALUE."""
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in _LITERAL_WRAPPERS
-        and len(node.args) == 1
-        and not node.keywords
-    ):
-        inner = _literal(node.args[0])
-        return _NO_VALUE if inner is _NO_VALUE else _LITERAL_WRAPPERS[node.func.id](inner)
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return _NO_VALUE
-
-
-def _is_literal(node: ast.AST) -> bool:
-    return _literal(node) is not _NO_VALUE
-
-
-def _isclose_call(node: ast.AST) -> bool:
-    func = node.func if isinstance(node, ast.Call) else None
-    return (isinstance(func, ast.Name) and func.id == "isclose") or (
-        isinstance(func, ast.Attribute)
-        and func.attr == "isclose"
-        and isinstance(func.value, ast.Name)
-        and func.value.id == "math"
-    )
-
-
-_OPERATOR_NODES = (ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp)
-
-
-def _depends_on_program(node: ast.AST) -> bool:
-    return any(isinstance(n, (ast.Name, ast.Call)) for n in ast.walk(node))
-
-
-def _answer_only(node: ast.AST) -> bool:
-    """Whether evaluating `node` in the program's interpreter yields only the program's answer: a call of a name
-    (or of a method of one, `Solution().f`), a name, an attribute or a literal index of one, with arguments in which
-    no operator (==, <, and, -, not...) touches anything the program computes and no dunder is named. Else a value the
-    program controls could meet a literal inside the sandbox (`assert 1 < f(x) < 3`, `assert f(x) - 2 == 0`,
-    `assert f(x).__eq__(2)`) and decide the verdict there."""
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Attribute) and sub.attr.startswith("__"):
-            return False
-        if isinstance(sub, _OPERATOR_NODES) and _depends_on_program(sub):
-            return False
-        if isinstance(sub, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
-            return False
-    if isinstance(node, ast.Name):
-        return True
-    if isinstance(node, ast.Call):
-        func = node.func
-        if isinstance(func, ast.Attribute):
-            func = func.value.func if isinstance(func.value, ast.Call) else func.value
-        return isinstance(func, ast.Name)
-    if isinstance(node, ast.Subscript):
-        return _answer_only(node.value) and _is_literal(node.slice)
-    if isinstance(node, ast.Attribute):
-        return _answer_only(node.value)
-    return False
-
-
-def value_check(test_source: str) -> Optional[ValueCheck]:
-    """The ValueCheck of an assert test of a shape judged here (module docstring), else None (a script test)."""
-    tree = ast.parse(test_source)
-    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
-        return None
-    setup = tree.body[:-1]  # imports and `name = <the program's answer>` only: no literal that could be expected
-    for node in setup:
-        if isinstance(node, ast.Assign):
-            if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name) or not _answer_only(node.value):
-                return None
-        elif not isinstance(node, (ast.Import, ast.ImportFrom)):
-            return None
-    found = _value_check_of(tree.body[-1].test)
-    if found is None or not setup:
-        return found
-    return dataclasses.replace(found, setup=tuple(ast.unparse(node) for node in setup))
-
-
-def _value_check_of(cond: ast.AST) -> Optional[ValueCheck]:
-    """The ValueCheck of an assert's condition, or None."""
-
-    def evaluated(node: ast.AST) -> Optional[str]:  # the part that runs in the sandbox
-        return ast.unparse(node) if _answer_only(node) else None
-
-    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and type(cond.ops[0]) in _COMPARE:
-        left, right, op = cond.left, cond.comparators[0], _COMPARE[type(cond.ops[0])]
-        if (
-            op in ("lt", "le")
-            and isinstance(left, ast.Call)
-            and isinstance(left.func, ast.Name)
-            and left.func.id == "abs"
-            and len(left.args) == 1
-            and isinstance(left.args[0], ast.BinOp)
-            and isinstance(left.args[0].op, ast.Sub)
-            and _is_literal(right)
-        ):
-            diff = left.args[0]
-            for side, other in ((diff.left, diff.right), (diff.right, diff.left)):
-                if _is_literal(other) and evaluated(side):
-                    return ValueCheck("absdiff", _literal(other), evaluated(side), options=(op, _literal(right)))
-        if _is_literal(right) and evaluated(left):
-            return ValueCheck(op, _literal(right), evaluated(left))
-        if _is_literal(left) and evaluated(right):
-            return ValueCheck(op, _literal(left), evaluated(right), literal_left=True)
-        return None
-    if _isclose_call(cond) and len(cond.args) == 2:
-        kwargs = {k.arg: _literal(k.value) for k in cond.keywords}
-        if any(k not in ("rel_tol", "abs_tol") or v is _NO_VALUE for k, v in kwargs.items()):
-            return None
-        for side, other in ((cond.args[0], cond.args[1]), (cond.args[1], cond.args[0])):
-            if _is_literal(other) and evaluated(side):
-                return ValueCheck("isclose", _literal(other), evaluated(side), options=tuple(sorted(kwargs.items())))
-        return None
-    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not) and evaluated(cond.operand):
-        return ValueCheck("falsy", None, evaluated(cond.operand))
-    if evaluated(cond):
-        return ValueCheck("truthy", None, evaluated(cond))
-    return None
-
-
-def count_test_paths(tests: CodeTests) -> collections.Counter:
-    """How many of a row's tests are judged here from plain data ("value": stdin/stdout, function calls and the
-    assert shapes of value_check) and how many run whole in the sandbox ("script")."""
-    if tests.kind != "assert":
-        return collections.Counter(value=len(tests.tests))
-    return collections.Counter("value" if value_check(t) else "script" for t in tests.tests)
-
-
-def _plain(encoded: Any, depth: int = 0) -> Any:
-    """The Python value of the sandbox's tagged JSON (built-in types only); ValueError if it is malformed."""
-    if depth > 64 or not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
-        raise ValueError("malformed value")
-    tag, rest = encoded[0], encoded[1:]
-    if tag == "n" and not rest:
-        return None
-    if len(rest) != 1:
-        raise ValueError("malformed value")
-    (payload,) = rest
-    if tag == "b" and isinstance(payload, bool):
-        return payload
-    if tag == "i" and isinstance(payload, str):
-        return int(payload)
-    if tag == "f" and isinstance(payload, str):
-        return float.fromhex(payload)
-    if tag == "s" and isinstance(payload, str):
-        return payload
-    if tag == "y" and isinstance(payload, str):
-        return bytes.fromhex(payload)
-    if tag in ("l", "t", "S", "F") and isinstance(payload, list):
-        items = [_plain(v, depth + 1) for v in payload]
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-    if tag == "d" and isinstance(payload, list):
-        if not all(isinstance(kv, list) and len(kv) == 2 for kv in payload):
-            raise ValueError("malformed dict")
-        return {_plain(k, depth + 1): _plain(v, depth + 1) for k, v in payload}
-    raise ValueError(f"unknown value tag {tag!r}")
-
-
-def _lists(value: Any) -> Any:
-    """Tuples as lists, recursively (a JSON expected value has no tuples: APPS/TACO compare that way)."""
-    if isinstance(value, (list, tuple)):
-        return [_lists(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _lists(v) for k, v in value.items()}
-    return value
-
-
-def check_value(check: ValueCheck, value: Any) -> bool:
-    """The verdict of a value test on the plain value the sandbox returned (never raises: a comparison that does not
-    apply, e.g. < between a str and an int, is a wrong answer)."""
-    try:
-        if check.check == "call":
-            got = _lists(value)
-            return bool(got == check.expected or [got] == check.expected)
-        if check.check == "truthy":
-            return bool(value)
-        if check.check == "falsy":
-            return not value
-        if check.check == "isclose":
-            kinds = (int, float)
-            if type(value) not in kinds or type(check.expected) not in kinds:
-                return False
-            return math.isclose(value, check.expected, **dict(check.options))
-        if check.check == "absdiff":
-            op, tolerance = check.options
-            return bool(_OPERATORS[op](abs(value - check.expected), tolerance))
-        a, b = (check.expected, value) if check.literal_left else (value, check.expected)
-        return bool(_OPERATORS[check.check](a, b))
-    except (TypeError, ValueError, OverflowError, RecursionError, MemoryError):
-        return False
 
 
 # --------------------------------------------------------------------------------------------------------
 # The sandbox side: one run per test (SandboxRun: a fresh interpreter started by the sandbox's supervisor, with its
 # own CPU and wall limits, every process of it killed before the next), results come back per run
 # --------------------------------------------------------------------------------------------------------
-# One test in a clean interpreter: the program's definitions, then one expression (or the function call) whose value
-# leaves as tagged JSON of built-in types. Every reference the encoder uses is taken before the program runs, and the
-# encoder accepts a value only by exact type (`type(x) is int`), so a subclass or an object with its own __eq__ is
-# "unplain" (a wrong answer). What the program could still do here (write its own line to the result fd) gives it
-# nothing it could not return: the expected value is not in this sandbox.
+# One test in a clean interpreter: the program's definitions, then the test's answers (expressions, or the function
+# call) whose values leave as tagged JSON of built-in and standard library types. Every reference the encoder uses is
+# taken before the program runs, and the encoder accepts a value only by exact type (`type(x) is int`), so a subclass
+# or an object with its own __eq__ is "unplain" (a wrong answer). An exception leaves as the names of the built-in
+# exception classes it is an instance of (for raises tests). What the program could still do here (write its own
+# reply to stdout) gives it nothing it could not return: the expected value is not in this sandbox.
 PROBE = r"""
-import json, os, sys
-_exit, _write, _type, _len, _isinstance = os._exit, os.write, type, len, isinstance
+import builtins, collections, json, os, re, sys
+_exit, _write, _type, _len, _isinstance, _id = os._exit, os.write, type, len, isinstance, id
 _dumps = json.dumps
-_int, _float, _str, _bytes, _bool, _list, _tuple, _dict, _set, _frozenset, _NoneType = (
-    int, float, str, bytes, bool, list, tuple, dict, set, frozenset, type(None))
-_int_repr, _float_hex, _bytes_hex, _dict_items = int.__repr__, float.hex, bytes.hex, dict.items
+_int, _float, _complex, _str, _bytes, _bool, _list, _tuple, _dict, _set, _frozenset, _NoneType = (
+    int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset, type(None))
+_Counter, _OrderedDict, _defaultdict, _deque = (
+    collections.Counter, collections.OrderedDict, collections.defaultdict, collections.deque)
+_Match, _modules, _getattr = re.Match, sys.modules, getattr
+_int_format, _float_hex, _bytes_hex, _dict_items, _od_items = (
+    int.__format__, float.hex, bytes.hex, dict.items, collections.OrderedDict.items)
+_str_of, _match_group, _match_span = str, re.Match.group, re.Match.span
+_mro = type.__dict__["__mro__"].__get__
+_exceptions = {_id(c): c.__name__ for c in vars(builtins).values()
+               if _isinstance(c, type) and issubclass(c, BaseException)}
 _AssertionError, _MemoryError = AssertionError, MemoryError
 _out = os.dup(1)
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the program's prints do not mix with the result
@@ -563,18 +390,35 @@ def _encode(x, depth):
     if t is _bool:
         return ["b", x is True]
     if t is _int:
-        return ["i", _int_repr(x)]
+        return ["i", _int_format(x, "x")]
     if t is _float:
         return ["f", _float_hex(x)]
+    if t is _complex:
+        return ["c", [_float_hex(x.real), _float_hex(x.imag)]]
     if t is _str:
         return ["s", x]
     if t is _bytes:
         return ["y", _bytes_hex(x)]
-    if t is _list or t is _tuple or t is _set or t is _frozenset:
-        tag = "l" if t is _list else "t" if t is _tuple else "S" if t is _set else "F"
-        return [tag, [_encode(v, depth + 1) for v in x]]
-    if t is _dict:
-        return ["d", [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in _dict_items(x)]]
+    for module, name, tag in (("fractions", "Fraction", "Q"), ("decimal", "Decimal", "D")):
+        # (looked up now, not imported per test: a value can only be one if the program imported the module; a
+        # module it planted under that name only decides how its own value is written, decoded as a real one)
+        if t is _getattr(_modules.get(module), name, None):
+            text = _str_of(x)
+            if _type(text) is not _str:
+                raise _Unplain(name)
+            return [tag, text]
+    if t is _Match:
+        text, span = _match_group(x, 0), _match_span(x)
+        if _type(text) is not _str:
+            raise _Unplain("bytes match")
+        return ["M", [text, span[0], span[1]]]
+    if t is _list or t is _tuple or t is _set or t is _frozenset or t is _deque:
+        tag = "l" if t is _list else "t" if t is _tuple else "S" if t is _set else "F" if t is _frozenset else "q"
+        return [tag, [_encode(v, depth + 1) for v in (x if t is not _deque else _list(x))]]
+    if t is _dict or t is _Counter or t is _defaultdict or t is _OrderedDict:
+        tag = "d" if t is _dict else "C" if t is _Counter else "E" if t is _defaultdict else "O"
+        items = _od_items(x) if t is _OrderedDict else _dict_items(x)
+        return [tag, [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in items]]
     raise _Unplain(t.__name__ if _isinstance(t.__name__, _str) else "?")
 def _emit(obj):
     data = _dumps(obj).encode()
@@ -582,11 +426,9 @@ def _emit(obj):
         data = data[_write(_out, data):]
     _exit(0)
 def _failed(e):
-    if _isinstance(e, _AssertionError):
-        _emit(["raised", "wrong_answer"])
-    if _isinstance(e, _MemoryError):
-        _emit(["raised", "memory"])
-    _emit(["raised", "crash"])
+    names = [_exceptions[_id(c)] for c in _mro(_type(e)) if _id(c) in _exceptions]
+    kind = "wrong_answer" if _isinstance(e, _AssertionError) else "memory" if _isinstance(e, _MemoryError) else "crash"
+    _emit(["raised", kind, names])
 try:
     program = compile(open("solution.py", encoding="utf-8").read(), "solution.py", "exec")
 except BaseException:
@@ -602,13 +444,13 @@ try:
     if "fn_name" in test:
         name = test["fn_name"]
         target = ns[name] if name in ns else getattr(ns["Solution"](), name)
-        value = target(*test["args"])
+        values = [target(*test["args"])]
     else:
-        value = eval(compile(test["expression"], "test", "eval"), ns)
+        values = [eval(compile(answer, "test", "eval"), ns) for answer in test["answers"]]
 except BaseException as e:
     _failed(e)
 try:
-    _emit(["value", _encode(value, 0)])
+    _emit(["values", [_encode(value, 0) for value in values]])
 except _Unplain as e:
     _emit(["unplain", str(e)])
 except BaseException:
@@ -619,10 +461,10 @@ except BaseException:
 def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
     """Per test: its ValueCheck (judged here) or None (stdio, or a script test)."""
     if tests.kind == "call":
-        return [ValueCheck("call", expected) for _, expected in tests.tests]
+        return [ValueCheck(expected=expected, call=True) for _, expected in tests.tests]
     if tests.kind == "stdio":
         return [None] * len(tests.tests)
-    return [value_check(t) for t in tests.tests]
+    return list(tests.checks)
 
 
 def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[tuple[SandboxCall, list[int]]]:
@@ -637,11 +479,11 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         if tests.kind == "stdio":
             run = {"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu}
         else:
-            run = {"kind": "value", "setup": [*tests.setup, *(check.setup if check else ())], "cpu_seconds": value_cpu}
+            run = {"kind": "value", "setup": list(check.setup) if check else [], "cpu_seconds": value_cpu}
             if tests.kind == "call":
                 run.update(fn_name=tests.fn_name, args=test[0])
             elif check is not None:
-                run["expression"] = check.expression
+                run["answers"] = list(check.answers)
             else:
                 run.update(kind="script", source=test)
         run["wall_seconds"] = STARTUP_SECONDS + WALL_FACTOR * run["cpu_seconds"]
@@ -653,7 +495,10 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         if not runs:
             continue
         limits = SandboxLimits(
-            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs), memory_mb=settings.memory_mb
+            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
+            memory_mb=settings.memory_mb,
+            # every test's stdout and stderr together (its share of the response's): all the trainer holds of them
+            max_total_output_bytes=MAX_RESPONSE_OUTPUT_BYTES * len(runs) // len(tests.tests),
         )
         plan = json.dumps({"runs": runs})
         files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}
@@ -711,26 +556,28 @@ def _judge_value(record: dict, check: Optional[ValueCheck]) -> str:
     if failure:
         return failure
     try:
-        reply = json.loads(record.get("stdout", ""))
+        reply = json.loads(record["stdout"])
     except (ValueError, RecursionError):
         return "crash"  # no result: the program ended the interpreter before the test did (os._exit, exit at import)
     if not isinstance(reply, list) or not reply:
         return "crash"
     if reply == ["syntax_error"]:
         return "syntax_error"
-    if reply[0] == "raised" and len(reply) == 2 and reply[1] in FAILURE_REASONS:
+    if reply[0] == "raised" and len(reply) == 3 and reply[1] in FAILURE_REASONS and isinstance(reply[2], list):
+        if check is not None and check.raises:
+            return "pass" if set(check.raises) & {n for n in reply[2] if isinstance(n, str)} else "wrong_answer"
         return reply[1]
     if check is None:  # a script test: the interpreter's own report (the path that is not hack-proof)
         return "pass" if reply == ["ran"] else "crash"
-    if reply[0] == "unplain":
+    if reply[0] == "unplain" or check.raises:  # a raises test whose call returned: a wrong answer
         return "wrong_answer"
-    if reply[0] != "value" or len(reply) != 2:
+    if reply[0] != "values" or len(reply) != 2 or not isinstance(reply[1], list):
         return "crash"
     try:
-        value = _plain(reply[1])
+        values = [decode_value(v) for v in reply[1]]
     except (ValueError, TypeError, RecursionError, MemoryError, OverflowError):
         return "wrong_answer"
-    return "pass" if check_value(check, value) else "wrong_answer"
+    return "pass" if check_value(check, values) else "wrong_answer"
 
 
 def _limit_status(result: SandboxResult) -> str:
@@ -751,7 +598,7 @@ def judge(tests: CodeTests, parts: Sequence[tuple[list[int], SandboxResult]]) ->
                 statuses[i] = _limit_status(result)
             elif tests.kind == "stdio":
                 failure = _run_failure(record)
-                matched = outputs_match(str(record["stdout"]), tests.tests[i][1])
+                matched = outputs_match(record["stdout"], tests.tests[i][1])
                 statuses[i] = failure or ("pass" if matched else "wrong_answer")
             else:
                 statuses[i] = _judge_value(record, checks[i])
@@ -764,7 +611,8 @@ def score_programs(responses: Sequence[str], ground_truths: Sequence[Any], setti
     settings.validate()
     plans, calls = [], []
     for response, gt in zip(responses, ground_truths):
-        tests = parse_code_tests(gt)
+        tests = parse_cached(gt)
+        check_limits(tests, settings)
         program = extract_program(response)
         these = build_calls(program, tests, settings) if program.strip() else []
         plans.append((tests, [indices for _, indices in these], len(calls)))
@@ -802,14 +650,14 @@ def status_metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: Any, u
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m open_instruct.code_verifier DATA.jsonl [COLUMN ...]`: the tests of a dataset file on each path
     (value: judged in the trainer; script: run whole in the sandbox), from the first column present of COLUMN
-    (default: ground_truth, test_list, test_cases, input_output, tests)."""
+    (default: ground_truth, test_list, test_cases, input_output, tests, test) and the row's entry_point, if any."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print(main.__doc__, file=sys.stderr)
         return 2
-    path, columns = args[0], args[1:] or ["ground_truth", "test_list", "test_cases", "input_output", "tests"]
+    path, columns = args[0], args[1:] or ["ground_truth", "test_list", "test_cases", "input_output", "tests", "test"]
     total, rows, bad = collections.Counter(), 0, 0
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, 1):
@@ -821,7 +669,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{path}:{line_number}: none of the columns {columns}", file=sys.stderr)
                 return 2
             try:
-                total += count_test_paths(parse_code_tests(row[column]))
+                total += count_test_paths(parse_code_tests(row[column], row.get("entry_point")))
             except ValueError as e:
                 bad += 1
                 print(f"{path}:{line_number}: {e}", file=sys.stderr)

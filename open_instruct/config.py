@@ -648,10 +648,18 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     )
     verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
     code_reward: Literal["all", "fraction"] = opt("all", "code verifier: 1 iff all tests pass, or the fraction passed.")
-    code_test_seconds: float = opt(2.0, "code verifier: CPU seconds each test case may use (sandboxed).")
+    code_test_seconds: float = opt(2.0, "code verifier: CPU seconds each test case may use (sandboxed), in (0, 60].")
     code_memory_mb: int = opt(1024, "code verifier: address-space limit of a sandboxed program, MiB.")
+    code_max_tests: int = opt(1024, "code verifier: most tests a row may have (a row with more stops the run, exit 2).")
+    code_allow_script_tests: bool = opt(
+        False,
+        "code verifier: run tests it cannot judge outside the program (a helper, a random input...) whole after the "
+        "program. NOT hack-proof: the program can fake their verdict (docs/sandbox.md). Off: such a row is refused.",
+    )
     sandbox_workers: int = opt(2, "Sandboxed programs run at once per training process (CPU cores they may take).")
-    sandbox_batch_timeout: Optional[float] = opt(None, "Seconds to run all of a rollout's code tests (null: no cap).")
+    sandbox_batch_timeout: Optional[float] = opt(
+        600.0, "Seconds to run all of a rollout's code tests; tests still running then fail as timeouts (null: no cap)."
+    )
     non_stop_penalty_mode: Literal["add", "replace"] = opt(
         "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
     )
@@ -925,8 +933,15 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             _check_positive(self, "max_sequence_lag", allow_zero=True)
 
     def _validate_rewards(self) -> None:
-        for name in ("verifier_timeout", "reward_function_timeout", "code_test_seconds", "sandbox_workers"):
+        for name in (
+            "verifier_timeout",
+            "reward_function_timeout",
+            "code_test_seconds",
+            "sandbox_workers",
+            "code_max_tests",
+        ):
             _check_positive(self, name)
+        _check_range(self, "code_test_seconds", 0.0, 60.0, low_open=True)
         if self.code_memory_mb < 64:
             raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
         if self.sandbox_batch_timeout is not None:
@@ -1112,7 +1127,8 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
         "how a completion is scored",
         "verification_reward verifier_timeout non_stop_penalty non_stop_penalty_mode overlong_buffer_length "
         "overlong_penalty_factor reward_model_path reward_model_multiplier reward_functions reward_function_weights "
-        "reward_function_timeout code_reward code_test_seconds code_memory_mb sandbox_workers sandbox_batch_timeout",
+        "reward_function_timeout code_reward code_test_seconds code_memory_mb code_max_tests code_allow_script_tests "
+        "sandbox_workers sandbox_batch_timeout",
     ),
     "environments": (
         "multi-turn episodes and tools (docs/multi-turn.md)",

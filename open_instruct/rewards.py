@@ -714,11 +714,14 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Verifier: code (programs run in the sandbox, open_instruct/sandbox.py)
 # --------------------------------------------------------------------------------------------------------
-def _code_tests(ground_truth: Any) -> Any:
-    from open_instruct.code_verifier import parse_code_tests
+def _code_tests(ground_truth: Any, settings: Any = None) -> Any:
+    """The row's tests, within the run's limits (code_verifier.check_limits; default CodeSettings)."""
+    from open_instruct.code_verifier import CodeSettings, check_limits, parse_cached
 
     try:
-        return parse_code_tests(ground_truth)
+        tests = parse_cached(ground_truth)
+        check_limits(tests, settings or CodeSettings())
+        return tests
     except ValueError as e:
         raise GroundTruthError(f"code: {e}") from None
 
@@ -743,7 +746,7 @@ def _score_code_rows(
     from open_instruct.code_verifier import count_statuses, score_programs
 
     for gt in ground_truths:
-        _code_tests(gt)
+        _code_tests(gt, settings)  # (parsed once per row: code_verifier.parse_cached)
     texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]  # overlong: no_code
     outcomes = score_programs(texts, ground_truths, settings)
     statuses = count_statuses(outcomes)
@@ -1332,11 +1335,12 @@ def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeo
             raise ConfigError(f"{error} (probe call before loading, an empty completion)") from None
 
 
-def check_verifiers(examples: list[dict], what: str) -> None:
+def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
     """Every row's verifier must exist and accept the row's ground truth, checked before any model loads.
 
     Ground truths are checked by scoring an empty completion (verifiers validate the ground truth first), except for
-    `math`, whose check would start sympy for every row; a bad math ground truth is reported when first scored."""
+    `math`, whose check would start sympy for every row (a bad math ground truth is reported when first scored), and
+    `code`, checked against the run's code settings `code` (a code_verifier.CodeSettings; default CodeSettings())."""
     from open_instruct.errors import DataError
 
     names: dict[str, str] = {}
@@ -1346,7 +1350,9 @@ def check_verifiers(examples: list[dict], what: str) -> None:
             if ex["verifier"] not in names:
                 names[ex["verifier"]] = normalize_verifier_name(ex["verifier"])
             name = names[ex["verifier"]]
-            if name != "math":
+            if name == "code":
+                _code_tests(ex["ground_truth"], code)
+            elif name != "math":
                 VERIFIERS[name]("", ex["ground_truth"])
         except ValueError as e:  # unknown verifier, or GroundTruthError
             where = ex.get("where") or f"{what} row {ex['row']}"

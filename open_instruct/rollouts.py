@@ -366,6 +366,8 @@ def code_settings(cfg: RLVRConfig) -> CodeSettings:
         workers=cfg.sandbox_workers,
         batch_timeout=cfg.sandbox_batch_timeout,
         hide_paths=run_hidden_paths(cfg),
+        max_tests=cfg.code_max_tests,
+        allow_script_tests=cfg.code_allow_script_tests,
     )
 
 
@@ -496,8 +498,9 @@ def load_prompts(
     environment, as it renders them (render_environment_prompts). Returns them, the batch plan, and the longest
     prompt + response a generator must hold."""
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
-    rewards.check_verifiers(train, "train")
-    rewards.check_verifiers(evals, "eval")
+    code = code_settings(cfg)
+    rewards.check_verifiers(train, "train", code)
+    rewards.check_verifiers(evals, "eval", code)
     if cfg.reward_functions and not data.first_rows_checked(cfg):  # a hub dataset: probed on its rows now
         if accelerator.is_main_process:
             print(rewards.probe_line(cfg.reward_functions, len(train)), flush=True)

@@ -9,6 +9,8 @@ with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
     memory_mb        RLIMIT_AS: an allocation past it raises MemoryError           -> "memory"
     max_output_bytes stdout and stderr each, per run; the run is killed at the first byte over, and the parent never
                      holds more than this per stream and run                         -> "output"
+    max_total_output_bytes  optional: what the parent keeps of all runs together; a run
+                     whose output it cuts                                            -> "output"
     max_processes    RLIMIT_NPROC (processes + threads of the sandbox uid)         -> "processes" (fork/thread EAGAIN)
     max_file_mb      RLIMIT_FSIZE per file; the private /tmp is 4x this in total   -> "file_size" (EFBIG / ENOSPC)
 
@@ -89,11 +91,16 @@ class SandboxLimits:
     max_output_bytes: int = 1 << 20
     max_processes: int = 32
     max_file_mb: int = 16
+    # stdout and stderr of all the call's runs together that the parent keeps (None: only the per-run cap); a run
+    # whose output it had to drop ends as "output"
+    max_total_output_bytes: Optional[int] = None
 
     def validate(self) -> None:
         for name in ("wall_seconds", "cpu_seconds", "memory_mb", "max_output_bytes", "max_processes", "max_file_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_total_output_bytes is not None and not self.max_total_output_bytes > 0:
+            raise ValueError(f"sandbox limit max_total_output_bytes must be > 0, got {self.max_total_output_bytes!r}")
         if self.memory_mb < 64:
             raise ValueError(f"sandbox memory_mb {self.memory_mb} is too small for a Python interpreter (>= 64)")
 
@@ -636,11 +643,14 @@ _DIAGNOSTIC_BYTES = 1 << 16  # the supervisor's (or unshare's) own stdout/stderr
 
 class _Frames:
     """The supervisor's frames (sandbox_boot's docstring), parsed as they arrive: per run, stdout and stderr held up
-    to the cap (never more, whatever arrives), and its end record."""
+    to the cap (never more, whatever arrives), all runs together up to `total` (a run cut by it: in `over_total`),
+    and its end record."""
 
-    def __init__(self, caps: Sequence[int]):
+    def __init__(self, caps: Sequence[int], total: Optional[int] = None):
         self.buffer = bytearray()
         self.caps = list(caps)  # per run: bytes kept of each stream
+        self.room = total  # bytes still kept of all runs together (None: no call-wide cap)
+        self.over_total: set[int] = set()
         self.output = [{1: bytearray(), 2: bytearray()} for _ in self.caps]
         self.ends: dict[int, dict] = {}
         self.setup_error: Optional[str] = None
@@ -653,7 +663,13 @@ class _Frames:
                 run, stream, left = self.pending
                 take = min(left, len(self.buffer))
                 target = self.output[run][stream]
-                target += self.buffer[: max(0, min(take, self.caps[run] - len(target)))]
+                keep = max(0, min(take, self.caps[run] - len(target)))
+                if self.room is not None:
+                    if keep > self.room:
+                        self.over_total.add(run)
+                    keep = min(keep, self.room)
+                    self.room -= keep
+                target += self.buffer[:keep]
                 del self.buffer[:take]
                 self.pending = (run, stream, left - take) if left > take else None
                 if self.pending is not None:
@@ -695,7 +711,7 @@ def _run(spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: 
         )
     finally:
         os.close(status_w)
-    frames = _Frames([run["max_output_bytes"] for run in spec["runs"]])
+    frames = _Frames([run["max_output_bytes"] for run in spec["runs"]], limits.max_total_output_bytes)
     diagnostics = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     sel = selectors.DefaultSelector()
     for fd in (*diagnostics, status_r):
@@ -784,6 +800,8 @@ def _result(frames: _Frames, diagnostics: bytes, spec: dict, limit: Optional[str
             run_limit = _name_limit(end, stderr[-_STDERR_SCAN_CHARS:], run_spec["cpu_seconds"])
         elif run_limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
             run_limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
+        if index in frames.over_total and run_limit is None:
+            run_limit = "output"  # what it printed went past the call's total: the parent kept only part of it
         seconds_used, cpu = float(end.get("seconds", 0.0)), float(end.get("cpu", 0.0))
         runs.append(SandboxResult(stdout, stderr, end.get("exit"), run_limit, seconds_used, cpu))
     first = runs[0]

@@ -1,7 +1,9 @@
-"""A tiny RLVR run with the `code` verifier on synthetic programming tasks (demo.synthetic.code_rl_rows), end to end
-through rlvr_ppo.main. The tiny model cannot write programs, so the generator's texts are replaced by known programs
-("return x + J", J cycling 0..3) while its token ids still drive training: every logged sample's score must then be
-the hand-computed reward, 1.0 exactly when J equals the row's k, for assert rows and stdin/stdout rows alike."""
+"""A tiny RLVR run with the `code` verifier on synthetic programming tasks (demo.synthetic.code_rl_rows, every other
+assert row as a HumanEval `check(candidate)` with its entry point), end to end through rlvr_ppo.main. The tiny model
+cannot write programs, so the generator's texts are replaced by known programs ("return x + J", J cycling 0..3, and a
+program that forges a script verdict) while its token ids still drive training: every logged sample's score must then
+be the hand-computed reward, 1.0 exactly when J equals the row's k (never for the forger), for assert, check() and
+stdin/stdout rows alike."""
 
 from __future__ import annotations
 
@@ -27,8 +29,30 @@ if data:
 ```"""
 
 
+FORGER = """```python
+import os
+os.write(3, b'["ran"]')
+os._exit(0)
+```"""
+
+
+def known_text(i: int) -> str:
+    """Response i: PROGRAM for j = i % 5, or the forger for i % 5 == 4."""
+    return FORGER if i % 5 == 4 else PROGRAM.format(j=i % 5)
+
+
+def check_rows(rows: list[dict]) -> list[dict]:
+    """Every other assert row's asserts as HumanEval stores them: check(candidate) without its call, + entry_point."""
+    for n, row in enumerate(r for r in rows if isinstance(json.loads(r["ground_truth"])[0], str)):
+        if n % 2 == 0:
+            asserts = json.loads(row["ground_truth"])
+            body = "".join("    " + a.replace("assert f(", "assert candidate(") + "\n" for a in asserts)
+            row["ground_truth"] = json.dumps({"test": f"def check(candidate):\n{body}", "entry_point": "f"})
+    return rows
+
+
 def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every generator the run makes answers response i with PROGRAM for j = i % 4."""
+    """Every generator the run makes answers response i with known_text(i)."""
     real = generation_backends.make_generator
 
     def make_generator(*args, **kwargs):
@@ -37,7 +61,7 @@ def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
 
         def with_known_texts(prompts, config, *args, **kwargs):
             out = generate(prompts, config, *args, **kwargs)
-            out.texts = [PROGRAM.format(j=i % 4) for i in range(len(out.texts))]
+            out.texts = [known_text(i) for i in range(len(out.texts))]
             return out
 
         gen.generate = with_known_texts
@@ -48,15 +72,20 @@ def known_responses(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def expected_score(sample: dict) -> float:
+    if "return x + " not in sample["response"]:
+        return 0.0  # the forger
     truth = json.loads(sample["ground_truth"])
-    k = int(truth[0].split("==")[1]) if isinstance(truth[0], str) else int(truth[0]["output"])  # f(0) == k / 0 -> k
+    if isinstance(truth, dict):  # check(candidate): its first assert is candidate(0) == k
+        k = int(truth["test"].split("==")[1].split("\n")[0])
+    else:
+        k = int(truth[0].split("==")[1]) if isinstance(truth[0], str) else int(truth[0]["output"])  # f(0) == k / 0 -> k
     j = int(sample["response"].split("return x + ")[1].split("\n")[0])
     return 1.0 if j == k else 0.0  # verification_reward 1.0 (rlvr_tiny.yaml), non-stop penalty off
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
 def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path, monkeypatch):
-    train = write_jsonl(str(tmp_path / "code_train.jsonl"), code_rl_rows(16, 0))
+    train = write_jsonl(str(tmp_path / "code_train.jsonl"), check_rows(code_rl_rows(16, 0)))
     evals = write_jsonl(str(tmp_path / "code_eval.jsonl"), code_rl_rows(8, 1))
     out = tmp_path / "rlvr_code"
     known_responses(monkeypatch)
@@ -71,8 +100,11 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
     with open(out / "samples.jsonl") as f:
         samples = [json.loads(line) for line in f]
     assert len(samples) == 32  # 2 rollouts x 16 completions
-    kinds = {isinstance(json.loads(s["ground_truth"])[0], str) for s in samples}
-    assert kinds == {True, False}  # both assert and stdin/stdout rows were scored
+    truths = [json.loads(s["ground_truth"]) for s in samples]
+    assert {isinstance(t, dict) for t in truths} == {True, False}  # check() rows and the others were scored
+    assert any(isinstance(t, list) and isinstance(t[0], str) for t in truths)  # assert rows
+    assert any(isinstance(t, list) and isinstance(t[0], dict) for t in truths)  # stdin/stdout rows
+    assert any(s["response"] == FORGER for s in samples)
     for s in samples:
         assert s["score"] == expected_score(s), s
     assert 0 < sum(s["score"] for s in samples) < len(samples)  # both verdicts occur
@@ -83,14 +115,24 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
         tests = {k.removeprefix("train/code_tests_"): v for k, v in r.items() if k.startswith("train/code_tests_")}
         assert sum(tests.values()) == 48
         assert tests["pass"] == 3 * 16 * r["train/correct_rate"]
-        assert tests["pass"] + tests["wrong_answer"] == 48  # nothing timed out or crashed
+        assert tests.get("timeout", 0) == 0  # (the forger's tests fail as crash or wrong_answer)
     evals_rows = [r for r in rows if "eval/correct_rate" in r]
     assert evals_rows and all(0.0 <= r["eval/correct_rate"] <= 1.0 for r in evals_rows)
 
 
-def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "truth, message",
+    [
+        (["assert f(0) =="], "does not parse"),
+        ({"test": "def check(candidate):\n    assert candidate(0) == 1\n"}, "defines check(candidate) with checks but"),
+        (["def ok(x):\n    return x == 1\nassert ok(f(0))"], "can only run as a script"),
+    ],
+)
+def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys, truth, message):
+    """Unparseable tests, a check(candidate) nothing calls (no entry_point) and a test only a script can run
+    (code_allow_script_tests off, the default) stop the run before any model loads, naming the row."""
     rows = code_rl_rows(8, 0)
-    rows[5]["ground_truth"] = json.dumps(["assert f(0) =="])
+    rows[3]["ground_truth"] = json.dumps(truth)
     train = write_jsonl(str(tmp_path / "bad_code.jsonl"), rows)
     args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
     args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(tmp_path / "o")]
@@ -99,4 +141,4 @@ def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, cap
         runtime.run(rlvr_ppo.main, args)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"{train} line 6" in err and "does not parse" in err
+    assert f"{train} line 4" in err and message in err

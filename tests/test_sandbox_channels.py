@@ -273,10 +273,11 @@ def f(x):
 
 
 def test_rl_view_a_mixed_row_with_two_workers_pays_the_lock_channel_nothing(iso):
-    truth = ["assert f(7) == 1234", "assert [f(7)][0] == [1234][0]"]  # a judged test and a script test
+    # a judged test and a script test (a helper the test defines: the value path leaves it whole), scripts allowed
+    truth = ["assert f(7) == 1234", "def g():\n    return [f(7)][0]\nassert g() == [1234][0]"]
     assert [code_verifier.value_check(t) is not None for t in truth] == [True, False]
     honest = "```python\ndef f(x):\n    return 1234\n```"
-    settings = dataclasses.replace(SETTINGS, test_seconds=4.0, workers=2)
+    settings = dataclasses.replace(SETTINGS, test_seconds=4.0, workers=2, allow_script_tests=True)
     completions = [honest, f"```python\n{LOCK_CHANNEL}```"]
     scored = rewards.score_batch(completions, [truth] * 2, "code", verification_reward=1.0, code=settings)
     assert scored.rewards == [1.0, 0.0]
@@ -377,6 +378,14 @@ def test_trainer_memory_is_bounded_by_the_output_cap_per_test(iso):
 def test_a_run_can_have_a_lower_output_cap_than_its_call(iso):
     res = run("print('x' * 5000)", runs=[SandboxRun(max_output_bytes=1000), SandboxRun()])
     assert [(r.limit, len(r.stdout)) for r in res.runs] == [("output", 1000), (None, 5001)]
+
+
+def test_a_calls_total_output_cap_cuts_the_run_that_passes_it(iso):
+    """Three runs printing 5001 bytes each under a call-wide cap of 12000: the first two are kept whole, the third is
+    cut to what was left (1998 bytes) and ends as "output"; nothing past the cap is held."""
+    limits = dataclasses.replace(ROOMY, max_total_output_bytes=12000)
+    res = run("print('x' * 5000)", limits, runs=[SandboxRun()] * 3)
+    assert [(r.limit, len(r.stdout)) for r in res.runs] == [(None, 5001), (None, 5001), ("output", 1998)]
 
 
 @pytest.mark.parametrize("test_seconds", [0.5, 6.0, 12.0, 30.0])
