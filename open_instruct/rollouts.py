@@ -498,7 +498,8 @@ def load_prompts(
     environment, as it renders them (render_environment_prompts). Returns them, the batch plan, and the longest
     prompt + response a generator must hold."""
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
-    code = code_settings(cfg)
+    # the sandbox's settings only for `code` rows (the code verifier is imported only by a run that has some)
+    code = code_settings(cfg) if any(e.get("verifier") == "code" for e in train + evals) else None
     rewards.check_verifiers(train, "train", code)
     rewards.check_verifiers(evals, "eval", code)
     if cfg.reward_functions and not data.first_rows_checked(cfg):  # a hub dataset: probed on its rows now
