@@ -1268,6 +1268,16 @@ def reward_function_labels(specs: Sequence[str]) -> list[str]:
     return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]
 
 
+class FunctionValues(dict):
+    """Each reward function's values per completion, by label; `counters`: per label, the counts a function reported
+    with its values (a list with a `counters` dict, e.g. a judge's calls, cache hits and parse failures), logged as
+    `reward/<label>/<counter>` summed over ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counters: dict[str, dict[str, float]] = {}
+
+
 def custom_reward_values(
     specs: Sequence[str],
     weights: Optional[Sequence[float]],
@@ -1284,10 +1294,14 @@ def custom_reward_values(
     n = len(inputs["completions"])
     where = list(where) if where is not None else [f"completion {j}" for j in range(n)]
     total = [0.0] * n
-    values: dict[str, list[Optional[float]]] = {}
+    values = FunctionValues()
     for i, (spec, label) in enumerate(zip(specs, reward_function_labels(specs))):
         weight = 1.0 if weights is None else float(weights[i])
-        values[label] = [None if v is None else float(v) for v in call_reward_function(spec, inputs, where, timeout)]
+        returned = call_reward_function(spec, inputs, where, timeout)
+        counters = getattr(returned, "counters", None)  # e.g. a judge's (judge.JudgeValues)
+        if isinstance(counters, dict):
+            values.counters[label] = {str(k): float(v) for k, v in counters.items()}
+        values[label] = [None if v is None else float(v) for v in returned]
         for j, v in enumerate(values[label]):
             if v is not None:
                 total[j] += weight * v
@@ -1307,14 +1321,19 @@ def reward_function_sums(values: dict[str, list[Optional[float]]]) -> dict[str, 
         real = [v for v in vs if v is not None]
         sums.update({f"reward/{label}/sum": sum(real), f"reward/{label}/sumsq": sum(v * v for v in real)})
         sums[f"reward/{label}/count"] = float(len(real))
+    for label, counters in getattr(values, "counters", {}).items():
+        sums.update({f"reward/{label}/{name}": value for name, value in counters.items()})
     return sums
 
 
 def reward_function_metrics(sums: dict[str, float]) -> dict[str, float]:
     """`reward/<label>/mean` and `reward/<label>/std` (population std) of each reward function's values over the
-    completions it scored (None excluded, TRL's nanmean), from reward_function_sums summed over ranks."""
+    completions it scored (None excluded, TRL's nanmean), from reward_function_sums summed over ranks, and the
+    counters a function reported (`reward/<label>/<counter>`, the sum over ranks)."""
     metrics: dict[str, float] = {}
     for key in sums:
+        if key.startswith("reward/") and not key.endswith(("/sum", "/sumsq", "/count")):  # a function's counter
+            metrics[key] = sums[key]
         if key.startswith("reward/") and key.endswith("/count"):
             label = key[len("reward/") : -len("/count")]
             count = sums[key]
