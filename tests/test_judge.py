@@ -184,7 +184,10 @@ judge = Judge(rubric, url=os.environ["JUDGE_URL"], model="fake-judge", batch_siz
 """
 
 
-def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(fake_judge, tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
+    async_steps, fake_judge, tiny_models, tmp_path, monkeypatch
+):
     judge_file = tmp_path / "my_judge.py"
     judge_file.write_text(JUDGE_FILE)
     monkeypatch.setenv("JUDGE_URL", fake_judge.url)
@@ -194,7 +197,8 @@ def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(fake_judge, tin
             f.write(json.dumps({"prompt": f"What is {i} + 1?", "ground_truth": str(i + 1), "dataset": "gsm8k"}) + "\n")
     out = tmp_path / "out"
     argv = command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
-                   "--reward_function_weights", "0.5", "--num_samples_logged", "8")  # fmt: skip
+                   "--reward_function_weights", "0.5", "--num_samples_logged", "8",
+                   "--async_steps", str(async_steps))  # fmt: skip
     assert run(argv) == 0
     (train,) = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
