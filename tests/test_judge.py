@@ -215,3 +215,39 @@ def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
     mean = sum(s["rewards"]["judge"] for s in samples) / 8
     assert train["reward/judge/mean"] == pytest.approx(mean, rel=1e-12)
     assert train["reward/judge/seconds"] > 0
+
+
+def test_a_run_with_a_judge_resumes_bit_exactly(fake_judge, tiny_models, tmp_path, monkeypatch):
+    """SIGTERM during rollout 2 of 3 (checkpoint, exit 0), resume: every metric row equals the uninterrupted run's,
+    the judge's values and counters included (its cache hits and wall time aside: this process's judge object
+    keeps its cache across the runs)."""
+    from training_helpers import sigterm_at_step
+
+    judge_file = tmp_path / "my_judge.py"
+    judge_file.write_text(JUDGE_FILE)
+    monkeypatch.setenv("JUDGE_URL", fake_judge.url)
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for i in range(4):
+            f.write(json.dumps({"prompt": f"What is {i} + 2?", "ground_truth": str(i + 2), "dataset": "gsm8k"}) + "\n")
+
+    def argv(out, *more):
+        return command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
+                       "--reward_function_weights", "0.5", "--total_episodes", "24", "--checkpointing_steps", "100",
+                       *more)  # fmt: skip
+
+    def comparable(out):
+        skip = ("time/", "perf/", "reward/judge/cache_hits", "reward/judge/seconds")
+        return [
+            {k: v for k, v in r.items() if not k.startswith(skip)} for r in map(json.loads, open(out / "metrics.jsonl"))
+        ]
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run(argv(full)) == 0
+    with sigterm_at_step(monkeypatch, 2):
+        assert run(argv(cut)) == 0
+    assert max(r["rollout_step"] for r in comparable(cut)) == 2
+    assert run(argv(cut, "--resume_from_checkpoint", "auto")) == 0
+    full_rows = comparable(full)
+    assert [r["rollout_step"] for r in full_rows if "reward/judge/mean" in r] == [1, 2, 3]
+    assert comparable(cut) == full_rows
