@@ -40,6 +40,8 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     thread and after each kill (not counted against the call's timeout), ~0.15 ms IPC per call. The cheap
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
+  * Verifiers registered `isolated` (reasoning_gym: a package's scorers that may evaluate the answer text) run in
+    that worker process on every thread, the main one included, so model text never runs in the trainer's process.
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
   * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
     sandboxed subprocesses with their own limits (CodeSettings), `sandbox_workers` at a time across a batch.
