@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rl_dir = os.path.join(out, "rlvr")
     rlvr_args = [RECIPE, "--model_name_or_path", folder, "--gguf_file", gguf_file, "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
-                 "--overwrite_output_dir", "true",  # the demo reruns from scratch: a previous demo's RL run goes
+                 "--overwrite_output_dir", "true", "--delete_finished_run", "true",  # a rerun replaces the last one
                  *rlvr_overrides]  # fmt: skip
     try:  # a typo in an override fails now, not after the first evaluation
         from open_instruct.config import RLVRConfig, parse_config

@@ -250,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     sft_dir, rl_dir = os.path.join(out, "sft"), os.path.join(out, "rlvr")
     rlvr_args = [RL_RECIPE, "--model_name_or_path", os.path.join(sft_dir, "final_model"), "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
-                 "--overwrite_output_dir", "true", *rlvr_overrides]  # fmt: skip
+                 "--overwrite_output_dir", "true", "--delete_finished_run", "true", *rlvr_overrides]  # fmt: skip
     try:  # a typo in an override fails now, not after the first evaluation
         parse_config(RLVRConfig, [os.path.join(REPO, RL_RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
     except ConfigError as e:
@@ -306,7 +306,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"\n== SFT on {args.n_sft} {args.sft_task} calculator traces: open_instruct/sft.py {SFT_RECIPE}", flush=True)
     cmd = [sys.executable, os.path.join("open_instruct", "sft.py"), SFT_RECIPE, "--model_name_or_path", folder,
            "--gguf_file", gguf_file, "--dataset_name_or_path", files["sft_train"], "--output_dir", sft_dir,
-           "--overwrite_output_dir", "true", "--total_episodes", str(args.n_sft),
+           "--overwrite_output_dir", "true", "--delete_finished_run", "true", "--total_episodes", str(args.n_sft),
            "--seed", str(args.seed + 1)]  # fmt: skip
     sft_model = os.path.join(sft_dir, "final_model")
     sft_kept = train("sft", cmd, [files["sft_train"], os.path.join(REPO, SFT_RECIPE)], sft_model, True)

@@ -43,10 +43,11 @@ memory (MemoryError / the address-space limit), crash (any other exception, a no
 (`code_reward: all`) or passed / total (`fraction`).
 
 Cost: all tests of a response run in ONE sandbox start (script tests, if any, in a second one: their source may
-hold expected values, which must not be where the judged tests' program runs). Inside, a runner gives each test a
-clean interpreter: a fork of itself taken before any program code ran in it (no expected value is in it either), in
-its own session, under its own CPU limit (test_seconds; 2 x test_seconds for a value test: the program's
-definitions, then the call); whatever the test's program left running is killed before the next test starts.
+hold expected values, which must not be where the judged tests' program runs; it starts only once every judged call
+of the batch has ended). Inside, the sandbox's supervisor gives each test a fresh interpreter on a fresh tmpfs
+(SandboxRun), under its own CPU limit summed over all its processes (test_seconds; 2 x test_seconds for a value test:
+the program's definitions, then the call); every process of a test is killed before the next test starts, and what
+each test printed comes back keyed by the supervisor, never by the program.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import operator
 import re
 from typing import Any, Optional, Sequence
 
-from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxResult
+from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxResult, SandboxRun
 
 logger = logging.getLogger(__name__)
 
@@ -532,56 +533,9 @@ def check_value(check: ValueCheck, value: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The sandbox side: a runner starts one clean interpreter per test (programs below), results come back as JSON lines
+# The sandbox side: one run per test (SandboxRun: a fresh interpreter started by the sandbox's supervisor, with its
+# own CPU and wall limits, every process of it killed before the next), results come back per run
 # --------------------------------------------------------------------------------------------------------
-# The runner starts each test's interpreter by forking itself before any program code ran in it (a clean interpreter,
-# 20 ms cheaper than starting one): the child takes its CPU limit, its own session and files for stdin/stdout/stderr,
-# then runs the program as __main__ (stdio) or probe.py (value and script tests), and ends as that program would.
-RUNNER = r"""
-import builtins, json, os, resource, runpy, select, sys
-plan = json.load(open("plan.json", encoding="utf-8"))
-cap = plan["max_output_bytes"]
-probe = compile(open("probe.py", encoding="utf-8").read(), "probe.py", "exec")
-def become_test(i, run):
-    os.setsid()
-    resource.setrlimit(resource.RLIMIT_CPU, (run["cpu_seconds"], run["cpu_seconds"] + 1))
-    for fd, name, mode in ((0, "in", os.O_RDONLY), (1, "out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                           (2, "err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
-        opened = os.open(name, mode, 0o600)
-        os.dup2(opened, fd)
-        os.close(opened)
-    if run["kind"] == "stdio":
-        sys.argv = ["solution.py"]
-        runpy.run_path("solution.py", run_name="__main__")
-    else:
-        sys.argv = ["probe.py", str(i)]
-        exec(probe, {"__name__": "__main__", "__builtins__": builtins})
-    raise SystemExit(0)
-for i, run in enumerate(plan["runs"]):
-    with open("in", "w", encoding="utf-8", errors="surrogateescape") as f:
-        f.write(run.get("stdin", ""))
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        become_test(i, run)  # never returns: SystemExit or the program's exception ends this process
-    ended = select.select([os.pidfd_open(pid)], [], [], run["wall_seconds"])[0]
-    try:
-        os.killpg(pid, 9)  # at the wall limit, and what the program left running does not run into the next test
-    except OSError:
-        pass
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    size = os.path.getsize("out")
-    with open("out", "rb") as f:
-        stdout = f.read(cap)
-    with open("err", "rb") as f:
-        f.seek(max(0, os.path.getsize("err") - 4000))
-        stderr = f.read()
-    record = {"i": i, "exit": code, "timeout": not ended, "output": size > cap,
-              "stdout": stdout.decode("utf-8", "replace"), "stderr": stderr.decode("utf-8", "replace")}
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
-"""
-
 # One test in a clean interpreter: the program's definitions, then one expression (or the function call) whose value
 # leaves as tagged JSON of built-in types. Every reference the encoder uses is taken before the program runs, and the
 # encoder accepts a value only by exact type (`type(x) is int`), so a subclass or an object with its own __eq__ is
@@ -672,8 +626,8 @@ def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
 
 
 def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[tuple[SandboxCall, list[int]]]:
-    """The sandbox calls that test a program, each with the indices of the tests it runs: one call (the runner, the
-    program, a run per test) for the stdio and value tests, and a second one only for script tests, whose source
+    """The sandbox calls that test a program, each with the indices of the tests it runs: one call (the program, a run
+    per test) for the stdio and value tests, and a second one only for script tests, whose source
     (with its expected values) must not sit in the memory the value tests' program can read. No call holds an
     expected value of a test judged here."""
     cpu = max(1, math.ceil(settings.test_seconds))
@@ -694,20 +648,25 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         runs, indices = groups["script" if run["kind"] == "script" else "judged"]
         runs.append(run)
         indices.append(index)
-    max_output = SandboxLimits().max_output_bytes
     calls = []
-    for runs, indices in groups.values():
+    for phase, (runs, indices) in enumerate(groups.values()):  # script calls start after every judged call ended
         if not runs:
             continue
         limits = SandboxLimits(
-            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs),
-            cpu_seconds=10,  # the runner's own time; each test's interpreter has its own limit
-            memory_mb=settings.memory_mb,
-            max_output_bytes=len(runs) * (6 * max_output + 8192),  # JSON escapes: at most 6 characters a byte
+            wall_seconds=STARTUP_SECONDS + sum(r["wall_seconds"] for r in runs), memory_mb=settings.memory_mb
         )
-        plan = json.dumps({"runs": runs, "max_output_bytes": max_output})
+        plan = json.dumps({"runs": runs})
         files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}
-        calls.append((SandboxCall(RUNNER, "", files, limits), indices))
+        sandbox_runs = tuple(
+            SandboxRun(
+                ("solution.py",) if run["kind"] == "stdio" else ("probe.py", str(i)),
+                run.get("stdin", ""),
+                cpu_seconds=run["cpu_seconds"],
+                wall_seconds=run["wall_seconds"],
+            )
+            for i, run in enumerate(runs)
+        )
+        calls.append((SandboxCall("", files=files, limits=limits, runs=sandbox_runs, phase=phase), indices))
     return calls
 
 
@@ -716,19 +675,22 @@ _SIGXCPU, _SIGKILL, _SIGXFSZ = 24, 9, 25
 
 
 def _records(result: SandboxResult) -> dict[int, dict]:
+    """Per run (its position in the call), what the sandbox's supervisor saw of it: the program cannot write these."""
     found = {}
-    for line in result.stdout.splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("i"), int) and record["i"] not in found:
-            found[record["i"]] = record
+    for i, run in enumerate(result.runs):
+        if run.setup_error is None and (run.exit_code is not None or run.limit is not None):
+            found[i] = {
+                "exit": None if run.limit == "output" else run.exit_code,
+                "timeout": run.limit in ("wall_time", "cpu_time"),
+                "output": run.limit == "output",
+                "stdout": run.stdout,
+                "stderr": run.stderr[-4000:],
+            }
     return found
 
 
 def _run_failure(record: dict) -> Optional[str]:
-    """The failure reason of a test's interpreter that was stopped or failed, from what the runner saw."""
+    """The failure reason of a test's interpreter that was stopped or failed, from what the supervisor saw."""
     code, stderr = record.get("exit"), str(record.get("stderr", ""))
     if record.get("timeout") or code in (-_SIGXCPU, -_SIGKILL):
         return "timeout"

@@ -57,10 +57,34 @@ class BaseConfig:
     exp_name: str = opt("run", "Run name (wandb).")
     output_dir: str = opt("output/run", "Folder of this run: metrics.jsonl, checkpoints/, best_model/, final_model/.")
     overwrite_output_dir: bool = opt(
-        False, "Delete a previous run's files in output_dir and start a new run there (else such a folder is refused)."
+        False,
+        "Start a new run in an output_dir that holds another run (else such a folder is refused), once every start "
+        "check has passed: a finished run (final_model/) is moved aside to <output_dir>.replaced-<time>, an "
+        "unfinished one deleted. Command line only: a recipe (or a saved config.yaml) cannot set it.",
+    )
+    delete_finished_run: bool = opt(
+        False,
+        "With overwrite_output_dir: delete a finished run's files instead of moving them aside. Command line only.",
     )
     seed: int = opt(1, "Random seed: data order, sampling and freshly initialised heads.")
-    dry_run: bool = opt(False, "Print the plan (batch math, steps, time) and exit.")
+    dry_run: bool = opt(
+        False,
+        "Run every start check that needs no model (paths, first data rows, reward functions, memory), print the "
+        "plan and exit: 0 if a real start would get past them, else 2 with the same message.",
+    )
+    gpu: Optional[str] = opt(
+        None,
+        "GPU the memory check judges a layout on (a name of the planner's table, e.g. H100, A100, H200); unset: "
+        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100.",
+    )
+    gpu_memory_gb: Optional[float] = opt(
+        None, "Memory of one training GPU for the memory check, in GB; unset: the gpu's (H100: 80)."
+    )
+    num_processes: Optional[int] = opt(
+        None,
+        "Training processes a --dry_run plans for (the launcher's --num_processes); unset: WORLD_SIZE of the "
+        "launch, else 1. A real start takes the launcher's world size and refuses a different one.",
+    )
 
     # --- model
     model_name_or_path: str = opt("", "Hub model name or local model folder (with config.json) to start from.")
@@ -236,6 +260,11 @@ class BaseConfig:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
         _check_positive(self, "keep_last_n_checkpoints")
+        for name in ("gpu_memory_gb", "num_processes"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
+        if self.delete_finished_run and not self.overwrite_output_dir:
+            raise ConfigError("delete_finished_run applies with --overwrite_output_dir true only; pass both or neither")
         for name in (
             "total_episodes",
             "eval_steps",
@@ -1161,6 +1190,12 @@ def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, d
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 
 
+# Decisions about one command, never a recipe's: refused in a recipe file (set true), left out of the saved
+# config.yaml (so is dry_run: the saved config and the --dry_run print repeat the run, not the dry run).
+COMMAND_LINE_ONLY = ("overwrite_output_dir", "delete_finished_run")
+NOT_SAVED = (*COMMAND_LINE_ONLY, "dry_run")
+
+
 def load_recipe(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file {path!r} does not exist")
@@ -1171,6 +1206,13 @@ def load_recipe(path: str) -> dict[str, Any]:
             raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
     if not isinstance(recipe, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping of key: value, got {type(recipe).__name__}")
+    for key in COMMAND_LINE_ONLY:  # a recipe never deletes a run; `false` (an older saved config.yaml) is harmless
+        if recipe.get(key) not in (None, False):
+            raise ConfigError(
+                f"recipe {path} sets {key}: {recipe[key]!r}, which only the command line may set (a recipe or a "
+                f"saved config.yaml replayed must not clear a run): remove it and pass --{key} true if you mean it"
+            )
+        recipe.pop(key, None)
     return recipe
 
 

@@ -231,6 +231,60 @@ def load_mixture(mixer_list: Sequence[str], split: str, seed: int, key: str) -> 
     return rows, per_source
 
 
+DATA_KIND = {"sft": formats.SFT, "reward_model": formats.PREFERENCE, "dpo": formats.PREFERENCE}
+DATA_KIND["rlvr_ppo"] = formats.PROMPT
+FIRST_ROWS = 4  # rows of each local source parsed before any model or tokenizer loads (and the reward probe's rows)
+
+
+def _local_sources(name_or_path: Optional[str], mixer_list: Optional[Sequence[str]]) -> list[str]:
+    parts = [p.strip() for p in (name_or_path or "").split(",") if p.strip()]
+    parts += [str(source) for source in (mixer_list or [])[0::2]]
+    return [p for p in parts if os.path.exists(p)]  # hub datasets: their loader reports
+
+
+def first_rows_checked(cfg: Any) -> bool:
+    """Whether check_first_rows (run at start) read the first training source: it is a local file or folder (a hub
+    dataset is read by the loader, and its rows checked there)."""
+    train = [p.strip() for p in (cfg.dataset_name_or_path or "").split(",") if p.strip()]
+    first = train[0] if train else str((cfg.dataset_mixer_list or [""])[0])
+    return bool(first) and os.path.exists(first)
+
+
+def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
+    """Before any model or tokenizer loads: the first FIRST_ROWS rows of every local training and held-out source
+    read and parse in the script's data format (formats.py), as the loader will parse them (DataError naming the
+    file and row; a bad row is skipped with skip_bad_rows). Returns the RL probe examples of the first training
+    source (reward_function_fields, ground truth, verifier, where), for rewards.probe_reward_functions."""
+    kind = DATA_KIND[cfg.script]
+    parts_of = {formats.SFT: sft_parts, formats.PREFERENCE: preference_parts, formats.PROMPT: prompt_parts}[kind]
+    probe: list[dict[str, Any]] = []
+    train = _local_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
+    held_out = _local_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
+    # (source, split, is a training source, is the first training source: the reward probe's rows)
+    sources = [(s, cfg.dataset_split, True, i == 0) for i, s in enumerate(train)]
+    for source, split, training, probed in sources + [(s, cfg.eval_dataset_split, False, False) for s in held_out]:
+        rows = check_duplicate_ids(load_source(source, split)[:FIRST_ROWS], DataStats(), cfg.skip_bad_rows)
+        fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
+        # the loader's column checks of the training rows (tokenize_prompts, tokenize_preferences), its messages
+        if training and kind == formats.PROMPT and not getattr(cfg, "reward_functions", None):
+            check_columns(rows, [cfg.ground_truth_column], "RL prompt")
+        if training and kind == formats.PREFERENCE and getattr(cfg, "margin_column", None):
+            check_columns(rows, [cfg.margin_column], "margin")
+        for row in rows:
+            try:
+                parts = parts_of(row, fmt, cfg)
+            except DataError:
+                if cfg.skip_bad_rows:
+                    continue
+                raise
+            if kind == formats.PROMPT and probed:
+                (chat, ground_truth, verifier) = parts
+                fields = reward_function_fields(row, fmt, chat)
+                probe.append({**fields, "ground_truth": ground_truth, "verifier": verifier, "where": row.where(),
+                              "row": row.index})  # fmt: skip
+    return probe
+
+
 def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, id_column: str = "id") -> list[Row]:
     """Rows sharing an `id` usually mean a file was concatenated twice: an error, or skip the repeats. A mixture's
     upsampling repeats the same row of its source on purpose: those repeats are kept."""
@@ -721,10 +775,8 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
             continue
         out[k] = {"ground_truth": ground_truth, "verifier": verifier, "raw": parts[0] == "raw"}
         out[k]["answer_dropped"] = parts[0] == "chat_answer_dropped"
-        if getattr(cfg, "reward_functions", None):  # TRL's reward_funcs get the prompt as given and every column
-            given = row.data.get("prompt") if fmt.name == "prompt" else None
-            out[k]["prompt"] = given if isinstance(given, str) else parts[1]
-            out[k]["columns"] = dict(row.data)
+        if getattr(cfg, "reward_functions", None):
+            out[k].update(reward_function_fields(row, fmt, parts))
         if getattr(cfg, "environment", None):  # what the environment's reset(example) reads: the row's columns
             messages = [{"role": "user", "content": parts[1]}] if parts[0] == "raw" else parts[1]
             out[k]["example"] = {**row.data, "messages": messages, "ground_truth": ground_truth, "verifier": verifier}
@@ -734,6 +786,12 @@ def _encode_prompts(rows: list[Row], tokenizer: Any, cfg: Any, fmt: formats.Form
     for (k, _), ids in zip(raws, encode.encode_raw_prompts(tokenizer, [p for _, p in raws])):
         out[k]["prompt_ids"] = ids
     return out
+
+
+def reward_function_fields(row: Row, fmt: formats.Format, parts: tuple) -> dict[str, Any]:
+    """What TRL's reward_funcs get of a row: the prompt as given (a string, or the messages) and every column."""
+    given = row.data.get("prompt") if fmt.name == "prompt" else None
+    return {"prompt": given if isinstance(given, str) else parts[1], "columns": dict(row.data)}
 
 
 _ENCODERS = {formats.SFT: _encode_sft, formats.PREFERENCE: _encode_preference, formats.PROMPT: _encode_prompts}

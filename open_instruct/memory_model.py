@@ -102,13 +102,17 @@ class ModelShape:
 
 def shape_of(name: Optional[str]) -> Optional[ModelShape]:
     """The model's shape from its local config.json, else the Llama 3.1 shape its name's size names (8B, 70B), else
-    None (the memory prediction is then unavailable)."""
+    None (the memory prediction is then unavailable; so for a config.json without a decoder's sizes: its loader
+    reports what is wrong with it)."""
     if not name:
         return None
     cfg_path = os.path.join(name, "config.json")
     if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            return ModelShape.from_config(json.load(f), "local config.json")
+        try:
+            with open(cfg_path) as f:
+                return ModelShape.from_config(json.load(f), "local config.json")
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            return None
     match = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)\s*[Bb](?![a-z])", name.split("/")[-1])
     if match and float(match.group(1)) in LLAMA_31_SHAPES:
         size = int(float(match.group(1)))

@@ -856,15 +856,80 @@ def plan_from_config(
     else:
         result.update(estimate(cfg, plan, params, a))
     result["memory"] = predict_memory(cfg, num_processes, a)
-    if result["memory"] is not None and not result["memory"]["fits"]:
-        raise ConfigError(
-            "this layout does not fit in GPU memory:\n"
-            + "\n".join(memory_lines(result["memory"]))
-            + "\nShard over more processes (--num_processes), turn on activation_checkpointing, lower "
-            "per_device_train_batch_size / max_tokens_per_micro_batch (RL: local_rollout_batch_size), or set "
-            "--gpu_memory_gb to the card's memory"
-        )
+    check_memory_fits(result["memory"], JudgedLayout(a, num_processes, True).describe(), on_cpu=a.gpu == "cpu")
     return result
+
+
+def check_memory_fits(m: Optional[dict[str, Any]], judged: str, how_to_tell: str = "", on_cpu: bool = False) -> None:
+    """ConfigError (exit 2) when a memory prediction is above the device's memory: the prediction, the layout it
+    judged, what to change, and (`how_to_tell`) how to name the layout the recipe targets."""
+    if m is None or m["fits"]:
+        return
+    raise ConfigError(
+        f"this layout does not fit in {'host' if on_cpu else 'GPU'} memory (judged: {judged}):\n"
+        + "\n".join(memory_lines(m))
+        + "\nShard over more processes (--num_processes), turn on activation_checkpointing, lower "
+        "per_device_train_batch_size / max_tokens_per_micro_batch (RL: local_rollout_batch_size), or set "
+        "--gpu_memory_gb to the card's memory" + how_to_tell
+    )
+
+
+def host_memory_gb() -> float:
+    """This machine's physical memory in GB (what a CPU run's processes share)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+@dataclass
+class JudgedLayout:
+    """The layout a start's memory check judges (`judged_layout`): the planner's assumptions, the world size, and
+    whether the recipe or command line named it (else it is this machine's)."""
+
+    assumptions: TimeAssumptions
+    world: int
+    told: bool
+
+    def describe(self) -> str:
+        a = self.assumptions
+        memory = f"{a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb:g} GB"
+        if a.gpu == "cpu":
+            return f"{self.world} process(es) on this machine's CPU, {memory} of host memory each"
+        return f"{self.world} process(es) on {a.gpu}, {memory} each"
+
+
+def judged_layout(cfg: BaseConfig, launcher_world: int, real_start: bool) -> JudgedLayout:
+    """The device and world size a start judges: the recipe's `gpu` / `gpu_memory_gb` (gpu_memory_gb alone: the
+    planner's H100 entry) or else this machine's device (this_machine_device; on the CPU, the host's memory over
+    the processes), and `num_processes` or else the launcher's WORLD_SIZE. A real start takes the launcher's world
+    size and refuses a different num_processes."""
+    if cfg.num_processes is not None and real_start and cfg.num_processes != launcher_world:
+        raise ConfigError(
+            f"num_processes {cfg.num_processes} (the world size a --dry_run plans) differs from this launch's "
+            f"{launcher_world} processes: launch {cfg.num_processes} (accelerate launch --num_processes "
+            f"{cfg.num_processes}) or unset num_processes"
+        )
+    if cfg.gpu is not None and cfg.gpu not in GPU_SPECS:
+        raise ConfigError(f"gpu {cfg.gpu!r} is not in the planner's table; choose from {sorted(GPU_SPECS)}")
+    world = cfg.num_processes or launcher_world
+    gpu = cfg.gpu or ("H100" if cfg.gpu_memory_gb else this_machine_device())
+    memory = cfg.gpu_memory_gb
+    if gpu == "cpu" and memory is None:
+        memory = round(host_memory_gb() / world, 1)
+    told = cfg.gpu is not None or cfg.gpu_memory_gb is not None
+    return JudgedLayout(TimeAssumptions(gpu=gpu, gpu_memory_gb=memory), world, told)
+
+
+def check_memory(cfg: BaseConfig, layout: JudgedLayout) -> None:
+    """The memory check every start runs before loading a model (runtime.start_checks): the predicted peak of the
+    judged layout must fit. On a machine without a GPU and no layout named, the refusal says how to name one."""
+    how_to_tell = ""
+    if not layout.told and layout.assumptions.gpu == "cpu":
+        how_to_tell = (
+            "\nThis machine has no GPU, so this machine's CPU was judged. To judge the GPU layout the recipe "
+            "targets, name it: --gpu H100 (or --gpu_memory_gb N) and --num_processes 8 (or gpu / num_processes in "
+            "the recipe; the launcher's WORLD_SIZE also sets the processes)"
+        )
+    m = predict_memory(cfg, layout.world, layout.assumptions)
+    check_memory_fits(m, layout.describe(), how_to_tell, on_cpu=layout.assumptions.gpu == "cpu")
 
 
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
@@ -1117,14 +1182,14 @@ def _fmt(v: Any) -> str:
 
 
 def print_dry_run(cfg: BaseConfig, world_size: int, num_examples: Optional[int] = None) -> None:
-    """What every script's --dry_run prints: `python -m open_instruct.plan`'s plan for the device of this machine
-    (the CPU where there is no GPU: a tiny recipe is planned where it will run, not on an H100)."""
-    device = this_machine_device()
-    print(format_plan(plan_from_config(cfg, world_size, num_examples, assumptions=TimeAssumptions(gpu=device))))
-    if device == "cpu":
-        print(
-            "Planned for this machine's CPU (no GPU here); `python -m open_instruct.plan RECIPE --gpu H100` plans a GPU"
-        )
+    """What every script's --dry_run prints: `python -m open_instruct.plan`'s plan for the layout the memory check
+    judged (judged_layout: the recipe's gpu / num_processes, else this machine's device: the CPU where there is no
+    GPU, so a tiny recipe is planned where it will run, not on an H100), and which layout that was."""
+    layout = judged_layout(cfg, world_size, real_start=False)
+    print(format_plan(plan_from_config(cfg, layout.world, num_examples, assumptions=layout.assumptions)))
+    print(f"Layout judged: {layout.describe()} ({'as named' if layout.told else 'this machine'})")
+    if layout.assumptions.gpu == "cpu":
+        print("Planned for this machine's CPU (no GPU here); --gpu H100 --num_processes 8 plans that GPU layout")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

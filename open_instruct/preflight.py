@@ -1,8 +1,10 @@
 """Checks of a run's inputs that need no model, no torch and no tokenizer: model folders (config.json, weights
 present and not truncated, the GGUF file, a trained reward head), tokenizer files, dataset files and mixture sources,
 the chat template's syntax, the attention kernel's package, the output folder, and RL's custom reward functions
-(imported and their signature checked: the user's code may import what it likes). `runtime.start` runs them, so a bad
-path fails with exit 2 naming it in seconds, not after the weights have loaded. Hub names (not local paths) pass here
+(imported and their signature checked: the user's code may import what it likes). `runtime.start_checks` runs them with
+the first rows of the data, the reward-function probe and the memory check, for a real start (before the output folder
+is claimed) and for --dry_run alike, so a bad path fails with exit 2 naming it in seconds, not after the weights have
+loaded. Hub names (not local paths) pass here
 and are checked by their loaders. Two checks import torch, and only when they apply: LoRA target names (use_lora),
 tried on the model's skeleton built from its config on the meta device (no weights), and flash_attention_2's CUDA."""
 

@@ -1215,17 +1215,20 @@ def _accepted(fn: Callable[..., Any], inputs: dict[str, list[Any]], spec: str) -
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return inputs
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    missing = [p.name for p in named if p.default is p.empty and p.name not in inputs]  # with **kwargs too
+    if missing:
+        raise ConfigError(_missing_columns_message(spec, missing, inputs))
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return inputs
-    missing = [
-        p.name for p in params if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and p.name not in inputs
-    ]
-    if missing:
-        raise ConfigError(
-            f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
-            f"completion_ids and the rows' columns {sorted(set(inputs) - set(REWARD_FUNCTION_ARGS))}"
-        )
-    return {k: v for k, v in inputs.items() if k in {p.name for p in params}}
+    return {k: v for k, v in inputs.items() if k in {p.name for p in named}}
+
+
+def _missing_columns_message(spec: str, missing: list[str], inputs: dict[str, list[Any]]) -> str:
+    return (
+        f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
+        f"completion_ids and the rows' columns {sorted(set(inputs) - set(REWARD_FUNCTION_ARGS))}"
+    )
 
 
 def call_reward_function(
@@ -1246,6 +1249,9 @@ def call_reward_function(
         raise ConfigError(
             f"reward function {spec!r} did not return within {timeout:g} s (reward_function_timeout) on {rows}"
         )
+    if isinstance(values, KeyError) and values.args and isinstance(values.args[0], str):  # kwargs["a_column"]
+        if values.args[0] not in inputs:
+            raise ConfigError(f"{_missing_columns_message(spec, [values.args[0]], inputs)} (KeyError on {rows})")
     if isinstance(values, Exception):
         raise ConfigError(f"reward function {spec!r} raised {type(values).__name__}: {values} on {rows}")
     listed = isinstance(values, (list, tuple)) or (hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1)

@@ -62,7 +62,6 @@ from open_instruct import data
 from open_instruct.batch_math import should_log
 from open_instruct.code_verifier import TEST_STATUSES
 from open_instruct.distillation import (
-    check_teacher,
     jsd_to_teacher,
     output_layer_inputs,
     teacher_advantages,
@@ -79,7 +78,7 @@ from open_instruct.distributed import (
 )
 from open_instruct.episode_rollouts import episode_metrics
 from open_instruct.episodes import multi_turn_gae, token_rewards
-from open_instruct.generation_backends import check_backend, check_before_loading, make_generator
+from open_instruct.generation_backends import check_before_loading, make_generator
 from open_instruct.generation_check import (
     GenerationChecker,
     mismatch_metrics,
@@ -1118,9 +1117,7 @@ def reference_scores(reference: Any, batch: dict[str, torch.Tensor], temperature
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    cfg = runtime.start(RLVRConfig, argv)
-    check_backend(cfg.generation_backend)  # a missing or unsupported vLLM fails before any model loads
-    check_teacher(cfg)  # distillation: a teacher whose vocabulary is not the student's fails before any load
+    cfg = runtime.start(RLVRConfig, argv)  # every check that needs no model (the backend, the teacher) first
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
     tokenizer = load_tokenizer(

@@ -487,7 +487,7 @@ def load_prompts(
     train, evals, stats = data.load_train_eval(cfg, tokenizer, data.tokenize_prompts)
     rewards.check_verifiers(train, "train")
     rewards.check_verifiers(evals, "eval")
-    if cfg.reward_functions:  # each one called on real rows now, not after the models have loaded
+    if cfg.reward_functions and not data.first_rows_checked(cfg):  # a hub dataset: probed on its rows now
         if accelerator.is_main_process:
             print(rewards.probe_line(cfg.reward_functions, len(train)), flush=True)
         rewards.probe_reward_functions(cfg.reward_functions, train, cfg.reward_function_timeout)

@@ -12,7 +12,10 @@
     holds a run, no resume flag              exit 2, naming what is there and the ways forward
     holds a run, --resume_from_checkpoint    continue that run (its run_id); if it already finished: exit 0, nothing
         auto                                 touched; a run of another script (run.json's `script`): exit 2
-    --overwrite_output_dir true              the old run's files are deleted first, then a new run
+    --overwrite_output_dir true              a new run; the old run's files go first: a finished run (final_model/)
+                                             is moved aside to <output_dir>.replaced-<time> (one console line), an
+                                             unfinished one deleted; --delete_finished_run true deletes a finished
+                                             run too. `runtime.start` claims only after every start check passed.
 
 Imports only the standard library (start-up code: no torch)."""
 
@@ -169,7 +172,10 @@ def config_yaml(cfg: Any) -> str:
 
     import yaml
 
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=None, width=120)
+    from open_instruct.config import NOT_SAVED
+
+    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_SAVED}  # never replayed (config.py)
+    return yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
 
 
 def write_config(output_dir: str, cfg: Any) -> None:
@@ -217,15 +223,51 @@ def run_files(output_dir: str) -> list[str]:
     return found
 
 
+def _run_file_names(output_dir: str) -> list[str]:
+    """A run's files in the folder (and the debris of its interrupted writes), nothing else the folder holds."""
+    return [
+        name
+        for name in sorted(os.listdir(output_dir))
+        if name in RUN_FILES or name == "wandb" or name.startswith(RUN_DEBRIS_PREFIXES)
+    ]
+
+
 def remove_run_files(output_dir: str) -> None:
     """Delete a previous run's files (and the debris of its interrupted writes), nothing else in the folder."""
-    for name in os.listdir(output_dir):
+    for name in _run_file_names(output_dir):
         path = os.path.join(output_dir, name)
-        if name in RUN_FILES or name == "wandb" or name.startswith(RUN_DEBRIS_PREFIXES):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def move_run_files_aside(output_dir: str) -> str:
+    """Move a previous run's files (as remove_run_files would delete them) into a new sibling folder
+    <output_dir>.replaced-<UTC time>; returns its path. Renames on one file system: nothing is copied."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    base = f"{os.path.abspath(output_dir).rstrip(os.sep)}.replaced-{stamp}"
+    aside, n = base, 1
+    while os.path.exists(aside):  # two replacements within a second
+        aside, n = f"{base}-{n}", n + 1
+    os.makedirs(aside)
+    for name in _run_file_names(output_dir):
+        os.replace(os.path.join(output_dir, name), os.path.join(aside, name))
+    return aside
+
+
+def clear_for_new_run(output_dir: str, delete_finished: bool) -> None:
+    """What --overwrite_output_dir does to the run in the folder: a finished run (its final_model/ present) is moved
+    aside, said in one line, unless `delete_finished`; anything else is deleted."""
+    finished = os.path.isdir(os.path.join(output_dir, "final_model"))
+    if finished and not delete_finished:
+        aside = move_run_files_aside(output_dir)
+        print(
+            f"overwrite_output_dir: the finished run in {output_dir} was moved to {aside} (--delete_finished_run "
+            "true deletes it instead)"
+        )
+    else:
+        remove_run_files(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -372,7 +414,8 @@ def _ways_forward(output_dir: str, what: str) -> str:
     return (
         f"output_dir {output_dir!r} holds {what}; not starting a new run over it. Either:\n"
         "  --resume_from_checkpoint auto   continue that run (if it finished: nothing to do)\n"
-        "  --overwrite_output_dir true     delete that run's files and start a new run here\n"
+        "  --overwrite_output_dir true     start a new run here (a finished run is moved aside, an unfinished one "
+        "deleted)\n"
         "  --output_dir <another folder>   keep them and start elsewhere"
     )
 
@@ -392,6 +435,7 @@ def claim(
     resume_from_checkpoint: Optional[str],
     overwrite: bool,
     checkpoint_run_id: Callable[[], Optional[str]],
+    delete_finished: bool = False,
 ) -> Claim:
     """Lock the folder and decide whose run this is (see the module docstring). `checkpoint_run_id` is a callable
     returning the run id recorded in an explicit resume checkpoint (None for older checkpoints). Raises ConfigError
@@ -409,7 +453,7 @@ def claim(
                     "overwrite_output_dir deletes this folder's checkpoints: it cannot be combined with "
                     f"resume_from_checkpoint {resume_from_checkpoint!r} from the same folder"
                 )
-            remove_run_files(output_dir)
+            clear_for_new_run(output_dir, delete_finished)
             run, files = None, []
         if run is not None and not files and run.get("script", script) != script:
             run = None  # only the run.json of another script's run that produced nothing: no run to continue
@@ -449,8 +493,8 @@ def check_same_script(output_dir: str, run: dict[str, Any], script: str) -> None
         raise ConfigError(
             f"output_dir {output_dir!r} holds run {run['run_id']} of script {found!r} (its {RUN_FILE}), not "
             f"{script!r}: --resume_from_checkpoint continues a run with the script that started it. Run {found} "
-            "to continue it, or start this one elsewhere (another --output_dir; --overwrite_output_dir true deletes "
-            "that run's files)"
+            "to continue it, or start this one elsewhere (another --output_dir; --overwrite_output_dir true replaces "
+            "that run: moved aside if finished, else deleted)"
         )
 
 

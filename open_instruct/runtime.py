@@ -52,6 +52,7 @@ def claim_output_dir(cfg: BaseConfig) -> None:
         resume,
         cfg.overwrite_output_dir,
         lambda: checkpoint.read_state(resume).get("run_id"),
+        cfg.delete_finished_run,
     )
     try:
         if claim.finished:
@@ -72,10 +73,44 @@ def claim_output_dir(cfg: BaseConfig) -> None:
         raise
 
 
+def start_checks(cfg: Any, launcher_world: int, dry_run: bool) -> None:
+    """Every check a start makes before loading a model, in one place: a real start runs it before it claims (and,
+    with --overwrite_output_dir, clears) the output folder, and --dry_run runs the same and stops after it, so both
+    exit 2 with the same message. Inputs (preflight.check_inputs: paths, tokenizer, template, LoRA targets,
+    environment and reward-function imports), the first rows of every local dataset in the declared format, each
+    reward function called on the first training rows, the generation backend and a distillation teacher (RL), then
+    the memory check of the layout judged (plan.judged_layout: the layout the recipe names, else this machine's). A
+    real start checks memory on the CPU only (the host's memory): on a GPU a prediction does not refuse a start
+    (docs/gpu.md); the dry run and the planner do."""
+    from open_instruct import plan, preflight
+
+    layout = plan.judged_layout(cfg, launcher_world, real_start=not dry_run)
+    if cfg.script == "rlvr_ppo":  # RL batch math needs no dataset: checked first
+        cfg.batch_plan(layout.world, None)
+    preflight.check_inputs(cfg)
+    from open_instruct import data  # imports torch: after the checks that need none
+
+    probe = data.check_first_rows(cfg)
+    if getattr(cfg, "reward_functions", None) and probe:
+        from open_instruct.rewards import probe_line, probe_reward_functions
+
+        if is_main_process_from_env():
+            print(probe_line(cfg.reward_functions, len(probe)), flush=True)
+        probe_reward_functions(cfg.reward_functions, probe, cfg.reward_function_timeout)
+    if cfg.script == "rlvr_ppo":
+        from open_instruct.distillation import check_teacher
+        from open_instruct.generation_backends import check_backend
+
+        check_backend(cfg.generation_backend)  # a missing or unsupported vLLM
+        check_teacher(cfg)  # a teacher whose vocabulary is not the student's
+    if dry_run or layout.assumptions.gpu == "cpu":  # a real start on a GPU is not refused by a prediction (gpu.md)
+        plan.check_memory(cfg, layout)
+
+
 def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
-    """Parse the config (exit 2 on errors), print the plan and exit on --dry_run, check every input that needs no
-    model (preflight.py), claim the output folder (one run at a time, no mixing with another run's files) and check
-    the checkpoint to resume. Nothing heavy has been loaded when this returns; SIGTERM is caught from here on.
+    """Parse the config (exit 2 on errors), run every check that needs no model (start_checks; --dry_run then
+    prints the plan and exits), claim the output folder (one run at a time, no mixing with another run's files) and
+    check the checkpoint to resume. Nothing heavy has been loaded when this returns; SIGTERM is caught from here on.
 
     After `start_before_imports(cls)`, `start(cls)` returns that config (parsed and checked once)."""
     global _started
@@ -84,21 +119,21 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
         return cfg
     cfg = parse_or_exit(cls, argv)
     try:
-        if cfg.dry_run:
-            from open_instruct.plan import print_dry_run
-            from open_instruct.run_dir import config_yaml
-
-            print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
-            print(config_yaml(cfg))
-            print_dry_run(cfg, world_size_from_env())
-            raise SystemExit(0)
         from open_instruct import distributed, preflight, run_dir
 
-        distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
-        preflight.check_inputs(cfg)
+        if not cfg.dry_run:
+            distributed.check_cpu_launch(sys.argv[0])  # `accelerate launch --num_processes N` without a GPU: 1 process
+        # The same checks for a dry run and a real start, all before the output folder is claimed (and, with
+        # --overwrite_output_dir, cleared): a start that fails one leaves the folder as it was.
+        start_checks(cfg, world_size_from_env(), cfg.dry_run)
+        if cfg.dry_run:
+            from open_instruct.plan import print_dry_run
+
+            print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
+            print(run_dir.config_yaml(cfg))
+            print_dry_run(cfg, world_size_from_env())
+            raise SystemExit(0)
         preflight.check_output_dir_writable(cfg.output_dir)
-        if hasattr(cfg, "local_rollout_batch_size"):  # RL batch math needs no dataset: check it now
-            cfg.batch_plan(world_size_from_env(), None)
         if is_main_process_from_env():
             claim_output_dir(cfg)
             run_dir.write_config(cfg.output_dir, cfg)
@@ -106,6 +141,9 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+    except DataError as e:  # a dataset's first rows (start_checks): as a real start's loader reports it
+        print(f"DataError: {e}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
     preemption().requested = False  # from here a SIGTERM (e.g. during the model load) is noticed, not fatal
     return cfg

@@ -3,10 +3,12 @@
 One call = one `python -I -S` process, started through open_instruct/sandbox_boot.py (which documents the steps inside),
 with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
 
-    wall_seconds     the parent kills the whole call after this long              -> "wall_time"
-    cpu_seconds      RLIMIT_CPU (SIGXCPU, then SIGKILL one second later)           -> "cpu_time"
+    wall_seconds     the supervisor ends a run after this long (the parent the call) -> "wall_time"
+    cpu_seconds      the CPU time of ALL a run's processes together (the supervisor sums it: forks do not reset
+                     it); RLIMIT_CPU per process besides                            -> "cpu_time"
     memory_mb        RLIMIT_AS: an allocation past it raises MemoryError           -> "memory"
-    max_output_bytes stdout and stderr each; the call is killed at the first byte over -> "output"
+    max_output_bytes stdout and stderr each, per run; the run is killed at the first byte over, and the parent never
+                     holds more than this per stream and run                         -> "output"
     max_processes    RLIMIT_NPROC (processes + threads of the sandbox uid)         -> "processes" (fork/thread EAGAIN)
     max_file_mb      RLIMIT_FSIZE per file; the private /tmp is 4x this in total   -> "file_size" (EFBIG / ENOSPC)
 
@@ -15,9 +17,10 @@ Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has
   namespaces (Linux, root, or a user namespace when not root; `unshare` from util-linux):
       network  a new network namespace: only a loopback that is down -> no socket reaches 127.0.0.1 or outside
       files    a new mount namespace: empty read-only tmpfs over the hidden paths (run_hidden_paths: home, HF caches,
-               the checkout, the cwd, the run's output_dir, data sources and caches); then every mount read-only and
-               nosuid; one private tmpfs on /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is
-               the only writable place (the working dir is /tmp/work); /proc shows only the sandbox's processes
+               the checkout, the cwd, the run's output_dir, data sources and caches, /sys/fs/cgroup, every top-level
+               folder outside VISIBLE_TOP_LEVEL); then every mount read-only and nosuid; one private tmpfs per run on
+               /tmp (4 x max_file_mb; /var/tmp and /dev/shm are folders of it) is the only writable place (the
+               working dir is /tmp/work); /proc shows only the sandbox's processes; a cgroup namespace
       procs    a new pid namespace whose pid 1 is the supervisor: when it exits, the kernel kills every process
                the program left (daemons, double forks, setsid escapes)
       ipc      a new IPC namespace: SysV shared memory, semaphores, message queues and POSIX queues die with the call
@@ -27,11 +30,13 @@ Isolation (chosen once per process by `isolation()`, logged; docs/sandbox.md has
   uid (root without namespaces, e.g. a container whose seccomp refuses unshare):
       the per-slot uid, rlimits, a 0700 temp working dir; afterwards every process of that uid is killed.
       NOT blocked: the network, reading world-readable files, writing world-writable dirs (/tmp), IPC objects.
-  rlimits (neither): rlimits, a scrubbed environment, a temp working dir, the process group killed afterwards.
-      NOT blocked: network, files the trainer's user can read/write, a daemon that calls setsid(), IPC objects.
+  rlimits (neither): rlimits, a scrubbed environment, a temp working dir, every descendant of the supervisor (a child
+      subreaper: setsid daemons too) killed after each run.
+      NOT blocked: network, files the trainer's user can read/write, IPC objects.
 
-In every mode on Linux the program runs with no-new-privileges and a seccomp filter (socket(AF_UNIX), io_uring and
-the keyring calls fail: no host unix socket is reachable, no keyring outlives a call), and dies with its supervisor;
+In every mode on Linux the program runs with no-new-privileges and a seccomp filter (sandbox_boot.seccomp_filter:
+unix sockets and socketpairs, file locks, leases and notifications, inotify/fanotify, ptrace and process_vm_*, signals
+to the supervisor or to -1, mounts and namespaces, io_uring and the keyring calls fail), and dies with its supervisor;
 the call's first process gets SIGKILL when the trainer's thread that started it ends, whatever kills the trainer
 (`setpriv --pdeathsig`). A call's processes and tmpfs share one memory cgroup bounded to memory_mb + its tmpfs where
 this process may make one (memory_control: cgroup v2 with the memory controller delegated, else v1); otherwise the
@@ -93,15 +98,30 @@ class SandboxLimits:
             raise ValueError(f"sandbox memory_mb {self.memory_mb} is too small for a Python interpreter (>= 64)")
 
 
+@dataclasses.dataclass(frozen=True)
+class SandboxRun:
+    """One run of a call's program: `argv[0]` (a file of the working dir: main.py or one of `files`) run as __main__
+    with the rest as its arguments and `stdin`, under its own CPU and wall limits (default: the call's). The runs of a
+    call run one after another, each from a fresh copy of the files on a fresh tmpfs; every process of one is killed
+    before the next starts; CPU time is summed over all of a run's processes."""
+
+    argv: tuple[str, ...] = ("main.py",)
+    stdin: str = ""
+    cpu_seconds: Optional[float] = None
+    wall_seconds: Optional[float] = None
+    max_output_bytes: Optional[int] = None  # stdout and stderr each; at most the call's limit
+
+
 @dataclasses.dataclass
 class SandboxResult:
     stdout: str
     stderr: str
     exit_code: Optional[int]  # the program's exit status; -N = killed by signal N; None = it never ran
     limit: Optional[str]  # which limit ended it: wall_time, cpu_time, memory, output, processes, file_size
-    seconds: float  # wall time of the call
-    cpu_seconds: float = 0.0
+    seconds: float  # wall time of the call (of the run, in `runs`)
+    cpu_seconds: float = 0.0  # of all its processes together
     setup_error: Optional[str] = None  # the sandbox itself failed (not the program's fault)
+    runs: list["SandboxResult"] = dataclasses.field(default_factory=list)  # per run; the fields above: the first's
 
     @property
     def ok(self) -> bool:
@@ -244,10 +264,28 @@ def _base_python() -> tuple[str, str]:
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: sources, configs, demo data
 
 
+# What a sandboxed program sees of the host's root: these top-level folders (what the interpreter needs to start), the
+# call's own /proc and /tmp; every other top-level entry (/home, /root, /work, /mnt, /srv, /opt, /var, /run, ...) is
+# covered in every call, with or without a run's config (the interpreter's prefix is bound back where one holds it),
+# and so are the cgroup filesystem and the paths of default_hidden_paths.
+VISIBLE_TOP_LEVEL = ("bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys", "tmp", "usr")
+HIDDEN_SYSTEM_PATHS = ("/sys/fs/cgroup",)
+
+
+def _top_level_to_hide() -> list[str]:
+    """Every top-level folder or file of / outside VISIBLE_TOP_LEVEL (symlinks such as /lib -> usr/lib are kept:
+    they point into what stays visible or nowhere)."""
+    try:
+        names = os.listdir("/")
+    except OSError:
+        return []
+    return ["/" + n for n in names if n not in VISIBLE_TOP_LEVEL and not os.path.islink("/" + n)]
+
+
 def default_hidden_paths(extra: Sequence[str] = ()) -> list[str]:
-    """Paths covered in the mount namespace: the home dir, HF caches, the checkout, the trainer's cwd, and `extra`
-    (a run's own paths: run_hidden_paths)."""
-    paths = [os.path.expanduser("~"), "/root", os.getcwd(), CHECKOUT]
+    """Paths covered in the mount namespace: every top-level entry outside VISIBLE_TOP_LEVEL, the cgroup filesystem,
+    the home dir, HF caches, the checkout, the trainer's cwd, and `extra` (a run's own paths: run_hidden_paths)."""
+    paths = [*_top_level_to_hide(), *HIDDEN_SYSTEM_PATHS, os.path.expanduser("~"), "/root", os.getcwd(), CHECKOUT]
     for var in ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME"):
         if os.environ.get(var):
             paths.append(os.environ[var])
@@ -290,18 +328,17 @@ def tool_runtime(cfg: Any) -> Callable[[str, float], tuple[str, str, str]]:
     return functools.partial(python_runtime, hide_paths=run_hidden_paths(cfg))
 
 
-# `python -S` skips site (its .pth files can cost 0.3 s a start), which also drops the exit()/quit() builtins that
-# contest-style programs call: the launcher restores them, then runs main.py as __main__ like `python main.py`.
-LAUNCHER = (
-    "import builtins, runpy, sys; builtins.exit = builtins.quit = sys.exit; sys.argv = sys.argv[1:]; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
-)
-
-
 def _spec(
-    program: str, files: dict, limits: SandboxLimits, iso: Isolation, slot: int, workdir: Optional[str], hide: list
+    program: str,
+    files: dict,
+    runs: Sequence[SandboxRun],
+    limits: SandboxLimits,
+    iso: Isolation,
+    slot: int,
+    workdir: Optional[str],
+    hide: list,
 ) -> dict:
-    python, prefix = _base_python()
+    prefix = _base_python()[1]
     uid = gid = SANDBOX_UID_BASE + slot
     if not iso.drops_privileges:
         uid, gid = os.getuid(), os.getgid()
@@ -317,17 +354,23 @@ def _spec(
         "tmpfs_mb": 4 * limits.max_file_mb,
         "cgroup_procs": None,  # the call's memory cgroup, joined by the supervisor first (memory_control)
         "hide": hide,
-        "python": python,
         "python_prefix": prefix,
-        "python_args": ["-I", "-S", "-B", "-c", LAUNCHER],
-        "main": "main.py",
+        "runs": [
+            {
+                "argv": list(run.argv),
+                "stdin": run.stdin,
+                "cpu_seconds": float(run.cpu_seconds or limits.cpu_seconds),
+                "wall_seconds": float(run.wall_seconds or limits.wall_seconds),
+                "max_output_bytes": int(min(run.max_output_bytes or limits.max_output_bytes, limits.max_output_bytes)),
+            }
+            for run in runs
+        ],
         "files": {"main.py": program, **files},
         "uid": uid,
         "gid": gid,
         "drop_privileges": iso.drops_privileges,
         "nice": 10,
-        "rlimits": {
-            "RLIMIT_CPU": int(limits.cpu_seconds),
+        "rlimits": {  # per process (RLIMIT_CPU: from each run's CPU limit)
             "RLIMIT_AS": int(limits.memory_mb) << 20,
             "RLIMIT_FSIZE": int(limits.max_file_mb) << 20,
             "RLIMIT_NPROC": int(nproc),
@@ -344,7 +387,7 @@ def _command(iso: Isolation) -> list[str]:
     death ends every process of the call."""
     setpriv = shutil.which("setpriv")
     first = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-    boot = [sys.executable, "-I", "-S", BOOT_SCRIPT]
+    boot = [_base_python()[0], "-I", "-S", "-B", BOOT_SCRIPT]  # the supervisor, whose forks become the programs
     if iso.mode != "namespaces":
         return [*first, *boot]
     user = [] if iso.as_root else ["--user", "--map-root-user"]
@@ -357,10 +400,10 @@ def _hit_process_limit(stderr_tail: str) -> bool:
     return "BlockingIOError" in stderr_tail or "can't start new thread" in stderr_tail
 
 
-def _name_limit(res: dict, stderr_tail: str, limits: SandboxLimits) -> Optional[str]:
+def _name_limit(res: dict, stderr_tail: str, cpu_seconds: float) -> Optional[str]:
     """Which limit ended a program that did not exit 0 (stderr only decides when no signal did)."""
     sig = res.get("signal")
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and res.get("cpu", 0.0) >= limits.cpu_seconds - 0.05):
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and res.get("cpu", 0.0) >= cpu_seconds - 0.05):
         return "cpu_time"
     if res.get("exit") == 0:
         return None
@@ -381,17 +424,24 @@ def run_in_sandbox(
     files: Optional[dict[str, str]] = None,
     hide_paths: Sequence[str] = (),
     deadline: Optional[float] = None,
+    runs: Optional[Sequence[SandboxRun]] = None,
 ) -> SandboxResult:
     """Run `program` (Python source) with `stdin` under `limits` in a fresh sandboxed process (module docstring).
 
     `files` ({name: text}) are written next to main.py in the empty working dir; `hide_paths` are covered besides
-    default_hidden_paths(); `deadline` (time.monotonic()) cuts the wall limit short (a batch timeout). Never raises
-    for anything the program does; returns within the wall limit plus about a second."""
+    default_hidden_paths(); `deadline` (time.monotonic()) cuts the wall limit short (a batch timeout). With `runs`,
+    the call runs each of them in turn (SandboxRun; `stdin` is then unused) and reports each in `.runs`; the call's
+    wall limit is then for all of them together. Never raises for anything the program does; returns within the wall
+    limit plus about a second."""
     limits.validate()
     for name in files or {}:
         if not name or "/" in name or name.startswith(".") or name == "main.py":
             raise ValueError(f"sandbox file name {name!r} must be a plain name other than main.py")
-    return _call(isolation(), program, stdin, limits, files or {}, hide_paths, deadline)
+    runs = tuple(runs) if runs else (SandboxRun(stdin=stdin),)
+    for run in runs:
+        if not run.argv or run.argv[0] not in ("main.py", *(files or {})):
+            raise ValueError(f"sandbox run {run.argv!r} must start with main.py or one of the call's files")
+    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -540,7 +590,13 @@ def call_memory_bytes(limits: SandboxLimits) -> int:
 
 
 def _call(
-    iso: Isolation, program: str, stdin: str, limits: SandboxLimits, files: dict, hide_paths: Sequence[str], deadline
+    iso: Isolation,
+    program: str,
+    runs: Sequence[SandboxRun],
+    limits: SandboxLimits,
+    files: dict,
+    hide_paths: Sequence[str],
+    deadline,
 ) -> SandboxResult:
     start = time.monotonic()
     wall = limits.wall_seconds if deadline is None else min(limits.wall_seconds, deadline - start)
@@ -550,17 +606,20 @@ def _call(
     workdir = cgroup = None
     try:
         if iso.mode != "namespaces":
-            workdir = tempfile.mkdtemp(prefix="oi-sandbox-")
-            if iso.drops_privileges:
-                os.chown(workdir, SANDBOX_UID_BASE + slot, SANDBOX_UID_BASE + slot)
-        spec = _spec(program, files, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
+            workdir = tempfile.mkdtemp(prefix="oi-sandbox-")  # the supervisor makes a folder per run in it
+        spec = _spec(program, files, runs, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
         ctl = memory_control() if iso.drops_privileges else None  # the supervisor joins it as root
         if ctl is not None:
             cgroup = _make_cgroup(ctl, slot, call_memory_bytes(limits))
             spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")
-        result = _run(spec, stdin, limits, iso, wall, start)
-        if cgroup is not None and result.limit is None and not result.ok and _oom_kills(ctl, cgroup):
-            result.limit = "memory"
+        # the supervisor ends each run at its wall limit and reports it; the parent's own kill is the backstop
+        backstop = wall + _KILL_GRACE_SECONDS if wall == limits.wall_seconds else wall
+        result = _run(spec, limits, iso, backstop, start)
+        if cgroup is not None and _oom_kills(ctl, cgroup):
+            for run in result.runs or [result]:
+                if run.limit is None and not run.ok:
+                    run.limit = "memory"
+            result.limit = result.runs[0].limit if result.runs else result.limit
         return result
     finally:
         if cgroup is not None:
@@ -572,11 +631,57 @@ def _call(
         _give_slot(slot)
 
 
-def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: float, start: float) -> SandboxResult:
+_DIAGNOSTIC_BYTES = 1 << 16  # the supervisor's (or unshare's) own stdout/stderr: messages, never the program's
+
+
+class _Frames:
+    """The supervisor's frames (sandbox_boot's docstring), parsed as they arrive: per run, stdout and stderr held up
+    to the cap (never more, whatever arrives), and its end record."""
+
+    def __init__(self, caps: Sequence[int]):
+        self.buffer = bytearray()
+        self.caps = list(caps)  # per run: bytes kept of each stream
+        self.output = [{1: bytearray(), 2: bytearray()} for _ in self.caps]
+        self.ends: dict[int, dict] = {}
+        self.setup_error: Optional[str] = None
+        self.pending: Optional[tuple[int, int, int]] = None  # (run, stream, bytes still to come)
+
+    def feed(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            if self.pending is not None:
+                run, stream, left = self.pending
+                take = min(left, len(self.buffer))
+                target = self.output[run][stream]
+                target += self.buffer[: max(0, min(take, self.caps[run] - len(target)))]
+                del self.buffer[:take]
+                self.pending = (run, stream, left - take) if left > take else None
+                if self.pending is not None:
+                    return
+                continue
+            newline = self.buffer.find(b"\n")
+            if newline < 0:
+                if len(self.buffer) > _DIAGNOSTIC_BYTES:  # no header is this long: not the supervisor's
+                    raise ValueError("malformed frame from the sandbox supervisor")
+                return
+            header = json.loads(bytes(self.buffer[:newline]))
+            del self.buffer[: newline + 1]
+            if "setup_error" in header:
+                self.setup_error = str(header["setup_error"])
+            elif "bytes" in header:
+                run, stream = int(header["run"]), int(header["stream"])
+                if not (0 <= run < len(self.output) and stream in (1, 2)):
+                    raise ValueError(f"frame for run {run} stream {stream}")
+                self.pending = (run, stream, int(header["bytes"]))
+            else:
+                self.ends[int(header["run"])] = header
+
+
+def _run(spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: float) -> SandboxResult:
     status_r, status_w = os.pipe()
     spec["status_fd"] = status_w
     header = json.dumps(spec).encode()
-    feed = memoryview(b"%012d" % len(header) + header + stdin.encode("utf-8", "surrogateescape"))
+    feed = memoryview(b"%012d" % len(header) + header)
     try:
         proc = subprocess.Popen(
             _command(iso),
@@ -590,21 +695,22 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
         )
     finally:
         os.close(status_w)
-    out = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), status_r: bytearray()}
+    frames = _Frames([run["max_output_bytes"] for run in spec["runs"]])
+    diagnostics = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     sel = selectors.DefaultSelector()
-    for fd in out:
+    for fd in (*diagnostics, status_r):
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
     stdin_fd = proc.stdin.fileno()
     os.set_blocking(stdin_fd, False)
     sel.register(stdin_fd, selectors.EVENT_WRITE)
-    limit, deadline, killed, open_reads = None, start + wall, False, set(out)
+    limit, deadline, killed, open_reads = None, start + wall, False, {*diagnostics, status_r}
     try:
         while open_reads:
             now = time.monotonic()
             if now >= deadline:
-                if not killed:  # the wall limit
-                    limit = limit or "wall_time"
+                if not killed:  # the wall limit of the whole call
+                    limit = "wall_time"
                     _kill_call(proc, iso)
                     killed, deadline = True, now + _KILL_GRACE_SECONDS
                     continue
@@ -616,7 +722,7 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
                         feed = feed[os.write(fd, feed[: 1 << 16]) :]
                     except BlockingIOError:
                         continue
-                    except BrokenPipeError:  # the program closed its stdin or ended: the rest is not wanted
+                    except BrokenPipeError:  # the supervisor ended before reading its spec
                         feed = feed[len(feed) :]
                     if not feed:
                         sel.unregister(fd)
@@ -626,27 +732,20 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
                 if not chunk:
                     sel.unregister(fd)
                     open_reads.discard(fd)
-                    continue
-                out[fd] += chunk
-                if fd == status_r:
-                    if not killed and b"\n" in out[fd]:  # the program ended: nothing it left may live on
-                        if iso.mode != "namespaces":  # (with a pid namespace, the supervisor's exit does it)
-                            _kill_call(proc, iso)
+                elif fd == status_r:
+                    try:
+                        frames.feed(chunk)
+                    except (ValueError, KeyError, TypeError, RecursionError) as e:
+                        frames.setup_error = f"sandbox supervisor: {e}"
+                        _kill_call(proc, iso)
                         killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
-                elif len(out[fd]) > limits.max_output_bytes and limit is None:
-                    limit = "output"
-                    del out[fd][limits.max_output_bytes :]
-                    _kill_call(proc, iso)
-                    killed, deadline = True, time.monotonic() + _KILL_GRACE_SECONDS
-                elif len(out[fd]) > limits.max_output_bytes:
-                    del out[fd][limits.max_output_bytes :]
+                else:
+                    diagnostics[fd] += chunk[: max(0, _DIAGNOSTIC_BYTES - len(diagnostics[fd]))]
     finally:
         sel.close()
         if proc.poll() is None:
             _kill_call(proc, iso)
         proc.wait()  # with namespaces: unshare exits after pid 1, which the kernel reaps only once all else is gone
-        for fd in open_reads:  # what a slow loop had not read yet when it stopped waiting
-            _drain(fd, out[fd], limits.max_output_bytes if fd != status_r else 1 << 16)
         if not proc.stdin.closed:
             try:
                 proc.stdin.close()
@@ -655,40 +754,42 @@ def _run(spec: dict, stdin: str, limits: SandboxLimits, iso: Isolation, wall: fl
         proc.stdout.close()
         proc.stderr.close()
         os.close(status_r)
-    return _result(out, status_r, proc, limit, limits, start)
+    return _result(frames, b"".join(diagnostics.values()), spec, limit, start)
 
 
-def _drain(fd: int, buf: bytearray, cap: int) -> None:
-    """Read what is left in a non-blocking pipe (up to `cap` bytes in `buf`), without waiting for more."""
-    while len(buf) < cap:
-        try:
-            chunk = os.read(fd, min(1 << 16, cap - len(buf)))
-        except BlockingIOError:
-            return
-        if not chunk:
-            return
-        buf += chunk
-
-
-def _result(out: dict, status_r: int, proc: subprocess.Popen, limit, limits: SandboxLimits, start: float):
-    streams = [v for k, v in out.items() if k != status_r]
-    stdout, stderr = (bytes(s).decode("utf-8", "replace") for s in streams)
-    lines = stderr.splitlines(keepends=True)
-    if limit is not None and lines and lines[-1].startswith("unshare: "):  # its note on its killed child, not ours
-        stderr = "".join(lines[:-1])
-    status_lines = [line for line in bytes(out[status_r]).split(b"\n") if line.strip()]
-    res = json.loads(status_lines[-1]) if status_lines else {}
+def _result(frames: _Frames, diagnostics: bytes, spec: dict, limit: Optional[str], start: float) -> SandboxResult:
+    """The call's result: one SandboxResult per run that started (a run without an end record was cut by the call's
+    wall limit, or the supervisor died), the first run's fields on the call's."""
+    runs = []
     seconds = time.monotonic() - start
-    if "setup_error" in res:
-        return SandboxResult(stdout, stderr, None, limit, seconds, setup_error=res["setup_error"])
-    exit_code = res.get("exit")
-    if exit_code is None and limit is None:  # no report: the supervisor died (killed from outside)
-        exit_code = proc.returncode
-    if limit is None and res:
-        limit = _name_limit(res, stderr[-_STDERR_SCAN_CHARS:], limits)
-    elif limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
-        limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
-    return SandboxResult(stdout, stderr, exit_code, limit, seconds, cpu_seconds=float(res.get("cpu", 0.0)))
+    if frames.setup_error and not frames.ends:  # the sandbox could not be built: nothing of the program ran
+        return SandboxResult("", "", None, limit, seconds, setup_error=frames.setup_error)
+    for index, run_spec in enumerate(spec["runs"]):
+        out = frames.output[index]
+        stdout, stderr = (bytes(out[k]).decode("utf-8", "replace") for k in (1, 2))
+        end = frames.ends.get(index)
+        if end is None:  # the last run that started: cut by the call's wall limit, or the supervisor died
+            if limit is None:
+                why = "no report from the sandbox supervisor: " + diagnostics[-2000:].decode(errors="replace")
+                runs.append(SandboxResult(stdout, stderr, None, None, 0.0, setup_error=why))
+            else:
+                cut = "processes" if _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]) else limit
+                runs.append(SandboxResult(stdout, stderr, None, cut, 0.0))
+            break
+        if "setup_error" in end:
+            runs.append(SandboxResult(stdout, stderr, None, None, 0.0, setup_error=str(end["setup_error"])))
+            break
+        run_limit = end.get("limit")
+        if run_limit is None and end.get("exit") != 0:
+            run_limit = _name_limit(end, stderr[-_STDERR_SCAN_CHARS:], run_spec["cpu_seconds"])
+        elif run_limit in ("wall_time", "output") and _hit_process_limit(stderr[-_STDERR_SCAN_CHARS:]):
+            run_limit = "processes"  # a fork/thread bomb that then hung or spammed: the cause is the process limit
+        seconds_used, cpu = float(end.get("seconds", 0.0)), float(end.get("cpu", 0.0))
+        runs.append(SandboxResult(stdout, stderr, end.get("exit"), run_limit, seconds_used, cpu))
+    first = runs[0]
+    return SandboxResult(
+        first.stdout, first.stderr, first.exit_code, first.limit, seconds, first.cpu_seconds, first.setup_error, runs
+    )
 
 
 def _children_of(pid: int) -> list[int]:
@@ -736,7 +837,7 @@ _isolation_lock = threading.Lock()
 def _probe(iso: Isolation) -> Optional[str]:
     """None if a trivial program runs under `iso`, else why not."""
     try:
-        res = _call(iso, "print(6 * 7)", "", SandboxLimits(wall_seconds=30, cpu_seconds=30), {}, (), None)
+        res = _call(iso, "print(6 * 7)", (SandboxRun(),), SandboxLimits(wall_seconds=30, cpu_seconds=30), {}, (), None)
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     if res.setup_error or res.stdout.strip() != "42":
@@ -805,6 +906,10 @@ class SandboxCall:
     stdin: str = ""
     files: Optional[dict[str, str]] = None
     limits: Optional[SandboxLimits] = None  # default: the pool's
+    runs: Optional[tuple[SandboxRun, ...]] = None  # default: one run of main.py with `stdin`
+    # SandboxPool.run starts a call of phase p only after every call of a lower phase has ended: calls that must not
+    # overlap in time (one holding secrets another's program must not learn, even by timing) go in different phases
+    phase: int = 0
 
 
 class SandboxPool:
@@ -819,22 +924,29 @@ class SandboxPool:
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
 
     def run(self, calls: Sequence[SandboxCall], batch_timeout: Optional[float] = None) -> list[SandboxResult]:
-        """Results in call order. With `batch_timeout`, calls still running at the batch deadline are killed and
-        calls not yet started return at once, all with limit "wall_time"."""
+        """Results in call order; the calls of one phase all end before a call of the next phase starts. With
+        `batch_timeout`, calls still running at the batch deadline are killed and calls not yet started return at
+        once, all with limit "wall_time"."""
         deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
-        futures = [
-            self._executor.submit(
-                run_in_sandbox,
-                c.program,
-                c.stdin,
-                limits=c.limits or self.limits,
-                files=c.files,
-                hide_paths=self.hide_paths,
-                deadline=deadline,
-            )
-            for c in calls
-        ]
-        return [f.result() for f in futures]
+        results: list[Optional[SandboxResult]] = [None] * len(calls)
+        for phase in sorted({c.phase for c in calls}):
+            futures = {
+                i: self._executor.submit(
+                    run_in_sandbox,
+                    c.program,
+                    c.stdin,
+                    limits=c.limits or self.limits,
+                    files=c.files,
+                    hide_paths=self.hide_paths,
+                    deadline=deadline,
+                    runs=c.runs,
+                )
+                for i, c in enumerate(calls)
+                if c.phase == phase
+            }
+            for i, future in futures.items():
+                results[i] = future.result()
+        return results
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -1,45 +1,92 @@
 """The inside of one sandbox call (see open_instruct/sandbox.py): started as `python -I -S sandbox_boot.py`, as the
-trainer's user, possibly as pid 1 of fresh network/mount/pid namespaces made by `unshare`.
+trainer's user, possibly as pid 1 of fresh network/mount/pid/IPC namespaces made by `unshare`.
 
-Protocol: stdin starts with a 12-digit length and a JSON spec of that many bytes; the rest of stdin is the program's.
-The spec's `status_fd` (a pipe the parent reads) receives one JSON line: {"exit": code, "signal": n, "cpu": s} when
-the program ends, or {"setup_error": "..."} when the sandbox could not be built (nothing of the program ran).
+Protocol: stdin holds a 12-digit length and a JSON spec of that many bytes. The spec's `status_fd` (a pipe the parent
+reads; no program ever holds it) carries everything back, as frames: a JSON header line, then `bytes` raw bytes when
+the header has them:
+    {"run": i, "stream": 1 or 2, "bytes": n}             n bytes of run i's stdout (1) or stderr (2)
+    {"run": i, "exit": code, "signal": n, "cpu": s, "limit": name or null, "seconds": s}   run i ended
+    {"setup_error": "..."}                                the sandbox could not be built (that run did not start)
+A program cannot forge a frame: only this supervisor writes them, keyed by the run it started.
 
-Steps, in this order (the supervisor is this process; the program is its forked child):
-  0. join the call's memory cgroup (spec `cgroup_procs`, when the trainer made one): the bound covers every
-     process of the call and the pages of its tmpfs.
+Steps, in this order (the supervisor is this process; each run of the program is a forked child of it):
+  0. join the call's memory cgroup (spec `cgroup_procs`, when the trainer made one): the bound covers every process
+     of the call and the pages of its tmpfs; then (namespaces) a new cgroup namespace: the program's
+     /proc/self/cgroup names no host cgroup (nor the trainer's pid in it).
   1. (mount namespace only) an empty read-only tmpfs over every path in `hide` (the run's output_dir, data, home,
-     caches...); the interpreter's prefix bind-mounted back, read-only, at its own path when a hidden path contains
-     it (so `python` and libpython still load); then EVERY mount read-only and nosuid (mount_setattr, recursive: no
-     host directory of any name stays writable), and last one private size-limited tmpfs on /tmp, with /var/tmp and
-     /dev/shm bound to folders of it (one size limit for all three): the only writable place.
-  2. fork; the child lowers its priority, sets the rlimits, drops to the sandbox uid/gid (no supplementary groups),
-     sets no-new-privileges and the parent-death signal (SIGKILL), installs a seccomp filter (socket(AF_UNIX),
-     io_uring and the keyring calls fail: no host unix socket can be reached, no keyring survives a call), enters
-     the working directory, writes the program's files and execs python on them with a scrubbed environment.
-  3. the supervisor waits for the child, reports its status and exits; as pid 1 of the pid namespace its exit makes
-     the kernel kill everything the program left behind.
+     caches, /sys/fs/cgroup...); the interpreter's prefix bind-mounted back, read-only, at its own path when a hidden
+     path contains it (so `python` and libpython still load); then EVERY mount read-only and nosuid (mount_setattr,
+     recursive: no host directory of any name stays writable).
+  2. per run, one after another (runs never overlap): a fresh private size-limited tmpfs on /tmp (/var/tmp and
+     /dev/shm bound to folders of it) is the only writable place (a fresh temp dir without a mount namespace); fork;
+     the child takes its own session, closes every other fd (the channel too), lowers its priority, sets the
+     rlimits, drops to the sandbox uid/gid (no supplementary groups; as the root of a user namespace: no capabilities,
+     none regained by an exec), sets no-new-privileges and the parent-death signal (SIGKILL), installs the seccomp
+     filter (seccomp_filter), enters the working directory, writes the program's files and runs the run's file as
+     __main__ with a scrubbed environment: a fork taken before any program code ran, as clean as a new interpreter.
+     The supervisor feeds the run's stdin, forwards its stdout/stderr (each capped: over the cap the run is killed,
+     limit "output"), and ends the run at its wall limit or once the CPU time of ALL the run's processes together
+     (the reaped ones through RUSAGE_CHILDREN, the live ones from /proc) passes its CPU limit; RLIMIT_CPU bounds each
+     process besides. When the run's first process ends, every other process of the run is killed and reaped (the
+     supervisor is pid 1 of the pid namespace, or a child subreaper: orphans come back to it) before the next run
+     starts; the run's tmpfs is unmounted with it.
+  3. the supervisor exits; as pid 1 of the pid namespace its exit makes the kernel kill anything still there.
 
 Standard library only: this runs before and outside the trainer's environment.
 """
 
+import builtins
 import ctypes
 import json
 import os
 import platform
 import resource
+import runpy
+import select
+import shutil
 import signal
 import struct
 import sys
+import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MNT_DETACH = 2
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, AT_FDCWD, AT_RECURSIVE, SYS_MOUNT_SETATTR = 1, 2, -100, 0x8000, 442
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS, SECCOMP_MODE_FILTER = 1, 22, 38, 2
-# (audit arch, socket, add_key, request_key, keyctl, io_uring_setup) per machine
-_SYSCALLS = {"x86_64": (0xC000003E, 41, 248, 249, 250, 425), "aarch64": (0xC00000B7, 198, 217, 218, 219, 425)}
+PR_SET_DUMPABLE, PR_SET_SECUREBITS, PR_SET_CHILD_SUBREAPER = 4, 28, 36
+SECBIT_NOROOT_AND_LOCK = 0x3  # uid 0 gains no capabilities across exec, locked
+CLONE_NEWCGROUP = 0x02000000
+AF_UNIX = 1
+# fcntl commands that lock, lease or watch a file (F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY):
+# each is a channel between two programs that can only open the same read-only files
+FCNTL_CHANNELS = (6, 7, 37, 38, 1024, 1026)
+# Syscall numbers per machine. Refused outright: keyrings (outlive a call), io_uring (bypasses this filter), flock,
+# inotify/fanotify (channels through shared read-only files), ptrace, process_vm_readv/writev and pidfd_getfd (reach
+# into another process of the same uid), mounts, namespaces and chroot (undo the mount setup as a user namespace's
+# root).
+# fmt: off
+_SYSCALLS = {
+    "x86_64": {
+        "arch": 0xC000003E,
+        "denied": (248, 249, 250, 425, 73, 253, 254, 294, 300, 301, 101, 310, 311, 438, 165, 166, 155, 161, 272, 308,
+                   428, 429, 430, 431, 432, 433, 442),
+        "socket": 41, "socketpair": 53, "fcntl": 72,
+        "signals": (62, 200, 234, 129, 297, 434),  # kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_open
+    },
+    "aarch64": {
+        "arch": 0xC00000B7,
+        "denied": (217, 218, 219, 425, 32, 26, 27, 262, 263, 117, 270, 271, 438, 40, 39, 41, 51, 97, 268,
+                   428, 429, 430, 431, 432, 433, 442),
+        "socket": 198, "socketpair": 199, "fcntl": 25,
+        "signals": (129, 130, 131, 138, 240, 434),
+    },
+}
+# fmt: on
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+_TICK = 0.05  # seconds between two looks at a run's total CPU time
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+PROGRAM = object()  # what run_one returns in the forked child that becomes the program
 
 
 def _check(ret, what):
@@ -59,33 +106,56 @@ def read_only_everywhere():
     _check(0 if ret == 0 else -1, "mount_setattr / read-only, recursive")
 
 
-def seccomp_filter():
-    """A classic-BPF seccomp filter: socket(AF_UNIX, ...), io_uring_setup and add_key/request_key/keyctl fail with
-    EPERM; a foreign syscall ABI (x32, i386 on x86_64) is refused; everything else is allowed."""
-    machine = platform.machine()
+def seccomp_program(machine, supervisor):
+    """The classic-BPF program of seccomp_filter, as (code, jt, jf, k) tuples."""
     if machine not in _SYSCALLS:
         raise OSError(f"no seccomp filter for machine {machine!r}")
-    arch, sys_socket, *denied = _SYSCALLS[machine]
+    nr = _SYSCALLS[machine]
     ld_w_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, eperm = 0x7FFF0000, 0x00050000 | 1
+
+    def arg(i):  # the low 32 bits of argument i (little-endian machines)
+        return (ld_w_abs, 0, 0, 16 + 8 * i)
+
+    def refuse_when(syscall, index, values):
+        """syscall(..., arg index in values, ...) fails; any other call of it is allowed (the block ends either way)."""
+        body = [arg(index)]
+        for v in values:
+            body += [(jeq, 0, 1, v & 0xFFFFFFFF), (ret, 0, 0, eperm)]
+        body.append((ret, 0, 0, allow))
+        return [(jeq, 0, len(body), syscall), *body]
+
     prog = [
         (ld_w_abs, 0, 0, 4),  # arch
-        (jeq, 1, 0, arch),
+        (jeq, 1, 0, nr["arch"]),
         (ret, 0, 0, eperm),
         (ld_w_abs, 0, 0, 0),  # syscall number
         (jge, 0, 1, 0x40000000),  # x32
         (ret, 0, 0, eperm),
     ]
-    for nr in denied:
-        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
-    prog += [
-        (jeq, 1, 0, sys_socket),
-        (ret, 0, 0, allow),
-        (ld_w_abs, 0, 0, 16),  # socket's first argument (the domain), low 32 bits
-        (jeq, 0, 1, 1),  # AF_UNIX
-        (ret, 0, 0, eperm),
-        (ret, 0, 0, allow),
-    ]
+    for denied in nr["denied"]:
+        prog += [(jeq, 0, 1, denied), (ret, 0, 0, eperm)]
+    # each block below loads an argument, so each ends in a verdict; the syscall number is reloaded before the next
+    blocks = [refuse_when(nr["socket"], 0, [AF_UNIX]), refuse_when(nr["socketpair"], 0, [AF_UNIX])]
+    blocks.append(refuse_when(nr["fcntl"], 1, FCNTL_CHANNELS))
+    # no signal to the supervisor, to its process group, or to every process (-1); no pidfd of the supervisor
+    blocks += [refuse_when(s, 0, [supervisor, -supervisor, -1]) for s in nr["signals"]]
+    for block in blocks:
+        prog += [*block, (ld_w_abs, 0, 0, 0)]
+    prog.append((ret, 0, 0, allow))
+    return prog
+
+
+def seccomp_filter(supervisor):
+    """Install the seccomp filter (after no-new-privileges): what it refuses (EPERM) is listed at _SYSCALLS, plus
+    socket/socketpair(AF_UNIX) (no host unix socket can be reached, by name or by sendto from a socketpair), the fcntl
+    locks, leases and directory notifications (FCNTL_CHANNELS), a signal or pidfd aimed at the supervisor, its group
+    or every process; a foreign syscall ABI (x32, i386 on x86_64) is refused; everything else is allowed."""
+    prog = seccomp_program(platform.machine(), supervisor)
+    # a jump never skips past a block, but check that no offset overflowed the 8-bit fields
+    if any(jt > 255 or jf > 255 for _, jt, jf, _ in prog):
+        raise OSError("seccomp program jump out of range")
+    # note: blocks end in "ret"; the reload after each is reached only through a block's "skip the body" jump
     code = b"".join(struct.pack("HBBI", *ins) for ins in prog)
     buf = ctypes.create_string_buffer(code)
     fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buf))
@@ -111,8 +181,8 @@ def _is_within(path, parent):
 
 
 def build_mounts(spec):
-    """Step 1: hidden paths, the interpreter re-exposed, all read-only, then the private temp dir. Returns the
-    working directory."""
+    """Step 1: hidden paths, the interpreter re-exposed, then every mount read-only (the private temp dir comes per
+    run: fresh_workdir)."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
     prefix = spec["python_prefix"]
     stage = "/tmp/.prefix"
@@ -144,46 +214,294 @@ def build_mounts(spec):
         os.rmdir(stage)
     _umount("/tmp")
     read_only_everywhere()
+
+
+PRIVATE_EXTRAS = ("/var/tmp", "/dev/shm")
+
+
+def fresh_workdir(spec, index):
+    """A run's empty working directory, on storage no earlier run touched: (namespaces) a new tmpfs on /tmp, with
+    /var/tmp and /dev/shm bound to folders of it (one size limit for all three); else a new folder in spec's workdir.
+    Returns (the working directory, the cleanup to call after the run)."""
+    if not spec["mount_namespace"]:
+        workdir = os.path.join(spec["workdir"], str(index))
+        os.mkdir(workdir, 0o700)
+        os.chown(workdir, spec["uid"], spec["gid"])
+        return workdir, lambda: shutil.rmtree(workdir, ignore_errors=True)
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_mb']}m,mode=1777,nr_inodes=4096")
-    for extra in ("/var/tmp", "/dev/shm"):
+    bound = []
+    for extra in PRIVATE_EXTRAS:
         if os.path.isdir(extra):
             inside = "/tmp/." + extra.rsplit("/", 1)[1]
             os.mkdir(inside, 0o1777)
             os.chmod(inside, 0o1777)
             _mount(inside, extra, None, MS_BIND, None)
+            bound.append(extra)
     workdir = "/tmp/work"
     os.mkdir(workdir, 0o700)
     os.chown(workdir, spec["uid"], spec["gid"])
-    return workdir
+
+    def cleanup():
+        for path in (*bound, "/tmp"):
+            _umount(path)
+
+    return workdir, cleanup
 
 
-def run_child(spec, workdir, status_fd, supervisor):
-    """Step 2, in the forked child: never returns (execs the program, or exits 127 after reporting why not)."""
+def _drop_capabilities():
+    """No capability left in this process (capset: effective, permitted and inheritable all empty)."""
+    header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = bytes(24)  # two __user_cap_data_struct of zeros
+    _check(_libc.capset(ctypes.c_char_p(header), ctypes.c_char_p(data)), "capset")
+
+
+def become_program(spec, run, workdir, fds, setup_w, supervisor):
+    """In the forked child: become the run's program (a fork of the supervisor taken before any program code ran:
+    as clean as a fresh interpreter, 20-30 ms cheaper), or exit 127 after writing why not to setup_w. Returns only
+    when every bound is in place and every fd but 0, 1, 2 is closed (the supervisor's channel included); the caller
+    then runs the program."""
     try:
+        for fd, target in zip(fds, (0, 1, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, setup_w)
+        os.closerange(setup_w + 1, 1 << 16)
+        os.setsid()  # its own session and group, away from the supervisor's
         os.nice(spec["nice"])
+        cpu = max(1, int(run["cpu_seconds"] + 0.999))
         for name, value in spec["rlimits"].items():
-            resource.setrlimit(getattr(resource, name), (value, value) if name != "RLIMIT_CPU" else (value, value + 1))
+            resource.setrlimit(getattr(resource, name), (value, value))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # one process's bound; the run's is the supervisor's
         if spec["drop_privileges"]:
             os.setgroups([])
             os.setgid(spec["gid"])
             os.setuid(spec["uid"])
+        elif os.geteuid() == 0:  # the root of a user namespace (or root without one): no capabilities in the program
+            _prctl(PR_SET_SECUREBITS, SECBIT_NOROOT_AND_LOCK)  # none regained by an exec either
+            _drop_capabilities()
         if sys.platform.startswith("linux"):
+            _prctl(PR_SET_DUMPABLE, 1)  # its own /proc entries its own again (the supervisor's stay out of reach)
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the supervisor
             if os.getppid() != supervisor:
                 raise OSError("the supervisor ended before the program started")
-            seccomp_filter()  # sets no-new-privileges first
+            seccomp_filter(supervisor)  # sets no-new-privileges first
         os.chdir(workdir)
         for name, content in spec["files"].items():
             with open(name, "x", encoding="utf-8") as f:
                 f.write(content)
         os.umask(0o077)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a program writing to a closed pipe dies as usual
-        os.execve(spec["python"], [spec["python"], *spec["python_args"], spec["main"]], spec["env"])
-    except BaseException as e:  # noqa: BLE001 - anything here is a setup failure, reported to the parent
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt, as in any interpreter
+        os.environ.clear()
+        os.environ.update({**spec["env"], "HOME": workdir, "TMPDIR": workdir})
+        sys.argv = list(run["argv"])
+        builtins.exit = builtins.quit = sys.exit  # `-S` skipped site, which defines them; contest programs call them
+    except BaseException as e:  # noqa: BLE001 - anything here is a setup failure, reported to the supervisor
         try:
-            os.write(status_fd, json.dumps({"setup_error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
+            os.write(setup_w, f"{type(e).__name__}: {e}".encode())
         finally:
             os._exit(127)
+    os.close(setup_w)  # empty and closed: the program starts
+
+
+def _stat_fields(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+def _others(me):
+    """Every process of the call but the supervisor: all of the pid namespace's other processes when it is pid 1,
+    else its descendants (a child subreaper: orphans come back to it, so none is lost by a double fork)."""
+    entries = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
+    if me == 1:
+        return entries
+    children = {}
+    for pid in entries:
+        try:
+            children.setdefault(int(_stat_fields(pid)[1]), []).append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [me]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _live_cpu(me):
+    """CPU seconds of the call's live processes, each with its reaped children (fork chains included)."""
+    total = 0
+    for pid in _others(me):
+        try:
+            fields = _stat_fields(pid)
+            total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / _CLK_TCK
+
+
+def _kill_others(me):
+    if me == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)  # from pid 1 of a pid namespace: every other process in it
+        except ProcessLookupError:
+            pass
+        return
+    for pid in _others(me):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _end_all(me, first):
+    """Kill and reap every process of the run; returns the wait status of `first` (None if it was reaped before)."""
+    status = None
+    while True:
+        _kill_others(me)
+        try:
+            pid, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return status
+        if pid == first:
+            status = wait_status
+
+
+class Channel:
+    """The frames of the module docstring, on the status pipe."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def send(self, header, data=b""):
+        frame = json.dumps(header).encode() + b"\n" + data
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
+def run_one(spec, index, run, channel, me):
+    """Run `run` (one entry of spec["runs"]) to its end; sends its output and its end frames. Returns whether the
+    next run may start, or PROGRAM in the forked child, which then runs the program."""
+    workdir, cleanup = fresh_workdir(spec, index)
+    child = False
+    try:
+        pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
+        setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
+        cpu_before, start = _children_cpu(), time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            child = True
+            become_program(spec, run, workdir, (pipes[0][0], pipes[1][1], pipes[2][1]), setup_w, me)
+            return PROGRAM
+        os.close(setup_w)
+        for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
+            os.close(fd)
+        why = b""
+        while True:
+            chunk = os.read(setup_r, 4096)
+            if not chunk:
+                break
+            why += chunk
+        os.close(setup_r)
+        if why:
+            _end_all(me, pid)
+            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+                os.close(fd)
+            channel.send({"run": index, "setup_error": why.decode("utf-8", "replace")})
+            return False
+        limit = _supervise(run, index, pid, pipes, channel, me, cpu_before, start)
+        status = _end_all(me, pid)
+        for fd in (pipes[1][0], pipes[2][0]):
+            os.close(fd)
+        cpu = _children_cpu() - cpu_before
+        if limit is None and cpu > run["cpu_seconds"]:
+            limit = "cpu_time"  # its processes ended between two looks, past the limit together
+        end = {"run": index, "cpu": cpu, "limit": limit, "seconds": time.monotonic() - start}
+        if status is not None:
+            end["exit"] = os.waitstatus_to_exitcode(status)
+            if os.WIFSIGNALED(status):
+                end["signal"] = os.WTERMSIG(status)
+        channel.send(end)
+        return True
+    finally:
+        if not child:  # (the program's process leaves the run's storage alone)
+            cleanup()
+
+
+def _supervise(run, index, pid, pipes, channel, me, cpu_before, start):
+    """Feed stdin, forward stdout/stderr (capped), watch the wall and the run's CPU time; return the limit that ended
+    the run, or None when its first process ended by itself. Output still in the pipes is forwarded afterwards."""
+    feed = memoryview(run.get("stdin", "").encode("utf-8", "surrogateescape"))
+    stdin_w, out_r, err_r = pipes[0][1], pipes[1][0], pipes[2][0]
+    for fd in (stdin_w, out_r, err_r):
+        os.set_blocking(fd, False)
+    pidfd = os.pidfd_open(pid)
+    cap, sent = run["max_output_bytes"], {out_r: 0, err_r: 0}
+    streams = {out_r: 1, err_r: 2}
+    deadline, next_look = start + run["wall_seconds"], start + _TICK
+    reading, writing = [out_r, err_r, pidfd], [stdin_w] if feed else []
+    if not feed:
+        os.close(stdin_w)
+    limit = None
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                limit = "wall_time"
+                break
+            if now >= next_look:
+                if _children_cpu() - cpu_before + _live_cpu(me) > run["cpu_seconds"]:
+                    limit = "cpu_time"
+                    break
+                next_look = now + _TICK
+            readable, writable, _ = select.select(reading, writing, [], max(0.0, min(deadline, next_look) - now))
+            if writable:
+                try:
+                    feed = feed[os.write(stdin_w, feed[: 1 << 16]) :]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:
+                    feed = feed[:0]
+                if not feed:
+                    writing = []
+                    os.close(stdin_w)
+            for fd in readable:
+                if fd == pidfd:
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    reading.remove(fd)
+                    continue
+                room = cap - sent[fd]
+                if chunk[:room]:
+                    channel.send({"run": index, "stream": streams[fd], "bytes": len(chunk[:room])}, chunk[:room])
+                sent[fd] += len(chunk)
+                if sent[fd] > cap:
+                    limit = "output"
+            if limit or pidfd in readable:
+                break
+    finally:
+        os.close(pidfd)
+        if writing:
+            os.close(stdin_w)
+    _kill_others(me)
+    for fd in (out_r, err_r):  # what the run wrote before it ended, up to the cap (every writer is dead now)
+        while sent[fd] < cap and fd in reading:
+            try:
+                chunk = os.read(fd, min(1 << 16, cap - sent[fd]))
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            channel.send({"run": index, "stream": streams[fd], "bytes": len(chunk)}, chunk)
+            sent[fd] += len(chunk)
+    return limit
 
 
 def read_spec():
@@ -200,30 +518,36 @@ def read_spec():
 
 
 def main():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 takes only signals it handles: it handles none
     if sys.platform.startswith("linux"):  # without namespaces: dies with the trainer's thread that started it
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(PR_SET_DUMPABLE, 0)  # no process of its uid may open /proc/<supervisor>/fd (the channel) or ptrace it
     spec = read_spec()
-    status_fd = spec["status_fd"]
+    channel = Channel(spec["status_fd"])
+    os.set_inheritable(channel.fd, False)
+    me = os.getpid()
     try:
         if spec.get("cgroup_procs"):  # before anything else: every process of the call and its tmpfs count there
             with open(spec["cgroup_procs"], "w") as f:
                 f.write("0")
-        workdir = build_mounts(spec) if spec["mount_namespace"] else spec["workdir"]
+        if spec["mount_namespace"]:
+            _check(_libc.unshare(CLONE_NEWCGROUP), "unshare(CLONE_NEWCGROUP)")
+            build_mounts(spec)
+        elif me != 1:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the program come back here: counted, killed, reaped
     except BaseException as e:  # noqa: BLE001
-        os.write(status_fd, json.dumps({"setup_error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
+        channel.send({"setup_error": f"{type(e).__name__}: {e}"})
         sys.exit(127)
-    os.set_inheritable(status_fd, False)  # closed by the child's exec; open in it only to report a setup failure
-    supervisor = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        run_child(spec, workdir, status_fd, supervisor)
-    for fd in (0, 1, 2):  # the supervisor holds no end of the program's pipes
-        os.close(fd)
-    _, status, usage = os.wait4(pid, 0)
-    report = {"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
-    if os.WIFSIGNALED(status):
-        report["signal"] = os.WTERMSIG(status)
-    os.write(status_fd, json.dumps(report).encode() + b"\n")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)  # the supervisor holds no end of the trainer's pipes but its channel
+    os.close(devnull)
+    for index, run in enumerate(spec["runs"]):
+        outcome = run_one(spec, index, run, channel, me)
+        if outcome is PROGRAM:  # the run's process: the program runs as __main__, then the interpreter ends as usual
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            return
+        if not outcome:
+            sys.exit(127)
 
 
 if __name__ == "__main__":

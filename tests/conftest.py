@@ -48,6 +48,22 @@ def tiny_models(tmp_path_factory):
     return save_tiny_models(str(tmp_path_factory.mktemp("tiny_models")))
 
 
+@pytest.fixture(scope="module")
+def iso():
+    """The sandbox's isolation where it is namespaces as root (what the containment tests exercise); skips, saying
+    why, elsewhere."""
+    import sys
+
+    from open_instruct import sandbox
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the sandbox's containment needs Linux")
+    found = sandbox.isolation()
+    if found.mode != "namespaces" or not found.as_root:
+        pytest.skip(f"this machine gives isolation {found.mode!r} (root: {found.as_root}): {found.note}")
+    return found
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO

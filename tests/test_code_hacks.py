@@ -214,10 +214,14 @@ def test_rl_view_hack_completions_earn_nothing_among_honest_ones(hack_scores):
     assert all(r - mean < 0 for r in scored.rewards[2:])
 
 
-def test_ground_truth_on_disk_is_hidden_by_the_run_policy(tmp_path):
+def test_ground_truth_on_disk_is_hidden_by_the_run_policy(tmp_path, monkeypatch):
     """A program that reads the run's training data (a local dataset outside the working dir and /tmp) for its answer
-    scores 1 when nothing is hidden (the hack works in principle) and 0 under the run's hidden-path policy, through the
-    `code` verifier and the `python` tool alike (the same paths)."""
+    scores 0 through the standalone verifier (no run config: every top-level host folder outside the interpreter's is
+    hidden), 1 when its folder is made visible and nothing else is hidden (the hack works in principle), and 0 under
+    the run's hidden-path policy even then, through the `code` verifier and the `python` tool alike (the same
+    paths)."""
+    if sandbox.isolation().mode != "namespaces":
+        pytest.skip("paths are hidden with a mount namespace only")
     base = next((d for d in ("/srv", "/opt", "/mnt") if os.access(d, os.W_OK)), None)
     if base is None:
         pytest.skip("no writable host folder outside /tmp, home and the checkout to put a dataset in")
@@ -239,6 +243,9 @@ def test_ground_truth_on_disk_is_hidden_by_the_run_policy(tmp_path):
         )
         from open_instruct.rollouts import code_settings
 
+        standalone = code_verifier.score_programs([cheat], [truth], dataclasses.replace(SETTINGS, hide_paths=()))
+        assert standalone[0].passed == 0
+        monkeypatch.setattr(sandbox, "VISIBLE_TOP_LEVEL", (*sandbox.VISIBLE_TOP_LEVEL, base.strip("/")))
         open_ = code_verifier.score_programs([cheat], [truth], dataclasses.replace(SETTINGS, hide_paths=()))
         hidden = code_verifier.score_programs(
             [cheat], [truth], dataclasses.replace(SETTINGS, hide_paths=sandbox.run_hidden_paths(cfg))

@@ -27,16 +27,6 @@ BOMB = dataclasses.replace(FAST, wall_seconds=8.0)  # a bomb hits the process li
 MARGIN = 2.0  # seconds past the wall limit a call may take to kill and reap (a loaded 2-core machine)
 
 
-@pytest.fixture(scope="module")
-def iso():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("the sandbox's containment needs Linux")
-    found = sandbox.isolation()
-    if found.mode != "namespaces" or not found.as_root:
-        pytest.skip(f"this machine gives isolation {found.mode!r} (root: {found.as_root}): {found.note}")
-    return found
-
-
 def contained(res, limits=FAST):
     """Returned in time, and nothing runs on as a sandbox uid this process used (uids are machine-wide: another
     process's call never runs as one this process holds or checks)."""

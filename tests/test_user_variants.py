@@ -122,7 +122,11 @@ def test_a_copied_script_sees_its_own_registrations(tmp_path):
     copy = tmp_path / "my_rlvr.py"
     copy.write_text(source[:main_block] + COPY_ADDITION + source[main_block:])
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    argv = [*BASE, "--advantage_estimator", "copy_only", "--output_dir", str(tmp_path / "out")]
+    from demo.synthetic import rl_rows, write_jsonl
+
+    data = write_jsonl(str(tmp_path / "d.jsonl"), rl_rows(8, 0))  # a dry run reads the first rows
+    argv = [*BASE, "--dataset_name_or_path", data, "--advantage_estimator", "copy_only", "--output_dir",
+            str(tmp_path / "out")]  # fmt: skip
 
     def run(script, *extra):
         return subprocess.run([sys.executable, script, *argv, *extra], env=env, capture_output=True, text=True,
