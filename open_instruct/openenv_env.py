@@ -35,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -67,10 +68,10 @@ def health_ok(url: str, timeout: float = 2.0) -> bool:
 class Server:
     """One OpenEnv server process started by this process (`python -m open_instruct.openenv_env APP PORT PARENT`)."""
 
-    def __init__(self, app: str, startup_timeout: float, log_path: Optional[str] = None) -> None:
+    def __init__(self, app: str, startup_timeout: float) -> None:
         self.app, self.port = app, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path or os.devnull, "ab")
+        self.log = tempfile.TemporaryFile()  # the server's output, quoted when it fails to start
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "open_instruct.openenv_env", app, str(self.port), str(os.getpid())],
@@ -80,11 +81,17 @@ class Server:
         deadline = time.monotonic() + startup_timeout
         while not health_ok(self.url, timeout=1.0):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"OpenEnv server {app!r} exited with code {self.proc.returncode} while starting")
+                raise RuntimeError(
+                    f"OpenEnv server {app!r} exited with code {self.proc.returncode} while starting: {self.output()}"
+                )
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"OpenEnv server {app!r} did not answer {self.url}/health in {startup_timeout:g} s")
             time.sleep(0.1)  # poll the health endpoint
+
+    def output(self, chars: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-chars:].strip()
 
     def gone(self) -> Optional[str]:
         """Why the server is unusable, or None."""

@@ -194,3 +194,8 @@ def test_an_openenv_environment_trains_for_a_few_steps(env_folder, tiny_models, 
     assert score_sum == pytest.approx(sum(last_rewards), abs=1e-6)
     (pid,) = map(int, open(env_folder / "pids.txt").read().split())
     assert wait_gone(pid)
+
+
+def test_a_server_that_cannot_start_says_why(env_folder):
+    with pytest.raises(RuntimeError, match="OpenEnv server 'no_such_module:app' exited with code .* no_such_module"):
+        Server("no_such_module:app", startup_timeout=120.0)
