@@ -172,3 +172,11 @@ def test_tiny_rlvr_run_on_a_task_mixture_scores_with_the_package(tiny_models, tm
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     evals = [m for m in metrics if "eval/leg_counting/correct_rate" in m]
     assert evals and all("eval/spell_backward/correct_rate" in m for m in evals)
+
+
+def test_the_planner_counts_generated_rows():
+    from open_instruct.plan import dataset_size
+
+    size, where = dataset_size("reasoning_gym:leg_counting?size=20,basic_arithmetic?size=30", "train")
+    assert (size, where) == (50, "the reasoning_gym sources' sizes")
+    assert dataset_size("reasoning_gym:leg_counting", "train")[0] == rg.DEFAULT_SIZE
