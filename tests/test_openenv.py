@@ -200,3 +200,35 @@ def test_a_server_that_cannot_start_says_why(env_folder):
     message = "OpenEnv server 'no_such_module:app' exited with code \\d+ while starting: .*no_such_module"
     with pytest.raises(RuntimeError, match=message):  # uvicorn's own reason quoted
         Server("no_such_module:app", startup_timeout=120.0)
+
+
+def test_typed_actions_and_observations_through_the_environments_own_client(env_folder, monkeypatch):
+    """An environment's typed client (an EnvClient subclass, as OpenEnv packages ship): the policy's turn becomes
+    the typed action, the observation comes back typed and is read by attribute."""
+    from openenv.core import EnvClient
+    from openenv.core.client_types import StepResult
+
+    monkeypatch.syspath_prepend(str(env_folder))
+    from count_env import CountAction, CountObservation
+
+    class CountClient(EnvClient):
+        def _step_payload(self, action):
+            return action.model_dump()
+
+        def _parse_result(self, payload):
+            observation = CountObservation(**payload["observation"], done=payload["done"], reward=payload["reward"])
+            return StepResult(observation=observation, reward=payload["reward"], done=payload["done"])
+
+        def _parse_state(self, payload):
+            return payload
+
+    class TypedCount(Count):
+        client_class = CountClient
+
+        def action(self, text):
+            return CountAction(message=text.upper())
+
+    env = TypedCount()
+    assert env.reset({}) == [{"role": "user", "content": "Say something."}]
+    assert env.step("abcdef") == ([{"role": "user", "content": "You wrote 6 characters."}], 1.0, False, {})
+    assert env.step("ab")[1:3] == (0.0, True)
