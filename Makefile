@@ -1,6 +1,6 @@
 # Two commands for a newcomer: `make demo` (whole pipeline on a tiny model, CPU, minutes) and `make test`.
 # Both create .venv and install what they need. On a machine without CUDA, torch is pinned to the CPU
-# build 2.13.0; with an NVIDIA GPU, install your CUDA torch into .venv first (see README) and it is kept.
+# build 2.13.0; with an NVIDIA GPU, install your CUDA torch into .venv first (see README.md#two-commands) and it is kept.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -137,12 +137,12 @@ bench-gpu: install
 bench-tiny: install
 	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
 
-# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU (sized for ~8 min), results in $(OUT).
+# The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU in one short slot, results in $(OUT).
 # Uses whatever python has torch (a bare GPU image: no venv, no extra wheels). BUDGET=seconds, ONLY="step ...".
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 OUT ?= output/gpu_check
 gpu-check:
-	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(ARGS)
+	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(if $(BUDGET),--budget $(BUDGET)) $(if $(ONLY),--only "$(ONLY)") $(ARGS)
 
 # Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
 sft-8b:

@@ -1,25 +1,40 @@
-"""The device check: one command that runs every GPU path of the repo on one GPU (sized for ~8 minutes) and writes a
-table.
+"""The device check: one command that runs every GPU path of the repo on one GPU inside one short device slot, and
+writes a table.
 
-    make gpu-check OUT=DIR                      # or: python bench/gpu_check.py --out DIR
-    BUDGET=450 ONLY="env peak build parity rl_1b_fsdp1 sft_1b_fsdp1 sft_1b_single summarize" make gpu-check
-    python bench/gpu_check.py --tiny --out /tmp/gc  # the same steps on CPU with tiny shapes (tests/test_gpu_check.py)
+    python3 bench/gpu_check.py --out DIR --budget 400           # the whole check (docs/gpu.md: its timeout, a rerun)
+    python3 bench/gpu_check.py --out DIR --budget 150 --only sft_1b_single_packed   # rerun one step
+    python3 bench/gpu_check.py --tiny --out /tmp/gc             # the same steps on CPU with tiny shapes
 
-Needs only torch, transformers, accelerate and peft (what a bare GPU image has): no datasets, trl, wandb, vLLM,
-flash-attn or math-verify, no weights and no hub. Models are built on the device from configs (random init):
-m1b = the Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8 heads, FFN 8192, tied, vocab 128256), m1b_rm = the same
-backbone as a sequence classifier, w8b = Llama-3.1-8B width (4096, FFN 14336, 32/8 heads, untied) with 4 layers.
-Tokenizer: demo.tiny's character-level one; the vocabulary is padded to 128256 so the output layer costs what it costs.
+Needs only python3 with torch, transformers, accelerate and peft (what a bare GPU image has): no make, no virtual
+environment, no datasets, trl, wandb, vLLM, flash-attn or math-verify, no weights and no hub. Models are built from
+configs (random init): m1b = the Llama-3.2-1B shape (hidden 2048, 16 layers, 32/8 heads, FFN 8192, tied, vocab
+128256), m1b_rm = the same backbone as a sequence classifier, w8b = Llama-3.1-8B width (4096, FFN 14336, 32/8 heads,
+untied) with 4 layers, smoke = a 2-layer model for the first step. Tokenizer: demo.tiny's character-level one; the
+vocabulary is padded to 128256 so the output layer costs what it costs.
 
-Steps (ONLY= or --only picks some; `summarize` always runs): env, peak (measured bf16 GEMM FLOP/s: the MFU
-denominator beside the published one), build, parity (GPU fp32 vs CPU fp32 within 1e-4; GPU bf16 vs CPU fp32 within
-2e-2: SFT loss padded / packed sdpa / packed sdpa_varlen, reward-model pair scores, response log-probs), then the
-training scripts as they are: rl_1b_fsdp1 (PPO, HF generation, FSDP2 with one process, activation checkpointing,
-frozen reference, value model), sft_1b_fsdp1 (a DCP checkpoint and the final HF export), sft_1b_single,
-sft_1b_single_packed, rm_1b_fsdp1, dpo_1b_fsdp1, grpo_1b_single, sft_w8b_fsdp1. Each training step reports tokens/s,
-MFU (against the measured and the published peak), peak allocated/reserved GB beside plan's prediction, the first
-losses and whether every loss is finite. A step that fails is recorded and the rest go on; a step that would start
-after BUDGET seconds is skipped and reported. Results: OUT/results.json and OUT/results.md (and OUT/logs/).
+Steps (--only picks some; `summarize` always runs):
+- fsdp_smoke first: sft.py through `accelerate launch` with one process on FSDP2 (NCCL on a GPU, gloo under --tiny),
+  rank-0 loading, packed `sdpa_varlen` attention, the chunked head's backward, a DCP checkpoint (object collectives)
+  and the export, on the small model with a 30-second collective timeout. When it fails the other FSDP steps are
+  skipped (they would fail or hang the same way) and the one-process steps still run.
+- env, peak (measured bf16 GEMM FLOP/s: the MFU denominator beside the published one), build, parity (GPU fp32 vs CPU
+  fp32 within 1e-4; GPU bf16 vs CPU fp32 within 2e-2: SFT loss padded / packed sdpa / packed sdpa_varlen,
+  reward-model pair scores, response log-probs);
+- the training scripts as they are: rl_1b_fsdp1 (PPO, HF generation, FSDP2 with one process, activation
+  checkpointing, frozen reference, value model), sft_1b_fsdp1 (the final HF export), sft_1b_single,
+  sft_1b_single_packed, rm_1b_fsdp1, dpo_1b_fsdp1, grpo_1b_single, sft_w8b_fsdp1. Each reports tokens/s, MFU
+  (against the measured and the published peak), peak allocated/reserved GB beside plan's prediction, the first
+  losses and whether every loss is finite.
+
+Bounds. Every step runs in its own process session and gets its own share of what is left of --budget (in proportion
+to its weight in STEP_WEIGHTS); a step still running at its share is killed with every process it started (torchrun's
+workers live in sessions of their own, so the whole tree is signalled), recorded as failed, and the rest go on. The
+NCCL collective timeout of the training steps is short (COLLECTIVE_TIMEOUT_MINUTES), so a hung collective errors out
+instead of waiting an hour. Disk: each step's run folder is deleted once its numbers are read, and only the small
+smoke model writes a DCP checkpoint (1B with AdamW would be ~15 GB), so the work folder stays under ~15 GB.
+
+Output: at most 3 files directly in OUT, rewritten after every step so a run cut off keeps what it did:
+results.json, results.md and logs.tar.gz (every step's log). Each step's table row is printed as it finishes.
 """
 
 from __future__ import annotations
@@ -31,8 +46,10 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
@@ -42,8 +59,28 @@ from typing import Any, Callable, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 OPTIONAL_PACKAGES = ("datasets", "trl", "wandb", "vllm", "flash_attn", "math_verify", "peft")
-STEP_TIMEOUT_S = 600  # without BUDGET: the longest one training step may take
+STEP_TIMEOUT_S = 600  # without --budget: the longest one step may take
+SMOKE_TIMEOUT_S = 90  # the smoke step's cap whatever the budget (~30 s expected, a cold start included): it fails fast
+COLLECTIVE_TIMEOUT_MINUTES = {"fsdp_smoke": 0.5, "other": 2.0}
+KILL_GRACE_S = 10  # SIGTERM first (torchrun stops its workers), SIGKILL after this
 FSDP_CONFIG = {"gpu": "configs/accelerate/fsdp_8gpu.yaml", "cpu": "configs/accelerate/fsdp_cpu_2proc.yaml"}
+# Relative seconds each step is expected to take on one H100; a step's share of the remaining budget is its weight
+# over the weights of the steps still to run.
+STEP_WEIGHTS = {
+    "fsdp_smoke": 30,
+    "env": 5,
+    "peak": 10,
+    "build": 25,
+    "parity": 25,
+    "rl_1b_fsdp1": 60,
+    "sft_1b_fsdp1": 40,
+    "sft_1b_single": 30,
+    "sft_1b_single_packed": 30,
+    "rm_1b_fsdp1": 30,
+    "dpo_1b_fsdp1": 40,
+    "grpo_1b_single": 50,
+    "sft_w8b_fsdp1": 40,
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +108,8 @@ class Scale:
     logits_tokens: int
 
 
+SMOKE_MODEL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=512, tie_word_embeddings=True)  # fmt: skip
 GPU = Scale(
     vocab=128256,
     m1b=dict(
@@ -91,14 +130,14 @@ GPU = Scale(
     ),  # fmt: skip
     median=180,
     high=1024,
-    sft_steps=20,
+    sft_steps=12,
     rows_per_step=16,
     max_seq_length=1024,
     rl_prompts=8,
     rl_samples=4,
     rl_response=256,
     rl_prompt_tokens=128,
-    rl_rollouts=3,
+    rl_rollouts=2,
     packed_tokens=16384,
     w8b_packed_tokens=8192,
     gemm_sizes=(4096, 8192),
@@ -149,7 +188,10 @@ BF16_REL_TOL = 2e-2
 
 
 class Check:
-    """The run's state: mode, folders, budget, the results so far."""
+    """The run's state: mode, folders, budget, the results so far. Steps run in child processes (`--worker`), which
+    read and write the state they share (models, data, measured peak) in WORK/state.json."""
+
+    STATE_KEYS = ("models", "data", "matmul_params", "measured_peak", "published_peak", "memory_gb")
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.tiny = args.tiny
@@ -165,8 +207,29 @@ class Check:
         self.measured_peak: Optional[float] = None
         self.published_peak: Optional[float] = None
         self.memory_gb: float = 80.0
-        os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
-        os.makedirs(self.work, exist_ok=True)
+        self.max_work_gb = 0.0
+        for folder in (self.out, self.work, self.logs):
+            os.makedirs(folder, exist_ok=True)
+        self.load_state()
+
+    @property
+    def logs(self) -> str:
+        return os.path.join(self.work, "logs")
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.work, "state.json")
+
+    def load_state(self) -> None:
+        if os.path.isfile(self.state_path):
+            with open(self.state_path) as f:
+                for key, value in json.load(f).items():
+                    setattr(self, key, value)
+
+    def save_state(self) -> None:
+        with open(self.state_path + ".tmp", "w") as f:
+            json.dump({key: getattr(self, key) for key in self.STATE_KEYS}, f)
+        os.replace(self.state_path + ".tmp", self.state_path)
 
     @property
     def elapsed(self) -> float:
@@ -180,7 +243,7 @@ class Check:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Steps that run in this process
+# Steps that run in a worker process (`--worker NAME`)
 
 
 def step_env(c: Check) -> dict[str, Any]:
@@ -266,26 +329,46 @@ def bench_module() -> Any:
 
 def step_build(c: Check) -> dict[str, Any]:
     """m1b, m1b_rm and w8b saved in bf16 (the scripts load them in fp32), with the tokenizer; jsonl data."""
+    s = c.scale
+    built = build_models(c, (("m1b", s.m1b, False), ("m1b_rm", s.m1b, True), ("w8b", s.w8b, False)), c.device)
+    bench = bench_module()
+    data = os.path.join(c.work, "data")
+    rows = s.sft_steps * s.rows_per_step
+    c.data.update(
+        sft=bench_write(os.path.join(data, "sft.jsonl"), bench.sft_rows(rows, 0, s.median, s.high)),
+        pref=bench_write(os.path.join(data, "pref.jsonl"), bench.preference_rows(rows, 1, s.median, s.high)),
+        rl=bench_write(
+            os.path.join(data, "rl.jsonl"), bench.rl_rows(s.rl_prompts * s.rl_rollouts * 2, 2, s.rl_prompt_tokens)
+        ),
+    )
+    return {"params": built, "models_dir": os.path.join(c.work, "models")}
+
+
+def step_build_smoke(c: Check) -> dict[str, Any]:
+    """The fsdp_smoke step's small model (built on CPU: this process never touches the GPU) and a few rows."""
+    s = c.scale
+    built = build_models(c, (("smoke", SMOKE_MODEL if not c.tiny else s.m1b, False),), "cpu")
+    rows = bench_module().sft_rows(2 * s.rows_per_step, 3, s.median, s.high)
+    c.data["smoke"] = bench_write(os.path.join(c.work, "data", "smoke.jsonl"), rows)
+    return {"params": built}
+
+
+def build_models(c: Check, specs: tuple[tuple[str, dict, bool], ...], device: str) -> dict[str, int]:
+    """Each (name, shape, reward model?) built from its config with seed 0 and saved in bf16 with the tokenizer."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     from demo.tiny import build_tokenizer, tiny_llama_config
     from open_instruct.gpu_stats import matmul_params
 
-    bench = bench_module()
-    s = c.scale
     tokenizer = build_tokenizer()
-    device = c.device
-    for name, shape, cls, extra in (
-        ("m1b", s.m1b, LlamaForCausalLM, {}),
-        ("m1b_rm", s.m1b, LlamaForSequenceClassification, {"num_labels": 1}),
-        ("w8b", s.w8b, LlamaForCausalLM, {}),
-    ):
+    for name, shape, reward_model in specs:
         path = os.path.join(c.work, "models", name)
-        config = tiny_llama_config(s.vocab, max_position_embeddings=4096, **shape, **extra)
+        extra = {"num_labels": 1} if reward_model else {}
+        config = tiny_llama_config(c.scale.vocab, max_position_embeddings=4096, **shape, **extra)
         torch.manual_seed(0)
         with torch.device(device):
-            model = cls(config)
+            model = (LlamaForSequenceClassification if reward_model else LlamaForCausalLM)(config)
         c.matmul_params[name] = matmul_params(model)
         model.to(torch.bfloat16).save_pretrained(path)
         tokenizer.save_pretrained(path)
@@ -293,21 +376,10 @@ def step_build(c: Check) -> dict[str, Any]:
         del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    data = os.path.join(c.work, "data")
-    rows = s.sft_steps * s.rows_per_step
-    c.data = {
-        "sft": bench_write(bench, os.path.join(data, "sft.jsonl"), bench.sft_rows(rows, 0, s.median, s.high)),
-        "pref": bench_write(bench, os.path.join(data, "pref.jsonl"), bench.preference_rows(rows, 1, s.median, s.high)),
-        "rl": bench_write(
-            bench,
-            os.path.join(data, "rl.jsonl"),
-            bench.rl_rows(s.rl_prompts * s.rl_rollouts * 2, 2, s.rl_prompt_tokens),
-        ),
-    }
-    return {"params": {k: v for k, v in c.matmul_params.items()}, "models_dir": os.path.join(c.work, "models")}
+    return {name: c.matmul_params[name] for name, _, _ in specs}
 
 
-def bench_write(bench: Any, path: str, rows: list[dict]) -> str:
+def bench_write(path: str, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         for row in rows:
@@ -476,13 +548,13 @@ def common(c: Check, name: str, script: str, model: str) -> dict[str, Any]:
         "script": script,
         "exp_name": f"gpu_check_{name}",
         "output_dir": os.path.join(c.work, "runs", name),
-        "overwrite_output_dir": True,
         "model_name_or_path": c.models[model],
         "mixed_precision": "no" if c.tiny else "bf16",
         "logging_steps": 1,
         "learning_rate": 1e-5,
         "seed": 1,
         "save_final_model": False,
+        "distributed_timeout_minutes": COLLECTIVE_TIMEOUT_MINUTES.get(name, COLLECTIVE_TIMEOUT_MINUTES["other"]),
     }
 
 
@@ -529,6 +601,25 @@ def rl(c: Check, name: str, algo: str, **extra: Any) -> dict[str, Any]:
 
 TRAIN_STEPS = (
     TrainStep(
+        "fsdp_smoke",
+        "sft",
+        "smoke",
+        True,
+        lambda c: supervised(
+            c,
+            "fsdp_smoke",
+            "sft",
+            "smoke",
+            "smoke",
+            activation_checkpointing=True,
+            max_tokens_per_micro_batch=c.scale.w8b_packed_tokens,
+            total_episodes=2 * c.scale.rows_per_step,
+            checkpointing_steps=1,
+            keep_last_n_checkpoints=1,
+            save_final_model=True,
+        ),  # fmt: skip
+    ),
+    TrainStep(
         "rl_1b_fsdp1", "rlvr_ppo", "m1b", True, lambda c: rl(c, "rl_1b_fsdp1", "ppo", activation_checkpointing=True)
     ),  # fmt: skip
     TrainStep(
@@ -537,14 +628,7 @@ TRAIN_STEPS = (
         "m1b",
         True,
         lambda c: supervised(
-            c,
-            "sft_1b_fsdp1",
-            "sft",
-            "m1b",
-            "sft",
-            activation_checkpointing=True,
-            checkpointing_steps=c.scale.sft_steps // 2,
-            save_final_model=True,
+            c, "sft_1b_fsdp1", "sft", "m1b", "sft", activation_checkpointing=True, save_final_model=True
         ),  # fmt: skip
     ),
     TrainStep(
@@ -615,48 +699,6 @@ def predicted_memory_gb(c: Check, recipe_path: str, fsdp: bool) -> Optional[floa
     return None if m is None else m["total"] / 1e9
 
 
-def run_training(c: Check, step: TrainStep) -> dict[str, Any]:
-    recipe = step.recipe(c)
-    path = write_recipe(c, step.name, recipe)
-    script = os.path.join(REPO, "open_instruct", f"{step.script}.py")
-    env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if step.fsdp:
-        config = FSDP_CONFIG["cpu" if c.device == "cpu" else "gpu"]
-        if c.device == "cpu":
-            env["OPEN_INSTRUCT_CPU_FSDP"] = "1"
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO, config)]
-        command += ["--num_processes", "1", script, path]
-    else:
-        command = [sys.executable, script, path]
-    timeout = max(60.0, c.budget - c.elapsed + 60) if c.budget else STEP_TIMEOUT_S  # a hung step ends, the rest run
-    log_path = os.path.join(c.out, "logs", f"{step.name}.log")
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-    out: dict[str, Any] = {"rc": proc.returncode, "wall_s": time.perf_counter() - t0}
-    out.update(read_metrics(c, step, recipe))
-    try:
-        out["predicted_gb"] = predicted_memory_gb(c, path, step.fsdp)
-    except Exception as e:  # noqa: BLE001 - the prediction is reported beside the run, never stops it
-        out["predicted_gb"] = None
-        out["prediction_error"] = f"{type(e).__name__}: {e}"
-    if step.fsdp and step.name == "sft_1b_fsdp1":
-        run_dir = recipe["output_dir"]
-        out["dcp_checkpoint"] = any(n.startswith("step_") for n in os.listdir(os.path.join(run_dir, "checkpoints")))
-        out["final_export"] = os.path.isfile(os.path.join(run_dir, "final_model", "config.json"))
-    if proc.returncode != 0:
-        with open(log_path) as f:
-            tail = f.read()[-3000:]
-        raise StepFailed(f"exit {proc.returncode}; log tail:\n{tail}", out)
-    return out
-
-
-class StepFailed(Exception):
-    def __init__(self, message: str, partial: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.partial = partial
-
-
 def median(values: list[float]) -> Optional[float]:
     values = sorted(v for v in values if v is not None)
     return values[len(values) // 2] if values else None
@@ -704,18 +746,209 @@ def first_loss(result: dict[str, Any]) -> Optional[float]:
 # Orchestration and the table
 
 
+def step_command(c: Check, name: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a worker step: this file again, in its own process."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--work_dir", c.work, "--out", c.out]
+    return command + (["--tiny"] if c.tiny else []), child_env()
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every child: the repo first on the path (what was on it before stays after)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def training_command(c: Check, step: TrainStep, recipe_path: str) -> tuple[list[str], dict[str, str]]:
+    script = os.path.join(REPO, "open_instruct", f"{step.script}.py")
+    run_args = [recipe_path, "--overwrite_output_dir", "true"]  # a rerun (--only) replaces the step's own run
+    env = child_env()
+    if not step.fsdp:
+        return [sys.executable, script, *run_args], env
+    config = FSDP_CONFIG["cpu" if c.tiny else "gpu"]
+    if c.tiny:
+        env["OPEN_INSTRUCT_CPU_FSDP"] = "1"  # one gloo process on FSDP2: the same path one GPU takes on NCCL
+    env["OPEN_INSTRUCT_SHARD_REPORT"] = os.path.join(c.work, "shards", step.name)  # read after a checkpoint
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(REPO, config)]
+    return command + ["--num_processes", "1", script, *run_args], env
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc), whatever session it started."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting to be reaped has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM to the step's session and to every process below it (torchrun's workers have sessions of their own),
+    then SIGKILL to those still alive after KILL_GRACE_S. The tree is read before anything is signalled: a killed
+    parent's children are handed to init and no longer found below it."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline:
+            proc.poll()  # reaps the step's own process
+            if not any(alive(pid) for pid in pids):
+                return
+            time.sleep(0.1)
+    proc.wait()
+
+
+class StepTimeout(Exception):
+    pass
+
+
+def run_bounded(command: list[str], env: dict[str, str], log_path: str, timeout: float) -> int:
+    """Run `command` in a session of its own with its output in `log_path`; at `timeout` seconds kill it and every
+    process it started, and raise StepTimeout."""
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            raise StepTimeout(f"killed at its share of the budget, {timeout:.0f} s") from None
+
+
+def log_tail(path: str, chars: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+def run_worker_step(c: Check, name: str, timeout: float) -> dict[str, Any]:
+    log_path = os.path.join(c.logs, f"{name}.log")
+    result_path = os.path.join(c.work, "results", f"{name}.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    command, env = step_command(c, name)
+    rc = run_bounded(command, env, log_path, timeout)
+    c.load_state()
+    if rc != 0 or not os.path.isfile(result_path):
+        raise StepFailed(f"exit {rc}; log tail:\n{log_tail(log_path)}", {"rc": rc})
+    with open(result_path) as f:
+        result = json.load(f)
+    if result.get("status") == "failed":
+        raise StepFailed(result.get("error", ""), result)
+    return result
+
+
+def work_gb(c: Check) -> float:
+    total = 0
+    for root, _, files in os.walk(c.work):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total / 1e9
+
+
+def run_training(c: Check, step: TrainStep, timeout: float) -> dict[str, Any]:
+    recipe = step.recipe(c)
+    path = write_recipe(c, step.name, recipe)
+    log_path = os.path.join(c.logs, f"{step.name}.log")
+    t0 = time.perf_counter()
+    try:
+        rc = run_bounded(*training_command(c, step, path), log_path, timeout)
+        out: dict[str, Any] = {"rc": rc, "wall_s": time.perf_counter() - t0}
+        out.update(read_metrics(c, step, recipe))
+        try:
+            out["predicted_gb"] = predicted_memory_gb(c, path, step.fsdp)
+        except Exception as e:  # noqa: BLE001 - the prediction is reported beside the run, never stops it
+            out["predicted_gb"] = None
+            out["prediction_error"] = f"{type(e).__name__}: {e}"
+        run_dir = recipe["output_dir"]
+        if recipe.get("checkpointing_steps"):
+            checkpoints = os.path.join(run_dir, "checkpoints")
+            out["dcp_checkpoint"] = os.path.isdir(checkpoints) and any(
+                n.startswith("step_") for n in os.listdir(checkpoints)
+            )
+        if recipe.get("save_final_model"):
+            out["final_export"] = os.path.isfile(os.path.join(run_dir, "final_model", "config.json"))
+        out.update(shard_summary(c, step))
+        c.max_work_gb = max(c.max_work_gb, work_gb(c))
+        out["work_gb"] = c.max_work_gb
+    finally:
+        shutil.rmtree(recipe["output_dir"], ignore_errors=True)  # the next steps need the disk
+    if rc != 0:
+        raise StepFailed(f"exit {rc}; log tail:\n{log_tail(log_path)}", out)
+    return out
+
+
+def shard_summary(c: Check, step: TrainStep) -> dict[str, Any]:
+    """From the shard report a checkpoint writes: the world size, accelerate's distributed type and whether every
+    trained parameter was a DTensor (FSDP2), so one-process FSDP2 is shown, not assumed."""
+    folder = os.path.join(c.work, "shards", step.name)
+    reports = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if not reports:
+        return {}
+    with open(os.path.join(folder, reports[-1])) as f:
+        report = json.load(f)
+    params = [p for model in report["models"].values() for p in model["params"].values()]
+    return {
+        "world_size": report["world_size"],
+        "distributed_type": report["distributed_type"],
+        "fsdp2_dtensor_params": bool(params) and all(p["dtensor"] for p in params),
+    }
+
+
+class StepFailed(Exception):
+    def __init__(self, message: str, partial: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
 def summarize(c: Check) -> dict[str, Any]:
+    """results.json, results.md and logs.tar.gz in OUT (rewritten after every step: a run cut off keeps them)."""
     for step in TRAIN_STEPS:
         mine, other = c.results.get(step.name, {}), c.results.get(step.compare_first_loss_with or "", {})
         a, b = first_loss(mine), first_loss(other)
         if step.compare_first_loss_with and a is not None and b is not None:
             diff = abs(a - b) / max(abs(b), 1e-12)
             mine["first_loss_vs"] = {"step": step.compare_first_loss_with, "rel_diff": diff, "ok": diff < BF16_REL_TOL}
-    with open(os.path.join(c.out, "results.json"), "w") as f:
-        json.dump({"tiny": c.tiny, "budget_s": c.budget, "elapsed_s": c.elapsed, "steps": c.results}, f, indent=1)
-    with open(os.path.join(c.out, "results.md"), "w") as f:
-        f.write(markdown(c) + "\n")
-    return {"wrote": [os.path.join(c.out, "results.json"), os.path.join(c.out, "results.md")]}
+    results = {"tiny": c.tiny, "budget_s": c.budget, "elapsed_s": c.elapsed, "steps": c.results}
+    write_atomic(os.path.join(c.out, "results.json"), json.dumps(results, indent=1, default=str))
+    write_atomic(os.path.join(c.out, "results.md"), markdown(c) + "\n")
+    archive = os.path.join(c.out, "logs.tar.gz")
+    with tarfile.open(archive + ".tmp", "w:gz") as tar:
+        tar.add(c.logs, arcname="logs")
+    os.replace(archive + ".tmp", archive)
+    return {"wrote": ["results.json", "results.md", "logs.tar.gz"]}
+
+
+def write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -728,6 +961,38 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+TABLE_HEADER = (
+    "| step | status | wall s | tokens/s | MFU (measured peak) | MFU (published) | RL resp tok/s | gen s | train s "
+    "| first loss | finite | peak alloc GB | peak reserved GB | predicted GB | cross-check |"
+)
+
+
+def table_row(name: str, r: dict[str, Any]) -> str:
+    """One step's row of results.md (also printed when the step ends)."""
+    if name in ("env", "peak", "build", "parity") or r.get("status") == "skipped":
+        status = r.get("status")
+        detail = (r.get("error") or r.get("reason") or "") if status != "ok" else ""
+        return f"| {name} | {status} | {fmt(r.get('seconds'))} | | | | | | | | | | | | {detail[:80]} |"
+    cross = r.get("first_loss_vs")
+    cross_text = f"vs {cross['step']}: {cross['rel_diff']:.2g} ({'ok' if cross['ok'] else 'FAIL'})" if cross else ""
+    if r.get("dcp_checkpoint") is not None:
+        cross_text += f" DCP {fmt(r.get('dcp_checkpoint'))}"
+    if r.get("final_export") is not None:
+        cross_text += f" export {fmt(r.get('final_export'))}"
+    if r.get("fsdp2_dtensor_params") is not None:
+        cross_text += f" FSDP2 x{r.get('world_size')} {fmt(r.get('fsdp2_dtensor_params'))}"
+    if r.get("status") == "failed":
+        cross_text += " " + (r.get("error") or "").splitlines()[0][:80]
+    return (
+        f"| {name} | {r.get('status')} | {fmt(r.get('seconds'))} | {fmt(r.get('tokens_per_second'))} "
+        f"| {fmt(r.get('mfu_vs_measured'))} | {fmt(r.get('mfu_vs_published'))} "
+        f"| {fmt(r.get('response_tokens_per_second'))} | {fmt(r.get('generation_s'))} | {fmt(r.get('training_s'))} "
+        f"| {fmt(first_loss(r) or next(iter((r.get('first_losses') or {}).values()), None), 5)} "
+        f"| {fmt(r.get('losses_finite'))} | {fmt(r.get('peak_allocated_gb'))} | {fmt(r.get('peak_reserved_gb'))} "
+        f"| {fmt(r.get('predicted_gb'))} | {cross_text.strip()} |"
+    )
+
+
 def markdown(c: Check) -> str:
     env = c.results.get("env", {})
     peak = c.results.get("peak", {})
@@ -738,32 +1003,13 @@ def markdown(c: Check) -> str:
         f"python {env.get('python')}; missing optional packages: {', '.join(env.get('missing_optional_packages', []))}",
         f"bf16 GEMM peak measured {fmt(peak.get('bf16_tflops'))} TFLOP/s (published "
         f"{fmt(peak.get('published_bf16_tflops'))}); tf32 {fmt(peak.get('tf32_tflops'))}, "
-        f"fp32 {fmt(peak.get('fp32_tflops'))}",
+        f"fp32 {fmt(peak.get('fp32_tflops'))}; budget {fmt(c.budget)} s, elapsed {c.elapsed:.0f} s, "
+        f"work folder at most {c.max_work_gb:.3g} GB",
         "",
-        "| step | status | wall s | tokens/s | MFU (measured peak) | MFU (published) | RL resp tok/s | gen s | train s "
-        "| first loss | finite | peak alloc GB | peak reserved GB | predicted GB | cross-check |",
+        TABLE_HEADER,
         "|" + "---|" * 15,
     ]
-    for name, r in c.results.items():
-        if name in ("env", "peak", "summarize"):
-            continue
-        if name in ("build", "parity"):
-            status = r.get("status")
-            detail = r.get("error", "") if status != "ok" else ""
-            lines.append(f"| {name} | {status} | {fmt(r.get('seconds'))} | | | | | | | | | | | | {detail[:80]} |")
-            continue
-        cross = r.get("first_loss_vs")
-        cross_text = f"vs {cross['step']}: {cross['rel_diff']:.2g} ({'ok' if cross['ok'] else 'FAIL'})" if cross else ""
-        if r.get("dcp_checkpoint") is not None:
-            cross_text += f" DCP {fmt(r.get('dcp_checkpoint'))}, export {fmt(r.get('final_export'))}"
-        lines.append(
-            f"| {name} | {r.get('status')} | {fmt(r.get('seconds'))} | {fmt(r.get('tokens_per_second'))} "
-            f"| {fmt(r.get('mfu_vs_measured'))} | {fmt(r.get('mfu_vs_published'))} "
-            f"| {fmt(r.get('response_tokens_per_second'))} | {fmt(r.get('generation_s'))} | {fmt(r.get('training_s'))} "
-            f"| {fmt(first_loss(r) or next(iter((r.get('first_losses') or {}).values()), None), 5)} "
-            f"| {fmt(r.get('losses_finite'))} | {fmt(r.get('peak_allocated_gb'))} | {fmt(r.get('peak_reserved_gb'))} "
-            f"| {fmt(r.get('predicted_gb'))} | {cross_text} |"
-        )
+    lines += [table_row(name, r) for name, r in c.results.items() if name != "summarize"]
     parity = c.results.get("parity", {})
     if parity:
         diffs = ", ".join(f"{k[:-9]} {v:.2g}" for k, v in parity.items() if k.endswith("_rel_diff"))
@@ -779,42 +1025,69 @@ def markdown(c: Check) -> str:
             )
     skipped = [n for n, r in c.results.items() if r.get("status") == "skipped"]
     if skipped:
-        lines += ["", f"Skipped (would start after BUDGET {c.budget:g} s): {', '.join(skipped)}"]
+        reasons = ", ".join(f"{n} ({c.results[n].get('reason')})" for n in skipped)
+        lines += ["", f"Skipped: {reasons}"]
     return "\n".join(lines)
 
 
-STEP_ORDER = ("env", "peak", "build", "parity", *(s.name for s in TRAIN_STEPS), "summarize")
-LOCAL_STEPS: dict[str, Callable[[Check], dict[str, Any]]] = {
+WORKER_STEPS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "env": step_env,
     "peak": step_peak,
     "build": step_build,
+    "build_smoke": step_build_smoke,
     "parity": step_parity,
-    "summarize": summarize,
 }
+STEP_ORDER = ("fsdp_smoke", "env", "peak", "build", "parity", *(s.name for s in TRAIN_STEPS[1:]), "summarize")
 
 
-def run_step(c: Check, name: str) -> None:
-    """Run one step; record ok/failed (with the error) and its seconds; never raise."""
-    t0 = time.perf_counter()
-    print(f"[gpu-check {c.elapsed:6.1f}s] {name} ...", flush=True)
+def worker_main(c: Check, name: str) -> int:
+    """One worker step in this process: its result in WORK/results/NAME.json, the shared state saved."""
     try:
-        if name in LOCAL_STEPS:
-            result = LOCAL_STEPS[name](c)
+        result = WORKER_STEPS[name](c)
+        result["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - recorded; the orchestrator goes on
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        traceback.print_exc()
+    c.save_state()
+    os.makedirs(os.path.join(c.work, "results"), exist_ok=True)
+    write_atomic(os.path.join(c.work, "results", f"{name}.json"), json.dumps(result, default=str))
+    return 0
+
+
+def share(c: Check, name: str, still_to_run: list[str]) -> float:
+    """This step's seconds: its weight's part of the budget left (no budget: STEP_TIMEOUT_S); the smoke step is
+    capped at SMOKE_TIMEOUT_S."""
+    if not c.budget:
+        seconds = float(STEP_TIMEOUT_S)
+    else:
+        weights = sum(STEP_WEIGHTS.get(n, 0) for n in still_to_run) or 1
+        seconds = max(1.0, (c.budget - c.elapsed) * STEP_WEIGHTS.get(name, 0) / weights)
+    return min(seconds, SMOKE_TIMEOUT_S) if name == "fsdp_smoke" and not c.tiny else seconds
+
+
+def run_step(c: Check, name: str, timeout: float) -> None:
+    """Run one step within `timeout` seconds; record ok/failed (with the error) and its seconds; print its row."""
+    t0 = time.perf_counter()
+    print(f"[gpu-check {c.elapsed:6.1f}s] {name} (up to {timeout:.0f} s) ...", flush=True)
+    try:
+        train = next((s for s in TRAIN_STEPS if s.name == name), None)
+        if train is None:
+            result = run_worker_step(c, name, timeout)
         else:
-            result = run_training(c, next(s for s in TRAIN_STEPS if s.name == name))
+            if train.model not in c.models:
+                run_worker_step(c, "build_smoke" if train.model == "smoke" else "build", timeout)
+            result = run_training(c, train, max(1.0, timeout - (time.perf_counter() - t0)))
         result["status"] = "ok"
     except StepFailed as e:
         result = {**e.partial, "status": "failed", "error": str(e)}
-    except subprocess.TimeoutExpired as e:
-        result = {"status": "failed", "error": f"timed out after {e.timeout:.0f} s (the budget)"}
+    except StepTimeout as e:
+        result = {"status": "failed", "error": str(e)}
     except Exception as e:  # noqa: BLE001 - one failing step is recorded, the rest go on
         result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = time.perf_counter() - t0
+    result["share_s"] = timeout
     c.results[name] = result
-    brief = {k: v for k, v in result.items() if k not in ("traceback", "error", "checks")}
-    print(
-        f"[gpu-check {c.elapsed:6.1f}s] {name}: {result['status']} {json.dumps(brief, default=str)[:600]}", flush=True
-    )
+    print(table_row(name, result), flush=True)
     if result["status"] == "failed":
         print(result["error"][-1500:], flush=True)
 
@@ -824,36 +1097,47 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or "output/gpu_check", help="results folder ($OUT)")
     parser.add_argument("--work_dir", default=None, help="models, data and runs (default: a temp folder)")
     parser.add_argument("--tiny", action="store_true", help="every step on CPU with tiny shapes (minutes)")
-    parser.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET", 0) or 0),
-                        help="seconds; a step that would start later is skipped (env BUDGET; 0: none)")  # fmt: skip
-    parser.add_argument("--only", default=os.environ.get("ONLY", ""), help="steps to run (env ONLY), space separated")
+    parser.add_argument("--budget", type=float, default=0.0, help="seconds in all, each step its share (0: 600 each)")
+    parser.add_argument("--only", default="", help="steps to run, space or comma separated")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one step in a child process
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(Check(args), args.worker)
     only = set(args.only.replace(",", " ").split())
     unknown = only - set(STEP_ORDER)
     if unknown:
         print(f"unknown step(s) {sorted(unknown)}; steps: {' '.join(STEP_ORDER)}", file=sys.stderr)
         return 2
     c = Check(args)
-    for name in STEP_ORDER:
-        if only and name not in only and name != "summarize":
+    to_run = [n for n in STEP_ORDER if n != "summarize" and (not only or n in only)]
+    needs_models = any(n == "parity" or (n in STEP_WEIGHTS and n not in LOCAL_ONLY) for n in to_run)
+    if needs_models and "build" not in to_run:
+        to_run.insert(0, "build")  # the models and data the later steps need
+    if any(n in TRAINING for n in to_run) and "peak" not in to_run:
+        to_run.insert(0, "peak")  # the MFU denominator
+    to_run.sort(key=STEP_ORDER.index)
+    for i, name in enumerate(to_run):
+        smoke = c.results.get("fsdp_smoke", {})
+        if smoke.get("status") == "failed" and name in FSDP_STEPS:
+            c.results[name] = {"status": "skipped", "seconds": 0.0, "reason": "fsdp_smoke failed"}
+        elif c.budget and c.elapsed >= c.budget:
+            c.results[name] = {"status": "skipped", "seconds": 0.0, "reason": f"budget {c.budget:g} s spent"}
+        else:
+            run_step(c, name, share(c, name, to_run[i:]))
+            summarize(c)
             continue
-        if name != "summarize" and c.budget and c.elapsed >= c.budget:
-            c.results[name] = {"status": "skipped", "seconds": 0.0}
-            print(f"[gpu-check {c.elapsed:6.1f}s] {name}: skipped (budget {c.budget:g} s)", flush=True)
-            continue
-        if name in ("parity", *(s.name for s in TRAIN_STEPS)) and not c.models:
-            run_step(c, "build")  # the models and data every later step needs
-        if name == "build" and c.models:
-            continue
-        if name in (s.name for s in TRAIN_STEPS) and c.measured_peak is None and "peak" not in c.results:
-            run_step(c, "peak")
-        run_step(c, name)
+        print(table_row(name, c.results[name]), flush=True)
+    summarize(c)
     print(open(os.path.join(c.out, "results.md")).read())
     if not args.work_dir:
         shutil.rmtree(c.work, ignore_errors=True)
     failed = [n for n, r in c.results.items() if r.get("status") == "failed"]
     return 1 if failed else 0
 
+
+TRAINING = {s.name for s in TRAIN_STEPS}
+FSDP_STEPS = {s.name for s in TRAIN_STEPS if s.fsdp and s.name != "fsdp_smoke"}
+LOCAL_ONLY = {"env", "peak", "build", "fsdp_smoke"}  # steps that need no model from `build`
 
 if __name__ == "__main__":
     sys.exit(main())

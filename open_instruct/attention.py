@@ -8,7 +8,11 @@ mask), with the boundaries read from the position ids transformers hands every a
 at each sequence). Anything else (a padded batch with its mask, several rows, decoding with a KV cache) goes to
 transformers' own sdpa unchanged, so the name can stay on for every forward of a run: generation and eval included.
 
-On GPUs, flash_attention_2 (its varlen kernel) is the faster choice when flash-attn is installed.
+On a GPU the sequences of a row go to one kernel call instead: torch's own variable-length attention
+(`torch.nn.attention.varlen.varlen_attn`, flash attention with cumulative sequence offsets; torch >= 2.10), when the
+installed torch has it and the call needs nothing it lacks (no dropout). Elsewhere (CPU, where that kernel does not
+run, or an older torch) the loop stays: on CPU it is also faster than FlexAttention with a document block mask
+(bench/bench_attention.py). flash_attention_2 (flash-attn's varlen kernel) remains an option where installed.
 """
 
 from __future__ import annotations
@@ -28,13 +32,71 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-_bounds_cache: dict[str, Any] = {"key": None, "bounds": None}  # one host sync per forward, not one per layer
+_bounds_cache: dict[str, Any] = {"key": None, "bounds": None, "offsets": None}  # per forward, not per layer
 
 
 def _cached_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     if _bounds_cache["key"] is not position_ids:
-        _bounds_cache["key"], _bounds_cache["bounds"] = position_ids, sequence_bounds(position_ids)
+        _bounds_cache.update(key=position_ids, bounds=sequence_bounds(position_ids), offsets=None)
     return _bounds_cache["bounds"]
+
+
+def _cached_offsets(position_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The row's cumulative sequence offsets [0, end_1, ..., T] (int32, on `device`), made once per forward."""
+    from open_instruct.data import host_to_device
+
+    bounds = _cached_bounds(position_ids)
+    if _bounds_cache["offsets"] is None:
+        host = torch.tensor([0, *(end for _, end in bounds)], dtype=torch.int32)
+        _bounds_cache["offsets"] = host_to_device(host, device)
+    return _bounds_cache["offsets"]
+
+
+def varlen_kernel() -> Optional[Any]:
+    """torch's variable-length attention function, or None when this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def use_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
+    """One kernel call for the row: on CUDA (the kernel is flash attention's), without dropout (it has none)."""
+    return query.is_cuda and dropout == 0.0 and varlen_kernel() is not None
+
+
+def varlen_kernel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    scaling: Optional[float],
+) -> torch.Tensor:
+    """Causal attention within each sequence of one packed row in a single varlen_attn call: [1, H, T, D] inputs,
+    [1, T, H, D] output. Its keywords differ across torch releases (is_causal, or window_size (-1, 0) for causal;
+    enable_gqa or not), so they are read from its signature; without enable_gqa the kv heads are repeated."""
+    import inspect
+
+    kernel = varlen_kernel()
+    params = inspect.signature(kernel).parameters
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, D]
+    kwargs: dict[str, Any] = {"scale": scaling}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    offsets = _cached_offsets(position_ids, q.device)
+    longest = max(end - start for start, end in bounds)
+    out = kernel(q, k, v, offsets, offsets, longest, longest, **kwargs)
+    return out.unsqueeze(0)  # [1, T, H, D]
 
 
 def varlen_sdpa_attention(
@@ -70,11 +132,13 @@ def varlen_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    dropout = dropout if module.training else 0.0
+    if use_varlen_kernel(query, dropout):
+        return varlen_kernel_attention(query, key, value, position_ids, bounds, scaling), None
     # Split along the sequence axis of the [1, T, H, D] layout the projections produced: every piece is a view, and
     # the backward of a split is one concatenation (slicing would zero-fill a full-size gradient per sequence).
     sizes = [e - s for s, e in bounds]
     pieces = [t.transpose(1, 2).split(sizes, dim=1) for t in (query, key, value)]
-    dropout = dropout if module.training else 0.0
     gqa = query.shape[1] != key.shape[1]
     out = [
         torch.nn.functional.scaled_dot_product_attention(

@@ -17,6 +17,7 @@ checkpoints, and `check_resume_compatible` compares a checkpoint with the config
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -25,7 +26,7 @@ import re
 import shutil
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 from open_instruct import run_dir, user_code
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
@@ -399,14 +400,84 @@ def save_hf_model(
     check_finite_weights(
         {os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step")
     )
+    unwrapped = accelerator.unwrap_model(model)
+    if not lora.is_peft(unwrapped):
+        # Streamed: one full tensor at a time (under FSDP2 gathered by every rank), written in shards by rank 0, in
+        # the compute dtype of a bf16/fp16 run (as published checkpoints are): the host never holds the whole model.
+        import torch
+
+        dtype = getattr(torch, EXPORT_DTYPES.get(str(accelerator.mixed_precision), "float32"))
+        weights = full_weights(unwrapped, dtype)
+        if accelerator.is_main_process:
+            write_hf_folder(unwrapped, weights, tokenizer, out_dir, extra, dtype)
+        else:
+            for _ in weights:  # the gathers are collectives: every rank takes part
+                pass
+        accelerator.wait_for_everyone()
+        return
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        if lora.is_peft(unwrapped) and lora_save == "merged":
+        if lora_save == "merged":
             state_dict = lora.merged_state_dict(unwrapped, state_dict)
             unwrapped = lora.plain_model(unwrapped)
         write_hf_folder(unwrapped, state_dict, tokenizer, out_dir, extra)
     accelerator.wait_for_everyone()
+
+
+EXPORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # mixed_precision -> the saved weights' dtype (torch's name)
+MAX_SHARD_BYTES = 2 * 1024**3  # safetensors shard size of a streamed save: what rank 0's host holds at once
+
+
+def full_weights(model: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor on the host) for every entry of the model's state dict, one at a time, floating-point
+    ones in `dtype`; a weight tied to an earlier one (the output layer to the embedding) is left out, as
+    save_pretrained leaves it out. An FSDP2 DTensor is all-gathered on the device first (every rank must iterate)."""
+    from torch.distributed.tensor import DTensor
+
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = every - {name for name, _ in model.named_parameters()}  # FSDP2's state dict holds each tied name apart
+    for name, tensor in model.state_dict().items():
+        if name in tied:
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = full.detach().to("cpu", dtype) if full.is_floating_point() else full.detach().cpu()
+        yield name, full
+        del full
+
+
+def write_streamed_weights(weights: Iterable[tuple[str, torch.Tensor]], folder: str, max_bytes: int) -> None:
+    """safetensors shards of at most `max_bytes` (one tensor may exceed it) named as save_pretrained names them,
+    with model.safetensors.index.json when there is more than one."""
+    from safetensors.torch import save_file
+
+    current: dict[str, torch.Tensor] = {}
+    size, total, names = 0, 0, []
+
+    def flush() -> None:
+        nonlocal current, size
+        if current:
+            save_file(current, os.path.join(folder, f".shard_{len(names)}.safetensors"), metadata={"format": "pt"})
+            names.append(list(current))
+            current, size = {}, 0
+
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bytes:
+            flush()
+        current[name] = tensor.contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(names) == 1:
+        os.replace(os.path.join(folder, ".shard_0.safetensors"), os.path.join(folder, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, keys in enumerate(names):
+        file = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        os.replace(os.path.join(folder, f".shard_{i}.safetensors"), os.path.join(folder, file))
+        weight_map.update({k: file for k in keys})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def _clear_hf_debris(out_dir: str) -> None:
@@ -424,14 +495,29 @@ def _clear_hf_debris(out_dir: str) -> None:
 
 
 def write_hf_folder(
-    model: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any, out_dir: str, extra: Optional[dict] = None
+    model: Any,
+    state_dict: Union[dict[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]],
+    tokenizer: Any,
+    out_dir: str,
+    extra: Optional[dict] = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> None:
+    """An HF folder, atomically: from a state dict (save_pretrained), or from a stream of (name, tensor) in `dtype`
+    (full_weights: shards written as they fill, the config saying that dtype)."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     _clear_hf_debris(out_dir)
     tmp = run_dir.make_temp_dir(f".tmp_{os.path.basename(out_dir)}_", parent)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if isinstance(state_dict, dict):
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        else:
+            write_streamed_weights(state_dict, tmp, MAX_SHARD_BYTES)
+            config = copy.deepcopy(model.config)
+            config.dtype = dtype
+            config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra:

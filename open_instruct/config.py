@@ -2,14 +2,17 @@
 
     python open_instruct/dpo.py configs/dpo_8b.yaml --learning_rate 1e-6
 
-Parsing uses transformers' HfArgumentParser. YAML values are turned into command-line tokens placed before the
-user's overrides, so both go through the same argparse type checks and the last value wins. Unknown keys,
-wrong types and invalid values stop the run with exit status 2 and a message naming the key, before torch or
-any model is imported. This module imports no torch.
+The recipe's values and the `--key value` overrides are merged key by key (the last value wins), then every scalar
+goes through transformers' HfArgumentParser as `--key=value` (its type checks and choices; a value may start with
+'-'), and list values are converted by their element type. Unknown keys, wrong types and invalid values stop the
+run with exit status 2 and a message naming the key, before torch or any model is imported. The settings are
+grouped by topic (SETTING_TOPICS) in `--help`, in the saved config.yaml and in docs/running.md#settings-by-topic.
+This module imports no torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -119,7 +122,7 @@ class BaseConfig:
         "value model too) gets low-rank adapters, a scalar head stays fully trained.",
     )
     lora_rank: int = opt(16, "LoRA rank r.")
-    lora_alpha: float = opt(32, "LoRA alpha: the update B@A is scaled by alpha / r.")
+    lora_alpha: float = opt(32.0, "LoRA alpha: the update B@A is scaled by alpha / r.")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too).")
     lora_target_modules: Optional[list[str]] = opt(
         None, "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."
@@ -249,39 +252,22 @@ class BaseConfig:
         checks). Subclasses extend it."""
 
     def validate(self) -> None:
-        """Value checks that need no dataset and no model. Subclasses extend it."""
-        _check_positive(self, "learning_rate", allow_zero=True)
-        _check_positive(self, "per_device_train_batch_size")
-        _check_positive(self, "gradient_accumulation_steps")
-        _check_positive(self, "per_device_eval_batch_size")
-        _check_positive(self, "max_seq_length")
-        _check_positive(self, "num_train_epochs")
-        _check_positive(self, "logging_steps")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
-        _check_positive(self, "keep_last_n_checkpoints")
-        for name in ("gpu_memory_gb", "num_processes"):
+        """Value checks that need no dataset and no model, by topic. Subclasses extend it."""
+        if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
+            raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+        for name in ("gpu_memory_gb", "num_processes"):  # the layout a dry run plans
             if getattr(self, name) is not None:
                 _check_positive(self, name)
         if self.delete_finished_run and not self.overwrite_output_dir:
             raise ConfigError("delete_finished_run applies with --overwrite_output_dir true only; pass both or neither")
-        for name in (
-            "total_episodes",
-            "eval_steps",
-            "checkpointing_steps",
-            "max_train_samples",
-            "max_eval_samples",
-            "dataset_num_proc",
-        ):
-            if getattr(self, name) is not None:
-                _check_positive(self, name)
-        _check_range(self, "warmup_ratio", 0.0, 1.0)
-        _check_range(self, "eval_fraction", 0.0, 0.9)
-        _check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
-        _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
-        _check_positive(self, "weight_decay", allow_zero=True)
-        _check_positive(self, "adam_epsilon", allow_zero=True)
-        _check_positive(self, "lora_rank")
+        self._validate_model()
+        self._validate_data_sources()
+        self._validate_batch_and_optimizer()
+        self._validate_logging_and_checkpoints()
+
+    def _validate_model(self) -> None:
+        if not self.model_name_or_path:
+            raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
         _check_positive(self, "distributed_timeout_minutes")
         if self.mixed_precision == "fp16":
             # fp16 needs loss scaling: accelerate's GradScaler turns an overflow into an inf gradient norm and a
@@ -290,6 +276,7 @@ class BaseConfig:
                 "mixed_precision fp16 is not supported (it needs a loss scaler the scripts do not use): "
                 "use bf16 (Ampere GPUs and newer, and CPUs) or no"
             )
+        _check_positive(self, "lora_rank")
         _check_positive(self, "lora_alpha")
         _check_range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         if self.lora_target_modules is not None and not self.lora_target_modules:
@@ -303,18 +290,39 @@ class BaseConfig:
                     f"{', '.join(changed)} set but use_lora is false: every weight would be trained, without "
                     "adapters; set use_lora true, or remove the LoRA settings"
                 )
-        if not 0 <= self.seed < 2**32:  # Python's random seeds with abs(seed) (-1 = 1); numpy takes 32 bits
-            raise ConfigError(f"seed must be in [0, 2**32 - 1], got {self.seed}")
+
+    def _validate_batch_and_optimizer(self) -> None:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"):
+            _check_positive(self, name)
+        _check_positive(self, "max_seq_length")
+        _check_positive(self, "num_train_epochs")
+        for name in ("total_episodes", "max_train_samples", "max_eval_samples", "dataset_num_proc"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
+        _check_positive(self, "learning_rate", allow_zero=True)
+        _check_range(self, "warmup_ratio", 0.0, 1.0)
+        _check_range(self, "adam_beta1", 0.0, 1.0, high_open=True)
+        _check_range(self, "adam_beta2", 0.0, 1.0, high_open=True)
+        _check_positive(self, "weight_decay", allow_zero=True)
+        _check_positive(self, "adam_epsilon", allow_zero=True)
         if self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    def _validate_logging_and_checkpoints(self) -> None:
+        """Logging, evaluation (its data and best_metric) and checkpoints."""
+        _check_positive(self, "logging_steps")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"peak_tflops must be > 0 (dense bf16 TFLOP/s of one GPU), got {self.peak_tflops}")
+        _check_positive(self, "keep_last_n_checkpoints")
+        for name in ("eval_steps", "checkpointing_steps"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name)
         if self.allow_resume_changes and not self.resume_from_checkpoint:
             raise ConfigError(
                 f"allow_resume_changes {self.allow_resume_changes} applies to a resume: set resume_from_checkpoint "
                 "(auto or a checkpoint path)"
             )
-        if not self.model_name_or_path:
-            raise ConfigError("model_name_or_path is required (a hub name or a local folder)")
-        self._validate_data_sources()
+        _check_range(self, "eval_fraction", 0.0, 0.9)
         logged = [*self.eval_metrics, *self.per_source_metric_names()]
         if self.best_metric and self.eval_metrics and self.best_metric not in logged:  # '' = none
             close = difflib.get_close_matches(self.best_metric, logged, n=1, cutoff=0.5)
@@ -718,7 +726,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     # eval: greedy verifiable accuracy on held-out prompts
     eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
     num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
-    # multi-turn episodes (environments.py, episodes.py; README: Multi-turn tool use)
+    # multi-turn episodes (environments.py, episodes.py; docs/multi-turn.md)
     environment: Optional[str] = opt(
         None,
         "Play multi-turn episodes against this environment: a registered name (tool, multi_turn) or an import path "
@@ -828,38 +836,37 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             self.truncated_importance_sampling = self.async_steps > 0
 
     def validate(self) -> None:
+        """By topic: batch, sampling, algorithm, rewards, environments, distillation (the engines: the mixin's)."""
         super().validate()
-        for name in (
-            "local_rollout_batch_size",
-            "num_samples_per_prompt",
-            "num_epochs",
-            "response_length",
-            "max_prompt_length",
-        ):
+        self._validate_batch()
+        self._validate_sampling()
+        self._validate_algorithm()
+        self._validate_off_policy()
+        self._validate_rewards()
+        self._validate_environment()
+        self._validate_distillation()
+
+    def _validate_batch(self) -> None:
+        for name in ("local_rollout_batch_size", "num_samples_per_prompt", "num_epochs", "max_prompt_length"):
             _check_positive(self, name)
-        if self.eval_response_length is not None:
-            _check_positive(self, "eval_response_length")
-        _check_positive(self, "num_samples_logged", allow_zero=True)
         if self.total_episodes is None:
             raise ConfigError("total_episodes is required for RLVR (completions to train on)")
+        _check_positive(self, "num_samples_logged", allow_zero=True)
+
+    def _validate_sampling(self) -> None:
+        _check_positive(self, "response_length")
+        if self.eval_response_length is not None:
+            _check_positive(self, "eval_response_length")
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0 for sampling, got {self.temperature}")
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
+
+    def _validate_algorithm(self) -> None:
+        """The estimator, the policy loss and their knobs, and the settings that only some estimators use."""
         _check_range(self, "gamma", 0.0, 1.0)
         _check_range(self, "lam", 0.0, 1.0)
-        for name in (
-            "cliprange",
-            "cliprange_value",
-            "verifier_timeout",
-            "reward_function_timeout",
-            "code_test_seconds",
-            "sandbox_workers",
-        ):
+        for name in ("cliprange", "cliprange_value"):
             _check_positive(self, name)
-        if self.code_memory_mb < 64:
-            raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
-        if self.sandbox_batch_timeout is not None:
-            _check_positive(self, "sandbox_batch_timeout")
         if self.beta < 0 or self.vf_coef < 0:
             raise ConfigError(f"beta and vf_coef must be >= 0, got beta={self.beta}, vf_coef={self.vf_coef}")
         _check_choice(self, "algo", ALGO_ESTIMATORS)
@@ -874,26 +881,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"dual_clip_c applies to policy_loss {takers}, not {self.policy_loss} (its weight is already capped)"
             )
         _check_positive(self, "loss_norm_length")
-        _check_positive(self, "overlong_buffer_length", allow_zero=True)
-        if self.overlong_buffer_length > self.response_length:
-            raise ConfigError(
-                f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
-            )
-        _check_positive(self, "overlong_penalty_factor", allow_zero=True)
-        _check_positive(self, "tis_cap")
-        for name in ("is_mask_low", "is_mask_high"):
-            if getattr(self, name) is not None:
-                _check_positive(self, name, allow_zero=True)
-        if self.tis_cap < 1:
-            raise ConfigError(
-                f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
-            )
-        if self.is_mask_low is not None and not 0 <= self.is_mask_low <= 1:
-            raise ConfigError(f"is_mask_low must be in [0, 1] (the ratio masked below), got {self.is_mask_low}")
-        if self.is_mask_high is not None and self.is_mask_high < 1:
-            raise ConfigError(f"is_mask_high must be >= 1 (the ratio masked above), got {self.is_mask_high}")
-        if self.max_sequence_lag is not None:
-            _check_positive(self, "max_sequence_lag", allow_zero=True)
         if self.uses_groups and self.num_samples_per_prompt < 2:
             raise ConfigError(
                 f"advantage_estimator {self.advantage_estimator} needs num_samples_per_prompt >= 2 (group baselines "
@@ -919,6 +906,37 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             raise ConfigError(
                 f"value_model_path is set but advantage_estimator {self.advantage_estimator} uses no value model"
             )
+
+    def _validate_off_policy(self) -> None:
+        """Corrections for tokens sampled by another policy: truncated IS, IcePop masks, the lag limit."""
+        _check_positive(self, "tis_cap")
+        if self.tis_cap < 1:
+            raise ConfigError(
+                f"tis_cap must be >= 1 (a weight cap below 1 would shrink every token), got {self.tis_cap}"
+            )
+        for name in ("is_mask_low", "is_mask_high"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name, allow_zero=True)
+        if self.is_mask_low is not None and not 0 <= self.is_mask_low <= 1:
+            raise ConfigError(f"is_mask_low must be in [0, 1] (the ratio masked below), got {self.is_mask_low}")
+        if self.is_mask_high is not None and self.is_mask_high < 1:
+            raise ConfigError(f"is_mask_high must be >= 1 (the ratio masked above), got {self.is_mask_high}")
+        if self.max_sequence_lag is not None:
+            _check_positive(self, "max_sequence_lag", allow_zero=True)
+
+    def _validate_rewards(self) -> None:
+        for name in ("verifier_timeout", "reward_function_timeout", "code_test_seconds", "sandbox_workers"):
+            _check_positive(self, name)
+        if self.code_memory_mb < 64:
+            raise ConfigError(f"code_memory_mb must be >= 64 (for a Python interpreter), got {self.code_memory_mb}")
+        if self.sandbox_batch_timeout is not None:
+            _check_positive(self, "sandbox_batch_timeout")
+        _check_positive(self, "overlong_buffer_length", allow_zero=True)
+        if self.overlong_buffer_length > self.response_length:
+            raise ConfigError(
+                f"overlong_buffer_length {self.overlong_buffer_length} exceeds response_length {self.response_length}"
+            )
+        _check_positive(self, "overlong_penalty_factor", allow_zero=True)
         for i, weight in enumerate(self.reward_function_weights or []):
             if not math.isfinite(weight):
                 raise ConfigError(f"reward_function_weights[{i}] must be a finite number, got {weight}")
@@ -929,8 +947,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"reward_function_weights has {len(self.reward_function_weights)} entries but reward_functions has "
                 f"{len(self.reward_functions or [])}: give one weight per function"
             )
-        self._validate_environment()
-        self._validate_distillation()
         if self.reward_model_multiplier and not self.reward_model_path:
             raise ConfigError(
                 f"reward_model_multiplier {self.reward_model_multiplier} is set but reward_model_path is not"
@@ -1043,6 +1059,181 @@ CONFIG_CLASSES: dict[str, type[BaseConfig]] = {
     "dpo": DPOConfig,
     "rlvr_ppo": RLVRConfig,
 }
+
+
+# Every setting's topic: the order of `--help`, of the saved config.yaml (a comment heads each group, the keys stay
+# one flat mapping) and of docs/running.md's settings table. A topic's keys in reading order; each script shows the
+# ones it has. tests/test_config_plan.py checks that every field of every script has exactly one topic.
+SETTING_TOPICS: dict[str, tuple[str, str]] = {
+    "run": (
+        "which script, where its files go, the layout a dry run plans",
+        "script exp_name output_dir overwrite_output_dir delete_finished_run seed dry_run gpu gpu_memory_gb "
+        "num_processes",
+    ),
+    "model": (
+        "what is loaded and how it runs",
+        "model_name_or_path tokenizer_name_or_path model_revision gguf_file trust_remote_code chat_template "
+        "mixed_precision attn_implementation activation_checkpointing fsdp_cpu_offload distributed_timeout_minutes "
+        "use_lora lora_rank lora_alpha lora_dropout lora_target_modules lora_save",
+    ),
+    "data": (
+        "train and held-out rows, their columns and lengths",
+        "dataset_name_or_path dataset_mixer_list dataset_split eval_dataset_name_or_path eval_dataset_mixer_list "
+        "eval_dataset_split eval_fraction max_train_samples max_eval_samples messages_column chosen_column "
+        "rejected_column prompt_column margin_column ground_truth_column verifier_column max_seq_length "
+        "max_prompt_length overlong skip_bad_rows string_rows dataset_num_proc dataset_cache_dir",
+    ),
+    "batch": (
+        "samples per step and run length (docs/batch-math.md)",
+        "per_device_train_batch_size gradient_accumulation_steps per_device_eval_batch_size "
+        "max_tokens_per_micro_batch local_rollout_batch_size num_samples_per_prompt num_epochs num_train_epochs "
+        "total_episodes",
+    ),
+    "optimizer": (
+        "AdamW and its schedule",
+        "learning_rate lr_scheduler_type warmup_ratio weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm",
+    ),
+    "algorithm": (
+        "the loss and, for RL, the advantages, KL and distillation (docs/algorithms.md)",
+        "loss_type beta label_smoothing gamma_beta_ratio reference_cache_dir center_rewards_coefficient algo "
+        "advantage_estimator policy_loss kl_estimator algo_kwargs cliprange cliprange_low cliprange_high dual_clip_c "
+        "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
+        "loss_norm_length filter_zero_std_groups mask_truncated_completions truncated_importance_sampling tis_cap "
+        "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight "
+        "distill_reward_weight distill_group_baseline distill_jsd_beta distill_top_k",
+    ),
+    "generation": (
+        "sampling and the engines that sample",
+        "response_length eval_response_length temperature top_p stop_strings generation_backend "
+        "generation_micro_batch_size async_steps vllm_gpu_memory_utilization vllm_enable_sleep vllm_num_engines "
+        "vllm_tensor_parallel_size vllm_server_urls vllm_engine_devices vllm_weight_transfer vllm_server_timeout "
+        "vllm_engine_start_timeout weight_sync_timeout",
+    ),
+    "rewards": (
+        "how a completion is scored",
+        "verification_reward verifier_timeout non_stop_penalty non_stop_penalty_mode overlong_buffer_length "
+        "overlong_penalty_factor reward_model_path reward_model_multiplier reward_functions reward_function_weights "
+        "reward_function_timeout code_reward code_test_seconds code_memory_mb sandbox_workers sandbox_batch_timeout",
+    ),
+    "environments": (
+        "multi-turn episodes and tools (docs/multi-turn.md)",
+        "environment tools tool_call_format max_turns max_tool_calls tool_output_max_tokens tool_timeout "
+        "max_turn_tokens environment_timeout turn_reward_aggregation",
+    ),
+    "checks": (
+        "what stops or warns during a run (docs/trusted-generation.md)",
+        "on_nonfinite generation_check generation_check_scale mismatch_warn_kl mismatch_warn_beyond_cap",
+    ),
+    "checkpointing": (
+        "checkpoints, resumes and the models written",
+        "checkpointing_steps keep_last_n_checkpoints resume_from_checkpoint allow_resume_changes save_final_model "
+        "best_metric best_metric_mode",
+    ),
+    "logging": (
+        "metrics, evaluation and samples",
+        "logging_steps eval_steps num_samples_logged peak_tflops with_tracking wandb_project wandb_entity",
+    ),
+}
+
+
+def settings_by_topic(cls: type) -> list[tuple[str, str, list[str]]]:
+    """[(topic, what it covers, the script's setting names in reading order), ...], topics without a setting of
+    this script left out. A field missing from SETTING_TOPICS comes last under "other" (never hidden)."""
+    names = _field_names(cls)
+    groups = []
+    for topic, (about, keys) in SETTING_TOPICS.items():
+        own = [k for k in keys.split() if k in names]
+        if own:
+            groups.append((topic, about, own))
+    placed = {k for _, _, keys in groups for k in keys}
+    rest = [n for n in names if n not in placed]
+    return groups + ([("other", "settings without a topic yet", rest)] if rest else [])
+
+
+class _RecipeDumper(yaml.SafeDumper):
+    """One key a line (block style), a list value on its key's line: `stop_strings: [a, b]`."""
+
+
+_RecipeDumper.add_representer(
+    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True)
+)
+
+
+def config_yaml(cfg: Any) -> str:
+    """The resolved config (every option, defaults and derived values filled in) as a recipe: `script.py
+    config.yaml` repeats the run. One flat mapping, its keys grouped by topic, a comment heading each group. The
+    decisions of one command (NOT_SAVED) are left out: what --dry_run prints is the file the run it planned saves."""
+    values = dataclasses.asdict(cfg)
+    parts = []
+    for topic, about, keys in settings_by_topic(type(cfg)):
+        saved = [k for k in keys if k not in NOT_SAVED]
+        if not saved:
+            continue
+        body = yaml.dump({k: values[k] for k in saved}, Dumper=_RecipeDumper, sort_keys=False, width=120)
+        parts.append(f"# --- {topic}: {about}\n{body}")
+    return "\n".join(parts)
+
+
+def settings_table() -> str:
+    """docs/running.md's table of every setting by topic: those every script has first, then those of some scripts
+    after the scripts' names (tests/test_config_plan.py checks the page holds this table)."""
+    have = {name: [s for s, cls in CONFIG_CLASSES.items() if name in _field_names(cls)] for name in _all_settings()}
+    lines = ["| topic | what it covers | settings |", "|---|---|---|"]
+    for topic, (about, keys) in SETTING_TOPICS.items():
+        by_scripts: dict[str, list[str]] = {}
+        for key in keys.split():
+            scripts = "" if len(have[key]) == len(CONFIG_CLASSES) else " and ".join(have[key]) + ": "
+            by_scripts.setdefault(scripts, []).append(f"`{key}`")
+        cell = "; ".join(scripts + ", ".join(names) for scripts, names in sorted(by_scripts.items()))
+        lines.append(f"| {topic} | {about} | {cell} |")
+    return "\n".join(lines)
+
+
+def _all_settings() -> list[str]:
+    return list(dict.fromkeys(name for cls in CONFIG_CLASSES.values() for name in _field_names(cls)))
+
+
+def help_text(cls: type) -> str:
+    """`--help`: every setting of the script with its type, default and help text, grouped by topic."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(
+        prog=f"{_script_of(cls)}.py",
+        usage="%(prog)s [RECIPE.yaml] [--key value ...]",
+        description=(
+            "Options come from the YAML recipe (first argument, optional) and then from --key value overrides (the "
+            "last value wins). Booleans take true/false; `null` unsets an optional key. Every option, by topic:"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        add_help=False,
+    )
+    for topic, about, keys in settings_by_topic(cls):
+        group = parser.add_argument_group(topic, about)
+        for key in keys:
+            f = fields[key]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            flags = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])  # both are accepted
+            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=f.metadata["help"])
+            negated = f"no_{key}"  # a boolean that defaults to true also takes --no_<key>
+            if negated in _accepted_keys(cls):
+                group.add_argument(
+                    f"--{negated}", action="store_true", default=argparse.SUPPRESS, help=f"--{key} false."
+                )
+    return parser.format_help()
+
+
+def _metavar(hint: Any) -> str:
+    """How --help shows a setting's value: its choices, type, or a list of them."""
+    types = [t for t in (typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,))]
+    types = [t for t in types if t is not type(None)]
+    (kind,) = types
+    if typing.get_origin(kind) is Literal:
+        return "{" + ",".join(map(str, typing.get_args(kind))) + "}"
+    if typing.get_origin(kind) is list:
+        return f"{_metavar(typing.get_args(kind)[0])} [...]"
+    if kind is dict or typing.get_origin(kind) is dict:
+        return "NAME=VALUE [...]"
+    return getattr(kind, "__name__", str(kind)).upper()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1276,19 +1467,16 @@ def _accepted_keys(cls: type) -> set[str]:
     return {f.name for f in fields} | {f"no_{f.name}" for f in fields if f.type in ("bool", bool) and f.default is True}
 
 
+def _script_of(cls: type) -> str:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == "script")
+
+
 def _parser(cls: type) -> Any:
+    """transformers' HfArgumentParser for `cls`: it converts and checks each scalar value (types, choices,
+    booleans). Errors raise argparse.ArgumentError (exit_on_error=False) instead of exiting."""
     from transformers import HfArgumentParser  # light: does not import torch
 
-    script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
-    return HfArgumentParser(
-        cls,
-        prog=f"{script}.py",
-        usage="%(prog)s [RECIPE.yaml] [--key value ...]",
-        description=(
-            "Options come from the YAML recipe (first argument, optional) and then from --key value overrides (the "
-            "last value wins). Booleans take true/false. Every option:"
-        ),
-    )
+    return HfArgumentParser(cls, prog=f"{_script_of(cls)}.py", exit_on_error=False)
 
 
 def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
@@ -1309,112 +1497,174 @@ def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
 NULL_TOKENS = ("null", "None", "none", "~")
 
 
+@dataclass
+class _Sources:
+    """What a run was given: the recipe (its path and mapping) and the command line's assignments in order."""
+
+    recipe_path: Optional[str]
+    recipe: dict[str, Any]
+    cli: list[tuple[str, str, list[str]]]
+
+
+def _read_sources(cls: type, argv: list[str]) -> _Sources:
+    """The recipe (the first argument, if not an option) and the `--key value` assignments after it; a recipe placed
+    after the options, or one written for another script, is refused."""
+    recipe: dict[str, Any] = {}
+    recipe_path = None
+    if argv and not argv[0].startswith("-"):
+        recipe_path = argv.pop(0)
+        recipe = load_recipe(recipe_path)
+    late_recipe = _misplaced_recipe(argv, _value_kinds(cls))
+    if late_recipe is not None:
+        raise ConfigError(
+            f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
+            f"(script.py {late_recipe} [--key value ...])"
+        )
+    script = _script_of(cls)
+    if recipe.get("script", script) != script:
+        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {script!r}")
+    return _Sources(recipe_path, recipe, _cli_assignments(argv))
+
+
+def _check_known_keys(cls: type, sources: _Sources) -> None:
+    """Every unknown key at once, recipe (nested groups as dotted names) and command line, with every value given,
+    so that hints which depend on another foreign key (max_steps and num_iterations) can use it."""
+    valid = _field_names(cls)
+    accepted = _accepted_keys(cls)
+    unknown: list[tuple[str, str]] = []
+    given: dict[str, Any] = {}
+    for key, value in sources.recipe.items():
+        if key not in valid:
+            flat = _flatten(value, f"{key}.") if isinstance(value, dict) and value else {key: value}
+            unknown += [(k, f"recipe {sources.recipe_path}") for k in flat]
+            given.update(flat)
+        else:
+            given[key] = value
+    for key, _, values in sources.cli:
+        if key and key not in accepted:
+            unknown.append((key, "command-line overrides"))
+        given[key] = values[0] if len(values) == 1 else values
+    if unknown:
+        raise _unknown_keys_error(list(dict.fromkeys(unknown)), valid, _script_of(cls), given)
+
+
+# One key's assignment: ("tokens", flag as written, value tokens) for the parser to convert, or ("value", a Python
+# value) set as it is.
+_Assignment = tuple
+
+
+def _recipe_assignment(key: str, value: Any, kind: str, where: str) -> _Assignment:
+    if value is None or kind == "mapping":
+        return ("value", None if value is None else _mapping_value(key, value, where))
+    if isinstance(value, list) and kind != "list":
+        raise ConfigError(f"{where}: key {key!r} takes one value, got the list {value!r}")
+    if isinstance(value, str) and kind == "float":  # `1e-400` (YAML reads it as a string)
+        _check_no_underflow(key, value, where)
+    return ("tokens", f"--{key}", _yaml_value_tokens(key, value))
+
+
+def _cli_assignment(key: str, flag: str, values: list[str], kind: Optional[str], optional: bool) -> _Assignment:
+    if kind == "float" and values:  # 1e-400 would silently become 0.0
+        _check_no_underflow(key, values[0], "command line")
+    if optional and len(values) == 1 and values[0] in NULL_TOKENS:
+        return ("value", None)
+    if kind == "mapping":
+        return ("value", _mapping_value(key, values, "the command line"))
+    return ("tokens", flag, values)
+
+
+def _merged_assignments(cls: type, sources: _Sources) -> tuple[dict[str, _Assignment], list[str]]:
+    """key -> its last assignment: the recipe's first, then the command line's in order, each replacing the key's
+    earlier one (`null` unsets an optional key). Also the stray tokens before the first --key."""
+    kinds = _value_kinds(cls)
+    hints = typing.get_type_hints(cls)
+    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
+    # str), so a second parse in the same process would no longer see which keys are optional.
+    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
+    merged: dict[str, _Assignment] = {}
+    for key, value in sources.recipe.items():
+        merged[key] = _recipe_assignment(key, value, kinds[key], f"recipe {sources.recipe_path}")
+    stray: list[str] = []
+    for key, flag, values in sources.cli:
+        if not key:
+            stray += values
+            continue
+        base = key[3:] if key not in kinds and key.startswith("no_") else key
+        merged.pop(base, None)  # dict order follows the last assignment
+        merged[base] = _cli_assignment(key, flag, values, kinds.get(key), key in optional)
+    return merged, stray
+
+
+def _list_value(key: str, tokens: list[str], hint: Any) -> list[Any]:
+    """A list option's tokens as its element type (argparse's wording for a bad one). Converted here, not by
+    argparse, which would read a token starting with '-' (`--stop_strings -----`) as an option."""
+    if not tokens:
+        raise ConfigError(f"argument {_argument_name(key)}: expected at least one argument")
+    (item,) = typing.get_args(next(t for t in (*typing.get_args(hint), hint) if typing.get_origin(t) is list))
+    try:
+        return [item(t) for t in tokens]
+    except ValueError:
+        bad = next(t for t in tokens if not _converts(item, t))
+        raise ConfigError(f"argument {_argument_name(key)}: invalid {item.__name__} value: {bad!r}") from None
+
+
+def _argument_name(key: str) -> str:
+    """How argparse names an option in its errors: the flag, then its dashed alias after a slash."""
+    return f"--{key}" + (f"/--{key.replace('_', '-')}" if "_" in key else "")
+
+
+def _converts(convert: Any, token: str) -> bool:
+    try:
+        convert(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _build(cls: type[T], merged: dict[str, _Assignment], stray: list[str]) -> T:
+    """The config from the merged assignments: python values and lists set as they are, every scalar converted and
+    checked by the parser. A scalar goes in as `--key=value`, so a value starting with '-' (`-1e-8`, `-----`) stays
+    a value."""
+    kinds = _value_kinds(cls)
+    hints = typing.get_type_hints(cls)
+    preset: dict[str, Any] = {}
+    tokens: list[str] = list(stray)
+    for key, entry in merged.items():
+        if entry[0] == "value":
+            preset[key] = entry[1]
+        elif kinds.get(key) == "list":
+            preset[key] = _list_value(key, entry[2], hints[key])
+        elif len(entry[2]) == 0:
+            tokens.append(entry[1])  # a flag alone: `--dry_run`, `--no_save_final_model`
+        else:
+            tokens += [f"{entry[1]}={entry[2][0]}", *entry[2][1:]]  # extra values: reported as not used
+
+    parser = _parser(cls)
+    parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
+    try:
+        (config,) = parser.parse_args_into_dataclasses(args=tokens)
+    except ConfigError:  # a check of the config itself (__post_init__)
+        raise
+    except (argparse.ArgumentError, TypeError, ValueError) as e:  # a value the parser could not convert
+        raise ConfigError(str(e)) from None
+    return config
+
+
 def parse_config(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:
     """Parse `[RECIPE.yaml] [--key value ...]` into `cls`. Raises ConfigError (see `parse_or_exit`); `-h`/`--help`
-    prints every option with its help text and exits 0.
+    prints every option, grouped by topic, with its help text and exits 0.
 
     The recipe's values come first and each `--key value` (or `--key=value`) after them replaces the key's earlier
     value: the last one wins, `null` included (it unsets an optional key). Every unknown key of the recipe and of
     the command line is reported in one error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        _parser(cls).print_help()
+        print(help_text(cls))
         raise SystemExit(0)
-    recipe: dict[str, Any] = {}
-    recipe_path = None
-    if argv and not argv[0].startswith("-"):
-        recipe_path = argv.pop(0)
-        recipe = load_recipe(recipe_path)
-    kinds = _value_kinds(cls)
-    late_recipe = _misplaced_recipe(argv, kinds)
-    if late_recipe is not None:
-        raise ConfigError(
-            f"{late_recipe!r} looks like a recipe file after the --key value options: the recipe comes first "
-            f"(script.py {late_recipe} [--key value ...])"
-        )
-    expected_script = next(f.default for f in dataclasses.fields(cls) if f.name == "script")
-    if recipe.get("script", expected_script) != expected_script:
-        raise ConfigError(f"recipe {recipe_path} is for script {recipe['script']!r}, not {expected_script!r}")
-    valid = _field_names(cls)
-    accepted = _accepted_keys(cls)
-    cli = _cli_assignments(argv)
-    # Every unknown key at once, recipe (nested groups as dotted names) and command line, with every value given,
-    # so that hints which depend on another foreign key (max_steps and num_iterations) can use it.
-    unknown: list[tuple[str, str]] = []
-    given: dict[str, Any] = {}
-    for key, value in recipe.items():
-        if key not in valid:
-            flat = _flatten(value, f"{key}.") if isinstance(value, dict) and value else {key: value}
-            unknown += [(k, f"recipe {recipe_path}") for k in flat]
-            given.update(flat)
-        else:
-            given[key] = value
-    for key, _, values in cli:
-        if key and key not in accepted:
-            unknown.append((key, "command-line overrides"))
-        given[key] = values[0] if len(values) == 1 else values
-    if unknown:
-        raise _unknown_keys_error(list(dict.fromkeys(unknown)), valid, expected_script, given)
-
-    hints = typing.get_type_hints(cls)
-    # From the class annotations, not Field.type: HfArgumentParser rewrites Field.type in place (Optional[str] ->
-    # str), so a second parse in the same process would no longer see which keys are optional.
-    optional = {f.name for f in dataclasses.fields(cls) if type(None) in typing.get_args(hints[f.name])}
-    # key -> ("tokens", flag, values) | ("value", python value): the recipe first, then the command line in order;
-    # an assignment replaces the key's earlier one (dict order follows the last assignment).
-    merged: dict[str, tuple] = {}
-    for key, value in recipe.items():
-        where = f"recipe {recipe_path}"
-        if value is None or kinds[key] == "mapping":
-            merged[key] = ("value", None if value is None else _mapping_value(key, value, where))
-            continue
-        if isinstance(value, list) and kinds[key] != "list":
-            raise ConfigError(f"recipe {recipe_path}: key {key!r} takes one value, got the list {value!r}")
-        if isinstance(value, str) and kinds[key] == "float":  # `1e-400` (YAML reads it as a string)
-            _check_no_underflow(key, value, where)
-        merged[key] = ("tokens", f"--{key}", _yaml_value_tokens(key, value))
-    stray: list[str] = []
-    for key, flag, values in cli:
-        if not key:
-            stray += values
-            continue
-        base = key[3:] if key not in valid and key.startswith("no_") else key
-        if kinds.get(key) == "float" and values:  # 1e-400 would silently become 0.0
-            _check_no_underflow(key, values[0], "command line")
-        merged.pop(base, None)
-        if key in optional and len(values) == 1 and values[0] in NULL_TOKENS:
-            merged[base] = ("value", None)
-        elif kinds.get(key) == "mapping":
-            merged[base] = ("value", _mapping_value(key, values, "the command line"))
-        else:
-            merged[base] = ("tokens", flag, values)
-    tokens: list[str] = stray
-    preset: dict[str, Any] = {}
-    for key, entry in merged.items():
-        if entry[0] == "value":
-            preset[key] = entry[1]
-        else:
-            tokens += [entry[1], *entry[2]]
-    parser = _parser(cls)
-    # Every token that is not a --key was checked above to be a value, so one starting with '-' (`--stop_strings
-    # -----`, `--adam_epsilon -1e-8`) is a value too; argparse alone reads it as an option unless it is a plain
-    # negative number.
-    parser._negative_number_matcher = re.compile(r"^-")
-    parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
-    for action in parser._actions:  # recipe values satisfy required fields
-        if action.dest in merged:
-            action.required = False
-    errors: list[str] = []
-    parser.error = lambda message: errors.append(message) or (_ for _ in ()).throw(ConfigError(message))  # type: ignore[method-assign]
-    try:
-        (config,) = parser.parse_args_into_dataclasses(args=tokens)
-    except SystemExit:  # argparse exits on --help
-        raise
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    return config
+    sources = _read_sources(cls, argv)
+    _check_known_keys(cls, sources)
+    merged, stray = _merged_assignments(cls, sources)
+    return _build(cls, merged, stray)
 
 
 def parse_or_exit(cls: type[T], argv: Optional[Sequence[str]] = None) -> T:

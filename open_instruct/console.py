@@ -11,7 +11,7 @@ logged rows (tracking.py and runtime.py print them); no torch.
     done: 62 optimizer steps, 1,984 episodes in 20 s; 262,542 tokens trained (13,015/s)
       eval/rewards/accuracy: final 0.59 (step 62), best 0.59 at step 60 -> output/dpo_tiny/best_model
 
-(the README's "What a run prints" has whole runs)."""
+(docs/running.md#what-a-run-prints has whole runs)."""
 
 from __future__ import annotations
 

@@ -908,6 +908,26 @@ def _sequence_starts(lengths: Sequence[int]) -> list[int]:
     return [0, *itertools.accumulate(lengths)][:-1]
 
 
+def pins_host_batches(device: Any) -> bool:
+    """Whether host data go to `device` through pinned memory with non-blocking copies: on a CUDA device (a
+    `.to(device)` from ordinary pageable memory makes the host wait until the copy is done)."""
+    return torch.device(device).type == "cuda"
+
+
+def host_to_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """`tensor` on `device`; from the host through pinned (page-locked) memory with a non-blocking copy where
+    `pins_host_batches`: the host goes on preparing the next micro-batch while the copy runs in stream order, and the
+    caching host allocator keeps the pinned buffer alive until its copy has run."""
+    if tensor.device.type != "cpu" or not pins_host_batches(device):
+        return tensor.to(device)
+    return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+    """A host batch on `device` (`host_to_device` for each tensor)."""
+    return {k: host_to_device(v, device) for k, v in batch.items()}
+
+
 def collate_sft(examples: Sequence[dict[str, Any]], pad_id: int, packed: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded rows (input_ids, labels -100 on padding, attention_mask), or with `packed` one packed_row whose
     labels are -100 at every sequence start: the shifted loss then never predicts a sequence's first token from the

@@ -170,7 +170,9 @@ def _cpu_fsdp_accelerator(cfg: Any, plugin: Any) -> Any:
     accelerator = Accelerator(
         cpu=True, mixed_precision=cfg.mixed_precision, fsdp_plugin=plugin, kwargs_handlers=process_group_kwargs(cfg)
     )
-    if accelerator.num_processes > 1:
+    # A torchrun launch of one process forms a gloo group of one (MULTI_CPU): FSDP2 over it is the one-process path
+    # every single-GPU FSDP run takes, so it is switched too; a plain `python script.py` has no group and stays as is.
+    if accelerator.num_processes > 1 or accelerator.distributed_type == DistributedType.MULTI_CPU:
         state = accelerator.state
         state.distributed_type = DistributedType.FSDP
         # AcceleratorState re-reads PartialState's fields whenever it is constructed again; on GPUs accelerate
@@ -252,9 +254,9 @@ def check_cpu_launch(script: str) -> None:
             f"accelerate launch was asked for {count} processes but started one: with no GPU (or one) and no FSDP "
             "config, its simple launcher runs the script once, which would train alone. To run "
             f"{count} processes on CPU: {CPU_FSDP_ENV}=1 accelerate launch --config_file "
-            f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see the "
-            f"README's multi-GPU section); on {count} GPUs: --config_file configs/accelerate/fsdp_8gpu.yaml; for one "
-            "process drop --num_processes"
+            f"configs/accelerate/fsdp_cpu_2proc.yaml --num_processes {count} {script} ...  (FSDP2 on gloo, see "
+            f"docs/fsdp-and-engines.md#multi-gpu-fsdp2-and-multi-node); on {count} GPUs: --config_file "
+            "configs/accelerate/fsdp_8gpu.yaml; for one process drop --num_processes"
         )
 
 

@@ -171,7 +171,7 @@ def evaluate(
         for group, real in mine:
             batch = data.collate_preferences([evals[i] for i in group], pad_id, cfg.packing)
             with accelerator.autocast():
-                policy = pair_logps(model, {k: v.to(accelerator.device) for k, v in batch.items()})
+                policy = pair_logps(model, data.to_device(batch, accelerator.device))
             if not real:
                 continue
             ref = reference_logps(ref_table, group, accelerator.device) if ref_table else None
@@ -191,22 +191,64 @@ def evaluate(
     return out
 
 
+def backward_step(
+    cfg: DPOConfig,
+    accelerator: Any,
+    model: Any,
+    train: list[dict],
+    groups: list[tuple[list[int], bool]],
+    ref: Optional[dict[str, Any]],
+    run: runtime.RunContext,
+    mini_batch_size: int,
+) -> dict[str, float]:
+    """One optimizer step's forward and backward passes over this rank's micro-batches (`groups`: pair indices, and
+    whether the micro-batch is real or a packing dummy); returns the step's train/ statistics, means over the global
+    mini-batch (summed on the device, read once)."""
+    from open_instruct import data
+    from open_instruct.models import pair_logps, with_scored_index
+    from open_instruct.reference_cache import reference_logps
+    from open_instruct.step_sums import StepSums
+
+    pad_id = run.tokenizer.pad_token_id
+    sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
+    for i, (group, real) in enumerate(groups):
+        batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
+        if real:  # counted on the CPU batch: no device sync
+            run.throughput.add(data.batch_tokens(batch), len(group))
+        # scored positions found on the host: no host sync per micro-batch
+        batch = data.to_device(with_scored_index(batch), accelerator.device)
+        sync = i == len(groups) - 1
+        with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
+            with accelerator.autocast():
+                policy = pair_logps(model, batch)
+            losses, chosen_r, rejected_r = preference_loss(
+                cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None
+            )
+            # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world. A dummy
+            # micro-batch (packing: this rank has fewer than another) counts 0.
+            accelerator.backward(losses.sum() * (accelerator.num_processes / mini_batch_size if real else 0.0))
+        if real:
+            sums.add_vector(pair_stat_sums(losses, chosen_r, rejected_r, policy))
+    return {f"train/{k}": v / mini_batch_size for k, v in distributed.global_sums(accelerator, sums.read()).items()}
+
+
+def warn_if_reference_stale(cfg: DPOConfig, metrics: dict[str, float], run: runtime.RunContext) -> None:
+    """At step 0 the policy is the reference: the same batches as the cached pass give rewards of exactly 0."""
+    drift = (abs(metrics["eval/rewards/chosen"]) + abs(metrics["eval/rewards/rejected"])) / cfg.beta
+    if drift > 1e-3:
+        run.logger.write(
+            "WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| "
+            f"+ |mean rejected log-ratio| = {drift:.3g}); is the cache stale?"
+        )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     cfg = runtime.start(DPOConfig, argv)  # best_metric is checked there against DPOConfig.eval_metrics
 
     from open_instruct import data, reference_cache
     from open_instruct.batch_math import should_log
     from open_instruct.lora import adapter_disabled, apply_lora
-    from open_instruct.models import (
-        disable_dropout,
-        load_policy,
-        load_tokenizer,
-        make_optimizer_and_scheduler,
-        pair_logps,
-        with_scored_index,
-    )
-    from open_instruct.reference_cache import reference_logps
-    from open_instruct.step_sums import StepSums
+    from open_instruct.models import disable_dropout, load_policy, load_tokenizer, make_optimizer_and_scheduler
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -229,31 +271,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model = apply_lora(model, cfg, "CAUSAL_LM", dropout=False)  # use_lora: adapters only are trained
     optimizer, scheduler = make_optimizer_and_scheduler(model, cfg, plan.optimizer_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    pad_id = tokenizer.pad_token_id
     log = print if accelerator.is_main_process else (lambda *a, **k: None)
 
     # The reference pass runs on the initial weights, so it comes before any checkpoint is restored.
     ref = None
     if use_reference:
         with adapter_disabled(model):  # LoRA: the reference is the adapter-disabled policy (= the initial weights)
-            ref = reference_cache.reference_tables(cfg, model, train, evals, identity, accelerator, pad_id, log)
+            ref = reference_cache.reference_tables(
+                cfg, model, train, evals, identity, accelerator, tokenizer.pad_token_id, log
+            )
 
     run = runtime.RunContext.for_model(cfg, accelerator, model, optimizer, scheduler, tokenizer, plan.optimizer_steps)
     counters = run.counters
     stream = data.episode_stream(train, cfg)
 
     def evaluate_policy() -> dict[str, float]:
-        return evaluate(cfg, model, evals, ref["eval"] if ref else None, accelerator, pad_id)
+        return evaluate(cfg, model, evals, ref["eval"] if ref else None, accelerator, tokenizer.pad_token_id)
 
     if evals and cfg.eval_steps and not run.resumed:  # the starting point: a baseline row at optimizer_step 0
         metrics = evaluate_policy()
         run.log(metrics)
-        drift = (abs(metrics["eval/rewards/chosen"]) + abs(metrics["eval/rewards/rejected"])) / cfg.beta
-        if ref is not None and drift > 1e-3:  # the same batches as the cached pass give exactly 0 when it is right
-            run.logger.write(
-                "WARNING: at step 0 the policy's log-probs differ from the cached reference (|mean chosen log-ratio| "
-                f"+ |mean rejected log-ratio| = {drift:.3g}); is the cache stale?"
-            )
+        if ref is not None:
+            warn_if_reference_stale(cfg, metrics, run)
     run.throughput.restart()  # the baseline eval is not training time
     model.train()
     while counters.optimizer_step < plan.optimizer_steps:
@@ -262,30 +301,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lengths = [data.packed_length(train[j]) for j in local_idx]  # packing: micro-batches by tokens
         groups = distributed.step_micro_batches(accelerator, local_idx, lengths, cfg)
 
-        sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
-        for i, (group, real) in enumerate(groups):
-            batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
-            if real:  # counted on the CPU batch: no device sync
-                run.throughput.add(data.batch_tokens(batch), len(group))
-            # scored positions found on the host: no host sync per micro-batch
-            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
-            sync = i == len(groups) - 1
-            with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
-                with accelerator.autocast():
-                    policy = pair_logps(model, batch)
-                losses, chosen_r, rejected_r = preference_loss(
-                    cfg, policy, reference_logps(ref["train"], group, accelerator.device) if ref else None
-                )
-                # The mean over the global mini-batch; DDP/FSDP average gradients over ranks, hence x world. A dummy
-                # micro-batch (packing: this rank has fewer than another) counts 0.
-                accelerator.backward(losses.sum() * (world / plan.mini_batch_size if real else 0.0))
-            if real:
-                sums.add_vector(pair_stat_sums(losses, chosen_r, rejected_r, policy))
-
+        stats_step = backward_step(cfg, accelerator, model, train, groups, ref, run, plan.mini_batch_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        stats_step = {
-            f"train/{k}": v / plan.mini_batch_size for k, v in distributed.global_sums(accelerator, sums.read()).items()
-        }
         step_ok = run.update_is_finite(stats_step["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
         if step_ok:
             optimizer.step()

@@ -85,7 +85,8 @@ def detect_format(kind: str, columns: Iterable[str], cfg: Any, where: str) -> Fo
     )
     raise DataError(
         f"{where}: columns {sorted(present)} match no {kind} data format. Accepted: {accepted}. "
-        f"Set {keys} in the recipe if your columns have other names (README: Data formats)."
+        f"Set {keys} in the recipe if your columns have other names "
+        "(docs/data.md#data-formats-tokenization-and-the-cache)."
     )
 
 

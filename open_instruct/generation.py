@@ -36,6 +36,7 @@ Conventions every backend keeps:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Optional, Protocol, Sequence, runtime_checkable
@@ -44,6 +45,8 @@ import torch
 
 from open_instruct.batch_math import generation_sequences_per_call
 from open_instruct.distributed import full_params
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed_precision -> HF generation's weight dtype
 
 
 @dataclass
@@ -342,6 +345,7 @@ class HFGenerator:
         batch_size: int = 16,
         device: Optional[Any] = None,
         eos_token_ids: Optional[Sequence[int]] = None,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -354,13 +358,20 @@ class HFGenerator:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.version = -1
+        # bf16/fp16 runs: generate from a copy of the weights in that dtype, made once per weight version (see
+        # _compute_dtype_model); None: from the module as it is.
+        self.compute_dtype = compute_dtype
+        self._cast_copy: Optional[Any] = None
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> HFGenerator:
         """This rank's prompts x num_samples_per_prompt in generate calls of `generation_sequences_per_call`
         sequences (each call holds one KV cache)."""
         return cls(
-            accelerator.unwrap_model(policy), tokenizer, batch_size=generation_sequences_per_call(cfg, max_model_len)
+            accelerator.unwrap_model(policy),
+            tokenizer,
+            batch_size=generation_sequences_per_call(cfg, max_model_len),
+            compute_dtype=COMPUTE_DTYPES.get(cfg.mixed_precision),
         )
 
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
@@ -368,9 +379,45 @@ class HFGenerator:
         version (async_steps > 0: rollouts.RolloutSampler hands one over between generate calls)."""
         self.model = model
         self.version = self.version + 1 if version is None else int(version)
+        self._cast_copy = None  # new weights: the next generate makes their compute-dtype copy
 
-    def generation_context(self, model: Any) -> ContextManager[Any]:
-        return full_params(model)
+    @contextlib.contextmanager
+    def generation_context(self, model: Any) -> Any:
+        """FSDP2: the sharded weights gathered once for the block. The compute-dtype copy made inside it is dropped
+        at its end, so it takes memory while generating only (the plan's HF generation phase)."""
+        try:
+            with full_params(model) as gathered:
+                yield gathered
+        finally:
+            self._cast_copy = None
+
+    def _compute_dtype_model(self) -> Any:
+        """The module to generate with. A run in bf16/fp16 without FSDP keeps fp32 weights and computes under
+        autocast, whose cast cache dies with each forward: every decoding step would cast every weight again. Here
+        the weights are cast once per weight version into a copy (parameters in the compute dtype, buffers such as
+        rotary tables shared as they are) that generates in that dtype, like an FSDP2 policy gathered in bf16.
+        Memory: the copy, compute bytes x parameters, while generating. A module already in that dtype, or sharded
+        by FSDP2 (gathered in the compute dtype by generation_context), is used as it is."""
+        import copy
+
+        from torch.distributed.fsdp import FSDPModule
+
+        model, dtype = self.model, self.compute_dtype
+        params = list(model.parameters())
+        if dtype is None or not params or all(p.dtype == dtype for p in params) or isinstance(model, FSDPModule):
+            return model
+        if self._cast_copy is None:
+            memo: dict[int, Any] = {id(b): b for b in model.buffers()}
+            for p in params:  # tied weights are one parameter: cast once
+                if id(p) not in memo:
+                    cast = p.detach().to(dtype) if p.is_floating_point() else p.detach()
+                    memo[id(p)] = torch.nn.Parameter(cast, requires_grad=False)
+            cast = copy.deepcopy(model, memo).eval()
+            forward = cast.__dict__.get("forward")  # accelerate's autocast wrapper, add_logprob_head: bound methods
+            if forward is not None and getattr(forward, "__self__", None) is not cast:
+                return model  # a wrapper closed over the original module would run the fp32 weights anyway
+            self._cast_copy = cast
+        return self._cast_copy
 
     def score_tokens(
         self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
@@ -436,7 +483,7 @@ class HFGenerator:
                 [_StopOnStrings(self.tokenizer, config.stop_strings, width, self.eos_ids)]
             )
         recorder = _SampledLogprobs()  # after the warpers: it sees the distribution the token is drawn from
-        out = self.model.generate(
+        out = self._compute_dtype_model().generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=hf_config,

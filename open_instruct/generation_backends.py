@@ -69,6 +69,11 @@ def check_before_loading(cfg: Any, max_model_len: int) -> None:
     problem = same_gpu_nccl_problem(cfg, on_gpu)
     if problem:
         raise ConfigError(problem)
+    if on_gpu and cfg.generation_backend == "hf":  # HF generation that cannot fit is refused before any load
+        from open_instruct.plan import check_hf_generation_fits
+
+        memory_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9
+        check_hf_generation_fits(cfg, world, memory_gb, fsdp_requested())
     if not cfg.vllm_server_urls:
         return
     engines.check_running_engines(

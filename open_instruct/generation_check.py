@@ -415,13 +415,15 @@ def mismatch_token_sums(
     }
     if async_steps and token_lags is not None:
         # lags listed per policy token in order: the i-th policy token of a row (cumsum of the mask) takes lags[i];
-        # built on the host from the lists, so only a host-to-device copy
+        # built on the host from the lists, so only a host-to-device copy (pinned, non-blocking on a GPU)
+        from open_instruct.data import host_to_device
+
         width = max(mask.shape[1], max((len(lags) for lags in token_lags), default=0))
         padded = torch.full((len(token_lags), width), -1, dtype=torch.long)
         for i, lags in enumerate(token_lags):
             padded[i, : len(lags)] = torch.tensor(list(lags), dtype=torch.long)
         nth = (on.long().cumsum(dim=1) - 1).clamp(min=0)
-        lag = torch.where(on, padded.to(log_ratio.device).gather(1, nth), -1)
+        lag = torch.where(on, host_to_device(padded, log_ratio.device).gather(1, nth), -1)
         for k in range(async_steps + 1):
             at = lag == k
             sums[f"mismatch_abs_lag_{k}"] = (r.abs() * at).sum()

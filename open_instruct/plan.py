@@ -8,7 +8,7 @@ field of `TimeAssumptions`: `--gpu`, `--mfu`, `--fill`, `--layer_overhead_ms`, `
 are read here; every other `--key value` is a recipe override. RL plans read the generation layout from the recipe
 (generation_backend, vllm_num_engines x vllm_tensor_parallel_size, vllm_server_urls, async_steps). Invalid plans
 and layouts that cannot start exit 2. The time is a sum of per-phase costs; the plan names the phase that dominates
-and the flag that governs it (README: "The time model and its calibration"). Imports neither torch nor model code.
+and the flag that governs it (docs/planner.md#the-time-model-and-its-calibration). Imports neither torch nor model code.
 """
 
 from __future__ import annotations
@@ -618,6 +618,105 @@ def teacher_params(cfg: RLVRConfig, params: float) -> float:
     return (model_params(name, None)[0] or params) if name else 0.0
 
 
+@dataclass
+class RLGeneration:
+    """One rollout's generation on the recipe's layout: seconds (decode + prefill + tools), and how they came about."""
+
+    layout: Any
+    seconds: float
+    waves: int
+    turns: float
+    tool_seconds: float
+    kv_bytes_per_token: float
+    kv_bytes_source: str
+
+
+def rl_generation(
+    cfg: RLVRConfig,
+    plan: BatchPlan,
+    params: float,
+    a: TimeAssumptions,
+    gpu: GPUSpec,
+    flops_rate: float,
+    prompt: float,
+    mean_response: float,
+) -> RLGeneration:
+    """The recipe's engines of `tp` GPUs each, sequences in waves that fit the KV cache: decode bound by HBM
+    bandwidth (each decoded token reads the weights and the KV cache of every sequence in flight), prefill by
+    compute; multi-turn episodes add their turns and tool calls."""
+    w, episodes = plan.world_size, plan.episodes_per_rollout
+    layout = generation_layout(cfg, w, params, a)  # checked in plan_from_config
+    tp, engines = layout.tensor_parallel, layout.engines
+    kv_token, kv_source = kv_bytes_per_token(cfg.model_name_or_path, params)
+    seqs = episodes / engines
+    kv_room = max(tp * gpu.memory_gb * 1e9 * 0.9 - 2 * params, 1e9)
+    waves = max(1, math.ceil(seqs * (prompt + cfg.response_length) * kv_token / kv_room))
+    per_wave = seqs / waves
+    step_bytes = (2 * params + per_wave * (prompt + mean_response) * kv_token) / tp
+    decode = waves * cfg.response_length * step_bytes / (gpu.memory_bandwidth * a.decode_efficiency)
+    prefill = seqs * prompt * 2 * params / (tp * flops_rate)
+    turns, tool_seconds = 1, 0.0
+    if getattr(cfg, "environment", None):
+        decode, prefill, tool_seconds, turns = multi_turn_generation(cfg, a, decode, prefill, seqs, episodes / w)
+    return RLGeneration(layout, decode + prefill + tool_seconds, waves, turns, tool_seconds, kv_token, kv_source)
+
+
+def rl_train_side(
+    cfg: RLVRConfig,
+    plan: BatchPlan,
+    params: float,
+    value: float,
+    reward: float,
+    a: TimeAssumptions,
+    gpu: GPUSpec,
+    k: int,
+    flops_rate: float,
+    train_len: float,
+) -> tuple[dict[str, float], Optional[float]]:
+    """Per-phase seconds of one rollout's training side, per device, and the sandbox's seconds per call (None: no
+    code). Micro-batches of per_device_train_batch_size episodes (packing: the micro-batches their tokens fill).
+    Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models (and a teacher);
+    training: num_epochs forward/backward passes of the policy and the value model."""
+    w, episodes = plan.world_size, plan.episodes_per_rollout
+    micro_batches = episodes / w / plan.local_mini_batch_size * micro_batches_per_update(cfg, plan, a)
+    tokens = episodes / w * train_len / micro_batches
+    layers = num_layers(cfg.model_name_or_path, params)
+    value_layers = num_layers(cfg.value_model_path or "", value) if value else 0
+    teacher = teacher_params(cfg, params)
+    teacher_layers = num_layers(cfg.teacher_model_name_or_path, teacher) if teacher else 0
+    # (size, layers, forwards per micro-batch, phase name); the teacher's again each epoch under jsd
+    no_grad = [(params, layers, 2, "scoring"), (value, value_layers, 1, "scoring"), (reward, layers, 1, "scoring")]
+    teacher_forwards = 1 + (cfg.num_epochs if cfg.distill_loss == "jsd" else 0) if teacher else 0
+    no_grad.append((teacher, teacher_layers, teacher_forwards, "teacher forward"))
+    train_side: dict[str, float] = {}
+    for size, n_layers, forwards, name in no_grad:
+        if size:
+            part = micro_batch_phases(
+                tokens * 2 * size / flops_rate, fsdp_gather_seconds(size, w, 1, a), n_layers, False, a
+            )
+            add_phases(
+                train_side,
+                {name if n == "training compute" else n: v for n, v in part.items()},
+                forwards * micro_batches,
+            )
+    for size, n_layers in ((params, layers), (value, value_layers)):
+        if size:
+            step = micro_batch_phases(
+                tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
+            )
+            add_phases(train_side, step, cfg.num_epochs * micro_batches)
+    call_seconds = sandbox_call_seconds(a) if a.code_fraction else None
+    if call_seconds:  # each process runs its own completions' programs, sandbox_workers at a time
+        train_side["verification"] = verification_seconds(
+            episodes / w * a.code_fraction, call_seconds, getattr(cfg, "sandbox_workers", 1)
+        )
+    optimizer_steps_per_rollout = plan.optimizer_steps / plan.num_training_steps
+    train_side["optimizer step"] = optimizer_steps_per_rollout * (
+        optimizer_seconds(cfg, params, w, gpu, a) + (optimizer_seconds(cfg, value, w, gpu, a) if value else 0.0)
+    )
+    return train_side, call_seconds
+
+
 def rl_phases(
     cfg: RLVRConfig, plan: BatchPlan, params: float, a: TimeAssumptions, gpu: GPUSpec, k: int, flops_rate: float
 ) -> tuple[dict[str, float], dict[str, Any], int]:
@@ -640,75 +739,12 @@ def rl_phases(
         value = value or params
     reward = params if cfg.reward_model_multiplier else 0.0
 
-    # Generation: the recipe's engines of `tp` GPUs each, sequences in waves that fit the KV cache.
-    layout = generation_layout(cfg, w, params, a)  # checked in plan_from_config
-    tp, engines = layout.tensor_parallel, layout.engines
-    kv_token, kv_source = kv_bytes_per_token(cfg.model_name_or_path, params)
-    seqs = episodes / engines
-    kv_room = max(tp * gpu.memory_gb * 1e9 * 0.9 - 2 * params, 1e9)
-    waves = max(1, math.ceil(seqs * (prompt + cfg.response_length) * kv_token / kv_room))
-    per_wave = seqs / waves
-    step_bytes = (2 * params + per_wave * (prompt + mean_response) * kv_token) / tp
-    decode = waves * cfg.response_length * step_bytes / (gpu.memory_bandwidth * a.decode_efficiency)
-    prefill = seqs * prompt * 2 * params / (tp * flops_rate)
-    generation = decode + prefill
-    turns, tool_seconds = 1, 0.0
-    if getattr(cfg, "environment", None):
-        decode, prefill, tool_seconds, turns = multi_turn_generation(cfg, a, decode, prefill, seqs, episodes / w)
-        generation = decode + prefill + tool_seconds
+    gen = rl_generation(cfg, plan, params, a, gpu, flops_rate, prompt, mean_response)
+    layout, generation = gen.layout, gen.seconds
     weight_sync = weight_sync_seconds(params, layout, w, a)
     checked = cfg.generation_check != "off" and layout.backend != "hf"
     check = generation_check_seconds(params, layout, w, a, flops_rate) if checked else 0.0
-
-    # Training side, per device: micro-batches of per_device_train_batch_size episodes (packing: the micro-batches
-    # their tokens fill). Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models;
-    # training: num_epochs forward/backward passes of the policy and the value model.
-    micro_batches = episodes / w / plan.local_mini_batch_size * micro_batches_per_update(cfg, plan, a)
-    tokens = episodes / w * train_len / micro_batches
-    layers = num_layers(cfg.model_name_or_path, params)
-    value_layers = num_layers(cfg.value_model_path or "", value) if value else 0
-    train_side: dict[str, float] = {}
-    for size, n_layers, forwards in ((params, layers, 2), (value, value_layers, 1), (reward, layers, 1)):
-        if size:
-            score = micro_batch_phases(
-                tokens * 2 * size / flops_rate, fsdp_gather_seconds(size, w, 1, a), n_layers, False, a
-            )
-            add_phases(
-                train_side,
-                {"scoring" if n == "training compute" else n: v for n, v in score.items()},
-                forwards * micro_batches,
-            )
-    teacher = teacher_params(cfg, params)
-    if teacher:  # distillation: the teacher's no-grad forward per micro-batch (and again each epoch under jsd)
-        teacher_name = cfg.teacher_model_name_or_path
-        part = micro_batch_phases(
-            tokens * 2 * teacher / flops_rate,
-            fsdp_gather_seconds(teacher, w, 1, a),
-            num_layers(teacher_name, teacher),
-            False,
-            a,
-        )
-        forwards = 1 + (cfg.num_epochs if cfg.distill_loss == "jsd" else 0)
-        add_phases(
-            train_side,
-            {"teacher forward" if n == "training compute" else n: v for n, v in part.items()},
-            forwards * micro_batches,
-        )
-    for size, n_layers in ((params, layers), (value, value_layers)):
-        if size:
-            step = micro_batch_phases(
-                tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
-            )
-            add_phases(train_side, step, cfg.num_epochs * micro_batches)
-    call_seconds = sandbox_call_seconds(a) if a.code_fraction else None
-    if call_seconds:  # each process runs its own completions' programs, sandbox_workers at a time
-        train_side["verification"] = verification_seconds(
-            episodes / w * a.code_fraction, call_seconds, getattr(cfg, "sandbox_workers", 1)
-        )
-    optimizer_steps_per_rollout = plan.optimizer_steps / plan.num_training_steps
-    train_side["optimizer step"] = optimizer_steps_per_rollout * (
-        optimizer_seconds(cfg, params, w, gpu, a) + (optimizer_seconds(cfg, value, w, gpu, a) if value else 0.0)
-    )
+    train_side, call_seconds = rl_train_side(cfg, plan, params, value, reward, a, gpu, k, flops_rate, train_len)
     # A rollout: synchronous = generation + weight sync + training; with async_steps > 0 the engines generate the
     # next rollout while the trainer updates on this one, so it costs the slower of the two, plus the weight sync
     # that neither hides (the trainer sends, the engines wait for the new weights). The overlap is taken off
@@ -742,19 +778,19 @@ def rl_phases(
         "weight_sync_seconds_per_rollout": weight_sync,
         "generation_check_seconds_per_rollout": check,
         "verification_seconds_per_rollout": train_side.get("verification", 0.0),
-        "turns_per_episode": turns,
-        "tool_seconds_per_rollout": tool_seconds,
+        "turns_per_episode": gen.turns,
+        "tool_seconds_per_rollout": gen.tool_seconds,
         "sandbox_call_seconds": call_seconds,
         "weight_sync_gb_s": (a.network_gb_s if layout.remote else a.interconnect_gb_s) if layout.dedicated else None,
         "rollout_seconds_sync": sync_rollout,
         "rollout_seconds_async": async_rollout,
-        "generation_tensor_parallel": tp,
-        "generation_engines": engines,
-        "generation_waves": waves,
+        "generation_tensor_parallel": layout.tensor_parallel,
+        "generation_engines": layout.engines,
+        "generation_waves": gen.waves,
         "prompt_tokens": prompt,
         "value_params": value,
-        "kv_bytes_per_token": kv_token,
-        "kv_bytes_source": kv_source,
+        "kv_bytes_per_token": gen.kv_bytes_per_token,
+        "kv_bytes_source": gen.kv_bytes_source,
     }
     return phases, details, rollouts
 
@@ -869,6 +905,9 @@ def check_memory_fits(m: Optional[dict[str, Any]], judged: str, how_to_tell: str
     judged, what to change, and (`how_to_tell`) how to name the layout the recipe targets."""
     if m is None or m["fits"]:
         return
+    problem = hf_generation_problem(m)
+    if problem:
+        raise ConfigError(f"{problem}\n(judged: {judged})")
     raise ConfigError(
         f"this layout does not fit in {'host' if on_cpu else 'GPU'} memory (judged: {judged}):\n"
         + "\n".join(memory_lines(m))
@@ -936,6 +975,35 @@ def check_memory(cfg: BaseConfig, layout: JudgedLayout) -> None:
     check_memory_fits(m, layout.describe(), how_to_tell, on_cpu=layout.assumptions.gpu == "cpu")
 
 
+def hf_generation_problem(memory: dict[str, Any]) -> Optional[str]:
+    """The refusal of a layout whose HF generation phase does not fit (its peak phase, the prediction over the
+    GPU's memory), naming the way out; None when HF generation is not what does not fit. HF generation holds the
+    whole policy in the compute dtype on every rank (FSDP2 gathers it: distributed.full_params) beside the KV cache
+    of one generate call, and vLLM holds neither on the training GPUs."""
+    if memory["fits"] or memory["peak_phase"] != "HF generation":
+        return None
+    return (
+        "HF generation does not fit in GPU memory (generation_backend hf):\n"
+        + "\n".join(memory_lines(memory))
+        + "\nGenerate with vLLM instead: generation_backend vllm_server (engines on GPUs of their own; "
+        "scripts/rlvr_8b.sh) or vllm (an engine colocated on each training GPU); or, with hf, lower "
+        "generation_micro_batch_size (sequences per generate call) or shard the policy over more processes"
+    )
+
+
+def check_hf_generation_fits(cfg: BaseConfig, world: int, gpu_memory_gb: float, fsdp: bool) -> None:
+    """What the RL script checks before loading any model: with generation_backend hf, the planner's prediction
+    on this GPU's memory (decimal GB) must not be refused for HF generation (hf_generation_problem). Nothing is
+    refused when the model's shape is unknown offline, or for the other phases (docs/gpu.md: why scripts do not
+    refuse those)."""
+    if not isinstance(cfg, RLVRConfig) or cfg.generation_backend != "hf":
+        return
+    memory = predict_memory(cfg, world, TimeAssumptions(gpu_memory_gb=gpu_memory_gb, fsdp=fsdp or None))
+    problem = hf_generation_problem(memory) if memory is not None else None
+    if problem:
+        raise ConfigError(problem)
+
+
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
     """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
     --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
@@ -970,6 +1038,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         generation_sequences=sequences,
         generation_tokens=tokens,
         engine_fraction=engine,
+        generation_prompt_tokens=cfg.max_prompt_length if sequences else 0,
     )
 
 
@@ -986,7 +1055,7 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
         if cfg.beta > 0 and not cfg.use_lora:
             frozen.append(("reference", policy))
         if cfg.reward_model_path:
-            frozen.append(("reward model", shape_of(cfg.reward_model_path) or policy))
+            frozen.append(("reward model", (shape_of(cfg.reward_model_path) or policy).without_output_layer()))
     memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb
     m = predict_peak(
         memory_layout(cfg, world, a), policy, memory, value, tuple(frozen), trains_lm_head=cfg.script != "reward_model"
@@ -995,9 +1064,8 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
     return m
 
 
-def format_plan(p: dict[str, Any]) -> str:
-    rl = "episodes_per_rollout" in p
-    lines = [f"Plan for {p['script']} ({p['recipe_model']})", ""]
+def batch_rows(p: dict[str, Any], rl: bool) -> list[tuple[str, Any, str]]:
+    """The plan's batch-math table: (name, value, what it is)."""
     rows = [
         ("world_size", p["world_size"], "training processes"),
         ("per_device_train_batch_size", p["per_device_train_batch_size"], "micro batch per device"),
@@ -1042,29 +1110,12 @@ def format_plan(p: dict[str, Any]) -> str:
         ("eval_points", p["eval_points"], ""),
         ("checkpoint_points", p["checkpoint_points"], ""),
     ]
-    width = max(len(r[0]) for r in rows)
-    lines += [f"  {k:<{width}}  {_fmt(v):>14}  {note}" for k, v, note in rows]
-    if p.get("sources"):
-        lines += ["", "Rows per source (dataset_mixer_list)"]
-        for src in p["sources"]:
-            available = "unknown size" if src["available"] is None else f"{src['available']:,} rows"
-            taken = "?" if src["rows"] is None else f"{src['rows']:,}"
-            lines.append(f"  {src['label']:<24} {taken:>12}  ({src['amount']} of {available})  {src['source']}")
-    lines.append("")
-    if p.get("memory") is not None:
-        lines += memory_lines(p["memory"]) + [""]
-    else:
-        lines += ["Memory per GPU: unavailable (model shape unknown offline: pass a local model folder)", ""]
-    if p.get("estimated_hours") is None:
-        lines.append(f"Time estimate: unavailable, model size {p['model_params_source']}")
-        return "\n".join(lines)
-    lines.append("Tokens")
-    for key in ("train_tokens", "generation_tokens", "reference_cache_tokens"):
-        if key in p:
-            lines.append(f"  {key:<24} {p[key]:>18,}")
-    lines.append("")
-    if rl:
-        lines += generation_layout_lines(p) + [""]
+    return rows
+
+
+def time_lines(p: dict[str, Any], rl: bool) -> list[str]:
+    """The time estimate: wall clock, its phases, the dominant one and every assumption behind it (a flag each)."""
+    lines = []
     a = p["assumptions"]
     stopped = f", stopped at episode {a['stop_at_episode']:,}" if a["stop_at_episode"] else ""
     lines.append(
@@ -1100,6 +1151,37 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{a['host_gb_s']} (CPU offload), --load_gb_s {a['load_gb_s']}, --first_step_factor "
         f"{a['first_step_factor']}; eval time not included"
     )
+    return lines
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    rl = "episodes_per_rollout" in p
+    lines = [f"Plan for {p['script']} ({p['recipe_model']})", ""]
+    rows = batch_rows(p, rl)
+    width = max(len(r[0]) for r in rows)
+    lines += [f"  {k:<{width}}  {_fmt(v):>14}  {note}" for k, v, note in rows]
+    if p.get("sources"):
+        lines += ["", "Rows per source (dataset_mixer_list)"]
+        for src in p["sources"]:
+            available = "unknown size" if src["available"] is None else f"{src['available']:,} rows"
+            taken = "?" if src["rows"] is None else f"{src['rows']:,}"
+            lines.append(f"  {src['label']:<24} {taken:>12}  ({src['amount']} of {available})  {src['source']}")
+    lines.append("")
+    if p.get("memory") is not None:
+        lines += memory_lines(p["memory"]) + [""]
+    else:
+        lines += ["Memory per GPU: unavailable (model shape unknown offline: pass a local model folder)", ""]
+    if p.get("estimated_hours") is None:
+        lines.append(f"Time estimate: unavailable, model size {p['model_params_source']}")
+        return "\n".join(lines)
+    lines.append("Tokens")
+    for key in ("train_tokens", "generation_tokens", "reference_cache_tokens"):
+        if key in p:
+            lines.append(f"  {key:<24} {p[key]:>18,}")
+    lines.append("")
+    if rl:
+        lines += generation_layout_lines(p) + [""]
+    lines += time_lines(p, rl)
     return "\n".join(lines)
 
 

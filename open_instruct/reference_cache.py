@@ -13,7 +13,11 @@ determines the numbers:
   - the data as the model sees it: sha256 of the tokenized train and eval examples in order (chosen ids, rejected
     ids, prompt length), which covers the files' content, the split, max_seq_length, overlong, the columns and the
     chat template; the data sources are recorded as well;
-  - the forward's precision (mixed_precision).
+  - how the forward computes: the precision (mixed_precision), FSDP2 (its parameter casts) or autocast (its per-op
+    casts), padded batches of per_device_eval_batch_size or packed rows of max_tokens_per_micro_batch, the attention
+    kernel the model runs (attn_implementation: sdpa, sdpa_varlen, flash_attention_2, ...) and the torch version
+    (its kernels). Each changes the low bits of the log-probs, so runs that share a `reference_cache_dir` reuse a
+    file only when they would have computed the same numbers.
 Only summed log-probs and token counts are stored, so every loss type reuses the same cache. A rerun with the same
 settings prints "reused"; any change computes a new file.
 """
@@ -36,7 +40,7 @@ if TYPE_CHECKING:  # torch is imported inside functions: dpo.py imports this mod
 
     from open_instruct.models import PairLogps
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the forward's layout (FSDP, packing, attention kernel, torch) joined the key
 
 
 def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
@@ -63,7 +67,23 @@ def tokens_fingerprint(examples: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: list[dict]) -> dict[str, Any]:
+def forward_identity(cfg: Any, model: Any, fsdp: bool) -> dict[str, Any]:
+    """How the reference forward computes (see the module doc)."""
+    import torch
+
+    return {
+        "mixed_precision": cfg.mixed_precision,
+        "fsdp": fsdp,
+        "packed_tokens": cfg.max_tokens_per_micro_batch or None,
+        "batch_size": None if cfg.max_tokens_per_micro_batch else cfg.per_device_eval_batch_size,
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "torch": torch.__version__,
+    }
+
+
+def reference_cache_identity(
+    cfg: Any, model: Any, train: list[dict], evals: list[dict], fsdp: bool = False
+) -> dict[str, Any]:
     """Everything the cached numbers depend on (hashed into the file name; stored in the file's metadata)."""
     config = model.config.to_dict()
     config.pop("_name_or_path", None)
@@ -90,14 +110,17 @@ def reference_cache_identity(cfg: Any, model: Any, train: list[dict], evals: lis
                 "tokens_sha256": tokens_fingerprint(evals),
             },
         },
-        "forward": {"mixed_precision": cfg.mixed_precision},
+        "forward": forward_identity(cfg, model, fsdp),
     }
 
 
 def shared_identity(cfg: Any, model: Any, train: list[dict], evals: list[dict], accelerator: Any) -> dict[str, Any]:
     """`reference_cache_identity` from the main process's weights as loaded (FSDP loading always fills that copy),
     broadcast so every rank names the same file. Call it before the model is prepared."""
-    box = [reference_cache_identity(cfg, model, train, evals) if accelerator.is_main_process else None]
+    from open_instruct.distributed import is_fsdp
+
+    fsdp = is_fsdp(accelerator)
+    box = [reference_cache_identity(cfg, model, train, evals, fsdp) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -148,19 +171,22 @@ def compute_reference(
     rank, world = accelerator.process_index, accelerator.num_processes
     preemption = runtime.preemption()
     table, filled = torch.zeros(len(examples), 2), torch.zeros(len(examples))
+    rows: list[torch.Tensor] = []  # each real batch's [n, 2] log-probs, kept on the device until the pass ends
+    positions: list[int] = []
     model.eval()
     with torch.no_grad():
         for group, real in reference_batches(examples, batch_size, max_tokens, rank, world):
             preemption.stop_if_requested(accelerator, "the DPO reference pass")  # the pass is redone on resume
-            batch = {
-                key: v.to(accelerator.device)
-                for key, v in data.collate_preferences([examples[i] for i in group], pad_id, bool(max_tokens)).items()
-            }
+            collated = data.collate_preferences([examples[i] for i in group], pad_id, bool(max_tokens))
+            batch = data.to_device(collated, accelerator.device)
             with accelerator.autocast():
                 lp = pair_logps(model, batch)
             if real:
-                table[group] = torch.stack([lp.chosen, lp.rejected], dim=1).float().cpu()
-                filled[group] += 1
+                rows.append(torch.stack([lp.chosen, lp.rejected], dim=1).float())
+                positions += group
+    if rows:
+        table[positions] = torch.cat(rows).cpu()  # one copy to the host for the whole pass
+        filled[positions] += 1
     model.train()
     if world > 1:
         table = accelerator.reduce(table.to(accelerator.device), reduction="sum").cpu()
@@ -274,9 +300,9 @@ def reference_tables(
 def reference_logps(table: dict[str, torch.Tensor], indices: list[int], device: Any) -> PairLogps:
     import torch
 
+    from open_instruct.data import host_to_device
     from open_instruct.models import PairLogps
 
     idx = torch.tensor(indices)
-    return PairLogps(
-        *(table[k][idx].to(device) for k in ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens"))
-    )
+    keys = ("chosen_logps", "rejected_logps", "chosen_tokens", "rejected_tokens")
+    return PairLogps(*(host_to_device(table[k][idx], device) for k in keys))  # pinned, non-blocking on a GPU

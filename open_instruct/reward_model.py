@@ -104,7 +104,7 @@ def evaluate(cfg: RewardModelConfig, model: Any, evals: list[dict], accelerator:
             evals, cfg.per_device_eval_batch_size, rank, world, lengths, cfg.max_tokens_per_micro_batch
         )
         for mb, real in mine:
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_preferences(mb, pad_id, cfg.packing).items()}
+            batch = data.to_device(data.collate_preferences(mb, pad_id, cfg.packing), accelerator.device)
             with accelerator.autocast():
                 chosen, rejected = pair_rewards(model, batch)
             if not real:
@@ -187,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch) // 2)
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            batch = data.to_device(batch, accelerator.device)
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():

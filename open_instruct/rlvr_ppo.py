@@ -527,7 +527,7 @@ class Advantages:
 def device_batch(host_batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
     """A collate_episodes batch moved to `device`, keeping the host's input_ids (host_input_ids): whether rows share
     their prompt (models.shared_prompt_groups) is then decided without a host sync."""
-    return {**{k: v.to(device) for k, v in host_batch.items()}, "host_input_ids": host_batch["input_ids"]}
+    return {**data.to_device(host_batch, device), "host_input_ids": host_batch["input_ids"]}
 
 
 def collect_rollout(
@@ -585,7 +585,7 @@ def collect_rollout(
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
             host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
             batch = device_batch(host_batch, accelerator.device)
-            r, at = batch["responses"].shape[1], torch.tensor(rows, device=accelerator.device)
+            r, at = batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
@@ -597,7 +597,7 @@ def collect_rollout(
                     device_rm[at] = sequence_scores(models.reward, batch, group)
                 if models.teacher is not None:  # distill: the teacher's log-prob of every sampled token
                     t_teacher = time.perf_counter()
-                    batch_mask = batch["mask"] * loss_mask[rows, :r].to(batch["mask"].device)
+                    batch_mask = batch["mask"] * data.host_to_device(loss_mask[rows, :r], batch["mask"].device)
                     device_teacher[at, :r] = teacher_token_logprobs(models.teacher, batch, batch_mask, cfg.temperature)
                     teacher_seconds += time.perf_counter() - t_teacher
             mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
@@ -837,11 +837,11 @@ def micro_batch_loss(
     r = batch["responses"].shape[1]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
-        return x[rows, :r].to(device)
+        return data.host_to_device(x[rows, :r], device)
 
     mask = take(rollout.mask)  # the loss mask: real tokens, less an episode's observation tokens
 
-    kept = mask * adv.keep[rows].to(device).unsqueeze(1)
+    kept = mask * data.host_to_device(adv.keep[rows], device).unsqueeze(1)
     w, _ = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length)
     jsd = cfg.uses_teacher and cfg.distill_loss == "jsd"  # the student's last hidden states feed the JSD
     with autocast():  # ALGO LOGIC: the loss terms
@@ -858,7 +858,11 @@ def micro_batch_loss(
         pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
         if cfg.truncated_importance_sampling:
             pg = pg * truncated_is_weights(old_logp, take(rollout.sampler_logp), cfg.tis_cap)
-        lags = torch.tensor([rollout.policy_lag[j] for j in rows], device=device) if rollout.policy_lag else None
+        lags = (
+            data.host_to_device(torch.tensor([rollout.policy_lag[j] for j in rows]), device)
+            if rollout.policy_lag
+            else None
+        )
         pg_kept = off_policy_mask(
             old_logp, take(rollout.sampler_logp), lags, cfg.is_mask_low, cfg.is_mask_high, cfg.max_sequence_lag
         )
@@ -873,7 +877,7 @@ def micro_batch_loss(
                 values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
             )
             # over the value mask (after_last_token: one position more per row), normalised like the other terms
-            value_rows = take(rollout.value_mask) * adv.keep[rows].to(device).unsqueeze(1)
+            value_rows = take(rollout.value_mask) * data.host_to_device(adv.keep[rows], device).unsqueeze(1)
             w_value, _ = aggregation_weights(value_rows, cfg.loss_aggregation, cfg.loss_norm_length)
             loss_sum = loss_sum + cfg.vf_coef * masked_sum(vf, w_value)
         if jsd:  # distill_loss jsd: teacher_kl_weight * JSD_beta(student, teacher) per policy token

@@ -165,25 +165,12 @@ def write_run(output_dir: str, run: dict[str, Any]) -> None:
     write_text_atomic(os.path.join(output_dir, RUN_FILE), json.dumps(run, indent=1))
 
 
-def config_yaml(cfg: Any) -> str:
-    """The resolved config (every option, defaults and derived values filled in) as a recipe: `script.py
-    config.yaml` repeats the run."""
-    import dataclasses
-
-    import yaml
-
-    from open_instruct.config import NOT_SAVED
-
-    values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_SAVED}  # never replayed (config.py)
-    return yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
-
-
-def write_config(output_dir: str, cfg: Any) -> None:
-    """<output_dir>/config.yaml: this start's resolved config, written atomically (temp file + rename) after the
-    folder was claimed for this run (run_dir.claim), so it never replaces another run's. A resume rewrites it with
-    the settings it resumed with."""
+def write_config(output_dir: str, text: str) -> None:
+    """<output_dir>/config.yaml: this start's resolved config (`config.config_yaml`), written atomically (temp file +
+    rename) after the folder was claimed for this run (run_dir.claim), so it never replaces another run's. A resume
+    rewrites it with the settings it resumed with."""
     header = f"# resolved config of run {run_id_of(output_dir)}, written {_now()}\n"
-    write_text_atomic(os.path.join(output_dir, CONFIG_FILE), header + config_yaml(cfg))
+    write_text_atomic(os.path.join(output_dir, CONFIG_FILE), header + text)
 
 
 def mark_finished(output_dir: str, counters: dict[str, Any]) -> None:

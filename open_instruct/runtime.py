@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from open_instruct.config import BaseConfig, parse_or_exit
+from open_instruct.config import BaseConfig, config_yaml, parse_or_exit
 from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataError, NonFiniteError
 from open_instruct.gpu_stats import TRAINING_TOKENS_KEYS, StepGPUStats
 
@@ -130,13 +130,13 @@ def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:
             from open_instruct.plan import print_dry_run
 
             print(f"resolved config (saved as {cfg.output_dir}/config.yaml when the run starts):")
-            print(run_dir.config_yaml(cfg))
+            print(config_yaml(cfg))
             print_dry_run(cfg, world_size_from_env())
             raise SystemExit(0)
         preflight.check_output_dir_writable(cfg.output_dir)
         if is_main_process_from_env():
             claim_output_dir(cfg)
-            run_dir.write_config(cfg.output_dir, cfg)
+            run_dir.write_config(cfg.output_dir, config_yaml(cfg))
         elif cfg.resume_from_checkpoint == "auto" and (run_dir.read_run(cfg.output_dir) or {}).get("finished"):
             raise SystemExit(0)  # rank 0 says why and exits 0 too; waiting for it in the process group would hang
     except ConfigError as e:

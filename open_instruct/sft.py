@@ -47,7 +47,7 @@ def evaluate(cfg: SFTConfig, model: Any, evals: list[dict], accelerator: Any, pa
             evals, cfg.per_device_eval_batch_size, rank, world, lengths, cfg.max_tokens_per_micro_batch
         )
         for mb, real in mine:
-            batch = {k: v.to(accelerator.device) for k, v in data.collate_sft(mb, pad_id, cfg.packing).items()}
+            batch = data.to_device(data.collate_sft(mb, pad_id, cfg.packing), accelerator.device)
             with accelerator.autocast():
                 row_losses, row_tokens = token_loss_sum(model, batch, per_row=True)
             if not real:
@@ -116,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
             # scored positions found on the host: no host sync per micro-batch
-            batch = {k: v.to(accelerator.device) for k, v in with_scored_index(batch).items()}
+            batch = data.to_device(with_scored_index(batch), accelerator.device)
             sync = i == len(batches) - 1
             with distributed.grad_sync(accelerator, model, sync):  # DDP: all-reduce on the last micro-batch only
                 with accelerator.autocast():

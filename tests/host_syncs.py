@@ -7,6 +7,10 @@ GPU the host would wait for the device there. The reads counted are the ones tha
 `.tolist()`, `.cpu()`, `.numpy()`, `bool()`/`float()`/`int()` (an `if t.any():`
 too), and the ops whose output size depends on the values (`nonzero`, `masked_select`, a boolean index, `unique`).
 
+Blocking copies are counted too: moving host data to the device (`.to(<device>)`, or `torch.tensor(..., device=)`)
+makes the host wait on a GPU unless the copy is non-blocking from pinned memory. Pinned memory is modelled like the
+device: `pin_memory()` returns a copy marked pinned (a CPU-only torch cannot pin), and `is_pinned()` reads the mark.
+
 Each sync is attributed to the first caller outside torch: code of this repository (open_instruct/) or a library."""
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ class HostSyncCounter(TorchFunctionMode):
         super().__init__()
         self._on_device: dict[int, weakref.ref] = {}  # by id (a WeakSet would compare tensors with ==)
         self.events: list[tuple[str, str]] = []
+        self.copies: list[tuple[str, str]] = []  # blocking host-to-device copies: (caller, op)
+        self._pinned: dict[int, weakref.ref] = {}
+        self.active = False
+
+    def __enter__(self) -> HostSyncCounter:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def _is_device(self, t: Any) -> bool:
         if isinstance(t, torch.nn.Parameter):
@@ -46,11 +61,16 @@ class HostSyncCounter(TorchFunctionMode):
         ref = self._on_device.get(id(t))
         return ref is not None and ref() is t
 
-    def _mark(self, t: Any) -> None:
+    def _mark(self, t: Any, table: dict[int, weakref.ref] | None = None) -> None:
         if not isinstance(t, torch.Tensor):  # e.g. the list of a _foreach_ op
             return
+        table = self._on_device if table is None else table
         key = id(t)
-        self._on_device[key] = weakref.ref(t, lambda _, key=key: self._on_device.pop(key, None))
+        table[key] = weakref.ref(t, lambda _, key=key, table=table: table.pop(key, None))
+
+    def _is_pinned(self, t: Any) -> bool:
+        ref = self._pinned.get(id(t))
+        return ref is not None and ref() is t
 
     def _caller(self) -> str:
         frame = sys._getframe(2)
@@ -63,6 +83,12 @@ class HostSyncCounter(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
+        if name == "pin_memory":  # modelled: a host copy marked pinned
+            out = args[0].clone()
+            self._mark(out, self._pinned)
+            return out
+        if name == "is_pinned":
+            return self._is_pinned(args[0])
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         from_device = any(self._is_device(t) for t in inputs)
         # .to(<device>) moves host data to the device (on a device tensor: a no-op); .cpu() brings it to the host
@@ -74,11 +100,15 @@ class HostSyncCounter(TorchFunctionMode):
         ):
             self.events.append((self._caller(), name))
         if moves and not from_device:
+            if not (kwargs.get("non_blocking") and self._is_pinned(args[0])):
+                self.copies.append((self._caller(), "to"))
             kwargs = {**kwargs, "copy": True}  # on CPU .to(cpu) returns its input: the host copy must stay a host one
         out = func(*args, **kwargs)
         if name == "cpu" and out is args[0]:
             out = out.clone()  # on CPU .cpu() returns its input: the host copy must not stay a device one
         made_there = name in FACTORIES and kwargs.get("device") is not None
+        if made_there and name in ("tensor", "as_tensor"):
+            self.copies.append((self._caller(), name))  # host data copied to the device, from pageable memory
         if (from_device and name not in ("cpu", "numpy")) or moves or made_there:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
@@ -95,9 +125,23 @@ class HostSyncCounter(TorchFunctionMode):
             f"{os.path.relpath(c, os.path.dirname(REPO_CODE))} {op}" for c, op in self.events if c.startswith(REPO_CODE)
         )
 
+    def our_copies(self) -> Counter:
+        """Blocking host-to-device copies made by this repository's code, by "file:line op"."""
+        return Counter(
+            f"{os.path.relpath(c, os.path.dirname(REPO_CODE))} {op}" for c, op in self.copies if c.startswith(REPO_CODE)
+        )
+
     def theirs(self) -> Counter:
         """Syncs made inside libraries (transformers, accelerate) on our behalf."""
         return Counter(f"{c} {op}" for c, op in self.events if not c.startswith(REPO_CODE))
+
+
+def model_gpu_copies(monkeypatch: Any, counter: HostSyncCounter) -> None:
+    """While the counter is active, host batches take the GPU path (pinned memory, non-blocking copies), whose
+    pinning the counter models: its blocking copies are then what a GPU run would make."""
+    from open_instruct import data
+
+    monkeypatch.setattr(data, "pins_host_batches", lambda device: counter.active)
 
 
 def count_during(monkeypatch: Any, owner: Any, name: str, counter: HostSyncCounter) -> None:

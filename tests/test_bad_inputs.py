@@ -315,7 +315,7 @@ def build_case(name: str, t) -> tuple[str, list[str], list[str], object]:
     if name == "gguf_file_not_in_folder":
         return "sft", sft_argv(m, f, out, "--gguf_file", "model.Q4.gguf"), ["gguf_file 'model.Q4.gguf' is not in"], None
     if name == "dataset_with_unknown_extension":
-        tsv = tmp / "data.tsv"  # .csv is read (README: Data formats)
+        tsv = tmp / "data.tsv"  # .csv is read (docs/data.md#data-formats-tokenization-and-the-cache)
         tsv.write_text("messages\n")
         return "sft", sft_argv(m, f, out, "--dataset_name_or_path", str(tsv)), ["unknown file type '.tsv'"], None
     if name == "missing_dataset_file":

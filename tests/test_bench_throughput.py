@@ -1,6 +1,6 @@
 """bench/bench_throughput.py: its workload (long-tailed lengths in 32..1024), its FLOP count (N without the input
 embedding, by hand) and one real CPU run of its tiny preset whose MFU is 6 N tokens/s over the GEMM peak it measured
-(the formula the README table rests on)."""
+(the formula docs/benchmarks.md's throughput table rests on)."""
 
 import argparse
 import importlib.util

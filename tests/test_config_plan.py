@@ -1,5 +1,6 @@
 """Config parsing (YAML + overrides, errors naming the key) and the plan dry run."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -228,3 +229,37 @@ def test_script_dry_run_plans_this_machines_device(tiny_models, tmp_path, monkey
     plan.print_dry_run(cfg, 1)
     out = capsys.readouterr().out
     assert "--gpu H100 x 1 training" in out and "Planned for this machine's CPU" not in out
+
+
+def test_every_setting_has_one_topic_and_help_groups_them():
+    """SETTING_TOPICS orders --help, config.yaml and docs/running.md: a new setting must be given its topic."""
+    from open_instruct.config import CONFIG_CLASSES, SETTING_TOPICS, help_text, settings_by_topic
+
+    listed = [key for _, keys in SETTING_TOPICS.values() for key in keys.split()]
+    assert len(listed) == len(set(listed)), [k for k in listed if listed.count(k) > 1]
+    fields = {f.name for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)}
+    assert fields - set(listed) == set(), "settings without a topic"
+    assert set(listed) - fields == set(), "topics naming no setting"
+    for cls in CONFIG_CLASSES.values():
+        groups = settings_by_topic(cls)
+        assert sorted(k for _, _, keys in groups for k in keys) == sorted(f.name for f in dataclasses.fields(cls))
+        text = help_text(cls)
+        positions = [text.index(f"\n{topic}:\n") for topic, _, _ in groups]
+        assert positions == sorted(positions)
+        assert (
+            text.index("\n  --model_name_or_path") < text.index("\n  --learning_rate") < text.index("\n  --eval_steps")
+        )
+    rl = [topic for topic, _, _ in settings_by_topic(RLVRConfig)]
+    assert rl == ["run", "model", "data", "batch", "optimizer", "algorithm", "generation", "rewards"] + [
+        "environments",
+        "checks",
+        "checkpointing",
+        "logging",
+    ]
+
+
+def test_running_page_shows_the_settings_by_topic():
+    from open_instruct.config import settings_table
+
+    with open(os.path.join(REPO, "docs", "running.md")) as f:
+        assert settings_table() in f.read()

@@ -90,7 +90,7 @@ def test_wrong_column_name_is_reported_with_the_columns_present(tmp_path, tokeni
     assert msg == (
         f"{path} line 1: columns ['conversation'] match no sft data format. Accepted: 'messages' (a conversation); "
         "'prompt' + 'completion' (strings or messages); 'text' (a string). Set messages_column in the recipe if "
-        "your columns have other names (README: Data formats)."
+        "your columns have other names (docs/data.md#data-formats-tokenization-and-the-cache)."
     )
     # ... and the configured name is the one looked up
     ok = write_lines(tmp_path / "renamed.jsonl", [{"conversation": chat()}])

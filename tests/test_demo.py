@@ -3,8 +3,9 @@ script on a tiny model built locally, then held-out accuracy, plots and a summar
 
 One run (module fixture) is shared by the tests. The results are not bit-identical across machines (torch picks
 its CPU kernels by instruction set, and their rounding differs), so the tests assert a band: each stage's floor is
-the lowest value measured over several seeds and kernel paths (`QUICK_MEASURED`, README "The demo and its
-result") less a stated margin, and every gain must be significant problem by problem."""
+the lowest value measured over several seeds and kernel paths (`QUICK_MEASURED`,
+docs/demos.md#the-tiny-pipeline-make-demo) less a stated margin, and every gain must be significant problem by
+problem."""
 
 import json
 import os

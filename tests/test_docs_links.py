@@ -70,3 +70,62 @@ def test_heading_ids_follow_githubs_rule():
         page
     )
     assert "ifbench-instruction-following-offline" in heading_ids(page)
+
+
+# Pointers to a page or a section outside Markdown links: in code, error messages, recipes, tests and the pages'
+# code spans. A section is pointed at as `README.md#<id>` or `docs/<page>.md#<id>` (GitHub's heading id), never by
+# its title, so a renamed or moved heading fails here instead of leaving a dangling "see the README's X section".
+POINTER = re.compile(r"(?<![\w/.-])(?:\.\./)?((?:docs/[\w.-]+|README)\.md)(?:#([\w-]+))?")
+TITLE_POINTER = re.compile(r"""README(?:'s)?[:,]?\s+["“]|\.md['"]?[,:]?\s+["“][A-Z]""")
+
+
+def pointer_sources() -> list[Path]:
+    """Every file a pointer can sit in: the package (code and data), eval, demo, bench, scripts, recipes, tests,
+    the Makefile, and the pages themselves."""
+    files = [REPO / "Makefile", *markdown_pages()]
+    for folder, patterns in (
+        ("open_instruct", ("*.py", "*.yaml")),
+        ("eval", ("*.py",)),
+        ("demo", ("*.py",)),
+        ("bench", ("*.py", "*.sh")),
+        ("scripts", ("*",)),
+        ("configs", ("*.yaml",)),
+        ("tests", ("*.py",)),
+    ):
+        for pattern in patterns:
+            files += [p for p in (REPO / folder).rglob(pattern) if p.is_file() and p.name != Path(__file__).name]
+    return sorted(set(files))
+
+
+def broken_pointers(path: Path) -> list[str]:
+    broken = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        for page, anchor in POINTER.findall(line):
+            dest = REPO / page
+            if not dest.exists():
+                broken.append(f"line {n}: {page}: no such page")
+            elif anchor and anchor not in heading_ids(dest):
+                broken.append(f"line {n}: {page}#{anchor}: no heading with that id")
+        prose_readme = path.suffix != ".md" and re.search(r"\bREADME\b(?!\.md)", line)
+        if prose_readme or TITLE_POINTER.search(line):
+            broken.append(
+                f"line {n}: a section named by title, not README.md#<id> / docs/<page>.md#<id>: {line.strip()}"
+            )
+    return broken
+
+
+def test_pointers_are_found_where_they_are_written():
+    pointers = {str(p.relative_to(REPO)) for p in pointer_sources() if POINTER.search(p.read_text(errors="replace"))}
+    # an error message (formats.DataError), a code comment, a recipe: the places issue 42 found broken pointers
+    assert {"open_instruct/formats.py", "open_instruct/distributed.py", "configs/demo/rlvr_smollm2.yaml"} <= pointers
+    assert POINTER.findall("see docs/data.md#data-formats and README.md, not x/docs/y.md") == [
+        ("docs/data.md", "data-formats"),
+        ("README.md", ""),
+    ]
+    assert TITLE_POINTER.search('(README: "The time model")') and TITLE_POINTER.search('docs/planner.md, "Memory"')
+
+
+@pytest.mark.parametrize("path", pointer_sources(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_pointer_to_a_page_or_section_resolves(path: Path):
+    broken = broken_pointers(path)
+    assert not broken, f"{path.relative_to(REPO)}:\n  " + "\n  ".join(broken)

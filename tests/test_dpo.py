@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -391,6 +392,40 @@ def test_weights_fingerprint_sees_any_training_update(tiny_models):
     with torch.no_grad():
         b.model.norm.weight.add_(1e-6)  # one small tensor, a tiny step
     assert reference_cache.weights_fingerprint(a) != reference_cache.weights_fingerprint(b)
+
+
+def test_reference_cache_key_changes_with_every_setting_that_changes_the_numbers(tiny_models):
+    """FSDP2 vs autocast, padded vs packed, the attention kernel and the precision each change the reference
+    log-probs' low bits: each must name another file in a shared reference_cache_dir; the same settings, the same."""
+    from types import SimpleNamespace
+
+    from open_instruct.models import load_causal_lm
+
+    pairs = [{"prompt_len": 2, "chosen_ids": [1, 2, 3], "rejected_ids": [1, 2, 4]}]
+    models = {kernel: load_causal_lm(tiny_models["causal_lm"], attn_implementation=kernel) for kernel in ("sdpa",
+              "eager", "sdpa_varlen")}  # fmt: skip
+    base = dict(
+        model_name_or_path="m", model_revision=None, gguf_file=None, dataset_name_or_path="d", dataset_mixer_list=None,
+        dataset_split="train", eval_dataset_name_or_path=None, eval_dataset_mixer_list=None, eval_dataset_split="test",
+        mixed_precision="no", max_tokens_per_micro_batch=None, per_device_eval_batch_size=4, output_dir="o",
+        reference_cache_dir="shared",
+    )  # fmt: skip
+
+    def path(kernel: str = "sdpa", fsdp: bool = False, **changes: Any) -> str:
+        cfg = SimpleNamespace(**{**base, **changes})
+        identity = reference_cache.reference_cache_identity(cfg, models[kernel], pairs, [], fsdp)
+        return reference_cache.reference_cache_path(cfg, identity)
+
+    variants = [
+        path(fsdp=True),
+        path(mixed_precision="bf16"),
+        path("sdpa_varlen", max_tokens_per_micro_batch=512),
+        path("sdpa", max_tokens_per_micro_batch=512),
+        path("eager"),
+        path(per_device_eval_batch_size=8),
+    ]
+    assert path() == path()  # deterministic: weights, data and settings only
+    assert len({path(), *variants}) == 1 + len(variants)
 
 
 def test_reference_cache_defaults_inside_output_dir(tmp_path):

@@ -1,5 +1,5 @@
 """Option names from TRL, HF TrainingArguments, open-instruct and OpenRLHF: the parser answers them from the one table
-in open_instruct/flag_names.py, and the README's porting section shows that same table."""
+in open_instruct/flag_names.yaml (read by flag_names.py), and docs/porting.md shows those same tables."""
 
 import dataclasses
 import os

@@ -304,3 +304,33 @@ def test_unseeded_generation_draws_from_the_process_rng(lm, prompts):
     b = gen.generate(prompts, cfg)
     c = gen.generate(prompts, cfg)  # the global stream moved on
     assert a.response_ids == b.response_ids and a.response_ids != c.response_ids
+
+
+def test_bf16_run_generates_from_one_cast_copy_per_weight_version(lm, prompts):
+    """Without FSDP a bf16 run keeps fp32 weights; the generator casts them once per weight version into a copy
+    (not at every decoding step under autocast), used for every generate call of that version, dropped when the
+    generation block ends or new weights arrive; the fp32 model is untouched, tied weights stay tied, and greedy
+    output equals generating from the model with its parameters cast to bf16 in place."""
+    import copy
+
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = HFGenerator(model, tokenizer, batch_size=4, compute_dtype=torch.bfloat16)
+    greedy = GenerationConfig(max_new_tokens=8, temperature=0)
+    with gen.generation_context(model):
+        first = gen.generate(prompts, greedy)
+        copy_a = gen._compute_dtype_model()
+        assert gen.generate(prompts, greedy).response_ids == first.response_ids
+        assert gen._compute_dtype_model() is copy_a  # one cast for the version, whatever the calls and steps
+        assert copy_a is not model and all(p.dtype == torch.bfloat16 for p in copy_a.parameters())
+        tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        assert (copy_a.get_input_embeddings().weight is copy_a.get_output_embeddings().weight) == tied
+        gen.sync_weights(model, version=1)
+        assert gen._compute_dtype_model() is not copy_a  # new weights: a new copy
+    assert gen._cast_copy is None  # dropped with the block: memory while generating only
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    whole = copy.deepcopy(model)
+    for p in whole.parameters():  # parameters only: buffers (the rotary frequencies) stay fp32, as in the copy
+        p.data = p.data.to(torch.bfloat16)
+    assert HFGenerator(whole, tokenizer, batch_size=4).generate(prompts, greedy).response_ids == first.response_ids

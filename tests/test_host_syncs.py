@@ -1,5 +1,6 @@
 """No host sync per micro-batch: the training step of every script reads the device a fixed number of times,
-whatever the number of micro-batches (tests/host_syncs.py models the device on CPU and counts the reads).
+whatever the number of micro-batches (tests/host_syncs.py models the device on CPU and counts the reads), and copies
+host data to the device without blocking (pinned memory, non-blocking copies) except a fixed few per step.
 
 Each script runs one optimizer step split into 2 and into 4 micro-batches; the syncs our code makes must be the
 same in number, and few. Syncs inside transformers are reported, not bounded (they are not this repository's)."""
@@ -7,7 +8,7 @@ same in number, and few. Syncs inside transformers are reported, not bounded (th
 import os
 
 import pytest
-from host_syncs import HostSyncCounter, count_between, count_during
+from host_syncs import HostSyncCounter, count_between, count_during, model_gpu_copies
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
 
 from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
@@ -21,6 +22,9 @@ MAX_SYNCS_PER_STEP = 2
 # scores); the step's statistics and the update's token sums read once; per trained model (policy, value) the
 # finiteness check and the logged grad norm.
 MAX_RL_SYNCS = 2 + 2 + 2 * 2
+# Blocking host-to-device copies per step, whatever the number of micro-batches: none in the supervised loops (their
+# batches go through pinned memory); RL's rollout scoring is counted with its update (see the test).
+MAX_BLOCKING_COPIES_PER_STEP = 0
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,7 @@ def supervised_syncs(monkeypatch, script, argv):
     counter = HostSyncCounter()
     with monkeypatch.context() as m:
         count_between(m, (distributed, "step_micro_batches"), (runtime.RunContext, "count_update"), counter)
+        model_gpu_copies(m, counter)
         script.main(argv)
     return counter
 
@@ -94,14 +99,16 @@ def test_supervised_step_syncs_do_not_grow_with_micro_batches(name, tiny_models,
     import importlib
 
     script = importlib.import_module(f"open_instruct.{name}")
-    counts = {}
+    counts, copies = {}, {}
     for n in (2, 4):
         argv = supervised_argv(name, tiny_models, task, tmp_path / f"mb{n}", n)
         counter = supervised_syncs(monkeypatch, script, argv)
-        counts[n] = counter.ours()
-        print(f"{name}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}")
+        counts[n], copies[n] = counter.ours(), counter.our_copies()
+        print(f"{name}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}; "
+              f"blocking copies {dict(copies[n])}")  # fmt: skip
     assert sum(counts[2].values()) == sum(counts[4].values()), counts
     assert sum(counts[4].values()) <= MAX_SYNCS_PER_STEP, counts[4]
+    assert sum(copies[2].values()) == sum(copies[4].values()) <= MAX_BLOCKING_COPIES_PER_STEP, copies
 
 
 def rl_argv(tiny_models, task, out, micro_batches, algo):
@@ -140,14 +147,17 @@ def test_rl_syncs_do_not_grow_with_micro_batches(algo, tiny_models, task, tmp_pa
     the rollout's scoring forwards and the update's micro-batches."""
     from open_instruct import rlvr_ppo
 
-    counts = {}
+    counts, copies = {}, {}
     for n in (2, 4):
         counter = HostSyncCounter()
         with monkeypatch.context() as m:
             count_during(m, rlvr_ppo, "update", counter)
             count_during(m, rlvr_ppo, "collect_rollout", counter)
+            model_gpu_copies(m, counter)
             rlvr_ppo.main(rl_argv(tiny_models, task, tmp_path / f"mb{n}", n, algo))
-        counts[n] = counter.ours()
-        print(f"{algo}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}")
+        counts[n], copies[n] = counter.ours(), counter.our_copies()
+        print(f"{algo}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}; "
+              f"blocking copies {dict(copies[n])}")  # fmt: skip
     assert sum(counts[2].values()) == sum(counts[4].values()), counts
     assert sum(counts[4].values()) <= MAX_RL_SYNCS, counts[4]
+    assert sum(copies[2].values()) == sum(copies[4].values()), copies

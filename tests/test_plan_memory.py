@@ -17,6 +17,7 @@ from open_instruct.memory_model import (
 from open_instruct.plan import TimeAssumptions, build_plan, plan_from_config, recipe_config
 from open_instruct.plan import main as plan_main
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA_8B_PARAMS = 8_030_261_248  # meta-llama/Llama-3.1-8B's parameter count (its model card / safetensors index)
 LLAMA_70B_PARAMS = 70_553_706_496
 PUBLISHED = [
@@ -44,6 +45,8 @@ def test_published_layouts_fit_on_80gb(repo_root, name, world, extra):
     assert m["fits"] and m["total"] < 80 * GB
     # AdamW's two fp32 moments of the policy, sharded over the world: 8 bytes x parameters / world.
     params = LLAMA_70B_PARAMS if "70b" in name else LLAMA_8B_PARAMS
+    if name == "rm_8b":  # a reward model: no output layer, a hidden -> 1 score
+        params += -128256 * 4096 + 4096
     assert m["resident"]["policy AdamW moments (fp32)"] == pytest.approx(8 * params / world, rel=1e-12)
 
 
@@ -94,21 +97,99 @@ def test_params_and_kv_cache_equal_a_real_tiny_model(tiny_models, repo_root):
 
 
 def test_activation_and_head_formulas_by_hand():
-    """Checkpointed activations = layers x tokens x hidden x bytes + one layer's full set; the chunked head keeps one
-    chunk of logits in the compute dtype and fp32, plus in training the chunk's fp32 gradient and the output layer's
-    fp32 weight gradient."""
+    """The formulas worked by hand for one FSDP2 bf16 layout with checkpointing: each layer's input kept (hidden x 2
+    bytes), the head's backward chunk and weight-gradient buffers (larger than one layer's recompute here), and the
+    total = resident + the largest phase + the fragmentation margin on what torch allocates."""
     shape = ModelShape(hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=100,
                        tied=False, source="hand")  # fmt: skip
     lay = MemoryLayout(world=1, fsdp=True, compute_bytes=2, activation_checkpointing=True, cpu_offload=False,
                        lora=False, train_tokens=4096, scored_tokens=4096, score_tokens=4096)  # fmt: skip
-    per_layer = (6 * 64 + 2 * 2 * 16 + 4 * 128) * 2 + 2 * 64 * 4  # 2304 bytes per token
-    assert shape.activation_bytes_per_token_per_layer(2) == per_layer
+    # per layer: two norms (input 2 + fp32 upcast 4 + normalised 2 + output 2 = 10 bytes x hidden each), rotated q,
+    # SDPA's output and o_proj's contiguous input (3 x hidden), k and v (2 x 32), the MLP's 4 x intermediate, x 2 B
+    per_layer = 2 * 10 * 64 + (3 * 64 + 2 * 32) * 2 + 4 * 128 * 2
+    assert shape.activation_bytes_per_token_per_layer(2) == per_layer == 2816
+    # one process under autocast: fp32 input and normalised values per norm, one bf16 copy per projection reading it
+    assert (
+        shape.activation_bytes_per_token_per_layer(2, fp32_residual=True)
+        == 64 * (8 + 3 * 2 + 8 + 2 * 2) + (3 * 64 + 2 * 32) * 2 + 4 * 128 * 2
+    )
     m = predict_peak(lay, shape, 80.0)
     training = m["phases"]["training micro-batch"]
-    assert training["activations (checkpointed)"] == 2 * 4096 * 64 * 2 + 4096 * per_layer
+    final_norm = 4096 * 10 * 64 + 4096 * 64 * 2  # the final norm's set, the scored hidden states
+    assert training["activations (checkpointed)"] == 2 * 4096 * 64 * 2 + final_norm
     rows = LOGPROB_CHUNK_TOKENS
-    assert training["log-prob head (chunk)"] == rows * 100 * (2 + 4) + rows * 100 * 4 + 100 * 64 * 4
-    assert m["total"] == sum(m["resident"].values()) + sum(m["phases"][m["peak_phase"]].values())
+    head = rows * 100 * (2 + 4 + 4 + 2) + 100 * 64 * (4 + 2 + 4)
+    recompute = 4096 * (per_layer + 2 * 64 * 4 + 2 * 128 * 2)
+    assert training["log-prob head (chunk) or one layer's recompute"] == max(head, recompute) == recompute
+    allocated = sum(m["resident"].values()) - 1e9 + sum(training.values())
+    assert m["margin"] == pytest.approx(0.05 * allocated)
+    assert m["total"] == sum(m["resident"].values()) + sum(m["phases"][m["peak_phase"]].values()) + m["margin"]
+
+
+def test_value_and_reward_models_have_no_output_layer():
+    """PPO's value model and a reward model end in a hidden -> 1 head: their parameters are the causal LM's less
+    the untied output layer, plus the score's hidden weights."""
+    shape = shape_of("meta-llama/Llama-3.1-8B")
+    assert shape.without_output_layer().params == LLAMA_8B_PARAMS - 128256 * 4096 + 4096
+
+
+def test_every_phase_within_15_percent_of_what_the_cpu_allocator_records():
+    """Each phase the model predicts against the peak torch's CPU allocator records while it runs (torch.profiler's
+    memory records, bench/memory_check.py), at two small shapes: fp32 and bf16 autocast training micro-batches with
+    and without checkpointing, no-grad scoring forwards, HF generation. 15% is the bound the model is held to (the
+    allocator's own rounding and small tensors the formulas leave out, such as rotary tables and masks, stay well
+    inside it at these shapes)."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("memory_check", os.path.join(REPO, "bench", "memory_check.py"))
+    memory_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = memory_check
+    spec.loader.exec_module(memory_check)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CPU kernels' per-thread buffers are not the model's
+    try:
+        rows = [r for shape in memory_check.SHAPES for r in memory_check.measure(shape)]
+    finally:
+        torch.set_num_threads(threads)
+    print(memory_check.table(rows))
+    assert {r["phase"] for r in rows} == {"training micro-batch", "no-grad forward", "HF generation"}
+    off = [r for r in rows if not 0.85 <= r["predicted"] / r["measured"] <= 1.15]
+    assert not off, memory_check.table(off)
+
+
+def test_hf_generation_that_cannot_fit_is_refused_naming_vllm(repo_root, capsys, monkeypatch):
+    """rlvr_8b on hf generation with 64 sequences of 4096 tokens per generate call: a 34 GB KV cache beside the
+    16 GB gathered policy. plan refuses it naming the vLLM backends, and so does the RL script before loading any
+    model (generation_backends.check_before_loading, on a GPU of that size; the CPU here is made to look like one)."""
+    import types
+
+    import torch
+
+    from open_instruct import generation_backends
+    from open_instruct.errors import ConfigError
+
+    recipe = _recipe(repo_root, "rlvr_8b")
+    hf = ["--generation_backend", "hf", "--async_steps", "0", "--local_rollout_batch_size", "64",
+          "--generation_micro_batch_size", "64"]  # fmt: skip
+    assert plan_main([recipe, "--num_processes", "7", *hf]) == 2
+    err = capsys.readouterr().err
+    assert "HF generation does not fit" in err and "generation_backend vllm_server" in err and "KV cache" in err
+    m = build_plan(recipe, hf, 7, None, assumptions=TimeAssumptions(gpu="H200"))["memory"]  # fits on 141 GB
+    assert m["peak_phase"] == "HF generation" and m["fits"]
+
+    cfg = recipe_config(recipe, hf)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80e9))
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    with pytest.raises(ConfigError, match="HF generation does not fit") as refused:
+        generation_backends.check_before_loading(cfg, 4096)
+    assert "generation_backend vllm_server" in str(refused.value)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=141e9))
+    generation_backends.check_before_loading(cfg, 4096)  # an H200 holds it: nothing refused
 
 
 def test_chunk_size_matches_the_head():

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from open_instruct import flag_names, run_dir, runtime
-from open_instruct.config import NOT_SAVED, RLVRConfig, SFTConfig, parse_config
+from open_instruct.config import NOT_SAVED, RLVRConfig, SFTConfig, config_yaml, parse_config
 from open_instruct.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,9 +280,15 @@ def test_resolved_config_saved_in_the_run_folder_and_shown_by_dry_run(tiny_model
         assert text.startswith(f"# resolved config of run {run_dir.run_id_of(str(out))}")
         saved_values = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_SAVED}
         assert yaml.safe_load(text) == saved_values  # every setting but the command's own decisions
+        assert text.split("\n", 1)[1] in shown  # what the dry run printed, below the header line
+        headers = [line.split(":")[0] for line in text.splitlines()[1:] if line.startswith("# --- ")]
+        assert headers == [f"# --- {t}" for t in ("run", "model", "data", "batch", "optimizer", "algorithm")] + [
+            f"# --- {t}" for t in ("generation", "rewards", "environments", "checks", "checkpointing", "logging")
+        ]
         assert [n for n in os.listdir(out) if n.startswith(".tmp_")] == []  # written by rename
         again = parse_config(RLVRConfig, [str(saved)])  # the saved file is a recipe that repeats the run
         assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+        assert config_yaml(again) == config_yaml(cfg)  # the same text too (lora_alpha 32 read back as 32.0 was not)
     finally:
         run_dir.release_all()
     # another run's folder is refused before its config.yaml could be touched

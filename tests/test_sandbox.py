@@ -2,8 +2,8 @@
 process or file behind, and the call returns within its wall limit plus a margin. Limits are ~1-2 s to stay fast.
 
 The containment tests need the isolation this machine gives (namespaces: as root with `unshare`); they are skipped
-with the reason where the sandbox falls back (the README says what the fallbacks block). The rlimits-mode test runs
-everywhere."""
+with the reason where the sandbox falls back (docs/sandbox.md#containment says what the fallbacks block). The
+rlimits-mode test runs everywhere."""
 
 from __future__ import annotations
 
