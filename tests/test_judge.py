@@ -184,17 +184,24 @@ judge = Judge(rubric, url=os.environ["JUDGE_URL"], model="fake-judge", batch_siz
 """
 
 
-@pytest.mark.parametrize("async_steps", [0, 1])
-def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
-    async_steps, fake_judge, tiny_models, tmp_path, monkeypatch
-):
+def judge_run_files(tmp_path, fake_judge, monkeypatch, addend):
+    """The user's judge file (reaching the fake judge) and 4 gsm8k rows 'What is i + addend?'."""
     judge_file = tmp_path / "my_judge.py"
     judge_file.write_text(JUDGE_FILE)
     monkeypatch.setenv("JUDGE_URL", fake_judge.url)
     rows = tmp_path / "rows.jsonl"
     with open(rows, "w") as f:
         for i in range(4):
-            f.write(json.dumps({"prompt": f"What is {i} + 1?", "ground_truth": str(i + 1), "dataset": "gsm8k"}) + "\n")
+            row = {"prompt": f"What is {i} + {addend}?", "ground_truth": str(i + addend), "dataset": "gsm8k"}
+            f.write(json.dumps(row) + "\n")
+    return judge_file, rows
+
+
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
+    async_steps, fake_judge, tiny_models, tmp_path, monkeypatch
+):
+    judge_file, rows = judge_run_files(tmp_path, fake_judge, monkeypatch, addend=1)
     out = tmp_path / "out"
     argv = command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
                    "--reward_function_weights", "0.5", "--num_samples_logged", "8",
@@ -223,13 +230,7 @@ def test_a_run_with_a_judge_resumes_bit_exactly(fake_judge, tiny_models, tmp_pat
     keeps its cache across the runs)."""
     from training_helpers import sigterm_at_step
 
-    judge_file = tmp_path / "my_judge.py"
-    judge_file.write_text(JUDGE_FILE)
-    monkeypatch.setenv("JUDGE_URL", fake_judge.url)
-    rows = tmp_path / "rows.jsonl"
-    with open(rows, "w") as f:
-        for i in range(4):
-            f.write(json.dumps({"prompt": f"What is {i} + 2?", "ground_truth": str(i + 2), "dataset": "gsm8k"}) + "\n")
+    judge_file, rows = judge_run_files(tmp_path, fake_judge, monkeypatch, addend=2)
 
     def argv(out, *more):
         return command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
