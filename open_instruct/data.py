@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from open_instruct import data_cache, encode, formats
+from open_instruct import data_cache, encode, formats, reasoning_gym_tasks
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.mixture import LOCAL_FILE_SUFFIXES, mixture_summary, parse_mixer_list, select_rows, source_labels
 
@@ -185,7 +185,9 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
     DatasetDict's split), another local dataset folder or a hub dataset split."""
     if name.endswith(LOCAL_FILE_SUFFIXES) and not os.path.exists(name):
         raise DataError(f"dataset file {name!r} does not exist")
-    if name.endswith(".jsonl"):
+    if reasoning_gym_tasks.is_source(name):  # generated on the spot (open_instruct/reasoning_gym_tasks.py)
+        rows = [Row(name, i, None, r) for i, r in enumerate(reasoning_gym_tasks.generate(name, split))]
+    elif name.endswith(".jsonl"):
         rows = _read_jsonl(name)
     elif name.endswith(".json"):
         rows = _read_json(name)
@@ -211,7 +213,7 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
 def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
     """Rows from local .jsonl/.json/.parquet/.csv file(s) or folders (comma separated) or a hub dataset split: all
     rows of each."""
-    parts = [p.strip() for p in name_or_path.split(",") if p.strip()]
+    parts = reasoning_gym_tasks.expand_sources(name_or_path)
     rows = [row for part, label in zip(parts, source_labels(parts)) for row in load_source(part, split, label)]
     return rows if max_samples is None else rows[:max_samples]
 
@@ -1186,7 +1188,15 @@ DATA_FIELDS = (
     "reward_functions",  # runs with reward functions keep each row's columns and prompt for them
 )
 # The modules that turn rows into examples: editing one invalidates the cache.
-DATA_CODE = ("data.py", "encode.py", "chat_render.py", "formats.py", "mixture.py", "data_cache.py")
+DATA_CODE = (
+    "data.py",
+    "encode.py",
+    "chat_render.py",
+    "formats.py",
+    "mixture.py",
+    "data_cache.py",
+    "reasoning_gym_tasks.py",
+)
 
 
 def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str, Any]:
@@ -1198,7 +1208,7 @@ def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str
     for key in ("dataset_name_or_path", "eval_dataset_name_or_path"):
         value = getattr(cfg, key, None)
         if value:
-            sources[key] = [data_cache.source_identity(p.strip()) for p in value.split(",") if p.strip()]
+            sources[key] = [data_cache.source_identity(p) for p in reasoning_gym_tasks.expand_sources(value)]
     for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):
         value = getattr(cfg, key, None)
         if value:
@@ -1304,17 +1314,25 @@ def build_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[lis
         eval_rows, eval_sources = load_mixture(
             cfg.eval_dataset_mixer_list, cfg.eval_dataset_split, cfg.seed, "eval_dataset_mixer_list"
         )
+        _refuse_repeated_tasks(train_rows, eval_rows, cfg)
         eval_examples, eval_stats = tokenize(eval_rows, tokenizer, cfg)
         eval_stats.sources = eval_sources
         eval_stats.count_kept_per_source(eval_examples)
         eval_stats.require_every_source("eval_dataset_mixer_list")
     elif cfg.eval_dataset_name_or_path:
         eval_rows = load_rows(cfg.eval_dataset_name_or_path, cfg.eval_dataset_split, cfg.max_eval_samples)
+        _refuse_repeated_tasks(train_rows, eval_rows, cfg)
         eval_examples, _ = tokenize(eval_rows, tokenizer, cfg)
     elif cfg.eval_fraction > 0:
         train, eval_examples = split_train_eval(train, cfg.eval_fraction, cfg.seed)
         eval_examples = maybe_limit(eval_examples, cfg.max_eval_samples)
     return train, eval_examples, stats
+
+
+def _refuse_repeated_tasks(train_rows: list[Row], eval_rows: list[Row], cfg: Any) -> None:
+    """A held-out reasoning-gym task generated with the train set's seed would repeat its rows."""
+    sources = [sorted({r.source for r in rows}) for rows in (train_rows, eval_rows)]
+    reasoning_gym_tasks.check_held_out(*sources, cfg.dataset_split, cfg.eval_dataset_split)
 
 
 def episode_stream(train: list[dict], cfg: Any) -> "EpisodeStream":

@@ -23,6 +23,8 @@ import tempfile
 import warnings
 from typing import Any, Optional
 
+from open_instruct import reasoning_gym_tasks
+
 CACHE_ENV = "OPEN_INSTRUCT_DATA_CACHE"
 DEFAULT_ROOT = "~/.cache/open_instruct/tokenized"
 META = "meta.json"
@@ -40,6 +42,10 @@ def cache_root(setting: Optional[str]) -> Optional[str]:
 def source_identity(name: str) -> Any:
     """What identifies one source's content cheaply: for a local file its path, size and mtime; for a folder the
     same for every file in it; otherwise (a hub dataset name, a mixture amount) the text itself."""
+    if reasoning_gym_tasks.is_source(name):  # generated: the spec and the generating package's version
+        from importlib.metadata import version
+
+        return [name, version("reasoning-gym")]
     path = os.path.expanduser(name)
     if os.path.isfile(path):
         st = os.stat(path)

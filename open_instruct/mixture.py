@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from open_instruct import reasoning_gym_tasks
 from open_instruct.errors import ConfigError
 
 LOCAL_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -77,6 +78,8 @@ def source_labels(sources: Sequence[str]) -> list[str]:
     two would clash, the whole name (slashes -> '_'). Metric keys then read eval/<label>/loss."""
 
     def short(name: str) -> str:
+        if reasoning_gym_tasks.is_source(name):  # a generated task: its name
+            return reasoning_gym_tasks.label(name)
         base = os.path.basename(name.rstrip("/")) or name
         return os.path.splitext(base)[0] if base.endswith(LOCAL_FILE_SUFFIXES) else base
 

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from open_instruct import reasoning_gym_tasks
 from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples, generation_sequences_per_call
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
@@ -107,6 +108,9 @@ def count_local_rows(path: str, split: str = "train") -> int:
 
 def dataset_size(name: str, split: str) -> tuple[Optional[int], str]:
     """(rows, where the number came from); (None, reason) if it cannot be had offline."""
+    parts = reasoning_gym_tasks.expand_sources(name)
+    if parts and all(reasoning_gym_tasks.is_source(p) for p in parts):
+        return sum(reasoning_gym_tasks.parse(p, split).size for p in parts), "the reasoning_gym sources' sizes"
     first = name.split(",")[0].strip()
     if os.path.exists(first):
         return count_local_rows(name, split), "counted in the local file(s)"

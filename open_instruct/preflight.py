@@ -17,6 +17,7 @@ import os
 import struct
 from typing import Any, Optional
 
+from open_instruct import reasoning_gym_tasks
 from open_instruct.chat_templates import resolve_chat_template
 from open_instruct.errors import ConfigError
 
@@ -146,7 +147,10 @@ def check_dataset(name_or_path: Optional[str], key: str) -> None:
     """Each comma-separated part: a local file with a known extension that exists, or a hub name."""
     if not name_or_path:
         return
-    for part in [p.strip() for p in name_or_path.split(",") if p.strip()]:
+    for part in reasoning_gym_tasks.expand_sources(name_or_path):
+        if reasoning_gym_tasks.is_source(part):  # the package, the task and its settings, checked now
+            reasoning_gym_tasks.parse(part, "train", key)
+            continue
         if os.path.isdir(part):
             continue  # a local dataset folder (datasets.load_dataset reads it)
         extension = os.path.splitext(part)[1]

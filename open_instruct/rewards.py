@@ -13,6 +13,8 @@ verifiers are binary: partial credit would let the policy farm half-right answer
     code        the program in the completion run against the row's test cases in the sandbox (formats and
                 failure reasons in open_instruct/code_verifier.py); 1.0 iff all pass, or the fraction passed
                 with `code_reward: fraction` (the one verifier that can give partial credit, opt-in)
+    reasoning_gym  a reasoning-gym task's own score_answer (open_instruct/reasoning_gym_tasks.py), run in the
+                worker process (its scorers may evaluate the answer); a row is correct iff it scores 1.0
 
 Every verifier sees the text after the last "</think>" when a completion contains one (the answer, not the
 reasoning). Completions longer than MAX_COMPLETION_CHARS score 0 without being read.
@@ -38,6 +40,8 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     thread and after each kill (not counted against the call's timeout), ~0.15 ms IPC per call. The cheap
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
+  * Verifiers registered `isolated` (reasoning_gym: a package's scorers that may evaluate the answer text) run in
+    that worker process on every thread, the main one included, so model text never runs in the trainer's process.
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
   * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
     sandboxed subprocesses with their own limits (CodeSettings), `sandbox_workers` at a time across a batch.
@@ -96,13 +100,22 @@ class GroundTruthError(ValueError):
 VERIFIERS: dict[str, VerifierFn] = {}
 _USES_SYMPY: set[str] = set()  # verifiers that can hang in sympy: need a pre-emptible timer
 _SANDBOXED: set[str] = set()  # verifiers whose work runs in sandboxed subprocesses, bounded by their own limits
+# verifiers that may evaluate model text (a package's scorer calling eval or sympy's parse_expr): always run in the
+# worker process, never in the trainer's; the value imports what they need before the first timed call
+_ISOLATED: dict[str, Optional[Callable[[], None]]] = {}
 ALIASES = {"gsm": "gsm8k", "if": "ifeval", "if_eval": "ifeval", "instruction_following": "ifeval"}
 
 
 def register_verifier(
-    name: str, *, uses_sympy: bool = False, sandboxed: bool = False
+    name: str,
+    *,
+    uses_sympy: bool = False,
+    sandboxed: bool = False,
+    isolated: bool = False,
+    preload: Optional[Callable[[], None]] = None,
 ) -> Callable[[VerifierFn], VerifierFn]:
-    """Decorator: `@register_verifier("gsm8k")` makes the function available as get_verifier("gsm8k")."""
+    """Decorator: `@register_verifier("gsm8k")` makes the function available as get_verifier("gsm8k").
+    `isolated`: every call runs in the worker process (`preload` runs there once, before its first timed call)."""
     key = name.strip().lower()
 
     def decorator(fn: VerifierFn) -> VerifierFn:
@@ -113,6 +126,8 @@ def register_verifier(
             _USES_SYMPY.add(key)
         if sandboxed:
             _SANDBOXED.add(key)
+        if isolated:
+            _ISOLATED[key] = preload
         return fn
 
     return decorator
@@ -714,6 +729,24 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Verifier: code (programs run in the sandbox, open_instruct/sandbox.py)
 # --------------------------------------------------------------------------------------------------------
+def _preload_reasoning_gym() -> None:
+    from open_instruct import reasoning_gym_tasks
+
+    reasoning_gym_tasks.preload()
+
+
+@register_verifier("reasoning_gym", isolated=True, preload=_preload_reasoning_gym)
+def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
+    """A reasoning-gym task's own score_answer of the completion's <answer> (open_instruct/reasoning_gym_tasks.py).
+    Its scorers may evaluate the answer text: registered isolated, so it runs in the worker process."""
+    from open_instruct import reasoning_gym_tasks
+
+    try:
+        return reasoning_gym_tasks.score(strip_thinking(completion), ground_truth)
+    except reasoning_gym_tasks.BadGroundTruth as e:
+        raise GroundTruthError(str(e)) from None
+
+
 def _code_tests(ground_truth: Any, settings: Any = None) -> Any:
     """The row's tests, within the run's limits (code_verifier.check_limits; default CodeSettings)."""
     from open_instruct.code_verifier import CodeSettings, check_limits, parse_cached
@@ -819,6 +852,7 @@ class _Worker:
         )
         os.set_blocking(self.proc.stdin.fileno(), False)  # a stuck child must not block a large write
         self._buffer = b""
+        self.preloaded: set[str] = set()  # isolated verifiers whose imports this child has done
         ready = self._read_line(_WORKER_START_TIMEOUT)
         if ready != b"ready":
             self.kill()
@@ -854,8 +888,23 @@ class _Worker:
                 return False
         return True
 
+    def preload(self, name: str) -> None:
+        """The verifier's imports, once per child and outside any call's time limit."""
+        if self._write_all(json.dumps({"preload": name}).encode() + b"\n", _WORKER_START_TIMEOUT):
+            line = self._read_line(_WORKER_START_TIMEOUT)
+            if line is not None:
+                reply = json.loads(line)
+                if reply.get("error"):
+                    raise GroundTruthError(reply["error"])
+                self.preloaded.add(name)
+                return
+        self.kill()
+        raise RuntimeError(f"rewards worker did not load verifier {name!r} within {_WORKER_START_TIMEOUT:.0f} s")
+
     def call(self, name: str, completion: str, ground_truth: Any, timeout: float) -> tuple[Optional[float], bool]:
         """(score, timed_out); a child that is stuck or dead counts as a timeout and is killed."""
+        if _ISOLATED.get(name) is not None and name not in self.preloaded:
+            self.preload(name)
         start = time.monotonic()
         request = {"name": name, "completion": completion, "ground_truth": ground_truth, "timeout": timeout}
         line = None
@@ -912,6 +961,13 @@ def _worker_main() -> None:
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
         request = json.loads(line)
+        if "preload" in request:
+            try:
+                _ISOLATED[request["preload"]]()
+                out.write(b'{"preloaded": true}\n')
+            except Exception as e:  # e.g. the package is not installed: the parent reports it
+                out.write(json.dumps({"error": f"verifier {request['preload']}: {e!r}"}).encode() + b"\n")
+            continue
         # Answer a little before the parent's deadline so a timeout normally costs no restart.
         budget = max(0.01, request["timeout"] - min(0.1, request["timeout"] / 4))
         try:
@@ -973,7 +1029,7 @@ def run_verifier(
         return 0.0, False
     if name in _SANDBOXED:  # bounded by the sandbox's limits, not by a timer in this process
         score, timed_out = _checked_score(VERIFIERS[name](completion, ground_truth), name), False
-    elif name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer"):
+    elif name in _ISOLATED or (name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer")):
         score, timed_out = _worker_for_this_thread().call(name, completion, ground_truth, timeout)
         score = 0.0 if timed_out or score is None else _checked_score(score, name)
     else:
@@ -1223,6 +1279,16 @@ def reward_function_labels(specs: Sequence[str]) -> list[str]:
     return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs)]
 
 
+class FunctionValues(dict):
+    """Each reward function's values per completion, by label; `counters`: per label, the counts a function reported
+    with its values (a list with a `counters` dict, e.g. a judge's calls, cache hits and parse failures), logged as
+    `reward/<label>/<counter>` summed over ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counters: dict[str, dict[str, float]] = {}
+
+
 def custom_reward_values(
     specs: Sequence[str],
     weights: Optional[Sequence[float]],
@@ -1239,10 +1305,14 @@ def custom_reward_values(
     n = len(inputs["completions"])
     where = list(where) if where is not None else [f"completion {j}" for j in range(n)]
     total = [0.0] * n
-    values: dict[str, list[Optional[float]]] = {}
+    values = FunctionValues()
     for i, (spec, label) in enumerate(zip(specs, reward_function_labels(specs))):
         weight = 1.0 if weights is None else float(weights[i])
-        values[label] = [None if v is None else float(v) for v in call_reward_function(spec, inputs, where, timeout)]
+        returned = call_reward_function(spec, inputs, where, timeout)
+        counters = getattr(returned, "counters", None)  # e.g. a judge's (judge.JudgeValues)
+        if isinstance(counters, dict):
+            values.counters[label] = {str(k): float(v) for k, v in counters.items()}
+        values[label] = [None if v is None else float(v) for v in returned]
         for j, v in enumerate(values[label]):
             if v is not None:
                 total[j] += weight * v
@@ -1262,14 +1332,19 @@ def reward_function_sums(values: dict[str, list[Optional[float]]]) -> dict[str, 
         real = [v for v in vs if v is not None]
         sums.update({f"reward/{label}/sum": sum(real), f"reward/{label}/sumsq": sum(v * v for v in real)})
         sums[f"reward/{label}/count"] = float(len(real))
+    for label, counters in getattr(values, "counters", {}).items():
+        sums.update({f"reward/{label}/{name}": value for name, value in counters.items()})
     return sums
 
 
 def reward_function_metrics(sums: dict[str, float]) -> dict[str, float]:
     """`reward/<label>/mean` and `reward/<label>/std` (population std) of each reward function's values over the
-    completions it scored (None excluded, TRL's nanmean), from reward_function_sums summed over ranks."""
+    completions it scored (None excluded, TRL's nanmean), from reward_function_sums summed over ranks, and the
+    counters a function reported (`reward/<label>/<counter>`, the sum over ranks)."""
     metrics: dict[str, float] = {}
     for key in sums:
+        if key.startswith("reward/") and not key.endswith(("/sum", "/sumsq", "/count")):  # a function's counter
+            metrics[key] = sums[key]
         if key.startswith("reward/") and key.endswith("/count"):
             label = key[len("reward/") : -len("/count")]
             count = sums[key]

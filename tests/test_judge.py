@@ -1,0 +1,254 @@
+"""LLM-as-judge rewards (open_instruct/judge.py): a fake OpenAI-compatible judge server started here on loopback
+and a tiny local judge model; the rendered prompts, the parsed scores, batching, retries, the deadline, the cache
+(in memory and on disk) and parse failures are counted and checked; in a tiny RLVR run the judge adds to the
+verifier's reward by its weight and its counters are logged."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from test_reward_functions_trl import command, run
+from tolerances import elementwise_atol
+
+from open_instruct.errors import ConfigError
+from open_instruct.judge import Judge
+
+RUBRIC = "Rate [[{completion}]] for {prompt} (reference: {reference}). Keep {braces}. Reply 'Score: N', N from 0 to 10."
+SLACK = 5.0  # seconds of scheduling slack on a shared 2-core machine, added to a deadline when checking it
+
+
+class FakeJudge:
+    """An OpenAI-compatible /chat/completions on 127.0.0.1: replies `Score: <len(completion) % 11>`; a completion
+    containing GARBAGE gets a reply without a score, FLAKY gets HTTP 503 on its first request, SLOW is held until
+    the test releases it. Every request's prompt is recorded."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.flaky_seen: set[str] = set()
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert self.path == "/v1/chat/completions" and body["model"] == "fake-judge"
+                prompt = body["messages"][0]["content"]
+                fake.prompts.append(prompt)
+                completion = prompt.split("Rate [[", 1)[1].rsplit("]] for ", 1)[0]
+                if "FLAKY" in completion and completion not in fake.flaky_seen:
+                    fake.flaky_seen.add(completion)
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                if "SLOW" in completion:
+                    fake.release.wait()
+                reply = "I cannot rate this." if "GARBAGE" in completion else f"Fine. Score: {len(completion) % 11}"
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_judge():
+    server = FakeJudge()
+    yield server
+    server.close()
+
+
+def judge_for(server: FakeJudge, **kw) -> Judge:
+    return Judge(RUBRIC, url=server.url, model="fake-judge", **kw)
+
+
+def expected(completion: str) -> float:
+    return (len(completion) % 11) / 10  # Score: N on 0..10 -> N / 10
+
+
+pytestmark = pytest.mark.concurrency
+
+
+def test_scores_rendering_batching_and_the_cache(fake_judge, tmp_path):
+    completions = ["four", "a longer answer", "x" * 10, "seven!!"]
+    judge = judge_for(fake_judge, batch_size=2, timeout=60.0, cache_path=str(tmp_path / "cache.jsonl"))
+    prompts = ["Q1", [{"role": "user", "content": "Q2"}], "Q3", "Q4"]
+    values = judge(prompts=prompts, completions=completions, ground_truth=["r1", "r2", "r3", "r4"])
+    assert list(values) == [expected(c) for c in completions]
+    assert sorted(fake_judge.prompts) == sorted(
+        RUBRIC.replace("{completion}", c).replace("{prompt}", p).replace("{reference}", r)
+        for c, p, r in zip(completions, ["Q1", "user: Q2", "Q3", "Q4"], ["r1", "r2", "r3", "r4"])
+    )  # every placeholder filled, the rubric's other braces kept
+    assert {k: v for k, v in values.counters.items() if k != "seconds"} == {
+        "calls": 4, "cache_hits": 0, "parse_failures": 0, "timeouts": 0, "retries": 0
+    }  # fmt: skip
+    again = judge(prompts=prompts, completions=completions, ground_truth=["r1", "r2", "r3", "r4"])
+    assert list(again) == list(values) and again.counters["cache_hits"] == 4 and len(fake_judge.prompts) == 4
+    # a new judge (a resumed run) reads the cache file: nothing is asked again
+    resumed = judge_for(fake_judge, cache_path=str(tmp_path / "cache.jsonl"))
+    assert list(resumed(prompts=prompts, completions=completions, ground_truth=["r1", "r2", "r3", "r4"])) == list(
+        values
+    )
+    assert len(fake_judge.prompts) == 4
+    # another judge model is another cache key; so is another reference
+    other = Judge(
+        RUBRIC, url=fake_judge.url, model="fake-judge", temperature=0.5, cache_path=str(tmp_path / "cache.jsonl")
+    )
+    assert other(prompts=prompts[:1], completions=completions[:1], ground_truth=["r1"]).counters["cache_hits"] == 0
+    assert judge(prompts=prompts[:1], completions=completions[:1], ground_truth=["r9"]).counters["cache_hits"] == 0
+
+
+def test_retries_parse_failures_and_a_loud_parse_failure(fake_judge, caplog):
+    judge = judge_for(fake_judge, retries=2)
+    completions = ["FLAKY one", "GARBAGE", "fine", "also fine"]
+    values = judge(prompts=["q"] * 4, completions=completions, ground_truth=[None] * 4)
+    assert list(values) == [expected("FLAKY one"), None, expected("fine"), expected("also fine")]
+    assert values.counters["retries"] == 1 and values.counters["parse_failures"] == 1
+    assert "1 of 4 replies had no score" in caplog.text and "I cannot rate this." in caplog.text
+    with pytest.raises(ValueError, match="2 of 3 judge replies have no score .* fix the rubric or score_pattern"):
+        judge(prompts=["q"] * 3, completions=["GARBAGE 1", "GARBAGE 2", "ok"], ground_truth=[None] * 3)
+
+
+def test_the_deadline_holds_and_counts_timeouts(fake_judge):
+    judge = judge_for(fake_judge, timeout=0.5, retries=3, batch_size=4)
+    values = judge(prompts=["q"] * 3, completions=["SLOW a", "SLOW b", "SLOW c"], ground_truth=[None] * 3)
+    assert list(values) == [None, None, None]
+    assert values.counters["timeouts"] == 3 and values.counters["parse_failures"] == 0
+    assert values.counters["seconds"] < 0.5 + SLACK
+
+
+def test_bad_settings_name_what_is_wrong():
+    for kwargs, message in [
+        ({}, "give exactly one of url= .* and local_model="),
+        ({"url": "http://x"}, "needs model="),
+        ({"url": "http://x", "model": "m", "score_pattern": "score"}, "needs a group around the number"),
+        ({"url": "http://x", "model": "m", "score_range": (5, 1)}, "low < high"),
+        ({"url": "http://x", "model": "m", "batch_size": 0}, "batch_size must be an integer >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Judge(RUBRIC, **kwargs)
+    with pytest.raises(ConfigError, match="must contain {completion}"):
+        Judge("no placeholder", url="http://x", model="m")
+
+
+def test_a_tiny_local_judge_scores_its_own_greedy_replies(tiny_models):
+    """The local backend's values are the parse of the model's own greedy reply to each rendered rubric (worked out
+    here with generate), batched in twos."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_models["causal_lm"]
+    judge = Judge("Rate: {completion}", local_model=folder, score_pattern=r"(\d)", score_range=(0, 9),
+                  batch_size=2, max_new_tokens=12, max_parse_failure_rate=1.0)  # fmt: skip
+    completions = ["12", "hello", "a much longer answer", "7"]
+    values = judge(prompts=["q"] * 4, completions=completions)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    replies = []
+    for c in completions:  # one at a time, no padding: the batched replies must be the same
+        text = "Rate: " + c
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=not tokenizer.chat_template)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        replies.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    digits = [[ch for ch in r if ch.isdigit()] for r in replies]
+    assert list(values) == [int(d[-1]) / 9 if d else None for d in digits]
+    assert values.counters["parse_failures"] == sum(not d for d in digits)
+    assert values.counters["calls"] == 4 and values.counters["timeouts"] == 0
+
+
+JUDGE_FILE = """
+import os
+from open_instruct.judge import Judge
+
+rubric = "Rate [[{completion}]] for {prompt} (reference: {reference}). Keep {braces}."
+judge = Judge(rubric, url=os.environ["JUDGE_URL"], model="fake-judge", batch_size=4, timeout=60.0)
+"""
+
+
+def judge_run_files(tmp_path, fake_judge, monkeypatch, addend):
+    """The user's judge file (reaching the fake judge) and 4 gsm8k rows 'What is i + addend?'."""
+    judge_file = tmp_path / "my_judge.py"
+    judge_file.write_text(JUDGE_FILE)
+    monkeypatch.setenv("JUDGE_URL", fake_judge.url)
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for i in range(4):
+            row = {"prompt": f"What is {i} + {addend}?", "ground_truth": str(i + addend), "dataset": "gsm8k"}
+            f.write(json.dumps(row) + "\n")
+    return judge_file, rows
+
+
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
+    async_steps, fake_judge, tiny_models, tmp_path, monkeypatch
+):
+    judge_file, rows = judge_run_files(tmp_path, fake_judge, monkeypatch, addend=1)
+    out = tmp_path / "out"
+    argv = command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
+                   "--reward_function_weights", "0.5", "--num_samples_logged", "8",
+                   "--async_steps", str(async_steps))  # fmt: skip
+    assert run(argv) == 0
+    (train,) = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert len(samples) == 8
+    assert train["reward/judge/calls"] == 8 and train["reward/judge/parse_failures"] == 0
+    # asked: 4 for the probe before loading (empty completions), then each rollout completion not in the cache
+    assert len(fake_judge.prompts) - 4 + train["reward/judge/cache_hits"] == 8
+    for s in samples:  # score = verifier (1.0 x correct) + 0.5 x judge
+        completion = s["response"]
+        assert s["rewards"]["judge"] == pytest.approx(expected(completion), abs=0)
+        verifier = s["score"] - 0.5 * s["rewards"]["judge"]
+        tol = elementwise_atol(2, 1.5)  # the score is a float32 of at most 1.5: the sum and the cast round
+        assert verifier == pytest.approx(0.0, abs=tol) or verifier == pytest.approx(1.0, abs=tol)
+    mean = sum(s["rewards"]["judge"] for s in samples) / 8
+    assert train["reward/judge/mean"] == pytest.approx(mean, rel=1e-12)
+    assert train["reward/judge/seconds"] > 0
+
+
+def test_a_run_with_a_judge_resumes_bit_exactly(fake_judge, tiny_models, tmp_path, monkeypatch):
+    """SIGTERM during rollout 2 of 3 (checkpoint, exit 0), resume: every metric row equals the uninterrupted run's,
+    the judge's values and counters included (its cache hits and wall time aside: this process's judge object
+    keeps its cache across the runs)."""
+    from training_helpers import sigterm_at_step
+
+    judge_file, rows = judge_run_files(tmp_path, fake_judge, monkeypatch, addend=2)
+
+    def argv(out, *more):
+        return command(tiny_models["causal_lm"], str(rows), out, "--reward_functions", f"{judge_file}:judge",
+                       "--reward_function_weights", "0.5", "--total_episodes", "24", "--checkpointing_steps", "100",
+                       *more)  # fmt: skip
+
+    def comparable(out):
+        skip = ("time/", "perf/", "reward/judge/cache_hits", "reward/judge/seconds")
+        return [
+            {k: v for k, v in r.items() if not k.startswith(skip)} for r in map(json.loads, open(out / "metrics.jsonl"))
+        ]
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert run(argv(full)) == 0
+    with sigterm_at_step(monkeypatch, 2):
+        assert run(argv(cut)) == 0
+    assert max(r["rollout_step"] for r in comparable(cut)) == 2
+    assert run(argv(cut, "--resume_from_checkpoint", "auto")) == 0
+    full_rows = comparable(full)
+    assert [r["rollout_step"] for r in full_rows if "reward/judge/mean" in r] == [1, 2, 3]
+    assert comparable(cut) == full_rows
