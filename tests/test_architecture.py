@@ -148,7 +148,8 @@ PLAIN_RL_IMPORTS = {
     "open_instruct.errors", "open_instruct.flag_names", "open_instruct.formats", "open_instruct.generation",
     "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.lora", "open_instruct.memory_model",
     "open_instruct.mixture", "open_instruct.models", "open_instruct.plan", "open_instruct.preflight",
-    "open_instruct.rewards", "open_instruct.rl_algorithms", "open_instruct.rlvr_ppo", "open_instruct.rollouts",
+    "open_instruct.reasoning_gym_tasks", "open_instruct.rewards", "open_instruct.rl_algorithms",
+    "open_instruct.rlvr_ppo", "open_instruct.rollouts",
     "open_instruct.run_dir", "open_instruct.runtime", "open_instruct.step_sums", "open_instruct.tracking",
     "open_instruct.user_code",
 }  # fmt: skip
