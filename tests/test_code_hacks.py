@@ -266,12 +266,12 @@ def test_rl_view_hack_completions_earn_nothing_among_honest_ones(hack_scores):
 
 def test_rl_view_on_a_humaneval_check_row():
     """A GRPO group on a HumanEval row (check(candidate) + entry_point, as stored): 2 honest completions and every
-    hack, scored by the trainer's path and turned into group advantages (rlvr_ppo.group_advantages, the grpo
+    hack, scored by the trainer's path and turned into group advantages (rl_algorithms.group_advantages, the grpo
     estimator's formula): the honest ones get reward 1 and the one positive advantage; every hack gets reward 0 and
     the same negative advantage (on main, 5 of 6 hacks on such a row got the honest program's advantage)."""
     import torch
 
-    from open_instruct.rlvr_ppo import group_advantages
+    from open_instruct.rl_algorithms import group_advantages
 
     truth = FORMATS["HumanEval check + entry_point"]
     completions = [f"```python\n{HONEST}```"] * 2 + [f"```python\n{p}```" for p, _ in HACKS.values()]
