@@ -561,16 +561,16 @@ def test_full_disk_during_final_model_write_keeps_the_previous_copy(trained_step
     before = open(os.path.join(out, "model.safetensors"), "rb").read()
     step()
 
-    original = type(model).save_pretrained
+    original = checkpoint.write_streamed_weights  # the writer of a full model's weights (checkpoint.save_hf_model)
 
-    def half_then_full(self, folder, **kw):  # the weights file is half written when the disk fills
-        original(self, folder, **kw)
+    def half_then_full(weights, folder, max_bytes):  # the weights file is half written when the disk fills
+        original(weights, folder, max_bytes)
         path = os.path.join(folder, "model.safetensors")
         os.truncate(path, os.path.getsize(path) // 2)
         enospc()
 
     with monkeypatch.context() as m:
-        m.setattr(type(model), "save_pretrained", half_then_full)
+        m.setattr(checkpoint, "write_streamed_weights", half_then_full)
         with pytest.raises(OSError):
             checkpoint.save_hf_model(model, None, out, accelerator, {"optimizer_step": 2})
     monkeypatch.setenv(checkpoint.FAULT_ENV, "final_model_write:enospc")
