@@ -445,6 +445,14 @@ def full_weights(model: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
         del full
 
 
+def model_class(model: Any) -> type:
+    """The model's own class: FSDP2 swaps a sharded module's class for a subclass FSDP<name> of (FSDPModule, it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    return next(b for b in cls.__bases__ if b is not FSDPModule) if issubclass(cls, FSDPModule) else cls
+
+
 def write_streamed_weights(weights: Iterable[tuple[str, torch.Tensor]], folder: str, max_bytes: int) -> None:
     """safetensors shards of at most `max_bytes` (one tensor may exceed it) named as save_pretrained names them,
     with model.safetensors.index.json when there is more than one."""
@@ -515,6 +523,7 @@ def write_hf_folder(
             write_streamed_weights(state_dict, tmp, MAX_SHARD_BYTES)
             config = copy.deepcopy(model.config)
             config.dtype = dtype
+            config.architectures = [model_class(model).__name__]  # what save_pretrained writes (a reward model's head)
             config.save_pretrained(tmp)
             if getattr(model, "generation_config", None) is not None and model.can_generate():
                 model.generation_config.save_pretrained(tmp)
