@@ -980,6 +980,13 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             if row.function is None:
                 continue
             what = f"{option} {getattr(self, option)!r}"
+            clash = sorted(set(self.algo_kwargs) & set(getattr(row, "settings", ())))
+            if clash:  # the run's setting is what the function gets: an algo_kwargs entry would be dropped unseen
+                flags = " ".join(f"--{k} VALUE" for k in clash)
+                raise ConfigError(
+                    f"algo_kwargs {clash}: {what} receives {clash} from the run's settings, never from algo_kwargs; "
+                    f"set them as settings ({flags})"
+                )
             user_code.check_signature(row.function, what, positional, returns, getattr(row, "settings", ()))
             user_code.check_keyword_types(
                 row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
@@ -995,11 +1002,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"algo_kwargs {unused} is taken by none of {chosen}{hints}: the built-ins take none; a function of "
                 "your own takes them as keyword parameters (def my_loss(x, alpha=1.0)): docs/extending.md"
             )
-
-    def variant_kwargs(self, option: str) -> dict[str, Any]:
-        """The algo_kwargs the function chosen for `option` (advantage_estimator, policy_loss, kl_estimator) takes."""
-        row = rl_algorithms.TABLES[option][0][getattr(self, option)]
-        return rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
 
     def _validate_distillation(self) -> None:
         """The teacher and its estimator go together; the objective's knobs in range (distillation.check_teacher

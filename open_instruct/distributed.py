@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from open_instruct.errors import ConfigError
 
@@ -450,6 +450,56 @@ def maybe_dump_shard_report(accelerator: Any, models: dict[str, Any], optimizers
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The step's statistics: kept on the device and read once per optimizer step, then summed over ranks (global_sums).
+#
+# Reading a number off an accelerator (`.item()`, `float(t)`, `.tolist()`, `.cpu()`, `if t.any()`, a boolean index)
+# makes the host wait until the device has finished everything queued so far: done once per micro-batch, the host can
+# no longer queue the next micro-batch's copies and FSDP prefetches while the device computes. So each micro-batch adds
+# its statistics into a float64 vector on the device, and the step reads that vector once. Float64 keeps the sums
+# exactly what the host-side `total += float(t)` (Python floats are float64) gave, addition for addition in the same
+# order, so the logged numbers do not change.
+
+
+class StepSums:
+    """Named sums (and maxima) kept on `device` as float64; `read()` returns them as Python floats in one transfer.
+
+    Statistics missing from an `add` count 0 (sums) or leave the maximum as it is; maxima start at `floor`."""
+
+    def __init__(self, names: Sequence[str], device: Any, maxima: Sequence[str] = (), floor: float = 0.0) -> None:
+        import torch
+
+        self.names, self.maxima = tuple(names), tuple(maxima)
+        self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        self._max = torch.full((len(self.maxima),), floor, dtype=torch.float64, device=device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, values: Mapping[str, Any]) -> None:
+        """Add each named 0-dim tensor to its sum, and raise each named maximum to its value (no host sync)."""
+        import torch
+
+        if self.names:
+            parts = [values[n].detach().to(torch.float64) if n in values else self._zero for n in self.names]
+            self._sums += torch.stack(parts)
+        if self.maxima:
+            parts = [
+                values[n].detach().to(torch.float64) if n in values else self._max[i] for i, n in enumerate(self.maxima)
+            ]
+            self._max = torch.maximum(self._max, torch.stack(parts))
+
+    def add_vector(self, values: Any) -> None:
+        """Add a vector of all the sums at once, in `names` order."""
+        import torch
+
+        self._sums += values.detach().to(torch.float64)
+
+    def read(self) -> dict[str, float]:
+        """Every sum and maximum as a Python float: the one device-to-host transfer."""
+        import torch
+
+        return dict(zip(self.names + self.maxima, torch.cat([self._sums, self._max]).tolist()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Collectives on plain numbers: every script's metrics and token counts are summed over ranks with these.
 
 
@@ -534,7 +584,7 @@ def step_micro_batches(accelerator: Any, items: list[Any], lengths: list[int], c
     from open_instruct.data import micro_batches
 
     groups = micro_batches(items, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
-    return equal_micro_batch_count(accelerator, groups, cfg.packing)
+    return equal_micro_batch_count(accelerator, groups, bool(cfg.max_tokens_per_micro_batch))  # a token budget packs
 
 
 def all_finite(accelerator: Any, *values: Any) -> bool:
@@ -547,3 +597,19 @@ def all_finite(accelerator: Any, *values: Any) -> bool:
         if not torch.isfinite(t).all():
             bad = 1.0
     return global_sum(accelerator, bad) == 0
+
+
+def check_update_finite(run: Any, loss: float, **grad_norms: Any) -> bool:
+    """Whether the update about to be applied is finite on every rank (`run`: the script's runtime.RunContext). When
+    it is not: stop with NonFiniteError (exit 3, before any checkpoint is written) or, with `on_nonfinite: skip`, say
+    so and return False so the caller skips `optimizer.step()`."""
+    from open_instruct.errors import NonFiniteError
+
+    if all_finite(run.accelerator, loss, *grad_norms.values()):
+        return True
+    norms = "".join(f", {name}={float(v)}" for name, v in grad_norms.items())
+    message = f"non-finite loss/gradient (loss={loss}{norms}) at optimizer step {run.counters.optimizer_step + 1}"
+    if run.cfg.on_nonfinite == "stop":
+        raise NonFiniteError(f"{message}; stopping without saving (set on_nonfinite: skip to skip such updates)")
+    run.logger.write(f"{message}: update skipped (on_nonfinite=skip)")
+    return False

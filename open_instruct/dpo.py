@@ -207,10 +207,9 @@ def backward_step(
     from open_instruct import data
     from open_instruct.models import pair_logps, with_scored_index
     from open_instruct.reference_cache import reference_logps
-    from open_instruct.step_sums import StepSums
 
     pad_id = run.tokenizer.pad_token_id
-    sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
+    sums = distributed.StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
     for i, (group, real) in enumerate(groups):
         batch = data.collate_preferences([train[j] for j in group], pad_id, cfg.packing)
         if real:  # counted on the CPU batch: no device sync
@@ -303,7 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         stats_step = backward_step(cfg, accelerator, model, train, groups, ref, run, plan.mini_batch_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        step_ok = run.update_is_finite(stats_step["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
+        # not finite: exit 3, or skip (on_nonfinite)
+        step_ok = distributed.check_update_finite(run, stats_step["train/loss"], grad_norm=grad_norm)
         if step_ok:
             optimizer.step()
         scheduler.step()

@@ -59,7 +59,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from open_instruct import rewards
 from open_instruct.errors import ConfigError, DataError
-from open_instruct.user_code import call_with_deadline, load_module
+from open_instruct.rewards import call_with_deadline
+from open_instruct.user_code import load_module
 
 Message = dict[str, Any]
 Observation = Union[str, list[Message], None]

@@ -137,7 +137,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         make_optimizer_and_scheduler,
         pair_rewards,
     )
-    from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -183,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         groups = distributed.step_micro_batches(accelerator, local, [data.packed_length(e) for e in local], cfg)
         batches = [(data.collate_preferences(mb, pad_id, cfg.packing), real) for mb, real in groups]
 
-        sums = StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches (no per-batch sync)
+        sums = distributed.StepSums(STAT_KEYS, accelerator.device)  # read once, after the micro-batches
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch) // 2)
@@ -202,7 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         totals = distributed.global_sums(accelerator, sums.read())
         metrics = summarize(totals, plan.mini_batch_size, "train")
-        step_ok = run.update_is_finite(metrics["train/loss"], grad_norm=grad_norm)  # else: stop (exit 3), or skip
+        # not finite: exit 3, or skip (on_nonfinite)
+        step_ok = distributed.check_update_finite(run, metrics["train/loss"], grad_norm=grad_norm)
         if step_ok:
             optimizer.step()
         scheduler.step()

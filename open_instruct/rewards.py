@@ -1227,6 +1227,49 @@ def _accepted(fn: Callable[..., Any], inputs: dict[str, list[Any]], spec: str) -
     return {k: v for k, v in inputs.items() if k in {p.name for p in named}}
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The user's code under a deadline: reward functions here, environments' reset/step (environments.py)
+
+
+_GUARD_TASKS: Any = None  # queue of (fn, box, done) for the guard threads
+_GUARD_IDLE = [0]  # guard threads waiting for a task
+_GUARD_LOCK = threading.Lock()
+
+
+def _guard_worker() -> None:
+    while True:
+        fn, box, done = _GUARD_TASKS.get()
+        try:
+            box["result"] = fn()
+        except Exception as e:
+            box["result"] = e
+        done.set()
+        with _GUARD_LOCK:
+            _GUARD_IDLE[0] += 1
+
+
+def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
+    """(finished, result) of fn() on a long-lived daemon thread (reused, so per-thread resources such as the math
+    verifier's worker process are too), waiting at most deadline_s; an exception inside fn is the result. A call
+    past its deadline is abandoned (its caller stops the run; a daemon thread does not hold the process at exit)."""
+    global _GUARD_TASKS
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    with _GUARD_LOCK:
+        if _GUARD_TASKS is None:
+            import queue
+
+            _GUARD_TASKS = queue.SimpleQueue()
+        if _GUARD_IDLE[0] > 0:
+            _GUARD_IDLE[0] -= 1
+        else:
+            threading.Thread(target=_guard_worker, daemon=True, name="user-code").start()
+    _GUARD_TASKS.put((fn, box, done))
+    if not done.wait(deadline_s):
+        return False, None
+    return True, box["result"]
+
+
 def _missing_columns_message(spec: str, missing: list[str], inputs: dict[str, list[Any]]) -> str:
     return (
         f"reward function {spec!r} requires {missing}, which is never passed: it gets prompts, completions, "
@@ -1241,7 +1284,6 @@ def call_reward_function(
     that raises, does not return in time, or returns the wrong number of values or a non-finite / non-numeric one
     is a ConfigError naming the function and the row (`where`: each completion's row)."""
     from open_instruct.errors import ConfigError
-    from open_instruct.user_code import call_with_deadline
 
     fn = load_reward_function(spec)
     kwargs = _accepted(fn, inputs, spec)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -212,6 +213,13 @@ def variant_kwargs(option: str, row: Any, algo_kwargs: dict[str, Any]) -> dict[s
     takes = accepted_kwargs(row.function, FIXED_ARGS[option])
     settings = set(getattr(row, "settings", ()))  # passed from the run's settings, never from algo_kwargs
     return {k: v for k, v in algo_kwargs.items() if (takes is None or k in takes) and k not in settings}
+
+
+def chosen_kwargs(cfg: Any, option: str) -> dict[str, Any]:
+    """The algo_kwargs the function the run chose for `option` (advantage_estimator, policy_loss, kl_estimator)
+    takes (`cfg`: the run's config)."""
+    row = TABLES[option][0][getattr(cfg, option)]
+    return variant_kwargs(option, row, cfg.algo_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -654,6 +662,92 @@ def clipped_value_loss(
 def approx_kl(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     """Per-token estimate of KL(old || new) between the sampling policy and the current one: 0.5 * (logp - old)^2."""
     return 0.5 * (logp - old_logp) ** 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# How far the sampler's log-probs are from the trainer's, per sampled token (the mismatch/ metrics, beside the
+# truncated importance sampling above that corrects for it; docs/trusted-generation.md), and the version lags of
+# async sampling (train/version_lag_*)
+def mismatch_sum_keys(async_steps: int) -> tuple[str, ...]:
+    """The per-rollout sums behind the mismatch/ metrics (besides the loop's tokens and sampler_abs_diff): k3 and
+    tokens beyond the TIS cap; under async also |dlogp| and tokens per version lag 0..async_steps."""
+    per_lag = [f"mismatch_{what}_lag_{k}" for k in range(async_steps + 1) for what in ("abs", "tokens")]
+    return ("mismatch_k3_sum", "mismatch_beyond_cap", *(per_lag if async_steps else ()))
+
+
+def mismatch_token_sums(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    tis_cap: float,
+    lags: Optional[torch.Tensor] = None,
+    async_steps: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Per micro-batch sums behind the mismatch/ metrics, r = trainer logp - sampler logp on the loss-mask tokens
+    (policy tokens only in multi-turn episodes): k3 = exp(r) - 1 - r (an unbiased per-token estimate of
+    KL(sampler || trainer) on the sampled tokens), tokens whose TIS ratio exp(r) exceeds tis_cap, max |r|, and under
+    async (`lags`: [rows, >= mask width] on the device, per row the version lag of each policy token in order, -1
+    after the last) |r| and tokens per lag.
+
+    0-dim tensors on log_ratio's device, computed with masks rather than boolean indexing: no host sync (the update
+    reads them once per rollout)."""
+    import torch
+
+    on = mask > 0
+    r = log_ratio.float().masked_fill(~on, 0.0)
+    sums = {
+        "mismatch_k3_sum": (torch.expm1(r) - r).sum(),  # 0 where masked: expm1(0) - 0
+        "mismatch_beyond_cap": ((r > math.log(tis_cap)) & on).sum().float(),
+        "mismatch_abs_max": r.abs().max() if r.numel() else r.new_zeros(()),
+    }
+    if async_steps and lags is not None:
+        # the i-th policy token of a row (the cumsum of its mask) takes lags[row, i]
+        nth = (on.long().cumsum(dim=1) - 1).clamp(min=0)
+        lag = torch.where(on, lags.gather(1, nth), -1)
+        for k in range(async_steps + 1):
+            at = lag == k
+            sums[f"mismatch_abs_lag_{k}"] = (r.abs() * at).sum()
+            sums[f"mismatch_tokens_lag_{k}"] = at.sum().float()
+    return sums
+
+
+def mismatch_metrics(sums: dict[str, float], abs_max: float, async_steps: int = 0) -> dict[str, float]:
+    """The mismatch/ row from rollout-wide sums (tokens, sampler_abs_diff, mismatch_sum_keys) and the max |dlogp|."""
+    tokens = max(sums["tokens"], 1.0)
+    row = {
+        "mismatch/abs_mean": sums["sampler_abs_diff"] / tokens,
+        "mismatch/abs_max": abs_max,
+        "mismatch/k3_kl": sums["mismatch_k3_sum"] / tokens,
+        "mismatch/beyond_tis_cap": sums["mismatch_beyond_cap"] / tokens,
+    }
+    for k in range(async_steps + 1) if async_steps else ():
+        n = sums[f"mismatch_tokens_lag_{k}"]
+        row[f"mismatch/abs_mean_lag_{k}"] = sums[f"mismatch_abs_lag_{k}"] / n if n else 0.0
+    return row
+
+
+def mismatch_warnings(row: dict[str, float], warn_kl: float, warn_beyond_cap: float) -> list[str]:
+    """Warning lines for a rollout whose mismatch crosses the documented levels."""
+    lines = []
+    if row["mismatch/k3_kl"] > warn_kl:
+        lines.append(f"mismatch/k3_kl {row['mismatch/k3_kl']:.3g} > mismatch_warn_kl {warn_kl:g}")
+    if row["mismatch/beyond_tis_cap"] > warn_beyond_cap:
+        lines.append(
+            f"mismatch/beyond_tis_cap {row['mismatch/beyond_tis_cap']:.3g} > mismatch_warn_beyond_cap "
+            f"{warn_beyond_cap:g}"
+        )
+    return lines
+
+
+def version_lag_stats(token_lags: list[list[int]], bound: int) -> dict[str, float]:
+    """Sums for the version-lag metrics of a rollout: tokens, sum of lags, and per lag k in 0..bound the tokens with
+    that lag (lag_<k>); a lag beyond the bound (never trained on: rollouts.RolloutSampler) counts in lag_<bound+1>."""
+    sums = {"lag_tokens": 0.0, "lag_sum": 0.0, **{f"lag_{k}": 0.0 for k in range(bound + 2)}}
+    for lags in token_lags:
+        for lag in lags:
+            sums["lag_tokens"] += 1
+            sums["lag_sum"] += lag
+            sums[f"lag_{min(max(lag, 0), bound + 1)}"] += 1
+    return sums
 
 
 # ---------------------------------------------------------------------------------------------------------------------

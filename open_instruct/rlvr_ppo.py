@@ -9,7 +9,7 @@ one function per phase of a rollout step, then `main`, which loads everything an
 marked ALGO LOGIC are the ones a new variant edits; the estimators, policy losses and KL estimators, each one
 function with its registration, and their math (pure functions with their formulas) are `rl_algorithms.py`; the
 plumbing around them (sampling, model loading, evaluation, timing) is in `rollouts.py`, the generation backends
-behind `generation.py`'s contract, the step statistics in `step_sums.py`.
+behind `generation.py`'s contract, the step statistics in `distributed.StepSums`.
 
     RolloutSampler      prompts -> `num_samples_per_prompt` completions each, with the sampler's own log-probs:
     (rollouts.py)       generated now after a weight sync, or (async_steps 1, dedicated engines) taken from the
@@ -26,7 +26,7 @@ behind `generation.py`'s contract, the step statistics in `step_sums.py`.
 
 Per-token tensors of a rollout are *response-aligned*: column t is response token t of the row (prompt tokens are
 not stored), and `mask` marks real tokens (right padding after the response's stop). Multi-turn episodes
-(`environment:`, episode_rollouts.py): the response holds the policy's turns and the observations between them, and
+(`environment:`, episodes.py): the response holds the policy's turns and the observations between them, and
 `mask` is the loss mask, 1 on policy tokens only: observations are context for every forward and never trained
 (no policy, KL, entropy or value term, no count); the score sits on the last policy token, each turn's reward on its
 turn's last policy token, and GAE / returns run over policy tokens only (rl_algorithms.multi_turn_gae).
@@ -63,17 +63,20 @@ import torch
 from open_instruct import data
 from open_instruct.batch_math import should_log
 from open_instruct.distributed import (
+    StepSums,
+    check_update_finite,
     clip_grad_norm_,
-    equal_micro_batch_count,
     global_max,
     global_sum,
     global_sums,
     grad_sync_all,
+    step_micro_batches,
 )
 from open_instruct.generation_backends import check_before_loading, make_checker, make_generator
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import (
+    ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
     AdvantageInputs,
     Advantages,
@@ -81,12 +84,18 @@ from open_instruct.rl_algorithms import (
     after_last_token,
     aggregation_weights,
     approx_kl,
+    chosen_kwargs,
     clipped_value_loss,
     kl_penalty,
     masked_sum,
+    mismatch_metrics,
+    mismatch_sum_keys,
+    mismatch_token_sums,
+    mismatch_warnings,
     off_policy_mask,
     overlong_penalty,
     truncated_is_weights,
+    version_lag_stats,
 )
 from open_instruct.rollouts import (
     PhaseClock,
@@ -100,14 +109,6 @@ from open_instruct.rollouts import (
     sample_rows,
     score_rollout,
     token_version_lags,
-)
-from open_instruct.step_sums import (
-    StepSums,
-    mismatch_metrics,
-    mismatch_sum_keys,
-    mismatch_token_sums,
-    mismatch_warnings,
-    version_lag_stats,
 )
 
 
@@ -178,11 +179,9 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = ()) -> list[Feature]:
             )
         )
     if cfg.environment is not None:  # multi-turn episodes: turn rewards, turns and tool calls in the log
-        from open_instruct import episode_rollouts
+        from open_instruct import episodes
 
-        features.append(
-            Feature("episodes", score_rollout=episode_rollouts.turn_reward_tensor, metrics=episode_rollouts.metrics)
-        )
+        features.append(Feature("episodes", score_rollout=episodes.turn_reward_tensor, metrics=episodes.metrics))
     if any(row.get("verifier") == "code" for row in train):  # the code verifier's tests by outcome
         from open_instruct import code_verifier
 
@@ -300,19 +299,17 @@ def collect_rollout(
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
-    groups = data.micro_batches(
-        list(range(n)), cfg.per_device_train_batch_size, episode_lengths(episodes, out.response_ids),
-        cfg.max_tokens_per_micro_batch,
-    )  # fmt: skip
+    groups = step_micro_batches(accelerator, list(range(n)), episode_lengths(episodes, out.response_ids), cfg)
+    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
     with torch.no_grad():
-        for rows, _ in equal_micro_batch_count(accelerator, groups, cfg.packing):
+        for rows, _ in groups:
             prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-            host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, cfg.packing)
+            host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
             batch = device_batch(host_batch, accelerator.device)
             r, at = batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
@@ -334,7 +331,7 @@ def collect_rollout(
     scores = sequence_scores_of(cfg, scored.rewards, out, rm_scores if models.reward is not None else None)
     kl = None
     if has_ref and not on_policy:  # ALGO LOGIC: the KL of the sampling policy to the reference
-        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator")) * mask
+        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator")) * mask
     extras = {name: x.cpu() * mask for name, x in device_extra.items()}
     for f in (f for f in features if f.score_rollout is not None):
         extras.update(f.score_rollout(cfg, out, n, width))
@@ -367,7 +364,7 @@ def collect_rollout(
 
 
 def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
-    """A generator output's played episodes (multi-turn: episode_rollouts.EpisodeOutput; else none), each
+    """A generator output's played episodes (multi-turn: episodes.EpisodeOutput; else none), each
     completion's loss mask (all 1 for a single-turn completion) and its prompt row (multi-turn: with the prompt as
     its environment rendered it)."""
     played = list(getattr(out, "episodes", None) or [])
@@ -397,9 +394,9 @@ def sequence_scores_of(
     return scores
 
 
-def padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """Per-token values of each row, right-padded with 0 to `width`, as [len(rows), width] float32."""
-    out = torch.zeros(len(rows), width)
+def padded(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    """Per-token values of each row, right-padded with `fill` to `width`, as [len(rows), width] float32."""
+    out = torch.full((len(rows), width), fill)
     for i, values in enumerate(rows):
         out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
     return out
@@ -418,8 +415,9 @@ def compute_advantages(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> A
     """The advantages of the estimator cfg names: its row's function (rl_algorithms.ADVANTAGE_ESTIMATORS) on the
     rollout's AdvantageInputs, with the run settings its row names and its algo_kwargs."""
     x = advantage_inputs(cfg, rollout, accelerator)
-    settings = {name: getattr(cfg, name) for name in cfg.estimator.settings}
-    return cfg.estimator.function(x, **settings, **cfg.variant_kwargs("advantage_estimator"))
+    estimator = ADVANTAGE_ESTIMATORS[cfg.advantage_estimator]
+    settings = {name: getattr(cfg, name) for name in estimator.settings}
+    return estimator.function(x, **settings, **chosen_kwargs(cfg, "advantage_estimator"))
 
 
 def advantage_inputs(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> AdvantageInputs:
@@ -450,7 +448,7 @@ def token_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function on the LossInputs."""
     x = LossInputs(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
-    return POLICY_LOSSES[cfg.policy_loss].function(x, **cfg.variant_kwargs("policy_loss"))
+    return POLICY_LOSSES[cfg.policy_loss].function(x, **chosen_kwargs(cfg, "policy_loss"))
 
 
 # Aggregated like the loss (weights w, divided by the global units U): what each optimizer step saw.
@@ -481,7 +479,8 @@ def micro_batch_loss(
     features = features_of(cfg) if features is None else features
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, cfg.packing), device)
+    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
+    batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, packed), device)
     r = batch["responses"].shape[1]
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
@@ -515,7 +514,7 @@ def micro_batch_loss(
         pg = pg * pg_kept
         loss_sum = masked_sum(pg, w)
         if adv.kl_loss_coef > 0:
-            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator, **cfg.variant_kwargs("kl_estimator"))
+            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator"))
             loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, w)
         if models.value is not None:
             values = token_values(models.value, batch, cfg.num_samples_per_prompt)
@@ -546,8 +545,10 @@ def micro_batch_loss(
         stats["masked_tokens"] = ((1.0 - pg_kept) * mask).sum()
         # max over real tokens; none: exp(-inf) = 0 (a masked max, not a boolean index: no host sync)
         stats["sampler_ratio_max"] = torch.exp(log_ratio.masked_fill(mask <= 0, float("-inf")).max())
-        token_lags = [rollout.token_lags[j] for j in rows] if rollout.token_lags else None
-        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap, token_lags, cfg.async_steps))  # mismatch/
+        lags = None  # async: each policy token's version lag, in order (-1 after a row's last)
+        if rollout.token_lags:
+            lags = data.host_to_device(padded([rollout.token_lags[j] for j in rows], r, fill=-1).long(), device)
+        stats.update(mismatch_token_sums(log_ratio, mask, cfg.tis_cap, lags, cfg.async_steps))  # mismatch/
     return loss_sum, stats
 
 
@@ -594,10 +595,7 @@ def update(
                 totals["empty"] += 1
                 continue
             step_sums = StepSums(loss_stats, accelerator.device)  # read once per optimizer step
-            micro_rows = data.micro_batches(
-                mb_rows, cfg.per_device_train_batch_size, [lengths[j] for j in mb_rows], cfg.max_tokens_per_micro_batch
-            )
-            micro_rows = equal_micro_batch_count(accelerator, micro_rows, cfg.packing)
+            micro_rows = step_micro_batches(accelerator, mb_rows, [lengths[j] for j in mb_rows], cfg)
             for i, (rows, real) in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
                     loss_sum, stats = micro_batch_loss(
@@ -616,8 +614,8 @@ def update(
             if models.value is not None:
                 value_grad_norm = clip_grad_norm_(accelerator, models.value, cfg.max_grad_norm)
             loss_terms = sums["policy_loss"] + cfg.vf_coef * sums["value_loss"] + adv.kl_loss_coef * sums["kl_loss"]
-            step_ok = run.update_is_finite(
-                loss_terms / global_units, grad_norm=grad_norm, value_grad_norm=value_grad_norm
+            step_ok = check_update_finite(
+                run, loss_terms / global_units, grad_norm=grad_norm, value_grad_norm=value_grad_norm
             )
             for name in optimizers:
                 if step_ok:

@@ -2,7 +2,7 @@
 come from (`RolloutSampler`, with the seeds that make a resumed run re-draw the same samples), the verifier call, the
 per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the held-out prompts, the samples.jsonl
 rows, and loading the prompts (checked before any model loads). With an environment each of these plays or scores
-multi-turn episodes (episode_rollouts.py) instead of single completions.
+multi-turn episodes (episodes.py) instead of single completions.
 
 The phases of a rollout step and `main` stay in `rlvr_ppo.py`, the estimators and losses with their math in
 `rl_algorithms.py`.
@@ -30,7 +30,7 @@ from open_instruct.run_dir import fault_point
 
 if TYPE_CHECKING:  # multi-turn episodes and the code verifier are imported only by a run that uses them
     from open_instruct.code_verifier import CodeSettings
-    from open_instruct.episode_rollouts import EnvironmentRun
+    from open_instruct.episodes import EnvironmentRun
 
 
 def derived_seed(seed: int, *parts: int) -> int:
@@ -133,7 +133,7 @@ class RolloutSampler:
     ) -> None:
         self.cfg, self.generator, self.policy, self.accelerator = cfg, generator, policy, accelerator
         self.checker = checker  # generation_check.GenerationChecker: each sync under a deadline, then checked
-        self.environments = environments  # set: each rollout plays multi-turn episodes (episode_rollouts.py)
+        self.environments = environments  # set: each rollout plays multi-turn episodes (episodes.py)
         self.num_rollouts, self.depth = num_rollouts, cfg.async_steps
         self.prompts_for = prompts_for  # rollout step -> this rank's prompt rows
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if self.depth else None
@@ -296,13 +296,12 @@ def score_texts(
 
 
 def score_rollout(cfg: RLVRConfig, out: Any, examples: list[dict], tokenizer: Any) -> Any:
-    """score_texts of the completions, or for episodes (episode_rollouts.EnvironmentRun.play) their environments'
+    """score_texts of the completions, or for episodes (episodes.EnvironmentRun.play) their environments'
     rewards: verification_reward x episode_score per episode (the verifier ran inside the environment) plus the
     custom reward functions of the whole response text; `correct` from the last turn."""
     if getattr(out, "episodes", None) is None:  # single-turn completions
         return score_texts(cfg, out.texts, examples, tokenizer, out.response_ids)
-    from open_instruct.episode_rollouts import episode_correct
-    from open_instruct.episodes import episode_score
+    from open_instruct.episodes import episode_correct, episode_score
 
     aggregation, scale = cfg.turn_reward_aggregation, cfg.verification_reward
     scores, values = [scale * episode_score(e, aggregation) for e in out.episodes], None
@@ -318,14 +317,17 @@ def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]
     the row's verifier (its `dataset` column) as score_texts does, the score in [0, 1]."""
     if cfg.environment is None:
         return None
-    from open_instruct.episode_rollouts import EnvironmentRun
+    from open_instruct.episodes import EnvironmentRun
 
-    settings = code_settings(cfg)
+    code: list[CodeSettings] = []  # the sandbox's settings, made when an episode first ends on a `code` row
 
     def verify(text: str, ground_truth: Any, verifier: str) -> tuple[float, bool]:
+        if not code and rewards.normalize_verifier_name(verifier) == "code":
+            code.append(code_settings(cfg))
         scored = rewards.score_batch(
-            [text], [ground_truth], [verifier], verification_reward=1.0, timeout=cfg.verifier_timeout, code=settings
-        )
+            [text], [ground_truth], [verifier], verification_reward=1.0, timeout=cfg.verifier_timeout,
+            code=code[0] if code else None,
+        )  # fmt: skip
         return float(scored.rewards[0]), scored.num_timeouts > 0
 
     return EnvironmentRun(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
@@ -451,7 +453,7 @@ def evaluate(
     t, n = totals[""], max(totals[""]["n"], 1.0)
     played = {}
     if environments is not None:  # collective: every rank joins
-        from open_instruct.episode_rollouts import episode_metrics
+        from open_instruct.episodes import episode_metrics
 
         stats = episode_metrics(accelerator, out.episodes if out is not None else [], "eval/")
         played = {k: stats[k] for k in ("eval/turns_per_episode", "eval/tool_calls_per_episode")}

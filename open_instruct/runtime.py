@@ -382,21 +382,6 @@ class RunContext:
             metrics = {**metrics, **self.gpu_stats.metrics(metrics)}
         self.logger.log({**self.counters.as_log(), **metrics})
 
-    def update_is_finite(self, loss: float, **grad_norms: Any) -> bool:
-        """Whether the update about to be applied is finite on every rank. When it is not: stop with
-        NonFiniteError (exit 3, before any checkpoint is written) or, with `on_nonfinite: skip`, say so and
-        return False so the caller skips `optimizer.step()`."""
-        from open_instruct.distributed import all_finite
-
-        if all_finite(self.accelerator, loss, *grad_norms.values()):
-            return True
-        norms = "".join(f", {name}={float(v)}" for name, v in grad_norms.items())
-        message = f"non-finite loss/gradient (loss={loss}{norms}) at optimizer step {self.counters.optimizer_step + 1}"
-        if self.cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"{message}; stopping without saving (set on_nonfinite: skip to skip such updates)")
-        self.logger.write(f"{message}: update skipped (on_nonfinite=skip)")
-        return False
-
     def count_update(self, episodes: int, num_examples: int) -> None:
         """Supervised scripts, after each optimizer step: one more step, `episodes` more examples seen."""
         self.counters.optimizer_step += 1

@@ -73,7 +73,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from open_instruct.batch_math import should_log
     from open_instruct.lora import apply_lora
     from open_instruct.models import load_policy, load_tokenizer, make_optimizer_and_scheduler, with_scored_index
-    from open_instruct.step_sums import StepSums
 
     accelerator = runtime.make_accelerator(cfg)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -111,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b, real in batches if real)
         global_tokens = distributed.global_sum(accelerator, local_tokens)
 
-        sums = StepSums(("loss",), accelerator.device)  # read once, after the micro-batches (no per-batch sync)
+        sums = distributed.StepSums(("loss",), accelerator.device)  # read once, after the micro-batches
         for i, (batch, real) in enumerate(batches):
             if real:  # counted on the CPU batch: no device sync
                 run.throughput.add(data.batch_tokens(batch), data.batch_sequences(batch))
@@ -129,7 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         loss = distributed.global_sum(accelerator, sums.read()["loss"]) / global_tokens
-        step_ok = run.update_is_finite(loss, grad_norm=grad_norm)  # else: stop (exit 3), or skip by on_nonfinite
+        step_ok = distributed.check_update_finite(run, loss, grad_norm=grad_norm)  # else: exit 3, or skip
         if step_ok:
             optimizer.step()
         scheduler.step()

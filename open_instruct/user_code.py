@@ -1,7 +1,7 @@
 """Loading the user's own code named in a config: `module:name` (an importable module, or `pkg/mod.py` under the
 current folder) or `path/to/file.py:name`. Reward functions, environments, advantage estimators, policy losses and
 KL estimators are all named this way; a bad name, a missing file or a module that fails to import is a ConfigError
-(exit 2) naming the spec, before any model loads; `call_with_deadline` runs the user's code under a deadline.
+(exit 2) naming the spec, before any model loads (`rewards.call_with_deadline` runs it under a deadline).
 Imports nothing heavy."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import inspect
 import os
 import re
 import sys
-import threading
 import typing
 from typing import Any, Callable, Optional, Sequence
 
@@ -82,45 +81,6 @@ def load_object(spec: str, what: str, example: str, noun: str = "function") -> A
         found = sorted(k for k, v in vars(loaded).items() if callable(v) and not k.startswith("_"))
         raise ConfigError(f"{what} {spec!r}: {module!r} has no {noun.lower()} {name!r} (it has {found})")
     return getattr(loaded, name)
-
-
-_GUARD_TASKS: Any = None  # queue of (fn, box, done) for the guard threads
-_GUARD_IDLE = [0]  # guard threads waiting for a task
-_GUARD_LOCK = threading.Lock()
-
-
-def _guard_worker() -> None:
-    while True:
-        fn, box, done = _GUARD_TASKS.get()
-        try:
-            box["result"] = fn()
-        except Exception as e:
-            box["result"] = e
-        done.set()
-        with _GUARD_LOCK:
-            _GUARD_IDLE[0] += 1
-
-
-def call_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
-    """(finished, result) of fn() on a long-lived daemon thread (reused, so per-thread resources such as the math
-    verifier's worker process are too), waiting at most deadline_s; an exception inside fn is the result. A call
-    past its deadline is abandoned (its caller stops the run; a daemon thread does not hold the process at exit)."""
-    global _GUARD_TASKS
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    with _GUARD_LOCK:
-        if _GUARD_TASKS is None:
-            import queue
-
-            _GUARD_TASKS = queue.SimpleQueue()
-        if _GUARD_IDLE[0] > 0:
-            _GUARD_IDLE[0] -= 1
-        else:
-            threading.Thread(target=_guard_worker, daemon=True, name="user-code").start()
-    _GUARD_TASKS.put((fn, box, done))
-    if not done.wait(deadline_s):
-        return False, None
-    return True, box["result"]
 
 
 def check_signature(

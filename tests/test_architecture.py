@@ -150,19 +150,22 @@ PLAIN_RL_IMPORTS = {
     "open_instruct.mixture", "open_instruct.models", "open_instruct.plan", "open_instruct.preflight",
     "open_instruct.reasoning_gym_tasks", "open_instruct.rewards", "open_instruct.rl_algorithms",
     "open_instruct.rlvr_ppo", "open_instruct.rollouts",
-    "open_instruct.run_dir", "open_instruct.runtime", "open_instruct.step_sums", "open_instruct.tracking",
+    "open_instruct.run_dir", "open_instruct.runtime", "open_instruct.tracking",
     "open_instruct.user_code",
 }  # fmt: skip
 # ... and the modules whose code one step runs (RolloutSampler.take, collect_rollout, compute_advantages, update):
-# what a reader follows. The algorithm: the script, rl_algorithms (estimators, losses, their math), rewards; the
-# plumbing: rollouts (the sampler), generation (the contract and its hf backend), models (forwards), data
-# (micro-batches), distributed (sums over ranks, gradient sync), step_sums (the step's statistics); and two touches
-# of the run's objects: config (derived settings: packing, estimator, variant_kwargs), runtime (update_is_finite).
+# what a reader follows (issue 42: at most 8). The algorithm: the script, rl_algorithms (estimators, losses, their
+# math, the mismatch statistics), rewards; the plumbing: rollouts (the sampler), generation (the contract and its hf
+# backend), models (forwards), data (micro-batches), distributed (the step's sums, over ranks; gradient sync; the
+# finite-update check). Settings are read as fields, never through config's derived properties.
 PLAIN_RL_STEP = {
     "open_instruct.rlvr_ppo", "open_instruct.rl_algorithms", "open_instruct.rewards", "open_instruct.rollouts",
     "open_instruct.generation", "open_instruct.models", "open_instruct.data", "open_instruct.distributed",
-    "open_instruct.step_sums", "open_instruct.config", "open_instruct.runtime",
 }  # fmt: skip
+# A multi-turn step (the calculator tool environment) adds the environments and their episodes (at most 10).
+MULTI_TURN_STEP = PLAIN_RL_STEP | {"open_instruct.environments", "open_instruct.episodes"}
+MULTI_TURN_ARGS = ("--environment", "tool", "--tools", "calculator", "--response_length", "60", "--max_turn_tokens",
+                   "20", "--max_turns", "3", "--tool_output_max_tokens", "16")  # fmt: skip
 
 PLAIN_RUN = """
 import functools, json, sys
@@ -197,7 +200,8 @@ json.dump({"imported": imported, "stepped": sorted(stepped)}, open(sys.argv[1], 
 """
 
 
-def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, tmp_path):
+def run_and_walk(tiny_models, tmp_path, *extra):
+    """The open_instruct modules a tiny GRPO run imports, and those whose code its steps run."""
     import json
     import subprocess
     import sys
@@ -210,7 +214,7 @@ def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, 
         tiny_models["causal_lm"], "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data,
         "--total_episodes", "8", "--local_rollout_batch_size", "2", "--num_samples_per_prompt", "4",
         "--per_device_train_batch_size", "8", "--response_length", "6", "--eval_steps", "100",
-        "--checkpointing_steps", "100", "--output_dir", str(tmp_path / "out"),
+        "--checkpointing_steps", "100", "--output_dir", str(tmp_path / "out"), *extra,
     ]  # fmt: skip
     report = tmp_path / "modules.json"
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
@@ -218,11 +222,26 @@ def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, 
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     modules = json.loads(report.read_text())
-    imported, stepped = set(modules["imported"]), set(modules["stepped"])
+    return set(modules["imported"]), set(modules["stepped"])
+
+
+def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, tmp_path):
+    imported, stepped = run_and_walk(tiny_models, tmp_path)
     assert imported == PLAIN_RL_IMPORTS, (
         f"new: {sorted(imported - PLAIN_RL_IMPORTS)}, gone: {sorted(PLAIN_RL_IMPORTS - imported)}"
     )
     assert stepped == PLAIN_RL_STEP, f"new: {sorted(stepped - PLAIN_RL_STEP)}, gone: {sorted(PLAIN_RL_STEP - stepped)}"
+    assert len(PLAIN_RL_STEP) <= 8
+
+
+def test_a_multi_turn_step_adds_only_the_environments_and_their_episodes(tiny_models, tmp_path):
+    imported, stepped = run_and_walk(tiny_models, tmp_path, *MULTI_TURN_ARGS)
+    assert stepped == MULTI_TURN_STEP, (
+        f"new: {sorted(stepped - MULTI_TURN_STEP)}, gone: {sorted(MULTI_TURN_STEP - stepped)}"
+    )
+    assert len(MULTI_TURN_STEP) <= 10
+    features = {"open_instruct.distillation", "open_instruct.code_verifier", "open_instruct.sandbox"}
+    assert not imported & features, f"a feature this run does not use was imported: {sorted(imported & features)}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -27,7 +27,7 @@ from open_instruct.generation_check import (
     make_probe,
     matmul_eps,
 )
-from open_instruct.step_sums import mismatch_metrics, mismatch_token_sums, mismatch_warnings
+from open_instruct.rl_algorithms import mismatch_metrics, mismatch_token_sums, mismatch_warnings
 from open_instruct.vllm_generator import hf_weights
 
 
@@ -118,7 +118,8 @@ def test_mismatch_sums_by_hand():
     assert len(lines) == 2 and "mismatch/k3_kl" in lines[0] and "mismatch/beyond_tis_cap 0.333" in lines[1]
     assert mismatch_warnings(row, warn_kl=1.0, warn_beyond_cap=0.5) == []
     # async 1: the three policy tokens were sampled with lags (0, 1, 1); the masked one carries none
-    lagged = {k: float(v) for k, v in mismatch_token_sums(r, mask, 2.0, token_lags=[[0, 1, 1]], async_steps=1).items()}
+    lags = torch.tensor([[0, 1, 1, -1]])
+    lagged = {k: float(v) for k, v in mismatch_token_sums(r, mask, 2.0, lags=lags, async_steps=1).items()}
     assert (lagged["mismatch_tokens_lag_0"], lagged["mismatch_tokens_lag_1"]) == (1.0, 2.0)
     assert lagged["mismatch_abs_lag_0"] == 0.0
     assert lagged["mismatch_abs_lag_1"] == pytest.approx(math.log(6.0), rel=1e-6)

@@ -11,6 +11,7 @@ import yaml
 from open_instruct import flag_names, run_dir, runtime
 from open_instruct.config import NOT_SAVED, RLVRConfig, SFTConfig, config_yaml, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.rl_algorithms import chosen_kwargs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = {f.name for f in dataclasses.fields(RLVRConfig)}
@@ -242,8 +243,8 @@ def test_algo_kwargs_from_recipe_and_command_line(tmp_path, spec_rows_removed):
         "algo_kwargs:\n  alpha: 0.5\n"
     )
     cfg = parse_config(RLVRConfig, [str(recipe)])
-    assert cfg.algo_kwargs == {"alpha": 0.5} and cfg.variant_kwargs("policy_loss") == {"alpha": 0.5}
-    assert cfg.variant_kwargs("advantage_estimator") == {}  # gae takes none
+    assert cfg.algo_kwargs == {"alpha": 0.5} and chosen_kwargs(cfg, "policy_loss") == {"alpha": 0.5}
+    assert chosen_kwargs(cfg, "advantage_estimator") == {}  # gae takes none
     cfg = parse_config(RLVRConfig, [str(recipe), "--algo_kwargs", "alpha=2", "tag=b"])
     assert cfg.algo_kwargs == {"alpha": 2, "tag": "b"}  # replaced, not merged: the last value wins
     cfg = parse_config(RLVRConfig, [str(recipe), "--algo_kwargs", '{"alpha": 3e-1}'])

@@ -14,6 +14,7 @@ import pytest
 from open_instruct import rl_algorithms
 from open_instruct.config import RLVRConfig, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.rl_algorithms import chosen_kwargs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl", "--total_episodes", "64"]
@@ -69,8 +70,8 @@ def test_spec_rows_keep_the_decorators_traits_and_plain_functions_get_the_defaul
                                     "--algo_kwargs", "level=0.5", "scale=3"])  # fmt: skip
     assert not cfg.uses_value_model and not cfg.uses_groups and not cfg.kl_in_reward  # the decorator's traits
     assert rl_algorithms.POLICY_LOSSES[cfg.policy_loss].takes_dual_clip  # a plain function: the default row
-    assert cfg.variant_kwargs("advantage_estimator") == {"level": 0.5}
-    assert cfg.variant_kwargs("policy_loss") == {"scale": 3} == cfg.variant_kwargs("kl_estimator")
+    assert chosen_kwargs(cfg, "advantage_estimator") == {"level": 0.5}
+    assert chosen_kwargs(cfg, "policy_loss") == {"scale": 3} == chosen_kwargs(cfg, "kl_estimator")
     with pytest.raises(ConfigError, match=r"policy_loss '.*:missing': '.*my_variants.py' has no function 'missing'"):
         parse_config(RLVRConfig, [*BASE, "--policy_loss", f"{variants_file}:missing"])
 
@@ -202,8 +203,8 @@ def test_the_extending_pages_example_resolves(tmp_path):
         (tmp_path / "r.yaml").write_text("\n".join(lines) + "\n")
         cfg = parse_config(RLVRConfig, [str(tmp_path / "r.yaml"), *BASE, "--num_samples_per_prompt", "4"])
         assert cfg.uses_groups and not cfg.uses_value_model  # the decorator's traits
-        assert cfg.variant_kwargs("advantage_estimator") == {"margin": 0.1}
-        assert cfg.variant_kwargs("policy_loss") == {"cap": 3.0} and cfg.variant_kwargs("kl_estimator") == {
+        assert chosen_kwargs(cfg, "advantage_estimator") == {"margin": 0.1}
+        assert chosen_kwargs(cfg, "policy_loss") == {"cap": 3.0} and chosen_kwargs(cfg, "kl_estimator") == {
             "scale": 0.5
         }
     finally:
@@ -312,7 +313,7 @@ def test_bad_signatures_and_algo_kwargs_types_exit_2_naming_the_function(bad_var
     fine = parse_config(
         RLVRConfig, [*BASE, "--advantage_estimator", f"{f}:estimator", "--algo_kwargs", "margin=1", "steps=3"]
     )  # an int where a float is the default is a number all the same
-    assert fine.variant_kwargs("advantage_estimator") == {"margin": 1, "steps": 3}
+    assert chosen_kwargs(fine, "advantage_estimator") == {"margin": 1, "steps": 3}
 
 
 def test_algo_kwargs_that_is_not_a_mapping_in_a_recipe_is_a_config_error(tmp_path):
@@ -331,3 +332,24 @@ def test_a_bad_signature_exits_2_before_loading(bad_variants_file, tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert "short_loss(logp, advantages) cannot be called as (x, **algo_kwargs)" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_algo_kwarg_that_names_a_setting_the_function_receives_is_refused(tmp_path):
+    """A row that names run settings (`settings=`) gets them from the config; the same name in algo_kwargs would be
+    dropped without a word, so it is refused, naming the setting to use."""
+    path = tmp_path / "with_gamma.py"
+    path.write_text(
+        "from open_instruct.rl_algorithms import Advantages, advantage_estimator\n\n\n"
+        "@advantage_estimator('discounted_constant', settings=('gamma',))\n"
+        "def discounted_constant(x, gamma, level=1.0):\n"
+        "    return Advantages(x.mask * level * gamma, None, x.beta, x.scores == x.scores)\n"
+    )
+    spec = f"{path}:discounted_constant"
+    cfg = parse_config(RLVRConfig, [*BASE, "--advantage_estimator", spec, "--algo_kwargs", "level=0.5"])
+    assert chosen_kwargs(cfg, "advantage_estimator") == {"level": 0.5}
+    with pytest.raises(ConfigError) as e:
+        parse_config(RLVRConfig, [*BASE, "--advantage_estimator", spec, "--algo_kwargs", "gamma=0.5", "level=0.5"])
+    assert str(e.value) == (
+        f"algo_kwargs ['gamma']: advantage_estimator {spec!r} receives ['gamma'] from the run's settings, never from "
+        "algo_kwargs; set them as settings (--gamma VALUE)"
+    )
