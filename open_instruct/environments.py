@@ -92,6 +92,13 @@ class Environment:
         token. Must be prefix-monotone: once a prefix of the turn has an action end, every longer one has it."""
         return None
 
+    def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
+        """Called on a group's first environment once every episode of the group (the `num_samples_per_prompt`
+        episodes of one row, `group` in order, this one first) has ended: per episode, a reward added to its last
+        turn's and a dict merged into that turn's info; None (the default): nothing to add. For rewards that need
+        the whole group (verifiers' group reward functions)."""
+        return None
+
 
 # -----------------------------------------------------------------------------------------------------------------
 # Registry and import paths
@@ -118,6 +125,10 @@ def environment_class(spec: str) -> type:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"environment must be a registered name or 'module:Class', got {spec!r}")
     spec = spec.strip()
+    if spec.startswith("verifiers:"):  # a verifiers environment (imported only then: an optional extra)
+        from open_instruct import verifiers_env
+
+        return verifiers_env.environment_class(spec)
     if ":" not in spec:
         if spec.lower() not in ENVIRONMENTS:
             raise ConfigError(
@@ -242,6 +253,21 @@ class GuardedEnvironment(Environment):
 
     def action_end(self, text: str) -> Optional[int]:
         return self.env.action_end(text)
+
+    def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
+        inner = [e.env if isinstance(e, GuardedEnvironment) else e for e in group]
+        result = self._call("score_group", lambda: self.env.score_group(inner))
+        name = f"environment {type(self.env).__name__}.score_group"
+        if result is None:
+            return None
+        if not isinstance(result, (list, tuple)) or len(result) != len(group):
+            raise ConfigError(f"{name} returned {result!r:.80}, not one (reward, info) per episode, on {self.where}")
+        for reward, info in result:
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise ConfigError(f"{name} returned reward {reward!r}, not a finite number, on {self.where}")
+            if not isinstance(info, dict):
+                raise ConfigError(f"{name} returned info {info!r:.80}, not a dict, on {self.where}")
+        return [(float(reward), info) for reward, info in result]
 
     def __getattr__(self, name: str) -> Any:  # the environment's own attributes (e.g. a tool environment's tools)
         return getattr(self.__dict__["env"], name)

@@ -185,6 +185,7 @@ class EnvironmentRun:
         )
         for i, episode in enumerate(episodes):
             episode.verifier_timeouts = timeouts[i]
+        score_groups(envs, episodes, n)
         return EpisodeOutput(
             prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
             response_ids=[e.response_ids for e in episodes],
@@ -202,6 +203,18 @@ class EnvironmentRun:
         return [episode_sample_row(e, self.tokens, self.cfg.turn_reward_aggregation) for e in episodes[:k]]
 
 
+def score_groups(envs: Sequence[Environment], episodes: Sequence[Episode], n: int) -> None:
+    """Each group's (the n episodes of one row) Environment.score_group, once all of them ended: its rewards are
+    added to each episode's last turn (so its score, under either turn_reward_aggregation) and its info merged
+    into that turn's."""
+    for start in range(0, len(envs), n):
+        scored = envs[start].score_group(list(envs[start : start + n]))
+        for episode, (reward, info) in zip(episodes[start : start + n], scored or []):
+            last = episode.turns[-1]
+            last.reward += reward
+            last.info.update(info)
+
+
 def is_episode_output(out: Any) -> bool:
     """True for a rollout played as episodes (it carries a loss mask)."""
     return getattr(out, "loss_masks", None) is not None and getattr(out, "episodes", None) is not None
@@ -210,7 +223,8 @@ def is_episode_output(out: Any) -> bool:
 def episode_metrics(accelerator: Any, episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
     """episodes.episode_stats over every rank, named `<prefix>turns_per_episode`, `<prefix>tool_calls_per_episode`,
     `<prefix>tool_call_rate`, `<prefix>done_rate`, `<prefix>observation_token_share`, `<prefix>tool_errors` and
-    per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`. Collective."""
+    per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`, per metric an environment
+    reports `<prefix>metric_<name>` (a verifiers rubric's functions). Collective."""
     stats = episode_stats(global_sums_any_keys(accelerator, episode_stat_sums(episodes)))
     return {prefix + key.removeprefix("env/").replace("/", "_"): value for key, value in stats.items()}
 

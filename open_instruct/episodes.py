@@ -430,7 +430,8 @@ def rollout_episodes(
 
 def episode_stat_sums(episodes: Sequence[Episode]) -> dict[str, float]:
     """Additive counts over a batch (sum them over ranks before `episode_stats`): episodes, turns, tool_calls,
-    episodes_with_tool_calls, done, policy_tokens, observation_tokens, tool_errors/<reason>, truncated/<budget>."""
+    episodes_with_tool_calls, done, policy_tokens, observation_tokens, tool_errors/<reason>, truncated/<budget>, and
+    metric_sum/<name>, metric_count/<name> of the numbers an episode's last turn reports in info["metrics"]."""
     sums: collections.Counter = collections.Counter()
     for e in episodes:
         sums["episodes"] += 1
@@ -444,13 +445,18 @@ def episode_stat_sums(episodes: Sequence[Episode]) -> dict[str, float]:
             sums[f"tool_errors/{reason}"] += n
         for budget, n in e.truncations.items():
             sums[f"truncated/{budget}"] += n
+        reported = (e.turns[-1].info.get("metrics") if e.turns else None) or {}
+        for name, value in reported.items():
+            sums[f"metric_sum/{name}"] += float(value)
+            sums[f"metric_count/{name}"] += 1
     return {k: float(v) for k, v in sums.items()}
 
 
 def episode_stats(sums: dict[str, float]) -> dict[str, float]:
     """The log row's env/ metrics from (rank-summed) `episode_stat_sums`: turns and tool calls per episode, the
     share of episodes that called a tool, of episodes the environment ended, of response tokens that are
-    observations; tool errors and truncations as counts, by reason/budget."""
+    observations; tool errors and truncations as counts, by reason/budget; each info["metrics"] name's mean over
+    the episodes that report it (env/metric/<name>)."""
     n = max(sums.get("episodes", 0.0), 1.0)
     tokens = sums.get("policy_tokens", 0.0) + sums.get("observation_tokens", 0.0)
     out = {
@@ -462,6 +468,10 @@ def episode_stats(sums: dict[str, float]) -> dict[str, float]:
         "env/tool_errors": sum(v for k, v in sums.items() if k.startswith("tool_errors/")),
     }
     out.update({f"env/{k}": v for k, v in sums.items() if k.startswith(("tool_errors/", "truncated/"))})
+    for key, count in sums.items():  # the environment's own per-episode metrics, averaged over those reporting them
+        if key.startswith("metric_count/") and count:
+            name = key.removeprefix("metric_count/")
+            out[f"env/metric/{name}"] = sums[f"metric_sum/{name}"] / count
     return out
 
 

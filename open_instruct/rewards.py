@@ -747,6 +747,19 @@ def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
         raise GroundTruthError(str(e)) from None
 
 
+@register_verifier("verifiers_env")
+def verify_verifiers_env(completion: str, ground_truth: Any) -> float:
+    """Rows of a verifiers environment (open_instruct/verifiers_env.py) are scored by its rubric inside the episode;
+    this name only marks them. The load-time check (an empty completion) reads the ground truth; a completion
+    scored here means the run plays no environment, which is a configuration error."""
+    from open_instruct import verifiers_env
+
+    verifiers_env.check_ground_truth(ground_truth)
+    if completion:
+        raise ValueError("verifiers_env rows are scored by their environment: run with --environment verifiers:...")
+    return 0.0
+
+
 def _code_tests(ground_truth: Any, settings: Any = None) -> Any:
     """The row's tests, within the run's limits (code_verifier.check_limits; default CodeSettings)."""
     from open_instruct.code_verifier import CodeSettings, check_limits, parse_cached
