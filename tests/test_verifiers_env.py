@@ -23,7 +23,7 @@ from open_instruct.generation import GenerationConfig, GenerationOutput  # noqa:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = {"exact": 1.0, "brevity": 0.5, "distinct": 0.25}
 
-SINGLE_ENV = '''
+SINGLE_ENV = """
 import json, os
 import verifiers as vf
 from datasets import Dataset
@@ -62,7 +62,7 @@ def load_environment(num_examples: int = 4):
     rubric = vf.Rubric(funcs=[exact, brevity, distinct], weights=[1.0, 0.5, 0.25])
     return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows[:1]),
                             system_prompt="Answer in one word.", rubric=rubric)
-'''
+"""
 
 TOOL_ENV = '''
 import verifiers as vf
