@@ -255,8 +255,11 @@ class GuardedEnvironment(Environment):
         return self.env.action_end(text)
 
     def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
+        score = getattr(self.env, "score_group", None)  # an environment need not subclass Environment
+        if score is None:
+            return None
         inner = [e.env if isinstance(e, GuardedEnvironment) else e for e in group]
-        result = self._call("score_group", lambda: self.env.score_group(inner))
+        result = self._call("score_group", lambda: score(inner))
         name = f"environment {type(self.env).__name__}.score_group"
         if result is None:
             return None

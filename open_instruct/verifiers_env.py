@@ -28,19 +28,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 import urllib.parse
 from typing import Any, Optional
 
-from open_instruct.environments import _HERMES_CALL, Environment, Observation, StepResult
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.rewards import verifiers_env_row
 from open_instruct.user_code import load_module
 
 PREFIX = "verifiers:"
 VERIFIER = "verifiers_env"  # the rows' `dataset` column: scored by the environment's rubric, never by a verifier
 INSTALL_HINT = "verifiers environments need verifiers 0.3.x (the earlier API): pip install verifiers==0.3.1"
 MODEL_NAME = "policy"  # what the environment's state records as the model
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the tool environment's call format
 
 _ENVS: dict[str, Any] = {}
 _CLASSES: dict[str, type] = {}
@@ -142,17 +144,6 @@ def _prompt_messages(prompt: Any, where: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": _text(m.get("content"), where)} for m in prompt]
 
 
-def check_ground_truth(ground_truth: Any) -> dict[str, Any]:
-    """The dataset row a verifiers row's ground truth holds (ValueError naming what is wrong)."""
-    try:
-        row = json.loads(ground_truth) if isinstance(ground_truth, str) else None
-    except ValueError:
-        row = None
-    if not isinstance(row, dict):
-        raise ValueError(f"a verifiers_env ground truth is the JSON of the environment's row, got {ground_truth!r:.80}")
-    return row
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # Messages between this repo (dicts, token ids) and verifiers (pydantic messages)
 
@@ -198,7 +189,7 @@ def assistant_message(text: str, with_tools: bool, turn: int) -> Any:
 
     calls = []
     if with_tools:
-        for i, body in enumerate(_HERMES_CALL.findall(text)):
+        for i, body in enumerate(HERMES_CALL.findall(text)):
             try:
                 call = json.loads(body)
                 name, arguments = call["name"], call.get("arguments", {})
@@ -207,7 +198,7 @@ def assistant_message(text: str, with_tools: bool, turn: int) -> Any:
                 name, arguments = "", body.strip()
             calls.append(ToolCall(id=f"call_{turn}_{i}", name=str(name), arguments=arguments))
         if calls:
-            text = _HERMES_CALL.sub("", text).strip()
+            text = HERMES_CALL.sub("", text).strip()
     return ResponseMessage(
         content=text, tool_calls=calls or None, finish_reason="tool_calls" if calls else "stop", is_truncated=False
     )
@@ -244,10 +235,13 @@ def generator_owned_client() -> Any:
     return type("GeneratorOwnedClient", (Client,), dict.fromkeys(methods, refuse))(None)
 
 
-class VerifiersEnvironment(Environment):
-    """One episode of a verifiers environment (module docstring). `environment_class` makes a subclass per spec."""
+class VerifiersEnvironment:
+    """One episode of a verifiers environment (module docstring). `environment_class` makes a subclass per spec. It
+    has environments.Environment's interface (reset, step, tools, action_end, score_group) without importing it:
+    environments.py imports this module when a spec names verifiers, and the module graph stays acyclic."""
 
     source: str = ""
+    tools: list[dict[str, Any]] = []
 
     def __init__(self) -> None:
         self.vf_env = load(self.source)
@@ -255,8 +249,11 @@ class VerifiersEnvironment(Environment):
         self.prompt: list[Any] = []  # the messages the policy's current turn answers (verifiers objects)
         self.finished = False
 
-    def reset(self, example: dict[str, Any]) -> Observation:
-        row = check_ground_truth(example.get("ground_truth"))
+    def action_end(self, text: str) -> Optional[int]:
+        return None  # a turn runs to its end token (tool calls are read from the whole turn, as verifiers does)
+
+    def reset(self, example: dict[str, Any]) -> list[dict[str, str]]:
+        row = verifiers_env_row(example.get("ground_truth"))
         row["prompt"] = [dict(m) for m in example["messages"]]
         self.state = run(self.vf_env.init_state(row, generator_owned_client(), MODEL_NAME, None))
         self.finished = False
@@ -276,7 +273,7 @@ class VerifiersEnvironment(Environment):
             self.state["error"] = e
             return None
 
-    def step(self, action: str) -> StepResult:
+    def step(self, action: str) -> tuple[Optional[list[dict[str, str]]], float, bool, dict[str, Any]]:
         if self.state is None or self.finished:
             raise RuntimeError(f"{type(self).__name__}.step {'before reset' if self.state is None else 'after done'}")
         import verifiers.legacy as vf
@@ -302,11 +299,11 @@ class VerifiersEnvironment(Environment):
         self.prompt = list(prompt)
         if not observation:
             raise RuntimeError(f"{self.source}: env_response returned no messages for an episode that goes on")
-        return StepResult(observation, 0.0, False, info)
+        return observation, 0.0, False, info
 
-    def _finish(self, info: dict[str, Any]) -> StepResult:
+    def _finish(self, info: dict[str, Any]) -> tuple[None, float, bool, dict[str, Any]]:
         self.end(truncated=False)
-        return StepResult(None, 0.0, True, info)  # the reward comes with the group's scores (score_group)
+        return None, 0.0, True, info  # the reward comes with the group's scores (score_group)
 
     def end(self, truncated: bool) -> None:
         """The rollout's end as verifiers renders it (cleanup: the completion, the environment's handlers); a run
@@ -320,7 +317,7 @@ class VerifiersEnvironment(Environment):
             self.state["stop_condition"] = "run_budget"
         run(self.vf_env.cleanup(self.state))
 
-    def score_group(self, group: list[Environment]) -> list[tuple[float, dict[str, Any]]]:
+    def score_group(self, group: list[Any]) -> list[tuple[float, dict[str, Any]]]:
         """The rubric over the group's rollouts (score_group: individual and group reward functions, weighted), as
         verifiers scores a group; per episode (reward, {"metrics": each function's value, "correct": ...})."""
         envs = [e for e in group if isinstance(e, VerifiersEnvironment)]
