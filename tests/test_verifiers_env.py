@@ -123,6 +123,39 @@ class CharGenerator:
         )  # fmt: skip
 
 
+def verifiers_own_scores(spec, index, scripts):
+    """verifiers' own rollout loop and scoring (Environment.run_group) of dataset row `index`, one rollout per
+    script, its model client answering each turn with the script's text (parsed as the adapter parses a turn):
+    per rollout (reward, metrics), what verifiers itself makes of the same completions."""
+    from verifiers.legacy.clients.client import Client
+    from verifiers.legacy.types import Response
+
+    class Scripted(Client):
+        def __init__(self):
+            super().__init__(None)
+            self.left, self.by_rollout = list(scripts), {}
+
+        async def get_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+            state = kwargs["state"]
+            if state["trajectory_id"] not in self.by_rollout:  # rollouts start in order (asyncio.gather)
+                self.by_rollout[state["trajectory_id"]] = self.left.pop(0)
+            turn = len(state["trajectory"])
+            text = self.by_rollout[state["trajectory_id"]][turn]
+            message = verifiers_env.assistant_message(text, bool(tools), turn)
+            return Response(id=f"turn-{turn}", created=0, model=model, message=message)
+
+    def unused(*args, **kwargs):
+        raise AssertionError("the scripted client answers through get_response only")
+
+    for name in Scripted.__abstractmethods__:
+        setattr(Scripted, name, unused)
+    Scripted.__abstractmethods__ = frozenset()
+    env = verifiers_env.load(spec)
+    row = env.get_dataset()[index]
+    outputs = verifiers_env.run(env.run_group([row] * len(scripts), Scripted(), "policy", {}))
+    return [(o["reward"], o["metrics"]) for o in outputs]
+
+
 def config(tiny_models, spec, *extra):
     from open_instruct.config import RLVRConfig, parse_config
 
@@ -193,6 +226,10 @@ def test_single_turn_environment_scores_with_its_rubric_and_keeps_the_sampled_to
     assert scored.correct == [r >= pass_threshold for r in rewards]
     for episode, values in zip(out.episodes, expected):
         assert {k: episode.turns[-1].info["metrics"][k] for k in WEIGHTS} == pytest.approx(values, abs=1e-12)
+    own = verifiers_own_scores(spec, 0, [[t] for t in texts[:2]]) + verifiers_own_scores(
+        spec, 1, [[t] for t in texts[2:]]
+    )
+    assert [(r, e.turns[-1].info["metrics"]) for r, e in zip(rewards, out.episodes)] == own
 
     class OneProcess:
         num_processes = 1
@@ -235,6 +272,10 @@ def test_tool_environment_runs_its_tools_and_masks_their_output(env_folder, tiny
     metrics = [e.turns[-1].info["metrics"] for e in out.episodes]
     assert [m["total_tool_calls"] for m in metrics] == [1.0, 0.0, 1.0, 0.0]  # ToolEnv's own (weight 0) metrics
     assert [m["num_turns"] for m in metrics] == [2.0, 1.0, 2.0, 1.0]
+    own = verifiers_own_scores(spec, 0, [[call, "It is 5."], ["6"]]) + verifiers_own_scores(
+        spec, 1, [[bad_call, "42"], ["42"]]
+    )
+    assert list(zip(scored.rewards, metrics)) == own  # verification_reward 1
 
 
 def test_bad_specs_fail_before_any_model_loads(env_folder):
