@@ -1,5 +1,5 @@
 """Prime Intellect `verifiers` environments (the earlier API: a module's `load_environment()` returning a
-`SingleTurnEnv`, `MultiTurnEnv` or `ToolEnv` with a `Rubric`; verifiers 0.3.1 ships it as `verifiers.legacy`)
+`SingleTurnEnv`, `MultiTurnEnv` or `ToolEnv` with a `Rubric`; verifiers 0.1.x-0.2.x, and 0.3.x's `verifiers.legacy`)
 played as this repo's multi-turn environments (environments.py), scored by their own rubric.
 
     --dataset_name_or_path 'verifiers:my_env.py?num_examples=200' --environment verifiers:my_env.py
@@ -40,7 +40,7 @@ from open_instruct.user_code import load_module
 
 PREFIX = "verifiers:"
 VERIFIER = "verifiers_env"  # the rows' `dataset` column: scored by the environment's rubric, never by a verifier
-INSTALL_HINT = "verifiers environments need verifiers 0.3.x (the earlier API): pip install verifiers==0.3.1"
+INSTALL_HINT = "verifiers environments need verifiers 0.1-0.3 (the earlier API): pip install verifiers==0.3.1"
 MODEL_NAME = "policy"  # what the environment's state records as the model
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the tool environment's call format
 
@@ -69,13 +69,14 @@ def parse(spec: str, where: str = "environment") -> tuple[str, dict[str, Any]]:
 
 
 def _verifiers(where: str) -> Any:
-    """The earlier API's package (`import verifiers as vf`); ConfigError when it is missing or only verifiers.v1."""
+    """The earlier API's package (`import verifiers as vf`: 0.1.x and 0.2.x at the top level, 0.3.x in
+    verifiers.legacy answering at the same names); ConfigError when it is missing or has only verifiers.v1."""
     try:
         import verifiers
     except ImportError:
         raise ConfigError(f"{where}: {INSTALL_HINT}") from None
     try:
-        import verifiers.legacy  # noqa: F401  # 0.3.x: the v0 API, also answering as verifiers.<name>
+        from verifiers import MultiTurnEnv  # noqa: F401
     except ImportError:
         raise ConfigError(
             f"{where}: verifiers {getattr(verifiers, '__version__', '?')} ships only verifiers.v1 (Env, Taskset, "
@@ -185,7 +186,7 @@ def assistant_message(text: str, with_tools: bool, turn: int) -> Any:
     {...}}</tool_call>` block becomes a tool call (ids call_<turn>_<i>; a block that does not parse is passed on
     with its raw text as arguments, so the environment's own error handling answers it) and the text outside the
     blocks the content, as an OpenAI-compatible server's Hermes parser returns them."""
-    from verifiers.legacy.types import ResponseMessage, ToolCall
+    from verifiers.types import ResponseMessage, ToolCall
 
     calls = []
     if with_tools:
@@ -222,7 +223,7 @@ def generator_owned_client() -> Any:
     """The model client the environment's state holds: every method refuses, since the run's generator samples each
     turn (token-in/token-out); an environment that asks the model itself (get_model_response from its own hooks)
     stops the run saying so, instead of training on text sampled elsewhere."""
-    from verifiers.legacy.clients.client import Client
+    from verifiers.clients.client import Client
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -265,7 +266,7 @@ class VerifiersEnvironment:
         return message_dicts(self.prompt, f"{self.source} reset")
 
     async def _setup(self) -> Any:
-        import verifiers.legacy as vf
+        import verifiers as vf
 
         try:
             return await self.vf_env.setup_state(self.state)
@@ -276,9 +277,9 @@ class VerifiersEnvironment:
     def step(self, action: str) -> tuple[Optional[list[dict[str, str]]], float, bool, dict[str, Any]]:
         if self.state is None or self.finished:
             raise RuntimeError(f"{type(self).__name__}.step {'before reset' if self.state is None else 'after done'}")
-        import verifiers.legacy as vf
-        from verifiers.legacy.types import Response
-        from verifiers.legacy.utils.message_utils import maybe_normalize_messages
+        import verifiers as vf
+        from verifiers.types import Response
+        from verifiers.utils.message_utils import maybe_normalize_messages
 
         turn = len(self.state["trajectory"])
         message = assistant_message(action, bool(self.tools), turn)

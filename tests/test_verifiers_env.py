@@ -3,7 +3,7 @@ ToolEnv with a Rubric) as RL environments: environments defined here (a single-t
 and group-level reward functions, a tool one), their datasets as rows, episodes played token-in/token-out (the
 trained ids are the sampled ids, observation ids masked), the rubric's weighted reward as the score and each of its
 functions as a metric, equal to the functions' own values on the same completions; two tiny RL runs end to end.
-Skipped where verifiers 0.3.x is not installed (an optional extra; 0.4.0 ships only verifiers.v1)."""
+Skipped where verifiers 0.1-0.3 is not installed (an optional extra; 0.4.0 ships only verifiers.v1)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import sys
 
 import pytest
 
-pytest.importorskip("verifiers.legacy", reason="verifiers 0.3.x (the earlier API) is not installed")
+vf = pytest.importorskip("verifiers", reason="verifiers (0.1-0.3, the earlier API) is not installed")
+if not hasattr(vf, "MultiTurnEnv"):
+    pytest.skip(
+        f"verifiers {vf.__version__} has only verifiers.v1 (the earlier API is 0.1-0.3)", allow_module_level=True
+    )
 
 from open_instruct import verifiers_env  # noqa: E402
 from open_instruct.errors import ConfigError  # noqa: E402
@@ -65,6 +69,7 @@ def load_environment(num_examples: int = 4):
 """
 
 TOOL_ENV = '''
+import asyncio
 import verifiers as vf
 from datasets import Dataset
 
@@ -84,9 +89,15 @@ def correct(completion, answer) -> float:
     return float(answer in (last.content or ""))
 
 
-def load_environment():
+async def wait_forever() -> str:
+    """Never returns."""
+    await asyncio.Event().wait()
+
+
+def load_environment(hang: bool = False):
     rows = [{"question": "What is 2+3?", "answer": "5"}, {"question": "What is 10+32?", "answer": "42"}]
-    return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=vf.Rubric(funcs=[correct]), max_turns=3)
+    tools = [add, wait_forever] if hang else [add]
+    return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=tools, rubric=vf.Rubric(funcs=[correct]), max_turns=3)
 '''
 
 
@@ -127,8 +138,8 @@ def verifiers_own_scores(spec, index, scripts):
     """verifiers' own rollout loop and scoring (Environment.run_group) of dataset row `index`, one rollout per
     script, its model client answering each turn with the script's text (parsed as the adapter parses a turn):
     per rollout (reward, metrics), what verifiers itself makes of the same completions."""
-    from verifiers.legacy.clients.client import Client
-    from verifiers.legacy.types import Response
+    from verifiers.clients.client import Client
+    from verifiers.types import Response
 
     class Scripted(Client):
         def __init__(self):
@@ -278,6 +289,18 @@ def test_tool_environment_runs_its_tools_and_masks_their_output(env_folder, tiny
     assert list(zip(scored.rewards, metrics)) == own  # verification_reward 1
 
 
+def test_a_tool_past_the_environment_deadline_stops_the_run(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:tool_env.py?hang=true"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec, "--environment_timeout", "0.5")
+    call = '<tool_call>{"name": "wait_forever", "arguments": {}}</tool_call>'
+    message = r"environment Verifiers\[tool_env.py\].step did not return within 0.5 s \(environment_timeout\) on row 0"
+    with pytest.raises(ConfigError, match=message):
+        play(cfg, tokenizer, spec, [[call, "6"]], rows_used=1)
+
+
 def test_bad_specs_fail_before_any_model_loads(env_folder):
     (env_folder / "no_loader.py").write_text("x = 1\n")
     (env_folder / "raises.py").write_text("def load_environment():\n    raise RuntimeError('no data here')\n")
@@ -309,7 +332,7 @@ def run_training(env_folder, tiny_models, spec, log):
         "--max_turn_tokens", "12", "--max_turns", "3", "--max_prompt_length", "400", "--logging_steps", "1",
         "--save_final_model", "false", "--num_samples_logged", "0",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "VF_TEST_LOG": str(log)}  # fmt: skip
     proc = subprocess.run([sys.executable, *args], cwd=env_folder, env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
