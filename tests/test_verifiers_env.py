@@ -332,7 +332,8 @@ def run_training(env_folder, tiny_models, spec, log):
         "--max_turn_tokens", "12", "--max_turns", "3", "--max_prompt_length", "400", "--logging_steps", "1",
         "--save_final_model", "false", "--num_samples_logged", "0",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # a verifiers --target install too
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "VF_TEST_LOG": str(log)}  # fmt: skip
     proc = subprocess.run([sys.executable, *args], cwd=env_folder, env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip
