@@ -313,6 +313,21 @@ def test_bad_specs_fail_before_any_model_loads(env_folder):
     assert verifiers_env.parse("verifiers:m.py?num_examples=3&name=x") == ("m.py", {"num_examples": 3, "name": "x"})
 
 
+def test_the_start_checks_load_the_source_and_want_its_environment(env_folder, tiny_models):
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.preflight import check_inputs
+
+    spec = "verifiers:single_env.py"
+    recipe = [os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+              "--total_episodes", "8"]  # fmt: skip
+    check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", spec, "--environment", spec]))
+    with pytest.raises(ConfigError, match="add --environment verifiers:<the same>"):
+        check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", spec]))
+    with pytest.raises(ConfigError, match="dataset_name_or_path 'verifiers:nowhere.py': file 'nowhere.py' does not"):
+        check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", "verifiers:nowhere.py",
+                                               "--environment", spec]))  # fmt: skip
+
+
 def test_eval_split_is_the_environments_eval_dataset(env_folder):
     train = verifiers_env.generate("verifiers:single_env.py", "train")
     held_out = verifiers_env.generate("verifiers:single_env.py", "test")
