@@ -100,11 +100,59 @@ def load_environment(hang: bool = False):
     return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=tools, rubric=vf.Rubric(funcs=[correct]), max_turns=3)
 '''
 
+GAME_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+class Guess(vf.MultiTurnEnv):
+    """Guess the number: a user turn says higher or lower; a right guess ends the game (its own stop condition);
+    the third wrong guess gets a final response that ends it."""
+
+    async def setup_state(self, state):
+        state["wrong"] = 0
+        return state
+
+    @vf.stop
+    async def guessed(self, state) -> bool:
+        last = state["trajectory"][-1]["completion"][-1] if state["trajectory"] else None
+        return last is not None and (last.content or "").strip() == state["answer"]
+
+    async def env_response(self, messages, state, **kwargs):
+        text = (messages[-1].content or "").strip()
+        state["wrong"] += 1
+        if state["wrong"] == 3:
+            state["final_env_response"] = [vf.UserMessage(content="Out of guesses.")]
+            return state["final_env_response"]
+        hint = "higher" if text.isdigit() and int(text) < int(state["answer"]) else "lower"
+        return [vf.UserMessage(content=hint)]
+
+
+def won(completion, answer) -> float:
+    return float(any(m.role == "assistant" and (m.content or "").strip() == answer for m in completion))
+
+
+def speed(state) -> float:
+    return 1.0 / len(state["trajectory"])
+
+
+def fastest(states) -> list[float]:  # group-level: 1 for the group's shortest games
+    turns = [len(s["trajectory"]) for s in states]
+    return [float(t == min(turns)) for t in turns]
+
+
+def load_environment():
+    rows = [{"question": "Guess my number (1-9).", "answer": "7"}]
+    rubric = vf.Rubric(funcs=[won, speed, fastest], weights=[1.0, 0.5, 0.25])
+    return Guess(dataset=Dataset.from_list(rows), rubric=rubric, max_turns=4)
+'''
+
 
 @pytest.fixture
 def env_folder(tmp_path, monkeypatch):
     (tmp_path / "single_env.py").write_text(SINGLE_ENV)
     (tmp_path / "tool_env.py").write_text(TOOL_ENV)
+    (tmp_path / "game_env.py").write_text(GAME_ENV)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -287,6 +335,32 @@ def test_tool_environment_runs_its_tools_and_masks_their_output(env_folder, tiny
         spec, 1, [[bad_call, "42"], ["42"]]
     )
     assert list(zip(scored.rewards, metrics)) == own  # verification_reward 1
+
+
+def test_multi_turn_environment_with_its_own_stop_and_final_response(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+    from open_instruct.rollouts import score_rollout
+
+    spec = "verifiers:game_env.py"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec)
+    # episode 0: 3 ("higher"), then 7 (its stop condition); episode 1: 9 ("lower"), 1 ("higher"), 2 (the final
+    # response "Out of guesses." ends the game: the policy never sees it)
+    scripts = [["3", "9"], ["7", "1"], ["2"]]
+    rows, out, generator = play(cfg, tokenizer, spec, scripts, rows_used=1)
+    first, second = out.episodes
+    assert policy_segments(first) == [generator.sampled[0][0], generator.sampled[1][0]]
+    assert policy_segments(second) == [generator.sampled[0][1], generator.sampled[1][1], generator.sampled[2][0]]
+    hints = [second.response_ids[t.policy_end : t.observation_end] for t in second.turns]
+    assert [tokenizer.decode(h) for h in hints] == ["\n<|user|>\nlower<|end|>\n<|assistant|>\n",
+                                                    "\n<|user|>\nhigher<|end|>\n<|assistant|>\n", ""]  # fmt: skip
+    assert "Out of guesses" not in tokenizer.decode(second.response_ids)
+    assert [e.end_reason for e in out.episodes] == ["done", "done"]
+
+    scored = score_rollout(cfg, out, [r["example"] for r in rows for _ in range(2)], tokenizer)
+    assert scored.rewards == [1.0 + 0.5 / 2 + 0.25, 0.5 / 3]
+    metrics = [e.turns[-1].info["metrics"] for e in out.episodes]
+    assert list(zip(scored.rewards, metrics)) == verifiers_own_scores(spec, 0, [["3", "7"], ["9", "1", "2"]])
 
 
 def test_a_tool_past_the_environment_deadline_stops_the_run(env_folder, tiny_models):
