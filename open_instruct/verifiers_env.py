@@ -2,7 +2,7 @@
 `SingleTurnEnv`, `MultiTurnEnv` or `ToolEnv` with a `Rubric`; verifiers 0.1.x-0.2.x, and 0.3.x's `verifiers.legacy`)
 played as this repo's multi-turn environments (environments.py), scored by their own rubric.
 
-    --dataset_name_or_path 'verifiers:my_env.py?num_examples=200' --environment verifiers:my_env.py
+    --dataset_name_or_path 'verifiers:my_env.py?n=200' --environment 'verifiers:my_env.py?n=200'
 
 `verifiers:<module or path/to/file.py>[?key=value&...]`: the module is imported (user_code.load_module) and its
 `load_environment(**kwargs)` called once per process (values read as JSON, else as text). As a dataset source it
@@ -26,6 +26,7 @@ thread, each call under `environment_timeout` (environments.GuardedEnvironment).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
@@ -50,17 +51,17 @@ _LOCK = threading.Lock()
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
 
 
-def is_source(name: str) -> bool:
-    return isinstance(name, str) and name.strip().startswith(PREFIX)
-
-
 def parse(spec: str, where: str = "environment") -> tuple[str, dict[str, Any]]:
     """(module or file, load_environment's keyword arguments) of `verifiers:<target>[?key=value&...]`."""
     target, _, query = spec.strip()[len(PREFIX) :].partition("?")
     if not target:
         raise ConfigError(f"{where} {spec!r}: name a module or a .py file after 'verifiers:'")
     kwargs: dict[str, Any] = {}
-    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as e:
+        raise ConfigError(f"{where} {spec!r}: arguments after '?' must be key=value&key=value ({e})") from None
+    for key, value in pairs:
         try:
             kwargs[key] = json.loads(value)
         except ValueError:
@@ -219,21 +220,41 @@ def run(coroutine: Any) -> Any:
     return asyncio.run_coroutine_threadsafe(coroutine, _LOOP).result()
 
 
-def generator_owned_client() -> Any:
-    """The model client the environment's state holds: every method refuses, since the run's generator samples each
-    turn (token-in/token-out); an environment that asks the model itself (get_model_response from its own hooks)
-    stops the run saying so, instead of training on text sampled elsewhere."""
+class ModelCallRefused(RuntimeError):
+    """An environment asked its model client for a response (module docstring: the generator samples every turn)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_owned_client_class() -> type:
     from verifiers.clients.client import Client
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "this verifiers environment called its model client itself; the policy's turns come from the run's "
-            "generator (token-in/token-out) and an environment may not sample the model on its own"
+        raise ModelCallRefused(
+            "this verifiers environment called its model client itself (get_model_response from its own hooks); "
+            "the policy's turns come from the run's generator (token-in/token-out), so that is not supported"
         )
 
     methods = ("setup_client", "to_native_tool", "to_native_prompt", "get_native_response",
                "raise_from_native_response", "from_native_response", "close")  # fmt: skip
-    return type("GeneratorOwnedClient", (Client,), dict.fromkeys(methods, refuse))(None)
+    return type("GeneratorOwnedClient", (Client,), dict.fromkeys(methods, refuse))
+
+
+def generator_owned_client() -> Any:
+    """The model client the environment's state holds: every method refuses, since the run's generator samples each
+    turn; an environment that asks the model itself stops the run saying so, instead of training on text sampled
+    elsewhere."""
+    return _generator_owned_client_class()(None)
+
+
+def _recorded(error: BaseException, state: Any) -> None:
+    """A verifiers error of the environment's own hooks, recorded as its rollout loop records it (its has_error stop
+    ends the episode); a refused model call, which verifiers wraps in its ModelError, stops the run instead."""
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        if isinstance(cause, ModelCallRefused):
+            raise ModelCallRefused(str(cause)) from None
+        cause = cause.__cause__ or cause.__context__
+    state["error"] = error
 
 
 class VerifiersEnvironment:
@@ -270,8 +291,8 @@ class VerifiersEnvironment:
 
         try:
             return await self.vf_env.setup_state(self.state)
-        except vf.Error as e:  # as the environment's own rollout loop records it (its has_error stop ends the episode)
-            self.state["error"] = e
+        except vf.Error as e:
+            _recorded(e, self.state)
             return None
 
     def step(self, action: str) -> tuple[Optional[list[dict[str, str]]], float, bool, dict[str, Any]]:
@@ -291,10 +312,10 @@ class VerifiersEnvironment:
         seen = len(self.prompt) + len(self.state["trajectory"][-1]["completion"])
         try:
             prompt = maybe_normalize_messages(run(self.vf_env.get_prompt_messages(self.state)), field_name="prompt")
-        except vf.Error as e:  # a tool error the environment stops on (stop_errors), as its rollout loop records it
-            self.state["error"] = e
+        except vf.Error as e:  # e.g. a tool error the environment stops on (ToolEnv's stop_errors)
+            _recorded(e, self.state)
             return self._finish(info)
-        if self.state.get("final_env_response") is not None or run(self.vf_env.is_completed(self.state)):
+        if self.state.get("final_env_response") is not None:
             return self._finish(info)  # the final response ends the rollout unseen by the policy, as in verifiers
         observation = message_dicts(list(prompt[seen:]), f"{self.source} env_response")
         self.prompt = list(prompt)

@@ -363,6 +363,40 @@ def test_multi_turn_environment_with_its_own_stop_and_final_response(env_folder,
     assert list(zip(scored.rewards, metrics)) == verifiers_own_scores(spec, 0, [["3", "7"], ["9", "1", "2"]])
 
 
+ASKS_ENV = """
+import verifiers as vf
+from datasets import Dataset
+
+
+class AsksTheModel(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        response = await self.get_model_response(state, messages)  # sampling the policy outside the run's generator
+        return [vf.UserMessage(content=response.message.content or "")]
+
+
+def nothing(completion) -> float:
+    return 0.0
+
+
+def load_environment():
+    rows = [{"question": "Hi.", "answer": "x"}]
+    return AsksTheModel(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[nothing]), max_turns=3)
+"""
+
+
+def test_an_environment_that_samples_the_model_itself_stops_the_run(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+
+    (env_folder / "asks_env.py").write_text(ASKS_ENV)
+    spec = "verifiers:asks_env.py"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    message = (
+        r"Verifiers\[asks_env.py\].step raised ModelCallRefused: this verifiers environment called its model client"
+    )
+    with pytest.raises(ConfigError, match=message):
+        play(config(tiny_models, spec), tokenizer, spec, [["hello"] * 2], rows_used=1)
+
+
 def test_a_tool_past_the_environment_deadline_stops_the_run(env_folder, tiny_models):
     from open_instruct.models import load_tokenizer
 
@@ -385,6 +419,8 @@ def test_bad_specs_fail_before_any_model_loads(env_folder):
     with pytest.raises(ConfigError, match="does not exist"):
         verifiers_env.load("verifiers:missing.py")
     assert verifiers_env.parse("verifiers:m.py?num_examples=3&name=x") == ("m.py", {"num_examples": 3, "name": "x"})
+    with pytest.raises(ConfigError, match="arguments after '\\?' must be key=value"):
+        verifiers_env.parse("verifiers:m.py?num_examples")
 
 
 def test_the_start_checks_load_the_source_and_want_its_environment(env_folder, tiny_models):
