@@ -16,10 +16,14 @@ message token for token (ReTool's `<output>` block), or None when the episode is
                                       python_crash (the runtime raised), python_hung (it overran its deadline)
     "truncated": list[str]            budgets that cut something in this step: max_tool_calls, tool_output_max_tokens
     "correct": bool                   on the final step, whether the verifier accepted the answer
+    "metrics": dict[str, float]       on the final step, the episode's own numbers (logged as metric_<name>, each
+                                      the mean over the episodes that report it)
 
 An environment may also set `tools` (JSON schemas passed to the chat template as `tools=`) and override
 `action_end(text)`: the character index where a turn's action is complete (the driver cuts the generated ids at the
-first token that completes it, so the tool runs there instead of after the model has written on).
+first token that completes it, so the tool runs there instead of after the model has written on), and
+`score_group(group)`: called once the episodes of a row's group have all ended, per episode a reward added to its
+last turn and an info dict merged into that turn's (rewards that need the whole group: verifiers_env.py).
 
 Naming one in a recipe: a registered name ("tool", "multi_turn") or an import path "package.module:Class" or
 "/path/to/file.py:Class" (`make_environment`; `environment_for_row` reads a row's own `environment` column), so a
