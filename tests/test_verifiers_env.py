@@ -236,13 +236,13 @@ def prompt_rows(spec, tokenizer, environments, split="train"):
     return rows
 
 
-def play(cfg, tokenizer, spec, scripts, rows_used):
+def play(cfg, tokenizer, spec, scripts, rows_used, split="train", n=2):
     from open_instruct.rollouts import environment_run
 
     environments = environment_run(cfg, tokenizer)
-    rows = prompt_rows(spec, tokenizer, environments)[:rows_used]
+    rows = prompt_rows(spec, tokenizer, environments, split)[:rows_used]
     generator = CharGenerator(tokenizer, scripts)
-    return rows, environments.play(generator, rows, GenerationConfig(n=2, seed=5)), generator
+    return rows, environments.play(generator, rows, GenerationConfig(n=n, seed=5)), generator
 
 
 def policy_segments(episode):
@@ -436,6 +436,19 @@ def test_the_start_checks_load_the_source_and_want_its_environment(env_folder, t
     with pytest.raises(ConfigError, match="dataset_name_or_path 'verifiers:nowhere.py': file 'nowhere.py' does not"):
         check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", "verifiers:nowhere.py",
                                                "--environment", spec]))  # fmt: skip
+
+
+def test_held_out_episodes_are_groups_of_one(env_folder, tiny_models):
+    """Evaluation plays one episode per held-out prompt: each is its own group (the group-level function sees one
+    completion), scored as verifiers scores a group of one."""
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:single_env.py"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    rows, out, _ = play(config(tiny_models, spec), tokenizer, spec, [["yes"]], rows_used=1, split="test", n=1)
+    [episode] = out.episodes
+    assert episode.turns[-1].reward == 1.0 + 0.5 / 4 + 0.25 and episode.turns[-1].info["correct"] is True
+    assert [(episode.turns[-1].reward, episode.turns[-1].info["metrics"])] == verifiers_own_scores(spec, 0, [["yes"]])
 
 
 def test_eval_split_is_the_environments_eval_dataset(env_folder):
