@@ -187,6 +187,10 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
         raise DataError(f"dataset file {name!r} does not exist")
     if reasoning_gym_tasks.is_source(name):  # generated on the spot (open_instruct/reasoning_gym_tasks.py)
         rows = [Row(name, i, None, r) for i, r in enumerate(reasoning_gym_tasks.generate(name, split))]
+    elif name.startswith("verifiers:"):  # a verifiers environment's own dataset (open_instruct/verifiers_env.py)
+        from open_instruct import verifiers_env
+
+        rows = [Row(name, i, None, r) for i, r in enumerate(verifiers_env.generate(name, split))]
     elif name.endswith(".jsonl"):
         rows = _read_jsonl(name)
     elif name.endswith(".json"):
@@ -1196,6 +1200,7 @@ DATA_CODE = (
     "mixture.py",
     "data_cache.py",
     "reasoning_gym_tasks.py",
+    "verifiers_env.py",
 )
 
 

@@ -41,11 +41,19 @@ def cache_root(setting: Optional[str]) -> Optional[str]:
 
 def source_identity(name: str) -> Any:
     """What identifies one source's content cheaply: for a local file its path, size and mtime; for a folder the
-    same for every file in it; otherwise (a hub dataset name, a mixture amount) the text itself."""
+    same for every file in it; a verifiers environment's its spec, verifiers' version and its module's file;
+    otherwise (a hub dataset name, a mixture amount) the text itself."""
     if reasoning_gym_tasks.is_source(name):  # generated: the spec and the generating package's version
         from importlib.metadata import version
 
         return [name, version("reasoning-gym")]
+    if name.startswith("verifiers:"):  # an environment's dataset: the spec, the package's version, its module's file
+        import importlib.util
+        from importlib.metadata import version
+
+        target = name[len("verifiers:") :].partition("?")[0]
+        found = None if target.endswith(".py") else importlib.util.find_spec(target.split(".")[0])
+        return [name, version("verifiers"), source_identity(found.origin if found and found.origin else target)]
     path = os.path.expanduser(name)
     if os.path.isfile(path):
         st = os.stat(path)

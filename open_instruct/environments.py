@@ -16,10 +16,14 @@ message token for token (ReTool's `<output>` block), or None when the episode is
                                       python_crash (the runtime raised), python_hung (it overran its deadline)
     "truncated": list[str]            budgets that cut something in this step: max_tool_calls, tool_output_max_tokens
     "correct": bool                   on the final step, whether the verifier accepted the answer
+    "metrics": dict[str, float]       on the final step, the episode's own numbers (logged as metric_<name>, each
+                                      the mean over the episodes that report it)
 
 An environment may also set `tools` (JSON schemas passed to the chat template as `tools=`) and override
 `action_end(text)`: the character index where a turn's action is complete (the driver cuts the generated ids at the
-first token that completes it, so the tool runs there instead of after the model has written on).
+first token that completes it, so the tool runs there instead of after the model has written on), and
+`score_group(group)`: called once the episodes of a row's group have all ended, per episode a reward added to its
+last turn and an info dict merged into that turn's (rewards that need the whole group: verifiers_env.py).
 
 Naming one in a recipe: a registered name ("tool", "multi_turn") or an import path "package.module:Class" or
 "/path/to/file.py:Class" (`make_environment`; `environment_for_row` reads a row's own `environment` column), so a
@@ -93,6 +97,13 @@ class Environment:
         token. Must be prefix-monotone: once a prefix of the turn has an action end, every longer one has it."""
         return None
 
+    def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
+        """Called on a group's first environment once every episode of the group (the `num_samples_per_prompt`
+        episodes of one row, `group` in order, this one first) has ended: per episode, a reward added to its last
+        turn's and a dict merged into that turn's info; None (the default): nothing to add. For rewards that need
+        the whole group (verifiers' group reward functions)."""
+        return None
+
 
 # -----------------------------------------------------------------------------------------------------------------
 # Registry and import paths
@@ -119,6 +130,10 @@ def environment_class(spec: str) -> type:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"environment must be a registered name or 'module:Class', got {spec!r}")
     spec = spec.strip()
+    if spec.startswith("verifiers:"):  # a verifiers environment (imported only then: an optional extra)
+        from open_instruct import verifiers_env
+
+        return verifiers_env.environment_class(spec)
     if ":" not in spec:
         if spec.lower() not in ENVIRONMENTS:
             raise ConfigError(
@@ -243,6 +258,24 @@ class GuardedEnvironment(Environment):
 
     def action_end(self, text: str) -> Optional[int]:
         return self.env.action_end(text)
+
+    def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
+        score = getattr(self.env, "score_group", None)  # an environment need not subclass Environment
+        if score is None:
+            return None
+        inner = [e.env if isinstance(e, GuardedEnvironment) else e for e in group]
+        result = self._call("score_group", lambda: score(inner))
+        name = f"environment {type(self.env).__name__}.score_group"
+        if result is None:
+            return None
+        if not isinstance(result, (list, tuple)) or len(result) != len(group):
+            raise ConfigError(f"{name} returned {result!r:.80}, not one (reward, info) per episode, on {self.where}")
+        for reward, info in result:
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise ConfigError(f"{name} returned reward {reward!r}, not a finite number, on {self.where}")
+            if not isinstance(info, dict):
+                raise ConfigError(f"{name} returned info {info!r:.80}, not a dict, on {self.where}")
+        return [(float(reward), info) for reward, info in result]
 
     def __getattr__(self, name: str) -> Any:  # the environment's own attributes (e.g. a tool environment's tools)
         return getattr(self.__dict__["env"], name)

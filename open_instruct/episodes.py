@@ -452,7 +452,8 @@ def rollout_episodes(
 
 def episode_stat_sums(episodes: Sequence[Episode]) -> dict[str, float]:
     """Additive counts over a batch (sum them over ranks before `episode_stats`): episodes, turns, tool_calls,
-    episodes_with_tool_calls, done, policy_tokens, observation_tokens, tool_errors/<reason>, truncated/<budget>."""
+    episodes_with_tool_calls, done, policy_tokens, observation_tokens, tool_errors/<reason>, truncated/<budget>, and
+    metric_sum/<name>, metric_count/<name> of the numbers an episode's last turn reports in info["metrics"]."""
     sums: collections.Counter = collections.Counter()
     for e in episodes:
         sums["episodes"] += 1
@@ -466,13 +467,18 @@ def episode_stat_sums(episodes: Sequence[Episode]) -> dict[str, float]:
             sums[f"tool_errors/{reason}"] += n
         for budget, n in e.truncations.items():
             sums[f"truncated/{budget}"] += n
+        reported = (e.turns[-1].info.get("metrics") if e.turns else None) or {}
+        for name, value in reported.items():
+            sums[f"metric_sum/{name}"] += float(value)
+            sums[f"metric_count/{name}"] += 1
     return {k: float(v) for k, v in sums.items()}
 
 
 def episode_stats(sums: dict[str, float]) -> dict[str, float]:
     """The log row's env/ metrics from (rank-summed) `episode_stat_sums`: turns and tool calls per episode, the
     share of episodes that called a tool, of episodes the environment ended, of response tokens that are
-    observations; tool errors and truncations as counts, by reason/budget."""
+    observations; tool errors and truncations as counts, by reason/budget; each info["metrics"] name's mean over
+    the episodes that report it (env/metric/<name>)."""
     n = max(sums.get("episodes", 0.0), 1.0)
     tokens = sums.get("policy_tokens", 0.0) + sums.get("observation_tokens", 0.0)
     out = {
@@ -484,6 +490,10 @@ def episode_stats(sums: dict[str, float]) -> dict[str, float]:
         "env/tool_errors": sum(v for k, v in sums.items() if k.startswith("tool_errors/")),
     }
     out.update({f"env/{k}": v for k, v in sums.items() if k.startswith(("tool_errors/", "truncated/"))})
+    for key, count in sums.items():  # the environment's own per-episode metrics, averaged over those reporting them
+        if key.startswith("metric_count/") and count:
+            name = key.removeprefix("metric_count/")
+            out[f"env/metric/{name}"] = sums[f"metric_sum/{name}"] / count
     return out
 
 
@@ -664,6 +674,7 @@ class EnvironmentRun:
         )
         for i, episode in enumerate(episodes):
             episode.verifier_timeouts = timeouts[i]
+        score_groups(envs, episodes, n)
         return EpisodeOutput(
             prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
             response_ids=[e.response_ids for e in episodes],
@@ -681,6 +692,18 @@ class EnvironmentRun:
         return [episode_sample_row(e, self.tokens, self.cfg.turn_reward_aggregation) for e in episodes[:k]]
 
 
+def score_groups(envs: Sequence[Environment], episodes: Sequence[Episode], n: int) -> None:
+    """Each group's (the n episodes of one row) Environment.score_group, once all of them ended: its rewards are
+    added to each episode's last turn (so its score, under either turn_reward_aggregation) and its info merged
+    into that turn's."""
+    for start in range(0, len(envs), n):
+        scored = envs[start].score_group(list(envs[start : start + n]))
+        for episode, (reward, info) in zip(episodes[start : start + n], scored or []):
+            last = episode.turns[-1]
+            last.reward += reward
+            last.info.update(info)
+
+
 def is_episode_output(out: Any) -> bool:
     """True for a rollout played as episodes (it carries a loss mask)."""
     return getattr(out, "loss_masks", None) is not None and getattr(out, "episodes", None) is not None
@@ -689,7 +712,8 @@ def is_episode_output(out: Any) -> bool:
 def episode_metrics(accelerator: Any, episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
     """episodes.episode_stats over every rank, named `<prefix>turns_per_episode`, `<prefix>tool_calls_per_episode`,
     `<prefix>tool_call_rate`, `<prefix>done_rate`, `<prefix>observation_token_share`, `<prefix>tool_errors` and
-    per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`. Collective."""
+    per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`, per metric an environment
+    reports `<prefix>metric_<name>` (a verifiers rubric's functions). Collective."""
     stats = episode_stats(global_sums_any_keys(accelerator, episode_stat_sums(episodes)))
     return {prefix + key.removeprefix("env/").replace("/", "_"): value for key, value in stats.items()}
 

@@ -112,6 +112,8 @@ def dataset_size(name: str, split: str) -> tuple[Optional[int], str]:
     if parts and all(reasoning_gym_tasks.is_source(p) for p in parts):
         return sum(reasoning_gym_tasks.parse(p, split).size for p in parts), "the reasoning_gym sources' sizes"
     first = name.split(",")[0].strip()
+    if first.startswith("verifiers:"):  # built by the environment's load_environment(): not loaded for a plan
+        return None, "a verifiers environment's dataset is counted when the run loads it"
     if os.path.exists(first):
         return count_local_rows(name, split), "counted in the local file(s)"
     if first.endswith(DATASET_EXTENSIONS) or looks_local(first):

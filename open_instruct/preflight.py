@@ -151,6 +151,11 @@ def check_dataset(name_or_path: Optional[str], key: str) -> None:
         if reasoning_gym_tasks.is_source(part):  # the package, the task and its settings, checked now
             reasoning_gym_tasks.parse(part, "train", key)
             continue
+        if part.startswith("verifiers:"):  # a verifiers environment's dataset: loaded now (verifiers_env.py)
+            from open_instruct import verifiers_env
+
+            verifiers_env.load(part, key)
+            continue
         if os.path.isdir(part):
             continue  # a local dataset folder (datasets.load_dataset reads it)
         extension = os.path.splitext(part)[1]
@@ -353,6 +358,10 @@ def check_inputs(cfg: Any) -> None:
     check_chat_template(cfg.chat_template)
     check_attention_kernel(cfg.attention_kernel)
     check_lora_targets(cfg)
+    sources = [cfg.dataset_name_or_path, cfg.eval_dataset_name_or_path]
+    sources += [str(s) for key in ("dataset_mixer_list", "eval_dataset_mixer_list") for s in (getattr(cfg, key) or [])]
+    if any("verifiers:" in str(s) for s in sources) and not getattr(cfg, "environment", None):
+        raise ConfigError("a verifiers: dataset is played by its environment: add --environment verifiers:<the same>")
     if getattr(cfg, "environment", None):  # RL multi-turn: import the environment (a user file too) now
         from open_instruct.environments import check_environment_config
 

@@ -15,6 +15,8 @@ verifiers are binary: partial credit would let the policy farm half-right answer
                 with `code_reward: fraction` (the one verifier that can give partial credit, opt-in)
     reasoning_gym  a reasoning-gym task's own score_answer (open_instruct/reasoning_gym_tasks.py), run in the
                 worker process (its scorers may evaluate the answer); a row is correct iff it scores 1.0
+    verifiers_env  marks the rows of a verifiers environment (open_instruct/verifiers_env.py): its rubric scores
+                them inside the episode; scoring one here (no environment played) is a configuration error
 
 Every verifier sees the text after the last "</think>" when a completion contains one (the answer, not the
 reasoning). Completions longer than MAX_COMPLETION_CHARS score 0 without being read.
@@ -745,6 +747,28 @@ def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
         return reasoning_gym_tasks.score(strip_thinking(completion), ground_truth)
     except reasoning_gym_tasks.BadGroundTruth as e:
         raise GroundTruthError(str(e)) from None
+
+
+def verifiers_env_row(ground_truth: Any) -> dict[str, Any]:
+    """The environment's dataset row a verifiers_env ground truth holds (its JSON), or GroundTruthError."""
+    try:
+        row = json.loads(ground_truth) if isinstance(ground_truth, str) else None
+    except ValueError:
+        row = None
+    if not isinstance(row, dict):
+        raise GroundTruthError(f"a verifiers_env ground truth is its environment row's JSON, got {ground_truth!r:.80}")
+    return row
+
+
+@register_verifier("verifiers_env")
+def verify_verifiers_env(completion: str, ground_truth: Any) -> float:
+    """Rows of a verifiers environment (open_instruct/verifiers_env.py) are scored by its rubric inside the episode;
+    this name only marks them. The load-time check (an empty completion) reads the ground truth; a completion
+    scored here means the run plays no environment, which is a configuration error."""
+    verifiers_env_row(ground_truth)
+    if completion:
+        raise ValueError("verifiers_env rows are scored by their environment: run with --environment verifiers:...")
+    return 0.0
 
 
 def _code_tests(ground_truth: Any, settings: Any = None) -> Any:

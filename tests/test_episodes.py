@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from demo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
-from open_instruct.environments import Environment, StepResult, ToolEnvironment, make_environment
+from open_instruct.environments import Environment, GuardedEnvironment, StepResult, ToolEnvironment, make_environment
 from open_instruct.episodes import (
     Episode,
     EpisodeBudget,
@@ -588,3 +588,50 @@ def test_a_user_environment_from_a_file_plays_text_turns(tmp_path, tok):
     assert tokens.decode(ep.ids) == "count from 3: 3 ok, 2 ok, 1"
     assert ep.loss_mask == [1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
     assert [t.reward for t in ep.turns] == [1.0, 1.0, 1.0] and episode_score(ep, "sum") == 3.0
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Group scores and the environment's own metrics
+
+
+class LongestInGroup(Environment):
+    """One turn worth 0.25; score_group adds 1 to the group's longest answer(s) and reports each answer's length."""
+
+    def reset(self, example):
+        return example["messages"]
+
+    def step(self, action):
+        self.answer = action
+        return StepResult(None, 0.25, True, {"metrics": {"length": float(len(action))}})
+
+    def score_group(self, group):
+        lengths = [len(env.answer) for env in group]
+        longest = [float(n == max(lengths)) for n in lengths]
+        return [(w, {"metrics": {"length": float(n), "longest": w}}) for n, w in zip(lengths, longest)]
+
+
+class OneScoreForTwo(LongestInGroup):
+    def score_group(self, group):
+        return [(1.0, {})]
+
+
+def test_group_scores_land_on_the_last_turn_and_metrics_are_averaged(tok):
+    from open_instruct.episodes import score_groups
+
+    tokens = EpisodeTokenizer(tok)
+    scripts = {"a?": [("xyz", True), ("x", True)], "b?": [("pq", True), ("rs", True)]}
+    examples = [row(q, "") for q in ("a?", "a?", "b?", "b?")]  # two groups of two, as EnvironmentRun.play orders them
+    envs = [GuardedEnvironment(LongestInGroup(), f"row {i // 2}", 10.0) for i in range(4)]
+    episodes = rollout_episodes(envs, examples, ScriptedGenerator(tok, tokens, scripts), tokens, EpisodeBudget())
+    score_groups(envs, episodes, 2)
+    assert [episode_score(e, "sum") for e in episodes] == [1.25, 0.25, 1.25, 1.25]  # "b?": a tie, both longest
+    assert [episode_score(e, "last") for e in episodes] == [1.25, 0.25, 1.25, 1.25]
+    stats = episode_stats(episode_stat_sums(episodes))
+    assert stats["env/metric/length"] == (3 + 1 + 2 + 2) / 4 and stats["env/metric/longest"] == 3 / 4
+
+    envs = [GuardedEnvironment(OneScoreForTwo(), "row 0", 10.0) for _ in range(2)]
+    episodes = rollout_episodes(envs, examples[:2], ScriptedGenerator(tok, tokens, scripts), tokens, EpisodeBudget())
+    with pytest.raises(
+        ConfigError, match=r"OneScoreForTwo.score_group returned .* not one \(reward, info\) per episode"
+    ):
+        score_groups(envs, episodes, 2)
