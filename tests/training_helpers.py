@@ -29,6 +29,11 @@ def one_torch_thread() -> Iterator[None]:
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# A tiny PPO rollout: 4 prompts x 2 completions, 2 mini-batches of 4, one epoch, 8-token responses.
+TINY_PPO_ROLLOUTS = "--local_rollout_batch_size 4 --num_samples_per_prompt 2 --per_device_train_batch_size 4".split()
+TINY_PPO_ROLLOUTS += ["--num_epochs", "1", "--response_length", "8"]
+
+
 def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
     """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
     return [
