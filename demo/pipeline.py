@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +42,23 @@ class DemoError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers shared with demo/smollm2.py
+
+
+def write_summary_files(out: str, summary: dict[str, Any], markdown: str) -> None:
+    """<out>/summary.json (every number of the run) and <out>/summary.md (its report)."""
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(markdown)
+
+
+def run_demo(main: Callable[[], Any]) -> None:
+    """A demo's command line: a failed stage ends it with its one-line DemoError message and exit 1, no traceback."""
+    try:
+        main()
+    except DemoError as e:
+        print(f"\ndemo failed: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def script_env(num_threads: Optional[int]) -> dict[str, str]:
@@ -594,22 +611,11 @@ def write_summary(
         "artifacts": artifacts,
         "report": report,
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(
-            "# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model\n\n```\n"
-            + report
-            + "\n```\n\n"
-            + "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items())
-            + "\n"
-        )
+    images = "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items())
+    title = "# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model"
+    write_summary_files(out, summary, f"{title}\n\n```\n{report}\n```\n\n{images}\n")
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DemoError as e:
-        print(f"\ndemo failed: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_demo(main)
