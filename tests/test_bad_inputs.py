@@ -129,20 +129,6 @@ def finished_ppo(tiny_models, files, tmp_path_factory, umask_022):
 
 
 @pytest.fixture()
-def no_model_loads(monkeypatch):
-    """Any model load (from_pretrained or from_config, Auto classes or a model class) fails the test."""
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    for cls in (PreTrainedModel, _BaseAutoModelClass):
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-    monkeypatch.setattr(_BaseAutoModelClass, "from_config", classmethod(boom))
-
-
-@pytest.fixture()
 def live_process():
     """Another live process on this host (its pid goes into a planted lock)."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

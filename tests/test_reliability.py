@@ -601,47 +601,19 @@ def nan_in_training(monkeypatch, module, name: str, at_call: int, poison):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def short_sft(models, task, out, *extra):  # 8 steps of 4, a checkpoint after every step
-    return sft_argv(
-        models,
-        task,
-        out,
-        "--max_train_samples",
-        "32",
-        "--gradient_accumulation_steps",
-        "1",
-        "--per_device_train_batch_size",
-        "4",
-        "--checkpointing_steps",
-        "1",
-        "--keep_last_n_checkpoints",
-        "10",
-        "--eval_steps",
-        "8",
-        *extra,
-    )
+# 8 steps of 4, a checkpoint after every step.
+SHORT_RUN = "--max_train_samples 32 --per_device_train_batch_size 4 --gradient_accumulation_steps 1".split()
+SHORT_RUN += ["--checkpointing_steps", "1", "--keep_last_n_checkpoints", "10", "--eval_steps", "8"]
+
+
+def short_sft(models, task, out, *extra):
+    return sft_argv(models, task, out, *SHORT_RUN, *extra)
 
 
 NAN_CASES = {
     "sft": (lambda m, t, out: short_sft(m, t, out), "token_loss_sum", lambda out: (out[0] * float("nan"), out[1])),
     "reward_model": (
-        lambda m, t, out: rm_argv(
-            m,
-            t,
-            out,
-            "--max_train_samples",
-            "32",
-            "--per_device_train_batch_size",
-            "4",
-            "--gradient_accumulation_steps",
-            "1",
-            "--checkpointing_steps",
-            "1",
-            "--keep_last_n_checkpoints",
-            "10",
-            "--eval_steps",
-            "8",
-        ),
+        lambda m, t, out: rm_argv(m, t, out, *SHORT_RUN),
         "models.pair_rewards",
         lambda out: (out[0] * float("nan"), out[1]),
     ),
