@@ -18,6 +18,7 @@ from training_helpers import (
     assert_weights_match,
     noisy_sft_args,
     one_torch_thread,  # noqa: F401  (autouse fixture)
+    preempt_then_resume,
     read_metrics,
     recipe_args,
     sigterm_at_step,
@@ -337,9 +338,7 @@ def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch)
     assert_only_lora_changed(state, base_weights(task["base"]))
 
     resumed = tmp_path / "rm_resumed"
-    with sigterm_at_step(monkeypatch, 7):
-        reward_model.main(rm_args(task, resumed))
-    reward_model.main(rm_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    preempt_then_resume(reward_model.main, rm_args(task, resumed), monkeypatch, 7)
     assert_rows_match(rows, read_metrics(resumed), rel=0)
     assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
 
@@ -414,9 +413,7 @@ def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, mon
     assert (trained.chosen - base.chosen).abs().max().item() > bound  # trained: moved beyond any rounding
 
     resumed = tmp_path / "dpo_resumed"
-    with sigterm_at_step(monkeypatch, 13):
-        dpo.main(dpo_args(task, resumed))
-    dpo.main(dpo_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    preempt_then_resume(dpo.main, dpo_args(task, resumed), monkeypatch, 13)
     assert_rows_match(rows, read_metrics(resumed), rel=0)
     assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
 

@@ -122,6 +122,14 @@ def sigterm_at_step(monkeypatch: Any, step: int) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def preempt_then_resume(main: Any, argv: list[str], monkeypatch: Any, step: int) -> None:
+    """`main(argv)` with a SIGTERM in optimizer step `step` (it checkpoints and exits), then the same run resumed from
+    that checkpoint to the end."""
+    with sigterm_at_step(monkeypatch, step):
+        main(argv)
+    main([*argv, "--resume_from_checkpoint", "auto"])
+
+
 def break_checkpoints(output_dir: str, valid_step: int, steps: tuple[int, int]) -> dict[str, str]:
     """Next to the valid checkpoint step_<valid_step>, fake the debris of crashed saves at later steps:
     step_<steps[0]> without COMPLETE (killed before the marker), step_<steps[1]> with a file cut short of its
