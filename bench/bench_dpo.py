@@ -188,7 +188,6 @@ def main() -> None:
     shared.check_steps(parser, args)
 
     from demo.synthetic import preference_rows, write_jsonl
-    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_dpo_")
     data = write_jsonl(os.path.join(work, "prefs.jsonl"), preference_rows(args.steps * args.batch_size, seed=0))
@@ -199,9 +198,7 @@ def main() -> None:
     )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
-            "causal_lm"
-        ]
+        model = shared.tiny_model(work, hidden, args, "causal_lm")
         runs: dict[str, list[dict]] = {k: [] for k in KINDS}
         for _ in range(args.repeats):
             for kind in KINDS:

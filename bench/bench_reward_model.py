@@ -202,7 +202,6 @@ def main() -> None:
     shared.check_steps(parser, args)
 
     from demo.synthetic import write_jsonl
-    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_rm_")
     rows = fixed_length_pairs(args.steps * args.batch_size, args.prompt_chars, args.reply_chars)
@@ -216,9 +215,7 @@ def main() -> None:
     )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
-            "seq_cls"
-        ]
+        model = shared.tiny_model(work, hidden, args, "seq_cls")
         runs: dict[str, list[dict]] = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for kind in ("ours", "trl"):

@@ -49,6 +49,13 @@ def check_steps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--steps must be a multiple of --warmup and larger than it")
 
 
+def tiny_model(work: str, hidden: int, args: argparse.Namespace, kind: str) -> str:
+    """The folder of a tiny model (demo/tiny.py) of width `hidden` and --num_layers: "causal_lm" or "seq_cls"."""
+    from demo.tiny import save_tiny_models
+
+    return save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[kind]
+
+
 def our_training_flags(args: argparse.Namespace, output_dir: str) -> list[str]:
     """Our script's flags for the shared workload: one optimizer step per batch of pairs, linear schedule, clipping at
     1.0, a log row every `warmup` steps, no final save."""
