@@ -29,28 +29,15 @@ machine differ by up to ~25%.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import preference_bench as shared
+
 KINDS = ("ours", "trl", "trl_pre")
 BETA = 0.1
-
-
-def rss_mb(field: str = "VmRSS") -> float:
-    """Current (VmRSS) or peak (VmHWM) resident memory of this process in MB, from /proc (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -74,7 +61,7 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     class MarkedThroughput(runtime.Throughput):  # built right before the loop: model + optimizer + cache in memory
         def __init__(self) -> None:
-            marks.setdefault("rss_before_train_mb", rss_mb())
+            marks.setdefault("rss_before_train_mb", shared.rss_mb())
             super().__init__()
 
         def report(self, accelerator):  # called at each log row, i.e. every `warmup` steps
@@ -86,40 +73,15 @@ def run_ours(args: argparse.Namespace) -> dict:
     out = tempfile.mkdtemp(prefix="bench_dpo_ours_")
     dpo.main(
         [
-            "--model_name_or_path",
-            args.model,
-            "--dataset_name_or_path",
-            args.data,
-            "--output_dir",
-            os.path.join(out, "run"),
+            *shared.our_training_flags(args, os.path.join(out, "run")),
             "--reference_cache_dir",
             os.path.join(out, "cache"),
             "--loss_type",
             "dpo",
             "--beta",
             str(BETA),
-            "--max_seq_length",
-            "1024",
-            "--per_device_train_batch_size",
-            str(args.batch_size),
-            "--gradient_accumulation_steps",
-            "1",
             "--per_device_eval_batch_size",
             str(args.batch_size),
-            "--total_episodes",
-            str(args.steps * args.batch_size),
-            "--learning_rate",
-            str(args.learning_rate),
-            "--lr_scheduler_type",
-            "linear",
-            "--max_grad_norm",
-            "1.0",
-            "--logging_steps",
-            str(args.warmup),
-            "--save_final_model",
-            "false",
-            "--seed",
-            "1",
         ]
     )
     rows = [r for r in read_jsonl(os.path.join(out, "run", "metrics.jsonl")) if "perf/pairs_per_second" in r][1:]
@@ -162,7 +124,7 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
 
     class Timer(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
-            marks["rss_before_train_mb"] = rss_mb()
+            marks["rss_before_train_mb"] = shared.rss_mb()
 
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == args.warmup:
@@ -175,45 +137,17 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
                 losses.append(logs["loss"])
 
     config = DPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_dpo_trl_"),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
+        **shared.trl_training_fields(args, tempfile.mkdtemp(prefix="bench_dpo_trl_")),
         beta=BETA,
         loss_type=["sigmoid"],
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=not torch.cuda.is_available(),
-        max_length=1024,
         precompute_ref_log_probs=precompute,
         precompute_ref_batch_size=args.batch_size,
-        logging_steps=args.warmup,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        seed=1,
         disable_dropout=True,
     )
     trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()])
 
     # Same token ids as ours: TRL's prompt + completion equal our chosen/rejected sequences, pair for pair.
-    cfg = argparse.Namespace(
-        chosen_column="chosen",
-        rejected_column="rejected",
-        prompt_column="prompt",
-        max_seq_length=1024,
-        overlong="drop",
-        skip_bad_rows=False,
-        dataset_name_or_path=args.data,
-    )
-    ours, _ = tokenize_preferences(rows, tokenizer, cfg)
+    ours, _ = tokenize_preferences(rows, tokenizer, shared.preference_columns(args.data))
     for e, t in zip(ours, trainer.train_dataset):
         assert (
             t["prompt_ids"] + t["chosen_ids"] == e["chosen_ids"]
@@ -237,75 +171,23 @@ def worker(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_ours(args) if args.worker == "ours" else run_trl(args, precompute=args.worker == "trl_pre")
-    result["peak_rss_mb"] = rss_mb("VmHWM")
-    print("RESULT " + json.dumps(result), flush=True)
+    result["peak_rss_mb"] = shared.rss_mb("VmHWM")
+    shared.print_result(result)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver
 
 
-def spawn(kind: str, model: str, data: str, args: argparse.Namespace) -> dict:
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        kind,
-        "--model",
-        model,
-        "--data",
-        data,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch_size",
-        str(args.batch_size),
-        "--learning_rate",
-        str(args.learning_rate),
-        "--threads",
-        str(args.threads),
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": REPO,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(
-            f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden_sizes", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (a multiple of --warmup)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
-    parser.add_argument("--batch_size", type=int, default=8, help="pairs per optimizer step")
-    parser.add_argument("--learning_rate", type=float, default=1e-4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per worker, same for all (0: torch default)"
-    )
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
+    shared.add_arguments(parser, KINDS, "torch threads per worker, same for all (0: torch default)")
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    if args.steps % args.warmup or args.steps <= args.warmup:
-        parser.error("--steps must be a multiple of --warmup and larger than it")
+    shared.check_steps(parser, args)
 
     from demo.synthetic import preference_rows, write_jsonl
-    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_dpo_")
     data = write_jsonl(os.path.join(work, "prefs.jsonl"), preference_rows(args.steps * args.batch_size, seed=0))
@@ -316,13 +198,11 @@ def main() -> None:
     )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
-            "causal_lm"
-        ]
+        model = shared.tiny_model(work, hidden, args, "causal_lm")
         runs: dict[str, list[dict]] = {k: [] for k in KINDS}
         for _ in range(args.repeats):
             for kind in KINDS:
-                r = spawn(kind, model, data, args)
+                r = shared.spawn_worker(__file__, kind, model, data, args, args.steps)
                 runs[kind].append(r)
                 print(
                     f"  hidden {hidden:>4} {kind:>7}: {r['pairs_per_second']:7.1f} pairs/s wall, "

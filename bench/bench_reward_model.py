@@ -35,46 +35,32 @@ which measures the scheduler, not the trainers. --threads 0 keeps torch's defaul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import preference_bench as shared
 
 
 def mark_train_start(marks: dict) -> None:
     """RSS now, the peak so far, then reset the kernel's high-water mark (clear_refs 5, Linux >= 4.0) so that the
     peak read at the end is the training loop's own."""
-    marks["startup_peak_mb"] = rss_mb("VmHWM")
+    marks["startup_peak_mb"] = shared.rss_mb("VmHWM")
     try:  # hand free heap back to the OS first: else start-up garbage (TRL's is larger) hides training growth
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    marks["rss_before_train_mb"] = rss_mb()
+    marks["rss_before_train_mb"] = shared.rss_mb()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         pass  # no reset: the end-of-run peak then also covers start-up (reported as such)
-
-
-def rss_mb(field: str = "VmRSS") -> float:
-    """Current (VmRSS) or peak (VmHWM) resident memory of this process, from /proc (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # fallback: peak only (KiB on Linux)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -102,36 +88,7 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     runtime.Throughput = MarkedThroughput
     out = tempfile.mkdtemp(prefix="bench_rm_ours_")
-    reward_model.main(
-        [
-            "--model_name_or_path",
-            args.model,
-            "--dataset_name_or_path",
-            args.data,
-            "--output_dir",
-            out,
-            "--max_seq_length",
-            "1024",
-            "--per_device_train_batch_size",
-            str(args.batch_size),
-            "--gradient_accumulation_steps",
-            "1",
-            "--total_episodes",
-            str(args.steps * args.batch_size),
-            "--learning_rate",
-            str(args.learning_rate),
-            "--lr_scheduler_type",
-            "linear",
-            "--max_grad_norm",
-            "1.0",
-            "--logging_steps",
-            str(args.warmup),
-            "--save_final_model",
-            "false",
-            "--seed",
-            "1",
-        ]
-    )
+    reward_model.main(shared.our_training_flags(args, out))
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "train/loss" in r]
     shutil.rmtree(out, ignore_errors=True)
     (w0, c0), (w1, c1) = marks["reports"][0], marks["reports"][-1]
@@ -156,16 +113,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from open_instruct.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    cfg = argparse.Namespace(
-        chosen_column="chosen",
-        rejected_column="rejected",
-        prompt_column="prompt",
-        max_seq_length=1024,
-        overlong="drop",
-        skip_bad_rows=False,
-        dataset_name_or_path=args.data,
-    )
-    examples, _ = tokenize_preferences(load_rows(args.data), tokenizer, cfg)
+    examples, _ = tokenize_preferences(load_rows(args.data), tokenizer, shared.preference_columns(args.data))
     train = datasets.Dataset.from_list(
         [{"chosen_ids": e["chosen_ids"], "rejected_ids": e["rejected_ids"]} for e in examples]
     )
@@ -187,27 +135,7 @@ def run_trl(args: argparse.Namespace) -> dict:
                 losses.append(logs["loss"])
 
     config = RewardConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_rm_trl_"),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=1,
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        weight_decay=0.0,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        use_cpu=not torch.cuda.is_available(),
-        max_length=1024,
-        logging_steps=args.warmup,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
-        seed=1,
-        disable_tqdm=False,
+        **shared.trl_training_fields(args, tempfile.mkdtemp(prefix="bench_rm_trl_")), disable_tqdm=False
     )
     trainer = RewardTrainer(
         model=model, args=config, train_dataset=train, processing_class=tokenizer, callbacks=[Timer()]
@@ -230,10 +158,10 @@ def worker(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_ours(args) if args.worker == "ours" else run_trl(args)
-    train_peak = rss_mb("VmHWM")  # since mark_train_start's reset
+    train_peak = shared.rss_mb("VmHWM")  # since mark_train_start's reset
     result["peak_rss_mb"] = max(train_peak, result["startup_peak_mb"])
     result["train_growth_mb"] = train_peak - result["rss_before_train_mb"]
-    print("RESULT " + json.dumps(result), flush=True)
+    shared.print_result(result)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -259,68 +187,21 @@ def spawn(kind: str, model: str, data: str, args: argparse.Namespace, memory: bo
     measured growth (the same loop: 226-232 MB vs 142 MB). It also slows every step (page faults), hence separate
     runs for speed (default malloc) and memory."""
     steps = 2 * args.warmup if memory else args.steps
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        kind,
-        "--model",
-        model,
-        "--data",
-        data,
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch_size",
-        str(args.batch_size),
-        "--learning_rate",
-        str(args.learning_rate),
-        "--threads",
-        str(args.threads),
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": REPO,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    if memory:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"} if memory else {}
+    return shared.spawn_worker(__file__, kind, model, data, args, steps, env)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden_sizes", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (a multiple of --warmup)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
-    parser.add_argument("--batch_size", type=int, default=8, help="pairs per optimizer step")
-    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    shared.add_arguments(parser, ("ours", "trl"), "torch threads per worker (0: torch default; see the module doc)")
     parser.add_argument("--prompt_chars", type=int, default=120, help="prompt length in tokens (one per character)")
     parser.add_argument("--reply_chars", type=int, default=60, help="chosen/rejected reply length in tokens")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per worker (0: torch default; see the module doc)"
-    )
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    if args.steps % args.warmup or args.steps <= args.warmup:
-        parser.error("--steps must be a multiple of --warmup and larger than it")
+    shared.check_steps(parser, args)
 
     from demo.synthetic import write_jsonl
-    from demo.tiny import save_tiny_models
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_rm_")
     rows = fixed_length_pairs(args.steps * args.batch_size, args.prompt_chars, args.reply_chars)
@@ -334,9 +215,7 @@ def main() -> None:
     )
     summary = []
     for hidden in args.hidden_sizes:
-        model = save_tiny_models(os.path.join(work, f"h{hidden}"), hidden_size=hidden, num_layers=args.num_layers)[
-            "seq_cls"
-        ]
+        model = shared.tiny_model(work, hidden, args, "seq_cls")
         runs: dict[str, list[dict]] = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for kind in ("ours", "trl"):

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +42,23 @@ class DemoError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers shared with demo/smollm2.py
+
+
+def write_summary_files(out: str, summary: dict[str, Any], markdown: str) -> None:
+    """<out>/summary.json (every number of the run) and <out>/summary.md (its report)."""
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(markdown)
+
+
+def run_demo(main: Callable[[], Any]) -> None:
+    """A demo's command line: a failed stage ends it with its one-line DemoError message and exit 1, no traceback."""
+    try:
+        main()
+    except DemoError as e:
+        print(f"\ndemo failed: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def script_env(num_threads: Optional[int]) -> dict[str, str]:
@@ -416,95 +433,56 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
         if ax.lines:
             ax.legend(fontsize=8)
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    draw(
-        axes[0],
-        m["sft"],
-        [("train/loss", "train"), ("eval/loss", "held-out")],
-        "optimizer_step",
-        "SFT: token cross-entropy",
-        "loss",
-    )
-    draw(
-        axes[1],
-        m["rm"],
-        [("train/loss", "train"), ("eval/loss", "held-out")],
-        "optimizer_step",
-        "reward model: Bradley-Terry loss",
-    )
-    draw(axes[2], m["dpo"], [("train/loss", "train"), ("eval/loss", "held-out")], "optimizer_step", "DPO: loss")
-    draw(
-        axes[3],
-        m["rlvr"],
-        [("loss/policy", "policy (clipped surrogate)"), ("loss/kl", "KL term"), ("loss/value", "value")],
-        "rollout_step",
-        "RLVR: losses",
-    )
-    fig.tight_layout()
-    paths["losses"] = os.path.join(plot_dir, "losses.png")
-    fig.savefig(paths["losses"], dpi=110)
-    plt.close(fig)
+    def save(fig: Any, key: str, name: str) -> None:
+        fig.tight_layout()
+        paths[key] = os.path.join(plot_dir, name)
+        fig.savefig(paths[key], dpi=110)
+        plt.close(fig)
 
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    draw(
-        axes[0],
-        m["rm"],
-        [("train/accuracy", "train"), ("eval/accuracy", "held-out")],
-        "optimizer_step",
-        "reward model: pair accuracy",
-    )
-    draw(
-        axes[1],
-        m["rm"],
-        [("train/margin", "train"), ("eval/margin", "held-out")],
-        "optimizer_step",
-        "reward model: r(chosen) - r(rejected)",
-    )
-    draw(
-        axes[2],
-        m["dpo"],
-        [("train/rewards/accuracy", "train"), ("eval/rewards/accuracy", "held-out")],
-        "optimizer_step",
-        "DPO: implicit reward accuracy",
-    )
-    draw(
-        axes[3],
-        m["dpo"],
-        [("train/rewards/margin", "train"), ("eval/rewards/margin", "held-out")],
-        "optimizer_step",
-        "DPO: implicit reward margin",
-    )
-    fig.tight_layout()
-    paths["preferences"] = os.path.join(plot_dir, "reward_model_and_dpo.png")
-    fig.savefig(paths["preferences"], dpi=110)
-    plt.close(fig)
+    def train_and_held_out(metric: str) -> list[tuple[str, str]]:
+        return [(f"train/{metric}", "train"), (f"eval/{metric}", "held-out")]
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    draw(
-        axes[0],
-        m["rlvr"],
-        [("train/correct_rate", "rollouts (sampled)"), ("eval/correct_rate", "validation (greedy)")],
-        "rollout_step",
-        "RLVR: correct rate",
-    )
-    draw(
-        axes[1],
-        m["rlvr"],
-        [("train/score_mean", "mean score"), ("train/non_stop_rate", "no-stop rate")],
-        "rollout_step",
-        "RLVR: score",
-    )
-    draw(
-        axes[2],
-        m["rlvr"],
-        [("train/kl", "KL(policy || start), per sequence")],
-        "rollout_step",
-        "RLVR: KL to the starting policy",
-    )
-    fig.tight_layout()
-    paths["rlvr"] = os.path.join(plot_dir, "rlvr.png")
-    fig.savefig(paths["rlvr"], dpi=110)
-    plt.close(fig)
+    rlvr_losses = [("loss/policy", "policy (clipped surrogate)"), ("loss/kl", "KL term"), ("loss/value", "value")]
+    correct = [("train/correct_rate", "rollouts (sampled)"), ("eval/correct_rate", "validation (greedy)")]
+    score = [("train/score_mean", "mean score"), ("train/non_stop_rate", "no-stop rate")]
+    kl = [("train/kl", "KL(policy || start), per sequence")]
+    step, rollout = "optimizer_step", "rollout_step"
+    figures = {  # paths key: (file, width, its panels left to right: (stage, series, x axis, title[, y label]))
+        "losses": (
+            "losses.png",
+            16,
+            [
+                ("sft", train_and_held_out("loss"), step, "SFT: token cross-entropy", "loss"),
+                ("rm", train_and_held_out("loss"), step, "reward model: Bradley-Terry loss"),
+                ("dpo", train_and_held_out("loss"), step, "DPO: loss"),
+                ("rlvr", rlvr_losses, rollout, "RLVR: losses"),
+            ],
+        ),
+        "preferences": (
+            "reward_model_and_dpo.png",
+            16,
+            [
+                ("rm", train_and_held_out("accuracy"), step, "reward model: pair accuracy"),
+                ("rm", train_and_held_out("margin"), step, "reward model: r(chosen) - r(rejected)"),
+                ("dpo", train_and_held_out("rewards/accuracy"), step, "DPO: implicit reward accuracy"),
+                ("dpo", train_and_held_out("rewards/margin"), step, "DPO: implicit reward margin"),
+            ],
+        ),
+        "rlvr": (
+            "rlvr.png",
+            13,
+            [
+                ("rlvr", correct, rollout, "RLVR: correct rate"),
+                ("rlvr", score, rollout, "RLVR: score"),
+                ("rlvr", kl, rollout, "RLVR: KL to the starting policy"),
+            ],
+        ),
+    }
+    for key, (name, width, panels) in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.6))
+        for ax, (stage, series, x, title, *ylabel) in zip(axes, panels):
+            draw(ax, m[stage], series, x, title, *ylabel)
+        save(fig, key, name)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     names = [n for n in POLICIES if n in accuracy]
@@ -519,10 +497,7 @@ def make_plots(out: str, accuracy: dict[str, dict[str, Any]]) -> dict[str, str]:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_title(f"{accuracy[names[0]]['total']} held-out problems, 95% Wilson intervals", fontsize=10)
-    fig.tight_layout()
-    paths["accuracy"] = os.path.join(plot_dir, "accuracy.png")
-    fig.savefig(paths["accuracy"], dpi=110)
-    plt.close(fig)
+    save(fig, "accuracy", "accuracy.png")
     return paths
 
 
@@ -594,22 +569,11 @@ def write_summary(
         "artifacts": artifacts,
         "report": report,
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(
-            "# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model\n\n```\n"
-            + report
-            + "\n```\n\n"
-            + "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items())
-            + "\n"
-        )
+    images = "\n".join(f"![{k}](plots/{os.path.basename(v)})" for k, v in plots.items())
+    title = "# Demo: SFT -> reward model -> DPO -> RLVR on a tiny model"
+    write_summary_files(out, summary, f"{title}\n\n```\n{report}\n```\n\n{images}\n")
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DemoError as e:
-        print(f"\ndemo failed: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_demo(main)

@@ -26,7 +26,6 @@ Extra `--key value` arguments go to the RLVR script (e.g. `--learning_rate 3e-6 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -42,6 +41,7 @@ from demo.pipeline import (
     read_metrics,
     run_script,
     script_env,
+    write_summary_files,
 )
 from open_instruct.errors import ConfigError
 
@@ -185,10 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "",
         f"RLVR command: `{summary['rlvr_command']}`",
     ]
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_summary_files(out, summary, "\n".join(lines) + "\n")
 
     print("\n" + "=" * 80 + "\n" + "\n".join(lines[: 2 + 2 + len(held_out)]))
     print(f"wall time {fmt_seconds(total)} (CPU time {fmt_seconds(sum(cpu.values()))}); model: {final}")

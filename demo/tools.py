@@ -28,13 +28,21 @@ demo.synthetic.tool_problem), checked by the `arithmetic` verifier (the last num
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any, Optional, Sequence
 
-from demo.pipeline import DemoError, fmt_seconds, paired_change, read_metrics, run_script, script_env
+from demo.pipeline import (
+    DemoError,
+    fmt_seconds,
+    paired_change,
+    read_metrics,
+    run_demo,
+    run_script,
+    script_env,
+    write_summary_files,
+)
 from demo.synthetic import direct_answer_error
 
 SFT_RECIPE = os.path.join("configs", "demo", "sft_tools.yaml")
@@ -367,17 +375,10 @@ def write_summary(
         "cpu_seconds": cpu,
         "report": report,
     }
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("# Tool-use RL demo: RLVR with a calculator vs without tools, from the same SFT model\n\n"
-                + report + "\n")  # fmt: skip
+    title = "# Tool-use RL demo: RLVR with a calculator vs without tools, from the same SFT model"
+    write_summary_files(out, summary, f"{title}\n\n{report}\n")
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except DemoError as e:
-        print(f"\ndemo failed: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_demo(main)

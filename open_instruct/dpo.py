@@ -302,13 +302,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         stats_step = backward_step(cfg, accelerator, model, train, groups, ref, run, plan.mini_batch_size)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        # not finite: exit 3, or skip (on_nonfinite)
-        step_ok = distributed.check_update_finite(run, stats_step["train/loss"], grad_norm=grad_norm)
-        if step_ok:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.count_update(plan.mini_batch_size, len(train))
+        # optimizer and scheduler step; not finite: exit 3, or skip (on_nonfinite)
+        step_ok = run.apply_update(stats_step["train/loss"], grad_norm, plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             perf = run.throughput.report(accelerator)

@@ -201,13 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         totals = distributed.global_sums(accelerator, sums.read())
         metrics = summarize(totals, plan.mini_batch_size, "train")
-        # not finite: exit 3, or skip (on_nonfinite)
-        step_ok = distributed.check_update_finite(run, metrics["train/loss"], grad_norm=grad_norm)
-        if step_ok:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.count_update(plan.mini_batch_size, len(train))
+        # optimizer and scheduler step; not finite: exit 3, or skip (on_nonfinite)
+        step_ok = run.apply_update(metrics["train/loss"], grad_norm, plan.mini_batch_size, len(train))
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             run.log(

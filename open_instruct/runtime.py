@@ -382,6 +382,21 @@ class RunContext:
             metrics = {**metrics, **self.gpu_stats.metrics(metrics)}
         self.logger.log({**self.counters.as_log(), **metrics})
 
+    def apply_update(self, loss: float, grad_norm: Any, episodes: int, num_examples: int) -> bool:
+        """Supervised scripts, once the step's gradients are summed and clipped: the optimizer steps if the update
+        is finite on every rank (else exit 3, or with `on_nonfinite: skip` it is skipped), the scheduler steps, the
+        gradients are zeroed and the step is counted. Returns whether the optimizer stepped."""
+        from open_instruct.distributed import check_update_finite
+
+        optimizer, scheduler = self.optimizers["policy"], self.schedulers["policy"]
+        step_ok = check_update_finite(self, loss, grad_norm=grad_norm)
+        if step_ok:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.count_update(episodes, num_examples)
+        return step_ok
+
     def count_update(self, episodes: int, num_examples: int) -> None:
         """Supervised scripts, after each optimizer step: one more step, `episodes` more examples seen."""
         self.counters.optimizer_step += 1

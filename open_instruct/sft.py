@@ -128,12 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         loss = distributed.global_sum(accelerator, sums.read()["loss"]) / global_tokens
-        step_ok = distributed.check_update_finite(run, loss, grad_norm=grad_norm)  # else: exit 3, or skip
-        if step_ok:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.count_update(plan.mini_batch_size, len(train))
+        step_ok = run.apply_update(loss, grad_norm, plan.mini_batch_size, len(train))  # not finite: exit 3, or skip
 
         if should_log(counters.optimizer_step, cfg.logging_steps):
             run.log(

@@ -217,13 +217,10 @@ def assert_same_rows(expected: list[dict[str, Any]], got: list[dict[str, Any]], 
 
 
 def assert_same_weights(a_dir: str, b_dir: str, atol: float = 1e-6) -> None:
-    import torch
-    from safetensors.torch import load_file
+    """training_helpers.assert_weights_match, imported lazily as in assert_same_rows."""
+    from training_helpers import assert_weights_match
 
-    a, b = load_file(os.path.join(a_dir, "model.safetensors")), load_file(os.path.join(b_dir, "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), f"{k}: max diff {(a[k] - b[k]).abs().max().item()}"
+    assert_weights_match(a_dir, b_dir, atol)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,20 @@ def tiny_models(tmp_path_factory):
     return save_tiny_models(str(tmp_path_factory.mktemp("tiny_models")))
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load (from_pretrained or from_config, Auto classes or a model class) fails the test."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for cls in (PreTrainedModel, _BaseAutoModelClass):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
+    monkeypatch.setattr(_BaseAutoModelClass, "from_config", classmethod(boom))
+
+
 @pytest.fixture(scope="module")
 def iso():
     """The sandbox's isolation where it is namespaces as root (what the containment tests exercise); skips, saying

@@ -26,10 +26,12 @@ import sys
 import pytest
 from _reliability_helpers import stop_at, wait_until_stopped
 from training_helpers import (
+    TINY_PPO_ROLLOUTS,
     assert_rows_match,
     assert_weights_match,
     one_torch_thread,  # noqa: F401  (autouse fixture)
     read_metrics,
+    recipe_args,
     sigterm_at_step,
     write_fake_model,
 )
@@ -88,81 +90,21 @@ def files(tmp_path_factory):
 
 def sft_argv(models, files, out, *extra):
     """4 optimizer steps of 8 conversations (4 x 2 micro-batches), eval every 2, a checkpoint every 2."""
-    return [
-        recipe("sft_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        files["sft"],
-        "--eval_dataset_name_or_path",
-        files["sft_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "4",
-        "--gradient_accumulation_steps",
-        "2",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "2",
-        "--checkpointing_steps",
-        "2",
-        *extra,
-    ]
+    settings = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1"]
+    settings += ["--eval_steps", "2", "--checkpointing_steps", "2"]
+    return recipe_args("sft_tiny.yaml", models["causal_lm"], files["sft"], files["sft_eval"], out, *settings, *extra)
 
 
 def rl_argv(models, files, out, *extra):
     """PPO, 4 rollouts of 4 prompts x 2 completions (2 mini-batches each), a checkpoint after every rollout."""
-    return [
-        recipe("rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        files["rl"],
-        "--eval_dataset_name_or_path",
-        files["rl_eval"],
-        "--output_dir",
-        str(out),
-        "--total_episodes",
-        "32",
-        "--local_rollout_batch_size",
-        "4",
-        "--num_samples_per_prompt",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--num_epochs",
-        "1",
-        "--response_length",
-        "8",
-        "--eval_steps",
-        "2",
-        "--checkpointing_steps",
-        "1",
-        *extra,
-    ]
+    settings = ["--total_episodes", "32", *TINY_PPO_ROLLOUTS, "--eval_steps", "2", "--checkpointing_steps", "1"]
+    return recipe_args("rlvr_tiny.yaml", models["causal_lm"], files["rl"], files["rl_eval"], out, *settings, *extra)
 
 
 def dpo_argv(models, files, out, *extra):
-    return [
-        recipe("dpo_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        files["pref"],
-        "--eval_dataset_name_or_path",
-        files["pref"],
-        "--output_dir",
-        str(out),
-        "--reference_cache_dir",
-        os.path.join(files["dir"], "ref_cache"),
-        "--per_device_train_batch_size",
-        "4",
-        "--gradient_accumulation_steps",
-        "1",
-        *extra,
-    ]
+    settings = ["--reference_cache_dir", os.path.join(files["dir"], "ref_cache"), "--per_device_train_batch_size", "4"]
+    settings += ["--gradient_accumulation_steps", "1"]
+    return recipe_args("dpo_tiny.yaml", models["causal_lm"], files["pref"], files["pref"], out, *settings, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -184,20 +126,6 @@ def finished_ppo(tiny_models, files, tmp_path_factory, umask_022):
     out = tmp_path_factory.mktemp("finished_ppo") / "out"
     assert run_script("rlvr_ppo", rl_argv(tiny_models, files, out)) == 0
     return out
-
-
-@pytest.fixture()
-def no_model_loads(monkeypatch):
-    """Any model load (from_pretrained or from_config, Auto classes or a model class) fails the test."""
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    for cls in (PreTrainedModel, _BaseAutoModelClass):
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-    monkeypatch.setattr(_BaseAutoModelClass, "from_config", classmethod(boom))
 
 
 @pytest.fixture()

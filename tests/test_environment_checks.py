@@ -121,18 +121,6 @@ def test_a_good_environment_passes_through_unchanged(envs_file):
     assert tuple(env.step("4")) == (None, 1.0, True, {})
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    for cls in (PreTrainedModel, _BaseAutoModelClass):
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-
-
 @pytest.mark.parametrize("name,method", [("StepRaises", "step"), ("ResetRobot", "reset")])
 def test_bad_environment_exits_2_before_any_model_loads(
     name, method, envs_file, tiny_models, tmp_path, capsys, no_model_loads

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped
 from test_reward_model import case_rows
 from tolerances import chain_atol, decoder_reduction_lengths, forward_atol, gamma, max_abs
 from training_helpers import (
     assert_rows_match,
     assert_weights_match,
+    noisy_sft_args,
     one_torch_thread,  # noqa: F401  (autouse fixture)
+    preempt_then_resume,
     read_metrics,
+    recipe_args,
     sigterm_at_step,
 )
 
@@ -31,6 +31,8 @@ from open_instruct.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = ["--use_lora", "true", "--lora_rank", "8", "--lora_alpha", "16"]
+# Every supervised run here: 2 micro-batches a step, no warmup, a log row every step, an eval every 10 steps.
+SUPERVISED = "--gradient_accumulation_steps 2 --warmup_ratio 0 --logging_steps 1 --eval_steps 10".split() + LORA
 
 
 @pytest.fixture(scope="module")
@@ -38,26 +40,7 @@ def task(tmp_path_factory, tiny_models):
     """Task files and a fully SFT'd starting model (noisy answers: room left for every stage to learn)."""
     root = tmp_path_factory.mktemp("lora")
     files = synthetic.write_task_files(str(root / "data"), n_train=640, n_eval=96)
-    noisy = synthetic.write_jsonl(str(root / "data" / "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6))
-    sft.main(
-        [
-            os.path.join(REPO, "configs", "sft_tiny.yaml"),
-            "--model_name_or_path",
-            tiny_models["causal_lm"],
-            "--dataset_name_or_path",
-            noisy,
-            "--eval_dataset_name_or_path",
-            files["sft_eval"],
-            "--output_dir",
-            str(root / "base"),
-            "--num_train_epochs",
-            "4",
-            "--eval_steps",
-            "1000",
-            "--checkpointing_steps",
-            "1000",
-        ]
-    )
+    sft.main(noisy_sft_args(str(root / "data"), tiny_models["causal_lm"], files["sft_eval"], root / "base"))
     return {**files, "base": str(root / "base" / "final_model"), "root": root}
 
 
@@ -139,39 +122,11 @@ def test_apply_lora_prints_no_transformers_future_warning(tiny_models):
 
 
 def sft_args(task, out, *extra):
-    return [
-        os.path.join(REPO, "configs", "sft_tiny.yaml"),
-        "--model_name_or_path",
-        task["base"],
-        "--dataset_name_or_path",
-        task["sft_train"],
-        "--eval_dataset_name_or_path",
-        task["sft_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "16",
-        "--gradient_accumulation_steps",
-        "2",
-        "--learning_rate",
-        "3e-3",
-        "--lr_scheduler_type",
-        "constant",
-        "--warmup_ratio",
-        "0",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "10",
-        "--checkpointing_steps",
-        "5",
-        "--best_metric",
-        "eval/loss",
-        "--best_metric_mode",
-        "min",
-        *LORA,
-        *extra,
-    ]
+    settings = ["--per_device_train_batch_size", "16", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant"]
+    settings += ["--checkpointing_steps", "5", "--best_metric", "eval/loss", "--best_metric_mode", "min"]
+    return recipe_args(
+        "sft_tiny.yaml", task["base"], task["sft_train"], task["sft_eval"], out, *SUPERVISED, *settings, *extra
+    )
 
 
 @pytest.fixture(scope="module")
@@ -361,35 +316,11 @@ def rm_args(task, out, *extra):
     if "case_train" not in task:
         task["case_train"] = synthetic.write_jsonl(str(task["root"] / "data" / "case_train.jsonl"), case_rows(320, 0))
         task["case_eval"] = synthetic.write_jsonl(str(task["root"] / "data" / "case_eval.jsonl"), case_rows(64, 1))
-    return [
-        os.path.join(REPO, "configs", "rm_tiny.yaml"),
-        "--model_name_or_path",
-        task["base"],
-        "--dataset_name_or_path",
-        task["case_train"],
-        "--eval_dataset_name_or_path",
-        task["case_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "8",
-        "--gradient_accumulation_steps",
-        "2",
-        "--learning_rate",
-        "1e-2",
-        "--warmup_ratio",
-        "0",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "10",
-        "--checkpointing_steps",
-        "10",
-        "--num_train_epochs",
-        "1",
-        *LORA,
-        *extra,
-    ]
+    settings = ["--per_device_train_batch_size", "8", "--learning_rate", "1e-2", "--checkpointing_steps", "10"]
+    settings += ["--num_train_epochs", "1"]
+    return recipe_args(
+        "rm_tiny.yaml", task["base"], task["case_train"], task["case_eval"], out, *SUPERVISED, *settings, *extra
+    )
 
 
 def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch):
@@ -407,9 +338,7 @@ def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch)
     assert_only_lora_changed(state, base_weights(task["base"]))
 
     resumed = tmp_path / "rm_resumed"
-    with sigterm_at_step(monkeypatch, 7):
-        reward_model.main(rm_args(task, resumed))
-    reward_model.main(rm_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    preempt_then_resume(reward_model.main, rm_args(task, resumed), monkeypatch, 7)
     assert_rows_match(rows, read_metrics(resumed), rel=0)
     assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
 
@@ -437,33 +366,10 @@ def test_reward_model_lora_learns_resumes_and_saves(task, tmp_path, monkeypatch)
 
 
 def dpo_args(task, out, *extra):
-    return [
-        os.path.join(REPO, "configs", "dpo_tiny.yaml"),
-        "--model_name_or_path",
-        task["base"],
-        "--dataset_name_or_path",
-        task["pref_train"],
-        "--eval_dataset_name_or_path",
-        task["pref_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "16",
-        "--gradient_accumulation_steps",
-        "2",
-        "--learning_rate",
-        "3e-3",
-        "--warmup_ratio",
-        "0",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "10",
-        "--checkpointing_steps",
-        "10",
-        *LORA,
-        *extra,
-    ]
+    settings = ["--per_device_train_batch_size", "16", "--learning_rate", "3e-3", "--checkpointing_steps", "10"]
+    return recipe_args(
+        "dpo_tiny.yaml", task["base"], task["pref_train"], task["pref_eval"], out, *SUPERVISED, *settings, *extra
+    )
 
 
 def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, monkeypatch, capsys):
@@ -507,9 +413,7 @@ def test_dpo_lora_learns_with_the_adapter_disabled_reference(task, tmp_path, mon
     assert (trained.chosen - base.chosen).abs().max().item() > bound  # trained: moved beyond any rounding
 
     resumed = tmp_path / "dpo_resumed"
-    with sigterm_at_step(monkeypatch, 13):
-        dpo.main(dpo_args(task, resumed))
-    dpo.main(dpo_args(task, resumed, "--resume_from_checkpoint", "auto"))
+    preempt_then_resume(dpo.main, dpo_args(task, resumed), monkeypatch, 13)
     assert_rows_match(rows, read_metrics(resumed), rel=0)
     assert_weights_match(out / "final_model", resumed / "final_model", atol=0)
 
@@ -574,43 +478,24 @@ def test_lora_memory_saved(task):
 # RLVR
 
 
+def rl_task(task) -> dict:
+    """The module's task in tests/test_rlvr.py's terms: the SFT'd policy and the RL prompt files."""
+    return {"policy": task["base"], "train": task["rl_train"], "eval": task["rl_eval"]}
+
+
+def rl_lora_rows(task, out: str, *extra: str) -> list[dict]:
+    """rlvr_ppo.py with LoRA from the SFT'd model: 1024 episodes, an eval every 4 rollouts; its metrics rows."""
+    from test_rlvr import read_rows, rl_args, run
+
+    settings = ["--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "1000"]
+    run(rl_args(rl_task(task), out, *extra, *settings, "--learning_rate", "2e-3", *LORA), timeout=900)
+    return read_rows(out)
+
+
 def test_rlvr_lora_trains_with_the_adapter_disabled_reference(task):
     """GRPO with LoRA (beta > 0: the reference is the policy with its adapters disabled, no second copy)."""
-    out = str(task["root"] / "rl_lora")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    args = [
-        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        task["base"],
-        "--dataset_name_or_path",
-        task["rl_train"],
-        "--eval_dataset_name_or_path",
-        task["rl_eval"],
-        "--output_dir",
-        out,
-        "--algo",
-        "grpo",
-        "--num_samples_per_prompt",
-        "8",
-        "--local_rollout_batch_size",
-        "16",
-        "--kl_estimator",
-        "k3",
-        "--total_episodes",
-        "1024",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "1000",
-        "--learning_rate",
-        "2e-3",
-        *LORA,
-    ]
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    grpo = ["--algo", "grpo", "--num_samples_per_prompt", "8", "--local_rollout_batch_size", "16"]
+    rows = rl_lora_rows(task, str(task["root"] / "rl_lora"), *grpo, "--kl_estimator", "k3")
     evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
     train = [r for r in rows if "train/correct_rate" in r]
     kls = [r["train/kl"] for r in train if "train/kl" in r]
@@ -649,33 +534,7 @@ def test_rlvr_lora_models_share_the_policy_as_reference(task):
 
 def test_ppo_lora_value_model_trains(task):
     """PPO with LoRA on the policy and on the value model (adapters + its scalar head)."""
-    out = str(task["root"] / "ppo_lora")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    args = [
-        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        task["base"],
-        "--dataset_name_or_path",
-        task["rl_train"],
-        "--eval_dataset_name_or_path",
-        task["rl_eval"],
-        "--output_dir",
-        out,
-        "--total_episodes",
-        "1024",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "1000",
-        "--learning_rate",
-        "2e-3",
-        *LORA,
-    ]
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = rl_lora_rows(task, str(task["root"] / "ppo_lora"))
     evals = [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
     value_losses = [r["loss/value"] for r in rows if "loss/value" in r]
     print(f"PPO LoRA: held-out greedy correct rate by eval {evals}; loss/value {[round(v, 4) for v in value_losses]}")
@@ -732,31 +591,10 @@ def test_sft_lora_under_fsdp2_matches_one_process(tmp_path, tiny_models):
 def test_ppo_lora_resume_after_sigterm_is_exact(task):
     """PPO with LoRA on the policy and the value model, reference = adapter-disabled policy: SIGTERM after a few
     rollouts, resume, and the logs and final weights equal the uninterrupted run's."""
-    import signal
+    from test_rlvr import read_rows, run_full_and_preempted
 
-    from test_rlvr import ENV, read_rows, rl_args, run
-
-    rl_task = {"policy": task["base"], "train": task["rl_train"], "eval": task["rl_eval"]}
-    small = ["--local_rollout_batch_size", "8", "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8"]
-    small += ["--total_episodes", "128", "--checkpointing_steps", "1", "--eval_steps", "4", "--max_eval_samples", "32"]
-    small += LORA
     full_dir, cut_dir = str(task["root"] / "ppo_full"), str(task["root"] / "ppo_cut")
-    run(rl_args(rl_task, full_dir, *small))
-    proc = subprocess.Popen(
-        [sys.executable, *rl_args(rl_task, cut_dir, *small)],
-        cwd=REPO,
-        env={**ENV, **stop_at("metrics_row", 2)},  # stops itself after rollout 2's row: the SIGTERM lands there
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    wait_until_stopped(proc.pid, 300)
-    signal_stopped(proc.pid, signal.SIGTERM)
-    log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "SIGTERM: checkpoint written" in log, log[-3000:]
-    stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))
-    assert stopped_at < 8, "the run finished before the signal: nothing was resumed"
-    run(rl_args(rl_task, cut_dir, *small, "--resume_from_checkpoint", "auto"))
+    stopped_at = run_full_and_preempted(rl_task(task), full_dir, cut_dir, *LORA)
     full, resumed = read_rows(full_dir), read_rows(cut_dir)
     assert_rows_match(full, resumed, rel=0)
     assert_weights_match(os.path.join(full_dir, "final_model"), os.path.join(cut_dir, "final_model"), atol=0)

@@ -460,10 +460,12 @@ def tiny_run_rtol(seq_len: int, tokens: int, steps: int) -> float:
     return run_rtol(tiny_llama_config(VOCAB), seq_len, tokens, steps)
 
 
-def compare(padded: list[dict], packed: list[dict], keys: tuple[str, ...]) -> list[float]:
+def compare(padded: list[dict], packed: list[dict], keys: tuple[str, ...], having: str | None = None) -> list[float]:
     """Largest relative difference of each row over `keys` (absolute below 0.01, where a relative difference of a
     value near 0 means nothing: these logged numbers are sums of terms of size ~0.01 and more; rows aligned, keys in
-    both)."""
+    both). `having`: only the rows that log that key (e.g. the train rows)."""
+    if having is not None:
+        padded, packed = [r for r in padded if having in r], [r for r in packed if having in r]
     assert len(padded) == len(packed) and padded
     out = []
     for a, b in zip(padded, packed):
@@ -476,27 +478,35 @@ def compare(padded: list[dict], packed: list[dict], keys: tuple[str, ...]) -> li
     return out
 
 
+# The end-to-end runs: 6 steps of 4 x 2 rows, a row every step and an eval every 3, nothing saved.
+SIX_STEPS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1"]
+SIX_STEPS += ["--per_device_eval_batch_size", "8", "--eval_steps", "3", "--checkpointing_steps", "100"]
+SIX_STEPS += ["--save_final_model", "false"]
+
+
+def assert_six_steps_within_bounds(train: list[float], evals: list[float], seq_len: int) -> None:
+    """Step 1's loss is from the untrained model: one forward; then each step adds its bound (run_rtol)."""
+    first, bound = tiny_run_rtol(seq_len, 4 * seq_len, 0), tiny_run_rtol(seq_len, 4 * seq_len, 6)
+    print(f"bounds: step 1 {first:.2e}, 6 steps {bound:.2e}")
+    assert len(train) == 6 and train[0] <= first and max(train) <= bound and max(evals) <= bound
+
+
 def test_sft_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, monkeypatch):
     from open_instruct import sft
 
     args = [
         os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
         "--dataset_name_or_path", varied["sft"], "--eval_dataset_name_or_path", varied["sft_eval"],
-        "--max_seq_length", "96", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--per_device_eval_batch_size", "8", "--learning_rate", "3e-3", "--logging_steps", "1", "--eval_steps", "3",
-        "--checkpointing_steps", "100", "--save_final_model", "false",
+        "--max_seq_length", "96", "--learning_rate", "3e-3", *SIX_STEPS,
     ]  # fmt: skip
     padded, packed = run_both(sft, args, 160, tmp_path, monkeypatch)
-    train = compare([r for r in padded if "train/loss" in r], [r for r in packed if "train/loss" in r], ("train/loss",))
-    evals = compare([r for r in padded if "eval/loss" in r], [r for r in packed if "eval/loss" in r], ("eval/loss",))
+    train = compare(padded, packed, ("train/loss",), having="train/loss")
+    evals = compare(padded, packed, ("eval/loss",), having="eval/loss")
     print(f"SFT, 6 steps: train/loss relative differences {train}, eval/loss {evals}")
     assert [r["train/tokens_trained"] for r in padded if "train/loss" in r] == [
         r["train/tokens_trained"] for r in packed if "train/loss" in r
     ]
-    # Step 1's loss is from the untrained model: one forward; then each step adds its bound (run_rtol).
-    first, bound = tiny_run_rtol(96, 4 * 96, 0), tiny_run_rtol(96, 4 * 96, 6)
-    print(f"bounds: step 1 {first:.2e}, 6 steps {bound:.2e}")
-    assert len(train) == 6 and train[0] <= first and max(train) <= bound and max(evals) <= bound
+    assert_six_steps_within_bounds(train, evals, 96)
 
 
 def test_reward_model_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, monkeypatch):
@@ -505,19 +515,14 @@ def test_reward_model_end_to_end_packed_matches_padded(tiny_models, varied, tmp_
     args = [
         os.path.join(REPO, "configs", "rm_tiny.yaml"), "--model_name_or_path", tiny_models["seq_cls"],
         "--dataset_name_or_path", varied["pref"], "--eval_dataset_name_or_path", varied["pref_eval"],
-        "--max_seq_length", "64", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--per_device_eval_batch_size", "8", "--learning_rate", "2e-3", "--warmup_ratio", "0", "--logging_steps", "1",
-        "--eval_steps", "3", "--checkpointing_steps", "100", "--save_final_model", "false",
+        "--max_seq_length", "64", "--learning_rate", "2e-3", "--warmup_ratio", "0", *SIX_STEPS,
     ]  # fmt: skip
     padded, packed = run_both(reward_model, args, 160, tmp_path, monkeypatch)
     keys = ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/accuracy")
-    train = compare([r for r in padded if "train/loss" in r], [r for r in packed if "train/loss" in r], keys)
-    eval_keys = ("eval/loss", "eval/chosen_reward", "eval/accuracy")
-    evals = compare([r for r in padded if "eval/loss" in r], [r for r in packed if "eval/loss" in r], eval_keys)
+    train = compare(padded, packed, keys, having="train/loss")
+    evals = compare(padded, packed, ("eval/loss", "eval/chosen_reward", "eval/accuracy"), having="eval/loss")
     print(f"RM, 6 steps: train relative differences {train}, eval {evals}")
-    first, bound = tiny_run_rtol(64, 4 * 64, 0), tiny_run_rtol(64, 4 * 64, 6)
-    print(f"bounds: step 1 {first:.2e}, 6 steps {bound:.2e}")
-    assert len(train) == 6 and train[0] <= first and max(train) <= bound and max(evals) <= bound
+    assert_six_steps_within_bounds(train, evals, 64)
 
 
 def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, monkeypatch):
@@ -529,9 +534,7 @@ def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
     args = [
         os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
         "--dataset_name_or_path", varied["pref"], "--eval_dataset_name_or_path", varied["pref_eval"],
-        "--max_seq_length", "64", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--per_device_eval_batch_size", "8", "--learning_rate", "1e-3", "--warmup_ratio", "0", "--logging_steps", "1",
-        "--eval_steps", "3", "--checkpointing_steps", "100", "--save_final_model", "false",
+        "--max_seq_length", "64", "--learning_rate", "1e-3", "--warmup_ratio", "0", *SIX_STEPS,
         "--string_rows", "chat_template",  # the string pairs in chat form, as this test's tolerances were set on
     ]  # fmt: skip
     padded, packed = run_both(dpo, args, 160, tmp_path, monkeypatch)
@@ -546,12 +549,8 @@ def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
     print(f"DPO reference cache, packed pass vs padded pass: max |log-prob diff| {ref_gap:.2e} (bound {ref_bound:.2e})")
     assert ref_gap <= ref_bound
     keys = ("train/loss", "train/logps/chosen", "train/logps/rejected", "train/rewards/margin")
-    train = compare([r for r in padded if "train/loss" in r], [r for r in packed if "train/loss" in r], keys)
-    evals = compare(
-        [r for r in padded if "eval/loss" in r],
-        [r for r in packed if "eval/loss" in r],
-        ("eval/loss", "eval/logps/chosen"),
-    )
+    train = compare(padded, packed, keys, having="train/loss")
+    evals = compare(padded, packed, ("eval/loss", "eval/logps/chosen"), having="eval/loss")
     print(f"DPO, 6 steps: train relative differences {train}, eval {evals}")
     # Step 1: policy == reference, so the margin is the difference of log-prob sums near -90 that were added up in
     # another order (one fp32 ulp there is 8e-6): a margin near 0 is compared against the 0.01 floor.
@@ -587,7 +586,7 @@ def test_rlvr_end_to_end_packed_matches_padded(variant, tiny_models, varied, tmp
         "train/score_mean", "train/rm_score_mean", "train/kl", "loss/policy", "loss/value", "loss/kl",
         "train/approx_kl", "train/entropy", "train/grad_norm", "train/value_grad_norm", "clipfrac/policy",
     )  # fmt: skip
-    train = compare([r for r in padded if "loss/policy" in r], [r for r in packed if "loss/policy" in r], keys)
+    train = compare(padded, packed, keys, having="loss/policy")
     print(f"RLVR {variant}, 2 rollouts x 4 optimizer steps: relative differences {train}")
     same = [r["train/response_length"] for r in padded if "loss/policy" in r]
     assert same == [r["train/response_length"] for r in packed if "loss/policy" in r]  # the same completions

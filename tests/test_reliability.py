@@ -24,7 +24,11 @@ import time
 import pytest
 import torch
 from _reliability_helpers import Run, Zygote, assert_same_rows, assert_same_weights, read_rows, stop_at
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread in this process)
+from training_helpers import (
+    TINY_PPO_ROLLOUTS,
+    one_torch_thread,  # noqa: F401  (autouse fixture: one intra-op thread in this process)
+    recipe_args,
+)
 
 from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
 from open_instruct import checkpoint, errors, run_dir, runtime
@@ -33,10 +37,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fixed by default so CI is deterministic; RELIABILITY_SEED=random explores new kill moments.
 _seed = os.environ.get("RELIABILITY_SEED", "1234")
 SEED = random.SystemRandom().randrange(10**6) if _seed == "random" else int(_seed)
-
-
-def recipe(name: str) -> str:
-    return os.path.join(REPO, "configs", name)
 
 
 @pytest.fixture(scope="module")
@@ -66,97 +66,28 @@ def zygote():
     z.close()
 
 
+# The supervised runs: 4 examples a step (2 x 2 micro-batches), a row every step, eval every 4, checkpoint every 3.
+STEPS = "--per_device_train_batch_size 2 --gradient_accumulation_steps 2 --logging_steps 1 --eval_steps 4".split()
+STEPS += ["--checkpointing_steps", "3"]
+
+
 # 16 optimizer steps of 4 conversations (2 x 2 micro-batches), linear decay with warmup: the scheduler state matters.
 def sft_argv(models, task, out, *extra):
-    return [
-        recipe("sft_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        task["sft"],
-        "--eval_dataset_name_or_path",
-        task["sft_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--learning_rate",
-        "1e-2",
-        "--warmup_ratio",
-        "0.1",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "3",
-        "--keep_last_n_checkpoints",
-        "2",
-        *extra,
-    ]
+    settings = ["--learning_rate", "1e-2", "--warmup_ratio", "0.1", "--keep_last_n_checkpoints", "2"]
+    return recipe_args(
+        "sft_tiny.yaml", models["causal_lm"], task["sft"], task["sft_eval"], out, *STEPS, *settings, *extra
+    )
 
 
 def dpo_argv(models, task, out, cache, *extra):
-    return [
-        recipe("dpo_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        task["pref"],
-        "--eval_dataset_name_or_path",
-        task["pref_eval"],
-        "--output_dir",
-        str(out),
-        "--reference_cache_dir",
-        str(cache),
-        "--per_device_train_batch_size",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "3",
-        "--per_device_eval_batch_size",
-        "8",
-        *extra,
-    ]
+    settings = ["--reference_cache_dir", str(cache), *STEPS, "--per_device_eval_batch_size", "8"]
+    return recipe_args("dpo_tiny.yaml", models["causal_lm"], task["pref"], task["pref_eval"], out, *settings, *extra)
 
 
 # 8 rollouts of 4 prompts x 2 samples, 2 PPO mini-batches each (16 optimizer steps); checkpoints every 2 rollouts.
 def rl_argv(models, task, out, *extra):
-    return [
-        recipe("rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        models["causal_lm"],
-        "--dataset_name_or_path",
-        task["rl"],
-        "--eval_dataset_name_or_path",
-        task["rl_eval"],
-        "--output_dir",
-        str(out),
-        "--total_episodes",
-        "64",
-        "--local_rollout_batch_size",
-        "4",
-        "--num_samples_per_prompt",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--num_epochs",
-        "1",
-        "--response_length",
-        "8",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "2",
-        *extra,
-    ]
+    settings = ["--total_episodes", "64", *TINY_PPO_ROLLOUTS, "--eval_steps", "4", "--checkpointing_steps", "2"]
+    return recipe_args("rlvr_tiny.yaml", models["causal_lm"], task["rl"], task["rl_eval"], out, *settings, *extra)
 
 
 def fault(spec: str) -> dict[str, str]:
@@ -335,28 +266,7 @@ def test_rlvr_killed_mid_generation_preempted_and_killed_again_resumes_exactly(
 
 
 def rm_argv(models, task, out, *extra):  # 16 steps of 4 pairs
-    return [
-        recipe("rm_tiny.yaml"),
-        "--model_name_or_path",
-        models["seq_cls"],
-        "--dataset_name_or_path",
-        task["pref"],
-        "--eval_dataset_name_or_path",
-        task["pref_eval"],
-        "--output_dir",
-        str(out),
-        "--per_device_train_batch_size",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--logging_steps",
-        "1",
-        "--eval_steps",
-        "4",
-        "--checkpointing_steps",
-        "3",
-        *extra,
-    ]
+    return recipe_args("rm_tiny.yaml", models["seq_cls"], task["pref"], task["pref_eval"], out, *STEPS, *extra)
 
 
 @pytest.mark.concurrency
@@ -691,47 +601,19 @@ def nan_in_training(monkeypatch, module, name: str, at_call: int, poison):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def short_sft(models, task, out, *extra):  # 8 steps of 4, a checkpoint after every step
-    return sft_argv(
-        models,
-        task,
-        out,
-        "--max_train_samples",
-        "32",
-        "--gradient_accumulation_steps",
-        "1",
-        "--per_device_train_batch_size",
-        "4",
-        "--checkpointing_steps",
-        "1",
-        "--keep_last_n_checkpoints",
-        "10",
-        "--eval_steps",
-        "8",
-        *extra,
-    )
+# 8 steps of 4, a checkpoint after every step.
+SHORT_RUN = "--max_train_samples 32 --per_device_train_batch_size 4 --gradient_accumulation_steps 1".split()
+SHORT_RUN += ["--checkpointing_steps", "1", "--keep_last_n_checkpoints", "10", "--eval_steps", "8"]
+
+
+def short_sft(models, task, out, *extra):
+    return sft_argv(models, task, out, *SHORT_RUN, *extra)
 
 
 NAN_CASES = {
     "sft": (lambda m, t, out: short_sft(m, t, out), "token_loss_sum", lambda out: (out[0] * float("nan"), out[1])),
     "reward_model": (
-        lambda m, t, out: rm_argv(
-            m,
-            t,
-            out,
-            "--max_train_samples",
-            "32",
-            "--per_device_train_batch_size",
-            "4",
-            "--gradient_accumulation_steps",
-            "1",
-            "--checkpointing_steps",
-            "1",
-            "--keep_last_n_checkpoints",
-            "10",
-            "--eval_steps",
-            "8",
-        ),
+        lambda m, t, out: rm_argv(m, t, out, *SHORT_RUN),
         "models.pair_rewards",
         lambda out: (out[0] * float("nan"), out[1]),
     ),

@@ -116,18 +116,6 @@ def test_trl_style_reward_function_sees_every_column_and_trls_completion_shape(
     assert scores and scores[0] == pytest.approx(expected, abs=1e-6)
 
 
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    def boom(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    for cls in (PreTrainedModel, _BaseAutoModelClass):
-        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
-
-
 @pytest.mark.parametrize(
     "name,message",
     [

@@ -18,12 +18,12 @@ import warnings
 import pytest
 from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped
 from tolerances import backward_atol, forward_atol
+from training_helpers import noisy_sft_args, recipe_args
 
 from demo import synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
-RECIPE = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
 # Tiny models are overhead-bound; on a shared 2-core machine two OpenMP threads per process can be 10x slower.
 ENV = {
     **os.environ,
@@ -46,35 +46,41 @@ def read_rows(output_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def run_full_and_preempted(task: dict, full_dir: str, cut_dir: str, *extra: str) -> int:
+    """The same 8-rollout run (a checkpoint after each) twice: whole into full_dir, and into cut_dir with a SIGTERM
+    once a few rollouts are logged (it checkpoints at the next rollout boundary and exits 0), then resumed there.
+    Returns the last rollout logged before the signal."""
+    settings = ["--local_rollout_batch_size", "8", "--num_samples_per_prompt", "2", "--per_device_train_batch_size"]
+    settings += ["8", "--total_episodes", "128", "--checkpointing_steps", "1", "--eval_steps", "4"]
+    settings += ["--max_eval_samples", "32", *extra]
+    run(rl_args(task, full_dir, *settings))
+    proc = subprocess.Popen(
+        [sys.executable, *rl_args(task, cut_dir, *settings)],
+        cwd=REPO,
+        env={**ENV, **stop_at("metrics_row", 2)},  # stops itself after rollout 2's row: the SIGTERM lands there
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_until_stopped(proc.pid, 300)
+    signal_stopped(proc.pid, signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGTERM: checkpoint written" in log
+    stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))
+    assert stopped_at < 8, "the run finished before the signal: nothing was resumed"
+    run(rl_args(task, cut_dir, *settings, "--resume_from_checkpoint", "auto"))
+    return stopped_at
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory, tiny_models):
     """RL prompt files and the SFT'd starting policy."""
     root = str(tmp_path_factory.mktemp("rlvr"))
     files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
-    sft_data = synthetic.write_jsonl(
-        os.path.join(root, "data", "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6)
-    )
     sft_dir = os.path.join(root, "sft")
-    run(
-        [
-            os.path.join(REPO, "open_instruct", "sft.py"),
-            os.path.join(REPO, "configs", "sft_tiny.yaml"),
-            "--model_name_or_path",
-            tiny_models["causal_lm"],
-            "--dataset_name_or_path",
-            sft_data,
-            "--eval_dataset_name_or_path",
-            files["sft_eval"],
-            "--output_dir",
-            sft_dir,
-            "--num_train_epochs",
-            "4",
-            "--eval_steps",
-            "1000",
-            "--checkpointing_steps",
-            "1000",
-        ]
-    )
+    sft_args = noisy_sft_args(os.path.join(root, "data"), tiny_models["causal_lm"], files["sft_eval"], sft_dir)
+    run([os.path.join(REPO, "open_instruct", "sft.py"), *sft_args])
     return {
         "policy": os.path.join(sft_dir, "final_model"),
         "train": files["rl_train"],
@@ -84,19 +90,7 @@ def task(tmp_path_factory, tiny_models):
 
 
 def rl_args(task: dict, output_dir: str, *extra: str) -> list[str]:
-    return [
-        SCRIPT,
-        RECIPE,
-        "--model_name_or_path",
-        task["policy"],
-        "--dataset_name_or_path",
-        task["train"],
-        "--eval_dataset_name_or_path",
-        task["eval"],
-        "--output_dir",
-        output_dir,
-        *extra,
-    ]
+    return [SCRIPT, *recipe_args("rlvr_tiny.yaml", task["policy"], task["train"], task["eval"], output_dir, *extra)]
 
 
 def learning_run(task: dict, name: str, *extra: str) -> tuple[list[float], list[dict], float]:
@@ -173,42 +167,8 @@ def test_grpo_raises_heldout_accuracy(task):
 @pytest.mark.slow
 @pytest.mark.concurrency
 def test_resume_after_preemption_matches_uninterrupted(task):
-    small = [
-        "--local_rollout_batch_size",
-        "8",
-        "--num_samples_per_prompt",
-        "2",
-        "--per_device_train_batch_size",
-        "8",
-        "--total_episodes",
-        "128",
-        "--checkpointing_steps",
-        "1",
-        "--eval_steps",
-        "4",
-        "--max_eval_samples",
-        "32",
-    ]
     full_dir, cut_dir = os.path.join(task["root"], "full"), os.path.join(task["root"], "cut")
-    run(rl_args(task, full_dir, *small))
-
-    # Same run, SIGTERM once a few rollouts are logged: it checkpoints at the next rollout boundary and exits 0.
-    proc = subprocess.Popen(
-        [sys.executable, *rl_args(task, cut_dir, *small)],
-        cwd=REPO,
-        env={**ENV, **stop_at("metrics_row", 2)},  # stops itself after rollout 2's row: the SIGTERM lands there
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    wait_until_stopped(proc.pid, 300)
-    signal_stopped(proc.pid, signal.SIGTERM)
-    log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, log[-3000:]
-    assert "SIGTERM: checkpoint written" in log
-    stopped_at = max(r["rollout_step"] for r in read_rows(cut_dir))
-    assert stopped_at < 8, "the run finished before the signal: nothing was resumed"
-    run(rl_args(task, cut_dir, *small, "--resume_from_checkpoint", "auto"))
+    run_full_and_preempted(task, full_dir, cut_dir)
 
     def stable(rows):  # wall-clock numbers differ between runs; everything else must be identical
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
@@ -236,35 +196,25 @@ def _exit_message(argv: list[str], capsys) -> str:
 
 
 def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
-    base = [
-        "--model_name_or_path",
-        task["policy"],
-        "--dataset_name_or_path",
-        task["train"],
-        "--eval_dataset_name_or_path",
-        task["eval"],
-        "--output_dir",
-        str(tmp_path / "out"),
-    ]
+    base = rl_args(task, str(tmp_path / "out"))[1:]  # the recipe and the run's paths
     # An unknown verifier name in a row names the file's row.
     bad = tmp_path / "bad.jsonl"
     rows = [json.loads(line) for line in open(task["train"])][:40]
     rows[7]["dataset"] = "chemistry"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
+    err = _exit_message([*base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
     assert f"{bad} line 8" in err and "chemistry" in err  # row 7 (0-based) is line 8 of the file
     # A ground truth the row's verifier cannot use.
     rows[7]["dataset"], rows[9]["ground_truth"] = "arithmetic", "seven"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    err = _exit_message([RECIPE, *base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
+    err = _exit_message([*base, "--dataset_name_or_path", str(bad), "--total_episodes", "128"], capsys)
     assert f"{bad} line 10" in err and "seven" in err
     # Prompt + response longer than the model's positions.
-    err = _exit_message([RECIPE, *base, "--response_length", "5000"], capsys)
+    err = _exit_message([*base, "--response_length", "5000"], capsys)
     assert "max_position_embeddings" in err
     # GRPO groups that a device's mini-batch would split.
     err = _exit_message(
         [
-            RECIPE,
             *base,
             "--algo",
             "grpo",
@@ -279,7 +229,7 @@ def test_bad_inputs_stop_before_models_load(task, tmp_path, capsys):
     )
     assert "group size" in err
     # best_metric must be an RLVR eval metric.
-    err = _exit_message([RECIPE, *base, "--best_metric", "train/loss"], capsys)
+    err = _exit_message([*base, "--best_metric", "train/loss"], capsys)
     assert "eval/correct_rate" in err
 
 

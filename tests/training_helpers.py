@@ -26,6 +26,40 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# A tiny PPO rollout: 4 prompts x 2 completions, 2 mini-batches of 4, one epoch, 8-token responses.
+TINY_PPO_ROLLOUTS = "--local_rollout_batch_size 4 --num_samples_per_prompt 2 --per_device_train_batch_size 4".split()
+TINY_PPO_ROLLOUTS += ["--num_epochs", "1", "--response_length", "8"]
+
+
+def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
+    """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
+    return [
+        os.path.join(REPO, "configs", recipe),
+        "--model_name_or_path",
+        model,
+        "--dataset_name_or_path",
+        train,
+        "--eval_dataset_name_or_path",
+        eval_data,
+        "--output_dir",
+        str(output_dir),
+        *settings,
+    ]
+
+
+def noisy_sft_args(data_dir: str, model: str, sft_eval: str, output_dir: Any) -> list[str]:
+    """sft.py's arguments for the starting policy of the RL and LoRA tests: 4 epochs on 2000 arithmetic answers of
+    which 60% are off by one, so it copies the operands but leaves room for every later stage to learn."""
+    from demo import synthetic
+
+    noisy = synthetic.write_jsonl(os.path.join(data_dir, "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6))
+    settings = ["--num_train_epochs", "4", "--eval_steps", "1000", "--checkpointing_steps", "1000"]
+    return recipe_args("sft_tiny.yaml", model, noisy, sft_eval, output_dir, *settings)
+
+
 def read_metrics(output_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -86,6 +120,14 @@ def sigterm_at_step(monkeypatch: Any, step: int) -> Iterator[None]:
     finally:
         monkeypatch.setattr(runtime.Preemption, "should_stop", original)
         signal.signal(signal.SIGTERM, previous)
+
+
+def preempt_then_resume(main: Any, argv: list[str], monkeypatch: Any, step: int) -> None:
+    """`main(argv)` with a SIGTERM in optimizer step `step` (it checkpoints and exits), then the same run resumed from
+    that checkpoint to the end."""
+    with sigterm_at_step(monkeypatch, step):
+        main(argv)
+    main([*argv, "--resume_from_checkpoint", "auto"])
 
 
 def break_checkpoints(output_dir: str, valid_step: int, steps: tuple[int, int]) -> dict[str, str]:
