@@ -99,14 +99,16 @@ def write_data(
     n_eval: int,
     prompt: str = SYSTEM_PROMPT,
     two_step_share: Optional[float] = None,
+    sft_chain: bool = True,
 ) -> dict[str, str]:
-    """The SFT traces, the RL prompts and, per held-out set, its rows with the tool prompt and without tools."""
+    """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`two_step_share` of
+    them two-step, as of the traces) and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     files = {
         "sft_train": write_jsonl(
-            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), prompt)
+            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
         ),  # fmt: skip
         "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt, two_step_share)),
     }
@@ -217,8 +219,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--call_example", default="...",
                         help="the expression in the system prompt's sample call (default: no number)")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
-    parser.add_argument("--two_step_share", type=float, default=None,
-                        help="share of two-step problems among the RL prompts (default: 1 in 4)")  # fmt: skip
+    parser.add_argument("--two_step_share", type=float, default=0.5,
+                        help="share of two-step problems among the SFT traces and the RL prompts")  # fmt: skip
+    parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
+                        help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
+                        "with the whole expression")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -264,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
-                       system_prompt(args.call_example), args.two_step_share)  # fmt: skip
+                       system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained")  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -266,10 +266,31 @@ def symbolic_problem(rng: random.Random) -> dict[str, Any]:
             "operands": operands, "distractor": None, "family": "symbolic", "shape": shape}  # fmt: skip
 
 
-def calculator_traces(n: int, seed: int, task: str) -> list[dict[str, Any]]:
+def chained_steps(problem: dict[str, Any]) -> list[tuple[str, int]]:
+    """The calculator calls that solve `problem` one step at a time, each (expression, result): a one-step problem
+    is its expression; a two-step one is its inner step first, then the outer step on that step's result
+    (577+818-753: `577+818` -> 1395, then `1395-753`; 207+5*43: `5*43` -> 215, then `207+215`)."""
+    shape, operands = problem["shape"], problem["operands"]
+    if len(SHAPE_OPS[shape]) == 1:
+        return [(problem["expression"], problem["answer"])]
+    if shape in ("add_sub", "add_mul"):
+        (a, b, last), inner = operands, operands[0] + operands[1]
+        first, second = f"{a}+{b}", f"{inner}-{last}" if shape == "add_sub" else f"{inner}*{last}"
+    else:  # mul_add, mul_sub: c then the product's x, y
+        c, x, y = operands
+        inner = x * y
+        first, second = f"{x}*{y}", f"{c}+{inner}" if shape == "mul_add" else f"{c}-{inner}"
+    return [(first, inner), (second, problem["answer"])]
+
+
+def calculator_traces(
+    n: int, seed: int, task: str, chain: bool = False, two_step_share: Optional[float] = None
+) -> list[dict[str, Any]]:
     """Cold-start SFT traces: the question, an assistant turn calling the calculator with the problem's expression
     (OpenAI-style `tool_calls`), the tool's result, and the final answer (the number). `task` "symbolic": questions
-    written as expressions (the format only); "word": word problems of the training families."""
+    written as expressions (the format only); "word": word problems of the training families. With `chain`, a
+    two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
+    as word_problem's (default: 1 in 4 two-step)."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):
@@ -277,13 +298,12 @@ def calculator_traces(n: int, seed: int, task: str) -> list[dict[str, Any]]:
     rng = random.Random(f"sft-{task}-{seed}")
     rows = []
     for i in range(n):
-        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train")
-        messages = [
-            {"role": "user", "content": p["question"]},
-            {"role": "assistant", "content": "", "tool_calls": [calculator_call(p["expression"])]},
-            {"role": "tool", "content": str(p["answer"])},
-            {"role": "assistant", "content": str(p["answer"])},
-        ]
+        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train", two_step_share)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": p["question"]}]
+        for expression, result in chained_steps(p) if chain else [(p["expression"], p["answer"])]:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [calculator_call(expression)]})
+            messages.append({"role": "tool", "content": str(result)})
+        messages.append({"role": "assistant", "content": str(p["answer"])})
         rows.append({"id": f"calculator-sft-{task}-{seed}-{i}", "messages": messages})
     return rows
 

@@ -39,6 +39,7 @@ from open_instruct.episodes import (
     episode_state,
     episode_stats,
     rollout_episodes,
+    shared_stop_strings,
     token_rewards,
 )
 
@@ -167,11 +168,14 @@ class EnvironmentRun:
         timeouts: collections.Counter = collections.Counter()  # verifier timeouts by episode index
         envs = [self.environment(row, functools.partial(timeouts.update, [i])) for i, row in enumerate(examples)]
         rounds = [0]
+        stop_strings = shared_stop_strings(envs, config.stop_strings)  # a call turn stops at its end marker
 
         def generate_fn(requests: list[list[int]], caps: list[int]) -> list[tuple]:
             seed = None if config.seed is None else turn_seed(config.seed, rounds[0])
             rounds[0] += 1
-            turn_config = replace(config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed)
+            turn_config = replace(
+                config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed, stop_strings=stop_strings
+            )
             out = generator.generate(requests, turn_config, max_new_tokens=caps)
             return list(zip(out.response_ids, out.logprobs, out.weight_versions))
 

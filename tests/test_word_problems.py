@@ -20,6 +20,7 @@ from demo.word_problems import (
     TWO_STEP_HELD_OUT_ONLY,
     calculator_traces,
     call_report,
+    chained_steps,
     episode_analysis,
     word_problem,
     word_problem_rows,
@@ -78,6 +79,44 @@ def test_calculator_traces_call_the_problem_expression(task):
         expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
         assert tool["content"] == answer["content"] == calculate(expression)
         assert (expression in user["content"]) == (task == "symbolic")
+
+
+@pytest.mark.parametrize("split", ["train", "two_step"])
+def test_chained_steps_compute_the_answer_one_step_at_a_time(split):
+    """Each two-step problem: two calls, the first on two of the problem's numbers with one of its operations, the
+    second on that call's result and the remaining number with the other; one-step problems: their expression."""
+    rng = random.Random(5)
+    shapes = collections.Counter()
+    for _ in range(300):
+        p = word_problem(rng, split)
+        steps = chained_steps(p)
+        shapes[p["shape"]] += 1
+        assert steps[-1][1] == p["answer"] and all(calculate(e) == str(r) for e, r in steps)
+        if len(p["ops"]) == 1:
+            assert steps == [(p["expression"], p["answer"])]
+            continue
+        (first, inner), (second, _) = steps
+        assert sorted(int(t) for t in first.replace("*", " ").replace("+", " ").split()) != sorted(p["operands"])
+        assert str(inner) in second.split(second.strip("0123456789")[0])  # the first result is an operand
+        assert {ch for ch in first + second if ch in "+-*"} == set(p["ops"])
+    assert len(shapes) == (5 if split == "train" else 4)
+
+
+def test_chained_traces_call_twice_on_two_step_problems():
+    rows = calculator_traces(40, 0, "word", chain=True, two_step_share=0.5)
+    lengths = collections.Counter(len(r["messages"]) for r in rows)
+    assert set(lengths) == {4, 6} and 10 <= lengths[6] <= 30  # 40 draws at 1/2: 20 +- 3.2 sd
+    for r in rows:
+        calls = [m["tool_calls"][0]["function"]["arguments"]["expression"]
+                 for m in r["messages"] if m.get("tool_calls")]  # fmt: skip
+        results = [m["content"] for m in r["messages"] if m["role"] == "tool"]
+        assert [calculate(e) for e in calls] == results and results[-1] == r["messages"][-1]["content"]
+        if len(calls) == 2:
+            assert results[0] in calls[1]  # the second call uses the first one's result
+    # without `chain` the same problems take one call with the whole expression
+    plain = calculator_traces(40, 0, "word", two_step_share=0.5)
+    assert [r["messages"][0] for r in plain] == [r["messages"][0] for r in rows]
+    assert all(len(r["messages"]) == 4 for r in plain)
 
 
 def call(expression: str) -> str:
