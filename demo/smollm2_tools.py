@@ -192,15 +192,16 @@ def summary_lines(results: dict[str, Any], titles: dict[str, str], n_eval: int) 
             f"### {name} ({n_eval} problems, greedy)",
             "",
             "| model | with the calculator | calls / episode | well-formed calls | right operation | two-call "
-            "episodes | without tools |",
-            "|---|---|---|---|---|---|---|",
+            "episodes | chained calls | without tools |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for when, res in results.items():
             r = res[name]
             lines.append(
                 f"| {titles[when]} | {r['accuracy']:.0%} ({r['ci95'][0]:.0%}-{r['ci95'][1]:.0%}) | "
                 f"{r['calls_per_episode']:.2f} | {r['well_formed_share']:.0%} | {r['right_operation_share']:.0%} | "
-                f"{r['two_call_episodes']:.0%} | {r['no_tool_accuracy']:.0%} |".replace("nan%", "-")
+                f"{r['two_call_episodes']:.0%} | {r.get('chained_episodes', float('nan')):.0%} | "
+                f"{r['no_tool_accuracy']:.0%} |".replace("nan%", "-")
             )
         lines += ["", "Wrong answers by failure (with the calculator):", ""]
         for when, res in results.items():

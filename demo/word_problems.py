@@ -370,6 +370,8 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         "well_formed_calls": len(good),
         "right_operation": bool(good) and ops_used == set(problem["ops"]),
         "two_calls": len({c["expression"].replace(" ", "") for c in good}) >= 2,  # a repeated call is one
+        # a call on an earlier call's result: a step chained onto the one before
+        "chained": any(c["value"] in call_numbers(later) for i, c in enumerate(good) for later in good[i + 1 :]),
         "failure": None,
     }
     if prediction["correct"]:
@@ -402,7 +404,8 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
 
 def call_report(problems: list[dict[str, Any]], predictions: list[dict[str, Any]]) -> dict[str, Any]:
     """Per held-out set: calls per episode, the share of calls that are well formed, the share of episodes with a
-    call whose calls carry exactly the problem's operations, two-call episodes, and the failure counts."""
+    call whose calls carry exactly the problem's operations, two-call episodes, episodes with a call on an earlier
+    call's result (chained), and the failure counts."""
     rows = [episode_analysis(problems[p["row"]], p) for p in predictions]
     n, calls = len(rows), sum(r["calls"] for r in rows)
     with_call = [r for r in rows if r["well_formed_calls"]]
@@ -412,5 +415,6 @@ def call_report(problems: list[dict[str, Any]], predictions: list[dict[str, Any]
         "well_formed_share": sum(r["well_formed_calls"] for r in rows) / calls if calls else 0.0,
         "right_operation_share": sum(r["right_operation"] for r in with_call) / len(with_call) if with_call else 0.0,
         "two_call_episodes": sum(r["two_calls"] for r in rows) / n,
+        "chained_episodes": sum(r["chained"] for r in rows) / n,
         "failures": {k: v for k, v in failures.items() if v},
     }

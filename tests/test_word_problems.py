@@ -154,6 +154,13 @@ def test_episode_analysis_classifies_as_a_reader_would(problem, actions, correct
     assert (r["failure"], r["right_operation"], r["two_calls"]) == (failure, right_operation, two_calls)
 
 
+def test_a_call_on_an_earlier_result_is_chained():
+    chained = episode_analysis(TWO, {"correct": True, "actions": [call("600+700"), call("1300-300"), "1000"]})
+    apart = episode_analysis(TWO, {"correct": False, "actions": [call("600+700"), call("700-300"), "400"]})
+    assert (chained["chained"], chained["two_calls"]) == (True, True)
+    assert (apart["chained"], apart["two_calls"]) == (False, True)
+
+
 def test_call_report_counts():
     problems = [ADD, ADD, TWO, ADD]
     predictions = [
@@ -166,7 +173,7 @@ def test_call_report_counts():
     assert r["calls_per_episode"] == 4 / 4
     assert r["well_formed_share"] == 3 / 4  # one of the four calls is malformed
     assert r["right_operation_share"] == 2 / 2  # of the episodes with a well-formed call
-    assert r["two_call_episodes"] == 1 / 4
+    assert r["two_call_episodes"] == 1 / 4 and r["chained_episodes"] == 1 / 4  # 1300-300 uses 600+700's 1300
     assert r["failures"] == {"no_call": 1, "malformed": 1}
 
 
