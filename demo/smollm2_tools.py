@@ -20,7 +20,9 @@ is copied into calls: the earlier prompt's `12*34` was).
 
 1. Held-out evaluation as shipped (--skip_shipped_eval to skip: the problems and the model do not change with --seed).
 2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces (32: 4 steps) of training-family word
-   problems, each one call with the problem's expression, the result, the answer (--sft_task word, the default);
+   problems, --two_step_share of them two-step (0.5, as of the RL prompts): a call, its result, the answer; a
+   two-step problem takes two calls, the second on the first one's result (--sft_calls chained, the default; "one":
+   one call with the whole expression) (--sft_task word, the default);
    with --sft_task symbolic the questions are the expressions themselves ("What is 340+5*12?"): the call's format
    and no translation from words. docs/demos.md gives what each choice measured.
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
