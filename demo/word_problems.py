@@ -313,6 +313,7 @@ def calculator_traces(
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NUMBER = re.compile(r"\d+")
+_OPERATION = re.compile(r"\d\s*[-+*/]\s*\(?\s*\d")  # an operator between two numbers
 FAILURES = {  # the taxonomy of wrong answers, in the order an episode is classified
     "no_call": "no call: answered without the calculator",
     "words_in_call": 'no well-formed call, and words in the expression ("29 chairs", "27. Cans per box")',
@@ -370,8 +371,9 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         "well_formed_calls": len(good),
         "right_operation": bool(good) and ops_used == set(problem["ops"]),
         "two_calls": len({c["expression"].replace(" ", "") for c in good}) >= 2,  # a repeated call is one
-        # a call on an earlier call's result: a step chained onto the one before
-        "chained": any(c["value"] in call_numbers(later) for i, c in enumerate(good) for later in good[i + 1 :]),
+        # a step on an earlier step's result: both calls compute (a copied number is no step)
+        "chained": any(c["value"] in call_numbers(later) for i, c in enumerate(good) for later in good[i + 1 :]
+                       if _OPERATION.search(c["expression"]) and _OPERATION.search(later["expression"])),  # fmt: skip
         "failure": None,
     }
     if prediction["correct"]:

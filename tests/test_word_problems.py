@@ -159,6 +159,8 @@ def test_a_call_on_an_earlier_result_is_chained():
     apart = episode_analysis(TWO, {"correct": False, "actions": [call("600+700"), call("700-300"), "400"]})
     assert (chained["chained"], chained["two_calls"]) == (True, True)
     assert (apart["chained"], apart["two_calls"]) == (False, True)
+    copied = episode_analysis(TWO, {"correct": False, "actions": [call("600"), call("600+700"), "1300"]})
+    assert copied["chained"] is False  # a copied number is no step, though the next call uses "its result"
 
 
 def test_call_report_counts():
