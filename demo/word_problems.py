@@ -372,8 +372,12 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         "right_operation": bool(good) and ops_used == set(problem["ops"]),
         "two_calls": len({c["expression"].replace(" ", "") for c in good}) >= 2,  # a repeated call is one
         # a step on an earlier step's result: both calls compute (a copied number is no step)
-        "chained": any(c["value"] in call_numbers(later) for i, c in enumerate(good) for later in good[i + 1 :]
-                       if _OPERATION.search(c["expression"]) and _OPERATION.search(later["expression"])),  # fmt: skip
+        "chained": any(
+            c["value"] in call_numbers(later)
+            for i, c in enumerate(good)
+            for later in good[i + 1 :]
+            if _OPERATION.search(c["expression"]) and _OPERATION.search(later["expression"])
+        ),  # fmt: skip
         "failure": None,
     }
     if prediction["correct"]:
