@@ -377,7 +377,7 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
             for i, c in enumerate(good)
             for later in good[i + 1 :]
             if _OPERATION.search(c["expression"]) and _OPERATION.search(later["expression"])
-        ),  # fmt: skip
+        ),
         "failure": None,
     }
     if prediction["correct"]:
