@@ -20,7 +20,9 @@ is copied into calls: the earlier prompt's `12*34` was).
 
 1. Held-out evaluation as shipped (--skip_shipped_eval to skip: the problems and the model do not change with --seed).
 2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces (32: 4 steps) of training-family word
-   problems, each one call with the problem's expression, the result, the answer (--sft_task word, the default);
+   problems, --two_step_share of them two-step (0.5, as of the RL prompts): a call, its result, the answer; a
+   two-step problem takes two calls, the second on the first one's result (--sft_calls chained, the default; "one":
+   one call with the whole expression) (--sft_task word, the default);
    with --sft_task symbolic the questions are the expressions themselves ("What is 340+5*12?"): the call's format
    and no translation from words. docs/demos.md gives what each choice measured.
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
@@ -99,14 +101,16 @@ def write_data(
     n_eval: int,
     prompt: str = SYSTEM_PROMPT,
     two_step_share: Optional[float] = None,
+    sft_chain: bool = True,
 ) -> dict[str, str]:
-    """The SFT traces, the RL prompts and, per held-out set, its rows with the tool prompt and without tools."""
+    """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`two_step_share` of
+    them two-step, as of the traces) and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     files = {
         "sft_train": write_jsonl(
-            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task), prompt)
+            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
         ),  # fmt: skip
         "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt, two_step_share)),
     }
@@ -190,15 +194,16 @@ def summary_lines(results: dict[str, Any], titles: dict[str, str], n_eval: int) 
             f"### {name} ({n_eval} problems, greedy)",
             "",
             "| model | with the calculator | calls / episode | well-formed calls | right operation | two-call "
-            "episodes | without tools |",
-            "|---|---|---|---|---|---|---|",
+            "episodes | chained calls | without tools |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for when, res in results.items():
             r = res[name]
             lines.append(
                 f"| {titles[when]} | {r['accuracy']:.0%} ({r['ci95'][0]:.0%}-{r['ci95'][1]:.0%}) | "
                 f"{r['calls_per_episode']:.2f} | {r['well_formed_share']:.0%} | {r['right_operation_share']:.0%} | "
-                f"{r['two_call_episodes']:.0%} | {r['no_tool_accuracy']:.0%} |".replace("nan%", "-")
+                f"{r['two_call_episodes']:.0%} | {r.get('chained_episodes', float('nan')):.0%} | "
+                f"{r['no_tool_accuracy']:.0%} |".replace("nan%", "-")
             )
         lines += ["", "Wrong answers by failure (with the calculator):", ""]
         for when, res in results.items():
@@ -217,8 +222,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--call_example", default="...",
                         help="the expression in the system prompt's sample call (default: no number)")  # fmt: skip
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
-    parser.add_argument("--two_step_share", type=float, default=None,
-                        help="share of two-step problems among the RL prompts (default: 1 in 4)")  # fmt: skip
+    parser.add_argument("--two_step_share", type=float, default=0.5,
+                        help="share of two-step problems among the SFT traces and the RL prompts")  # fmt: skip
+    parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
+                        help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
+                        "with the whole expression")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -264,7 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
-                       system_prompt(args.call_example), args.two_step_share)  # fmt: skip
+                       system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained")  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -77,7 +77,13 @@ def held_out_episodes(
     from eval.verifiable import wilson_interval, write_results
     from open_instruct.data import load_rows
     from open_instruct.environments import MultiTurnEnvironment, ToolEnvironment
-    from open_instruct.episodes import EpisodeBudget, EpisodeTokenizer, render_episode, rollout_episodes
+    from open_instruct.episodes import (
+        EpisodeBudget,
+        EpisodeTokenizer,
+        render_episode,
+        rollout_episodes,
+        shared_stop_strings,
+    )
     from open_instruct.generation import GenerationConfig, HFGenerator
     from open_instruct.models import load_causal_lm, load_tokenizer
 
@@ -85,12 +91,6 @@ def held_out_episodes(
     tokenizer = load_tokenizer(model_path, gguf_file)
     model = load_causal_lm(model_path, torch.float32, gguf_file).eval()
     generator = HFGenerator(model, tokenizer, batch_size=batch_size)
-    greedy = GenerationConfig(max_new_tokens=max_turn_tokens, temperature=0.0)
-
-    def generate_fn(prompts: list[list[int]], caps: list[int]) -> list[tuple]:
-        out = generator.generate(prompts, greedy, caps)
-        return [(ids, lp) for ids, lp in zip(out.response_ids, out.logprobs)]
-
     examples = []
     for row in load_rows(data_path, "test"):
         example = dict(row.data)
@@ -104,6 +104,13 @@ def held_out_episodes(
         ]  # fmt: skip
     else:
         envs = [MultiTurnEnvironment(system_prompt=system_prompt) for _ in examples]
+    # a call turn stops at the end of its call, as in RL (episodes.EnvironmentRun.play)
+    greedy = GenerationConfig(max_new_tokens=max_turn_tokens, temperature=0.0, stop_strings=shared_stop_strings(envs))
+
+    def generate_fn(prompts: list[list[int]], caps: list[int]) -> list[tuple]:
+        out = generator.generate(prompts, greedy, caps)
+        return [(ids, lp) for ids, lp in zip(out.response_ids, out.logprobs)]
+
     tokens = EpisodeTokenizer(tokenizer)
     budget = EpisodeBudget(max_turns, max_turn_tokens, max_response_tokens)
     with torch.no_grad():

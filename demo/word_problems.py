@@ -266,10 +266,31 @@ def symbolic_problem(rng: random.Random) -> dict[str, Any]:
             "operands": operands, "distractor": None, "family": "symbolic", "shape": shape}  # fmt: skip
 
 
-def calculator_traces(n: int, seed: int, task: str) -> list[dict[str, Any]]:
+def chained_steps(problem: dict[str, Any]) -> list[tuple[str, int]]:
+    """The calculator calls that solve `problem` one step at a time, each (expression, result): a one-step problem
+    is its expression; a two-step one is its inner step first, then the outer step on that step's result
+    (577+818-753: `577+818` -> 1395, then `1395-753`; 207+5*43: `5*43` -> 215, then `207+215`)."""
+    shape, operands = problem["shape"], problem["operands"]
+    if len(SHAPE_OPS[shape]) == 1:
+        return [(problem["expression"], problem["answer"])]
+    if shape in ("add_sub", "add_mul"):
+        (a, b, last), inner = operands, operands[0] + operands[1]
+        first, second = f"{a}+{b}", f"{inner}-{last}" if shape == "add_sub" else f"{inner}*{last}"
+    else:  # mul_add, mul_sub: c then the product's x, y
+        c, x, y = operands
+        inner = x * y
+        first, second = f"{x}*{y}", f"{c}+{inner}" if shape == "mul_add" else f"{c}-{inner}"
+    return [(first, inner), (second, problem["answer"])]
+
+
+def calculator_traces(
+    n: int, seed: int, task: str, chain: bool = False, two_step_share: Optional[float] = None
+) -> list[dict[str, Any]]:
     """Cold-start SFT traces: the question, an assistant turn calling the calculator with the problem's expression
     (OpenAI-style `tool_calls`), the tool's result, and the final answer (the number). `task` "symbolic": questions
-    written as expressions (the format only); "word": word problems of the training families."""
+    written as expressions (the format only); "word": word problems of the training families. With `chain`, a
+    two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
+    as word_problem's (default: 1 in 4 two-step)."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):
@@ -277,13 +298,12 @@ def calculator_traces(n: int, seed: int, task: str) -> list[dict[str, Any]]:
     rng = random.Random(f"sft-{task}-{seed}")
     rows = []
     for i in range(n):
-        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train")
-        messages = [
-            {"role": "user", "content": p["question"]},
-            {"role": "assistant", "content": "", "tool_calls": [calculator_call(p["expression"])]},
-            {"role": "tool", "content": str(p["answer"])},
-            {"role": "assistant", "content": str(p["answer"])},
-        ]
+        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train", two_step_share)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": p["question"]}]
+        for expression, result in chained_steps(p) if chain else [(p["expression"], p["answer"])]:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [calculator_call(expression)]})
+            messages.append({"role": "tool", "content": str(result)})
+        messages.append({"role": "assistant", "content": str(p["answer"])})
         rows.append({"id": f"calculator-sft-{task}-{seed}-{i}", "messages": messages})
     return rows
 
@@ -293,6 +313,7 @@ def calculator_traces(n: int, seed: int, task: str) -> list[dict[str, Any]]:
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NUMBER = re.compile(r"\d+")
+_OPERATION = re.compile(r"\d\s*[-+*/]\s*\(?\s*\d")  # an operator between two numbers
 FAILURES = {  # the taxonomy of wrong answers, in the order an episode is classified
     "no_call": "no call: answered without the calculator",
     "words_in_call": 'no well-formed call, and words in the expression ("29 chairs", "27. Cans per box")',
@@ -350,6 +371,13 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
         "well_formed_calls": len(good),
         "right_operation": bool(good) and ops_used == set(problem["ops"]),
         "two_calls": len({c["expression"].replace(" ", "") for c in good}) >= 2,  # a repeated call is one
+        # a step on an earlier step's result: both calls compute (a copied number is no step)
+        "chained": any(
+            c["value"] in call_numbers(later)
+            for i, c in enumerate(good)
+            for later in good[i + 1 :]
+            if _OPERATION.search(c["expression"]) and _OPERATION.search(later["expression"])
+        ),
         "failure": None,
     }
     if prediction["correct"]:
@@ -382,7 +410,8 @@ def episode_analysis(problem: dict[str, Any], prediction: dict[str, Any]) -> dic
 
 def call_report(problems: list[dict[str, Any]], predictions: list[dict[str, Any]]) -> dict[str, Any]:
     """Per held-out set: calls per episode, the share of calls that are well formed, the share of episodes with a
-    call whose calls carry exactly the problem's operations, two-call episodes, and the failure counts."""
+    call whose calls carry exactly the problem's operations, two-call episodes, episodes with a call on an earlier
+    call's result (chained), and the failure counts."""
     rows = [episode_analysis(problems[p["row"]], p) for p in predictions]
     n, calls = len(rows), sum(r["calls"] for r in rows)
     with_call = [r for r in rows if r["well_formed_calls"]]
@@ -392,5 +421,6 @@ def call_report(problems: list[dict[str, Any]], predictions: list[dict[str, Any]
         "well_formed_share": sum(r["well_formed_calls"] for r in rows) / calls if calls else 0.0,
         "right_operation_share": sum(r["right_operation"] for r in with_call) / len(with_call) if with_call else 0.0,
         "two_call_episodes": sum(r["two_calls"] for r in rows) / n,
+        "chained_episodes": sum(r["chained"] for r in rows) / n,
         "failures": {k: v for k, v in failures.items() if v},
     }

@@ -21,9 +21,11 @@ message token for token (ReTool's `<output>` block), or None when the episode is
 
 An environment may also set `tools` (JSON schemas passed to the chat template as `tools=`) and override
 `action_end(text)`: the character index where a turn's action is complete (the driver cuts the generated ids at the
-first token that completes it, so the tool runs there instead of after the model has written on), and
-`score_group(group)`: called once the episodes of a row's group have all ended, per episode a reward added to its
-last turn and an info dict merged into that turn's (rewards that need the whole group: verifiers_env.py).
+first token that completes it, so the tool runs there instead of after the model has written on; an action that ends
+with a fixed marker also names it in `stop_strings`, so the generator stops there instead of sampling on to the
+turn's token budget: `episodes.shared_stop_strings`), and `score_group(group)`: called once the episodes of a row's
+group have all ended, per episode a reward added to its last turn and an info dict merged into that turn's
+(rewards that need the whole group: verifiers_env.py).
 
 Naming one in a recipe: a registered name ("tool", "multi_turn") or an import path "package.module:Class" or
 "/path/to/file.py:Class" (`make_environment`; `environment_for_row` reads a row's own `environment` column), so a
@@ -85,6 +87,8 @@ class Environment:
     """One episode's environment. Subclasses implement `reset` and `step` (see the module docstring)."""
 
     tools: list[dict[str, Any]] = []
+    # Strings whose first occurrence completes an action (action_end cuts right after it): the generator may stop there
+    stop_strings: tuple[str, ...] = ()
 
     def reset(self, example: dict[str, Any]) -> Observation:
         raise NotImplementedError(f"{type(self).__name__} must implement reset(example)")
@@ -277,6 +281,10 @@ class GuardedEnvironment(Environment):
                 raise ConfigError(f"{name} returned info {info!r:.80}, not a dict, on {self.where}")
         return [(float(reward), info) for reward, info in result]
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:  # type: ignore[override]  # a user's class need not declare any
+        return tuple(getattr(self.env, "stop_strings", ()))
+
     def __getattr__(self, name: str) -> Any:  # the environment's own attributes (e.g. a tool environment's tools)
         return getattr(self.__dict__["env"], name)
 
@@ -436,6 +444,7 @@ def _first_messages(example: dict[str, Any], system_prompt: Optional[str]) -> li
     return messages
 
 
+HERMES_CALL_END = "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FENCED_PYTHON = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -447,11 +456,14 @@ class ToolEnvironment(Environment):
     budget is answered with an error and not run) and return their outputs (reward tool_error_reward per failed
     call, else 0). Outputs longer than tool_output_max_tokens tokens are cut there (needs `tokenizer`).
 
-    tool_format "hermes": calls are `<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>`
-    (several per turn allowed); results come back as one `{"role": "tool"}` message per call, rendered by the chat
-    template (Qwen: inside `<tool_response>` in a user turn). tool_format "fenced" (ReTool): a turn that ends with a
-    complete ```python block runs it (`python` tool required) and the output continues the same assistant message as
-    "\\n<output>\\n...\\n</output>\\n"; the turn is cut right after the closing fence (`action_end`).
+    tool_format "hermes": calls are `<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>`;
+    results come back as one `{"role": "tool"}` message per call, rendered by the chat template (Qwen: inside
+    `<tool_response>` in a user turn). A played turn ends at its first `</tool_call>` (`action_end`, `stop_strings`):
+    the call runs there, so a model does not write on (or repeat the call) to its token budget, and a second call,
+    which may use the first one's result, is the next turn's. `step` itself runs every call in the text it gets.
+    tool_format "fenced" (ReTool): a turn that ends with a complete ```python block runs it (`python` tool
+    required) and the output continues the same assistant message as "\\n<output>\\n...\\n</output>\\n"; the turn
+    is cut right after the closing fence (`action_end`).
 
     A row may restrict the tools with a `tools` list of names (a subset of this environment's tools)."""
 
@@ -502,6 +514,7 @@ class ToolEnvironment(Environment):
         self.system_prompt = system_prompt
         self.enabled = self.all_tools
         self.tools = [TOOL_SCHEMAS[t] for t in self.enabled] if tool_format == "hermes" else []
+        self.stop_strings = (HERMES_CALL_END,) if tool_format == "hermes" else ()
         self.example: dict[str, Any] = {}
         self.calls_made = 0
 
@@ -520,8 +533,9 @@ class ToolEnvironment(Environment):
         return _first_messages(example, self.system_prompt)
 
     def action_end(self, text: str) -> Optional[int]:
-        if self.tool_format != "fenced":
-            return None
+        if self.tool_format == "hermes":
+            end = text.find(HERMES_CALL_END)
+            return None if end < 0 else end + len(HERMES_CALL_END)
         match = _FENCED_PYTHON.search(text)
         return match.end() if match else None
 

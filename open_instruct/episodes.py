@@ -340,6 +340,17 @@ def cut_at_action_end(ids: Sequence[int], decode: Callable[[Sequence[int]], str]
     return low
 
 
+def shared_stop_strings(envs: Sequence[Environment], base: Optional[Sequence[str]] = None) -> Optional[list[str]]:
+    """The stop strings a generate_fn may pass its generator for a batch of `envs`' turns: `base` (the recipe's own)
+    plus every action-end marker that all the environments share (`Environment.stop_strings`: a hermes call's
+    `</tool_call>`). Only a shared one: a marker stops every request of the call, and one environment's marker is
+    text to another. The driver cuts each turn at its environment's `action_end` whatever the generator did, so
+    this saves the tokens sampled after the action and changes no episode's ids; None when there is none."""
+    shared = [s for s in (envs[0].stop_strings if envs else ()) if all(s in env.stop_strings for env in envs[1:])]
+    merged = list(base or []) + [s for s in shared if s not in (base or [])]
+    return merged or None
+
+
 def start_episode(env: Environment, example: dict[str, Any], tokens: EpisodeTokenizer) -> Episode:
     return Episode(prompt_ids=tokens.prompt_ids(env.reset(example), env.tools), example=example)
 
@@ -656,11 +667,14 @@ class EnvironmentRun:
         timeouts: collections.Counter = collections.Counter()  # verifier timeouts by episode index
         envs = [self.environment(row, functools.partial(timeouts.update, [i])) for i, row in enumerate(examples)]
         rounds = [0]
+        stop_strings = shared_stop_strings(envs, config.stop_strings)  # a call turn stops at its end marker
 
         def generate_fn(requests: list[list[int]], caps: list[int]) -> list[tuple]:
             seed = None if config.seed is None else turn_seed(config.seed, rounds[0])
             rounds[0] += 1
-            turn_config = replace(config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed)
+            turn_config = replace(
+                config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed, stop_strings=stop_strings
+            )
             out = generator.generate(requests, turn_config, max_new_tokens=caps)
             return list(zip(out.response_ids, out.logprobs, out.weight_versions))
 

@@ -27,6 +27,7 @@ from open_instruct.episodes import (
     pad_episodes,
     render_episode,
     rollout_episodes,
+    shared_stop_strings,
     token_rewards,
 )
 from open_instruct.errors import ConfigError
@@ -286,13 +287,13 @@ def test_batch_driver_episodes_end_at_different_turns(tok):
     assert [episode_score(e, "sum") for e in episodes] == [1.0, 0.0, 1.0]
     eos = tok.eos_token_id
 
-    def tool_turn(result):
-        return encode(tok, f"\n<|tool|>\n{result}<|end|>\n<|assistant|>\n")
+    def tool_turn(result):  # a call turn ends at its `</tool_call>`: its end token is the observation's first
+        return [eos] + encode(tok, f"\n<|tool|>\n{result}<|end|>\n<|assistant|>\n")
 
     # Every request is the episode's prompt + everything so far, token for token.
     prompt = tokens.prompt_ids(row("5-1?", "4")["messages"])
-    call1 = encode(tok, hermes_call("5-1")) + [eos]
-    call2 = encode(tok, hermes_call("4*1")) + [eos]
+    call1 = encode(tok, hermes_call("5-1"))
+    call2 = encode(tok, hermes_call("4*1"))
     assert gen.calls[1][0][1] == prompt + call1 + tool_turn(4)
     assert gen.calls[2][0][0] == prompt + call1 + tool_turn(4) + call2 + tool_turn(4)
     last = episodes[2]
@@ -322,7 +323,8 @@ def test_observation_tokens_never_carry_loss_weight(tok):
         assert torch.equal(batch.loss_mask[b], expected)
         assert int(batch.attention_mask[b].sum()) == len(ep.response_ids)
     observation = (batch.attention_mask == 1) & (batch.loss_mask == 0)
-    assert int(observation.sum()) == 3 * len(encode(tok, "\n<|tool|>\n9<|end|>\n<|assistant|>\n"))  # 1 + 2 calls
+    # 1 + 2 calls, each turn's end token and the tool turn
+    assert int(observation.sum()) == 3 * len(encode(tok, "<|end|>\n<|tool|>\n9<|end|>\n<|assistant|>\n"))
     assert bool((batch.sampler_logprobs[observation] == 0).all() and (batch.weight_versions[observation] == -1).all())
     assert bool((batch.token_rewards[observation] == 0).all())
     # A masked policy-gradient loss (token mean) has exactly zero gradient on every observation token.
@@ -346,8 +348,8 @@ def test_budgets_end_episodes_and_are_counted(tok):
     assert ep.response_ids == encode(tok, hermes_call("2+2"))[:8] and ep.truncations == {"max_turn_tokens": 1}
     assert ep.end_reason == "done" and not ep.turns[0].stopped and episode_score(ep, "sum") == 0.0
     # max_response_tokens: the request caps shrink with the response; an observation that does not fit ends it.
-    call = encode(tok, hermes_call("1+1")) + [tok.eos_token_id]
-    obs = encode(tok, "\n<|tool|>\n2<|end|>\n<|assistant|>\n")
+    call = encode(tok, hermes_call("1+1"))  # the turn ends at `</tool_call>`; its end token opens the observation
+    obs = [tok.eos_token_id] + encode(tok, "\n<|tool|>\n2<|end|>\n<|assistant|>\n")
     budget = EpisodeBudget(max_turns=10, max_turn_tokens=128, max_response_tokens=2 * len(call) + len(obs) + 5)
     gen = ScriptedGenerator(tok, tokens, forever)
     [ep] = rollout_episodes([calculator_env()], [row("2+2?", "4")], gen, tokens, budget)
@@ -374,6 +376,49 @@ def test_fenced_turn_is_cut_at_the_block_end_and_output_continues_the_message(to
         [-(k + 1) / 10 for k in range(len(encode(tok, block)))]
     )
     assert ep.turns[0].stopped and not ep.turns[0].closed and ep.tool_calls == 1 and episode_score(ep, "sum") == 1.0
+
+
+def test_a_hermes_call_turn_ends_at_the_call_end_with_the_sampled_ids(tok):
+    """The model writes its call and then repeats it up to the turn budget (SmolLM2 after RL did): the turn ends at
+    the first `</tool_call>`, its ids and log-probs are the first sampled ones unchanged, the dropped repeat is in no
+    list, and the turn's end token comes back as the observation's first token (loss mask 0)."""
+    tokens = EpisodeTokenizer(tok)
+    call, eos = encode(tok, hermes_call("2+2")), tok.eos_token_id
+    gen = ScriptedGenerator(tok, tokens, {"2+2?": [(hermes_call("2+2") * 3, True), ("4", True)]})
+    [ep] = rollout_episodes([calculator_env()], [row("2+2?", "4")], gen, tokens, EpisodeBudget(max_turn_tokens=128))
+    observation = [eos] + encode(tok, "\n<|tool|>\n4<|end|>\n<|assistant|>\n")
+    assert ep.response_ids == call + observation + encode(tok, "4") + [eos]
+    assert ep.loss_mask == [1] * len(call) + [0] * len(observation) + [1, 1]
+    assert ep.sampler_logprobs[: len(call)] == pytest.approx([-(k + 1) / 10 for k in range(len(call))])
+    assert ep.sampler_logprobs[len(call) : len(call) + len(observation)] == [0.0] * len(observation)
+    first = ep.turns[0]
+    assert (first.policy_end, first.stopped, first.closed) == (len(call), True, False)
+    assert first.action == hermes_call("2+2") and ep.tool_calls == 1 and not ep.truncations
+    assert episode_score(ep, "sum") == 1.0
+    # A generator that stopped at the marker itself (stop strings) gives the same episode.
+    stopped = ScriptedGenerator(tok, tokens, {"2+2?": [(hermes_call("2+2"), False), ("4", True)]})
+    budget = EpisodeBudget(max_turn_tokens=128)
+    [same] = rollout_episodes([calculator_env()], [row("2+2?", "4")], stopped, tokens, budget)
+    assert (same.response_ids, same.loss_mask, same.sampler_logprobs) == (
+        ep.response_ids,
+        ep.loss_mask,
+        ep.sampler_logprobs,
+    )
+
+
+def test_generators_stop_at_the_end_markers_every_environment_shares():
+    hermes, fenced = calculator_env(), ToolEnvironment(tools=["python"], tool_format="fenced",
+                                                       python_runtime=lambda c, t: ("", "", "ok"),
+                                                       tool_output_max_tokens=None)  # fmt: skip
+    plain = make_environment("multi_turn")
+    assert hermes.stop_strings == ("</tool_call>",) and fenced.stop_strings == () == plain.stop_strings
+    assert shared_stop_strings([hermes, calculator_env()]) == ["</tool_call>"]
+    assert shared_stop_strings([hermes, plain]) is None  # a marker stops every request: only a shared one
+    assert shared_stop_strings([hermes, plain], ["###"]) == ["###"]
+    assert shared_stop_strings([hermes], ["###", "</tool_call>"]) == ["###", "</tool_call>"]
+    assert shared_stop_strings([]) is None
+    assert hermes.action_end("x</tool_call>y</tool_call>") == len("x</tool_call>")
+    assert hermes.action_end("<tool_call>{}") is None
 
 
 def test_cut_at_action_end_keeps_the_fewest_ids_that_complete_the_action():
@@ -469,8 +514,9 @@ def test_stats_and_rendering(tok):
     episodes, _, tokens = play(tok)
     episodes[2].tool_errors["calculator_error"] += 1  # as if one call had failed
     sums = episode_stat_sums(episodes)
-    obs_tokens = 3 * len(encode(tok, "\n<|tool|>\n9<|end|>\n<|assistant|>\n"))
-    policy_tokens = sum(len(encode(tok, text)) + 1 for script in SCRIPTS.values() for text, _ in script)
+    obs_tokens = 3 * len(encode(tok, "<|end|>\n<|tool|>\n9<|end|>\n<|assistant|>\n"))  # a call's end token too
+    turns = [text for script in SCRIPTS.values() for text, _ in script]
+    policy_tokens = sum(len(encode(tok, text)) + ("</tool_call>" not in text) for text in turns)  # + end token
     assert sums == {
         "episodes": 3.0,
         "turns": 6.0,
@@ -490,8 +536,7 @@ def test_stats_and_rendering(tok):
     assert text == (
         "<|user|>\n3*3?<|end|>\n<|assistant|>\n"
         + hermes_call("3*3")
-        + "<|end|>"
-        + "[[observation]]\n<|tool|>\n9<|end|>\n<|assistant|>\n[[/observation]]"
+        + "[[observation]]<|end|>\n<|tool|>\n9<|end|>\n<|assistant|>\n[[/observation]]"
         + "It is 8<|end|>"
     )
     sample = episode_sample_row(episodes[1], tokens, "sum")

@@ -45,8 +45,10 @@ class ScriptedGenerator:
 
     def __init__(self, tokenizer, scripts: list[list[str]]):
         self.tokenizer, self.scripts, self.round = tokenizer, scripts, 0
+        self.configs: list[GenerationConfig] = []
 
     def generate(self, prompt_ids, config, max_new_tokens=None):
+        self.configs.append(config)
         texts = self.scripts[self.round]
         self.round += 1
         assert len(texts) == len(prompt_ids) and config.n == 1
@@ -107,12 +109,13 @@ def tiny(tiny_models):
     }
 
 
-def play(cfg, tokenizer):
+def play(cfg, tokenizer, generator=None):
     from open_instruct.rollouts import environment_run
 
     environments = environment_run(cfg, tokenizer)
     prompts = [{**r, "prompt_ids": environments.prompt_ids(r)} for r in rows()]
-    out = environments.play(ScriptedGenerator(tokenizer, SCRIPTS), prompts, GenerationConfig(n=2, seed=5))
+    generator = generator or ScriptedGenerator(tokenizer, SCRIPTS)
+    out = environments.play(generator, prompts, GenerationConfig(n=2, seed=5, stop_strings=["###"]))
     return prompts, out
 
 
@@ -151,6 +154,16 @@ def test_scripted_episodes_are_what_the_script_says(tiny_models, tiny):
         assert out.loss_masks[i] == e.loss_mask and len(out.logprobs[i]) == len(out.response_ids[i])
         assert all(lp == 0.0 for lp, m in zip(out.logprobs[i], e.loss_mask) if not m)
     assert observation_positions(out)[0].sum() > 0 and observation_positions(out)[1].sum() == 0
+
+
+def test_every_turn_is_generated_with_the_call_end_as_a_stop_string(tiny_models, tiny):
+    """The hermes environment's `</tool_call>` reaches the generator (HF and vLLM stop there) beside the recipe's
+    own stop strings, in every round, and a call turn's policy tokens end with the call."""
+    generator = ScriptedGenerator(tiny["tokenizer"], SCRIPTS)
+    _, out = play(config(tiny_models), tiny["tokenizer"], generator)
+    assert [c.stop_strings for c in generator.configs] == [["###", "</tool_call>"]] * 3
+    first = out.episodes[0].turns[0]
+    assert tiny["tokenizer"].decode(out.response_ids[0][: first.policy_end]).endswith(hermes_call("12*34"))
 
 
 def test_rows_carry_their_environment_tools_and_tool_turns(tiny_models, tiny, tmp_path):

@@ -183,8 +183,10 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(setting):
     turns: the same ids (the episode stops at the final end-of-turn token; the SFT row also has the template's
     newline after it), and the episode's policy tokens are exactly the SFT row's trained tokens except each
     newline after an end-of-turn token, which the policy never generates (it stops at its end token) and the
-    episode counts as the observation's first token. Both demos' settings: the tiny template rendering
-    `tool_calls`, and SmolLM2's (a template without tool syntax; calls as text, a system prompt)."""
+    episode counts as the observation's first token, and each call turn's end-of-turn token: a call turn ends at
+    its `</tool_call>`, and the environment's observation closes it. Both demos' settings: the tiny template
+    rendering `tool_calls`, and SmolLM2's (a template without tool syntax; calls as text, a system prompt), with
+    two-step traces that chain two calls."""
     from demo.smollm2_tools import SYSTEM_PROMPT, as_text_calls
     from demo.word_problems import calculator_traces
 
@@ -193,7 +195,8 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(setting):
         rows = tool_sft_rows(40, 3, direct_fraction=0.25)
     else:
         tok, n_prompt = chatml_char_tokenizer(), 2
-        rows = as_text_calls(calculator_traces(20, 3, "symbolic") + calculator_traces(20, 3, "word"), SYSTEM_PROMPT)
+        traces = calculator_traces(20, 3, "symbolic") + calculator_traces(20, 3, "word", chain=True, two_step_share=0.5)
+        rows = as_text_calls(traces, SYSTEM_PROMPT)
     examples = encode_rows(rows, tok, max_seq_length=1024)
     tokens = EpisodeTokenizer(tok)
     env_rows, scripts = [], []
@@ -217,25 +220,30 @@ def test_sft_rendering_is_the_rl_episode_token_for_token(setting):
         env = ToolEnvironment(tokenizer=tok, tool_output_max_tokens=32)
         (episode,) = rollout_episodes(
             [env], [env_row], lambda prompts, caps: [(t, [0.0] * len(t)) for t in [next(turns)]], tokens,
-            EpisodeBudget(3, 96, 200),
+            EpisodeBudget(3, 96, 400),
         )  # fmt: skip
         episodes.append(episode)
     newline = tok.convert_tokens_to_ids("\n")
     n_tool = 0
     for row, example, episode in zip(rows, examples, episodes):
         ids, labels = example["input_ids"], example["labels"]
-        assert episode.end_reason == "done" and len(episode.turns) == (2 if len(row["messages"]) == n_prompt + 3 else 1)
+        tool_messages = [m["content"] for m in row["messages"] if m["role"] == "tool"]
+        assert episode.end_reason == "done" and len(episode.turns) == len(tool_messages) + 1
         assert episode.ids == ids[:-1]  # the SFT row's last token is the newline after the final <|end|>
         trained = [int(label != -100) for label in labels[len(episode.prompt_ids) : -1]]
         separators = [i for i, t in enumerate(episode.response_ids[1:], 1)
                       if t == newline and episode.response_ids[i - 1] == tok.eos_token_id]  # fmt: skip
-        expected = [0 if i in separators else m for i, m in enumerate(trained)]
+        call_ends = [turn.policy_end for turn in episode.turns[:-1]]
+        assert all(episode.response_ids[i] == tok.eos_token_id and not turn.closed
+                   for i, turn in zip(call_ends, episode.turns))  # fmt: skip
+        expected = [0 if i in separators or i in call_ends else m for i, m in enumerate(trained)]
         assert episode.loss_mask == expected
         n_tool += episode.tool_calls
-        if episode.tool_calls:  # the calculator's own answer is the trace's tool message
-            result = row["messages"][n_prompt + 1]["content"]
+        for result in tool_messages:  # the calculator's own answers are the trace's tool messages
             assert re.search(r"tool(\|>)?\n" + result + r"<\|", tok.decode(ids, skip_special_tokens=False))
-    assert n_tool == sum(len(r["messages"]) == n_prompt + 3 for r in rows) > 20
+    assert n_tool == sum(m["role"] == "tool" for r in rows for m in r["messages"]) > 20
+    chained = [r for r in rows if sum(m["role"] == "tool" for m in r["messages"]) == 2]
+    assert len(chained) >= (0 if setting.startswith("tiny") else 5)  # 20 word traces, half two-step: chained
 
 
 @pytest.mark.parametrize("recipe", ["sft_tools.yaml", "rlvr_tools.yaml"])

@@ -20,6 +20,7 @@ from demo.word_problems import (
     TWO_STEP_HELD_OUT_ONLY,
     calculator_traces,
     call_report,
+    chained_steps,
     episode_analysis,
     word_problem,
     word_problem_rows,
@@ -80,6 +81,44 @@ def test_calculator_traces_call_the_problem_expression(task):
         assert (expression in user["content"]) == (task == "symbolic")
 
 
+@pytest.mark.parametrize("split", ["train", "two_step"])
+def test_chained_steps_compute_the_answer_one_step_at_a_time(split):
+    """Each two-step problem: two calls, the first on two of the problem's numbers with one of its operations, the
+    second on that call's result and the remaining number with the other; one-step problems: their expression."""
+    rng = random.Random(5)
+    shapes = collections.Counter()
+    for _ in range(300):
+        p = word_problem(rng, split)
+        steps = chained_steps(p)
+        shapes[p["shape"]] += 1
+        assert steps[-1][1] == p["answer"] and all(calculate(e) == str(r) for e, r in steps)
+        if len(p["ops"]) == 1:
+            assert steps == [(p["expression"], p["answer"])]
+            continue
+        (first, inner), (second, _) = steps
+        assert sorted(int(t) for t in first.replace("*", " ").replace("+", " ").split()) != sorted(p["operands"])
+        assert str(inner) in second.split(second.strip("0123456789")[0])  # the first result is an operand
+        assert {ch for ch in first + second if ch in "+-*"} == set(p["ops"])
+    assert len(shapes) == (5 if split == "train" else 4)
+
+
+def test_chained_traces_call_twice_on_two_step_problems():
+    rows = calculator_traces(40, 0, "word", chain=True, two_step_share=0.5)
+    lengths = collections.Counter(len(r["messages"]) for r in rows)
+    assert set(lengths) == {4, 6} and 10 <= lengths[6] <= 30  # 40 draws at 1/2: 20 +- 3.2 sd
+    for r in rows:
+        calls = [m["tool_calls"][0]["function"]["arguments"]["expression"]
+                 for m in r["messages"] if m.get("tool_calls")]  # fmt: skip
+        results = [m["content"] for m in r["messages"] if m["role"] == "tool"]
+        assert [calculate(e) for e in calls] == results and results[-1] == r["messages"][-1]["content"]
+        if len(calls) == 2:
+            assert results[0] in calls[1]  # the second call uses the first one's result
+    # without `chain` the same problems take one call with the whole expression
+    plain = calculator_traces(40, 0, "word", two_step_share=0.5)
+    assert [r["messages"][0] for r in plain] == [r["messages"][0] for r in rows]
+    assert all(len(r["messages"]) == 4 for r in plain)
+
+
 def call(expression: str) -> str:
     return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
 
@@ -115,6 +154,15 @@ def test_episode_analysis_classifies_as_a_reader_would(problem, actions, correct
     assert (r["failure"], r["right_operation"], r["two_calls"]) == (failure, right_operation, two_calls)
 
 
+def test_a_call_on_an_earlier_result_is_chained():
+    chained = episode_analysis(TWO, {"correct": True, "actions": [call("600+700"), call("1300-300"), "1000"]})
+    apart = episode_analysis(TWO, {"correct": False, "actions": [call("600+700"), call("700-300"), "400"]})
+    assert (chained["chained"], chained["two_calls"]) == (True, True)
+    assert (apart["chained"], apart["two_calls"]) == (False, True)
+    copied = episode_analysis(TWO, {"correct": False, "actions": [call("600"), call("600+700"), "1300"]})
+    assert copied["chained"] is False  # a copied number is no step, though the next call uses "its result"
+
+
 def test_call_report_counts():
     problems = [ADD, ADD, TWO, ADD]
     predictions = [
@@ -127,7 +175,7 @@ def test_call_report_counts():
     assert r["calls_per_episode"] == 4 / 4
     assert r["well_formed_share"] == 3 / 4  # one of the four calls is malformed
     assert r["right_operation_share"] == 2 / 2  # of the episodes with a well-formed call
-    assert r["two_call_episodes"] == 1 / 4
+    assert r["two_call_episodes"] == 1 / 4 and r["chained_episodes"] == 1 / 4  # 1300-300 uses 600+700's 1300
     assert r["failures"] == {"no_call": 1, "malformed": 1}
 
 
