@@ -49,6 +49,27 @@ INSTRUCTION = "Answer with the number only."
 RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
 
 
+def check_rlvr_overrides(parser: argparse.ArgumentParser, rlvr_args: Sequence[str]) -> None:
+    """`rlvr_args` (the recipe under the repo, then options) parsed as the RLVR script will: a typo in an override
+    fails now, not after the first evaluation."""
+    from open_instruct.config import RLVRConfig, parse_config
+
+    try:
+        parse_config(RLVRConfig, [os.path.join(REPO, rlvr_args[0]), *rlvr_args[1:]]).batch_plan(1, None)
+    except ConfigError as e:
+        parser.error(f"RLVR settings: {e}")
+
+
+def training_correct_rate(rl_dir: str) -> Optional[dict[str, Any]]:
+    """The sampled correct rate of an RLVR run's first and last quarter of rollouts (None without rollouts)."""
+    rows = [r["train/correct_rate"] for r in read_metrics(rl_dir) if "train/correct_rate" in r]
+    if not rows:
+        return None
+    quarter = max(1, len(rows) // 4)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"first_quarter": mean(rows[:quarter]), "last_quarter": mean(rows[-quarter:]), "rollouts": len(rows)}
+
+
 def write_prompts(out_dir: str, task: str, n_train: int, n_eval: int, max_operand: int, seed: int) -> dict[str, str]:
     """RL prompt files (messages + ground_truth + dataset=arithmetic) with the instruction appended: "train" and one
     file per held-out set (other seeds than training)."""
@@ -99,12 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
                  "--overwrite_output_dir", "true", "--delete_finished_run", "true",  # a rerun replaces the last one
                  *rlvr_overrides]  # fmt: skip
-    try:  # a typo in an override fails now, not after the first evaluation
-        from open_instruct.config import RLVRConfig, parse_config
-
-        parse_config(RLVRConfig, [os.path.join(REPO, RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
-    except ConfigError as e:
-        parser.error(f"RLVR settings: {e}")
+    check_rlvr_overrides(parser, rlvr_args)
     os.makedirs(out, exist_ok=True)
     if args.num_threads:
         import torch
@@ -143,18 +159,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     }
     total = time.time() - t0
 
-    rows = [r for r in read_metrics(rl_dir) if "train/correct_rate" in r]
-    first, last = rows[: max(1, len(rows) // 4)], rows[-max(1, len(rows) // 4) :]
-    mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / len(rs)  # noqa: E731
+    rate = training_correct_rate(rl_dir)
     summary = {
         "model": os.path.join(folder, gguf_file),
         "task": args.task,
         "before": before,
         "after": after,
         "paired": changes,
-        "train_correct_rate_first_quarter": mean(first, "train/correct_rate") if rows else None,
-        "train_correct_rate_last_quarter": mean(last, "train/correct_rate") if rows else None,
-        "rollouts": len(rows),
+        "train_correct_rate_first_quarter": rate["first_quarter"] if rate else None,
+        "train_correct_rate_last_quarter": rate["last_quarter"] if rate else None,
+        "rollouts": rate["rollouts"] if rate else 0,
         "seconds": {**timings, "total": total},
         "cpu_seconds": {**cpu, "total": sum(cpu.values())},
         "rlvr_command": " ".join(cmd),
@@ -172,11 +186,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             f"{a['accuracy']:.1%} ({a['ci95'][0]:.0%}-{a['ci95'][1]:.0%}) | {c['fixed']} / {c['broken']} | "
             f"{c['p_value']:.2g} | {b['stop_rate']:.0%} / {a['stop_rate']:.0%} |"
         )
-    if rows:
+    if rate:
         lines += [
             "",
             f"Training correct rate (sampled): {summary['train_correct_rate_first_quarter']:.1%} in the first quarter "
-            f"of {len(rows)} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter.",
+            f"of {rate['rollouts']} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter.",
         ]
     lines += [
         "",
