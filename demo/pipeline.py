@@ -52,12 +52,16 @@ def write_summary_files(out: str, summary: dict[str, Any], markdown: str) -> Non
         f.write(markdown)
 
 
-def run_demo(main: Callable[[], Any]) -> None:
-    """A demo's command line: a failed stage or a missing package (the model's, reasoning-gym) ends it with its
-    one-line message and exit 1, no traceback."""
+# What a SmolLM2 demo's missing model package (eval.offline_models) or optional extra (reasoning-gym) raises
+MISSING_PACKAGE = (FileNotFoundError, ModuleNotFoundError)
+
+
+def run_demo(main: Callable[[], Any], expected: tuple[type[Exception], ...] = ()) -> None:
+    """A demo's command line: a failed stage (DemoError), or one of the `expected` errors (MISSING_PACKAGE for the
+    demos that need one), ends it with its one-line message and exit 1, no traceback."""
     try:
         main()
-    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (DemoError, *expected) as e:
         print(f"\ndemo failed: {e}", file=sys.stderr)
         sys.exit(1)
 

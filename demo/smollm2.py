@@ -32,6 +32,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from demo.pipeline import (
+    MISSING_PACKAGE,
     REPO,
     fmt_acc,
     fmt_seconds,
@@ -216,4 +217,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_demo(main)
+    run_demo(main, MISSING_PACKAGE)

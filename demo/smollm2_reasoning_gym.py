@@ -34,6 +34,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from demo.pipeline import (
+    MISSING_PACKAGE,
     DemoError,
     cost_lines,
     fmt_acc,
@@ -251,4 +252,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_demo(main)
+    run_demo(main, MISSING_PACKAGE)

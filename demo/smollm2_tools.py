@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from demo.pipeline import REPO, DemoError, fmt_seconds, paired_change, run_script, script_env
+from demo.pipeline import MISSING_PACKAGE, REPO, DemoError, fmt_seconds, paired_change, run_demo, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
 from demo.word_problems import FAILURES, calculator_traces, call_report, word_problem_rows
 from open_instruct.data_cache import code_identity
@@ -373,8 +373,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DemoError, FileNotFoundError, ModuleNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_demo(main, MISSING_PACKAGE)
