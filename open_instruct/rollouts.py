@@ -407,6 +407,8 @@ class PhaseClock:
         row["perf/engine_idle_fraction"] = max(0.0, 1.0 - self.engine_seconds / busy)
         row["perf/episodes_per_second"] = k * episodes_per_rollout / busy
         row["perf/response_tokens_per_second"] = tokens / busy
+        # this process's CPU time since it started (all threads): the cost axis of a learning curve on CPU
+        row["perf/process_cpu_minutes"] = time.process_time() / 60
         self.__init__()
         return row
 

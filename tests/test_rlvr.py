@@ -300,3 +300,22 @@ def test_mixture_trains_and_reports_correct_rate_per_source(task):
         mixed = (120 * r["eval/eval_gsm/correct_rate"] + 40 * r["eval/eval_if/correct_rate"]) / 160
         assert r["eval/correct_rate"] == pytest.approx(mixed, abs=1e-12)
         assert 0 < r["eval/correct_rate"] < 1  # the SFT'd policy gets some right, so the check is not 0 == 0
+
+
+def test_phase_clock_rates_and_the_process_cpu_time():
+    """The log row's rates are the rollouts' episodes and tokens over the phases' seconds, and
+    perf/process_cpu_minutes is this process's CPU time when the row was made (the x axis of a learning curve)."""
+    from types import SimpleNamespace
+
+    from open_instruct.rollouts import PhaseClock
+
+    clock = PhaseClock()
+    clock.add({"generation": 3.0, "training": 1.0}, tokens=120, sync_bytes=0)
+    clock.add({"generation": 2.0, "scoring": 2.0}, tokens=80, sync_bytes=0)
+    before = time.process_time() / 60
+    row = clock.report(SimpleNamespace(num_processes=1), episodes_per_rollout=48)
+    after = time.process_time() / 60
+    assert row["perf/episodes_per_second"] == 2 * 48 / 8.0
+    assert row["perf/response_tokens_per_second"] == 200 / 8.0
+    assert row["time/generation"] == 2.5 and row["time/scoring"] == 1.0
+    assert before <= row["perf/process_cpu_minutes"] <= after
