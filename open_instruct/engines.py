@@ -114,7 +114,7 @@ def engine_specs(
     max_model_len: int,
     dtype: str,
     seed: int,
-    transfer: str,
+    transfer: Optional[str],
     gpu_memory_utilization: float,
     devices: Optional[Sequence[int]],
     host: str = "127.0.0.1",
@@ -124,7 +124,9 @@ def engine_specs(
 ) -> list[EngineSpec]:
     """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench).
     `prefix_caching` False under in-flight weight updates (async_steps > 0): a paused-and-kept engine cannot clear its
-    prefix cache, whose blocks would hand KV of older weights to new requests."""
+    prefix cache, whose blocks would hand KV of older weights to new requests. `transfer` None: a plain server of a
+    model read from `model_dir` (a folder or hub id, its real weights; e.g. a judge, judge.py), without the trainer's
+    routes (dummy weights, weight transfer, token-in/token-out) or log-prob conventions."""
     if devices is not None and len(devices) < num_engines * tensor_parallel_size:
         raise ConfigError(
             f"{num_engines} engine(s) x vllm_tensor_parallel_size {tensor_parallel_size} need "
@@ -138,19 +140,19 @@ def engine_specs(
             "--model", model_dir,
             "--host", host,
             "--port", str(port + i),
-            "--load-format", "dummy",
             "--dtype", dtype,
             "--max-model-len", str(max_model_len),
             "--seed", str(seed + i),
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--generation-config", "vllm",
-            "--logprobs-mode", "processed_logprobs",
-            "--enable-scale-out",
-            "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--disable-uvicorn-access-log",
             *([] if prefix_caching else ["--no-enable-prefix-caching"]),
         ]  # fmt: skip
-        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        env = {}
+        if transfer is not None:  # the trainer's engine: it sends the weights and asks for tokens and log-probs
+            argv += ["--load-format", "dummy", "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+            argv += ["--weight-transfer-config", json.dumps({"backend": transfer})]
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if mine is None:
             # CPU: graph capture and compilation cost minutes; and vLLM 0.32 rewinds a seeded request's generator
             # after a partial (chunked) prefill with a CUDA-only call, which kills a CPU engine: whole prefills only.
@@ -315,6 +317,12 @@ def _kill_group(pgid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def served_model_name(url: str, timeout: float = 30.0) -> str:
+    """The model name an OpenAI-compatible server serves (its first in /v1/models): what requests must name."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout) as response:
+        return str(json.load(response)["data"][0]["id"])
 
 
 def check_running_engines(
