@@ -58,7 +58,11 @@ def served(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("served_judge"))
     path = scripted_judge_model(os.path.join(root, "judge_model"))
     judge = Judge(
-        RUBRIC, serve_model=path, serve_max_model_len=512, serve_dtype="float32", serve_log_dir=os.path.join(root, "logs")
+        RUBRIC,
+        serve_model=path,
+        serve_max_model_len=512,
+        serve_dtype="float32",
+        serve_log_dir=os.path.join(root, "logs"),
     )
     judge.start()
     yield judge, path
