@@ -9,8 +9,21 @@
 A `Judge` is a reward function in TRL's shape (rewards.py): called once per batch with the prompts, completions
 and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no usable score:
 that completion gets 0 from it and is left out of `reward/<label>/mean`). Backends: any OpenAI-compatible
-`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), or a
-local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily.
+`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), a
+local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily, or vLLM
+engines asked as the URL backend asks (requests round-robin over them, by the name /v1/models gives: no `model=`):
+
+    Judge(RUBRIC, serve_model="Qwen/Qwen3-8B", serve_engines=2)   # engines started for the judge (engines.py)
+    Judge(RUBRIC, url="run")                                       # the run's own generation engines (self-judging)
+
+`serve_model`: vLLM OpenAI-compatible servers of that folder or hub id (real weights, none of the trainer's routes),
+started by rank 0 when the run's generator is up (start_run_judges) on the GPUs neither the training processes nor
+the run's engines took (or `serve_devices`; the CPU without CUDA), every rank asking them; outside a run, on the
+first call (or `start()`). They die with the process that started them and are stopped at its exit; one that died
+stops the call with an EngineError naming it and its log tail, every engine of the judge stopped first.
+`url="run"`: resolved to the run's `vllm_server` engines when the generator is up (use_engines); refused before any
+model loads when the run generates with `hf` or `vllm` (check_run_judges, preflight). Its replies are not cached
+(the policy's weights change every step). Neither is called by the probe before loading (`starts_with_run`).
 
 Each completion's judge prompt is `template` with `{prompt}`, `{completion}` and `{reference}` replaced (literal
 replacement: braces elsewhere in a rubric are kept); `{reference}` is the row's `reference_column` (default
@@ -372,6 +385,8 @@ class Judge:
         return (score - lo) / (hi - lo)
 
     def _remember(self, key: str, reply: str) -> None:
+        if self.url == RUN:  # a self-judge's weights change every step: an older reply is another judge's
+            return
         with self._lock:
             self._cache[key] = reply
             if self.cache_path:

@@ -73,7 +73,6 @@ from open_instruct.distributed import (
     step_micro_batches,
 )
 from open_instruct.generation_backends import check_before_loading, make_checker, make_generator
-from open_instruct.judge import start_run_judges
 from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
 from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import (
@@ -109,6 +108,7 @@ from open_instruct.rollouts import (
     load_prompts,
     sample_rows,
     score_rollout,
+    start_judges,
     token_version_lags,
 )
 
@@ -754,8 +754,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
     # every sync under a deadline and checked (generation_check.py); None: it samples with the trainer's own module
     checker = make_checker(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
-    # judges on vLLM engines (judge.py): the run's own (url='run') or started now on the GPUs left free (serve_model)
-    judges = start_run_judges(cfg, generator, accelerator) if cfg.reward_functions else []
+    judges = start_judges(cfg, generator, accelerator)  # judges on vLLM engines: the run's own, or started now
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -835,7 +834,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.finish()
     sampler.close()
     generator.close()  # stops what it started, e.g. the engines
-    for judge in judges:
+    for judge in judges:  # the engines started for them
         judge.close()
 
 
