@@ -407,13 +407,32 @@ def engine_dtype(mixed_precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, "float32")
 
 
+def engine_context(cfg: Any, max_len: int) -> int:
+    """The context a run's engines serve: its longest prompt + response (`max_len`), or, when one of its reward
+    functions asks these engines itself (`asks_run_engines`: judge.Judge(url='run'), whose prompts hold a prompt,
+    its completion and the rubric), the policy's whole context (max_position_embeddings; vLLM sizes its KV cache by
+    memory, not by this length)."""
+    specs = getattr(cfg, "reward_functions", None) or ()
+    if not specs:
+        return max_len
+    from open_instruct.rewards import load_reward_function
+
+    if not any(getattr(load_reward_function(spec), "asks_run_engines", False) for spec in specs):
+        return max_len
+    from transformers import AutoConfig
+
+    gguf = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, **gguf)
+    return max(max_len, int(getattr(config, "max_position_embeddings", 0) or 0))
+
+
 def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]], host: str, port: int, max_len: int):
-    """engine_specs from an RLVRConfig."""
+    """engine_specs from an RLVRConfig (the engines' context: engine_context)."""
     return engine_specs(
         model_dir,
         num_engines=cfg.vllm_num_engines,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-        max_model_len=max_len,
+        max_model_len=engine_context(cfg, max_len),
         dtype=engine_dtype(cfg.mixed_precision),
         seed=cfg.seed,
         transfer=weight_transfer_backend(cfg.vllm_weight_transfer, devices is not None),

@@ -235,6 +235,12 @@ class Judge:
         model loads (rewards.probe_reward_functions) does not call it."""
         return self.serve_model is not None or self.url == RUN
 
+    @property
+    def asks_run_engines(self) -> bool:
+        """It judges with the run's own engines (url='run'): they serve the policy's whole context
+        (engines.engine_context), as its prompts hold a prompt, its completion and the rubric."""
+        return self.url == RUN
+
     # ---- engines: started here (serve_model) or the run's own (url='run') ------------------------------------
     def start(self, devices: Optional[Sequence[int]] = None, log_dir: Optional[str] = None) -> list[str]:
         """Start the serve_model engines (vLLM's OpenAI-compatible server, engines.py), wait until each is healthy,
