@@ -245,6 +245,20 @@ def test_served_judges_take_the_gpus_the_run_leaves_free(monkeypatch, tmp_path):
         judge_module.start_run_judges(cfg, generator, accelerator)
 
 
+def test_engines_of_a_run_with_a_self_judge_serve_the_whole_context(tiny_models, tmp_path):
+    """A self-judge's prompts hold a prompt, its completion and the rubric: the run's engines then serve the policy's
+    max_position_embeddings (1024 for the tiny model), not the run's longest prompt + response; a served judge or
+    none leaves them at the run's."""
+    from open_instruct.engines import engine_context
+
+    (tmp_path / "judges.py").write_text(SELF_JUDGE_FILE + "served = Judge('{completion}', serve_model='m')\n")
+    base = {"model_name_or_path": tiny_models["causal_lm"], "trust_remote_code": False, "gguf_file": None}
+    with_self = SimpleNamespace(reward_functions=[f"{tmp_path / 'judges.py'}:judge"], **base)
+    served_only = SimpleNamespace(reward_functions=[f"{tmp_path / 'judges.py'}:served"], **base)
+    assert engine_context(with_self, 100) == 1024 and engine_context(with_self, 2000) == 2000
+    assert engine_context(served_only, 100) == 100 and engine_context(SimpleNamespace(reward_functions=None), 7) == 7
+
+
 def test_a_tiny_local_judge_scores_its_own_greedy_replies(tiny_models):
     """The local backend's values are the parse of the model's own greedy reply to each rendered rubric (worked out
     here with generate), batched in twos."""
