@@ -3,6 +3,7 @@ and a tiny local judge model; the rendered prompts, the parsed scores, batching,
 (in memory and on disk) and parse failures are counted and checked; in a tiny RLVR run the judge adds to the
 verifier's reward by its weight and its counters are logged."""
 
+import importlib.util
 import json
 import os
 import threading
@@ -175,6 +176,9 @@ def test_bad_engine_judge_settings_fail_before_anything_starts(monkeypatch):
             Judge(RUBRIC, **kwargs)
     with pytest.raises(ConfigError, match=r"Judge\(url='run'\) is resolved when the run's vLLM engines start"):
         Judge(RUBRIC, url="run")(prompts=["q"], completions=["a"])  # used outside a run, never resolved
+    if importlib.util.find_spec("vllm") is None:  # the main venv: a served judge names what it lacks
+        with pytest.raises(ConfigError, match="serve_model 'm' needs vLLM in this Python environment"):
+            Judge(RUBRIC, serve_model="m")(prompts=["q"], completions=["a"])
     assert Judge(RUBRIC, url="run").starts_with_run and Judge(RUBRIC, serve_model="m").starts_with_run
     assert not Judge(RUBRIC, url="http://x", model="m").starts_with_run
 
