@@ -60,7 +60,8 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(call PYTEST_PARALLEL,$(VLLM_VENV)/bin/python) tests/test_vllm_generator.py tests/test_engine_client.py
+	$(call PYTEST_PARALLEL,$(VLLM_VENV)/bin/python) tests/test_vllm_generator.py tests/test_engine_client.py \
+	  tests/test_judge_vllm.py
 
 # The tests that compare numbers computed two ways (-m numerics) under each of torch's CPU kernel paths, with MKL
 # (fp32 GEMM) and oneDNN (bf16) held to the same instruction set: a tolerance that holds on one CPU only fails here.

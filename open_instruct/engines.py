@@ -114,7 +114,7 @@ def engine_specs(
     max_model_len: int,
     dtype: str,
     seed: int,
-    transfer: str,
+    transfer: Optional[str],
     gpu_memory_utilization: float,
     devices: Optional[Sequence[int]],
     host: str = "127.0.0.1",
@@ -124,7 +124,9 @@ def engine_specs(
 ) -> list[EngineSpec]:
     """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench).
     `prefix_caching` False under in-flight weight updates (async_steps > 0): a paused-and-kept engine cannot clear its
-    prefix cache, whose blocks would hand KV of older weights to new requests."""
+    prefix cache, whose blocks would hand KV of older weights to new requests. `transfer` None: a plain server of a
+    model read from `model_dir` (a folder or hub id, its real weights; e.g. a judge, judge.py), without the trainer's
+    routes (dummy weights, weight transfer, token-in/token-out) or log-prob conventions."""
     if devices is not None and len(devices) < num_engines * tensor_parallel_size:
         raise ConfigError(
             f"{num_engines} engine(s) x vllm_tensor_parallel_size {tensor_parallel_size} need "
@@ -138,19 +140,19 @@ def engine_specs(
             "--model", model_dir,
             "--host", host,
             "--port", str(port + i),
-            "--load-format", "dummy",
             "--dtype", dtype,
             "--max-model-len", str(max_model_len),
             "--seed", str(seed + i),
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--generation-config", "vllm",
-            "--logprobs-mode", "processed_logprobs",
-            "--enable-scale-out",
-            "--weight-transfer-config", json.dumps({"backend": transfer}),
             "--disable-uvicorn-access-log",
             *([] if prefix_caching else ["--no-enable-prefix-caching"]),
         ]  # fmt: skip
-        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        env = {}
+        if transfer is not None:  # the trainer's engine: it sends the weights and asks for tokens and log-probs
+            argv += ["--load-format", "dummy", "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
+            argv += ["--weight-transfer-config", json.dumps({"backend": transfer})]
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if mine is None:
             # CPU: graph capture and compilation cost minutes; and vLLM 0.32 rewinds a seeded request's generator
             # after a partial (chunked) prefill with a CUDA-only call, which kills a CPU engine: whole prefills only.
@@ -317,6 +319,12 @@ def _kill_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def served_model_name(url: str, timeout: float = 30.0) -> str:
+    """The model name an OpenAI-compatible server serves (its first in /v1/models): what requests must name."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout) as response:
+        return str(json.load(response)["data"][0]["id"])
+
+
 def check_running_engines(
     urls: Sequence[str],
     tensor_parallel_size: int,
@@ -399,13 +407,32 @@ def engine_dtype(mixed_precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, "float32")
 
 
+def engine_context(cfg: Any, max_len: int) -> int:
+    """The context a run's engines serve: its longest prompt + response (`max_len`), or, when one of its reward
+    functions asks these engines itself (`asks_run_engines`: judge.Judge(url='run'), whose prompts hold a prompt,
+    its completion and the rubric), the policy's whole context (max_position_embeddings; vLLM sizes its KV cache by
+    memory, not by this length)."""
+    specs = getattr(cfg, "reward_functions", None) or ()
+    if not specs:
+        return max_len
+    from open_instruct.rewards import load_reward_function
+
+    if not any(getattr(load_reward_function(spec), "asks_run_engines", False) for spec in specs):
+        return max_len
+    from transformers import AutoConfig
+
+    gguf = {"gguf_file": cfg.gguf_file} if cfg.gguf_file else {}
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code, **gguf)
+    return max(max_len, int(getattr(config, "max_position_embeddings", 0) or 0))
+
+
 def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]], host: str, port: int, max_len: int):
-    """engine_specs from an RLVRConfig."""
+    """engine_specs from an RLVRConfig (the engines' context: engine_context)."""
     return engine_specs(
         model_dir,
         num_engines=cfg.vllm_num_engines,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-        max_model_len=max_len,
+        max_model_len=engine_context(cfg, max_len),
         dtype=engine_dtype(cfg.mixed_precision),
         seed=cfg.seed,
         transfer=weight_transfer_backend(cfg.vllm_weight_transfer, devices is not None),

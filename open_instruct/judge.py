@@ -9,8 +9,21 @@
 A `Judge` is a reward function in TRL's shape (rewards.py): called once per batch with the prompts, completions
 and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no usable score:
 that completion gets 0 from it and is left out of `reward/<label>/mean`). Backends: any OpenAI-compatible
-`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), or a
-local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily.
+`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), a
+local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily, or vLLM
+engines asked as the URL backend asks (requests round-robin over them, by the name /v1/models gives: no `model=`):
+
+    Judge(RUBRIC, serve_model="Qwen/Qwen3-8B", serve_engines=2)   # engines started for the judge (engines.py)
+    Judge(RUBRIC, url="run")                                       # the run's own generation engines (self-judging)
+
+`serve_model`: vLLM OpenAI-compatible servers of that folder or hub id (real weights, none of the trainer's routes),
+started by rank 0 when the run's generator is up (start_run_judges) on the GPUs neither the training processes nor
+the run's engines took (or `serve_devices`; the CPU without CUDA), every rank asking them; outside a run, on the
+first call (or `start()`). They die with the process that started them and are stopped at its exit; one that died
+stops the call with an EngineError naming it and its log tail, every engine of the judge stopped first.
+`url="run"`: resolved to the run's `vllm_server` engines when the generator is up (use_engines); refused before any
+model loads when the run generates with `hf` or `vllm` (check_run_judges, preflight). Its replies are not cached
+(the policy's weights change every step). Neither is called by the probe before loading (`starts_with_run`).
 
 Each completion's judge prompt is `template` with `{prompt}`, `{completion}` and `{reference}` replaced (literal
 replacement: braces elsewhere in a rubric are kept); `{reference}` is the row's `reference_column` (default
@@ -33,11 +46,14 @@ the judge nothing it already answered and gets the same scores.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import re
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -56,11 +72,39 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
 class JudgeValues(list):
-    """A judge call's values (one per completion, None: no usable score) with its `counters` for the logs."""
+    """A judge call's values (one per completion, None: no usable score) with its `counters` for the logs and the
+    judge's `replies` (None: unanswered)."""
 
-    def __init__(self, values: Sequence[Optional[float]], counters: dict[str, float]) -> None:
+    def __init__(
+        self, values: Sequence[Optional[float]], counters: dict[str, float], replies: Sequence[Optional[str]] = ()
+    ) -> None:
         super().__init__(values)
-        self.counters = counters
+        self.counters, self.replies = counters, list(replies)
+
+
+RUN = "run"  # url=RUN: the run's own generation engines judge (resolved when they start; use_engines)
+SERVE_DEFAULTS = {
+    "serve_engines": 1, "serve_tensor_parallel_size": 1, "serve_devices": None, "serve_max_model_len": 4096,
+    "serve_dtype": "auto", "serve_gpu_memory_utilization": 0.9, "serve_start_timeout": 600.0, "serve_log_dir": None,
+}  # fmt: skip
+
+
+RUN_TAKES = {
+    "model": "the engines' served model name is read from their /v1/models",
+    "api_key_env": "the run's engines need no key",
+    "cache_path": "the policy's weights change every step: its replies are not cached",
+}
+
+
+def _model_id(name: str) -> str:
+    """A served model in the cache identity: a folder by its absolute path, a hub id as it is."""
+    return os.path.abspath(name) if os.path.isdir(name) else name
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _text(value: Any) -> str:
@@ -82,6 +126,7 @@ class Judge:
         url: Optional[str] = None,
         model: Optional[str] = None,
         local_model: Optional[str] = None,
+        serve_model: Optional[str] = None,
         score_pattern: str = DEFAULT_PATTERN,
         score_range: tuple[float, float] = (0.0, 10.0),
         reference_column: str = "ground_truth",
@@ -93,12 +138,28 @@ class Judge:
         api_key_env: Optional[str] = None,
         cache_path: Optional[str] = None,
         max_parse_failure_rate: float = 0.5,
+        **serve: Any,
     ) -> None:
-        if (url is None) == (local_model is None):
+        backends = {"url": url, "local_model": local_model, "serve_model": serve_model}
+        if sum(v is not None for v in backends.values()) != 1:
             raise ConfigError(
-                "Judge: give exactly one of url= (an OpenAI-compatible endpoint) and local_model= (a folder)"
+                "Judge: give exactly one of url= (an OpenAI-compatible endpoint, or 'run': the run's own vLLM "
+                "engines), local_model= (a folder) and serve_model= (a folder or hub id served by vLLM engines "
+                f"started here); "
+                f"got {sorted(k for k, v in backends.items() if v is not None) or 'none'}"
             )
-        if url is not None and not model:
+        self._check_serve_options(serve, serve_model)
+        if url == RUN:
+            for name, value in (("model", model), ("api_key_env", api_key_env), ("cache_path", cache_path)):
+                if value is not None:
+                    raise ConfigError(f"Judge: url='run' takes no {name}= ({RUN_TAKES[name]})")
+        elif serve_model is not None:
+            if model is not None or api_key_env is not None:
+                raise ConfigError(
+                    "Judge: serve_model= takes no model= or api_key_env= (the engines started here serve the model "
+                    "under its own name and need no key)"
+                )
+        elif url is not None and not model:
             raise ConfigError(f"Judge: url {url!r} needs model= (the judge model's name at that endpoint)")
         if "{completion}" not in template:
             raise ConfigError(f"Judge: the template must contain {{completion}} (placeholders: {PLACEHOLDERS})")
@@ -121,14 +182,19 @@ class Judge:
         if not timeout > 0 or not 0.0 <= max_parse_failure_rate <= 1.0:
             raise ConfigError("Judge: timeout must be > 0 and max_parse_failure_rate in [0, 1]")
         self.template, self.url, self.model, self.local_model = template, url, model, local_model
+        self.serve_model, self.serve = serve_model, {**SERVE_DEFAULTS, **serve}
+        # the endpoints asked, round-robin: url's, or those of the engines started or resolved (use_engines)
+        self.urls: list[str] = [url] if url is not None and url != RUN else []
+        self.engines: Any = None  # engines.LocalEngines this judge started (serve_model)
         self.score_range, self.reference_column = (lo, hi), reference_column
         self.batch_size, self.timeout, self.retries = batch_size, float(timeout), retries
         self.max_new_tokens, self.temperature = max_new_tokens, float(temperature)
         self.api_key_env, self.cache_path = api_key_env, cache_path
         self.max_parse_failure_rate = max_parse_failure_rate
+        served = [_model_id(serve_model)] if serve_model else []  # a served judge: the model, not the engines' ports
         self.identity = json.dumps(
             [url.rstrip("/") if url else None, model, os.path.abspath(local_model) if local_model else None,
-             self.temperature, max_new_tokens], sort_keys=True
+             self.temperature, max_new_tokens, *served], sort_keys=True
         )  # fmt: skip
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -139,6 +205,118 @@ class Judge:
                     if line.strip():
                         record = json.loads(line)
                         self._cache[record["key"]] = record["reply"]
+
+    @staticmethod
+    def _check_serve_options(serve: dict[str, Any], serve_model: Optional[str]) -> None:
+        unknown = sorted(set(serve) - set(SERVE_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"Judge: unknown argument(s) {unknown}; the serving options are {sorted(SERVE_DEFAULTS)}")
+        if serve and serve_model is None:
+            raise ConfigError(f"Judge: {sorted(serve)} configure engines started for serve_model=, which is not given")
+        for name in ("serve_engines", "serve_tensor_parallel_size", "serve_max_model_len"):
+            if name in serve and (not isinstance(serve[name], int) or serve[name] < 1):
+                raise ConfigError(f"Judge: {name} must be an integer >= 1, got {serve[name]!r}")
+        devices = serve.get("serve_devices")
+        if devices is not None:
+            need = serve.get("serve_engines", 1) * serve.get("serve_tensor_parallel_size", 1)
+            if (
+                len(set(devices)) != len(devices)
+                or len(devices) != need
+                or any(not isinstance(d, int) or d < 0 for d in devices)
+            ):
+                raise ConfigError(
+                    f"Judge: serve_devices {devices!r} must list {need} distinct GPU ids (serve_engines x "
+                    f"serve_tensor_parallel_size)"
+                )
+
+    @property
+    def starts_with_run(self) -> bool:
+        """Its model is served by engines that start with the run (serve_model, url='run'): the probe before any
+        model loads (rewards.probe_reward_functions) does not call it."""
+        return self.serve_model is not None or self.url == RUN
+
+    @property
+    def asks_run_engines(self) -> bool:
+        """It judges with the run's own engines (url='run'): they serve the policy's whole context
+        (engines.engine_context), as its prompts hold a prompt, its completion and the rubric."""
+        return self.url == RUN
+
+    # ---- engines: started here (serve_model) or the run's own (url='run') ------------------------------------
+    def start(self, devices: Optional[Sequence[int]] = None, log_dir: Optional[str] = None) -> list[str]:
+        """Start the serve_model engines (vLLM's OpenAI-compatible server, engines.py), wait until each is healthy,
+        and ask them from now on; their URLs. `devices`: GPU ids for them (default: serve_devices, else the first
+        of this node's GPUs, else the CPU); they die with this process and are stopped at its exit or by close()."""
+        from open_instruct import engines
+
+        if self.serve_model is None:
+            raise ConfigError("Judge.start: only a judge with serve_model= starts engines")
+        if self.engines is not None:
+            return self.urls
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                f"Judge: serve_model {self.serve_model!r} needs vLLM in this Python environment ({sys.executable})"
+            )
+        opts = self.serve
+        need = opts["serve_engines"] * opts["serve_tensor_parallel_size"]
+        if devices is None:
+            devices = opts["serve_devices"]
+        if devices is None and _cuda_devices():
+            devices = list(range(need))
+        specs = engines.engine_specs(
+            self.serve_model, num_engines=opts["serve_engines"], max_model_len=opts["serve_max_model_len"],
+            tensor_parallel_size=opts["serve_tensor_parallel_size"], dtype=opts["serve_dtype"], seed=0, transfer=None,
+            gpu_memory_utilization=opts["serve_gpu_memory_utilization"], devices=devices, port=engines.free_port(),
+        )  # fmt: skip
+        log_dir = log_dir or opts["serve_log_dir"] or tempfile.mkdtemp(prefix="judge-engines-")
+        try:
+            self.engines = engines.LocalEngines(specs, log_dir, opts["serve_start_timeout"], repick_ports=True)
+        except engines.EngineError as e:
+            raise engines.EngineError(f"the judge's {e}") from None
+        self.use_engines(self.engines.urls)
+        return self.urls
+
+    def use_engines(self, urls: Sequence[str]) -> None:
+        """Ask these vLLM servers (base URLs, without /v1), round-robin, by the model name they serve (/v1/models):
+        the run's own engines for url='run' (rlvr_ppo calls it with its generator's), or the engines started for
+        serve_model (start)."""
+        from open_instruct.engines import served_model_name
+
+        if not urls:
+            raise ConfigError("Judge.use_engines: no engine URLs")
+        urls = [u.rstrip("/") for u in urls]
+        try:
+            self.model = served_model_name(urls[0])
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            raise ConfigError(f"Judge: the vLLM engine at {urls[0]} does not answer /v1/models ({e})") from None
+        self.urls = [f"{u}/v1" for u in urls]
+
+    def close(self) -> None:
+        """Stop the engines this judge started (also done at exit)."""
+        if self.engines is not None:
+            self.engines.close()
+            self.engines = None
+
+    def _check_engines(self) -> None:
+        """An engine this judge started that died: every one stopped (no orphan), and an error naming it."""
+        from open_instruct.engines import EngineError
+
+        if self.engines is None:
+            return
+        try:
+            self.engines.check_alive()
+        except EngineError as e:
+            self.close()
+            raise EngineError(f"the judge's {e}") from None
+
+    def _ready(self) -> None:
+        if self.serve_model is not None and self.engines is None and not self.urls:
+            self.start()  # used outside a run (rlvr_ppo starts it with the run: start_run_judges)
+        elif self.url == RUN and not self.urls:
+            raise ConfigError(
+                "Judge(url='run') is resolved when the run's vLLM engines start (rlvr_ppo with generation_backend "
+                "vllm_server); elsewhere call judge.use_engines(urls) first"
+            )
+        self._check_engines()
 
     # ---- the reward function --------------------------------------------------------------------------------
     def __call__(self, prompts: list, completions: list, **columns: Any) -> JudgeValues:
@@ -152,7 +330,11 @@ class Judge:
         replies: list[Optional[str]] = [self._cache.get(k) for k in keys]
         counters["cache_hits"] = float(sum(r is not None for r in replies))
         todo = [j for j, r in enumerate(replies) if r is None]
+        if todo and not self.local_model:
+            self._ready()
         asked = self._ask_local(texts, todo, deadline) if self.local_model else self._ask_url(texts, todo, deadline)
+        if any(reply is None for reply, _ in asked.values()):
+            self._check_engines()  # unanswered because a served engine died: say so, not "timeouts"
         for j, (reply, retried) in asked.items():
             counters["retries"] += retried
             replies[j] = reply
@@ -181,7 +363,7 @@ class Judge:
                 f"in {self.score_range} (max_parse_failure_rate {self.max_parse_failure_rate}); e.g. "
                 f"{bad_replies[0][:300]!r}: fix the rubric or score_pattern"
             )
-        return JudgeValues(values, counters)
+        return JudgeValues(values, counters, replies)
 
     def render(self, prompt: Any, completion: Any, reference: Any) -> str:
         if isinstance(completion, list):  # TRL's conversational shape: [{"role": "assistant", "content": ...}]
@@ -209,6 +391,8 @@ class Judge:
         return (score - lo) / (hi - lo)
 
     def _remember(self, key: str, reply: str) -> None:
+        if self.url == RUN:  # a self-judge's weights change every step: an older reply is another judge's
+            return
         with self._lock:
             self._cache[key] = reply
             if self.cache_path:
@@ -220,10 +404,13 @@ class Judge:
         if not todo:
             return {}
         with ThreadPoolExecutor(max_workers=min(self.batch_size, len(todo)), thread_name_prefix="judge") as pool:
-            futures = {j: pool.submit(self._request, texts[j], deadline) for j in todo}
+            futures = {
+                j: pool.submit(self._request, self.urls[k % len(self.urls)], texts[j], deadline)
+                for k, j in enumerate(todo)
+            }
             return {j: f.result() for j, f in futures.items()}
 
-    def _request(self, text: str, deadline: float) -> tuple[Optional[str], int]:
+    def _request(self, url: str, text: str, deadline: float) -> tuple[Optional[str], int]:
         body = json.dumps({
             "model": self.model, "messages": [{"role": "user", "content": text}],
             "temperature": self.temperature, "max_tokens": self.max_new_tokens,
@@ -235,7 +422,7 @@ class Judge:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None, attempt
-            request = urllib.request.Request(self.url.rstrip("/") + "/chat/completions", body, headers)
+            request = urllib.request.Request(url.rstrip("/") + "/chat/completions", body, headers)
             try:
                 with urllib.request.urlopen(request, timeout=left) as response:
                     reply = json.loads(response.read())["choices"][0]["message"]["content"]
@@ -243,7 +430,7 @@ class Judge:
                     return reply, attempt
             except urllib.error.HTTPError as e:
                 if e.code not in _RETRY_STATUS:
-                    raise ValueError(f"judge at {self.url} answered HTTP {e.code}: {e.read()[:300]!r}") from None
+                    raise ValueError(f"judge at {url} answered HTTP {e.code}: {e.read()[:300]!r}") from None
             except (OSError, ValueError, KeyError, IndexError, TypeError):  # refused, timed out, a malformed reply
                 pass
         return None, self.retries
@@ -289,3 +476,88 @@ class Judge:
                 model = AutoModelForCausalLM.from_pretrained(self.local_model).eval()
                 self._local = (model, tokenizer)
             return self._local
+
+
+# ---- the run's judges (rlvr_ppo) ------------------------------------------------------------------------------------
+def run_judges(specs: Sequence[str]) -> list[Judge]:
+    """The reward functions among `specs` that are judges served by engines that start with the run."""
+    from open_instruct.rewards import load_reward_function
+
+    found = [load_reward_function(spec) for spec in specs]
+    return [fn for fn in found if isinstance(fn, Judge) and fn.starts_with_run]
+
+
+def check_run_judges(cfg: Any) -> None:
+    """Before anything starts (preflight): a self-judge (url='run') needs the run's vLLM servers (generation_backend
+    vllm_server), and a served judge (serve_model) needs vLLM here and engines on this node (one node)."""
+    for judge in run_judges(cfg.reward_functions or ()):
+        if judge.url == RUN and cfg.generation_backend != "vllm_server":
+            raise ConfigError(
+                f"Judge(url='run') judges with the run's own vLLM engines, but generation_backend is "
+                f"{cfg.generation_backend} (no engine with an OpenAI-compatible route): use generation_backend "
+                f"vllm_server, or give the judge url= and model= (a server of its own) or serve_model="
+            )
+        if judge.serve_model is not None and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                f"Judge: serve_model {judge.serve_model!r} needs vLLM in this Python environment ({sys.executable})"
+            )
+
+
+def start_run_judges(cfg: Any, generator: Any, accelerator: Any) -> list[Judge]:
+    """At run start, once the generator is up (collective: every rank calls it): each url='run' judge asks the
+    generator's engines; rank 0 starts each serve_model judge's engines on the GPUs that neither the training
+    processes (local ranks 0..n-1) nor the run's own engines took (or the CPU), and every rank asks them. Returns the
+    judges whose engines were started here (close them at the end)."""
+    from accelerate.utils import broadcast_object_list
+
+    from open_instruct.engines import EngineError
+
+    judges = run_judges(cfg.reward_functions or ())
+    for judge in (j for j in judges if j.url == RUN):
+        judge.use_engines(generator.urls)
+    served = [j for j in judges if j.serve_model is not None]
+    if not served:
+        return []
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    if local_world != accelerator.num_processes:
+        raise ConfigError(
+            "Judge(serve_model=...) starts its engines on the first node; training spans several nodes: serve the "
+            "judge apart (`vllm serve`) and give it url= and model="
+        )
+    shared: list[Any] = [None]
+    if accelerator.is_main_process:
+        try:
+            taken = set(range(local_world))  # the training processes' GPUs, then the run's own engines'
+            for spec in getattr(getattr(generator, "local_engines", None), "specs", None) or []:
+                taken.update(spec.devices or [])
+            free = [d for d in range(_cuda_devices()) if d not in taken]
+            urls = []
+            for judge in served:
+                need = judge.serve["serve_engines"] * judge.serve["serve_tensor_parallel_size"]
+                devices = judge.serve["serve_devices"]
+                if _cuda_devices() and devices is None:
+                    devices = free[:need]
+                if devices is not None and (len(devices) < need or set(devices) & taken):
+                    raise ConfigError(
+                        f"Judge(serve_model={judge.serve_model!r}) needs {need} GPU(s) the run leaves free: training "
+                        f"and generation take {sorted(taken)} of {_cuda_devices()}"
+                        + (f", serve_devices {list(devices)}" if judge.serve["serve_devices"] is not None else "")
+                    )
+                taken.update(devices or [])
+                free = [d for d in free if d not in taken]
+                log_dir = judge.serve["serve_log_dir"] or os.path.join(cfg.output_dir, f"judge_engine_logs_{len(urls)}")
+                urls.append(judge.start(devices, log_dir))
+            shared = [urls]
+        except Exception as e:  # every rank must leave the broadcast: tell them, then raise here
+            shared = [f"{type(e).__name__}: {e}"]
+            broadcast_object_list(shared)
+            for judge in served:
+                judge.close()
+            raise
+    broadcast_object_list(shared)
+    if isinstance(shared[0], str):
+        raise EngineError(f"rank 0 could not start the judge's vLLM engines: {shared[0]}")
+    if not accelerator.is_main_process:
+        for judge, urls in zip(served, shared[0]):
+            judge.use_engines([u.removesuffix("/v1") for u in urls])
+    return served

@@ -367,7 +367,9 @@ def check_inputs(cfg: Any) -> None:
 
         check_environment_config(cfg.environment, cfg.tools, cfg.tool_call_format)
     if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
+        from open_instruct.judge import check_run_judges
         from open_instruct.rewards import load_reward_function
 
         for spec in cfg.reward_functions:
             load_reward_function(spec)
+        check_run_judges(cfg)  # a judge on the run's own engines needs some; one served here needs vLLM

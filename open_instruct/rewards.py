@@ -1454,11 +1454,14 @@ def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeo
     """Call each reward function once on the first training rows, an empty completion standing in for the model's
     (a model can answer with nothing; the function must score it), before any model loads: a function that raises,
     hangs, returns the wrong length or NaN/inf fails now, naming itself and the row (a failing batch is retried row
-    by row to find it)."""
+    by row to find it). A function whose model starts with the run (`starts_with_run`: a judge served by vLLM engines
+    the run starts, or the run's own) is not called: its arguments were checked when it was built."""
     from open_instruct.errors import ConfigError
 
     rows = list(examples[:PROBE_ROWS])
     for spec in specs:
+        if getattr(load_reward_function(spec), "starts_with_run", False):
+            continue
         try:
             call_reward_function(spec, reward_function_inputs(rows, [""] * len(rows), [[]] * len(rows)),
                                  [e.get("where", f"row {e.get('row')}") for e in rows], timeout)  # fmt: skip

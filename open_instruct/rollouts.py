@@ -262,6 +262,16 @@ class RolloutSampler:
         return sorted(self.in_flight)
 
 
+def start_judges(cfg: RLVRConfig, generator: Any, accelerator: Any) -> list:
+    """The reward functions' judges on vLLM engines, once the generator is up (judge.start_run_judges: the run's own
+    engines, or engines started for a judge); those whose engines were started, to close at the end."""
+    if not cfg.reward_functions:
+        return []
+    from open_instruct.judge import start_run_judges  # imported only by a run with reward functions
+
+    return start_run_judges(cfg, generator, accelerator)
+
+
 def reward_function_scores(
     cfg: RLVRConfig, examples: list[dict], texts: list[str], response_ids: list[list[int]]
 ) -> tuple[list[float], dict[str, list[Optional[float]]]]:

@@ -139,6 +139,44 @@ def test_sampled_log_probs_match_the_trainer(server):
     assert gen.generate(prompts, cfg).response_ids == out.response_ids
 
 
+def test_a_self_judge_asks_the_runs_own_engines(server, tmp_path):
+    """Judge(url='run') resolved at run start against the run's engines (judge.start_run_judges): it asks them by the
+    name they serve (/v1/models: the engine folder) and its replies are the policy's own greedy answers to the
+    judge prompts, as the generator samples them from the same engine."""
+    from types import SimpleNamespace
+
+    from open_instruct.judge import start_run_judges
+    from open_instruct.rewards import load_reward_function
+
+    gen, _, tokenizer, _, root = server  # the policy the previous test sent
+    (tmp_path / "self_judge.py").write_text(
+        "from open_instruct.judge import Judge\n"
+        "judge = Judge('Rate {completion} for {prompt}. Score: N', url='run', max_new_tokens=12,"
+        " max_parse_failure_rate=1.0)\n"
+    )
+    spec = f"{tmp_path / 'self_judge.py'}:judge"
+    cfg = SimpleNamespace(reward_functions=[spec], generation_backend="vllm_server", output_dir=str(tmp_path))
+    assert start_run_judges(cfg, gen, SimpleNamespace(num_processes=1, is_main_process=True)) == []  # none started
+    judge = load_reward_function(spec)
+    assert judge.urls == [f"{gen.urls[0]}/v1"] and judge.model == os.path.join(root, "engine_model")
+    prompts, completions = ["Hi", "Sum?"], ["hello", "4"]
+    values = judge(prompts=prompts, completions=completions)
+    assert values.counters["calls"] == 2 and values.counters["timeouts"] == 0
+    rendered = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": judge.render(p, c, None)}], add_generation_prompt=True
+        )
+        for p, c in zip(prompts, completions)
+    ]
+    rendered = [p if isinstance(p, list) else list(p["input_ids"]) for p in rendered]
+    own = gen.generate(rendered, GenerationConfig(max_new_tokens=12, temperature=0))
+    eos = tokenizer.eos_token_id
+    assert values.replies == [
+        tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True) for ids in own.response_ids
+    ]
+    assert all(values.replies)  # (not two empty answers)
+
+
 def test_a_stale_engine_is_caught(server):
     """If an engine's weights are not the version the trainer believes it sent, generate refuses the samples."""
     import requests

@@ -3,9 +3,12 @@ and a tiny local judge model; the rendered prompts, the parsed scores, batching,
 (in memory and on disk) and parse failures are counted and checked; in a tiny RLVR run the judge adds to the
 verifier's reward by its weight and its counters are logged."""
 
+import importlib.util
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,7 +141,7 @@ def test_the_deadline_holds_and_counts_timeouts(fake_judge):
 
 def test_bad_settings_name_what_is_wrong():
     for kwargs, message in [
-        ({}, "give exactly one of url= .* and local_model="),
+        ({}, "give exactly one of url= .* local_model= .* and serve_model=.* got none"),
         ({"url": "http://x"}, "needs model="),
         ({"url": "http://x", "model": "m", "score_pattern": "score"}, "needs a group around the number"),
         ({"url": "http://x", "model": "m", "score_range": (5, 1)}, "low < high"),
@@ -148,6 +151,116 @@ def test_bad_settings_name_what_is_wrong():
             Judge(RUBRIC, **kwargs)
     with pytest.raises(ConfigError, match="must contain {completion}"):
         Judge("no placeholder", url="http://x", model="m")
+
+
+def test_bad_engine_judge_settings_fail_before_anything_starts(monkeypatch):
+    """Judges on vLLM engines (serve_model, url='run'): a bad combination is a ConfigError when the judge is built
+    (its module is imported before any model loads), never an engine started."""
+    from open_instruct import engines
+
+    monkeypatch.setattr(engines.LocalEngines, "__init__", lambda *a, **k: pytest.fail("an engine was started"))
+    for kwargs, message in [
+        ({"url": "http://x", "model": "m", "serve_model": "m"}, r"exactly one .* got \['serve_model', 'url'\]"),
+        ({"local_model": "f", "serve_model": "m"}, r"got \['local_model', 'serve_model'\]"),
+        ({"url": "http://x", "model": "m", "serve_engines": 2}, r"\['serve_engines'\] configure engines started for "),
+        ({"serve_model": "m", "serve_gpus": [0]}, r"unknown argument\(s\) \['serve_gpus'\]; the serving options"),
+        ({"serve_model": "m", "model": "m"}, "serve_model= takes no model= or api_key_env="),
+        ({"serve_model": "m", "serve_engines": 0}, "serve_engines must be an integer >= 1, got 0"),
+        ({"serve_model": "m", "serve_engines": 2, "serve_devices": [3]}, r"serve_devices \[3\] must list 2 distinct"),
+        ({"serve_model": "m", "serve_devices": [1, 1], "serve_engines": 2}, "must list 2 distinct GPU ids"),
+        ({"url": "run", "model": "m"}, r"url='run' takes no model= \(.*read from their /v1/models"),
+        ({"url": "run", "cache_path": "c.jsonl"}, "url='run' takes no cache_path= .*weights change every step"),
+        ({"url": "run", "api_key_env": "K"}, "url='run' takes no api_key_env="),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Judge(RUBRIC, **kwargs)
+    with pytest.raises(ConfigError, match=r"Judge\(url='run'\) is resolved when the run's vLLM engines start"):
+        Judge(RUBRIC, url="run")(prompts=["q"], completions=["a"])  # used outside a run, never resolved
+    if importlib.util.find_spec("vllm") is None:  # the main venv: a served judge names what it lacks
+        with pytest.raises(ConfigError, match="serve_model 'm' needs vLLM in this Python environment"):
+            Judge(RUBRIC, serve_model="m")(prompts=["q"], completions=["a"])
+    assert Judge(RUBRIC, url="run").starts_with_run and Judge(RUBRIC, serve_model="m").starts_with_run
+    assert not Judge(RUBRIC, url="http://x", model="m").starts_with_run
+
+
+SELF_JUDGE_FILE = """
+from open_instruct.judge import Judge
+
+judge = Judge("Rate {completion}. Score: N", url="run")
+"""
+
+
+def test_a_self_judge_without_vllm_engines_is_refused_before_loading(tiny_models, tmp_path, no_model_loads, capsys):
+    """url='run' in a run that generates with HF: exit 2 naming the backend, before any model loads; the probe did
+    not call the judge (it would have said it was never resolved)."""
+    judge_file = tmp_path / "self_judge.py"
+    judge_file.write_text(SELF_JUDGE_FILE)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 1 + 1?", "ground_truth": "2", "dataset": "gsm8k"}) + "\n")
+    argv = command(tiny_models["causal_lm"], str(rows), tmp_path / "out", "--reward_functions", f"{judge_file}:judge",
+                   "--generation_backend", "hf")  # fmt: skip
+    with pytest.raises(ConfigError, match="judges with the run's own vLLM engines, but generation_backend is hf"):
+        from open_instruct.judge import check_run_judges
+
+        check_run_judges(SimpleNamespace(reward_functions=[f"{judge_file}:judge"], generation_backend="hf"))
+    assert run(argv) == 2
+    assert "but generation_backend is hf (no engine with an OpenAI-compatible route)" in capsys.readouterr().err
+
+
+def test_served_judges_take_the_gpus_the_run_leaves_free(monkeypatch, tmp_path):
+    """start_run_judges on rank 0 of a one-process run on a 5-GPU node whose own engine took GPU 1: a served judge
+    gets the GPUs after the training process's (0) and the engine's (1), in order; one that needs more than are left,
+    or names a taken GPU, is refused naming the layout. (The engines themselves are not started here.)"""
+    from open_instruct import judge as judge_module
+    from open_instruct.engines import EngineSpec
+
+    started = []
+
+    def fake_start(self, devices=None, log_dir=None):
+        started.append((self.serve_model, devices, log_dir))
+        return [f"http://127.0.0.1:{9000 + len(started)}/v1"]
+
+    monkeypatch.setattr(judge_module, "_cuda_devices", lambda: 5)
+    monkeypatch.setattr(Judge, "start", fake_start)
+    generator = SimpleNamespace(urls=["http://127.0.0.1:8000"], local_engines=SimpleNamespace(
+        specs=[EngineSpec(0, "127.0.0.1", 8000, [1])]))  # fmt: skip
+    accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+
+    def judges(*lines):
+        path = tmp_path / f"judges_{len(list(tmp_path.iterdir()))}.py"
+        path.write_text("from open_instruct.judge import Judge\n" + "\n".join(lines) + "\n")
+        names = [line.split(" = ")[0] for line in lines]
+        return SimpleNamespace(reward_functions=[f"{path}:{n}" for n in names], output_dir=str(tmp_path / "out"))
+
+    cfg = judges(
+        "a = Judge('{completion}', serve_model='A', serve_engines=2)", "b = Judge('{completion}', serve_model='B')"
+    )
+    assert len(judge_module.start_run_judges(cfg, generator, accelerator)) == 2
+    log_dirs = [os.path.join(tmp_path, "out", f"judge_engine_logs_{i}") for i in range(2)]
+    assert started == [("A", [2, 3], log_dirs[0]), ("B", [4], log_dirs[1])]
+    cfg = judges("c = Judge('{completion}', serve_model='C', serve_engines=4)")
+    with pytest.raises(
+        ConfigError, match=r"needs 4 GPU\(s\) the run leaves free: training and generation take \[0, 1\] of 5"
+    ):
+        judge_module.start_run_judges(cfg, generator, accelerator)
+    cfg = judges("d = Judge('{completion}', serve_model='D', serve_devices=[1])")
+    with pytest.raises(ConfigError, match=r"take \[0, 1\] of 5, serve_devices \[1\]"):
+        judge_module.start_run_judges(cfg, generator, accelerator)
+
+
+def test_engines_of_a_run_with_a_self_judge_serve_the_whole_context(tiny_models, tmp_path):
+    """A self-judge's prompts hold a prompt, its completion and the rubric: the run's engines then serve the policy's
+    max_position_embeddings (1024 for the tiny model), not the run's longest prompt + response; a served judge or
+    none leaves them at the run's."""
+    from open_instruct.engines import engine_context
+
+    (tmp_path / "judges.py").write_text(SELF_JUDGE_FILE + "served = Judge('{completion}', serve_model='m')\n")
+    base = {"model_name_or_path": tiny_models["causal_lm"], "trust_remote_code": False, "gguf_file": None}
+    with_self = SimpleNamespace(reward_functions=[f"{tmp_path / 'judges.py'}:judge"], **base)
+    served_only = SimpleNamespace(reward_functions=[f"{tmp_path / 'judges.py'}:served"], **base)
+    assert engine_context(with_self, 100) == 1024 and engine_context(with_self, 2000) == 2000
+    assert engine_context(served_only, 100) == 100 and engine_context(SimpleNamespace(reward_functions=None), 7) == 7
 
 
 def test_a_tiny_local_judge_scores_its_own_greedy_replies(tiny_models):
