@@ -69,6 +69,30 @@ def parse(spec: str, where: str = "environment") -> tuple[str, dict[str, Any]]:
     return target, kwargs
 
 
+def v1_installed() -> bool:
+    """Whether the installed verifiers is 0.4.x, which has only verifiers.v1: a `verifiers:` spec then runs through
+    verifiers_v1.py (its episodes driven by the env's harness), not this module's reset/step adapter."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - the standard library has it
+        return False
+    try:
+        return version("verifiers").startswith("0.4")
+    except PackageNotFoundError:
+        return False
+
+
+class PlayedByItsHarness:
+    """The environment class a `verifiers:` spec resolves to under verifiers 0.4: v1 episodes are driven by their
+    harness (verifiers_v1.V1Run plays them), so the reset/step contract refuses, saying so."""
+
+    def __init__(self, **_: Any) -> None:
+        raise ConfigError("a verifiers.v1 environment is played by its own harness: mix it with no other environment "
+                          "in one run (the recipe's environment and every row's must be the same verifiers: spec)")
+
+    reset = step = __init__
+
+
 def _verifiers(where: str) -> Any:
     """The earlier API's package (`import verifiers as vf`: 0.1.x and 0.2.x at the top level, 0.3.x in
     verifiers.legacy answering at the same names); ConfigError when it is missing or has only verifiers.v1."""
@@ -366,6 +390,8 @@ def environment_class(spec: str) -> type:
     """The environment class of `verifiers:<target>[?...]`, one per spec (its environment loaded now, so a bad spec
     or a failing load_environment stops the run before any model loads)."""
     spec = spec.strip()
+    if v1_installed():
+        return PlayedByItsHarness
     load(spec)
     with _LOCK:
         if spec not in _CLASSES:

@@ -1,0 +1,243 @@
+"""Playing a `verifiers.v1` environment's episodes (verifiers_v1.py: the spec, the rows, the endpoint): `V1Run` is
+episodes.EnvironmentRun for a run whose environment is a v1 env; rollouts.environment_run picks it under verifiers
+0.4. Each rollout starts every episode's harness on one event-loop thread, serves the endpoint's rounds from the
+run's generator on the calling thread, and builds each episode from its trace (verifiers_v1.py's docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+from open_instruct.episodes import (
+    EnvironmentRun,
+    Episode,
+    EpisodeOutput,
+    Turn,
+    environment_example,
+    episode_output,
+    turn_seed,
+)
+from open_instruct.errors import ConfigError
+from open_instruct.verifiers_v1 import MODEL_NAME, Call, GenerateServer, cut_at_stop, load, task_messages, task_of
+
+
+class V1Run(EnvironmentRun):
+    """A run's v1 environment (episodes.EnvironmentRun's interface: prompt_ids, probe_step, play, sample_rows): the
+    endpoint (started on first use) and the rollouts' episodes, played by the env's harness."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, verify: Any = None, step_workers: int = 1):
+        super().__init__(cfg, tokenizer, verify, step_workers)
+        self.spec = str(cfg.environment).strip()
+        self.tokenizer = tokenizer
+        self.source = load(self.spec)
+        self.server: Optional[GenerateServer] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._renderer: Any = None
+
+    def probe_step(self, row: dict[str, Any]) -> None:
+        """Nothing to probe before the model loads: the harness asks the model first (the env loaded already)."""
+        task_of(self.source, row)
+
+    # --- prompts, before any model loads --------------------------------------------------------------------------
+
+    def renderer(self) -> Any:
+        """The renderer the training client renders with (the same config), for the prompt length checks."""
+        if self._renderer is None:
+            from renderers import create_renderer
+            from renderers.base import load_tokenizer
+
+            self._renderer = create_renderer(load_tokenizer(self.cfg.model_name_or_path), self.renderer_config())
+        return self._renderer
+
+    def renderer_config(self) -> Any:
+        if not self.source.renderer:
+            return None
+        from pydantic import TypeAdapter
+        from renderers import RendererConfig
+
+        try:
+            return TypeAdapter(RendererConfig).validate_python({"name": "default", **self.source.renderer})
+        except ValueError as e:
+            raise ConfigError(f"environment {self.spec!r}: renderer.* arguments: {e}") from None
+
+    def prompt_ids(self, row: dict[str, Any]) -> list[int]:
+        """The task's opening prompt as the renderer renders it (without tool schemas: those come with the
+        harness), what the length checks measure."""
+        messages = task_messages(task_of(self.source, row), row.get("where", "a row"))
+        return list(self.renderer().render(messages, add_generation_prompt=True).token_ids)
+
+    # --- the rollout -----------------------------------------------------------------------------------------------
+
+    def run(self, coroutine: Any) -> Any:
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, daemon=True, name="verifiers-v1").start()
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def context(self, config: Any) -> Any:
+        import verifiers.v1 as vf
+
+        client = vf.TrainClientConfig(
+            base_url=self.server.base_url,
+            renderer_model_name=self.cfg.model_name_or_path,
+            renderer=self.renderer_config(),
+            api_key_var="OPEN_INSTRUCT_UNUSED_KEY",  # the endpoint wants no key
+        )
+        sampling = vf.SamplingConfig(temperature=config.temperature, top_p=config.top_p)
+        return vf.ModelContext(model=MODEL_NAME, client=client, sampling=sampling)
+
+    def play(
+        self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Optional[Any] = None
+    ) -> EpisodeOutput:
+        """`config.n` episodes per row, played by their harnesses against the endpoint, in row order (each row's n
+        contiguous), scored, their metrics on the last turn."""
+        return episode_output(self.play_episodes(generator, rows, config, budget or self.budget), config.n, self.tokens)
+
+    def play_episodes(self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Any) -> list[Episode]:
+        if self.server is None:
+            self.server = GenerateServer()
+        server, n = self.server, config.n
+        tasks = [task_of(self.source, row) for row in rows for _ in range(n)]
+        traces: dict[int, list[Any]] = {i: [] for i in range(len(tasks))}
+        ctx = self.context(config)
+        env = self.source.env
+        rounds = [0]
+
+        def minted(index: int) -> Any:
+            def on_trace(trace: Any) -> None:
+                traces[index].append(trace)
+                with server.cond:
+                    server.order[trace.id] = index
+
+            return on_trace
+
+        async def one(index: int, task: Any) -> Any:
+            try:
+                return await env.run_episode(task, ctx, on_trace=minted(index))
+            finally:
+                server.ended()
+
+        async def all_episodes() -> list[Any]:
+            async with env.serving():
+                return await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+
+        def generate_round(batch: list[Call]) -> None:
+            caps = [self.cap(call, budget) for call in batch]
+            live = [i for i, cap in enumerate(caps) if cap > 0]  # a call past its budget gets no tokens
+            if not live:
+                return
+            seed = None if config.seed is None else turn_seed(config.seed, rounds[0])
+            rounds[0] += 1
+            turn_config = replace(config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed, stop_strings=None)
+            out = generator.generate([batch[i].prompt_ids for i in live], turn_config, [caps[i] for i in live])
+            for i, ids, logprobs, versions in zip(live, out.response_ids, out.logprobs, out.weight_versions):
+                call = batch[i]
+                keep = cut_at_stop(ids, call.stop_ids)
+                call.ids, call.logprobs, call.versions = list(ids[:keep]), list(logprobs[:keep]), list(versions[:keep])
+                stopped = keep < len(ids) or (keep and call.ids[-1] in call.stop_ids) or out.stopped[live.index(i)]
+                call.finish_reason = "stop" if stopped else "length"
+
+        server.calls, server.order = {}, {}
+        server.started(len(tasks))
+        future = self.run(all_episodes())
+        try:
+            server.serve_rounds(generate_round, self.timeout_s, f"verifiers environment {self.spec!r}")
+            results = future.result(timeout=self.timeout_s)
+        except BaseException:
+            future.cancel()
+            server.fail_pending()
+            raise
+        episodes = []
+        for index, (row, result) in enumerate(zip([r for r in rows for _ in range(n)], results)):
+            episodes.append(self.episode(row, result, traces[index], budget, f"{row.get('where', 'a row')}"))
+        for start in range(0, len(episodes), n):
+            group = episodes[start : start + n]
+            if any(e.prompt_ids != group[0].prompt_ids for e in group):
+                raise ConfigError(f"verifiers environment {self.spec!r}: one task's episodes started from different "
+                                  "prompt ids (its harness's opening differs between episodes), which a group's "
+                                  "shared prompt cannot hold")  # fmt: skip
+        return episodes
+
+    def cap(self, call: Call, budget: Any) -> int:
+        """New tokens this call may have: max_turn_tokens, the request's own max_tokens, what is left of the
+        episode's response_length after its first prompt; 0 once the episode made max_turns calls."""
+        earlier = self.server.calls.get(call.session, []) if self.server else []
+        if len(earlier) >= budget.max_turns:
+            return 0
+        first = len(earlier[0].prompt_ids) if earlier else len(call.prompt_ids)
+        left = budget.max_response_tokens - (len(call.prompt_ids) - first)
+        cap = min(budget.max_turn_tokens, left)
+        if call.max_tokens:
+            cap = min(cap, int(call.max_tokens))
+        return max(cap, 0)
+
+    def episode(self, row: dict[str, Any], result: Any, traces: list[Any], budget: Any, where: str) -> Any:
+        """One Episode from the run's single trainable trace and its single trainable branch (module docstring)."""
+        name = f"verifiers environment {self.spec!r} on {where}"
+        if result.errors:
+            first = result.errors[0]
+            raise ConfigError(f"{name}: the episode failed: {first.type}: {first.message}")
+        trainable = [t for t in result.traces if t.agent.trainable]
+        if len(trainable) != 1:
+            raise ConfigError(f"{name}: the episode has {len(trainable)} trainable agent runs; one is supported "
+                              "(multi-agent envs are not)")  # fmt: skip
+        trace = trainable[0]
+        if trace.errors:
+            raise ConfigError(f"{name}: the agent run failed: {trace.errors[0].type}: {trace.errors[0].message}")
+        branches = [b for b in trace.branches if b.trainable]
+        if len(branches) != 1:
+            raise ConfigError(f"{name}: the trace has {len(branches)} trainable branches (compaction, sub-agents, or "
+                              "a turn whose rendered prompt does not extend the sampled ids); one training sequence "
+                              "per episode is supported")  # fmt: skip
+        branch = branches[0]
+        ids, mask = list(branch.token_ids), list(branch.sampled_mask)
+        calls = [c for c in (self.server.calls.get(trace.id, []) if self.server else [])]
+        sampled = [t for t, m in zip(ids, mask) if m]
+        returned = [t for c in calls for t in c.ids]
+        if sampled != returned:
+            raise RuntimeError(f"{name}: the trace's sampled ids are not the ids the endpoint returned "
+                               f"({len(sampled)} vs {len(returned)} tokens): token-in/token-out broken")  # fmt: skip
+        if not any(mask):
+            raise ConfigError(f"{name}: the harness never asked the model")
+        start = mask.index(True)
+        episode = Episode(prompt_ids=ids[:start], example=environment_example(row))
+        logprobs = iter([lp for c in calls for lp in c.logprobs])
+        versions = iter([v for c in calls for v in c.versions])
+        room = budget.max_response_tokens
+        i = start
+        while i < len(ids) and len(episode.response_ids) < room:
+            j = i
+            while j < len(ids) and mask[j]:
+                j += 1
+            policy = ids[i:j][: room - len(episode.response_ids)]
+            begin = len(episode.response_ids)
+            episode.append_policy(policy, [next(logprobs) for _ in policy], [next(versions) for _ in policy])
+            k = j
+            while k < len(ids) and not mask[k]:
+                k += 1
+            if k < len(ids):  # the ids between two sampled spans: what the policy saw next (masked)
+                episode.append_observation(ids[j:k][: room - len(episode.response_ids)])
+            closed = bool(policy) and policy[-1] == self.tokenizer.eos_token_id
+            episode.turns.append(Turn(begin, begin + len(policy), len(episode.response_ids), "", closed, True))
+            i = k
+        if i < len(ids):
+            episode.end("max_response_tokens")
+        elif any(not c.ids and c.finish_reason == "length" for c in calls):
+            episode.end("max_turns" if len(calls) > budget.max_turns else "max_response_tokens")
+        else:
+            episode.end("done")
+        answered = [c for c in calls if c.ids]
+        if len(answered) == len(episode.turns):  # each sampled span is one call's answer
+            for turn, call in zip(episode.turns, answered):
+                turn.stopped = call.finish_reason == "stop"
+                if not turn.stopped:
+                    episode.truncations["max_turn_tokens"] += 1
+        last = episode.turns[-1]
+        last.reward = float(trace.reward)
+        metrics = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
+        metrics.update({name: float(v) for name, v in trace.metrics.items() if v is not None})
+        last.info = {"metrics": metrics}
+        return episode
