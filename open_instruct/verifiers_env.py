@@ -87,8 +87,10 @@ class PlayedByItsHarness:
     harness (verifiers_v1.V1Run plays them), so the reset/step contract refuses, saying so."""
 
     def __init__(self, **_: Any) -> None:
-        raise ConfigError("a verifiers.v1 environment is played by its own harness: mix it with no other environment "
-                          "in one run (the recipe's environment and every row's must be the same verifiers: spec)")
+        raise ConfigError(
+            "a verifiers.v1 environment is played by its own harness: mix it with no other environment "
+            "in one run (the recipe's environment and every row's must be the same verifiers: spec)"
+        )
 
     reset = step = __init__
 

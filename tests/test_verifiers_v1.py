@@ -1,0 +1,285 @@
+"""`verifiers.v1` environments (verifiers 0.4: open_instruct/verifiers_v1.py and verifiers_v1_play.py): a single-turn
+and a multi-turn environment defined here (a Taskset with weighted @reward functions and a @metric, and a harness
+that asks the model through verifiers' interception server), their tasks as rows, episodes played by their harness
+against the run's loopback generate endpoint: the trained ids are the ids the generator sampled (token-in/token-out),
+the user turns between them masked, the score the trace's weighted rewards and each reward/metric logged; tiny GRPO
+runs of both (2 rollouts each). Skipped where verifiers 0.4 is not installed (an optional extra; CI lacks it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+vf = pytest.importorskip("verifiers", reason="verifiers 0.4 (verifiers.v1) is not installed")
+if not str(getattr(vf, "__version__", "")).startswith("0.4"):
+    pytest.skip(f"verifiers {vf.__version__} is not 0.4 (verifiers.v1 only)", allow_module_level=True)
+
+from open_instruct.errors import ConfigError  # noqa: E402
+from open_instruct.generation import GenerationConfig, GenerationOutput  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The harness both environments share: it asks the model through the interception endpoint (as any v1 harness
+# program does), `turns` times, a user turn between answers; every reward function logs what it returned.
+HARNESS = '''
+import json, os
+import httpx
+import verifiers.v1 as vf
+
+
+def replies(trace):
+    return [n.message.content or "" for n in trace.nodes if n.message.role == "assistant"]
+
+
+def log(fn, value, texts):
+    if os.environ.get("VF_TEST_LOG"):
+        with open(os.environ["VF_TEST_LOG"], "a") as f:
+            f.write(json.dumps({"fn": fn, "value": value, "texts": texts}) + "\\n")
+    return value
+
+
+class AskConfig(vf.HarnessConfig):
+    turns: int = 1
+
+
+class Ask(vf.Harness[AskConfig]):
+    APPENDS_SYSTEM_PROMPT = True
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        messages = [{"role": "user", "content": data.prompt}]
+        async with httpx.AsyncClient(timeout=None) as client:
+            for turn in range(data.turns):
+                reply = await client.post(endpoint.rstrip("/") + "/chat/completions",
+                                          json={"model": ctx.model, "messages": messages},
+                                          headers={"Authorization": f"Bearer {secret}"})
+                reply.raise_for_status()
+                messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+                if turn + 1 < data.turns:
+                    messages.append({"role": "user", "content": f"once more ({turn + 1})"})
+        return vf.ProgramResult(0, "", "")
+
+
+class AskData(vf.TaskData):
+    answer: str = ""
+    turns: int = 1
+
+
+class AskTask(vf.Task[AskData]):
+    @vf.reward(weight=1.0)
+    async def exact(self, trace: vf.Trace) -> float:
+        texts = replies(trace)
+        return log("exact", float(bool(texts) and texts[-1].strip() == self.data.answer), texts)
+
+    @vf.reward(weight=0.5)
+    async def brevity(self, trace: vf.Trace) -> float:
+        texts = replies(trace)
+        return log("brevity", 1.0 / (1 + sum(map(len, texts))), texts)
+
+    @vf.metric
+    async def answers(self, trace: vf.Trace) -> float:
+        texts = replies(trace)
+        return log("answers", float(len(texts)), texts)
+
+
+class AskTasksetConfig(vf.TasksetConfig):
+    num_tasks: int = 4
+    turns: int = 1
+
+
+class AskTaskset(vf.Taskset[AskTask, AskTasksetConfig]):
+    def load(self):
+        answers = ["yes", "no"]
+        return [AskTask(AskData(prompt=f"say {answers[i % 2]}", answer=answers[i % 2], turns=self.config.turns),
+                        self.config.task) for i in range(self.config.num_tasks)]
+
+
+__all__ = ["AskTaskset", "Ask"]
+'''
+WEIGHTS = {"exact": 1.0, "brevity": 0.5}
+
+
+@pytest.fixture
+def env_folder(tmp_path, monkeypatch):
+    (tmp_path / "ask_env.py").write_text(HARNESS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VF_TEST_LOG", str(tmp_path / "values.jsonl"))
+    return tmp_path
+
+
+class CharGenerator:
+    """The Generator contract's generate(): round k's i-th request gets scripts[k][i] spelled one token per
+    character + the end-of-turn id; it records the prompts it got and the ids and log-probs it returned."""
+
+    def __init__(self, tokenizer, scripts):
+        self.tokenizer, self.scripts, self.round, self.prompts, self.sampled = tokenizer, scripts, 0, [], []
+
+    def generate(self, prompt_ids, config, max_new_tokens=None):
+        texts = self.scripts[self.round]
+        self.round += 1
+        assert len(texts) == len(prompt_ids) and config.n == 1
+        ids = [([self.tokenizer.convert_tokens_to_ids(c) for c in t] + [self.tokenizer.eos_token_id])[:cap]
+               for t, cap in zip(texts, max_new_tokens)]  # fmt: skip
+        logprobs = [[-0.01 * (len(self.sampled) + 1) * (j + 1) for j in range(len(r))] for r in ids]
+        self.prompts.append([list(p) for p in prompt_ids])
+        self.sampled.append((ids, logprobs))
+        return GenerationOutput(
+            prompt_ids=[list(p) for p in prompt_ids], response_ids=ids, texts=list(texts), stopped=[True] * len(ids),
+            prompt_index=list(range(len(ids))), logprobs=logprobs, weight_versions=[[3] * len(r) for r in ids],
+        )  # fmt: skip
+
+
+def config(tiny_models, spec, *extra):
+    from open_instruct.config import RLVRConfig, parse_config
+
+    return parse_config(RLVRConfig, [
+        os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+        "--dataset_name_or_path", spec, "--environment", spec, "--num_samples_per_prompt", "2",
+        "--response_length", "400", "--max_turn_tokens", "60", "--max_turns", "3", "--total_episodes", "16",
+        "--local_rollout_batch_size", "2", *extra,
+    ])  # fmt: skip
+
+
+def play(cfg, tokenizer, spec, scripts, rows_used):
+    from open_instruct import verifiers_v1
+    from open_instruct.rollouts import environment_run
+
+    environments = environment_run(cfg, tokenizer)
+    rows = []
+    for i, row in enumerate(verifiers_v1.generate(spec, "train")[:rows_used]):
+        example = {**row, "verifier": row["dataset"]}
+        r = {"ground_truth": row["ground_truth"], "verifier": row["dataset"], "where": f"row {i}", "example": example}
+        rows.append({**r, "prompt_ids": environments.prompt_ids(r)})
+    generator = CharGenerator(tokenizer, scripts)
+    return rows, environments.play(generator, rows, GenerationConfig(n=2, seed=5)), generator
+
+
+def values_logged(path):
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def test_single_turn_episodes_train_the_sampled_ids_and_score_with_the_tasks_rewards(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+    from open_instruct.verifiers_v1_play import V1Run
+
+    spec = "verifiers:ask_env.py?num_tasks=2"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec)
+    # task 0 (answer "yes"): "yes" and "yes!"; task 1 ("no"): "no" and "maybe"
+    rows, out, generator = play(cfg, tokenizer, spec, [["yes", "yes!", "no", "maybe"]], rows_used=2)
+    environments = out  # the EpisodeOutput
+    assert isinstance(environments.episodes[0], object) and generator.round == 1
+    ids, logprobs = generator.sampled[0]
+    for i, episode in enumerate(out.episodes):
+        # token-in/token-out: the whole response is the policy's, exactly the ids (and log-probs) it sampled
+        assert episode.response_ids == ids[i] and episode.loss_mask == [1] * len(ids[i])
+        assert episode.sampler_logprobs == pytest.approx(logprobs[i], abs=1e-12)
+        assert episode.weight_versions == [3] * len(ids[i])
+        # the prompt the episode trains on is the prompt the generator got, and the one the length checks measured
+        assert episode.prompt_ids == generator.prompts[0][i] == rows[i // 2]["prompt_ids"]
+    texts = ["yes", "yes!", "no", "maybe"]
+    answers = ["yes", "yes", "no", "no"]
+    for episode, text, answer in zip(out.episodes, texts, answers):
+        exact, brevity = float(text == answer), 1.0 / (1 + len(text))
+        assert episode.turns[-1].reward == pytest.approx(exact + 0.5 * brevity, abs=1e-12)
+        assert episode.turns[-1].info["metrics"] == pytest.approx({"exact": exact, "brevity": brevity, "answers": 1.0})
+        assert episode.end_reason == "done"
+    assert out.prompt_index == [0, 0, 1, 1] and out.stopped == [True] * 4
+    assert isinstance(V1Run, type)
+
+
+def test_multi_turn_episodes_mask_the_user_turns_between_the_sampled_ones(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:ask_env.py?num_tasks=1&turns=3"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec)
+    scripts = [["a", "b"], ["cc", "d"], ["yes", "no"]]  # three rounds, both episodes answering together
+    rows, out, generator = play(cfg, tokenizer, spec, scripts, rows_used=1)
+    assert generator.round == 3  # every round held both episodes' requests (one generate call per turn)
+    for i, episode in enumerate(out.episodes):
+        sampled = [generator.sampled[k][0][i] for k in range(3)]
+        segments = [episode.response_ids[t.policy_start : t.policy_end] for t in episode.turns]
+        assert segments == sampled  # each turn's trained ids are that round's sampled ids
+        for k, turn in enumerate(episode.turns):
+            assert episode.loss_mask[turn.policy_start : turn.policy_end] == [1] * len(sampled[k])
+            observation = episode.response_ids[turn.policy_end : turn.observation_end]
+            assert episode.loss_mask[turn.policy_end : turn.observation_end] == [0] * len(observation)
+            if k < 2:  # the user turn between answers, as the renderer rendered it, masked
+                assert f"once more ({k + 1})" in tokenizer.decode(observation)
+                # what the generator got next is exactly the episode so far (prompt + response up to here)
+                assert generator.prompts[k + 1][i] == episode.prompt_ids + episode.response_ids[: turn.observation_end]
+        exact = float(["yes", "no"][i] == "yes")  # task 0's answer is "yes"
+        brevity = 1.0 / (1 + len(scripts[0][i]) + len(scripts[1][i]) + len(scripts[2][i]))
+        assert episode.turns[-1].reward == pytest.approx(exact + 0.5 * brevity, abs=1e-12)
+        assert episode.turns[-1].info["metrics"]["answers"] == 3.0
+
+
+def test_the_run_budgets_cut_the_episode_at_the_endpoint(env_folder, tiny_models):
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:ask_env.py?num_tasks=1&turns=3"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec, "--max_turns", "2", "--max_turn_tokens", "3")
+    rows, out, generator = play(cfg, tokenizer, spec, [["abcdef", "xy"], ["pqrs", "z"]], rows_used=1)
+    assert generator.round == 2  # the third call is past max_turns: answered with no tokens, no generation
+    for i, episode in enumerate(out.episodes):
+        assert [episode.response_ids[t.policy_start : t.policy_end] for t in episode.turns] == [
+            generator.sampled[k][0][i] for k in range(2)
+        ]
+        assert all(len(generator.sampled[k][0][i]) <= 3 for k in range(2))  # max_turn_tokens
+        assert episode.end_reason == "max_turns"
+    assert out.stopped == [False, False]
+
+
+def test_bad_specs_are_refused_before_any_model_loads(env_folder):
+    from open_instruct import verifiers_v1
+
+    (env_folder / "no_taskset.py").write_text("x = 1\n")
+    with pytest.raises(ConfigError, match="exports no verifiers.v1 Taskset"):
+        verifiers_v1.load("verifiers:no_taskset.py")
+    with pytest.raises(ConfigError, match="remote service"):
+        verifiers_v1.load("verifiers:ask_env.py?agent.runtime.type=prime")
+    with pytest.raises(ConfigError, match="loading the env raised"):
+        verifiers_v1.load("verifiers:ask_env.py?no_such_field=1")
+
+
+def run_training(env_folder, tiny_models, spec):
+    out = env_folder / f"out_{len(os.listdir(env_folder))}"
+    args = [
+        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"),
+        "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", spec, "--environment", spec,
+        "--output_dir", str(out), "--total_episodes", "16", "--local_rollout_batch_size", "4",
+        "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--response_length", "40",
+        "--max_turn_tokens", "8", "--max_turns", "3", "--max_prompt_length", "400", "--logging_steps", "1",
+        "--save_final_model", "false", "--num_samples_logged", "0",
+    ]  # fmt: skip
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, *args], cwd=env_folder, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_a_tiny_grpo_run_trains_and_logs_the_rewards(env_folder, tiny_models, turns):
+    """Two rollouts of 8 episodes (single-turn, then two turns): every logged metric_<name> is the mean of what the
+    task's functions returned (logged by the functions themselves) and the score their weighted sum."""
+    train = run_training(env_folder, tiny_models, f"verifiers:ask_env.py?num_tasks=4&turns={turns}")
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    values = values_logged(env_folder / "values.jsonl")
+    by_fn = {name: [v for v in values if v["fn"] == name] for name in [*WEIGHTS, "answers"]}
+    assert all(len(v) == 16 for v in by_fn.values())  # 16 episodes, each scored once
+    for step, row in enumerate(train):
+        for name, logged in by_fn.items():
+            mine = logged[8 * step : 8 * step + 8]
+            assert row[f"train/metric_{name}"] == pytest.approx(sum(v["value"] for v in mine) / 8, abs=1e-9)
+        expected = sum(WEIGHTS[n] * v["value"] for n in WEIGHTS for v in by_fn[n][8 * step : 8 * step + 8]) / 8
+        assert row["train/score_mean"] == pytest.approx(expected, abs=1e-6)  # verification_reward 1
+        assert row["train/turns_per_episode"] == pytest.approx(row["train/metric_answers"], abs=1e-9)
