@@ -23,6 +23,9 @@ from open_instruct.episodes import (
 from open_instruct.errors import ConfigError
 from open_instruct.verifiers_v1 import MODEL_NAME, Call, GenerateServer, cut_at_stop, load, task_messages, task_of
 
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_LOOP_LOCK = threading.Lock()
+
 
 class V1Run(EnvironmentRun):
     """A run's v1 environment (episodes.EnvironmentRun's interface: prompt_ids, probe_step, play, sample_rows): the
@@ -34,7 +37,6 @@ class V1Run(EnvironmentRun):
         self.tokenizer = tokenizer
         self.source = load(self.spec)
         self.server: Optional[GenerateServer] = None
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._renderer: Any = None
 
     def probe_step(self, row: dict[str, Any]) -> None:
@@ -71,11 +73,16 @@ class V1Run(EnvironmentRun):
 
     # --- the rollout -----------------------------------------------------------------------------------------------
 
-    def run(self, coroutine: Any) -> Any:
-        if self.loop is None:
-            self.loop = asyncio.new_event_loop()
-            threading.Thread(target=self.loop.run_forever, daemon=True, name="verifiers-v1").start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    @staticmethod
+    def run(coroutine: Any) -> Any:
+        """A future of `coroutine` on the process's one verifiers event loop (a daemon thread): verifiers keeps
+        process-wide state (renderer pools, their locks) bound to the loop that first used it."""
+        global _LOOP
+        with _LOOP_LOCK:
+            if _LOOP is None:
+                _LOOP = asyncio.new_event_loop()
+                threading.Thread(target=_LOOP.run_forever, daemon=True, name="verifiers-v1").start()
+        return asyncio.run_coroutine_threadsafe(coroutine, _LOOP)
 
     def context(self, config: Any) -> Any:
         import verifiers.v1 as vf
