@@ -181,8 +181,11 @@ class V1Run(EnvironmentRun):
             cap = min(cap, int(call.max_tokens))
         return max(cap, 0)
 
-    def episode(self, row: dict[str, Any], result: Any, traces: list[Any], budget: Any, where: str) -> Any:
-        """One Episode from the run's single trainable trace and its single trainable branch (module docstring)."""
+    def episode(self, row: dict[str, Any], result: Any, traces: list[Any], budget: Any, where: str) -> Episode:
+        """One Episode from the episode's single trainable agent run: its trace's branch that holds the last model
+        call, from the first request's prompt on (module docstring). A turn the renderer re-rendered differently
+        from its sampled ids forks the trace: the branch then holds that turn as rendered (masked, not trained),
+        and the episode counts it (truncated/untrained_turns)."""
         name = f"verifiers environment {self.spec!r} on {where}"
         if result.errors:
             first = result.errors[0]
@@ -194,57 +197,72 @@ class V1Run(EnvironmentRun):
         trace = trainable[0]
         if trace.errors:
             raise ConfigError(f"{name}: the agent run failed: {trace.errors[0].type}: {trace.errors[0].message}")
+        calls = self.server.calls.get(trace.id, []) if self.server else []
         branches = [b for b in trace.branches if b.trainable]
-        if len(branches) != 1:
-            raise ConfigError(f"{name}: the trace has {len(branches)} trainable branches (compaction, sub-agents, or "
-                              "a turn whose rendered prompt does not extend the sampled ids); one training sequence "
-                              "per episode is supported")  # fmt: skip
-        branch = branches[0]
-        ids, mask = list(branch.token_ids), list(branch.sampled_mask)
-        calls = [c for c in (self.server.calls.get(trace.id, []) if self.server else [])]
-        sampled = [t for t, m in zip(ids, mask) if m]
-        returned = [t for c in calls for t in c.ids]
-        if sampled != returned:
-            raise RuntimeError(f"{name}: the trace's sampled ids are not the ids the endpoint returned "
-                               f"({len(sampled)} vs {len(returned)} tokens): token-in/token-out broken")  # fmt: skip
-        if not any(mask):
+        if not calls or not branches:
             raise ConfigError(f"{name}: the harness never asked the model")
-        start = mask.index(True)
-        episode = Episode(prompt_ids=ids[:start], example=environment_example(row))
-        logprobs = iter([lp for c in calls for lp in c.logprobs])
-        versions = iter([v for c in calls for v in c.versions])
+        last_node = trace.calls[-1].node if trace.calls else None
+        branch = next((b for b in branches if any(c.node == last_node for c in b.calls)), branches[-1])
+        ids, mask = list(branch.token_ids), list(branch.sampled_mask)
+        first = calls[0].prompt_ids
+        if ids[: len(first)] != first or any(mask[: len(first)]):
+            raise ConfigError(f"{name}: the trace does not start from the first request's prompt ids")
+        spans = _spans(mask, len(first))
+        answered = iter([c for c in calls if c.ids])
+        matched = []
+        for begin, end in spans:  # each sampled span is one call's answer, in order (token-in/token-out)
+            call = next((c for c in answered if c.ids == ids[begin:end]), None)
+            if call is None:
+                raise RuntimeError(f"{name}: a sampled span of the trace is not ids the endpoint returned "
+                                   "(token-in/token-out broken)")  # fmt: skip
+            matched.append(call)
+        episode = Episode(prompt_ids=list(first), example=environment_example(row))
         room = budget.max_response_tokens
-        i = start
-        while i < len(ids) and len(episode.response_ids) < room:
-            j = i
-            while j < len(ids) and mask[j]:
-                j += 1
-            policy = ids[i:j][: room - len(episode.response_ids)]
-            begin = len(episode.response_ids)
-            episode.append_policy(policy, [next(logprobs) for _ in policy], [next(versions) for _ in policy])
-            k = j
-            while k < len(ids) and not mask[k]:
-                k += 1
-            if k < len(ids):  # the ids between two sampled spans: what the policy saw next (masked)
-                episode.append_observation(ids[j:k][: room - len(episode.response_ids)])
-            closed = bool(policy) and policy[-1] == self.tokenizer.eos_token_id
-            episode.turns.append(Turn(begin, begin + len(policy), len(episode.response_ids), "", closed, True))
-            i = k
-        if i < len(ids):
+        cursor = len(first)
+        for (begin, end), call in zip(spans, matched):
+            if len(episode.response_ids) >= room:
+                break
+            episode.append_observation(ids[cursor:begin][: room - len(episode.response_ids)])
+            if episode.turns:  # the observation answers the previous turn
+                episode.turns[-1].observation_end = len(episode.response_ids)
+            keep = max(0, min(end - begin, room - len(episode.response_ids)))
+            start = len(episode.response_ids)
+            episode.append_policy(ids[begin : begin + keep], call.logprobs[:keep], call.versions[:keep])
+            closed = bool(keep) and ids[begin + keep - 1] == self.tokens.turn_end_id
+            stopped = call.finish_reason == "stop" and keep == end - begin
+            episode.turns.append(Turn(start, start + keep, start + keep, "", closed, stopped))
+            if not stopped:
+                episode.truncations["max_turn_tokens" if keep == end - begin else "max_response_tokens"] += 1
+            cursor = end
+        if not episode.turns:
+            raise ConfigError(f"{name}: the trace's branch holds no sampled tokens after the first prompt")
+        if len(matched) < len([c for c in calls if c.ids]):
+            episode.truncations["untrained_turns"] += len([c for c in calls if c.ids]) - len(matched)
+        budget_cut = [c for c in calls if not c.ids and c.finish_reason == "length"]
+        if cursor < len(ids) and len(episode.response_ids) >= room:
             episode.end("max_response_tokens")
-        elif any(not c.ids and c.finish_reason == "length" for c in calls):
+        elif budget_cut:
             episode.end("max_turns" if len(calls) > budget.max_turns else "max_response_tokens")
         else:
             episode.end("done")
-        answered = [c for c in calls if c.ids]
-        if len(answered) == len(episode.turns):  # each sampled span is one call's answer
-            for turn, call in zip(episode.turns, answered):
-                turn.stopped = call.finish_reason == "stop"
-                if not turn.stopped:
-                    episode.truncations["max_turn_tokens"] += 1
         last = episode.turns[-1]
         last.reward = float(trace.reward)
-        metrics = {name: float(r.score) for name, r in trace.rewards.items() if r is not None}
-        metrics.update({name: float(v) for name, v in trace.metrics.items() if v is not None})
+        metrics = {key: float(r.score) for key, r in trace.rewards.items() if r is not None}
+        metrics.update({key: float(v) for key, v in trace.metrics.items() if v is not None})
         last.info = {"metrics": metrics}
         return episode
+
+
+def _spans(mask: list[bool], start: int) -> list[tuple[int, int]]:
+    """The [begin, end) runs of True in mask[start:], as indices into mask."""
+    spans, i = [], start
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            spans.append((i, j))
+            i = j
+        else:
+            i += 1
+    return spans
