@@ -31,8 +31,8 @@ import httpx
 import verifiers.v1 as vf
 
 
-def replies(trace):
-    return [n.message.content or "" for n in trace.nodes if n.message.role == "assistant"]
+def replies(trace):  # each model call's answer, in order
+    return [trace.nodes[c.node].message.content or "" for c in trace.calls if c.node is not None]
 
 
 def log(fn, value, texts):
@@ -282,4 +282,8 @@ def test_a_tiny_grpo_run_trains_and_logs_the_rewards(env_folder, tiny_models, tu
             assert row[f"train/metric_{name}"] == pytest.approx(sum(v["value"] for v in mine) / 8, abs=1e-9)
         expected = sum(WEIGHTS[n] * v["value"] for n in WEIGHTS for v in by_fn[n][8 * step : 8 * step + 8]) / 8
         assert row["train/score_mean"] == pytest.approx(expected, abs=1e-6)  # verification_reward 1
-        assert row["train/turns_per_episode"] == pytest.approx(row["train/metric_answers"], abs=1e-9)
+        assert row["train/metric_answers"] == turns  # every episode asked the model `turns` times
+        # each answer is a trained turn, or (the renderer re-rendered a turn differently from its sampled ids, e.g.
+        # a sampled special token it strips) a turn the trace forked at: masked, counted, not trained
+        untrained = row.get("train/truncated_untrained_turns", 0.0)
+        assert row["train/turns_per_episode"] * 8 + untrained == pytest.approx(8 * turns, abs=1e-9)
