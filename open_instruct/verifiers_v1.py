@@ -88,6 +88,8 @@ def load(spec: str, where: str = "environment") -> Source:
             return _LOADED[spec]
         import verifiers.v1 as vf
 
+        from open_instruct.verifiers_v1_chat import HARNESS_ID, V1_DEFAULT_HARNESSES
+
         target, kwargs = parse(spec, where)
         module = load_module(target, f"{where} {spec!r}")
         exported = [getattr(module, name, None) for name in getattr(module, "__all__", [])]
@@ -105,6 +107,12 @@ def load(spec: str, where: str = "environment") -> Source:
         data = {**env_keys, "taskset": {**env_keys.get("taskset", {}), **taskset, "id": module.__name__}}
         agent = data.setdefault("agent", {})
         agent.setdefault("runtime", {"type": "subprocess"})
+        harness = agent.get("harness", {}).get("id")
+        if harness in V1_DEFAULT_HARNESSES:
+            raise ConfigError(f"{where} {spec!r}: agent.harness.id {harness} provisions its program with uv over the "
+                              "network; leave it unset for the offline chat harness")  # fmt: skip
+        if harness is None and not any(isinstance(obj, type) and issubclass(obj, vf.Harness) for obj in exported):
+            agent["harness"] = {**agent.get("harness", {}), "id": HARNESS_ID}  # the taskset's own harness wins
         try:
             env = vf.load_environment(vf.resolve_env_config(data))
             tasks = list(env.taskset)

@@ -103,13 +103,90 @@ __all__ = ["AskTaskset", "Ask"]
 '''
 WEIGHTS = {"exact": 1.0, "brevity": 0.5}
 
+# A tool environment: no harness of its own (the run's offline chat harness plays it: verifiers' own chat loop), a
+# tool server the task launches per rollout (`python -m tool_env`, so the module is importable by name).
+TOOL_ENV = '''
+import verifiers.v1 as vf
+
+
+class Calc(vf.Toolset[vf.ToolsetConfig]):
+    TOOL_PREFIX = "calc"
+
+    @vf.tool
+    def add(self, a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+
+class SumData(vf.TaskData):
+    answer: str = ""
+
+
+class SumTaskConfig(vf.TaskConfig):
+    tools: vf.ToolsetConfig = vf.ToolsetConfig()
+
+
+class SumTask(vf.Task[SumData, vf.State, SumTaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Calc(config.tools)]
+
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return float((trace.nodes[trace.calls[-1].node].message.content or "").strip() == self.data.answer)
+
+    @vf.metric
+    async def calls(self, trace: vf.Trace) -> float:
+        return float(len(trace.calls))
+
+
+class SumTasksetConfig(vf.TasksetConfig):
+    num_tasks: int = 2
+    task: SumTaskConfig = SumTaskConfig()
+
+
+class SumTaskset(vf.Taskset[SumTask, SumTasksetConfig]):
+    def load(self):
+        return [SumTask(SumData(prompt=f"add 2 and {3 + i} with the tool", answer=str(5 + i)), self.config.task)
+                for i in range(self.config.num_tasks)]
+
+
+__all__ = ["SumTaskset"]
+
+if __name__ == "__main__":
+    Calc.run()
+'''
+
 
 @pytest.fixture
 def env_folder(tmp_path, monkeypatch):
     (tmp_path / "ask_env.py").write_text(HARNESS)
+    (tmp_path / "tool_env.py").write_text(TOOL_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the tool server runs as `python -m tool_env`: importable by name
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VF_TEST_LOG", str(tmp_path / "values.jsonl"))
     return tmp_path
+
+
+class TextGenerator:
+    """Like CharGenerator, each script encoded by the tokenizer (so `<tool_call>` is its one special token)."""
+
+    def __init__(self, tokenizer, scripts):
+        self.tokenizer, self.scripts, self.round, self.prompts, self.sampled = tokenizer, scripts, 0, [], []
+
+    def generate(self, prompt_ids, config, max_new_tokens=None):
+        texts = self.scripts[self.round]
+        self.round += 1
+        ids = [(self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])[:cap]
+               for t, cap in zip(texts, max_new_tokens)]  # fmt: skip
+        logprobs = [[-0.5] * len(r) for r in ids]
+        self.prompts.append([list(p) for p in prompt_ids])
+        self.sampled.append((ids, logprobs))
+        return GenerationOutput(
+            prompt_ids=[list(p) for p in prompt_ids], response_ids=ids, texts=list(texts), stopped=[True] * len(ids),
+            prompt_index=list(range(len(ids))), logprobs=logprobs, weight_versions=[[0] * len(r) for r in ids],
+        )  # fmt: skip
 
 
 class CharGenerator:
@@ -145,7 +222,7 @@ def config(tiny_models, spec, *extra):
     ])  # fmt: skip
 
 
-def play(cfg, tokenizer, spec, scripts, rows_used):
+def play(cfg, tokenizer, spec, scripts, rows_used, generator_class=None):
     from open_instruct import verifiers_v1
     from open_instruct.rollouts import environment_run
 
@@ -155,7 +232,7 @@ def play(cfg, tokenizer, spec, scripts, rows_used):
         example = {**row, "verifier": row["dataset"]}
         r = {"ground_truth": row["ground_truth"], "verifier": row["dataset"], "where": f"row {i}", "example": example}
         rows.append({**r, "prompt_ids": environments.prompt_ids(r)})
-    generator = CharGenerator(tokenizer, scripts)
+    generator = (generator_class or CharGenerator)(tokenizer, scripts)
     return rows, environments.play(generator, rows, GenerationConfig(n=2, seed=5)), generator
 
 
@@ -235,6 +312,43 @@ def test_the_run_budgets_cut_the_episode_at_the_endpoint(env_folder, tiny_models
         assert all(len(generator.sampled[k][0][i]) <= 3 for k in range(2))  # max_turn_tokens
         assert episode.end_reason == "max_turns"
     assert out.stopped == [False, False]
+
+
+@pytest.fixture
+def tool_model(tiny_models, tmp_path):
+    """The tiny model's folder with `<tool_call>` and `</tool_call>` as special tokens (Hermes calls, as the
+    renderer's qwen3 tool parser reads them); only the tokenizer is used (the generator is scripted)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "tool_model"
+    shutil.copytree(tiny_models["causal_lm"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.save_pretrained(folder)
+    return {"causal_lm": str(folder)}
+
+
+def test_a_tool_environment_runs_its_tool_server_and_masks_the_result(env_folder, tool_model):
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:tool_env?num_tasks=1&renderer.tool_parser=qwen3"
+    tokenizer = load_tokenizer(tool_model["causal_lm"])
+    cfg = config(tool_model, spec)
+    call = '<tool_call>{"name": "calc_add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    rows, out, generator = play(cfg, tokenizer, spec, [[call, call], ["5", "6"]], 1, TextGenerator)
+    assert generator.round == 2
+    for i, episode in enumerate(out.episodes):
+        turns = [episode.response_ids[t.policy_start : t.policy_end] for t in episode.turns]
+        assert turns == [generator.sampled[0][0][i], generator.sampled[1][0][i]]
+        first = episode.turns[0]
+        observation = episode.response_ids[first.policy_end : first.observation_end]
+        assert episode.loss_mask[first.policy_end : first.observation_end] == [0] * len(observation)
+        assert "5" in tokenizer.decode(observation)  # the tool server's answer, masked
+        assert generator.prompts[1][i] == episode.prompt_ids + episode.response_ids[: first.observation_end]
+        assert episode.turns[-1].reward == float(i == 0)  # "5" is right, "6" is not
+        assert episode.turns[-1].info["metrics"] == {"correct": float(i == 0), "calls": 2.0}
 
 
 def test_bad_specs_are_refused_before_any_model_loads(env_folder):
