@@ -36,7 +36,6 @@ class V1Run(EnvironmentRun):
         self.spec = str(cfg.environment).strip()
         self.tokenizer = tokenizer
         self.source = load(self.spec)
-        self.server: Optional[GenerateServer] = None
         self._renderer: Any = None
 
     def probe_step(self, row: dict[str, Any]) -> None:
@@ -84,11 +83,11 @@ class V1Run(EnvironmentRun):
                 threading.Thread(target=_LOOP.run_forever, daemon=True, name="verifiers-v1").start()
         return asyncio.run_coroutine_threadsafe(coroutine, _LOOP)
 
-    def context(self, config: Any) -> Any:
+    def context(self, config: Any, server: GenerateServer) -> Any:
         import verifiers.v1 as vf
 
         client = vf.TrainClientConfig(
-            base_url=self.server.base_url,
+            base_url=server.base_url,
             renderer_model_name=self.cfg.model_name_or_path,
             renderer=self.renderer_config(),
             api_key_var="OPEN_INSTRUCT_UNUSED_KEY",  # the endpoint wants no key
@@ -104,18 +103,14 @@ class V1Run(EnvironmentRun):
         return episode_output(self.play_episodes(generator, rows, config, budget or self.budget), config.n, self.tokens)
 
     def play_episodes(self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Any) -> list[Episode]:
-        if self.server is None:
-            self.server = GenerateServer()
-        server, n = self.server, config.n
+        server, n = GenerateServer(), config.n  # one per rollout: nothing of an earlier (maybe failed) one is left
         tasks = [task_of(self.source, row) for row in rows for _ in range(n)]
-        traces: dict[int, list[Any]] = {i: [] for i in range(len(tasks))}
-        ctx = self.context(config)
+        ctx = self.context(config, server)
         env = self.source.env
         rounds = [0]
 
         def minted(index: int) -> Any:
-            def on_trace(trace: Any) -> None:
-                traces[index].append(trace)
+            def on_trace(trace: Any) -> None:  # the trace id is the session its requests carry
                 with server.cond:
                     server.order[trace.id] = index
 
@@ -132,7 +127,7 @@ class V1Run(EnvironmentRun):
                 return await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
 
         def generate_round(batch: list[Call]) -> None:
-            caps = [self.cap(call, budget) for call in batch]
+            caps = [self.cap(server, call, budget) for call in batch]
             live = [i for i, cap in enumerate(caps) if cap > 0]  # a call past its budget gets no tokens
             if not live:
                 return
@@ -140,26 +135,26 @@ class V1Run(EnvironmentRun):
             rounds[0] += 1
             turn_config = replace(config, n=1, max_new_tokens=budget.max_turn_tokens, seed=seed, stop_strings=None)
             out = generator.generate([batch[i].prompt_ids for i in live], turn_config, [caps[i] for i in live])
-            for i, ids, logprobs, versions in zip(live, out.response_ids, out.logprobs, out.weight_versions):
-                call = batch[i]
+            for j, i in enumerate(live):
+                call, ids = batch[i], out.response_ids[j]
                 keep = cut_at_stop(ids, call.stop_ids)
-                call.ids, call.logprobs, call.versions = list(ids[:keep]), list(logprobs[:keep]), list(versions[:keep])
-                stopped = keep < len(ids) or (keep and call.ids[-1] in call.stop_ids) or out.stopped[live.index(i)]
+                call.ids, call.logprobs = list(ids[:keep]), list(out.logprobs[j][:keep])
+                call.versions = list(out.weight_versions[j][:keep])
+                stopped = bool(keep) and call.ids[-1] in call.stop_ids or out.stopped[j]
                 call.finish_reason = "stop" if stopped else "length"
 
-        server.calls, server.order = {}, {}
         server.started(len(tasks))
         future = self.run(all_episodes())
         try:
             server.serve_rounds(generate_round, self.timeout_s, f"verifiers environment {self.spec!r}")
             results = future.result(timeout=self.timeout_s)
-        except BaseException:
-            future.cancel()
-            server.fail_pending()
-            raise
-        episodes = []
-        for index, (row, result) in enumerate(zip([r for r in rows for _ in range(n)], results)):
-            episodes.append(self.episode(row, result, traces[index], budget, f"{row.get('where', 'a row')}"))
+            episodes = [
+                self.episode(server, row, result, budget, str(row.get("where", "a row")))
+                for row, result in zip([r for r in rows for _ in range(n)], results)
+            ]
+        finally:
+            future.cancel()  # a no-op once done; else the harnesses still running are cancelled
+            server.close()
         for start in range(0, len(episodes), n):
             group = episodes[start : start + n]
             if any(e.prompt_ids != group[0].prompt_ids for e in group):
@@ -168,10 +163,10 @@ class V1Run(EnvironmentRun):
                                   "shared prompt cannot hold")  # fmt: skip
         return episodes
 
-    def cap(self, call: Call, budget: Any) -> int:
+    def cap(self, server: GenerateServer, call: Call, budget: Any) -> int:
         """New tokens this call may have: max_turn_tokens, the request's own max_tokens, what is left of the
         episode's response_length after its first prompt; 0 once the episode made max_turns calls."""
-        earlier = self.server.calls.get(call.session, []) if self.server else []
+        earlier = server.calls.get(call.session, [])
         if len(earlier) >= budget.max_turns:
             return 0
         first = len(earlier[0].prompt_ids) if earlier else len(call.prompt_ids)
@@ -181,7 +176,7 @@ class V1Run(EnvironmentRun):
             cap = min(cap, int(call.max_tokens))
         return max(cap, 0)
 
-    def episode(self, row: dict[str, Any], result: Any, traces: list[Any], budget: Any, where: str) -> Episode:
+    def episode(self, server: GenerateServer, row: dict[str, Any], result: Any, budget: Any, where: str) -> Episode:
         """One Episode from the episode's single trainable agent run: its trace's branch that holds the last model
         call, from the first request's prompt on (module docstring). A turn the renderer re-rendered differently
         from its sampled ids forks the trace: the branch then holds that turn as rendered (masked, not trained),
@@ -197,7 +192,7 @@ class V1Run(EnvironmentRun):
         trace = trainable[0]
         if trace.errors:
             raise ConfigError(f"{name}: the agent run failed: {trace.errors[0].type}: {trace.errors[0].message}")
-        calls = self.server.calls.get(trace.id, []) if self.server else []
+        calls = server.calls.get(trace.id, [])
         branches = [b for b in trace.branches if b.trainable]
         if not calls or not branches:
             raise ConfigError(f"{name}: the harness never asked the model")

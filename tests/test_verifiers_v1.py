@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The harness both environments share: it asks the model through the interception endpoint (as any v1 harness
 # program does), `turns` times, a user turn between answers; every reward function logs what it returned.
 HARNESS = '''
-import json, os
+import asyncio, json, os
 import httpx
 import verifiers.v1 as vf
 
@@ -52,6 +52,8 @@ class Ask(vf.Harness[AskConfig]):
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
+        if data.hang:  # a harness stuck in its own work (a tool, a sandbox) before asking the model
+            await asyncio.Event().wait()
         messages = [{"role": "user", "content": data.prompt}]
         async with httpx.AsyncClient(timeout=None) as client:
             for turn in range(data.turns):
@@ -68,6 +70,7 @@ class Ask(vf.Harness[AskConfig]):
 class AskData(vf.TaskData):
     answer: str = ""
     turns: int = 1
+    hang: bool = False
 
 
 class AskTask(vf.Task[AskData]):
@@ -90,12 +93,14 @@ class AskTask(vf.Task[AskData]):
 class AskTasksetConfig(vf.TasksetConfig):
     num_tasks: int = 4
     turns: int = 1
+    hang: bool = False
 
 
 class AskTaskset(vf.Taskset[AskTask, AskTasksetConfig]):
     def load(self):
         answers = ["yes", "no"]
-        return [AskTask(AskData(prompt=f"say {answers[i % 2]}", answer=answers[i % 2], turns=self.config.turns),
+        return [AskTask(AskData(prompt=f"say {answers[i % 2]}", answer=answers[i % 2], turns=self.config.turns,
+                                        hang=self.config.hang and i == 1),
                         self.config.task) for i in range(self.config.num_tasks)]
 
 
@@ -351,6 +356,18 @@ def test_a_tool_environment_runs_its_tool_server_and_masks_the_result(env_folder
         assert episode.turns[-1].info["metrics"] == {"correct": float(i == 0), "calls": 2.0}
 
 
+def test_an_environment_past_its_deadline_stops_the_run(env_folder, tiny_models):
+    """Task 1's harness never asks the model: after environment_timeout with no request and no episode ending, the
+    run stops saying so (task 0's episodes wait for the round that would hold task 1's requests)."""
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:ask_env.py?num_tasks=2&hang=true"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec, "--environment_timeout", "1")
+    with pytest.raises(ConfigError, match=r"no episode asked the model or ended within 1 s \(environment_timeout\)"):
+        play(cfg, tokenizer, spec, [["yes"] * 4], rows_used=2)
+
+
 def test_bad_specs_are_refused_before_any_model_loads(env_folder):
     from open_instruct import verifiers_v1
 
@@ -379,6 +396,16 @@ def run_training(env_folder, tiny_models, spec):
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+
+
+def test_a_tool_environment_trains(env_folder, tiny_models):
+    """The tool environment under the offline chat harness, its tool servers launched per rollout (the tiny
+    tokenizer has no `<tool_call>` token, so the model answers without calling: the episodes are single turns)."""
+    train = run_training(env_folder, tiny_models, "verifiers:tool_env?num_tasks=4&renderer.tool_parser=qwen3")
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    for row in train:
+        assert row["train/metric_calls"] == row["train/turns_per_episode"] == 1.0
+        assert row["train/score_mean"] == pytest.approx(row["train/metric_correct"], abs=1e-9)  # weight 1
 
 
 @pytest.mark.parametrize("turns", [1, 2])
