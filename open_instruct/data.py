@@ -1202,6 +1202,7 @@ DATA_CODE = (
     "data_cache.py",
     "reasoning_gym_tasks.py",
     "verifiers_env.py",
+    "verifiers_v1.py",
 )
 
 

@@ -21,6 +21,9 @@ the adapter never asks a model client for a turn. It drives the environment's ow
 
 The environment's code (tools, reward functions, env_response) runs in the trainer's process on one event loop
 thread, each call under `environment_timeout` (environments.GuardedEnvironment).
+
+Under verifiers 0.4.x (verifiers.v1 only) the same spec is a v1 taskset module instead: verifiers_v1.py loads it and
+verifiers_v1_play.py plays its episodes (`v1_installed` picks; data.py, preflight.py and rollouts.py dispatch).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from open_instruct.user_code import load_module
 
 PREFIX = "verifiers:"
 VERIFIER = "verifiers_env"  # the rows' `dataset` column: scored by the environment's rubric, never by a verifier
-INSTALL_HINT = "verifiers environments need verifiers 0.1-0.3 (the earlier API): pip install verifiers==0.3.1"
+INSTALL_HINT = "verifiers environments need verifiers: pip install verifiers==0.4.0 (verifiers.v1) or ==0.3.1"
 MODEL_NAME = "policy"  # what the environment's state records as the model
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the tool environment's call format
 
@@ -107,7 +110,7 @@ def _verifiers(where: str) -> Any:
     except ImportError:
         raise ConfigError(
             f"{where}: verifiers {getattr(verifiers, '__version__', '?')} ships only verifiers.v1 (Env, Taskset, "
-            f"Harness), which is not supported here (docs/environments.md); {INSTALL_HINT}"
+            f"Harness) and is not 0.4.x, the v1 release supported here (docs/environments.md); {INSTALL_HINT}"
         ) from None
     return verifiers
 

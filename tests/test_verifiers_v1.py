@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 vf = pytest.importorskip("verifiers", reason="verifiers 0.4 (verifiers.v1) is not installed")
 if not str(getattr(vf, "__version__", "")).startswith("0.4"):
     pytest.skip(f"verifiers {vf.__version__} is not 0.4 (verifiers.v1 only)", allow_module_level=True)
+
+from training_helpers import environment_config, train_environment  # noqa: E402
 
 from open_instruct.errors import ConfigError  # noqa: E402
 from open_instruct.generation import GenerationConfig, GenerationOutput  # noqa: E402
@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The harness both environments share: it asks the model through the interception endpoint (as any v1 harness
 # program does), `turns` times, a user turn between answers; every reward function logs what it returned.
-HARNESS = '''
+HARNESS = """
 import asyncio, json, os
 import httpx
 import verifiers.v1 as vf
@@ -105,7 +105,7 @@ class AskTaskset(vf.Taskset[AskTask, AskTasksetConfig]):
 
 
 __all__ = ["AskTaskset", "Ask"]
-'''
+"""
 WEIGHTS = {"exact": 1.0, "brevity": 0.5}
 
 # A tool environment: no harness of its own (the run's offline chat harness plays it: verifiers' own chat loop), a
@@ -174,26 +174,6 @@ def env_folder(tmp_path, monkeypatch):
     return tmp_path
 
 
-class TextGenerator:
-    """Like CharGenerator, each script encoded by the tokenizer (so `<tool_call>` is its one special token)."""
-
-    def __init__(self, tokenizer, scripts):
-        self.tokenizer, self.scripts, self.round, self.prompts, self.sampled = tokenizer, scripts, 0, [], []
-
-    def generate(self, prompt_ids, config, max_new_tokens=None):
-        texts = self.scripts[self.round]
-        self.round += 1
-        ids = [(self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])[:cap]
-               for t, cap in zip(texts, max_new_tokens)]  # fmt: skip
-        logprobs = [[-0.5] * len(r) for r in ids]
-        self.prompts.append([list(p) for p in prompt_ids])
-        self.sampled.append((ids, logprobs))
-        return GenerationOutput(
-            prompt_ids=[list(p) for p in prompt_ids], response_ids=ids, texts=list(texts), stopped=[True] * len(ids),
-            prompt_index=list(range(len(ids))), logprobs=logprobs, weight_versions=[[0] * len(r) for r in ids],
-        )  # fmt: skip
-
-
 class CharGenerator:
     """The Generator contract's generate(): round k's i-th request gets scripts[k][i] spelled one token per
     character + the end-of-turn id; it records the prompts it got and the ids and log-probs it returned."""
@@ -201,12 +181,14 @@ class CharGenerator:
     def __init__(self, tokenizer, scripts):
         self.tokenizer, self.scripts, self.round, self.prompts, self.sampled = tokenizer, scripts, 0, [], []
 
+    def encode(self, text):
+        return [self.tokenizer.convert_tokens_to_ids(c) for c in text]
+
     def generate(self, prompt_ids, config, max_new_tokens=None):
         texts = self.scripts[self.round]
         self.round += 1
         assert len(texts) == len(prompt_ids) and config.n == 1
-        ids = [([self.tokenizer.convert_tokens_to_ids(c) for c in t] + [self.tokenizer.eos_token_id])[:cap]
-               for t, cap in zip(texts, max_new_tokens)]  # fmt: skip
+        ids = [(self.encode(t) + [self.tokenizer.eos_token_id])[:cap] for t, cap in zip(texts, max_new_tokens)]
         logprobs = [[-0.01 * (len(self.sampled) + 1) * (j + 1) for j in range(len(r))] for r in ids]
         self.prompts.append([list(p) for p in prompt_ids])
         self.sampled.append((ids, logprobs))
@@ -216,15 +198,15 @@ class CharGenerator:
         )  # fmt: skip
 
 
-def config(tiny_models, spec, *extra):
-    from open_instruct.config import RLVRConfig, parse_config
+class TextGenerator(CharGenerator):
+    """Each script encoded by the tokenizer instead (so `<tool_call>` is its one special token)."""
 
-    return parse_config(RLVRConfig, [
-        os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", spec, "--environment", spec, "--num_samples_per_prompt", "2",
-        "--response_length", "400", "--max_turn_tokens", "60", "--max_turns", "3", "--total_episodes", "16",
-        "--local_rollout_batch_size", "2", *extra,
-    ])  # fmt: skip
+    def encode(self, text):
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def config(tiny_models, spec, *extra):
+    return environment_config(tiny_models["causal_lm"], spec, 60, *extra)
 
 
 def play(cfg, tokenizer, spec, scripts, rows_used, generator_class=None):
@@ -381,21 +363,7 @@ def test_bad_specs_are_refused_before_any_model_loads(env_folder):
 
 
 def run_training(env_folder, tiny_models, spec):
-    out = env_folder / f"out_{len(os.listdir(env_folder))}"
-    args = [
-        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"),
-        "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", spec, "--environment", spec,
-        "--output_dir", str(out), "--total_episodes", "16", "--local_rollout_batch_size", "4",
-        "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--response_length", "40",
-        "--max_turn_tokens", "8", "--max_turns", "3", "--max_prompt_length", "400", "--logging_steps", "1",
-        "--save_final_model", "false", "--num_samples_logged", "0",
-    ]  # fmt: skip
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, *args], cwd=env_folder, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+    return train_environment(env_folder, tiny_models["causal_lm"], spec, 8, {})
 
 
 def test_a_tool_environment_trains(env_folder, tiny_models):
