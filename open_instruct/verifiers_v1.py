@@ -47,7 +47,7 @@ from open_instruct.verifiers_env import VERIFIER, parse
 
 MODEL_NAME = "policy"  # the model name the harnesses ask for (the endpoint serves only the run's policy)
 SESSION_HEADER = "X-Session-ID"  # verifiers' training client sends the trace id with every request
-NETWORKED_RUNTIMES = ("prime", "modal", "e2b")
+LOCAL_RUNTIME = "subprocess"  # v1's runtime on this machine; the others are remote services or pull images
 
 _LOADED: dict[str, "Source"] = {}
 _LOCK = threading.Lock()
@@ -65,7 +65,6 @@ class Source:
     env: Any
     tasks: list[Any]
     renderer: Optional[dict[str, Any]] = None
-    runtime_checked: bool = field(default=False, repr=False)
 
 
 def _nested(pairs: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +80,7 @@ def _nested(pairs: dict[str, Any]) -> dict[str, Any]:
 
 def load(spec: str, where: str = "environment") -> Source:
     """The spec's env, loaded once per process: its module imported, its taskset built and iterated, the harness
-    runtime forced to the local subprocess one (the networked runtimes are refused)."""
+    on v1's subprocess runtime (others are refused), the offline chat harness when the module exports none."""
     spec = spec.strip()
     with _LOCK:
         if spec in _LOADED:
@@ -99,11 +98,11 @@ def load(spec: str, where: str = "environment") -> Source:
         renderer = {k[len("renderer.") :]: v for k, v in kwargs.items() if k.startswith("renderer.")}
         taskset = {k: v for k, v in kwargs.items() if "." not in k}
         env_keys = _nested({k: v for k, v in kwargs.items() if "." in k and not k.startswith("renderer.")})
-        runtime = env_keys.get("agent", {}).get("runtime", {}).get("type", "subprocess")
-        if runtime in NETWORKED_RUNTIMES:
-            raise ConfigError(f"{where} {spec!r}: agent.runtime.type {runtime} runs the harness on a remote service "
-                              "(Prime sandboxes, Modal, E2B); runs here are offline: use subprocess (the default) "
-                              "or a local container runtime")  # fmt: skip
+        runtime = env_keys.get("agent", {}).get("runtime", {}).get("type", LOCAL_RUNTIME)
+        if runtime != LOCAL_RUNTIME:
+            raise ConfigError(f"{where} {spec!r}: agent.runtime.type {runtime}: runs here are offline and use v1's "
+                              "subprocess runtime (prime, modal and e2b are remote services; docker, podman and "
+                              "apptainer pull images)")  # fmt: skip
         data = {**env_keys, "taskset": {**env_keys.get("taskset", {}), **taskset, "id": module.__name__}}
         agent = data.setdefault("agent", {})
         agent.setdefault("runtime", {"type": "subprocess"})
@@ -127,17 +126,16 @@ def load(spec: str, where: str = "environment") -> Source:
 
 
 def _check_offline(env: Any, where: str) -> None:
-    """Refuse tool servers placed on a remote runtime (they would need tunnels and a Prime login)."""
-    from verifiers.v1.runtimes import runtime_is_local
-
+    """Refuse tool servers on another runtime than the subprocess one (remote services need tunnels and an
+    account; container runtimes pull images)."""
     task_cls = type(env.taskset).task_type()
     for server in task_cls.toolsets(env.taskset.config.task):
         config = server.config
         if getattr(config, "url", None) or getattr(config, "colocated", False):
             continue
-        if not runtime_is_local(config.runtime):
+        if config.runtime.type != LOCAL_RUNTIME:
             raise ConfigError(f"{where}: tool server {type(server).__name__} runs on runtime "
-                              f"{config.runtime.type!r}, a remote service; runs here are offline")  # fmt: skip
+                              f"{config.runtime.type!r}; runs here use v1's subprocess runtime")  # fmt: skip
 
 
 def task_messages(task: Any, where: str) -> list[dict[str, str]]:

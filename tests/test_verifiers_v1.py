@@ -356,8 +356,10 @@ def test_bad_specs_are_refused_before_any_model_loads(env_folder):
     (env_folder / "no_taskset.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match="exports no verifiers.v1 Taskset"):
         verifiers_v1.load("verifiers:no_taskset.py")
-    with pytest.raises(ConfigError, match="remote service"):
+    with pytest.raises(ConfigError, match="runs here are offline"):
         verifiers_v1.load("verifiers:ask_env.py?agent.runtime.type=prime")
+    with pytest.raises(ConfigError, match="uv over the network"):
+        verifiers_v1.load("verifiers:tool_env?agent.harness.id=bash")
     with pytest.raises(ConfigError, match="loading the env raised"):
         verifiers_v1.load("verifiers:ask_env.py?no_such_field=1")
 
