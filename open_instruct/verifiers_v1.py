@@ -5,7 +5,8 @@ spec picks this module when the installed verifiers is 0.4.x:
     --dataset_name_or_path 'verifiers:my_env.py?num_tasks=200' --environment 'verifiers:my_env.py?num_tasks=200'
 
 `verifiers:<module or path/to/file.py>[?key=value&...]`: the module (its Taskset exported through `__all__`, the
-v1 plugin rule; a Harness it exports is the taskset's default harness) is loaded as the env's taskset. A key without
+v1 plugin rule; a Harness it exports is the taskset's default harness, else verifiers_v1_chat.py's offline chat
+harness) is loaded as the env's taskset, on v1's subprocess runtime. A key without
 a dot is a field of the taskset's config (`num_tasks=200`); a dotted key is a path in the env's config
 (`agent.harness.id=my_harness`, `agent.timeout.rollout=60`); `renderer.<field>` sets the client's renderer config
 (`renderer.name=default&renderer.tool_parser=qwen3`).
@@ -19,17 +20,18 @@ vLLM-style `POST /inference/v1/generate` with token ids). So the run serves that
             harnesses send waits until every running episode is waiting on the model or has ended, then they are
             generated as one generator.generate call (a round; its seed from the rollout's seed and the round), each
             cut after its first stop token id; the sampled ids and log-probs go back as the endpoint's answer
-    build:  each episode from its trace's branch: the ids before the first sampled token are the prompt, the rest
-            the response; the sampled ids (the trace's sampled mask) are policy tokens, checked equal to the ids the
-            endpoint returned for that trace (token-in/token-out), log-probs and weight versions from the generator;
-            the ids between sampled spans (tool results, user turns, template scaffolding) are observation tokens
+    build:  each episode from its trace's branch that holds the last model call (verifiers_v1_play.py): the first
+            request's prompt ids are the prompt, the rest the response; the sampled spans (the trace's sampled mask)
+            are policy tokens, each checked equal to ids the endpoint returned for that trace (token-in/token-out),
+            log-probs and weight versions from the generator; the ids between them (tool results, user turns,
+            template scaffolding, a turn the renderer re-rendered differently: counted) are observation tokens
     score:  the trace's rewards (v1's weighted `@reward` functions: the score is their weighted sum) on the last
             turn; each reward's score and each `@metric` logged as `train/metric_<name>`
 
 Budgets are the endpoint's: a request past `max_turns` calls or with no room left in `response_length` is answered
 with no tokens and finish_reason "length" (the episode ends as the harness ends it, marked by the budget);
 `max_turn_tokens` caps each call. `environment_timeout` bounds each stretch in which no episode asks the model or
-ends (the environment's own work: setup, tools, the harness, scoring), and v1's setup/finalize/scoring stages.
+ends (the environment's own work: setup, tools, the harness, scoring).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ _LOOP_LOCK = threading.Lock()
 
 
 class V1Run(EnvironmentRun):
-    """A run's v1 environment (episodes.EnvironmentRun's interface: prompt_ids, probe_step, play, sample_rows): the
-    endpoint (started on first use) and the rollouts' episodes, played by the env's harness."""
+    """A run's v1 environment (episodes.EnvironmentRun's interface: prompt_ids, probe_step, play, sample_rows): each
+    rollout's episodes, played by the env's harness against an endpoint served for that rollout."""
 
     def __init__(self, cfg: Any, tokenizer: Any, verify: Any = None, step_workers: int = 1):
         super().__init__(cfg, tokenizer, verify, step_workers)
