@@ -364,6 +364,23 @@ def test_bad_specs_are_refused_before_any_model_loads(env_folder):
         verifiers_v1.load("verifiers:ask_env.py?no_such_field=1")
 
 
+def test_the_start_checks_load_the_env_before_any_model_loads(env_folder, tiny_models, no_model_loads):
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.preflight import check_inputs
+
+    (env_folder / "no_taskset.py").write_text("x = 1\n")
+    spec = "verifiers:ask_env.py"
+    recipe = [os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+              "--total_episodes", "8"]  # fmt: skip
+    check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", spec, "--environment", spec]))
+    with pytest.raises(ConfigError, match="dataset_name_or_path 'verifiers:no_taskset.py': no_taskset.py exports no"):
+        check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", "verifiers:no_taskset.py",
+                                               "--environment", spec]))  # fmt: skip
+    with pytest.raises(ConfigError, match="agent.runtime.type modal: runs here are offline"):
+        bad = "verifiers:ask_env.py?agent.runtime.type=modal"
+        check_inputs(parse_config(RLVRConfig, [*recipe, "--dataset_name_or_path", bad, "--environment", bad]))
+
+
 def run_training(env_folder, tiny_models, spec):
     return train_environment(env_folder, tiny_models["causal_lm"], spec, 8, {})
 
