@@ -188,9 +188,10 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
     if reasoning_gym_tasks.is_source(name):  # generated on the spot (open_instruct/reasoning_gym_tasks.py)
         rows = [Row(name, i, None, r) for i, r in enumerate(reasoning_gym_tasks.generate(name, split))]
     elif name.startswith("verifiers:"):  # a verifiers environment's own dataset (open_instruct/verifiers_env.py)
-        from open_instruct import verifiers_env
+        from open_instruct import verifiers_env, verifiers_v1
 
-        rows = [Row(name, i, None, r) for i, r in enumerate(verifiers_env.generate(name, split))]
+        api = verifiers_v1 if verifiers_env.v1_installed() else verifiers_env  # 0.4: verifiers.v1 (verifiers_v1.py)
+        rows = [Row(name, i, None, r) for i, r in enumerate(api.generate(name, split))]
     elif name.endswith(".jsonl"):
         rows = _read_jsonl(name)
     elif name.endswith(".json"):
@@ -1201,6 +1202,7 @@ DATA_CODE = (
     "data_cache.py",
     "reasoning_gym_tasks.py",
     "verifiers_env.py",
+    "verifiers_v1.py",
 )
 
 

@@ -689,21 +689,26 @@ class EnvironmentRun:
         for i, episode in enumerate(episodes):
             episode.verifier_timeouts = timeouts[i]
         score_groups(envs, episodes, n)
-        return EpisodeOutput(
-            prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
-            response_ids=[e.response_ids for e in episodes],
-            texts=[self.tokens.decode(e.response_ids) for e in episodes],
-            stopped=[episode_stopped(e) for e in episodes],
-            prompt_index=[i // n for i in range(len(episodes))],
-            logprobs=[e.sampler_logprobs for e in episodes],
-            weight_versions=[e.weight_versions for e in episodes],
-            loss_masks=[e.loss_mask for e in episodes],
-            episodes=episodes,
-        )
+        return episode_output(episodes, n, self.tokens)
 
     def sample_rows(self, episodes: Sequence[Episode], k: int) -> list[dict[str, Any]]:
         """samples.jsonl rows of the first k episodes: the whole conversation, tool outputs marked."""
         return [episode_sample_row(e, self.tokens, self.cfg.turn_reward_aggregation) for e in episodes[:k]]
+
+
+def episode_output(episodes: list[Episode], n: int, tokens: EpisodeTokenizer) -> EpisodeOutput:
+    """A rollout's played episodes (n contiguous per row, sharing the row's prompt) as an EpisodeOutput."""
+    return EpisodeOutput(
+        prompt_ids=[list(e.prompt_ids) for e in episodes[::n]],
+        response_ids=[e.response_ids for e in episodes],
+        texts=[tokens.decode(e.response_ids) for e in episodes],
+        stopped=[episode_stopped(e) for e in episodes],
+        prompt_index=[i // n for i in range(len(episodes))],
+        logprobs=[e.sampler_logprobs for e in episodes],
+        weight_versions=[e.weight_versions for e in episodes],
+        loss_masks=[e.loss_mask for e in episodes],
+        episodes=episodes,
+    )
 
 
 def score_groups(envs: Sequence[Environment], episodes: Sequence[Episode], n: int) -> None:

@@ -152,9 +152,9 @@ def check_dataset(name_or_path: Optional[str], key: str) -> None:
             reasoning_gym_tasks.parse(part, "train", key)
             continue
         if part.startswith("verifiers:"):  # a verifiers environment's dataset: loaded now (verifiers_env.py)
-            from open_instruct import verifiers_env
+            from open_instruct import verifiers_env, verifiers_v1
 
-            verifiers_env.load(part, key)
+            (verifiers_v1 if verifiers_env.v1_installed() else verifiers_env).load(part, key)  # 0.4: verifiers.v1
             continue
         if os.path.isdir(part):
             continue  # a local dataset folder (datasets.load_dataset reads it)

@@ -340,6 +340,13 @@ def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]
         )  # fmt: skip
         return float(scored.rewards[0]), scored.num_timeouts > 0
 
+    if str(cfg.environment).startswith("verifiers:"):
+        from open_instruct import verifiers_env
+
+        if verifiers_env.v1_installed():  # verifiers 0.4: the env's harness plays its episodes (verifiers_v1.py)
+            from open_instruct.verifiers_v1_play import V1Run
+
+            return V1Run(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
     return EnvironmentRun(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
 
 

@@ -21,6 +21,9 @@ the adapter never asks a model client for a turn. It drives the environment's ow
 
 The environment's code (tools, reward functions, env_response) runs in the trainer's process on one event loop
 thread, each call under `environment_timeout` (environments.GuardedEnvironment).
+
+Under verifiers 0.4.x (verifiers.v1 only) the same spec is a v1 taskset module instead: verifiers_v1.py loads it and
+verifiers_v1_play.py plays its episodes (`v1_installed` picks; data.py, preflight.py and rollouts.py dispatch).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from open_instruct.user_code import load_module
 
 PREFIX = "verifiers:"
 VERIFIER = "verifiers_env"  # the rows' `dataset` column: scored by the environment's rubric, never by a verifier
-INSTALL_HINT = "verifiers environments need verifiers 0.1-0.3 (the earlier API): pip install verifiers==0.3.1"
+INSTALL_HINT = "verifiers environments need verifiers: pip install verifiers==0.4.0 (verifiers.v1) or ==0.3.1"
 MODEL_NAME = "policy"  # what the environment's state records as the model
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the tool environment's call format
 
@@ -69,6 +72,32 @@ def parse(spec: str, where: str = "environment") -> tuple[str, dict[str, Any]]:
     return target, kwargs
 
 
+def v1_installed() -> bool:
+    """Whether the installed verifiers is 0.4.x, which has only verifiers.v1: a `verifiers:` spec then runs through
+    verifiers_v1.py (its episodes driven by the env's harness), not this module's reset/step adapter."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - the standard library has it
+        return False
+    try:
+        return version("verifiers").startswith("0.4")
+    except PackageNotFoundError:
+        return False
+
+
+class PlayedByItsHarness:
+    """The environment class a `verifiers:` spec resolves to under verifiers 0.4: v1 episodes are driven by their
+    harness (verifiers_v1.V1Run plays them), so the reset/step contract refuses, saying so."""
+
+    def __init__(self, **_: Any) -> None:
+        raise ConfigError(
+            "a verifiers.v1 environment is played by its own harness: mix it with no other environment "
+            "in one run (the recipe's environment and every row's must be the same verifiers: spec)"
+        )
+
+    reset = step = __init__
+
+
 def _verifiers(where: str) -> Any:
     """The earlier API's package (`import verifiers as vf`: 0.1.x and 0.2.x at the top level, 0.3.x in
     verifiers.legacy answering at the same names); ConfigError when it is missing or has only verifiers.v1."""
@@ -81,7 +110,7 @@ def _verifiers(where: str) -> Any:
     except ImportError:
         raise ConfigError(
             f"{where}: verifiers {getattr(verifiers, '__version__', '?')} ships only verifiers.v1 (Env, Taskset, "
-            f"Harness), which is not supported here (docs/environments.md); {INSTALL_HINT}"
+            f"Harness) and is not 0.4.x, the v1 release supported here (docs/environments.md); {INSTALL_HINT}"
         ) from None
     return verifiers
 
@@ -366,6 +395,8 @@ def environment_class(spec: str) -> type:
     """The environment class of `verifiers:<target>[?...]`, one per spec (its environment loaded now, so a bad spec
     or a failing load_environment stops the run before any model loads)."""
     spec = spec.strip()
+    if v1_installed():
+        return PlayedByItsHarness
     load(spec)
     with _LOCK:
         if spec not in _CLASSES:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +17,8 @@ if not hasattr(vf, "MultiTurnEnv"):
     pytest.skip(
         f"verifiers {vf.__version__} has only verifiers.v1 (the earlier API is 0.1-0.3)", allow_module_level=True
     )
+
+from training_helpers import environment_config, train_environment  # noqa: E402
 
 from open_instruct import verifiers_env  # noqa: E402
 from open_instruct.errors import ConfigError  # noqa: E402
@@ -216,14 +216,7 @@ def verifiers_own_scores(spec, index, scripts):
 
 
 def config(tiny_models, spec, *extra):
-    from open_instruct.config import RLVRConfig, parse_config
-
-    return parse_config(RLVRConfig, [
-        os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", spec, "--environment", spec, "--num_samples_per_prompt", "2",
-        "--response_length", "400", "--max_turn_tokens", "120", "--max_turns", "3", "--total_episodes", "16",
-        "--local_rollout_batch_size", "2", *extra,
-    ])  # fmt: skip
+    return environment_config(tiny_models["causal_lm"], spec, 120, *extra)
 
 
 def prompt_rows(spec, tokenizer, environments, split="train"):
@@ -461,22 +454,7 @@ def test_eval_split_is_the_environments_eval_dataset(env_folder):
 
 
 def run_training(env_folder, tiny_models, spec, log):
-    out = env_folder / f"out_{len(os.listdir(env_folder))}"
-    args = [
-        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"),
-        "--model_name_or_path", tiny_models["causal_lm"], "--dataset_name_or_path", spec, "--environment", spec,
-        "--output_dir", str(out), "--total_episodes", "16", "--local_rollout_batch_size", "4",
-        "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--response_length", "40",
-        "--max_turn_tokens", "12", "--max_turns", "3", "--max_prompt_length", "400", "--logging_steps", "1",
-        "--save_final_model", "false", "--num_samples_logged", "0",
-    ]  # fmt: skip
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # a verifiers --target install too
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-           "VF_TEST_LOG": str(log)}  # fmt: skip
-    proc = subprocess.run([sys.executable, *args], cwd=env_folder, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss/policy" in r]
+    return train_environment(env_folder, tiny_models["causal_lm"], spec, 12, {"VF_TEST_LOG": str(log)})
 
 
 def test_a_single_turn_environment_trains_and_logs_its_rubric(env_folder, tiny_models):

@@ -195,3 +195,41 @@ class TwoTurns(Environment):
         right = action.strip().endswith(str(self.answer))
         return StepResult(None, float(right), True, {"correct": right})
 '''
+
+
+def environment_config(model: str, spec: str, max_turn_tokens: int, *extra: str) -> Any:
+    """The RLVRConfig of an environment run on `spec` (its dataset and its environment): 2 episodes per prompt,
+    3 turns of at most `max_turn_tokens`, 400 response tokens; `extra` settings last."""
+    from open_instruct.config import RLVRConfig, parse_config
+
+    return parse_config(RLVRConfig, [
+        os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", model,
+        "--dataset_name_or_path", spec, "--environment", spec, "--num_samples_per_prompt", "2",
+        "--response_length", "400", "--max_turn_tokens", str(max_turn_tokens), "--max_turns", "3",
+        "--total_episodes", "16", "--local_rollout_batch_size", "2", *extra,
+    ])  # fmt: skip
+
+
+def train_environment(folder: Any, model: str, spec: str, max_turn_tokens: int, env: dict[str, str]) -> list[dict]:
+    """rlvr_ppo.py on environment `spec` in a subprocess run in `folder` (with `env` added to the environment): 2
+    rollouts of 8 episodes (4 prompts x 2), 40 response tokens in turns of `max_turn_tokens`; the training rows of
+    its metrics.jsonl."""
+    import subprocess
+    import sys
+
+    out = os.path.join(str(folder), f"out_{len(os.listdir(folder))}")
+    args = [
+        os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"),
+        "--model_name_or_path", model, "--dataset_name_or_path", spec, "--environment", spec,
+        "--output_dir", out, "--total_episodes", "16", "--local_rollout_batch_size", "4",
+        "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--response_length", "40",
+        "--max_turn_tokens", str(max_turn_tokens), "--max_turns", "3", "--max_prompt_length", "400",
+        "--logging_steps", "1", "--save_final_model", "false", "--num_samples_logged", "0",
+    ]  # fmt: skip
+    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # a package's --target install too
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
+               "WANDB_MODE": "offline", **env}  # fmt: skip
+    proc = subprocess.run([sys.executable, *args], cwd=folder, env=run_env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [r for r in read_metrics(out) if "loss/policy" in r]
