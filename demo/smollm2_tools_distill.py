@@ -131,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--every", type=int, default=2, help="a distillation checkpoint every N rollouts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per curve set (the first N of the demo's)")
     parser.add_argument("--num_threads", type=int, default=1)
+    parser.add_argument("--train_only", action="store_true", help="run the distillation runs, not the curves")
     args, overrides = parser.parse_known_args(argv)
     losses = [s.strip() for s in args.distill_loss.split(",") if s.strip()]
     if not losses or set(losses) - {"reverse_kl", "jsd"}:
@@ -170,6 +171,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         _, cpu[loss] = run_script(cmd, os.path.join(out, "logs", f"{loss}.log"), env, echo=False)
         print(f"   CPU time {cpu[loss] / 60:.1f} min", flush=True)
 
+    if args.train_only:
+        return {"cpu_seconds": cpu}
     print("== the curves (held-out, greedy)", flush=True)
     files = curve_files(demo, out, args.n_eval)
     start = point(student, out, "sft", files, 0.0)

@@ -318,3 +318,18 @@ def test_tool_demo_runs_every_stage_and_reports_paired_numbers(tmp_path):
     assert "eval/correct_rate" in trainer["no_tools"]["last"]
     md = (out / "summary.md").read_text()
     assert "with calculator" in md and "without tools" in md and "CPU-minutes" in md
+
+
+def test_distillation_curve_reads_cpu_minutes_and_finds_the_first_point_at_the_teachers_level(tmp_path):
+    from demo.pipeline import DemoError
+    from demo.smollm2_tools_distill import cpu_minutes_at, first_at
+
+    rows = [{"rollout_step": 1, "perf/process_cpu_minutes": 2.5}, {"rollout_step": 2, "perf/process_cpu_minutes": 4.75},
+            {"rollout_step": 3}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cpu_minutes_at(str(tmp_path), 2) == 4.75
+    with pytest.raises(DemoError, match="no perf/process_cpu_minutes for rollout 3"):
+        cpu_minutes_at(str(tmp_path), 3)
+    curve = [{"rollout": 0, "mean": 0.3}, {"rollout": 2, "mean": 0.55}, {"rollout": 4, "mean": 0.6}]
+    assert first_at(curve, 0.55)["rollout"] == 2  # reached: at least the level
+    assert first_at(curve, 0.61) is None
