@@ -19,10 +19,11 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
+
+from worker_process import print_result, run_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,23 +182,19 @@ def child(which: str, model: str, data: str, out_dir: str, steps: int) -> None:
     if len(stamps) != steps:
         raise SystemExit(f"{which}: expected {steps} step timestamps, got {len(stamps)}")
     episodes = (steps - 1) * GROUP * PROMPTS_PER_STEP
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "which": which,
-                "episodes_per_second": episodes / (stamps[-1] - stamps[0]),
-                "seconds_per_step": (stamps[-1] - stamps[0]) / (steps - 1),
-                "peak_rss_mb": peak_rss_mb(),
-            }
-        ),
-        flush=True,
+    print_result(
+        {
+            "which": which,
+            "episodes_per_second": episodes / (stamps[-1] - stamps[0]),
+            "seconds_per_step": (stamps[-1] - stamps[0]) / (steps - 1),
+            "peak_rss_mb": peak_rss_mb(),
+        }
     )
 
 
 def spawn(which: str, model: str, data: str, root: str, steps: int, env: dict) -> dict:
     out_dir = os.path.join(root, f"{which}_{time.time_ns()}")
-    proc = subprocess.run(
+    return run_worker(
         [
             sys.executable,
             os.path.abspath(__file__),
@@ -212,15 +209,10 @@ def spawn(which: str, model: str, data: str, root: str, steps: int, env: dict) -
             "--steps",
             str(steps),
         ],
+        env,
+        which,
         cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{which} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:

@@ -47,7 +47,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,8 @@ from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from bench.worker_process import print_result, run_worker  # noqa: E402  (also when a test loads this file by path)
+
 BETA = 0.1
 LEARNING_RATE = 1e-5
 PACKING_KNOB = "max_tokens_per_micro_batch"
@@ -580,7 +581,7 @@ def worker(a: argparse.Namespace) -> None:
         peaks = {k: max(v, gemm_peak(p, k)) for k, v in peaks.items()}
     result["gemm_peak"] = peaks
     result["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20 if gpu else rss_mb("VmHWM")
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -611,13 +612,7 @@ def spawn(kind: str, workload: str, data: str, models: dict, order: Optional[lis
     env["TOKENIZERS_PARALLELISM"] = "false"
     if a.threads:
         env["OMP_NUM_THREADS"] = str(a.threads)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(
-            f"{kind} {workload} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_worker(cmd, env, f"{kind} {workload}")
 
 
 def summarize(raw: dict, workload: str, per_step_tokens: list[int], p: Preset, a: argparse.Namespace, n: int) -> dict:

@@ -8,10 +8,10 @@ The benches run as `python bench/bench_<name>.py`, so this folder is on sys.path
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+from worker_process import print_result, run_worker  # noqa: F401  (print_result: the workers' side, shared.print_result)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LENGTH = 1024  # longer than any synthetic pair: nothing is truncated or dropped on either side
@@ -146,15 +146,4 @@ def spawn_worker(
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(
-            f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
-def print_result(result: dict) -> None:
-    """A worker's answer to `spawn`."""
-    print("RESULT " + json.dumps(result), flush=True)
+    return run_worker(cmd, env, f"{kind} worker")
