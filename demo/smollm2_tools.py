@@ -102,17 +102,20 @@ def write_data(
     prompt: str = SYSTEM_PROMPT,
     two_step_share: Optional[float] = None,
     sft_chain: bool = True,
+    one_step_first: int = 0,
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`two_step_share` of
-    them two-step, as of the traces) and, per held-out set, its rows with the tool prompt and without tools."""
+    them two-step, as of the traces; the first `one_step_first` one-step, see `one_step_first`) and, per held-out
+    set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
+    rl_rows = word_problem_rows(n_train, seed, "train", prompt, two_step_share)
     files = {
         "sft_train": write_jsonl(
             j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
         ),  # fmt: skip
-        "rl_train": write_jsonl(j("rl_train"), word_problem_rows(n_train, seed, "train", prompt, two_step_share)),
+        "rl_train": write_jsonl(j("rl_train"), one_step_first_order(rl_rows, one_step_first)),
     }
     for name, split in HELD_OUT.items():
         files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
@@ -120,6 +123,19 @@ def write_data(
             j(f"eval_{split}_no_tool"), word_problem_rows(n_eval, HELD_OUT_SEED, split, NO_TOOL_PROMPT)
         )
     return files
+
+
+def one_step_first_order(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """A curriculum: `n` one-step rows moved to the front, the rest in their drawn order (RL reads the file as
+    written with `--train_order as_written`). The moved rows are the last one-step ones, so the rows after the
+    front keep the drawn mix."""
+    if n <= 0:
+        return rows
+    front = [i for i, r in enumerate(rows) if len(r["problem"]["ops"]) == 1][::-1][:n]
+    if len(front) < n:
+        raise DemoError(f"--one_step_first {n}: the RL prompts hold only {len(front)} one-step problems")
+    taken = set(front)
+    return [rows[i] for i in front] + [r for i, r in enumerate(rows) if i not in taken]
 
 
 def file_digest(path: str, missing: str) -> str:
@@ -227,6 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip
+    parser.add_argument("--one_step_first", type=int, default=0,
+                        help="a curriculum: the first N RL prompts are one-step problems, the rest at "
+                        "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -242,6 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
+    if not 0 <= args.one_step_first <= args.n_train:
+        parser.error(f"--one_step_first {args.one_step_first}: must be between 0 and --n_train ({args.n_train})")
     sets = [s.strip() for s in args.held_out.split(",") if s.strip()]
     if not sets or set(sets) - set(HELD_OUT):
         parser.error(f"--held_out: {sorted(set(sets) - set(HELD_OUT)) or 'none'} not among {list(HELD_OUT)}")
@@ -258,7 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     sft_dir, rl_dir = os.path.join(out, "sft"), os.path.join(out, "rlvr")
     rlvr_args = [RL_RECIPE, "--model_name_or_path", os.path.join(sft_dir, "final_model"), "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
-                 "--overwrite_output_dir", "true", "--delete_finished_run", "true", *rlvr_overrides]  # fmt: skip
+                 "--overwrite_output_dir", "true", "--delete_finished_run", "true",
+                 *(["--train_order", "as_written"] if args.one_step_first else []), *rlvr_overrides]  # fmt: skip
     try:  # a typo in an override fails now, not after the first evaluation
         parse_config(RLVRConfig, [os.path.join(REPO, RL_RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
     except ConfigError as e:
@@ -272,7 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     t0 = time.time()
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
-                       system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained")  # fmt: skip
+                       system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
+                       args.one_step_first)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -642,6 +642,7 @@ DATA_STREAM_KEYS = (
     "dataset_mixer_list",
     "dataset_split",
     "eval_fraction",
+    "train_order",
     "max_seq_length",
     "overlong",
     "skip_bad_rows",

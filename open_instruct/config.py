@@ -152,6 +152,11 @@ class BaseConfig:
     eval_fraction: float = opt(
         0.0, "Hold out this fraction of the train set for eval (only when no eval dataset is given)."
     )
+    train_order: Literal["shuffled", "as_written"] = opt(
+        "shuffled",
+        "The order training rows are consumed in: shuffled (each epoch a permutation drawn from the seed) or "
+        "as_written (the file's order, every epoch: a curriculum written into the data, e.g. easy rows first).",
+    )
     max_train_samples: Optional[int] = opt(None, "Use only the first N training rows.")
     max_eval_samples: Optional[int] = opt(None, "Use only the first N held-out rows.")
     max_seq_length: int = opt(2048, "Longest tokenized example kept (see overlong).")
@@ -323,6 +328,11 @@ class BaseConfig:
                 "(auto or a checkpoint path)"
             )
         _check_range(self, "eval_fraction", 0.0, 0.9)
+        if self.train_order == "as_written" and self.dataset_mixer_list:
+            raise ConfigError(
+                "train_order as_written with dataset_mixer_list: a mixture's sources are interleaved evenly, so it "
+                "has no written order; write the curriculum into one file (dataset_name_or_path)"
+            )
         logged = [*self.eval_metrics, *self.per_source_metric_names()]
         if self.best_metric and self.eval_metrics and self.best_metric not in logged:  # '' = none
             close = difflib.get_close_matches(self.best_metric, logged, n=1, cutoff=0.5)

@@ -1343,9 +1343,10 @@ def _refuse_repeated_tasks(train_rows: list[Row], eval_rows: list[Row], cfg: Any
 
 
 def episode_stream(train: list[dict], cfg: Any) -> "EpisodeStream":
-    """The train order of a script: a mixture's sources are interleaved evenly (see EpisodeStream)."""
+    """The train order of a script: shuffled or as written (`train_order`); a mixture's sources are interleaved
+    evenly (see EpisodeStream)."""
     if cfg.dataset_mixer_list is None:
-        return EpisodeStream(len(train), cfg.seed)
+        return EpisodeStream(len(train), cfg.seed, shuffle=cfg.train_order == "shuffled")
     labels = sorted({e["source"] for e in train})
     return EpisodeStream(len(train), cfg.seed, strata=[labels.index(e["source"]) for e in train])
 

@@ -863,6 +863,25 @@ def test_sft_resumed_with_the_same_layout_uses_each_example_once(
     assert "mini_batch_size: checkpoint 8" in err and "gradient_accumulation_steps 1" in err
 
 
+def test_sft_train_order_as_written_reads_the_file_in_order_across_a_resume(
+    tiny_models, files, tmp_path, monkeypatch, count_uses, capsys
+):
+    out = tmp_path / "out"
+    with sigterm_at_step(monkeypatch, 3):
+        assert run_script("sft", sft_argv(tiny_models, files, out, "--train_order", "as_written")) == 0
+    assert count_uses == list(range(24))  # 3 steps of 8, the file's first 24 rows in order
+    resume = ["--train_order", "as_written", "--resume_from_checkpoint", "auto"]
+    assert run_script("sft", sft_argv(tiny_models, files, out, *resume)) == 0
+    assert count_uses == list(range(32))
+
+    # A resume that would read the rows in another order continues another experiment: refused, naming the key.
+    shutil.rmtree(out / "final_model")
+    run_dir.write_run(str(out), {**run_dir.read_run(str(out)), "finished": False})
+    capsys.readouterr()
+    assert run_script("sft", sft_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto")) == 2
+    assert "train_order" in capsys.readouterr().err
+
+
 def test_rl_resumed_with_the_same_layout_uses_each_prompt_once(
     tiny_models, files, tmp_path, monkeypatch, count_uses, capsys
 ):

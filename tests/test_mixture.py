@@ -85,6 +85,8 @@ def test_recipe_yaml_list_and_either_or(sources, tmp_path):
         parse_config(SFTConfig, [str(recipe), "--dataset_name_or_path", sources["a"]])
     with pytest.raises(ConfigError, match="max_train_samples would cut a mixture"):
         parse_config(SFTConfig, [str(recipe), "--max_train_samples", "10"])
+    with pytest.raises(ConfigError, match="train_order as_written with dataset_mixer_list"):
+        parse_config(SFTConfig, [str(recipe), "--train_order", "as_written"])
 
 
 def stream_sources(mixer: list[str], seed: int) -> tuple[list[tuple[str, int]], data.EpisodeStream]:

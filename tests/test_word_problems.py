@@ -224,3 +224,19 @@ def test_two_step_share_sets_the_mix():
     default = word_problem_rows(2000, 3, "train")
     default_share = sum(len(r["problem"]["ops"]) == 2 for r in default) / len(default)
     assert 0.2 < default_share < 0.3  # the shape list's 2 in 8
+
+
+def test_one_step_first_puts_a_one_step_block_before_the_drawn_mix():
+    from demo.pipeline import DemoError
+    from demo.smollm2_tools import one_step_first_order
+
+    rows = word_problem_rows(400, 5, "train", two_step_share=0.5)
+    ordered = one_step_first_order(rows, 24)
+    assert sorted(r["id"] for r in ordered) == sorted(r["id"] for r in rows)  # a reordering: nothing lost or repeated
+    steps = [len(r["problem"]["ops"]) for r in ordered]
+    assert steps[:24] == [1] * 24
+    # The moved rows are the last one-step ones, so the rows after the block are the drawn rows in their order.
+    assert [r["id"] for r in ordered[24:124]] == [r["id"] for r in rows[:100]]
+    assert one_step_first_order(rows, 0) == rows
+    with pytest.raises(DemoError, match="--one_step_first 401: the RL prompts hold only"):
+        one_step_first_order(rows, 401)
