@@ -8,8 +8,8 @@ The student is the demo's SFT model, the teacher its RLVR model. Each `--distill
 of configs/demo/rlvr_smollm2_tools.yaml from the SFT model with `--teacher_model_name_or_path <D>/rlvr/final_model
 --advantage_estimator distill` and no reward (distill_reward_weight 0), on the same prompts, the same multi-turn
 calculator episodes (tool output masked: only the student's own tokens get the teacher's signal) and the same batch
-shape as RL, for `--rollouts` rollouts, checkpointed every `--every`. Zero-variance groups are kept: the teacher's
-signal does not need a reward spread.
+shape as RL (the prompts in RL's `train_order`), for `--rollouts` rollouts, checkpointed every `--every`.
+Zero-variance groups are kept: the teacher's signal does not need a reward spread.
 
 The curve: every checkpoint of the RL run and of each distillation run (exported to an HF folder) is played greedily
 on the first `--n_eval` problems of the held-out one-step and two-step sets (the demo's own problems), and placed at
@@ -34,6 +34,15 @@ from open_instruct.run_dir import write_text_atomic
 
 CURVE_SETS = ("one-step", "two-step")
 EPISODES_PER_ROLLOUT = 48  # the recipe's 6 prompts x 8 completions
+
+
+def rl_train_order(rl_dir: str) -> str:
+    """The RL run's `train_order` (its resolved config.yaml): a distillation run reads the prompts in the same order
+    (a curriculum's one-step block first, `demo.smollm2_tools --one_step_first`)."""
+    import yaml
+
+    with open(os.path.join(rl_dir, "config.yaml")) as f:
+        return yaml.safe_load(f).get("train_order", "shuffled")
 
 
 def checkpoints(run_dir: str) -> list[tuple[int, str]]:
@@ -167,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                os.path.join(demo, "data", "rl_train.jsonl"), "--output_dir", run_dir, "--overwrite_output_dir",
                "true", "--total_episodes", str(args.rollouts * EPISODES_PER_ROLLOUT), "--checkpointing_steps",
                str(args.every), "--keep_last_n_checkpoints", str(args.rollouts), "--delete_finished_run", "false",
-               *overrides]  # fmt: skip
+               "--train_order", rl_train_order(os.path.join(demo, "rlvr")), *overrides]  # fmt: skip
         _, cpu[loss] = run_script(cmd, os.path.join(out, "logs", f"{loss}.log"), env, echo=False)
         print(f"   CPU time {cpu[loss] / 60:.1f} min", flush=True)
 
