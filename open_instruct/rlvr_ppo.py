@@ -709,6 +709,9 @@ def log_row(
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
         row["train/filtered_groups_fraction"] = ep["dropped"] / n
         row["train/empty_updates"] = train["empty"]
+        if ep["dropped"] == n and run.accelerator.is_main_process:  # a run stuck here spends its compute on nothing
+            print(f"warning: rollout {run.counters.rollout_step}: every group's completions scored the same, so "
+                  "filter_zero_std_groups dropped them all: no update from this rollout", flush=True)  # fmt: skip
     if rollout.ref_logp is not None:  # per sequence: the sum over its tokens of kl_estimator(sampling policy, ref)
         row["train/kl"] = ep["kl"] / n
     if "value" in run.models:

@@ -425,6 +425,33 @@ def test_script_runs_every_estimator_and_loss(variant, tiny_models, rl_files, tm
         assert 0.0 <= train[0]["train/filtered_groups_fraction"] <= 1.0
 
 
+def test_a_rollout_whose_groups_all_score_the_same_is_warned_and_not_trained_on(
+    tiny_models, rl_files, tmp_path, capsys
+):
+    """No reward at all (verification_reward 0): every group has zero spread, so filter_zero_std_groups drops every
+    group, every optimizer step of each rollout is empty, and each rollout prints a warning naming it."""
+    from open_instruct import rlvr_ppo, runtime
+
+    out = tmp_path / "out"
+    runtime.run(rlvr_ppo.main, [
+        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+        "--dataset_name_or_path", rl_files["train"], "--eval_dataset_name_or_path", rl_files["eval"],
+        "--eval_steps", "100", "--output_dir", str(out), "--total_episodes", "32", "--local_rollout_batch_size", "4",
+        "--num_samples_per_prompt", "4", "--per_device_train_batch_size", "4",
+        "--gradient_accumulation_steps", "1", "--response_length", "8", "--checkpointing_steps", "100",
+        "--save_final_model", "false", "--advantage_estimator", "grpo", "--filter_zero_std_groups", "true",
+        "--verification_reward", "0", "--non_stop_penalty", "0",
+    ])  # fmt: skip
+    train = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = [r for r in train if "loss/policy" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    for r in train:  # 16 completions, 4 per optimizer step, 2 epochs (the recipe): 8 steps per rollout, all empty
+        assert r["train/filtered_groups_fraction"] == 1.0 and r["train/empty_updates"] == 8
+    printed = capsys.readouterr().out
+    for step in (1, 2):
+        assert f"warning: rollout {step}: every group's completions scored the same" in printed
+
+
 def test_a_new_estimator_and_policy_loss_registered_from_a_test_file(tiny_models, rl_files, tmp_path):
     """A forker's variant, one function + one table row each, written here (no library edit): the config accepts the
     names, the script dispatches to them, and the logged numbers are the hand-worked ones. Advantage 1 on every real
