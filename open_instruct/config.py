@@ -1105,7 +1105,7 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
     "data": (
         "train and held-out rows, their columns and lengths",
         "dataset_name_or_path dataset_mixer_list dataset_split eval_dataset_name_or_path eval_dataset_mixer_list "
-        "eval_dataset_split eval_fraction max_train_samples max_eval_samples messages_column chosen_column "
+        "eval_dataset_split eval_fraction train_order max_train_samples max_eval_samples messages_column chosen_column "
         "rejected_column prompt_column margin_column ground_truth_column verifier_column max_seq_length "
         "max_prompt_length overlong skip_bad_rows string_rows dataset_num_proc dataset_cache_dir",
     ),
