@@ -142,6 +142,15 @@ def run_id_of(output_dir: str) -> Optional[str]:
     return run["run_id"] if run else None
 
 
+def remove_interrupted_writes(path: str) -> None:
+    """Delete the temp files that write_text_atomic(path) left when its process was SIGKILLed mid-write (never read).
+    Only for a file that one process of the run writes, before it writes it again."""
+    folder, prefix = os.path.dirname(os.path.abspath(path)), f".tmp_{os.path.basename(path)}_"
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith(prefix):
+            os.remove(os.path.join(folder, name))
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Write `text` to `path` atomically (temp file beside it + fsync + rename): a crash or a full disk leaves the old
     file or the new one, never half of one, and no temp file behind. The file gets the user's umask (mkstemp makes

@@ -1067,3 +1067,24 @@ def test_no_torch_load_without_weights_only_in_the_repo():
                     if not (isinstance(flag, ast.Constant) and flag.value is True):
                         offenders.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
     assert offenders == [], f"torch.load without weights_only=True: {offenders}"
+
+
+def test_a_resume_removes_the_temp_file_of_a_metrics_rewrite_killed_midway(tmp_path):
+    """A SIGKILL inside the resume's atomic rewrite of metrics.jsonl leaves `.tmp_metrics.jsonl_*`; the next resume
+    deletes it, keeps the rows up to its step and leaves other files alone."""
+    from types import SimpleNamespace
+
+    from open_instruct.tracking import MetricsLogger
+
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [{"optimizer_step": s, "loss": s / 10} for s in (1, 2, 3)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / ".tmp_metrics.jsonl_k1ll3d").write_text('{"optimizer_step": 1')  # the killed rewrite's half file
+    (out / "notes.txt").write_text("mine")
+    cfg = SimpleNamespace(output_dir=str(out), with_tracking=False)
+    logger = MetricsLogger(cfg, is_main=True, total_steps=3, resume_step=2)
+    logger.bar.close()
+    assert debris(str(out)) == []
+    assert [r["optimizer_step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert (out / "notes.txt").read_text() == "mine"
