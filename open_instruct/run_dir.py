@@ -142,20 +142,16 @@ def run_id_of(output_dir: str) -> Optional[str]:
     return run["run_id"] if run else None
 
 
-def remove_interrupted_writes(path: str) -> None:
-    """Delete the temp files that write_text_atomic(path) left when its process was SIGKILLed mid-write (never read).
-    Only for a file that one process of the run writes, before it writes it again."""
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` atomically (temp file beside it + fsync + rename): a crash or a full disk leaves the old
+    file or the new one, never half of one. The temp file a SIGKILL leaves (never read) is deleted by the next write
+    of the same path, as write_hf_folder clears its own; every caller writes from the main process of a claimed run
+    folder, so no other writer's temp file is in flight. The file gets the user's umask (mkstemp makes it 0600)."""
     folder, prefix = os.path.dirname(os.path.abspath(path)), f".tmp_{os.path.basename(path)}_"
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         if name.startswith(prefix):
             os.remove(os.path.join(folder, name))
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` atomically (temp file beside it + fsync + rename): a crash or a full disk leaves the old
-    file or the new one, never half of one, and no temp file behind. The file gets the user's umask (mkstemp makes
-    it 0600)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp_{os.path.basename(path)}_", dir=os.path.dirname(os.path.abspath(path)))
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -66,7 +66,6 @@ class MetricsLogger:
         start = resume_step or 0
         # Rows past the checkpoint were written by the run that died; they will be written again.
         for path in (self.path, self.samples_path):
-            run_dir.remove_interrupted_writes(path)  # a run SIGKILLed during its own rewrite below
             if os.path.exists(path):
                 rewrite_jsonl(path, [r for r in read_jsonl(path) if r.get(counter, 0) <= start] if resume_step else [])
         if cfg.with_tracking:

@@ -1088,3 +1088,15 @@ def test_a_resume_removes_the_temp_file_of_a_metrics_rewrite_killed_midway(tmp_p
     assert debris(str(out)) == []
     assert [r["optimizer_step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_atomic_write_removes_its_own_path_s_killed_temp_file_only(tmp_path):
+    """run.json and config.yaml go through the same atomic write: a SIGKILLed write's temp file of that path is gone
+    after the next write of it, while another file's temp file stays until that file is written."""
+    from open_instruct import run_dir
+
+    (tmp_path / ".tmp_config.yaml_k1ll3d").write_text("resolved: half")
+    (tmp_path / ".tmp_run.json_k1ll3d").write_text('{"run_id"')
+    run_dir.write_text_atomic(str(tmp_path / "config.yaml"), "seed: 1\n")
+    assert sorted(os.listdir(tmp_path)) == [".tmp_run.json_k1ll3d", "config.yaml"]
+    assert (tmp_path / "config.yaml").read_text() == "seed: 1\n"
