@@ -38,6 +38,7 @@ exact sign test, SFT -> RLVR. <output_dir>/summary.md and summary.json hold it a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ from typing import Any, Optional, Sequence
 
 from demo.pipeline import MISSING_PACKAGE, REPO, DemoError, fmt_seconds, paired_change, run_demo, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
-from demo.word_problems import FAILURES, calculator_traces, call_report, word_problem_rows
+from demo.word_problems import FAILURES, ONE_STEP, SHAPE_OPS, calculator_traces, call_report, word_problem_rows
 from open_instruct.data_cache import code_identity
 from open_instruct.run_dir import write_text_atomic
 
@@ -103,6 +104,7 @@ def write_data(
     two_step_share: Optional[float] = None,
     sft_chain: bool = True,
     one_step_first: int = 0,
+    balanced_rollouts: bool = False,
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`two_step_share` of
     them two-step, as of the traces; the first `one_step_first` one-step, see `one_step_first`) and, per held-out
@@ -115,7 +117,7 @@ def write_data(
         "sft_train": write_jsonl(
             j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
         ),  # fmt: skip
-        "rl_train": write_jsonl(j("rl_train"), one_step_first_order(rl_rows, one_step_first)),
+        "rl_train": write_jsonl(j("rl_train"), one_step_first_order(rl_rows, one_step_first, balanced_rollouts)),
     }
     for name, split in HELD_OUT.items():
         files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
@@ -125,17 +127,37 @@ def write_data(
     return files
 
 
-def one_step_first_order(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+def one_step_first_order(rows: list[dict[str, Any]], n: int, balanced: bool = False) -> list[dict[str, Any]]:
     """A curriculum: `n` one-step rows moved to the front, the rest in their drawn order (RL reads the file as
     written with `--train_order as_written`). The moved rows are the last one-step ones, so the rows after the
-    front keep the drawn mix."""
-    if n <= 0:
+    front keep the drawn mix. With `balanced` the front takes add, sub and mul in turn, and the front and the rest
+    are each ordered by `spread_shapes`."""
+    if n <= 0 and not balanced:
         return rows
-    front = [i for i, r in enumerate(rows) if len(r["problem"]["ops"]) == 1][::-1][:n]
+    one_step = [i for i, r in enumerate(rows) if len(r["problem"]["ops"]) == 1][::-1]
+    if balanced:  # the last rows of each one-step shape, the shapes in turn
+        per_shape = [[i for i in one_step if rows[i]["problem"]["shape"] == s] for s in ONE_STEP]
+        one_step = [i for turn in itertools.zip_longest(*per_shape) for i in turn if i is not None]
+    front = one_step[:n]
     if len(front) < n:
         raise DemoError(f"--one_step_first {n}: the RL prompts hold only {len(front)} one-step problems")
     taken = set(front)
-    return [rows[i] for i in front] + [r for i, r in enumerate(rows) if i not in taken]
+    rest = [r for i, r in enumerate(rows) if i not in taken]
+    front_rows = [rows[i] for i in front]
+    return spread_shapes(front_rows) + spread_shapes(rest) if balanced else front_rows + rest
+
+
+def spread_shapes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows reordered so that each shape's rows are spread evenly over the list (the j-th of a shape's n rows at
+    (j + 0.5) / n, ties in SHAPE_OPS order): any run of rows, a rollout's prompts, holds the shapes in about their
+    shares. Why: GRPO's advantages are relative within a prompt's group, but an optimizer step sums its groups, and a
+    rollout whose groups all paid one operation pushes that operation onto every phrasing (docs/demos.md, round 6)."""
+    by_shape: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_shape.setdefault(r["problem"]["shape"], []).append(r)
+    rank = {s: k for k, s in enumerate(SHAPE_OPS)}
+    keyed = [((j + 0.5) / len(rs), rank[s], r) for s, rs in by_shape.items() for j, r in enumerate(rs)]
+    return [r for _, _, r in sorted(keyed, key=lambda t: t[:2])]
 
 
 def file_digest(path: str, missing: str) -> str:
@@ -246,6 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--one_step_first", type=int, default=0,
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
+    parser.add_argument("--balanced_rollouts", action="store_true",
+                        help="every shape spread evenly over the RL prompts (the --one_step_first block: add, sub "
+                        "and mul in turn), so each rollout's groups hold every operation (--train_order as_written)")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -280,7 +305,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rlvr_args = [RL_RECIPE, "--model_name_or_path", os.path.join(sft_dir, "final_model"), "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
                  "--overwrite_output_dir", "true", "--delete_finished_run", "true",
-                 *(["--train_order", "as_written"] if args.one_step_first else []), *rlvr_overrides]  # fmt: skip
+                 *(["--train_order", "as_written"] if args.one_step_first or args.balanced_rollouts else []),
+                 *rlvr_overrides]  # fmt: skip
     try:  # a typo in an override fails now, not after the first evaluation
         parse_config(RLVRConfig, [os.path.join(REPO, RL_RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
     except ConfigError as e:
@@ -295,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
-                       args.one_step_first)  # fmt: skip
+                       args.one_step_first, args.balanced_rollouts)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -240,3 +240,26 @@ def test_one_step_first_puts_a_one_step_block_before_the_drawn_mix():
     assert one_step_first_order(rows, 0) == rows
     with pytest.raises(DemoError, match="--one_step_first 401: the RL prompts hold only"):
         one_step_first_order(rows, 401)
+
+
+def test_balanced_rollouts_spread_every_shape_over_the_rl_prompts():
+    from demo.smollm2_tools import one_step_first_order
+
+    rows = word_problem_rows(400, 5, "train", two_step_share=0.5)
+    ordered = one_step_first_order(rows, 24, balanced=True)
+    assert sorted(r["id"] for r in ordered) == sorted(r["id"] for r in rows)  # a reordering: nothing lost or repeated
+    shapes = [r["problem"]["shape"] for r in ordered]
+    # The one-step block: add, sub and mul in turn, so a rollout of 6 prompts holds 2 of each.
+    assert shapes[:24] == ["add", "sub", "mul"] * 8
+    # After it, every shape's running count stays within one row of its share of the rows so far (its j-th row is
+    # placed at (j + 0.5) / n of the list), so a rollout of 6 prompts never holds one shape alone.
+    rest = shapes[24:]
+    for shape in set(rest):
+        share = rest.count(shape) / len(rest)
+        assert all(abs(rest[:k].count(shape) - k * share) <= 1 for k in range(1, len(rest) + 1)), shape
+    assert all(len(set(rest[k : k + 6])) >= 4 for k in range(0, len(rest) - 5, 6))
+    # Without the block the whole list is spread.
+    spread = [r["problem"]["shape"] for r in one_step_first_order(rows, 0, balanced=True)]
+    assert sorted(spread) == sorted(r["problem"]["shape"] for r in rows) and spread != [
+        r["problem"]["shape"] for r in rows
+    ]
