@@ -789,8 +789,9 @@ def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
     resume key that accepts a change, `what` the setting that named the file. Each file is hashed once per process
     (file_digest); hub models are known by name (and revision) only."""
     entries: list[tuple[str, str, str]] = []
-    for option in USER_CODE_OPTIONS:
-        values = config.get(option)
+    named = [(option, config.get(option)) for option in USER_CODE_OPTIONS]
+    named += [("the rows' environment column", row_environment_specs(config))]
+    for option, values in named:
         for value in values if isinstance(values, (list, tuple)) else [values]:
             path = user_code.spec_file(value) if isinstance(value, str) else None
             if path:
@@ -803,6 +804,31 @@ def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
         if folder and looks_local(folder) and os.path.isdir(folder):
             entries += [(key, f"{option} {folder}", os.path.abspath(path)) for path in weight_files(folder)]
     return [{"key": k, "what": w, "path": p, "blake2b": file_digest(p)} for k, w, p in entries]
+
+
+_row_environments: dict[tuple[str, int, int], list[str]] = {}  # (path, size, mtime_ns) -> specs: one read per process
+
+
+def row_environment_specs(config: dict[str, Any]) -> list[str]:
+    """The distinct `environment` specs the RL training rows name in their own column (a row's wins over the
+    recipe's, episodes.py), read from the local data files (.jsonl/.json/.parquet/.csv; a saved dataset folder's
+    files are not read), sorted: their code is the run's too, so a resume compares its bytes."""
+    if config.get("script") != "rlvr_ppo":
+        return []
+    from open_instruct.data import load_source
+    from open_instruct.mixture import LOCAL_FILE_SUFFIXES
+
+    specs: set[str] = set()
+    for path in train_data_files(config):
+        if not path.endswith(LOCAL_FILE_SUFFIXES):
+            continue
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in _row_environments:
+            found = {row.data.get("environment") for row in load_source(path, "train")}
+            _row_environments[key] = sorted(v for v in found if isinstance(v, str) and v)
+        specs.update(_row_environments[key])
+    return sorted(specs)
 
 
 def input_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) -> list[tuple[str, str]]:

@@ -124,3 +124,31 @@ def test_a_variant_file_edited_or_model_weights_replaced_on_resume_is_refused_un
         resume("--allow_resume_changes", key)
         state["input_identity"] = checkpoint.input_identity(vars(saved_cfg))  # the next checkpoint records them
         resume()
+
+
+def test_an_environment_file_named_by_the_rows_is_compared_on_resume(tmp_path, monkeypatch):
+    """A row's `environment` column wins over the recipe's, so the file it names is the run's code as much as
+    --environment's: a resume whose file changed under the same spec is refused, naming the column and the file."""
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text("class MyEnv:\n    max_turns = 2\n")
+    spec = f"{env_file}:MyEnv"
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "ground_truth": "1", "dataset": "arithmetic",
+             "environment": spec if i % 2 else None} for i in range(4)]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [*BASE, "--dataset_name_or_path", str(data)]
+    saved_cfg = parse_config(RLVRConfig, argv)
+    assert checkpoint.row_environment_specs(vars(saved_cfg)) == [spec]
+    step, state = saved_checkpoint(tmp_path, saved_cfg)
+    state["input_identity"] = checkpoint.input_identity(vars(saved_cfg))
+    assert [(e["key"], e["path"]) for e in state["input_identity"]] == [("user_code_content", str(env_file))]
+    monkeypatch.setattr(checkpoint, "read_state", lambda path: state)
+    resume = lambda *extra: checkpoint.check_resume_compatible(  # noqa: E731
+        step, parse_config(RLVRConfig, [*argv, "--resume_from_checkpoint", step, *extra]), 1
+    )
+    resume()  # nothing changed
+    env_file.write_text("class MyEnv:\n    max_turns = 5\n")
+    with pytest.raises(ConfigError) as e:
+        resume()
+    assert f"user_code_content: the rows' environment column {spec}: my_env.py blake2b" in str(e.value)
+    resume("--allow_resume_changes", "user_code_content")
