@@ -269,8 +269,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
     parser.add_argument("--balanced_rollouts", action="store_true",
-                        help="every shape spread evenly over the RL prompts (the --one_step_first block: add, sub "
-                        "and mul in turn), so each rollout's groups hold every operation (--train_order as_written)")  # fmt: skip
+                        help="every shape spread evenly over the RL prompts (the --one_step_first block: add, "
+                        "sub and mul in turn), so each rollout's groups hold every operation (--train_order "
+                        "as_written)")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
