@@ -584,7 +584,7 @@ def step_micro_batches(accelerator: Any, items: list[Any], lengths: list[int], c
     from open_instruct.data import micro_batches
 
     groups = micro_batches(items, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
-    return equal_micro_batch_count(accelerator, groups, cfg.packing)
+    return equal_micro_batch_count(accelerator, groups, bool(cfg.max_tokens_per_micro_batch))  # a token budget packs
 
 
 def all_finite(accelerator: Any, *values: Any) -> bool:

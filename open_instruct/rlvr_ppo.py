@@ -301,7 +301,7 @@ def collect_rollout(
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
     groups = step_micro_batches(accelerator, list(range(n)), episode_lengths(episodes, out.response_ids), cfg)
-    packed = cfg.packing  # padding-free rows
+    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
@@ -480,7 +480,7 @@ def micro_batch_loss(
     features = features_of(cfg) if features is None else features
     prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
-    packed = cfg.packing  # padding-free rows
+    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
     batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, packed), device)
     r = batch["responses"].shape[1]
 
