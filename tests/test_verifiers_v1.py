@@ -3,7 +3,8 @@ and a multi-turn environment defined here (a Taskset with weighted @reward funct
 that asks the model through verifiers' interception server), their tasks as rows, episodes played by their harness
 against the run's loopback generate endpoint: the trained ids are the ids the generator sampled (token-in/token-out),
 the user turns between them masked, the score the trace's weighted rewards and each reward/metric logged; tiny GRPO
-runs of both (2 rollouts each). Skipped where verifiers 0.4 is not installed (an optional extra; CI lacks it)."""
+runs of both (2 rollouts each). Skipped where verifiers 0.4 is not installed (an optional extra; `make install`
+installs it)."""
 
 from __future__ import annotations
 
