@@ -171,11 +171,16 @@ LAYERS = {8: 32, 70: 80}  # transformer layers of the Llama 3.1 shapes (per-laye
 KNOWN_PROMPT_TOKENS: dict[str, int] = {"allenai/RLVR-GSM-MATH-IF-Mixed-Constraints": 200, "allenai/RLVR-GSM": 150}
 
 
+def check_recipe_gpu(cfg: BaseConfig) -> None:
+    if cfg.gpu is not None and cfg.gpu not in GPU_SPECS:
+        raise ConfigError(f"gpu {cfg.gpu!r} is not in the planner's table; choose from {sorted(GPU_SPECS)}")
+
+
 @dataclass
 class TimeAssumptions:
     """Every assumption of the time model, each a `plan` flag of the same name (see `ASSUMPTION_HELP`)."""
 
-    gpu: str = "H100"
+    gpu: Optional[str] = None  # None: the recipe's `gpu`, else H100 (for_recipe)
     mfu: float = 0.3
     fill: float = 0.5
     tokens_per_sample: Optional[int] = None
@@ -200,6 +205,16 @@ class TimeAssumptions:
     tool_call_seconds: Optional[float] = None  # multi-turn: None = a sandbox call with python, else ~0
     gpu_memory_gb: Optional[float] = None  # None: the --gpu's memory (H100: 80)
     fsdp: Optional[bool] = None  # None: FSDP2 when num_processes > 1
+
+    def for_recipe(self, cfg: BaseConfig) -> TimeAssumptions:
+        """These assumptions, checked, on the device the recipe names (`gpu`, `gpu_memory_gb`: what its start's
+        memory check judges) where the command line named none; else the H100."""
+        if self.gpu is None:
+            check_recipe_gpu(cfg)
+        memory = self.gpu_memory_gb if self.gpu_memory_gb is not None else cfg.gpu_memory_gb
+        a = dataclasses.replace(self, gpu=self.gpu or cfg.gpu or "H100", gpu_memory_gb=memory)
+        a.check()
+        return a
 
     def check(self) -> None:
         if self.gpu not in GPU_SPECS:
@@ -233,7 +248,7 @@ class TimeAssumptions:
 
 
 ASSUMPTION_HELP = {
-    "gpu": f"device, one of {sorted(GPU_SPECS)}",
+    "gpu": f"device, one of {sorted(GPU_SPECS)} (default: the recipe's gpu, else H100)",
     "mfu": "fraction of peak bf16 FLOP/s reached by forward/backward compute at micro-batches of 1-2 sequences "
     "(default 0.3)",
     "fill": "supervised: mean sequence length as a fraction of max_seq_length (default 0.5)",
@@ -266,7 +281,7 @@ ASSUMPTION_HELP = {
     "tool_call_seconds": "RL with an environment: seconds one tool call takes (default: a sandboxed call when tools "
     "include python, else 0.001 for the in-process calculator)",
     "gpu_memory_gb": "memory of one training GPU in GB, for the memory prediction; a layout predicted above it is "
-    "refused (exit 2) (default: the --gpu's, H100 80)",
+    "refused (exit 2) (default: the recipe's gpu_memory_gb, else the --gpu's: H100 80)",
     "fsdp": "plan FSDP2 sharding even with --num_processes 1 (default: FSDP2 when num_processes > 1, as the "
     "launchers run it; one process without it otherwise)",
     "sandbox_call_seconds": "RL: seconds one response's sandboxed tests take (process start + tests); 0 = measure "
@@ -818,9 +833,8 @@ def engine_layout(
 ) -> tuple[str, int, int, str]:
     """(generation_backend, vllm_num_engines, vllm_tensor_parallel_size, "local" or "remote") of an RL recipe after
     overrides, checked like the plan checks them (the node fit only when the training world size is given)."""
-    a = assumptions or TimeAssumptions()
-    a.check()
     cfg = recipe_config(recipe_path, overrides)
+    a = (assumptions or TimeAssumptions()).for_recipe(cfg)
     if not isinstance(cfg, RLVRConfig):
         raise ConfigError(f"--engine_layout: {recipe_path} is a {cfg.script} recipe, not an RL one")
     params = model_params(cfg.model_name_or_path, model_params_override)[0]
@@ -864,8 +878,7 @@ def plan_from_config(
     assumptions: Optional[TimeAssumptions] = None,
 ) -> dict[str, Any]:
     """The plan as one flat dict (also what --json prints). Raises ConfigError on an invalid plan."""
-    a = assumptions or TimeAssumptions()
-    a.check()
+    a = (assumptions or TimeAssumptions()).for_recipe(cfg)
     source, per_source = "--num_examples", []
     if num_examples is None:
         num_examples, source, per_source = training_size(cfg)
@@ -952,8 +965,7 @@ def judged_layout(cfg: BaseConfig, launcher_world: int, real_start: bool) -> Jud
             f"{launcher_world} processes: launch {cfg.num_processes} (accelerate launch --num_processes "
             f"{cfg.num_processes}) or unset num_processes"
         )
-    if cfg.gpu is not None and cfg.gpu not in GPU_SPECS:
-        raise ConfigError(f"gpu {cfg.gpu!r} is not in the planner's table; choose from {sorted(GPU_SPECS)}")
+    check_recipe_gpu(cfg)
     world = cfg.num_processes or launcher_world
     gpu = cfg.gpu or ("H100" if cfg.gpu_memory_gb else this_machine_device())
     memory = cfg.gpu_memory_gb

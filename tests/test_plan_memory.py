@@ -69,6 +69,30 @@ def test_gpu_memory_gb_moves_the_verdict(repo_root, capsys):
     assert plan_main([recipe, "--num_processes", "7", "--gpu", "H200", "--json"]) == 0
 
 
+def test_recipe_gpu_keys_are_the_plans_device_unless_the_flags_name_one(repo_root, tmp_path, capsys):
+    """`gpu` / `gpu_memory_gb` in a recipe (what its start's memory check judges) are the plan's device too; the
+    planner's --gpu / --gpu_memory_gb override them."""
+    recipe = _recipe(repo_root, "rlvr_8b")
+    total = build_plan(recipe, [], 7, None)["memory"]["total"]
+    below = round(total / GB * 0.9, 1)
+    with open(recipe) as f:
+        text = f.read()
+    small = tmp_path / "rlvr_8b_small_gpu.yaml"
+    small.write_text(f"{text}\ngpu_memory_gb: {below}\n")
+    assert plan_main([str(small), "--num_processes", "7"]) == 2
+    assert f"of {below:g} GB" in capsys.readouterr().err
+    assert plan_main([str(small), "--num_processes", "7", "--gpu_memory_gb", "141", "--json"]) == 0
+    capsys.readouterr()
+    h200 = tmp_path / "rlvr_8b_h200.yaml"
+    h200.write_text(f"{text}\ngpu: H200\n")
+    assert build_plan(str(h200), [], 7, None)["assumptions"]["gpu"] == "H200"
+    assert build_plan(str(h200), [], 7, None, assumptions=TimeAssumptions(gpu="A100"))["assumptions"]["gpu"] == "A100"
+    unknown = tmp_path / "rlvr_8b_unknown_gpu.yaml"
+    unknown.write_text(f"{text}\ngpu: H900\n")
+    assert plan_main([str(unknown), "--num_processes", "7"]) == 2
+    assert "gpu 'H900' is not in the planner's table" in capsys.readouterr().err
+
+
 def test_params_and_kv_cache_equal_a_real_tiny_model(tiny_models, repo_root):
     """The parameter bytes of the plan equal the model's real parameter count x 4 (fp32 masters), and the KV cache
     formula equals the bytes of the cache a real forward builds."""
