@@ -739,25 +739,32 @@ def _model_config(path: str) -> Optional[dict[str, Any]]:
         return None
 
 
-def train_data_files(config: dict[str, Any]) -> list[str]:
-    """The local files the training rows are read from, in source order (dataset_name_or_path's comma-separated
-    parts or dataset_mixer_list's sources; a folder: every file under it, sorted, hidden ones left out). Hub
-    datasets have none here."""
+def train_sources(config: dict[str, Any]) -> list[str]:
+    """The training sources as written: dataset_name_or_path's comma-separated parts or dataset_mixer_list's."""
     from open_instruct.mixture import parse_mixer_list
 
     if config.get("dataset_mixer_list"):
-        sources = [entry.source for entry in parse_mixer_list(config["dataset_mixer_list"])]
-    else:
-        sources = [p.strip() for p in (config.get("dataset_name_or_path") or "").split(",") if p.strip()]
+        return [entry.source for entry in parse_mixer_list(config["dataset_mixer_list"])]
+    return [p.strip() for p in (config.get("dataset_name_or_path") or "").split(",") if p.strip()]
+
+
+def source_files(source: str) -> list[str]:
+    """The local files of one source: the file, or every file under a folder, sorted, hidden ones left out; none
+    for a hub dataset."""
+    if os.path.isfile(source):
+        return [os.path.abspath(source)]
     files = []
-    for source in sources:
-        if os.path.isfile(source):
-            files.append(os.path.abspath(source))
-        elif os.path.isdir(source):
-            for root, dirs, names in os.walk(source):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
-                files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
+    if os.path.isdir(source):
+        for root, dirs, names in os.walk(source):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
+            files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
     return files
+
+
+def train_data_files(config: dict[str, Any]) -> list[str]:
+    """The local files the training rows are read from, in source order (a folder: every file under it). Hub
+    datasets have none here."""
+    return [path for source in train_sources(config) for path in source_files(source)]
 
 
 _digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> blake2b: each file read once per process
@@ -806,26 +813,28 @@ def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"key": k, "what": w, "path": p, "blake2b": file_digest(p)} for k, w, p in entries]
 
 
-_row_environments: dict[tuple[str, int, int], list[str]] = {}  # (path, size, mtime_ns) -> specs: one read per process
+# (source, split, its files' (size, mtime_ns)) -> specs: one read per process
+_row_environments: dict[tuple, list[str]] = {}
 
 
 def row_environment_specs(config: dict[str, Any]) -> list[str]:
     """The distinct `environment` specs the RL training rows name in their own column (a row's wins over the
-    recipe's, episodes.py), read from the local data files (.jsonl/.json/.parquet/.csv; a saved dataset folder's
-    files are not read), sorted: their code is the run's too, so a resume compares its bytes."""
+    recipe's, episodes.py), sorted: their code is the run's too, so a resume compares its bytes. Each local source
+    (a file or a folder, a `save_to_disk` one included) is read as training reads it, once per process while its
+    files' sizes and mtimes stay the same; hub datasets are not read."""
     if config.get("script") != "rlvr_ppo":
         return []
     from open_instruct.data import load_source
-    from open_instruct.mixture import LOCAL_FILE_SUFFIXES
 
     specs: set[str] = set()
-    for path in train_data_files(config):
-        if not path.endswith(LOCAL_FILE_SUFFIXES):
+    for source in train_sources(config):
+        files = source_files(source)
+        if not files:
             continue
-        st = os.stat(path)
-        key = (path, st.st_size, st.st_mtime_ns)
+        split = config.get("dataset_split") or "train"
+        key = (os.path.abspath(source), split, tuple((os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files))
         if key not in _row_environments:
-            found = {row.data.get("environment") for row in load_source(path, "train")}
+            found = {row.data.get("environment") for row in load_source(source, split)}
             _row_environments[key] = sorted(v for v in found if isinstance(v, str) and v)
         specs.update(_row_environments[key])
     return sorted(specs)

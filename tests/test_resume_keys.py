@@ -126,9 +126,12 @@ def test_a_variant_file_edited_or_model_weights_replaced_on_resume_is_refused_un
         resume()
 
 
-def test_an_environment_file_named_by_the_rows_is_compared_on_resume(tmp_path, monkeypatch):
+@pytest.mark.parametrize("data_format", ["jsonl", "save_to_disk"])
+def test_an_environment_file_named_by_the_rows_is_compared_on_resume(tmp_path, monkeypatch, data_format):
     """A row's `environment` column wins over the recipe's, so the file it names is the run's code as much as
-    --environment's: a resume whose file changed under the same spec is refused, naming the column and the file."""
+    --environment's: a resume whose file changed under the same spec is refused, naming the column and the file.
+    The rows are read as training reads them: a .jsonl file, or a `save_to_disk` folder (whose .json metadata
+    files are not rows)."""
     env_file = tmp_path / "my_env.py"
     env_file.write_text("class MyEnv:\n    max_turns = 2\n")
     spec = f"{env_file}:MyEnv"
@@ -136,6 +139,11 @@ def test_an_environment_file_named_by_the_rows_is_compared_on_resume(tmp_path, m
              "environment": spec if i % 2 else None} for i in range(4)]  # fmt: skip
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if data_format == "save_to_disk":
+        import datasets
+
+        data = tmp_path / "saved_rows"
+        datasets.Dataset.from_list(rows).save_to_disk(str(data))
     argv = [*BASE, "--dataset_name_or_path", str(data)]
     saved_cfg = parse_config(RLVRConfig, argv)
     assert checkpoint.row_environment_specs(vars(saved_cfg)) == [spec]
