@@ -5,7 +5,7 @@ with these limits (SandboxLimits) and what reports them in SandboxResult.limit:
 
     wall_seconds     the supervisor ends a run after this long (the parent the call) -> "wall_time"
     cpu_seconds      the CPU time of ALL a run's processes together (the supervisor sums it: forks do not reset
-                     it); RLIMIT_CPU per process besides                            -> "cpu_time"
+                     it); RLIMIT_CPU per process besides, 1 s past it             -> "cpu_time"
     memory_mb        RLIMIT_AS: an allocation past it raises MemoryError           -> "memory"
     max_output_bytes stdout and stderr each, per run; the run is killed at the first byte over, and the parent never
                      holds more than this per stream and run                         -> "output"

@@ -270,7 +270,10 @@ def become_program(spec, run, workdir, fds, setup_w, supervisor):
         cpu = max(1, int(run["cpu_seconds"] + 0.999))
         for name, value in spec["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (value, value))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # one process's bound; the run's is the supervisor's
+        # One process's backstop, a second past the run's limit: the supervisor (a look every _TICK) ends an
+        # over-limit run first and names it. At the run's limit itself, a forked child killed by SIGXCPU at exactly
+        # the limit let its parent go on and pass, its run's summed CPU a hair under or over the limit.
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu + 1, cpu + 2))
         if spec["drop_privileges"]:
             os.setgroups([])
             os.setgid(spec["gid"])

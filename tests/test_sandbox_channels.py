@@ -349,6 +349,26 @@ def test_cpu_time_is_summed_over_forks(iso, mode):
         sandbox.force_isolation(previous)
 
 
+@pytest.mark.parametrize("mode", ["namespaces", "rlimits"])
+def test_a_child_that_spins_past_the_limit_fails_its_parent(iso, mode):
+    """A forked child spins without end under a 1 s CPU limit while its parent waits to print the right answer: the
+    run is cpu_time and the parent is ended with it. (With each process's RLIMIT_CPU at the run's limit, the kernel
+    killed the child at 1.0 s, the parent printed its answer, and only the summed CPU, 1.02 s, kept the run from
+    passing: a CI run on a loaded machine passed such a run.)"""
+    previous = sandbox.isolation().mode
+    try:
+        sandbox.force_isolation(mode)
+        limits = dataclasses.replace(ROOMY, cpu_seconds=1, wall_seconds=600.0)
+        program = "import os\npid = os.fork()\nif pid == 0:\n    while True:\n        pass\n"
+        program += "os.waitpid(pid, 0)\nprint(2)\n"
+        res = run(program, limits=limits)
+        # ended by the supervisor near the limit, the parent with it: it never prints its answer
+        assert res.limit == "cpu_time" and res.stdout == "", res
+        assert 1 <= res.cpu_seconds < 1 + 0.5, res.cpu_seconds
+    finally:
+        sandbox.force_isolation(previous)
+
+
 def test_forked_cpu_is_refused_on_the_value_and_stdio_paths(iso):
     """Work split over forks past the CPU limit is a timeout on both paths (value: 2 s, stdio: 1 s of CPU at
     test_seconds 1); a small share passes. The big work is 4x the value path's limit: a step's CPU cost may differ
