@@ -211,7 +211,9 @@ class TimeAssumptions:
         memory check judges) where the command line named none; else the H100."""
         if self.gpu is None:
             check_recipe_gpu(cfg)
-        memory = self.gpu_memory_gb if self.gpu_memory_gb is not None else cfg.gpu_memory_gb
+        memory = self.gpu_memory_gb
+        if memory is None and self.gpu is None:  # the recipe's memory goes with the recipe's device only
+            memory = cfg.gpu_memory_gb
         a = dataclasses.replace(self, gpu=self.gpu or cfg.gpu or "H100", gpu_memory_gb=memory)
         a.check()
         return a
@@ -281,7 +283,7 @@ ASSUMPTION_HELP = {
     "tool_call_seconds": "RL with an environment: seconds one tool call takes (default: a sandboxed call when tools "
     "include python, else 0.001 for the in-process calculator)",
     "gpu_memory_gb": "memory of one training GPU in GB, for the memory prediction; a layout predicted above it is "
-    "refused (exit 2) (default: the recipe's gpu_memory_gb, else the --gpu's: H100 80)",
+    "refused (exit 2) (default: the recipe's gpu_memory_gb without --gpu, else the --gpu's: H100 80)",
     "fsdp": "plan FSDP2 sharding even with --num_processes 1 (default: FSDP2 when num_processes > 1, as the "
     "launchers run it; one process without it otherwise)",
     "sandbox_call_seconds": "RL: seconds one response's sandboxed tests take (process start + tests); 0 = measure "

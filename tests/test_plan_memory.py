@@ -82,6 +82,7 @@ def test_recipe_gpu_keys_are_the_plans_device_unless_the_flags_name_one(repo_roo
     assert plan_main([str(small), "--num_processes", "7"]) == 2
     assert f"of {below:g} GB" in capsys.readouterr().err
     assert plan_main([str(small), "--num_processes", "7", "--gpu_memory_gb", "141", "--json"]) == 0
+    assert plan_main([str(small), "--num_processes", "7", "--gpu", "H200", "--json"]) == 0  # H200's own 141 GB
     capsys.readouterr()
     h200 = tmp_path / "rlvr_8b_h200.yaml"
     h200.write_text(f"{text}\ngpu: H200\n")
