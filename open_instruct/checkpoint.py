@@ -827,12 +827,13 @@ def row_environment_specs(config: dict[str, Any]) -> list[str]:
     from open_instruct.data import load_source
 
     specs: set[str] = set()
+    split = config.get("dataset_split") or "train"
     for source in train_sources(config):
         files = source_files(source)
         if not files:
             continue
-        split = config.get("dataset_split") or "train"
-        key = (os.path.abspath(source), split, tuple((os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files))
+        stats = [os.stat(f) for f in files]
+        key = (os.path.abspath(source), split, tuple((st.st_size, st.st_mtime_ns) for st in stats))
         if key not in _row_environments:
             found = {row.data.get("environment") for row in load_source(source, split)}
             _row_environments[key] = sorted(v for v in found if isinstance(v, str) and v)
