@@ -105,14 +105,16 @@ def write_data(
     sft_chain: bool = True,
     one_step_first: int = 0,
     balanced_rollouts: bool = False,
+    rl_two_step_share: Optional[float] = None,
 ) -> dict[str, str]:
-    """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`two_step_share` of
-    them two-step, as of the traces; the first `one_step_first` one-step, see `one_step_first`) and, per held-out
-    set, its rows with the tool prompt and without tools."""
+    """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
+    them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
+    `one_step_first`) and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
-    rl_rows = word_problem_rows(n_train, seed, "train", prompt, two_step_share)
+    rl_share = two_step_share if rl_two_step_share is None else rl_two_step_share
+    rl_rows = word_problem_rows(n_train, seed, "train", prompt, rl_share)
     files = {
         "sft_train": write_jsonl(
             j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
@@ -262,6 +264,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--n_train", type=int, default=2000, help="RL prompts")
     parser.add_argument("--two_step_share", type=float, default=0.5,
                         help="share of two-step problems among the SFT traces and the RL prompts")  # fmt: skip
+    parser.add_argument("--rl_two_step_share", type=float, default=None,
+                        help="share of two-step problems among the RL prompts only (default: --two_step_share); "
+                        "after a --one_step_first block, the share of the rows after it")  # fmt: skip
     parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip
@@ -287,6 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args, rlvr_overrides = parser.parse_known_args(argv)
     if args.n_sft < 1 or args.n_train < 1 or args.n_eval < 1:
         parser.error("--n_sft, --n_train and --n_eval must be >= 1")
+    for flag in ("two_step_share", "rl_two_step_share"):
+        if getattr(args, flag) is not None and not 0 <= getattr(args, flag) <= 1:
+            parser.error(f"--{flag} {getattr(args, flag)}: a share, between 0 and 1")
     if not 0 <= args.one_step_first <= args.n_train:
         parser.error(f"--one_step_first {args.one_step_first}: must be between 0 and --n_train ({args.n_train})")
     sets = [s.strip() for s in args.held_out.split(",") if s.strip()]
@@ -322,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
-                       args.one_step_first, args.balanced_rollouts)  # fmt: skip
+                       args.one_step_first, args.balanced_rollouts, args.rl_two_step_share)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}
