@@ -266,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="share of two-step problems among the SFT traces and the RL prompts")  # fmt: skip
     parser.add_argument("--rl_two_step_share", type=float, default=None,
                         help="share of two-step problems among the RL prompts only (default: --two_step_share); "
-                        "after a --one_step_first block, the share of the rows after it")  # fmt: skip
+                        "a --one_step_first block moves some of their one-step ones to the front")  # fmt: skip
     parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip

@@ -280,5 +280,5 @@ def test_rl_two_step_share_sets_the_rl_prompts_mix_and_leaves_the_sft_traces(tmp
         steps = [len(r["problem"]["ops"]) for r in read(files["rl_train"])]
         assert steps[:24] == [1] * 24  # the one-step block is kept
         # Each of the 400 drawn rows is two-step with probability `share`, and all of them land after the block:
-        # within 4 binomial sigmas (+-35 and +-40 rows) of 400 * share.
+        # within 4 binomial sigmas (+-40 and +-35 rows) of 400 * share.
         assert abs(sum(k == 2 for k in steps[24:]) - 400 * share) < 4 * (400 * share * (1 - share)) ** 0.5
