@@ -266,18 +266,15 @@ def test_balanced_rollouts_spread_every_shape_over_the_rl_prompts():
 
 
 def test_rl_two_step_share_sets_the_rl_prompts_mix_and_leaves_the_sft_traces(tmp_path):
-    from demo.smollm2_tools import write_data
-
-    def read(path):
-        with open(path) as f:
-            return [json.loads(line) for line in f]
+    from demo.smollm2_tools import load_jsonl, write_data
 
     kw = dict(two_step_share=0.5, sft_chain=False, one_step_first=24, balanced_rollouts=True)
     same = write_data(str(tmp_path / "same"), 0, 16, "word", 400, 2, **kw)
     more = write_data(str(tmp_path / "more"), 0, 16, "word", 400, 2, rl_two_step_share=0.75, **kw)
-    assert read(same["sft_train"]) == read(more["sft_train"])  # the cold start is the same: its SFT model is reused
+    # The cold start is the same, so its SFT model is reused.
+    assert load_jsonl(same["sft_train"]) == load_jsonl(more["sft_train"])
     for files, share in ((same, 0.5), (more, 0.75)):
-        steps = [len(r["problem"]["ops"]) for r in read(files["rl_train"])]
+        steps = [len(r["problem"]["ops"]) for r in load_jsonl(files["rl_train"])]
         assert steps[:24] == [1] * 24  # the one-step block is kept
         # Each of the 400 drawn rows is two-step with probability `share`, and all of them land after the block:
         # within 4 binomial sigmas (+-40 and +-35 rows) of 400 * share.
