@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from demo.pipeline import MISSING_PACKAGE, REPO, DemoError, fmt_seconds, paired_change, run_demo, run_script, script_env
+from demo.pipeline import MISSING_PACKAGE, REPO, DemoError, cost_lines, paired_change, run_demo, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
 from demo.word_problems import FAILURES, ONE_STEP, SHAPE_OPS, calculator_traces, call_report, word_problem_rows
 from open_instruct.data_cache import code_identity
@@ -406,10 +406,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "",
         "Failures: " + "; ".join(f"{k}: {v}" for k, v in FAILURES.items()),
         "",
-        "Wall time: " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in {**timings, "total": total}.items()),
-        "CPU time (all threads): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in cpu.items())
-        + f"; training (SFT + RLVR) {training_cpu / 60:.1f} CPU-minutes, all {sum(cpu.values()) / 60:.1f}",
-    ]  # fmt: skip
+        *cost_lines({**timings, "total": total}, cpu, [s for s in ("sft", "rlvr") if s in cpu]),
+    ]
     summary = {
         "model": os.path.join(folder, gguf_file),
         "seed": args.seed,
