@@ -106,10 +106,11 @@ def write_data(
     one_step_first: int = 0,
     balanced_rollouts: bool = False,
     rl_two_step_share: Optional[float] = None,
+    block_only: Sequence[str] = (),
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
     them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
-    `one_step_first`) and, per held-out set, its rows with the tool prompt and without tools."""
+    `one_step_first_order`) and, per held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
@@ -119,7 +120,9 @@ def write_data(
         "sft_train": write_jsonl(
             j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
         ),  # fmt: skip
-        "rl_train": write_jsonl(j("rl_train"), one_step_first_order(rl_rows, one_step_first, balanced_rollouts)),
+        "rl_train": write_jsonl(
+            j("rl_train"), one_step_first_order(rl_rows, one_step_first, balanced_rollouts, block_only)
+        ),
     }
     for name, split in HELD_OUT.items():
         files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
@@ -129,11 +132,19 @@ def write_data(
     return files
 
 
-def one_step_first_order(rows: list[dict[str, Any]], n: int, balanced: bool = False) -> list[dict[str, Any]]:
+def one_step_first_order(
+    rows: list[dict[str, Any]], n: int, balanced: bool = False, block_only: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """A curriculum: `n` one-step rows moved to the front, the rest in their drawn order (RL reads the file as
     written with `--train_order as_written`). The moved rows are the last one-step ones, so the rows after the
     front keep the drawn mix. With `balanced` the front takes add, sub and mul in turn, and the front and the rest
-    are each ordered by `spread_shapes`."""
+    are each ordered by `spread_shapes`. One-step shapes in `block_only` are dropped from the rows after the front:
+    RL sees them in the block only (why: a one-step product and the product inside c+x*y share their phrasing, and
+    after the block the one-call `x*y` won both groups' contrast until c+x*y was gone, docs/demos.md round 10)."""
+    if set(block_only) - set(ONE_STEP):
+        raise DemoError(f"--block_only {','.join(block_only)}: each one of {', '.join(ONE_STEP)}")
+    if block_only and n <= 0:
+        raise DemoError(f"--block_only {','.join(block_only)} needs a --one_step_first block")
     if n <= 0 and not balanced:
         return rows
     one_step = [i for i, r in enumerate(rows) if len(r["problem"]["ops"]) == 1][::-1]
@@ -144,7 +155,7 @@ def one_step_first_order(rows: list[dict[str, Any]], n: int, balanced: bool = Fa
     if len(front) < n:
         raise DemoError(f"--one_step_first {n}: the RL prompts hold only {len(front)} one-step problems")
     taken = set(front)
-    rest = [r for i, r in enumerate(rows) if i not in taken]
+    rest = [r for i, r in enumerate(rows) if i not in taken and r["problem"]["shape"] not in block_only]
     front_rows = [rows[i] for i in front]
     return spread_shapes(front_rows) + spread_shapes(rest) if balanced else front_rows + rest
 
@@ -277,6 +288,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="every shape spread evenly over the RL prompts (the --one_step_first block: add, "
                         "sub and mul in turn), so each rollout's groups hold every operation (--train_order "
                         "as_written)")  # fmt: skip
+    parser.add_argument("--block_only", default="",
+                        help="one-step shapes (comma-separated among add, sub, mul) RL sees in the --one_step_first "
+                        "block only: none after it")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
@@ -297,6 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             parser.error(f"--{flag} {getattr(args, flag)}: a share, between 0 and 1")
     if not 0 <= args.one_step_first <= args.n_train:
         parser.error(f"--one_step_first {args.one_step_first}: must be between 0 and --n_train ({args.n_train})")
+    block_only = [s.strip() for s in args.block_only.split(",") if s.strip()]
     sets = [s.strip() for s in args.held_out.split(",") if s.strip()]
     if not sets or set(sets) - set(HELD_OUT):
         parser.error(f"--held_out: {sorted(set(sets) - set(HELD_OUT)) or 'none'} not among {list(HELD_OUT)}")
@@ -330,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
-                       args.one_step_first, args.balanced_rollouts, args.rl_two_step_share)  # fmt: skip
+                       args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only)  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

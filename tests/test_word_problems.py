@@ -279,3 +279,23 @@ def test_rl_two_step_share_sets_the_rl_prompts_mix_and_leaves_the_sft_traces(tmp
         # Each of the 400 drawn rows is two-step with probability `share`, and all of them land after the block:
         # within 4 binomial sigmas (+-40 and +-35 rows) of 400 * share.
         assert abs(sum(k == 2 for k in steps[24:]) - 400 * share) < 4 * (400 * share * (1 - share)) ** 0.5
+
+
+def test_block_only_keeps_a_shape_in_the_one_step_block_and_out_of_the_rest():
+    from demo.pipeline import DemoError
+    from demo.smollm2_tools import one_step_first_order
+
+    rows = word_problem_rows(400, 5, "train", two_step_share=0.5)
+    plain = one_step_first_order(rows, 24, balanced=True)
+    ordered = one_step_first_order(rows, 24, balanced=True, block_only=["mul"])
+    shapes = [r["problem"]["shape"] for r in ordered]
+    assert shapes[:24] == ["add", "sub", "mul"] * 8  # the block is unchanged
+    assert "mul" not in shapes[24:]
+    # Exactly the products after the block are dropped: every other row is kept, once.
+    kept = [r["id"] for r in plain[24:] if r["problem"]["shape"] != "mul"]
+    assert sorted(r["id"] for r in ordered[24:]) == sorted(kept)
+    assert len(ordered) == len(rows) - sum(r["problem"]["shape"] == "mul" for r in plain[24:])
+    with pytest.raises(DemoError, match="--block_only mul_add: each one of add, sub, mul"):
+        one_step_first_order(rows, 24, block_only=["mul_add"])
+    with pytest.raises(DemoError, match="needs a --one_step_first block"):
+        one_step_first_order(rows, 0, balanced=True, block_only=["mul"])
