@@ -107,19 +107,20 @@ def write_data(
     balanced_rollouts: bool = False,
     rl_two_step_share: Optional[float] = None,
     block_only: Sequence[str] = (),
+    sft_text_order: bool = False,
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
     them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
-    `one_step_first_order`) and, per held-out set, its rows with the tool prompt and without tools."""
+    `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`) and, per
+    held-out set, its rows with the tool prompt and without tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     rl_share = two_step_share if rl_two_step_share is None else rl_two_step_share
     rl_rows = word_problem_rows(n_train, seed, "train", prompt, rl_share)
+    traces = calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share, sft_text_order)
     files = {
-        "sft_train": write_jsonl(
-            j("sft_train"), as_text_calls(calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share), prompt)
-        ),  # fmt: skip
+        "sft_train": write_jsonl(j("sft_train"), as_text_calls(traces, prompt)),
         "rl_train": write_jsonl(
             j("rl_train"), one_step_first_order(rl_rows, one_step_first, balanced_rollouts, block_only)
         ),
@@ -281,6 +282,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip
+    parser.add_argument("--sft_expression", choices=("canonical", "text_order"), default="canonical",
+                        help="the SFT calls' expressions: one fixed order per shape (207+5*43), or each sum's and "
+                        "product's operands in the order the question states them (5*43+207 for 'Full trays: 5. "
+                        "Eggs per tray: 43. Loose eggs: 207.')")  # fmt: skip
     parser.add_argument("--one_step_first", type=int, default=0,
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
@@ -345,7 +350,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print(f"SmolLM2-135M-Instruct: {os.path.join(folder, gguf_file)}\noutput: {out}\n", flush=True)
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
-                       args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only)  # fmt: skip
+                       args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only,
+                       args.sft_expression == "text_order")  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

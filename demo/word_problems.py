@@ -208,6 +208,30 @@ def shape_numbers(rng: random.Random, shape: str) -> tuple[dict[str, int], list[
     raise ValueError(f"unknown shape {shape!r}")
 
 
+def text_order_expression(template: str, shape: str, slots: dict[str, int]) -> str:
+    """The problem's expression with the operands of each `+` and `*` in the order the question states them (the
+    canonical 207+5*43 is 5*43+207 for "Full trays: 5. Eggs per tray: 43. Loose eggs: 207."); a `-` keeps its
+    order, whatever the wording ("Take 12 away from 30" is 30-12)."""
+    at = {slot: template.find("{" + slot + "}") for slot in slots}
+    in_text = lambda *names: sorted(names, key=lambda n: at[n])  # noqa: E731
+    commutative = lambda op, *names: op.join(str(slots[n]) for n in in_text(*names))  # noqa: E731
+    if shape in ("add", "mul"):
+        return commutative(SHAPE_OPS[shape], *slots)
+    if shape == "sub":
+        return f"{slots['a']}-{slots['b']}"
+    if shape == "add_sub":
+        return f"{commutative('+', 'a', 'b')}-{slots['c']}"
+    if shape == "mul_sub":
+        return f"{slots['c']}-{commutative('*', 'x', 'y')}"
+    if shape == "mul_add":
+        product = commutative("*", "x", "y")
+        return f"{slots['c']}+{product}" if at["c"] < min(at["x"], at["y"]) else f"{product}+{slots['c']}"
+    if shape == "add_mul":
+        total = f"({commutative('+', 'a', 'b')})"
+        return f"{slots['x']}*{total}" if at["x"] < min(at["a"], at["b"]) else f"{total}*{slots['x']}"
+    raise ValueError(f"unknown shape {shape!r}")
+
+
 def insert_sentence(question: str, sentence: str, rng: random.Random) -> str:
     """`sentence` put before one of the question's sentences (never after the last: the question stays last)."""
     parts = re.split(r"(?<=[.?]) ", question)
@@ -227,12 +251,14 @@ def word_problem(rng: random.Random, split: str, two_step_share: Optional[float]
     family = rng.choice(sorted(f for f, shapes in spec["families"].items() if shape in shapes))
     slots, operands, expression, answer = shape_numbers(rng, shape)
     n, m, k = rng.sample(NAMES, 3)
-    question = rng.choice(spec["families"][family][shape]).format(n=n, m=m, k=k, it=rng.choice(ITEMS), **slots)
+    template = rng.choice(spec["families"][family][shape])
+    question = template.format(n=n, m=m, k=k, it=rng.choice(ITEMS), **slots)
     distractor: Optional[int] = None
     if spec["distractors"] and rng.random() < spec["distractor_rate"]:
         distractor = rng.choice([d for d in range(10, 1000) if d not in operands and d != answer])
         question = insert_sentence(question, rng.choice(spec["distractors"]).format(n=n, d=distractor), rng)
-    return {"question": question, "answer": answer, "expression": expression, "ops": SHAPE_OPS[shape],
+    return {"question": question, "answer": answer, "expression": expression,
+            "text_order_expression": text_order_expression(template, shape, slots), "ops": SHAPE_OPS[shape],
             "operands": operands, "distractor": distractor, "family": family, "shape": shape}  # fmt: skip
 
 
@@ -262,35 +288,37 @@ def symbolic_problem(rng: random.Random) -> dict[str, Any]:
     shape = rng.choice(ONE_STEP * 2 + TWO_STEP_TRAINED)
     _, operands, expression, answer = shape_numbers(rng, shape)
     question = rng.choice(SYMBOLIC_TEMPLATES).format(e=expression)
-    return {"question": question, "answer": answer, "expression": expression, "ops": SHAPE_OPS[shape],
-            "operands": operands, "distractor": None, "family": "symbolic", "shape": shape}  # fmt: skip
+    return {"question": question, "answer": answer, "expression": expression, "text_order_expression": expression,
+            "ops": SHAPE_OPS[shape], "operands": operands, "distractor": None, "family": "symbolic",
+            "shape": shape}  # fmt: skip
 
 
-def chained_steps(problem: dict[str, Any]) -> list[tuple[str, int]]:
+def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tuple[str, int]]:
     """The calculator calls that solve `problem` one step at a time, each (expression, result): a one-step problem
-    is its expression; a two-step one is its inner step first, then the outer step on that step's result
-    (577+818-753: `577+818` -> 1395, then `1395-753`; 207+5*43: `5*43` -> 215, then `207+215`)."""
-    shape, operands = problem["shape"], problem["operands"]
-    if len(SHAPE_OPS[shape]) == 1:
-        return [(problem["expression"], problem["answer"])]
-    if shape in ("add_sub", "add_mul"):
-        (a, b, last), inner = operands, operands[0] + operands[1]
-        first, second = f"{a}+{b}", f"{inner}-{last}" if shape == "add_sub" else f"{inner}*{last}"
-    else:  # mul_add, mul_sub: c then the product's x, y
-        c, x, y = operands
-        inner = x * y
-        first, second = f"{x}*{y}", f"{c}+{inner}" if shape == "mul_add" else f"{c}-{inner}"
-    return [(first, inner), (second, problem["answer"])]
+    is its expression; a two-step one is its inner step (the bracket, else the product, else the leading sum) first,
+    then the expression with that step's result in its place (577+818-753: `577+818` -> 1395, then `1395-753`;
+    207+5*43: `5*43` -> 215, then `207+215`). `text_order`: of the problem's text_order_expression (5*43+207:
+    `5*43`, then `215+207`)."""
+    written = problem["text_order_expression" if text_order else "expression"]
+    if len(SHAPE_OPS[problem["shape"]]) == 1:
+        return [(written, problem["answer"])]
+    inner_steps = (r"\((\d+\+\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
+    inner = next(m for m in (re.search(pattern, written) for pattern in inner_steps) if m)
+    step = inner.group(1)
+    a, op, b = re.fullmatch(r"(\d+)([+*])(\d+)", step).groups()
+    value = int(a) + int(b) if op == "+" else int(a) * int(b)
+    return [(step, value), (written[: inner.start()] + str(value) + written[inner.end() :], problem["answer"])]
 
 
 def calculator_traces(
-    n: int, seed: int, task: str, chain: bool = False, two_step_share: Optional[float] = None
+    n: int, seed: int, task: str, chain: bool = False, two_step_share: Optional[float] = None, text_order: bool = False
 ) -> list[dict[str, Any]]:
     """Cold-start SFT traces: the question, an assistant turn calling the calculator with the problem's expression
     (OpenAI-style `tool_calls`), the tool's result, and the final answer (the number). `task` "symbolic": questions
     written as expressions (the format only); "word": word problems of the training families. With `chain`, a
     two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
-    as word_problem's (default: 1 in 4 two-step)."""
+    as word_problem's (default: 1 in 4 two-step). `text_order`: the calls write each sum's and product's operands
+    in the order the question states them (`text_order_expression`), not the canonical order."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):
@@ -300,7 +328,8 @@ def calculator_traces(
     for i in range(n):
         p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train", two_step_share)
         messages: list[dict[str, Any]] = [{"role": "user", "content": p["question"]}]
-        for expression, result in chained_steps(p) if chain else [(p["expression"], p["answer"])]:
+        whole = p["text_order_expression" if text_order else "expression"]
+        for expression, result in chained_steps(p, text_order) if chain else [(whole, p["answer"])]:
             messages.append({"role": "assistant", "content": "", "tool_calls": [calculator_call(expression)]})
             messages.append({"role": "tool", "content": str(result)})
         messages.append({"role": "assistant", "content": str(p["answer"])})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import random
+import re
 
 import pytest
 
@@ -22,6 +23,7 @@ from demo.word_problems import (
     call_report,
     chained_steps,
     episode_analysis,
+    text_order_expression,
     word_problem,
     word_problem_rows,
 )
@@ -46,6 +48,40 @@ def test_every_problem_is_consistent(split):
             sentences = [s.format(n="", d=p["distractor"]).strip() for s in spec["distractors"]]
             assert any(s.split(str(p["distractor"]))[-1] in p["question"] for s in sentences)
         assert p["question"].endswith("?")  # the question stays last, after any distractor
+        written = p["text_order_expression"]
+        assert int(calculate(written)) == p["answer"] and sorted(written) == sorted(p["expression"])
+        if "-" not in p["ops"]:  # sums and products: the operands as the question states them
+            stated = [n for n in numbers if n != p["distractor"]]
+            assert [int(t) for t in re.findall(r"\d+", written)] == stated
+        elif p["shape"] == "sub":  # a difference keeps its order, whatever the wording
+            assert written == p["expression"]
+
+
+@pytest.mark.parametrize(
+    "template, shape, slots, written",
+    [
+        ("Full trays: {x}. Eggs per tray: {y}. Loose eggs: {c}. Eggs in total?", "mul_add",
+         {"x": 5, "y": 43, "c": 207}, "5*43+207"),
+        ("{n} had {c} {it}. Then {n} bought {x} boxes with {y} {it} in each box.", "mul_add",
+         {"x": 5, "y": 43, "c": 207}, "207+5*43"),
+        ("{n} has {y} {it}. {m} has {x} times as many as {n}, and {c} more.", "mul_add",
+         {"x": 5, "y": 43, "c": 207}, "43*5+207"),
+        ("A shop packs {it} into crates of {y}. How many {it} are in {x} crates?", "mul", {"x": 7, "y": 24}, "24*7"),
+        ("Take {b} away from {a}. What is left?", "sub", {"a": 30, "b": 12}, "30-12"),
+        ("Necklaces: {x}. Red beads: {a}. Blue beads: {b}.", "add_mul", {"a": 11, "b": 12, "x": 3}, "3*(11+12)"),
+        ("Cards: {c}. Packs sold: {x}. Cards per pack: {y}.", "mul_sub", {"x": 4, "y": 20, "c": 500}, "500-4*20"),
+    ],
+)  # fmt: skip
+def test_text_order_expression_worked_by_hand(template, shape, slots, written):
+    assert text_order_expression(template, shape, slots) == written
+
+
+@pytest.mark.parametrize("text_order", [False, True])
+def test_chained_steps_of_either_expression_worked_by_hand(text_order):
+    problem = {"shape": "mul_add", "expression": "207+5*43", "text_order_expression": "5*43+207", "answer": 422}
+    assert chained_steps(problem, text_order) == [("5*43", 215), ("215+207" if text_order else "207+215", 422)]
+    problem = {"shape": "add_mul", "expression": "(11+12)*3", "text_order_expression": "3*(11+12)", "answer": 69}
+    assert chained_steps(problem, text_order) == [("11+12", 23), ("3*23" if text_order else "23*3", 69)]
 
 
 def test_held_out_shares_no_family_template_or_distractor_with_training():
@@ -81,19 +117,20 @@ def test_calculator_traces_call_the_problem_expression(task):
         assert (expression in user["content"]) == (task == "symbolic")
 
 
+@pytest.mark.parametrize("text_order", [False, True])
 @pytest.mark.parametrize("split", ["train", "two_step"])
-def test_chained_steps_compute_the_answer_one_step_at_a_time(split):
+def test_chained_steps_compute_the_answer_one_step_at_a_time(split, text_order):
     """Each two-step problem: two calls, the first on two of the problem's numbers with one of its operations, the
     second on that call's result and the remaining number with the other; one-step problems: their expression."""
     rng = random.Random(5)
     shapes = collections.Counter()
     for _ in range(300):
         p = word_problem(rng, split)
-        steps = chained_steps(p)
+        steps = chained_steps(p, text_order)
         shapes[p["shape"]] += 1
         assert steps[-1][1] == p["answer"] and all(calculate(e) == str(r) for e, r in steps)
         if len(p["ops"]) == 1:
-            assert steps == [(p["expression"], p["answer"])]
+            assert steps == [(p["text_order_expression" if text_order else "expression"], p["answer"])]
             continue
         (first, inner), (second, _) = steps
         assert sorted(int(t) for t in first.replace("*", " ").replace("+", " ").split()) != sorted(p["operands"])
@@ -299,3 +336,29 @@ def test_block_only_keeps_a_shape_in_the_one_step_block_and_out_of_the_rest():
         one_step_first_order(rows, 24, block_only=["mul_add"])
     with pytest.raises(DemoError, match="needs a --one_step_first block"):
         one_step_first_order(rows, 0, balanced=True, block_only=["mul"])
+
+
+def test_sft_text_order_changes_only_the_order_of_the_calls_operands(tmp_path):
+    from demo.smollm2_tools import load_jsonl, write_data
+
+    def call(row: dict) -> str:
+        return row["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"]
+
+    canonical, text_order = (calculator_traces(200, 0, "word", two_step_share=0.5, text_order=t) for t in (0, 1))
+    reordered = 0
+    for a, b in zip(canonical, text_order):
+        no_call = [[m for m in row["messages"] if "tool_calls" not in m] for row in (a, b)]
+        assert no_call[0] == no_call[1]  # the question, the tool's result and the answer
+        assert sorted(call(a)) == sorted(call(b)) and calculate(call(a)) == calculate(call(b))
+        reordered += call(a) != call(b)
+        if "-" not in call(b):  # a sum or product is written as the question states its numbers
+            question = [int(t) for t in re.findall(r"\d+", b["messages"][0]["content"])]
+            used = [int(t) for t in re.findall(r"\d+", call(b))]
+            assert [n for n in question if n in used] == used
+    # Out of canonical order: mul_add in 3 of the 6 training families (one template each) and a third of the mul
+    # draws (shop, compare); a trace is mul_add with probability 1/2 * 1/2 and mul with 1/2 * 1/3, so
+    # p = 1/4 * 1/2 + 1/6 * 1/3 = 0.181: 36.1 of 200, within 4 binomial sd (5.4).
+    assert 15 < reordered < 58
+    kw = dict(two_step_share=0.5, sft_chain=False)
+    files = [write_data(str(tmp_path / str(t)), 0, 16, "word", 40, 2, sft_text_order=t, **kw) for t in (False, True)]
+    assert all(load_jsonl(files[0][k]) == load_jsonl(files[1][k]) for k in files[0] if k != "sft_train")
