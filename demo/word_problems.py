@@ -14,6 +14,7 @@ sentences) and a *shape* (the arithmetic under it). Training and held-out sets s
 A problem may carry an irrelevant number (a *distractor*: "Ann is 43 years old."): training uses its own
 distractor sentences, the held-out distractor set others. Operands are 2-3 digits, too large for a 135M model to
 add or multiply in its head. A problem is a dict: question, answer, expression (the canonical calculator input),
+text_order_expression (the same with each sum's and product's operands as the question states them),
 ops (its operations in order), operands, distractor, family, shape.
 """
 
