@@ -300,14 +300,15 @@ def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tup
     then the expression with that step's result in its place (577+818-753: `577+818` -> 1395, then `1395-753`;
     207+5*43: `5*43` -> 215, then `207+215`). `text_order`: of the problem's text_order_expression (5*43+207:
     `5*43`, then `215+207`)."""
+    from open_instruct.environments import calculate
+
     written = problem["text_order_expression" if text_order else "expression"]
     if len(SHAPE_OPS[problem["shape"]]) == 1:
         return [(written, problem["answer"])]
     inner_steps = (r"\((\d+\+\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
     inner = next(m for m in (re.search(pattern, written) for pattern in inner_steps) if m)
     step = inner.group(1)
-    a, op, b = re.fullmatch(r"(\d+)([+*])(\d+)", step).groups()
-    value = int(a) + int(b) if op == "+" else int(a) * int(b)
+    value = int(calculate(step))
     return [(step, value), (written[: inner.start()] + str(value) + written[inner.end() :], problem["answer"])]
 
 
