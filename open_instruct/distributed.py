@@ -565,26 +565,33 @@ def global_max(accelerator: Any, value: float) -> float:
     return float(t.item())
 
 
-def equal_micro_batch_count(accelerator: Any, groups: list[Any], packed: bool) -> list[tuple[Any, bool]]:
-    """This rank's micro-batches as (group, True), then, when `packed`, copies of the first as (group, False) until it
-    has as many as the rank with the most.
+def equal_micro_batch_count(
+    accelerator: Any, groups: list[Any], uneven: bool, spare: Optional[Any] = None
+) -> list[tuple[Any, bool]]:
+    """This rank's micro-batches as (group, True), then, when `uneven`, dummies as (group, False) until it has as
+    many as the rank with the most: copies of its first, or `spare` (a micro-batch) when it has none.
 
     FSDP forwards and backwards are collectives (each layer gathers its shards) and DDP all-reduces on a rank's last
     backward, so every rank must run the same number per optimizer step. Padded micro-batches (a fixed row count)
-    come out equal; packed ones (a token budget) differ in number between ranks, and the copies are dummies: they
-    run, and their loss counts at weight 0."""
-    count = int(global_max(accelerator, len(groups))) if packed else len(groups)
-    return [(g, True) for g in groups] + [(groups[0], False)] * (count - len(groups))
+    of equal item counts come out equal; packed ones (a token budget), or those of the items left after a filter,
+    differ in number between ranks, and the dummies run and count at weight 0."""
+    count = int(global_max(accelerator, len(groups))) if uneven else len(groups)
+    dummy = groups[0] if groups else spare
+    return [(g, True) for g in groups] + [(dummy, False)] * (count - len(groups))
 
 
-def step_micro_batches(accelerator: Any, items: list[Any], lengths: list[int], cfg: Any) -> list[tuple[list, bool]]:
+def step_micro_batches(
+    accelerator: Any, items: list[Any], lengths: list[int], cfg: Any, spare: Optional[Any] = None
+) -> list[tuple[list, bool]]:
     """One optimizer step's micro-batches on this rank, as (items, real): `per_device_train_batch_size` items each,
     or packed rows of up to `max_tokens_per_micro_batch` tokens (`lengths`: each item's), then the same count on
-    every rank (`equal_micro_batch_count`)."""
+    every rank (`equal_micro_batch_count`). `spare`: an item whose one-item micro-batch a rank left with none runs as
+    its dummies; given, it says `items` were filtered, so ranks can hold different numbers of them."""
     from open_instruct.data import micro_batches
 
     groups = micro_batches(items, cfg.per_device_train_batch_size, lengths, cfg.max_tokens_per_micro_batch)
-    return equal_micro_batch_count(accelerator, groups, bool(cfg.max_tokens_per_micro_batch))  # a token budget packs
+    uneven = bool(cfg.max_tokens_per_micro_batch) or spare is not None  # a token budget packs
+    return equal_micro_batch_count(accelerator, groups, uneven, None if spare is None else [spare])
 
 
 def all_finite(accelerator: Any, *values: Any) -> bool:

@@ -553,6 +553,13 @@ def micro_batch_loss(
     return loss_sum, stats
 
 
+def skips_dropped_rows(cfg: RLVRConfig, rollout: Rollout) -> bool:
+    """Whether the update leaves out the rows of the groups filter_zero_std_groups dropped: they weigh 0 in every loss
+    term, so their forwards and backwards change nothing, unless the log's KL of the sampling policy comes from these
+    forwards (on-policy, with a reference)."""
+    return cfg.filter_zero_std_groups and not (rollout.ref_logp is not None and rollout.kl is None)
+
+
 def update(
     cfg: RLVRConfig,
     models: RLModels,
@@ -578,6 +585,7 @@ def update(
     kept = rollout.mask * adv.keep.unsqueeze(1)
     _, row_units = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length, counted)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
+    skip_dropped = skips_dropped_rows(cfg, rollout)
     totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
@@ -596,7 +604,9 @@ def update(
                 totals["empty"] += 1
                 continue
             step_sums = StepSums(loss_stats, accelerator.device)  # read once per optimizer step
-            micro_rows = step_micro_batches(accelerator, mb_rows, [lengths[j] for j in mb_rows], cfg)
+            trained = [j for j in mb_rows if adv.keep[j]] if skip_dropped else mb_rows
+            spare = mb_rows[0] if skip_dropped else None  # a rank left with no rows runs it as a dummy
+            micro_rows = step_micro_batches(accelerator, trained, [lengths[j] for j in trained], cfg, spare)
             for i, (rows, real) in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
                     loss_sum, stats = micro_batch_loss(

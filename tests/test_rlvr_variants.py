@@ -452,6 +452,84 @@ def test_a_rollout_whose_groups_all_score_the_same_is_warned_and_not_trained_on(
         assert f"warning: rollout {step}: every group's completions scored the same" in printed
 
 
+def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_models, rl_files, tmp_path, monkeypatch):
+    """filter_zero_std_groups: a dropped group's rows weigh 0 in every loss term, so the update runs no forward or
+    backward for them. With micro-batches of one whole group each, the run that skips them and one that forwards
+    every row (as before) log the same losses and train bit-identical weights (adding no zero-weighted gradient
+    changes no float), while the skipping run forwards exactly the kept rows."""
+    from safetensors.torch import load_file
+
+    from open_instruct import rlvr_ppo, runtime
+
+    loss_of_rows = rlvr_ppo.micro_batch_loss
+
+    def run(name, skip):
+        forwarded = {"kept": 0, "dropped": 0}
+
+        def counted(cfg, models, rollout, adv, rows, *args, **kwargs):
+            kept = int(adv.keep[rows].sum())
+            forwarded["kept"] += kept
+            forwarded["dropped"] += len(rows) - kept
+            return loss_of_rows(cfg, models, rollout, adv, rows, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(rlvr_ppo, "micro_batch_loss", counted)
+            if not skip:
+                m.setattr(rlvr_ppo, "skips_dropped_rows", lambda cfg, rollout: False)
+            out = tmp_path / name
+            runtime.run(rlvr_ppo.main, [
+                os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+                "--dataset_name_or_path", rl_files["train"], "--output_dir", str(out), "--total_episodes", "64",
+                "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "4", "--per_device_train_batch_size",
+                "4", "--gradient_accumulation_steps", "4", "--response_length", "8", "--checkpointing_steps", "100",
+                "--eval_dataset_name_or_path", rl_files["eval"], "--eval_steps", "100", "--algo", "grpo",
+                "--filter_zero_std_groups", "true",
+            ])  # fmt: skip
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "loss/policy" in line]
+        final = out / "final_model"
+        weights = {
+            k: v for f in os.listdir(final) if f.endswith(".safetensors") for k, v in load_file(final / f).items()
+        }
+        return forwarded, rows, weights
+
+    skipped, every_row = run("skip", True), run("every_row", False)
+    print(f"forwarded rows, skipping dropped groups: {skipped[0]}; every row: {every_row[0]}")
+    assert skipped[0]["dropped"] == 0 and skipped[0]["kept"] == every_row[0]["kept"] > 0
+    assert every_row[0]["dropped"] > 0  # some groups were dropped: the comparison means something
+    assert len(skipped[1]) == len(every_row[1]) == 4
+    for a, b in zip(skipped[1], every_row[1]):
+        for key in ("train/score_mean", "loss/policy", "loss/kl", "train/grad_norm", "train/entropy", "train/approx_kl",
+                    "train/filtered_groups_fraction"):  # fmt: skip
+            assert a[key] == b[key], (a["rollout_step"], key, a[key], b[key])
+    assert skipped[2].keys() == every_row[2].keys()
+    assert all(torch.equal(skipped[2][k], every_row[2][k]) for k in skipped[2])
+
+
+def test_a_rank_with_fewer_kept_rows_runs_dummies_up_to_the_most(monkeypatch):
+    """After the filter, ranks hold different numbers of rows; each runs as many micro-batches as the rank with the
+    most (FSDP forwards are collectives): its own, then dummies (weight 0), a one-row spare when it kept none.
+    Without a filter, padded micro-batches of equal item counts need no collective."""
+    from types import SimpleNamespace
+
+    from open_instruct import distributed
+
+    cfg = SimpleNamespace(per_device_train_batch_size=4, max_tokens_per_micro_batch=None)
+    two_ranks = SimpleNamespace(num_processes=2)
+    monkeypatch.setattr(distributed, "global_max", lambda accelerator, value: max(value, 3))  # the other rank: 3
+    assert distributed.step_micro_batches(two_ranks, [], [], cfg, spare=7) == [([7], False)] * 3
+    assert distributed.step_micro_batches(two_ranks, [1, 2, 3, 4, 5], [9] * 5, cfg, spare=1) == [
+        ([1, 2, 3, 4], True), ([5], True), ([1, 2, 3, 4], False),
+    ]  # fmt: skip
+
+    def no_collective(accelerator, value):
+        raise AssertionError("padded micro-batches of an unfiltered step asked the other ranks")
+
+    monkeypatch.setattr(distributed, "global_max", no_collective)
+    assert distributed.step_micro_batches(two_ranks, list(range(8)), [9] * 8, cfg) == [
+        ([0, 1, 2, 3], True), ([4, 5, 6, 7], True),
+    ]  # fmt: skip
+
+
 def test_a_new_estimator_and_policy_loss_registered_from_a_test_file(tiny_models, rl_files, tmp_path):
     """A forker's variant, one function + one table row each, written here (no library edit): the config accepts the
     names, the script dispatches to them, and the logged numbers are the hand-worked ones. Advantage 1 on every real
