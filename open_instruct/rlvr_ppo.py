@@ -553,11 +553,11 @@ def micro_batch_loss(
     return loss_sum, stats
 
 
-def skips_dropped_rows(cfg: RLVRConfig, rollout: Rollout) -> bool:
+def skips_dropped_rows(cfg: RLVRConfig) -> bool:
     """Whether the update leaves out the rows of the groups filter_zero_std_groups dropped: they weigh 0 in every loss
-    term, so their forwards and backwards change nothing, unless the log's KL of the sampling policy comes from these
-    forwards (on-policy, with a reference)."""
-    return cfg.filter_zero_std_groups and not (rollout.ref_logp is not None and rollout.kl is None)
+    term, so their forwards and backwards change nothing (on-policy with a reference, the logged KL of the sampling
+    policy, which those forwards give, then covers the rows trained on)."""
+    return cfg.filter_zero_std_groups
 
 
 def update(
@@ -585,7 +585,7 @@ def update(
     kept = rollout.mask * adv.keep.unsqueeze(1)
     _, row_units = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length, counted)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
-    skip_dropped = skips_dropped_rows(cfg, rollout)
+    skip_dropped = skips_dropped_rows(cfg)
     totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
@@ -654,8 +654,10 @@ def log_row(
     """The rollout's metrics: episode statistics summed over ranks, and the update statistics averaged over the
     rollout's num_epochs x num_mini_batches optimizer steps (those that had data); then the features' metrics."""
     features = features_of(cfg) if features is None else features
-    # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet).
+    # On-policy, the KL of the sampling policy is the training forward's KL term (the weights had not moved yet), over
+    # the rows that forward saw: every row, or the kept ones when the update skips the dropped groups.
     kl_sum = float(rollout.kl.sum()) if rollout.kl is not None else train["kl_sum"]
+    kl_rows = int(adv.keep.sum()) if rollout.kl is None and skips_dropped_rows(cfg) else len(rollout.episodes)
     ep = global_sums(
         run.accelerator,
         {
@@ -666,6 +668,7 @@ def log_row(
             "non_stop": float(sum(not s for s in rollout.stopped)),
             "length": float(sum(len(r) for r in rollout.response_ids)),
             "kl": kl_sum,
+            "kl_rows": float(kl_rows),
             "timeouts": float(rollout.verifier_timeouts),
             "rm": float(rollout.rm_scores.sum()),
             "dropped": float((~adv.keep).sum()),
@@ -723,7 +726,7 @@ def log_row(
             print(f"warning: rollout {run.counters.rollout_step}: every group's completions scored the same, so "
                   "filter_zero_std_groups dropped them all: no update from this rollout", flush=True)  # fmt: skip
     if rollout.ref_logp is not None:  # per sequence: the sum over its tokens of kl_estimator(sampling policy, ref)
-        row["train/kl"] = ep["kl"] / n
+        row["train/kl"] = ep["kl"] / max(ep["kl_rows"], 1.0)  # 0 when every group was dropped and none forwarded
     if "value" in run.models:
         row["loss/value"] = train["value_loss"] / updates
         row["clipfrac/value"] = train["vf_clipfrac"] / updates

@@ -452,11 +452,16 @@ def test_a_rollout_whose_groups_all_score_the_same_is_warned_and_not_trained_on(
         assert f"warning: rollout {step}: every group's completions scored the same" in printed
 
 
-def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_models, rl_files, tmp_path, monkeypatch):
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
+    tiny_models, rl_files, tmp_path, monkeypatch, on_policy
+):
     """filter_zero_std_groups: a dropped group's rows weigh 0 in every loss term, so the update runs no forward or
     backward for them. With micro-batches of one whole group each, the run that skips them and one that forwards
     every row (as before) log the same losses and train bit-identical weights (adding no zero-weighted gradient
-    changes no float), while the skipping run forwards exactly the kept rows."""
+    changes no float), while the skipping run forwards exactly the kept rows. Both runs have a reference (beta > 0).
+    Off-policy (2 epochs) the logged KL of the sampling policy comes from the rollout's own forwards, the same in both;
+    on-policy (1 epoch) it comes from the update's, so the skipping run logs the mean over the kept rows."""
     from safetensors.torch import load_file
 
     from open_instruct import rlvr_ppo, runtime
@@ -464,18 +469,22 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_model
     loss_of_rows = rlvr_ppo.micro_batch_loss
 
     def run(name, skip):
-        forwarded = {"kept": 0, "dropped": 0}
+        forwarded = {"kept": 0, "dropped": 0, "kept_kl": [], "kept_rows": []}
 
         def counted(cfg, models, rollout, adv, rows, *args, **kwargs):
             kept = int(adv.keep[rows].sum())
             forwarded["kept"] += kept
             forwarded["dropped"] += len(rows) - kept
-            return loss_of_rows(cfg, models, rollout, adv, rows, *args, **kwargs)
+            loss_sum, stats = loss_of_rows(cfg, models, rollout, adv, rows, *args, **kwargs)
+            if kept:  # one whole group per micro-batch: kept or dropped entirely
+                forwarded["kept_kl"].append(float(stats.get("kl_sum", 0.0)))
+                forwarded["kept_rows"].append(kept)
+            return loss_sum, stats
 
         with monkeypatch.context() as m:
             m.setattr(rlvr_ppo, "micro_batch_loss", counted)
             if not skip:
-                m.setattr(rlvr_ppo, "skips_dropped_rows", lambda cfg, rollout: False)
+                m.setattr(rlvr_ppo, "skips_dropped_rows", lambda cfg: False)
             out = tmp_path / name
             runtime.run(rlvr_ppo.main, [
                 os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
@@ -483,7 +492,8 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_model
                 "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "4", "--per_device_train_batch_size",
                 "4", "--gradient_accumulation_steps", "4", "--response_length", "8", "--checkpointing_steps", "100",
                 "--eval_dataset_name_or_path", rl_files["eval"], "--eval_steps", "100", "--algo", "grpo",
-                "--filter_zero_std_groups", "true",
+                "--filter_zero_std_groups", "true", "--beta", "0.1", "--kl_estimator", "k3",
+                "--num_epochs", "1" if on_policy else "2",
             ])  # fmt: skip
         rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "loss/policy" in line]
         final = out / "final_model"
@@ -493,7 +503,8 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_model
         return forwarded, rows, weights
 
     skipped, every_row = run("skip", True), run("every_row", False)
-    print(f"forwarded rows, skipping dropped groups: {skipped[0]}; every row: {every_row[0]}")
+    print(f"forwarded rows, skipping dropped groups: {skipped[0]['kept']} kept, {skipped[0]['dropped']} dropped; "
+          f"every row: {every_row[0]['kept']} kept, {every_row[0]['dropped']} dropped")  # fmt: skip
     assert skipped[0]["dropped"] == 0 and skipped[0]["kept"] == every_row[0]["kept"] > 0
     assert every_row[0]["dropped"] > 0  # some groups were dropped: the comparison means something
     assert len(skipped[1]) == len(every_row[1]) == 4
@@ -503,6 +514,20 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(tiny_model
             assert a[key] == b[key], (a["rollout_step"], key, a[key], b[key])
     assert skipped[2].keys() == every_row[2].keys()
     assert all(torch.equal(skipped[2][k], every_row[2][k]) for k in skipped[2])
+    if on_policy:  # the KL metric: the kept rows' sum (the same forwards in both runs) over the kept rows
+        assert skipped[0]["kept_kl"] == every_row[0]["kept_kl"] and any(x != 0 for x in skipped[0]["kept_kl"])
+        # the 4 rollouts' kept groups in order, one micro-batch each, as the rows of metrics.jsonl
+        kl_by_rollout, rows_by_rollout, i = [], [], 0
+        for a in skipped[1]:
+            groups = round((1 - a["train/filtered_groups_fraction"]) * 4)
+            kl_by_rollout.append(sum(skipped[0]["kept_kl"][i : i + groups]))
+            rows_by_rollout.append(sum(skipped[0]["kept_rows"][i : i + groups]))
+            i += groups
+        for a, kl, n in zip(skipped[1], kl_by_rollout, rows_by_rollout):
+            # float32 sums of a few dozen per-token terms, then float64 division: a relative rounding tolerance
+            assert a["train/kl"] == pytest.approx(kl / max(n, 1), rel=1e-6, abs=1e-9), (a["rollout_step"], kl, n)
+    else:
+        assert all(a["train/kl"] == b["train/kl"] > 0 for a, b in zip(skipped[1][1:], every_row[1][1:]))
 
 
 def test_a_rank_with_fewer_kept_rows_runs_dummies_up_to_the_most(monkeypatch):
