@@ -96,6 +96,7 @@ from open_instruct.rl_algorithms import (
     overlong_penalty,
     truncated_is_weights,
     version_lag_stats,
+    zero_std_groups,
 )
 from open_instruct.rollouts import (
     PhaseClock,
@@ -246,6 +247,7 @@ class Rollout:
     ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
     old_values: Optional[torch.Tensor]  # the value model's (PPO)
     kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
+    ref_scored: Optional[torch.Tensor] = None  # [n] bool: the rows ref_logp holds (None: every row)
     policy_lag: list[int] = field(default_factory=list)  # per completion: updates since the weights that sampled it
     # per completion, the version lag of each token the policy sampled (rollouts.token_version_lags)
     token_lags: list[list[int]] = field(default_factory=list)
@@ -280,7 +282,8 @@ def collect_rollout(
     features: Optional[Sequence[Feature]] = None,
 ) -> Rollout:
     """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
-    policy (skipped on-policy) and of the reference, the values and the reward-model scores, in micro-batches of
+    policy (skipped on-policy) and of the reference (on-policy under filter_zero_std_groups without a reward model:
+    only for the rows the update will train on), the values and the reward-model scores, in micro-batches of
     per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens); the features' score hooks
     add their tensors (`features`: those of cfg when None)."""
     accelerator, group = run.accelerator, cfg.num_samples_per_prompt
@@ -300,23 +303,43 @@ def collect_rollout(
     # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
     # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
     # rank makes as many forwards (FSDP forwards are collectives).
-    groups = step_micro_batches(accelerator, list(range(n)), episode_lengths(episodes, out.response_ids), cfg)
+    lengths = episode_lengths(episodes, out.response_ids)
+    groups = step_micro_batches(accelerator, list(range(n)), lengths, cfg)
     packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
+    # On-policy the reference's log-probs serve only the KL loss term of the rows the update trains on, so the rows of
+    # groups filter_zero_std_groups drops need none; without a reward model their scores, and so the drop, are known
+    # before any forward.
+    ref_rows = None  # rows the reference scores apart from the loop below (None: every row, in it)
+    if on_policy and models.reference is not None and models.reward is None and skips_dropped_rows(cfg):
+        flat = zero_std_groups(sequence_scores_of(cfg, scored.rewards, out, None), group)
+        ref_rows = [j for j in range(n) if not flat[j]]
+
+    def batch_of(rows: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int, torch.Tensor]:
+        prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
+        host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
+        batch = device_batch(host_batch, accelerator.device)
+        at = data.host_to_device(torch.tensor(rows), accelerator.device)
+        return host_batch, batch, batch["responses"].shape[1], at
+
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
     with torch.no_grad():
+        if ref_rows is not None:  # a rank left with fewer rows runs dummies (FSDP forwards are collectives)
+            for rows, real in step_micro_batches(accelerator, ref_rows, [lengths[j] for j in ref_rows], cfg, 0):
+                _, batch, r, at = batch_of(rows)
+                with accelerator.autocast():
+                    logp = reference_scores(models, batch, cfg.temperature, group).logp
+                if real:
+                    device_out[1][at, :r] = logp
         for rows, _ in groups:
-            prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-            host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
-            batch = device_batch(host_batch, accelerator.device)
-            r, at = batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), accelerator.device)
+            host_batch, batch, r, at = batch_of(rows)
             with accelerator.autocast():
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
-                if models.reference is not None:
+                if models.reference is not None and ref_rows is None:
                     device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group).logp
                 if models.value is not None:
                     device_out[2][at, :r] = token_values(models.value, batch, group)
@@ -352,6 +375,7 @@ def collect_rollout(
         old_logp=None if on_policy else old_logp,
         sampler_logp=sampler_logp * mask,
         ref_logp=ref_logp if has_ref else None,
+        ref_scored=None if ref_rows is None else torch.isin(torch.arange(n), torch.tensor(ref_rows, dtype=torch.long)),
         old_values=old_values if models.value is not None else None,
         kl=kl,
         policy_lag=[max(t, default=0) for t in token_lags],
@@ -586,6 +610,12 @@ def update(
     _, row_units = aggregation_weights(kept, cfg.loss_aggregation, cfg.loss_norm_length, counted)
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     skip_dropped = skips_dropped_rows(cfg)
+    if rollout.ref_scored is not None and bool((adv.keep & ~rollout.ref_scored).any()):
+        raise RuntimeError(
+            f"advantage_estimator {cfg.advantage_estimator!r} kept rows of groups whose completions all scored the "
+            "same while filter_zero_std_groups is on; their reference log-probs were not computed (collect_rollout "
+            "skips them on-policy). Drop them in the estimator (Advantages.keep), or set filter_zero_std_groups false."
+        )
     totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES

@@ -466,10 +466,14 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
 
     from open_instruct import rlvr_ppo, runtime
 
-    loss_of_rows = rlvr_ppo.micro_batch_loss
+    loss_of_rows, reference_of_rows = rlvr_ppo.micro_batch_loss, rlvr_ppo.reference_scores
 
     def run(name, skip):
-        forwarded = {"kept": 0, "dropped": 0, "kept_kl": [], "kept_rows": []}
+        forwarded = {"kept": 0, "dropped": 0, "kept_kl": [], "kept_rows": [], "reference": 0}
+
+        def reference_counted(models, batch, *args):
+            forwarded["reference"] += batch["responses"].shape[0]
+            return reference_of_rows(models, batch, *args)
 
         def counted(cfg, models, rollout, adv, rows, *args, **kwargs):
             kept = int(adv.keep[rows].sum())
@@ -483,6 +487,7 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
 
         with monkeypatch.context() as m:
             m.setattr(rlvr_ppo, "micro_batch_loss", counted)
+            m.setattr(rlvr_ppo, "reference_scores", reference_counted)
             if not skip:
                 m.setattr(rlvr_ppo, "skips_dropped_rows", lambda cfg: False)
             out = tmp_path / name
@@ -514,6 +519,9 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
             assert a[key] == b[key], (a["rollout_step"], key, a[key], b[key])
     assert skipped[2].keys() == every_row[2].keys()
     assert all(torch.equal(skipped[2][k], every_row[2][k]) for k in skipped[2])
+    # the reference scores every row, except on-policy when skipping: then only the kept ones (the KL term's rows)
+    assert every_row[0]["reference"] == 64  # 4 rollouts of 16
+    assert skipped[0]["reference"] == (skipped[0]["kept"] if on_policy else 64)
     if on_policy:  # the KL metric: the kept rows' sum (the same forwards in both runs) over the kept rows
         assert skipped[0]["kept_kl"] == every_row[0]["kept_kl"] and any(x != 0 for x in skipped[0]["kept_kl"])
         # the 4 rollouts' kept groups in order, one micro-batch each, as the rows of metrics.jsonl

@@ -353,3 +353,43 @@ def test_an_algo_kwarg_that_names_a_setting_the_function_receives_is_refused(tmp
         f"algo_kwargs ['gamma']: advantage_estimator {spec!r} receives ['gamma'] from the run's settings, never from "
         "algo_kwargs; set them as settings (--gamma VALUE)"
     )
+
+
+KEEPS_FLAT_GROUPS = """
+import torch
+from open_instruct.rl_algorithms import Advantages, advantage_estimator, group_advantages
+
+
+@advantage_estimator("keeps_flat_groups", uses_groups=True, kl_in_reward=False)
+def keeps_flat_groups(x):
+    advantages = group_advantages(x.scores, x.group_size)
+    return Advantages(advantages.unsqueeze(1) * x.mask, None, x.beta, torch.ones(len(x.scores), dtype=torch.bool))
+"""
+
+
+def test_an_estimator_keeping_flat_groups_under_the_filter_stops_naming_itself(tiny_models, tmp_path):
+    """On-policy with a reference and filter_zero_std_groups, the rollout scores only the rows of groups with a spread
+    under the reference (the KL term's rows). An estimator that keeps the other rows anyway would train on reference
+    log-probs of 0: the update stops, naming the estimator and the two ways out."""
+    from demo import synthetic
+    from open_instruct import rlvr_ppo, runtime
+
+    path = tmp_path / "keeps_flat.py"
+    path.write_text(KEEPS_FLAT_GROUPS)
+    data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(16, 0))
+    try:
+        with pytest.raises(RuntimeError, match=r"advantage_estimator '.*keeps_flat_groups' kept rows of groups whose"):
+            runtime.run(rlvr_ppo.main, [
+                os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+                "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--output_dir",
+                str(tmp_path / "out"), "--total_episodes", "32",
+                "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "4", "--per_device_train_batch_size",
+                "8", "--gradient_accumulation_steps", "2", "--num_epochs", "1", "--response_length", "6", "--beta",
+                "0.1", "--eval_steps", "100", "--checkpointing_steps", "100", "--save_final_model", "false",
+                "--best_metric", "null", "--filter_zero_std_groups", "true",
+                "--advantage_estimator", f"{path}:keeps_flat_groups",
+            ])  # fmt: skip
+    finally:
+        for table, _, _ in rl_algorithms.TABLES.values():
+            for name in [n for n in table if str(path) in n or n == "keeps_flat_groups"]:
+                del table[name]
