@@ -53,6 +53,7 @@ from open_instruct.config import RLVRConfig
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
     runtime.start_before_imports(RLVRConfig)
 
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -306,34 +307,16 @@ def collect_rollout(
     lengths = episode_lengths(episodes, out.response_ids)
     groups = step_micro_batches(accelerator, list(range(n)), lengths, cfg)
     packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
-    # On-policy the reference's log-probs serve only the KL loss term of the rows the update trains on, so the rows of
-    # groups filter_zero_std_groups drops need none; without a reward model their scores, and so the drop, are known
-    # before any forward.
-    ref_rows = None  # rows the reference scores apart from the loop below (None: every row, in it)
-    if on_policy and models.reference is not None and models.reward is None and skips_dropped_rows(cfg):
-        flat = zero_std_groups(sequence_scores_of(cfg, scored.rewards, out, None), group)
-        ref_rows = [j for j in range(n) if not flat[j]]
-
-    def batch_of(rows: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int, torch.Tensor]:
-        prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [out.response_ids[j] for j in rows]
-        host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
-        batch = device_batch(host_batch, accelerator.device)
-        at = data.host_to_device(torch.tensor(rows), accelerator.device)
-        return host_batch, batch, batch["responses"].shape[1], at
-
+    batch_of = functools.partial(episode_batch, episodes, out.response_ids, pad_id, extra, packed, accelerator.device)
+    ref_rows = reference_rows(cfg, models, on_policy, scored, out)  # None: every row, in the loop below
     # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
     # host wait for each forward before it can queue the next).
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
     with torch.no_grad():
-        if ref_rows is not None:  # a rank left with fewer rows runs dummies (FSDP forwards are collectives)
-            for rows, real in step_micro_batches(accelerator, ref_rows, [lengths[j] for j in ref_rows], cfg, 0):
-                _, batch, r, at = batch_of(rows)
-                with accelerator.autocast():
-                    logp = reference_scores(models, batch, cfg.temperature, group).logp
-                if real:
-                    device_out[1][at, :r] = logp
+        if ref_rows is not None:
+            reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
         for rows, _ in groups:
             host_batch, batch, r, at = batch_of(rows)
             with accelerator.autocast():
@@ -386,6 +369,37 @@ def collect_rollout(
         played=played,
         extra=extras,
     )
+
+
+def episode_batch(episodes: list[dict], response_ids: list[list[int]], pad_id: int, extra: int, packed: bool,
+                  device: Any, rows: list) -> tuple[dict, dict, int, torch.Tensor]:  # fmt: skip
+    """The micro-batch of `rows`: its host and device batches, its response width and the rows' index on `device`."""
+    prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [response_ids[j] for j in rows]
+    host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
+    batch = device_batch(host_batch, device)
+    return host_batch, batch, batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), device)
+
+
+def reference_rows(cfg: RLVRConfig, models: RLModels, on_policy: bool, scored: Any, out: Any) -> Optional[list[int]]:
+    """The rows the reference must score when not every row: on-policy its log-probs serve only the KL loss term of
+    the rows the update trains on, so the groups filter_zero_std_groups drops need none; without a reward model their
+    scores, and so the drop, are known before any forward. None: every row."""
+    if not (on_policy and models.reference is not None and models.reward is None and skips_dropped_rows(cfg)):
+        return None
+    flat = zero_std_groups(sequence_scores_of(cfg, scored.rewards, out, None), cfg.num_samples_per_prompt)
+    return [j for j in range(len(flat)) if not flat[j]]
+
+
+def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels, accelerator: Any, rows: list[int],
+                           lengths: list[int], batch_of: Callable[[list], tuple]) -> None:  # fmt: skip
+    """The reference's log-probs of `rows` written into their rows of `into`; a rank left with fewer micro-batches
+    runs dummies up to the most (FSDP forwards are collectives)."""
+    for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
+        _, batch, r, at = batch_of(mb)
+        with accelerator.autocast():
+            logp = reference_scores(models, batch, cfg.temperature, cfg.num_samples_per_prompt).logp
+        if real:
+            into[at, :r] = logp
 
 
 def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
@@ -611,11 +625,9 @@ def update(
     lengths = episode_lengths(rollout.episodes, rollout.response_ids)  # packing: micro-batches by tokens
     skip_dropped = skips_dropped_rows(cfg)
     if rollout.ref_scored is not None and bool((adv.keep & ~rollout.ref_scored).any()):
-        raise RuntimeError(
-            f"advantage_estimator {cfg.advantage_estimator!r} kept rows of groups whose completions all scored the "
-            "same while filter_zero_std_groups is on; their reference log-probs were not computed (collect_rollout "
-            "skips them on-policy). Drop them in the estimator (Advantages.keep), or set filter_zero_std_groups false."
-        )
+        raise RuntimeError(f"advantage_estimator {cfg.advantage_estimator!r} kept rows of flat groups under "
+                           "filter_zero_std_groups: on-policy the rollout gave them no reference log-probs; drop them "
+                           "in Advantages.keep, or set filter_zero_std_groups false")  # fmt: skip
     totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES

@@ -378,7 +378,7 @@ def test_an_estimator_keeping_flat_groups_under_the_filter_stops_naming_itself(t
     path.write_text(KEEPS_FLAT_GROUPS)
     data = synthetic.write_jsonl(str(tmp_path / "train.jsonl"), synthetic.rl_rows(16, 0))
     try:
-        with pytest.raises(RuntimeError, match=r"advantage_estimator '.*keeps_flat_groups' kept rows of groups whose"):
+        with pytest.raises(RuntimeError, match=r"advantage_estimator '.*keeps_flat_groups' kept rows of flat groups"):
             runtime.run(rlvr_ppo.main, [
                 os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
                 "--dataset_name_or_path", data, "--eval_dataset_name_or_path", data, "--output_dir",
