@@ -318,7 +318,8 @@ def collect_rollout(
         if ref_rows is not None:
             reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
         for rows, _ in groups:
-            host_batch, batch, r, at = batch_of(rows)
+            host_batch, batch, r = batch_of(rows)
+            at = data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
                     device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
@@ -372,12 +373,12 @@ def collect_rollout(
 
 
 def episode_batch(episodes: list[dict], response_ids: list[list[int]], pad_id: int, extra: int, packed: bool,
-                  device: Any, rows: list) -> tuple[dict, dict, int, torch.Tensor]:  # fmt: skip
-    """The micro-batch of `rows`: its host and device batches, its response width and the rows' index on `device`."""
+                  device: Any, rows: list) -> tuple[dict, dict, int]:  # fmt: skip
+    """The micro-batch of `rows` (collate_episodes): its host and device batches and its response width."""
     prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [response_ids[j] for j in rows]
     host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
     batch = device_batch(host_batch, device)
-    return host_batch, batch, batch["responses"].shape[1], data.host_to_device(torch.tensor(rows), device)
+    return host_batch, batch, batch["responses"].shape[1]
 
 
 def reference_rows(cfg: RLVRConfig, models: RLModels, on_policy: bool, scored: Any, out: Any) -> Optional[list[int]]:
@@ -395,11 +396,11 @@ def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels
     """The reference's log-probs of `rows` written into their rows of `into`; a rank left with fewer micro-batches
     runs dummies up to the most (FSDP forwards are collectives)."""
     for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
-        _, batch, r, at = batch_of(mb)
+        _, batch, r = batch_of(mb)
         with accelerator.autocast():
             logp = reference_scores(models, batch, cfg.temperature, cfg.num_samples_per_prompt).logp
         if real:
-            into[at, :r] = logp
+            into[data.host_to_device(torch.tensor(mb), accelerator.device), :r] = logp
 
 
 def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
@@ -516,11 +517,9 @@ def micro_batch_loss(
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off); keep_t:
     off_policy_mask (1 when no mask is set); plus the features' loss terms (`features`: those of cfg when None)."""
     features = features_of(cfg) if features is None else features
-    prompts, responses = [rollout.episodes[j]["prompt_ids"] for j in rows], [rollout.response_ids[j] for j in rows]
     extra = 1 if cfg.score_placement == "after_last_token" else 0
     packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
-    batch = device_batch(data.collate_episodes(prompts, responses, pad_id, extra, packed), device)
-    r = batch["responses"].shape[1]
+    _, batch, r = episode_batch(rollout.episodes, rollout.response_ids, pad_id, extra, packed, device, rows)
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
         return data.host_to_device(x[rows, :r], device)

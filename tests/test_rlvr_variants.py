@@ -481,7 +481,7 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
             forwarded["dropped"] += len(rows) - kept
             loss_sum, stats = loss_of_rows(cfg, models, rollout, adv, rows, *args, **kwargs)
             if kept:  # one whole group per micro-batch: kept or dropped entirely
-                forwarded["kept_kl"].append(float(stats.get("kl_sum", 0.0)))
+                forwarded["kept_kl"].append(float(stats["kl_sum"]))
                 forwarded["kept_rows"].append(kept)
             return loss_sum, stats
 
