@@ -108,17 +108,19 @@ def write_data(
     rl_two_step_share: Optional[float] = None,
     block_only: Sequence[str] = (),
     sft_text_order: bool = False,
+    train_split: str = "train",
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
     them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
-    `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`) and, per
-    held-out set, its rows with the tool prompt and without tools."""
+    `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`), both drawn
+    from `train_split` (a demo.word_problems split), and, per held-out set, its rows with the tool prompt and without
+    tools."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     rl_share = two_step_share if rl_two_step_share is None else rl_two_step_share
-    rl_rows = word_problem_rows(n_train, seed, "train", prompt, rl_share)
-    traces = calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share, sft_text_order)
+    rl_rows = word_problem_rows(n_train, seed, train_split, prompt, rl_share)
+    traces = calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share, sft_text_order, train_split)
     files = {
         "sft_train": write_jsonl(j("sft_train"), as_text_calls(traces, prompt)),
         "rl_train": write_jsonl(
@@ -286,6 +288,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="the SFT calls' expressions: one fixed order per shape (207+5*43), or each sum's and "
                         "product's operands in the order the question states them (5*43+207 for 'Full trays: 5. "
                         "Eggs per tray: 43. Loose eggs: 207.')")  # fmt: skip
+    parser.add_argument("--train_phrasings", choices=("base", "varied"), default="base",
+                        help="the SFT traces' and RL prompts' phrasings: the six training families, or with two more "
+                        "(demo.word_problems.MORE_TRAIN_FAMILIES: a difference as what is missing, unused or still "
+                        "needed); the held-out sets are the same either way")  # fmt: skip
     parser.add_argument("--one_step_first", type=int, default=0,
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
@@ -351,7 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
                        args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only,
-                       args.sft_expression == "text_order")  # fmt: skip
+                       args.sft_expression == "text_order",
+                       "train" if args.train_phrasings == "base" else "train_varied")  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -164,6 +164,42 @@ HELD_OUT_FAMILIES: dict[str, dict[str, list[str]]] = {
         "add_mul": ["Red beads per necklace: {a}. Blue beads per necklace: {b}. Necklaces: {x}. Beads needed?"],
     },
 }
+# More training phrasings (`--train_phrasings varied`): a difference stated by what is missing, unused, not back or
+# still needed, not only by what was lost or given away; none of the held-out families' words, units or layouts.
+MORE_TRAIN_FAMILIES: dict[str, dict[str, list[str]]] = {
+    "home": {
+        "add": [
+            "{n} made {a} {it} and {m} made {b}. How many {it} did they make together?",
+            "A box holds {a} {it}. {n} puts {b} more {it} in it. How many {it} are in the box?",
+        ],
+        "sub": [
+            "There were {a} {it} on the table. {b} fell on the floor. How many {it} are still on the table?",
+            "{n} needs {a} {it} and already has {b}. How many more {it} does {n} need?",
+            "{n} used {b} of the {a} {it} in the drawer. How many {it} were not used?",
+        ],
+        "mul": [
+            "There are {x} shelves with {y} {it} on each shelf. How many {it} are on the shelves?",
+            "{n} gets {y} {it} every week. How many {it} does {n} get in {x} weeks?",
+        ],
+        "add_sub": ["{n} had {a} {it}. {m} gave {n} {b} more, and then {n} used {c}. How many {it} are left?"],
+        "mul_add": [
+            "{n} keeps {x} tins with {y} {it} in each tin and {c} more {it} in a drawer. How many {it} does {n} keep?"
+        ],
+    },
+    "club": {
+        "add": ["A club has {a} old members and {b} new members. How many members does the club have?"],
+        "sub": [
+            "A club had {a} members. {b} of them did not come back. How many members stayed?",
+            "Out of {a} {it}, {b} are broken. How many {it} are not broken?",
+            "{a} {it} were ordered, but only {b} arrived. How many {it} are missing?",
+        ],
+        "mul": ["A club has {x} teams of {y} players. How many players are there?"],
+        "add_sub": [
+            "A club had {a} members. {b} joined in spring and {c} quit in autumn. How many members are there now?"
+        ],
+        "mul_add": ["A club rents {x} buses with {y} seats each and {c} more seats in vans. How many seats is that?"],
+    },
+}
 TRAIN_DISTRACTORS = ["{n}'s school has {d} lockers.", "The street has {d} houses.", "It is day {d} of the school year."]
 HELD_OUT_DISTRACTORS = ["The building is {d} meters tall.", "The store opened {d} days ago.",
                         "{n} lives at number {d}."]  # fmt: skip
@@ -172,6 +208,8 @@ HELD_OUT_DISTRACTORS = ["The building is {d} meters tall.", "The store opened {d
 SPLITS: dict[str, dict[str, Any]] = {
     "train": {"families": TRAIN_FAMILIES, "shapes": ONE_STEP * 2 + TWO_STEP_TRAINED,
               "distractors": TRAIN_DISTRACTORS, "distractor_rate": 0.25},
+    "train_varied": {"families": {**TRAIN_FAMILIES, **MORE_TRAIN_FAMILIES}, "shapes": ONE_STEP * 2 + TWO_STEP_TRAINED,
+                     "distractors": TRAIN_DISTRACTORS, "distractor_rate": 0.25},
     "one_step": {"families": HELD_OUT_FAMILIES, "shapes": ONE_STEP, "distractors": [], "distractor_rate": 0.0},
     "distractor": {"families": HELD_OUT_FAMILIES, "shapes": ONE_STEP, "distractors": HELD_OUT_DISTRACTORS,
                    "distractor_rate": 1.0},
@@ -313,14 +351,21 @@ def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tup
 
 
 def calculator_traces(
-    n: int, seed: int, task: str, chain: bool = False, two_step_share: Optional[float] = None, text_order: bool = False
+    n: int,
+    seed: int,
+    task: str,
+    chain: bool = False,
+    two_step_share: Optional[float] = None,
+    text_order: bool = False,
+    split: str = "train",
 ) -> list[dict[str, Any]]:
     """Cold-start SFT traces: the question, an assistant turn calling the calculator with the problem's expression
     (OpenAI-style `tool_calls`), the tool's result, and the final answer (the number). `task` "symbolic": questions
     written as expressions (the format only); "word": word problems of the training families. With `chain`, a
     two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
     as word_problem's (default: 1 in 4 two-step). `text_order`: the calls write each sum's and product's operands
-    in the order the question states them (`text_order_expression`), not the canonical order."""
+    in the order the question states them (`text_order_expression`), not the canonical order. `split`: the training
+    split the word problems come from ("train", or "train_varied" with MORE_TRAIN_FAMILIES)."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):
@@ -328,7 +373,7 @@ def calculator_traces(
     rng = random.Random(f"sft-{task}-{seed}")
     rows = []
     for i in range(n):
-        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, "train", two_step_share)
+        p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, split, two_step_share)
         messages: list[dict[str, Any]] = [{"role": "user", "content": p["question"]}]
         whole = p["text_order_expression" if text_order else "expression"]
         for expression, result in chained_steps(p, text_order) if chain else [(whole, p["answer"])]:

@@ -14,6 +14,7 @@ import pytest
 from demo.word_problems import (
     HELD_OUT_DISTRACTORS,
     HELD_OUT_FAMILIES,
+    MORE_TRAIN_FAMILIES,
     SHAPE_OPS,
     SPLITS,
     TRAIN_DISTRACTORS,
@@ -84,11 +85,14 @@ def test_chained_steps_of_either_expression_worked_by_hand(text_order):
     assert chained_steps(problem, text_order) == [("11+12", 23), ("3*23" if text_order else "23*3", 69)]
 
 
+def templates(families: dict) -> set[str]:
+    return {t for shapes in families.values() for ts in shapes.values() for t in ts}
+
+
 def test_held_out_shares_no_family_template_or_distractor_with_training():
-    assert not set(TRAIN_FAMILIES) & set(HELD_OUT_FAMILIES)
-    train_templates = {t for shapes in TRAIN_FAMILIES.values() for ts in shapes.values() for t in ts}
-    held_templates = {t for shapes in HELD_OUT_FAMILIES.values() for ts in shapes.values() for t in ts}
-    assert not train_templates & held_templates
+    assert not (set(TRAIN_FAMILIES) | set(MORE_TRAIN_FAMILIES)) & set(HELD_OUT_FAMILIES)
+    train_templates = templates(TRAIN_FAMILIES) | templates(MORE_TRAIN_FAMILIES)
+    assert not train_templates & templates(HELD_OUT_FAMILIES)
     assert not set(TRAIN_DISTRACTORS) & set(HELD_OUT_DISTRACTORS)
     shapes = collections.Counter(word_problem(random.Random(i), "train")["shape"] for i in range(3000))
     assert not set(shapes) & set(TWO_STEP_HELD_OUT_ONLY)
@@ -362,3 +366,30 @@ def test_sft_text_order_changes_only_the_order_of_the_calls_operands(tmp_path):
     kw = dict(two_step_share=0.5, sft_chain=False)
     files = [write_data(str(tmp_path / str(t)), 0, 16, "word", 40, 2, sft_text_order=t, **kw) for t in (False, True)]
     assert all(load_jsonl(files[0][k]) == load_jsonl(files[1][k]) for k in files[0] if k != "sft_train")
+
+
+def test_varied_phrasings_add_two_families_and_change_only_the_training_data(tmp_path):
+    from demo.smollm2_tools import load_jsonl, write_data
+
+    # The added families keep away from the held-out families' units, money and "Label: n." layout.
+    held_out_words = {"cm", "kg", "km", "liters", "meters", "dollars", "price", "cost", "spent", "leak", "cheaper"}
+    for template in templates(MORE_TRAIN_FAMILIES):
+        assert ":" not in template and not held_out_words & set(re.findall(r"[a-z]+", template.lower())), template
+    assert {shape for shapes in MORE_TRAIN_FAMILIES.values() for shape in shapes} == set(SHAPE_OPS) - set(
+        TWO_STEP_HELD_OUT_ONLY
+    )
+    rows = word_problem_rows(2000, 0, "train_varied")
+    assert {r["problem"]["family"] for r in rows} == set(TRAIN_FAMILIES) | set(MORE_TRAIN_FAMILIES)
+    assert not {r["problem"]["shape"] for r in rows} & set(TWO_STEP_HELD_OUT_ONLY)
+    # A shape's family is drawn uniformly among the 8 that have it: 2 of 8 subtraction rows are of an added family
+    # (p = 0.25, about 2000 / 3 sub rows; within 4 binomial sd).
+    sub = [r["problem"]["family"] in MORE_TRAIN_FAMILIES for r in rows if r["problem"]["shape"] == "sub"]
+    assert abs(sum(sub) - len(sub) / 4) < 4 * (len(sub) * 0.25 * 0.75) ** 0.5
+    kw = dict(two_step_share=0.5, sft_chain=False, sft_text_order=True)
+    base, varied = (write_data(str(tmp_path / s), 0, 64, "word", 200, 20, train_split=s, **kw)
+                    for s in ("train", "train_varied"))  # fmt: skip
+    for name in base:  # the held-out sets are the same problems; the traces and prompts are new draws
+        same = load_jsonl(base[name]) == load_jsonl(varied[name])
+        assert same == (name not in ("sft_train", "rl_train")), name
+    families = {r["problem"]["family"] for r in load_jsonl(varied["rl_train"])}
+    assert families & set(MORE_TRAIN_FAMILIES)
