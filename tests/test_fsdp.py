@@ -448,14 +448,17 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
     if not os.path.exists(os.path.join(REPO, "open_instruct", "rlvr_ppo.py")):
         pytest.skip("open_instruct/rlvr_ppo.py not written yet")
     tmp = tmp_path_factory.mktemp("fsdp_rlvr")
-    # grpo drops flat groups: ranks then keep different numbers of rows and run dummies to stay in step
-    algos = {"ppo": [], "grpo": ["--algo", "grpo", "--kl_estimator", "k3", "--filter_zero_std_groups", "true"]}
+    # grpo drops flat groups: ranks then keep different numbers of rows and run dummies to stay in step. On-policy
+    # (1 epoch of 1 mini-batch) the reference also scores only the kept rows, with dummies of its own.
+    grpo = ["--algo", "grpo", "--kl_estimator", "k3", "--filter_zero_std_groups", "true"]
+    algos = {"ppo": ["--num_epochs", "2"], "grpo": [*grpo, "--num_epochs", "2"],
+             "grpo_on_policy": [*grpo, "--num_epochs", "1"]}  # fmt: skip
     out, jobs = {}, []
     for algo, extra in algos.items():
         for mode in ("ddp", "fsdp"):
             out[algo, mode] = str(tmp / f"{algo}_{mode}")
-            # 2 rollouts of 2 ranks x 4 prompts x 2 samples = 16 completions, 2 epochs of 1 mini-batch: 4 optimizer
-            # steps.
+            # 2 rollouts of 2 ranks x 4 prompts x 2 samples = 16 completions, 2 epochs (1 on-policy) of 1
+            # mini-batch: 4 optimizer steps (2).
             args = [
                 os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
                 "--model_name_or_path",
@@ -480,8 +483,6 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
                 "4",
                 "--gradient_accumulation_steps",
                 "2",
-                "--num_epochs",
-                "2",
                 "--response_length",
                 "8",
                 "--per_device_eval_batch_size",
@@ -500,17 +501,19 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo_on_policy"])
 def test_rlvr_sharded_matches_ddp(rlvr_runs, tiny_models, algo):
     """Policy (+ PPO's value model) trained and the reference frozen, all sharded: every logged number and the final
     policy equal 2-process DDP's (same ranks, so the same sampled completions)."""
-    assert_really_sharded(rlvr_runs[algo, "shards"], "step_4", ("policy", "value") if algo == "ppo" else ("policy",))
+    steps = [1, 2] if algo == "grpo_on_policy" else [2, 4]  # 2 rollouts x 1 or 2 epochs x 1 mini-batch
+    models = ("policy", "value") if algo == "ppo" else ("policy",)
+    assert_really_sharded(rlvr_runs[algo, "shards"], f"step_{steps[-1]}", models)
     ddp, fsdp = metrics(rlvr_runs[algo, "ddp"]), metrics(rlvr_runs[algo, "fsdp"])
     assert len(ddp) == len(fsdp)
     train = [r for r in ddp if "loss/policy" in r]
-    assert [r["optimizer_step"] for r in train] == [2, 4]  # 2 rollouts x 2 epochs x 1 mini-batch
+    assert [r["optimizer_step"] for r in train] == steps
     assert all(("loss/value" in r) == (algo == "ppo") for r in train)  # PPO trains a value model, GRPO none
-    if algo == "grpo":  # some groups dropped, some kept: the ranks trained on different numbers of rows
+    if algo != "ppo":  # some groups dropped, some kept: the ranks trained (and scored) different numbers of rows
         assert any(0 < r["train/filtered_groups_fraction"] < 1 for r in train)
     compared = 0
     for x, y in zip(ddp, fsdp):
