@@ -140,7 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--every", type=int, default=2, help="a distillation checkpoint every N rollouts")
     parser.add_argument("--n_eval", type=int, default=100, help="problems per curve set (the first N of the demo's)")
     parser.add_argument("--num_threads", type=int, default=1)
-    parser.add_argument("--train_only", action="store_true", help="run the distillation runs, not the curves")
+    parser.add_argument("--train_only", action="store_true",
+                        help="run the distillation runs, not the curves (RL's checkpoints not needed)")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     losses = [s.strip() for s in args.distill_loss.split(",") if s.strip()]
     if not losses or set(losses) - {"reverse_kl", "jsd"}:
@@ -153,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for path in (student, teacher, os.path.join(demo, "data", "rl_train.jsonl")):
         if not os.path.exists(path):
             raise DemoError(f"{path} is missing: run `python -m demo.smollm2_tools --output_dir {args.demo_dir}` first")
-    if not checkpoints(os.path.join(demo, "rlvr")):
+    if not args.train_only and not checkpoints(os.path.join(demo, "rlvr")):
         raise DemoError(f"{demo}/rlvr has no checkpoints: run the demo with --checkpointing_steps 2 "
                         "--keep_last_n_checkpoints 20 --delete_finished_run false for RL's curve")  # fmt: skip
     if args.num_threads:

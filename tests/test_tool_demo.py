@@ -333,3 +333,30 @@ def test_distillation_curve_reads_cpu_minutes_and_finds_the_first_point_at_the_t
     curve = [{"rollout": 0, "mean": 0.3}, {"rollout": 2, "mean": 0.55}, {"rollout": 4, "mean": 0.6}]
     assert first_at(curve, 0.55)["rollout"] == 2  # reached: at least the level
     assert first_at(curve, 0.61) is None
+
+
+def test_distillation_train_only_needs_no_rl_checkpoints_and_runs_rls_batch_and_order(tmp_path, monkeypatch):
+    """RL's checkpoints are needed for its curve only: `--train_only` distills from a demo folder whose RL run kept
+    none (a finished run's teacher), with the RL run's prompt order and the overrides passed through."""
+    import demo.smollm2_tools_distill as distill
+    from demo.pipeline import DemoError
+
+    for path in ("sft/final_model", "rlvr/final_model"):
+        (tmp_path / path).mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rl_train.jsonl").write_text("")
+    (tmp_path / "rlvr" / "config.yaml").write_text("train_order: as_written\n")
+    calls = []
+    monkeypatch.setattr(distill, "run_script", lambda cmd, log, env, echo: calls.append(cmd) or (0, 90.0))
+    with pytest.raises(DemoError, match="has no checkpoints"):
+        distill.main(["--demo_dir", str(tmp_path), "--num_threads", "0"])
+    assert calls == []  # stopped before any training
+    summary = distill.main(["--demo_dir", str(tmp_path), "--num_threads", "0", "--train_only", "--distill_loss",
+                            "reverse_kl", "--rollouts", "4", "--temperature", "1.0"])  # fmt: skip
+    assert summary == {"cpu_seconds": {"reverse_kl": 90.0}} and len(calls) == 1
+    cmd = calls[0]
+    value = lambda flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+    assert value("--teacher_model_name_or_path") == str(tmp_path / "rlvr" / "final_model")
+    assert value("--model_name_or_path") == str(tmp_path / "sft" / "final_model")
+    assert value("--train_order") == "as_written" and value("--temperature") == "1.0"
+    assert value("--total_episodes") == str(4 * distill.EPISODES_PER_ROLLOUT)
