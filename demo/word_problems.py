@@ -208,14 +208,15 @@ HELD_OUT_DISTRACTORS = ["The building is {d} meters tall.", "The store opened {d
 SPLITS: dict[str, dict[str, Any]] = {
     "train": {"families": TRAIN_FAMILIES, "shapes": ONE_STEP * 2 + TWO_STEP_TRAINED,
               "distractors": TRAIN_DISTRACTORS, "distractor_rate": 0.25},
-    "train_varied": {"families": {**TRAIN_FAMILIES, **MORE_TRAIN_FAMILIES}, "shapes": ONE_STEP * 2 + TWO_STEP_TRAINED,
-                     "distractors": TRAIN_DISTRACTORS, "distractor_rate": 0.25},
     "one_step": {"families": HELD_OUT_FAMILIES, "shapes": ONE_STEP, "distractors": [], "distractor_rate": 0.0},
     "distractor": {"families": HELD_OUT_FAMILIES, "shapes": ONE_STEP, "distractors": HELD_OUT_DISTRACTORS,
                    "distractor_rate": 1.0},
     "two_step": {"families": HELD_OUT_FAMILIES, "shapes": TWO_STEP_TRAINED + TWO_STEP_HELD_OUT_ONLY,
                  "distractors": [], "distractor_rate": 0.0},
 }  # fmt: skip
+
+# `--train_phrasings varied`: the training split with the added families, everything else as "train".
+SPLITS["train_varied"] = {**SPLITS["train"], "families": {**TRAIN_FAMILIES, **MORE_TRAIN_FAMILIES}}
 
 
 def shape_numbers(rng: random.Random, shape: str) -> tuple[dict[str, int], list[int], str, int]:
