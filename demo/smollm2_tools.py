@@ -292,6 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="the SFT traces' and RL prompts' phrasings: the six training families, or with two more "
                         "(demo.word_problems.MORE_TRAIN_FAMILIES: a difference as what is missing, unused or still "
                         "needed); the held-out sets are the same either way")  # fmt: skip
+    parser.add_argument("--ptx_coef", type=float, default=0.0,
+                        help="RL keeps the SFT traces' loss beside its own, with this weight (PPO-ptx: rlvr_ppo's "
+                        "--ptx_dataset is the SFT traces; 0: off)")  # fmt: skip
     parser.add_argument("--one_step_first", type=int, default=0,
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
@@ -337,10 +340,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     folder, gguf_file = smollm2_gguf_path()  # a clear error with the install command when the package is missing
     out = os.path.abspath(args.output_dir)
     sft_dir, rl_dir = os.path.join(out, "sft"), os.path.join(out, "rlvr")
+    sft_traces = os.path.join(out, "data", "sft_train.jsonl")
     rlvr_args = [RL_RECIPE, "--model_name_or_path", os.path.join(sft_dir, "final_model"), "--dataset_name_or_path",
                  os.path.join(out, "data", "rl_train.jsonl"), "--output_dir", rl_dir, "--seed", str(args.seed + 1),
                  "--overwrite_output_dir", "true", "--delete_finished_run", "true",
                  *(["--train_order", "as_written"] if args.one_step_first or args.balanced_rollouts else []),
+                 *(["--ptx_dataset", sft_traces, "--ptx_coef", str(args.ptx_coef)] if args.ptx_coef else []),
                  *rlvr_overrides]  # fmt: skip
     try:  # a typo in an override fails now, not after the first evaluation
         parse_config(RLVRConfig, [os.path.join(REPO, RL_RECIPE), *rlvr_args[1:]]).batch_plan(1, None)
@@ -410,7 +415,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print(f"\n== RLVR with the calculator: open_instruct/rlvr_ppo.py {RL_RECIPE}", flush=True)
         cmd = [sys.executable, os.path.join("open_instruct", "rlvr_ppo.py"), *rlvr_args]
         rl_model = os.path.join(rl_dir, "final_model")
-        rl_kept = train("rlvr", cmd, [files["rl_train"], os.path.join(REPO, RL_RECIPE)], rl_model, sft_kept)
+        rl_inputs = [files["rl_train"], os.path.join(REPO, RL_RECIPE), *([sft_traces] if args.ptx_coef else [])]
+        rl_kept = train("rlvr", cmd, rl_inputs, rl_model, sft_kept)
         print("\n== held-out evaluation after RLVR", flush=True)
         results["rlvr"] = timed_evaluation(rl_model, None, "rlvr", rl_kept)
 

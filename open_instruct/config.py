@@ -774,6 +774,15 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     turn_reward_aggregation: Literal["sum", "last"] = opt(
         "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
     )
+    # PPO-ptx: a supervised loss on demonstrations beside the RL loss (ptx.py, docs/algorithms.md)
+    ptx_dataset: Optional[str] = opt(
+        None,
+        "SFT rows (any SFT format, e.g. the cold-start demonstrations) whose next-token loss on assistant tokens is "
+        "added to the RL loss, weighted by ptx_coef (InstructGPT's PPO-ptx).",
+    )
+    ptx_coef: float = opt(
+        0.0, "Weight of ptx_dataset's mean NLL per token in each optimizer step's loss (0: off; OpenRLHF's 0.05)."
+    )
     # on-policy distillation (advantage_estimator distill; distillation.py, docs/distillation.md)
     teacher_model_name_or_path: Optional[str] = opt(
         None,
@@ -863,6 +872,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         self._validate_rewards()
         self._validate_environment()
         self._validate_distillation()
+        self._validate_ptx()
 
     def _validate_batch(self) -> None:
         for name in ("local_rollout_batch_size", "num_samples_per_prompt", "num_epochs", "max_prompt_length"):
@@ -1013,6 +1023,14 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 "your own takes them as keyword parameters (def my_loss(x, alpha=1.0)): docs/extending.md"
             )
 
+    def _validate_ptx(self) -> None:
+        """A demonstrations' loss needs both its data and a weight (ptx.py)."""
+        _check_positive(self, "ptx_coef", allow_zero=True)
+        if self.ptx_coef > 0 and not self.ptx_dataset:
+            raise ConfigError(f"ptx_coef {self.ptx_coef} needs ptx_dataset (the SFT rows whose loss it weighs)")
+        if self.ptx_dataset and self.ptx_coef == 0:
+            raise ConfigError(f"ptx_dataset {self.ptx_dataset!r} is set but ptx_coef is 0: give its loss a weight > 0")
+
     def _validate_distillation(self) -> None:
         """The teacher and its estimator go together; the objective's knobs in range (distillation.check_teacher
         compares the vocabularies, before any model loads)."""
@@ -1126,7 +1144,7 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
         "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
         "loss_norm_length filter_zero_std_groups mask_truncated_completions truncated_importance_sampling tis_cap "
         "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight "
-        "distill_reward_weight distill_group_baseline distill_jsd_beta distill_top_k",
+        "distill_reward_weight distill_group_baseline distill_jsd_beta distill_top_k ptx_dataset ptx_coef",
     ),
     "generation": (
         "sampling and the engines that sample",

@@ -257,19 +257,23 @@ def first_rows_checked(cfg: Any) -> bool:
 
 def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
     """Before any model or tokenizer loads: the first FIRST_ROWS rows of every local training and held-out source
-    read and parse in the script's data format (formats.py), as the loader will parse them (DataError naming the
-    file and row; a bad row is skipped with skip_bad_rows). Returns the RL probe examples of the first training
-    source (reward_function_fields, ground truth, verifier, where), for rewards.probe_reward_functions."""
-    kind = DATA_KIND[cfg.script]
-    parts_of = {formats.SFT: sft_parts, formats.PREFERENCE: preference_parts, formats.PROMPT: prompt_parts}[kind]
+    read and parse in the script's data format (formats.py; RL's ptx_dataset: an SFT format), as the loader will
+    parse them (DataError naming the file and row; a bad row is skipped with skip_bad_rows). Returns the RL probe
+    examples of the first training source (reward_function_fields, ground truth, verifier, where), for
+    rewards.probe_reward_functions."""
+    script_kind = DATA_KIND[cfg.script]
+    parsers = {formats.SFT: sft_parts, formats.PREFERENCE: preference_parts, formats.PROMPT: prompt_parts}
     probe: list[dict[str, Any]] = []
     train = _local_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
     held_out = _local_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
-    # (source, split, is a training source, is the first training source: the reward probe's rows)
-    sources = [(s, cfg.dataset_split, True, i == 0) for i, s in enumerate(train)]
-    for source, split, training, probed in sources + [(s, cfg.eval_dataset_split, False, False) for s in held_out]:
+    ptx = _local_sources(getattr(cfg, "ptx_dataset", None), None)  # RL: PPO-ptx's demonstrations, SFT rows
+    # (source, split, kind, is a training source, is the first training source: the reward probe's rows)
+    sources = [(s, cfg.dataset_split, script_kind, True, i == 0) for i, s in enumerate(train)]
+    sources += [(s, cfg.eval_dataset_split, script_kind, False, False) for s in held_out]
+    for source, split, kind, training, probed in sources + [(s, "train", formats.SFT, False, False) for s in ptx]:
         rows = check_duplicate_ids(load_source(source, split)[:FIRST_ROWS], DataStats(), cfg.skip_bad_rows)
         fmt = formats.detect_format(kind, rows[0].data, cfg, rows[0].where())
+        parts_of = parsers[kind]
         # the loader's column checks of the training rows (tokenize_prompts, tokenize_preferences), its messages
         if training and kind == formats.PROMPT and not getattr(cfg, "reward_functions", None):
             check_columns(rows, [cfg.ground_truth_column], "RL prompt")

@@ -352,6 +352,7 @@ def check_inputs(cfg: Any) -> None:
         check_trained_score_head(cfg.reward_model_path, "reward_model_path")
     check_dataset(cfg.dataset_name_or_path, "dataset_name_or_path")
     check_dataset(cfg.eval_dataset_name_or_path, "eval_dataset_name_or_path")
+    check_dataset(getattr(cfg, "ptx_dataset", None), "ptx_dataset")  # RL: PPO-ptx's demonstrations
     for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):  # every source: the same checks as one dataset
         for source in (getattr(cfg, key) or [])[0::2]:
             check_dataset(str(source), key)

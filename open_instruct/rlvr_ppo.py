@@ -114,22 +114,6 @@ from open_instruct.rollouts import (
     token_version_lags,
 )
 
-
-# ALGO LOGIC: the sequence score (the estimators, losses and their math: rl_algorithms.py)
-def episode_score(
-    verifiable: float,
-    stopped: bool,
-    non_stop_penalty: float,
-    rm_score: Optional[float],
-    rm_multiplier: float,
-    non_stop_penalty_mode: str = "add",
-) -> float:
-    """score = verifiable reward + rm_multiplier * rm_score (if a reward model is used), and for a response that hit
-    response_length without a stop: + non_stop_penalty (mode add), or the penalty alone (mode replace, Tulu 3's
-    where(stopped, score, penalty)). The recipe gives the penalty signed: Tulu 3 uses -10."""
-    return combine_rewards(verifiable, stopped, non_stop_penalty, rm_score, rm_multiplier, non_stop_penalty_mode)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Optional features and where they act: every extension point of the loop, and every feature the config can turn on
 
@@ -160,10 +144,10 @@ class Feature:
     seconds: float = 0.0  # host clock, summed since the last read (clock_seconds)
 
 
-def features_of(cfg: RLVRConfig, train: Sequence[dict] = ()) -> list[Feature]:
-    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier).
-    The generator and its vLLM engines, the generation check and async sampling plug in at set-up instead:
-    make_generator, make_checker and RolloutSampler in `main`."""
+def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = None) -> list[Feature]:
+    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier;
+    `tokenizer`: the policy's, for ptx_dataset's rows). The generator and its vLLM engines, the generation check and
+    async sampling plug in at set-up instead: make_generator, make_checker and RolloutSampler in `main`."""
     features = []
     if cfg.uses_teacher:  # on-policy distillation: the teacher scores, and under jsd adds a loss term
         from open_instruct import distillation
@@ -189,6 +173,11 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = ()) -> list[Feature]:
         from open_instruct import code_verifier
 
         features.append(Feature("code", rollout_sums=code_verifier.status_sums, metrics=code_verifier.status_metrics))
+    if cfg.ptx_dataset:  # PPO-ptx: the demonstrations' NLL beside the RL loss
+        from open_instruct import ptx
+
+        term = ptx.DemonstrationLoss(cfg, tokenizer)  # the rows read and checked now, before any model loads
+        features.append(Feature("ptx", loss_term=term, loss_stats=("ptx_loss",), metrics=ptx.metrics, clock="ptx"))
     return features
 
 
@@ -418,11 +407,14 @@ def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], l
 def sequence_scores_of(
     cfg: RLVRConfig, verifiable: list[float], out: Any, rm_scores: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """ALGO LOGIC: the sequence score of each completion (episode_score), less DAPO's overlong punishment."""
+    """ALGO LOGIC: the sequence score of each completion: its verifiable reward + reward_model_multiplier x the reward
+    model's score (if one is used), and for a response that hit response_length without a stop + non_stop_penalty
+    (mode add) or the penalty alone (mode replace, Tulu 3's where(stopped, score, penalty); the recipe gives it signed:
+    Tulu 3 uses -10); less DAPO's overlong punishment (estimators, losses and their math: rl_algorithms.py)."""
     rm = rm_scores.tolist() if rm_scores is not None else [None] * len(verifiable)
     scores = torch.tensor(
         [
-            episode_score(v, s, cfg.non_stop_penalty, r, cfg.reward_model_multiplier, cfg.non_stop_penalty_mode)
+            combine_rewards(v, s, cfg.non_stop_penalty, r, cfg.reward_model_multiplier, cfg.non_stop_penalty_mode)
             for v, s, r in zip(verifiable, out.stopped, rm)
         ]
     )
@@ -804,7 +796,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     environments = environment_run(cfg, tokenizer)  # None: single-turn completions; else multi-turn episodes
     train, evals, plan, max_model_len = load_prompts(cfg, tokenizer, accelerator, environments)
-    features = features_of(cfg, train)  # the optional features this run turns on, and where each acts
+    features = features_of(cfg, train, tokenizer)  # the optional features this run turns on, and where each acts
     check_before_loading(cfg, max_model_len)  # engines started apart answer and fit the run
     models, optimizers, schedulers = load_models(cfg, tokenizer, accelerator, plan)
     # the backend the config names (generation.py's contract): started or reached here, synced by the sampler

@@ -1,0 +1,69 @@
+"""PPO-ptx: a supervised loss on demonstrations added to the RL loss (InstructGPT, Ouyang et al. 2022, eq. 2).
+
+    objective = RL objective + ptx_coef * E_{x ~ ptx_dataset} [ log pi(x) ]
+
+InstructGPT mixed in pretraining text so RL would not unlearn what pretraining taught; here the rows are any SFT
+data (`ptx_dataset`, every SFT format data.tokenize_sft reads, trained on the assistant tokens only), typically the
+cold-start demonstrations the RL run starts from: a pull back towards them that does not depend on a sampled group
+scoring unevenly (a group whose completions all fail the same way gives the policy loss nothing to push against).
+OpenRLHF's pretrain_data and ptx_coef are the same idea, one demonstration micro-batch per policy micro-batch.
+
+How the term joins the loss (rlvr_ppo.micro_batch_loss's loss_term hook): each policy micro-batch draws
+per_device_train_batch_size demonstration rows, their mean next-token NLL per trained token (temperature 1: the
+model's likelihood, not the sampling temperature) weighted by the micro-batch's share of the optimizer step's units
+(aggregation_weights' U). Those shares add up to 1 over the step's micro-batches on every rank, so each optimizer
+step adds ptx_coef x (a mean NLL per demonstration token), whatever the loss aggregation, the split into micro-batches
+and ranks, or how many groups filter_zero_std_groups kept. A step with no rows to train (every group dropped) is
+skipped, its demonstrations too. `loss/ptx` logs that NLL (before ptx_coef).
+
+The rows a micro-batch draws are a function of the seed and the micro-batch's own tokens, so a resumed run draws
+what the uninterrupted one would have, and every rank draws its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import torch
+
+from open_instruct import data
+from open_instruct.models import scored_logprobs, with_scored_index
+
+
+class DemonstrationLoss:
+    """The ptx loss term (rlvr_ppo.Feature.loss_term) over the tokenized rows of cfg.ptx_dataset: loaded and checked
+    when built, before any model loads (a bad row stops the run naming its file and row)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any):
+        rows = data.load_rows(cfg.ptx_dataset)
+        self.examples, _ = data.tokenize_sft(rows, tokenizer, cfg)
+        self.pad_id = tokenizer.pad_token_id
+
+    def rows_for(self, cfg: Any, host_input_ids: torch.Tensor) -> list[dict]:
+        """per_device_train_batch_size demonstrations (distinct when there are that many), chosen by the seed and the
+        micro-batch's tokens."""
+        digest = hashlib.sha256(host_input_ids.numpy().tobytes()).hexdigest()
+        rng = random.Random(f"{cfg.seed}:{digest}")
+        k = min(cfg.per_device_train_batch_size, len(self.examples))
+        return [self.examples[i] for i in rng.sample(range(len(self.examples)), k)]
+
+    def __call__(
+        self, cfg: Any, models: Any, batch: dict, mask: torch.Tensor, w: torch.Tensor, state: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(ptx_coef x NLL x units, {"ptx_loss": NLL x units}): units is the micro-batch's part of U (token_mean: its
+        weighted tokens; the sequence means: its rows with any weight), so dividing by U weighs each micro-batch's
+        demonstration NLL by its share of the step."""
+        host = with_scored_index(data.collate_sft(self.rows_for(cfg, batch["host_input_ids"]), self.pad_id))
+        tokens = int((host["labels"][:, 1:] != -100).sum())
+        on_device = data.to_device(host, mask.device)
+        logps, _, _ = scored_logprobs(models.policy, on_device, on_device["labels"])
+        nll = -logps.sum() / max(tokens, 1)
+        units = w.sum() if cfg.loss_aggregation == "token_mean" else (w.sum(1) > 0).sum().to(w.dtype)
+        return cfg.ptx_coef * nll * units, {"ptx_loss": nll.detach() * units}
+
+
+def metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: dict[str, float], updates: float, _: Any) -> dict:
+    """loss/ptx: the demonstrations' NLL per trained token, averaged over the rollout's updates."""
+    return {"loss/ptx": train["ptx_loss"] / updates}
