@@ -837,7 +837,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.evaluate(evaluate_policy)
     for model in models.trained().values():
         model.train()
-    clock = PhaseClock()
+    clock = PhaseClock([f.clock for f in features if f.clock is not None])
     while counters.rollout_step < plan.num_training_steps:  # one rollout step: sample, score, advantages, update
         prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(

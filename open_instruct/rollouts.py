@@ -392,19 +392,20 @@ def code_settings(cfg: RLVRConfig) -> CodeSettings:
 
 class PhaseClock:
     """Seconds per phase and response tokens over the rollouts since the last log row (eval and checkpoint time
-    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput."""
+    excluded; rank 0's clock), turned into time/<phase> per rollout and throughput. `feature_clocks`: the features'
+    own phases (rlvr_ppo.Feature.clock, e.g. distillation's teacher_forward), reported beside the fixed ones."""
 
     PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
-    OPTIONAL_PHASES = ("teacher_forward",)  # reported by runs that have one (distillation)
 
-    def __init__(self) -> None:
-        self.seconds, self.rollouts, self.tokens = dict.fromkeys(self.PHASES, 0.0), 0, 0
-        self.engine_seconds, self.sync_bytes = 0.0, 0
+    def __init__(self, feature_clocks: Sequence[str] = ()) -> None:
+        self.feature_clocks = tuple(feature_clocks)
+        self.seconds = dict.fromkeys((*self.PHASES, *self.feature_clocks), 0.0)
+        self.rollouts, self.tokens, self.engine_seconds, self.sync_bytes = 0, 0, 0.0, 0
 
     def add(self, seconds: dict[str, float], tokens: int, sync_bytes: int) -> None:
         for k, v in seconds.items():
-            if k in self.seconds or k in self.OPTIONAL_PHASES:
-                self.seconds[k] = self.seconds.get(k, 0.0) + v
+            if k in self.seconds:
+                self.seconds[k] += v
         # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
         self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
         self.sync_bytes += sync_bytes
@@ -426,7 +427,7 @@ class PhaseClock:
         row["perf/response_tokens_per_second"] = tokens / busy
         # this process's CPU time since it started (all threads): the cost axis of a learning curve on CPU
         row["perf/process_cpu_minutes"] = time.process_time() / 60
-        self.__init__()
+        self.__init__(self.feature_clocks)
         return row
 
 

@@ -152,7 +152,8 @@ def train_rows(out) -> list[dict]:
 def test_a_run_with_ptx_learns_the_demonstrations_and_one_without_does_not(tiny_models, files, tmp_path):
     """8 rollouts at lr 1e-2: with ptx_coef 1 the demonstrations' NLL (hand, whole set, final model) falls below
     0.6 x its start and half a run without ptx (measured 4.64 -> 2.08, without: 6.61); loss/ptx is logged every
-    rollout, starts near the start's NLL (its draws: 16 of the 24 rows) and falls below 0.65 x (measured 0.52 x)."""
+    rollout, starts near the start's NLL (its draws: 16 of the 24 rows) and falls below 0.65 x (measured 0.52 x);
+    time/ptx times its forwards."""
     from transformers import AutoModelForCausalLM
 
     from open_instruct.config import RLVRConfig, parse_config
@@ -179,6 +180,9 @@ def test_a_run_with_ptx_learns_the_demonstrations_and_one_without_does_not(tiny_
     assert abs(logged[0] - nll["start"]) < 0.25 * nll["start"]  # rollout 1: the start, on the rows drawn
     assert nll["ptx"] < 0.6 * nll["start"] and nll["ptx"] < 0.5 * nll["plain"]
     assert train_rows(tmp_path / "plain") and all("loss/ptx" not in r for r in metric_rows(tmp_path / "plain"))
+    timed = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("ptx", "plain")}
+    assert all(r["time/ptx"] > 0 for r in timed["ptx"] if "loss/policy" in r)  # its forwards, on their own clock
+    assert all("time/ptx" not in r for r in timed["plain"])
 
 
 def test_a_killed_run_with_ptx_resumes_to_the_same_rows_and_weights(tiny_models, files, tmp_path, monkeypatch):
