@@ -744,6 +744,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     # eval: greedy verifiable accuracy on held-out prompts
     eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
     num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
+    correct_rate_by: Optional[str] = opt(
+        None,
+        "Log train/correct_rate/<group> per group of prompts: a prompt column (a dotted path reaches into a nested "
+        "one, e.g. problem.shape) or `source` (the dataset each prompt came from).",
+    )
     # multi-turn episodes (environments.py, episodes.py; docs/multi-turn.md)
     environment: Optional[str] = opt(
         None,
@@ -1176,7 +1181,8 @@ SETTING_TOPICS: dict[str, tuple[str, str]] = {
     ),
     "logging": (
         "metrics, evaluation and samples",
-        "logging_steps eval_steps num_samples_logged peak_tflops with_tracking wandb_project wandb_entity",
+        "logging_steps eval_steps num_samples_logged correct_rate_by peak_tflops with_tracking wandb_project "
+        "wandb_entity",
     ),
 }
 

@@ -566,6 +566,12 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 continue
             ids = ids[-cfg.max_prompt_length :]  # keep the end: the question and the generation prompt
             stats.truncated += 1
+        group = {}  # RL's correct_rate_by: the prompt's group for train/correct_rate/<group>
+        if getattr(cfg, "correct_rate_by", None):
+            from open_instruct.correct_rates import group_of
+
+            value = group_of(row.data, row.label, cfg.correct_rate_by)
+            group = {} if value is None else {"rate_group": value}
         examples.append(
             {
                 "prompt_ids": ids,
@@ -576,6 +582,7 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
                 "where": row.where(),
                 **({"example": out["example"]} if "example" in out else {}),
                 **({k: out[k] for k in ("prompt", "columns") if k in out}),
+                **group,
             }
         )
     stats.kept = len(examples)
@@ -1195,6 +1202,7 @@ DATA_FIELDS = (
     "string_rows",
     "environment",  # environment runs keep each row's columns for the environment's reset
     "reward_functions",  # runs with reward functions keep each row's columns and prompt for them
+    "correct_rate_by",  # RL: each prompt keeps its group
 )
 # The modules that turn rows into examples: editing one invalidates the cache.
 DATA_CODE = (
