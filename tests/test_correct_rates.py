@@ -10,6 +10,7 @@ import types
 
 import pytest
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import rl_exit_code as exit_code
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "rlvr_tiny.yaml")
 
@@ -64,16 +65,6 @@ def argv(tiny_models, files, out, *extra) -> list[str]:
         "4", "--per_device_train_batch_size", "4", "--response_length", "8", "--checkpointing_steps", "100",
         "--beta", "0", "--learning_rate", "1e-2", *extra,
     ]  # fmt: skip
-
-
-def exit_code(args: list[str]) -> int:
-    from open_instruct import rlvr_ppo, runtime
-
-    try:
-        runtime.run(rlvr_ppo.main, args)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    return 0
 
 
 def test_a_run_logs_each_groups_rate(tiny_models, files, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tolerances import chain_atol
 from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import rl_exit_code as exit_code
 
 from open_instruct.distillation import chunked_generalized_jsd, generalized_jsd
 from open_instruct.rl_algorithms import teacher_advantages
@@ -308,16 +309,6 @@ def distill_argv(tiny_models, teacher, rl_files, out, *extra) -> list[str]:
         "--response_length", "8", "--eval_steps", "2", "--checkpointing_steps", "1", "--beta", "0",
         "--learning_rate", "1e-2", *extra,
     ]  # fmt: skip
-
-
-def exit_code(argv: list[str]) -> int:
-    from open_instruct import rlvr_ppo, runtime
-
-    try:
-        runtime.run(rlvr_ppo.main, argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    return 0
 
 
 @pytest.mark.parametrize(

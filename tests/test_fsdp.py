@@ -452,7 +452,10 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
     # (1 epoch of 1 mini-batch) the reference also scores only the kept rows, with dummies of its own.
     grpo = ["--algo", "grpo", "--kl_estimator", "k3", "--filter_zero_std_groups", "true"]
     algos = {"ppo": ["--num_epochs", "2"], "grpo": [*grpo, "--num_epochs", "2"],
-             "grpo_on_policy": [*grpo, "--num_epochs", "1"]}  # fmt: skip
+             "grpo_on_policy": [*grpo, "--num_epochs", "1"],
+             # PPO-ptx's demonstration forwards (dummies included) and per-answer rates, whose keys the ranks share
+             "grpo_ptx": [*grpo, "--num_epochs", "1", "--ptx_dataset", task["sft_train"], "--ptx_coef", "0.5",
+                          "--correct_rate_by", "ground_truth"]}  # fmt: skip
     out, jobs = {}, []
     for algo, extra in algos.items():
         for mode in ("ddp", "fsdp"):
@@ -501,11 +504,12 @@ def rlvr_runs(tmp_path_factory, tiny_models, task):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo_on_policy"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "grpo_on_policy", "grpo_ptx"])
 def test_rlvr_sharded_matches_ddp(rlvr_runs, tiny_models, algo):
     """Policy (+ PPO's value model) trained and the reference frozen, all sharded: every logged number and the final
-    policy equal 2-process DDP's (same ranks, so the same sampled completions)."""
-    steps = [1, 2] if algo == "grpo_on_policy" else [2, 4]  # 2 rollouts x 1 or 2 epochs x 1 mini-batch
+    policy equal 2-process DDP's (same ranks, so the same sampled completions). grpo_ptx: loss/ptx and the
+    per-answer correct rates are among them, the groups' completions adding up to the rollout's 16."""
+    steps = [2, 4] if algo in ("ppo", "grpo") else [1, 2]  # 2 rollouts x 2 or 1 epochs x 1 mini-batch
     models = ("policy", "value") if algo == "ppo" else ("policy",)
     assert_really_sharded(rlvr_runs[algo, "shards"], f"step_{steps[-1]}", models)
     ddp, fsdp = metrics(rlvr_runs[algo, "ddp"]), metrics(rlvr_runs[algo, "fsdp"])
@@ -515,6 +519,9 @@ def test_rlvr_sharded_matches_ddp(rlvr_runs, tiny_models, algo):
     assert all(("loss/value" in r) == (algo == "ppo") for r in train)  # PPO trains a value model, GRPO none
     if algo != "ppo":  # some groups dropped, some kept: the ranks trained (and scored) different numbers of rows
         assert any(0 < r["train/filtered_groups_fraction"] < 1 for r in train)
+    if algo == "grpo_ptx":
+        assert all(r["loss/ptx"] > 0 for r in train)
+        assert all(sum(v for k, v in r.items() if k.startswith("train/completions/")) == 16 for r in train)
     compared = 0
     for x, y in zip(ddp, fsdp):
         assert x.keys() == y.keys()

@@ -50,6 +50,18 @@ def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir:
     ]
 
 
+def rl_exit_code(argv: list[str]) -> int:
+    """rlvr_ppo's exit status for `argv`, as the command line would give it (runtime.run: 2 for a bad setting or
+    input)."""
+    from open_instruct import rlvr_ppo
+
+    try:
+        runtime.run(rlvr_ppo.main, argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0
+
+
 def noisy_sft_args(data_dir: str, model: str, sft_eval: str, output_dir: Any) -> list[str]:
     """sft.py's arguments for the starting policy of the RL and LoRA tests: 4 epochs on 2000 arithmetic answers of
     which 60% are off by one, so it copies the operands but leaves room for every later stage to learn."""
