@@ -576,6 +576,7 @@ DOMINANT_ASSUMPTION = {
     "generation check": "--interconnect_gb_s (the probe forward's FSDP gather), or generation_check off",
     "scoring": "--mfu and --rl_padding (no-grad forwards of policy, reference and value models)",
     "teacher forward": "--mfu and --rl_padding (the distillation teacher's no-grad forwards; its size)",
+    "ptx": "--mfu and --rl_padding (PPO-ptx: a forward/backward on as many demonstrations as a micro-batch has rows)",
     "weight loading": "--load_gb_s",
     "verification": "--sandbox_call_seconds and --code_fraction, or more sandbox_workers (CPU cores per process)",
     "first step": "--first_step_factor",
@@ -695,7 +696,8 @@ def rl_train_side(
     """Per-phase seconds of one rollout's training side, per device, and the sandbox's seconds per call (None: no
     code). Micro-batches of per_device_train_batch_size episodes (packing: the micro-batches their tokens fill).
     Scoring: no-grad forwards of the policy (old log-probs), reference, value and reward models (and a teacher);
-    training: num_epochs forward/backward passes of the policy and the value model."""
+    training: num_epochs forward/backward passes of the policy and the value model (and PPO-ptx's, as long as the
+    policy's)."""
     w, episodes = plan.world_size, plan.episodes_per_rollout
     micro_batches = episodes / w / plan.local_mini_batch_size * micro_batches_per_update(cfg, plan, a)
     tokens = episodes / w * train_len / micro_batches
@@ -724,6 +726,11 @@ def rl_train_side(
                 tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
             )
             add_phases(train_side, step, cfg.num_epochs * micro_batches)
+    if cfg.ptx_dataset:  # PPO-ptx: a policy forward/backward per micro-batch on as many demonstrations (as long)
+        gather = fsdp_gather_seconds(params, w, 3, a)
+        step = micro_batch_phases(tokens * k * params / flops_rate, gather, layers, True, a)
+        ptx = {"ptx" if n == "training compute" else n: v for n, v in step.items()}
+        add_phases(train_side, ptx, cfg.num_epochs * micro_batches)
     call_seconds = sandbox_call_seconds(a) if a.code_fraction else None
     if call_seconds:  # each process runs its own completions' programs, sandbox_workers at a time
         train_side["verification"] = verification_seconds(
@@ -1023,7 +1030,8 @@ def check_hf_generation_fits(cfg: BaseConfig, world: int, gpu_memory_gb: float, 
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
     """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
     --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
-    max_tokens_per_micro_batch); RL hf generation of the sequences one generate call decodes
+    max_tokens_per_micro_batch; PPO-ptx adds per_device_train_batch_size demonstrations of max_seq_length); RL hf
+    generation of the sequences one generate call decodes
     (batch_math.generation_sequences_per_call: generation_micro_batch_size or the default KV-token bound)."""
     compute = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4
     rows = 1 if cfg.script in ("sft", "rlvr_ppo") else 2  # RM/DPO: chosen and rejected in one batch
@@ -1034,6 +1042,8 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         length = cfg.max_seq_length
         eval_rows = cfg.per_device_eval_batch_size
     train = cfg.max_tokens_per_micro_batch or cfg.per_device_train_batch_size * rows * length
+    if isinstance(cfg, RLVRConfig) and cfg.ptx_dataset:  # PPO-ptx: its demonstrations' activations join the rollout's
+        train += cfg.per_device_train_batch_size * cfg.max_seq_length
     score = cfg.max_tokens_per_micro_batch or eval_rows * rows * length
     sequences = tokens = 0
     engine = 0.0

@@ -37,6 +37,10 @@ class DemonstrationLoss:
     when built, before any model loads (a bad row stops the run naming its file and row)."""
 
     def __init__(self, cfg: Any, tokenizer: Any):
+        if tokenizer is None:
+            raise ValueError(
+                "ptx_dataset's rows are tokenized with the policy's tokenizer: features_of(cfg, train, tokenizer)"
+            )
         rows = data.load_rows(cfg.ptx_dataset)
         self.examples, _ = data.tokenize_sft(rows, tokenizer, cfg)
         self.pad_id = tokenizer.pad_token_id

@@ -220,3 +220,24 @@ def test_bad_ptx_settings_exit_2_before_any_model_loads(tiny_models, files, tmp_
     err = capsys.readouterr().err
     assert all(w in err for w in words), err[-2000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_the_planner_counts_ptx(repo_root, files, capsys):
+    """rlvr_8b under GRPO (no value model): PPO-ptx's phase is the policy's training compute again (as many
+    demonstrations per micro-batch, taken as long), and a training micro-batch's kept activations grow by
+    max_seq_length / (max_prompt_length + response_length) = 2048 / 4096 (the demonstrations' longest)."""
+    from open_instruct.plan import main as plan_main
+
+    base = [os.path.join(repo_root, "configs", "rlvr_8b.yaml"), "--num_processes", "7", "--json", "--beta", "0",
+            "--value_model_path", "null", "--algo", "grpo", "--num_samples_per_prompt", "4", "--score_placement",
+            "last_token"]  # fmt: skip
+    plans = {}
+    for name, extra in (("plain", []), ("ptx", ["--ptx_dataset", files["ptx"], "--ptx_coef", "0.05"])):
+        assert plan_main([*base, *extra]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    phases = plans["ptx"]["phase_hours"]
+    assert "ptx" not in plans["plain"]["phase_hours"]
+    assert phases["ptx"] == pytest.approx(phases["training compute"], rel=1e-12)
+    assert phases["training compute"] == pytest.approx(plans["plain"]["phase_hours"]["training compute"], rel=1e-12)
+    kept = [p["memory"]["phases"]["training micro-batch"]["activations (checkpointed)"] for p in plans.values()]
+    assert kept[1] == pytest.approx(kept[0] * (4096 + 2048) / 4096, rel=1e-12)
