@@ -1030,7 +1030,7 @@ def check_hf_generation_fits(cfg: BaseConfig, world: int, gpu_memory_gb: float, 
 def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayout:
     """The recipe's memory-relevant layout: FSDP2 when more than one process (the launchers' accelerate configs) or
     --fsdp; tokens per micro-batch at the longest sequences the recipe allows (padded: rows x max length; packing:
-    max_tokens_per_micro_batch; PPO-ptx adds per_device_train_batch_size demonstrations of max_seq_length); RL hf
+    max_tokens_per_micro_batch; PPO-ptx adds per_device_train_batch_size demonstrations of an episode's length); RL hf
     generation of the sequences one generate call decodes
     (batch_math.generation_sequences_per_call: generation_micro_batch_size or the default KV-token bound)."""
     compute = 2 if cfg.mixed_precision in ("bf16", "fp16") else 4
@@ -1043,7 +1043,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         eval_rows = cfg.per_device_eval_batch_size
     train = cfg.max_tokens_per_micro_batch or cfg.per_device_train_batch_size * rows * length
     if isinstance(cfg, RLVRConfig) and cfg.ptx_dataset:  # PPO-ptx: its demonstrations' activations join the rollout's
-        train += cfg.per_device_train_batch_size * cfg.max_seq_length
+        train += cfg.per_device_train_batch_size * length  # (ptx.episode_bounded: none is longer than an episode)
     score = cfg.max_tokens_per_micro_batch or eval_rows * rows * length
     sequences = tokens = 0
     engine = 0.0

@@ -3,10 +3,11 @@
     objective = RL objective + ptx_coef * E_{x ~ ptx_dataset} [ log pi(x) ]
 
 InstructGPT mixed in pretraining text so RL would not unlearn what pretraining taught; here the rows are any SFT
-data (`ptx_dataset`, every SFT format data.tokenize_sft reads, trained on the assistant tokens only), typically the
-cold-start demonstrations the RL run starts from: a pull back towards them that does not depend on a sampled group
-scoring unevenly (a group whose completions all fail the same way gives the policy loss nothing to push against).
-OpenRLHF's pretrain_data and ptx_coef are the same idea, one demonstration micro-batch per policy micro-batch.
+data (`ptx_dataset`, every SFT format data.tokenize_sft reads, trained on the assistant tokens only, each at most an
+episode's length: max_prompt_length + response_length), typically the cold-start demonstrations the RL run starts
+from: a pull back towards them that does not depend on a sampled group scoring unevenly (a group whose completions
+all fail the same way gives the policy loss nothing to push against). OpenRLHF's pretrain_data and ptx_coef are
+the same idea, one demonstration micro-batch per policy micro-batch.
 
 How the term joins the loss (rlvr_ppo.micro_batch_loss's loss_term hook): each policy micro-batch draws
 per_device_train_batch_size demonstration rows, their mean next-token NLL per trained token (temperature 1: the
@@ -22,6 +23,7 @@ what the uninterrupted one would have, and every rank draws its own.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 from typing import Any
@@ -30,6 +32,15 @@ import torch
 
 from open_instruct import data
 from open_instruct.models import scored_logprobs, with_scored_index
+
+
+def episode_bounded(cfg: Any) -> Any:
+    """The config the demonstrations are tokenized with: at most an episode's tokens (max_prompt_length +
+    response_length) each, a longer one dropped or truncated as `overlong` says, so a demonstration micro-batch is no
+    larger than a rollout's (what the planner counts)."""
+    bounded = copy.copy(cfg)
+    bounded.max_seq_length = cfg.max_prompt_length + cfg.response_length
+    return bounded
 
 
 class DemonstrationLoss:
@@ -42,7 +53,7 @@ class DemonstrationLoss:
                 "ptx_dataset's rows are tokenized with the policy's tokenizer: features_of(cfg, train, tokenizer)"
             )
         rows = data.load_rows(cfg.ptx_dataset)
-        self.examples, _ = data.tokenize_sft(rows, tokenizer, cfg)
+        self.examples, _ = data.tokenize_sft(rows, tokenizer, episode_bounded(cfg))
         self.pad_id = tokenizer.pad_token_id
 
     def rows_for(self, cfg: Any, host_input_ids: torch.Tensor) -> list[dict]:

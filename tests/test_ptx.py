@@ -224,8 +224,8 @@ def test_bad_ptx_settings_exit_2_before_any_model_loads(tiny_models, files, tmp_
 
 def test_the_planner_counts_ptx(repo_root, files, capsys):
     """rlvr_8b under GRPO (no value model): PPO-ptx's phase is the policy's training compute again (as many
-    demonstrations per micro-batch, taken as long), and a training micro-batch's kept activations grow by
-    max_seq_length / (max_prompt_length + response_length) = 2048 / 4096 (the demonstrations' longest)."""
+    demonstrations per micro-batch, as long), and a training micro-batch's kept activations double (a demonstration
+    is at most an episode's length: ptx.episode_bounded)."""
     from open_instruct.plan import main as plan_main
 
     base = [os.path.join(repo_root, "configs", "rlvr_8b.yaml"), "--num_processes", "7", "--json", "--beta", "0",
@@ -240,4 +240,26 @@ def test_the_planner_counts_ptx(repo_root, files, capsys):
     assert phases["ptx"] == pytest.approx(phases["training compute"], rel=1e-12)
     assert phases["training compute"] == pytest.approx(plans["plain"]["phase_hours"]["training compute"], rel=1e-12)
     kept = [p["memory"]["phases"]["training micro-batch"]["activations (checkpointed)"] for p in plans.values()]
-    assert kept[1] == pytest.approx(kept[0] * (4096 + 2048) / 4096, rel=1e-12)
+    assert kept[1] == pytest.approx(2 * kept[0], rel=1e-12)
+
+
+def test_a_demonstration_longer_than_an_episode_is_dropped(tiny_models, files):
+    """Demonstrations are bounded by an episode's tokens (max_prompt_length + response_length), as the planner
+    counts them: with a 58 + 8 token episode exactly the rows of at most 66 tokens are kept (overlong drop), and
+    with overlong truncate every row is kept, cut to 66."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.models import load_tokenizer
+    from open_instruct.ptx import DemonstrationLoss
+
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    ptx = ["--ptx_dataset", files["ptx"], "--ptx_coef", "0.1"]
+    wide = DemonstrationLoss(parse_config(RLVRConfig, argv(tiny_models, files, "unused", *ptx)), tokenizer)
+    lengths = [len(e["input_ids"]) for e in wide.examples]
+    assert len(lengths) == 24 and min(lengths) <= 66 < max(lengths)  # the bound splits this data
+    short = ["--max_prompt_length", "58", "--response_length", "8"]
+    kept = DemonstrationLoss(parse_config(RLVRConfig, argv(tiny_models, files, "unused", *ptx, *short)), tokenizer)
+    assert sorted(len(e["input_ids"]) for e in kept.examples) == sorted(n for n in lengths if n <= 66)
+    cut = parse_config(RLVRConfig, argv(tiny_models, files, "unused", *ptx, *short, "--overlong", "truncate"))
+    assert sorted(len(e["input_ids"]) for e in DemonstrationLoss(cut, tokenizer).examples) == sorted(
+        min(n, 66) for n in lengths
+    )
