@@ -783,7 +783,8 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     ptx_dataset: Optional[str] = opt(
         None,
         "SFT rows (any SFT format, e.g. the cold-start demonstrations) whose next-token loss on assistant tokens is "
-        "added to the RL loss, weighted by ptx_coef (InstructGPT's PPO-ptx).",
+        "added to the RL loss, weighted by ptx_coef (InstructGPT's PPO-ptx); each at most max_prompt_length + "
+        "response_length tokens (overlong: drop or truncate).",
     )
     ptx_coef: float = opt(
         0.0, "Weight of ptx_dataset's mean NLL per token in each optimizer step's loss (0: off; OpenRLHF's 0.05)."
