@@ -7,6 +7,7 @@ import torch
 
 from open_instruct.data import collate_episodes
 from open_instruct.models import entropy_from_logits
+from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import (
     approx_kl,
     clipped_value_loss,
@@ -19,7 +20,6 @@ from open_instruct.rl_algorithms import (
     per_token_rewards,
     ppo_policy_loss,
 )
-from open_instruct.rlvr_ppo import episode_score
 from open_instruct.rollouts import derived_seed
 
 T = torch.tensor
@@ -167,12 +167,12 @@ def test_entropy_and_approx_kl():
     assert close(approx_kl(T([0.2, -0.1]), T([0.0, 0.0])), [0.02, 0.005])
 
 
-def test_episode_score_signs():
+def test_sequence_score_signs():
     # Correct (10) and stopped: 10. Not stopped, recipe penalty -10: 10 - 10 = 0. Reward model 2.0 x 0.5 adds 1.
-    assert episode_score(10.0, True, -10.0, None, 0.0) == 10.0
-    assert episode_score(10.0, False, -10.0, None, 0.0) == 0.0
-    assert episode_score(0.0, False, -10.0, None, 0.0) == -10.0
-    assert episode_score(10.0, True, -10.0, 2.0, 0.5) == 11.0
+    assert combine_rewards(10.0, True, -10.0, None, 0.0) == 10.0
+    assert combine_rewards(10.0, False, -10.0, None, 0.0) == 0.0
+    assert combine_rewards(0.0, False, -10.0, None, 0.0) == -10.0
+    assert combine_rewards(10.0, True, -10.0, 2.0, 0.5) == 11.0
 
 
 def test_collate_episodes_alignment():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tolerances import pass_atol, rollout_width
 
+from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import (
     Advantages,
     after_last_token,
@@ -29,7 +30,7 @@ from open_instruct.rl_algorithms import (
     truncated_is_weights,
     zero_std_groups,
 )
-from open_instruct.rlvr_ppo import RLModels, Rollout, episode_score, micro_batch_loss
+from open_instruct.rlvr_ppo import RLModels, Rollout, micro_batch_loss
 
 T = torch.tensor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,13 +61,13 @@ def test_group_estimators_by_hand():
 
 
 def test_groups_of_equal_scores_get_exactly_zero_whatever_the_values():
-    """Issue 22.1. In float32 the mean of 8 copies of -0.1 (an all-wrong, all-truncated group: episode_score with
+    """Issue 22.1. In float32 the mean of 8 copies of -0.1 (an all-wrong, all-truncated group: combine_rewards with
     non_stop_penalty -0.1) misses -0.1 by one rounding step; the old code divided that ~6e-8 by std ~6e-8 + 1e-6 and
     pushed every member up by +0.0074 (0.7 x 16: +0.056); Dr. GRPO and RLOO kept the ~6e-8 itself, and whitening
     equal values gave ~1e-4 (E[x^2] - E[x]^2) or ~1e-3 (masked_whiten). Now each is exactly 0."""
     from open_instruct.rl_algorithms import masked_whiten, whiten_over_ranks
 
-    all_truncated = episode_score(0.0, False, -0.1, None, 0.0, "add")
+    all_truncated = combine_rewards(0.0, False, -0.1, None, 0.0, "add")
     assert all_truncated == -0.1
     for value, k in [(all_truncated, 8), (0.7, 8), (0.7, 16), (3.3, 7), (0.7, 3)]:
         flat = torch.full((k,), value)
@@ -121,10 +122,10 @@ def test_tulu3_score_placement_by_hand():
 
 def test_non_stop_penalty_add_or_replace():
     # a right answer (10) that ran out of tokens: Tulu 3 replaces the score with the penalty, "add" sums them
-    assert episode_score(10.0, False, -10.0, None, 0.0, "add") == 0.0
-    assert episode_score(10.0, False, -10.0, None, 0.0, "replace") == -10.0
-    assert episode_score(10.0, True, -10.0, None, 0.0, "replace") == 10.0  # stopped: untouched
-    assert episode_score(0.0, False, -10.0, 2.0, 0.5, "replace") == -10.0  # the RM term is replaced too
+    assert combine_rewards(10.0, False, -10.0, None, 0.0, "add") == 0.0
+    assert combine_rewards(10.0, False, -10.0, None, 0.0, "replace") == -10.0
+    assert combine_rewards(10.0, True, -10.0, None, 0.0, "replace") == 10.0  # stopped: untouched
+    assert combine_rewards(0.0, False, -10.0, 2.0, 0.5, "replace") == -10.0  # the RM term is replaced too
 
 
 # ---------------------------------------------------------------------------------------------------------------------
