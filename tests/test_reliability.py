@@ -826,14 +826,15 @@ def test_bad_data_exits_2_naming_file_and_row_before_any_model_loads(
 
 
 def rlvr_scores(texts, ground_truths, verifiers, stopped, rm_scores, cfg):
-    """What rlvr_ppo.main does with a rollout: rewards.score_batch, then episode_score (combine_rewards) per episode."""
-    from open_instruct import rewards, rlvr_ppo
+    """What rlvr_ppo.main does with a rollout: rewards.score_batch, then combine_rewards per episode (the sequence
+    score, rlvr_ppo.sequence_scores_of)."""
+    from open_instruct import rewards
 
     scored = rewards.score_batch(
         texts, ground_truths, verifiers, verification_reward=cfg["verification_reward"], timeout=0.5
     )
     return scored, [
-        rlvr_ppo.episode_score(v, s, cfg["non_stop_penalty"], rm, cfg["rm_multiplier"])
+        rewards.combine_rewards(v, s, cfg["non_stop_penalty"], rm, cfg["rm_multiplier"])
         for v, s, rm in zip(scored.rewards, stopped, rm_scores)
     ]
 
