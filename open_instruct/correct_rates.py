@@ -16,8 +16,6 @@ from typing import Any, Optional, Sequence
 from open_instruct.errors import ConfigError
 
 SOURCE = "source"  # the group of a prompt by the dataset it came from (data.tokenize_prompts' row label)
-
-
 MISSING = "(missing)"  # the group of the training prompts that lack the column (a mixture's other sources)
 
 

@@ -554,6 +554,9 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
         formats.detect_format(formats.PROMPT, rows[0].data, cfg, rows[0].where())
     if not getattr(cfg, "reward_functions", None):  # reward functions need no verifier or ground truth
         check_columns(rows, [cfg.ground_truth_column], "RL prompt")
+    rate_by = getattr(cfg, "correct_rate_by", None)  # RL: each prompt's group (correct_rates.py)
+    if rate_by:
+        from open_instruct.correct_rates import group_of
     examples = []
     for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.PROMPT, stats)):
         if isinstance(out, DataError):
@@ -567,11 +570,10 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
             ids = ids[-cfg.max_prompt_length :]  # keep the end: the question and the generation prompt
             stats.truncated += 1
         group = {}  # RL's correct_rate_by: the prompt's group for train/correct_rate/<group>
-        if getattr(cfg, "correct_rate_by", None):
-            from open_instruct.correct_rates import group_of
-
-            value = group_of(row.data, row.label, cfg.correct_rate_by)
-            group = {} if value is None else {"rate_group": value}
+        if rate_by:
+            value = group_of(row.data, row.label, rate_by)
+            if value is not None:
+                group["rate_group"] = value
         examples.append(
             {
                 "prompt_ids": ids,

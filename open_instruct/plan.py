@@ -720,17 +720,20 @@ def rl_train_side(
                 {name if n == "training compute" else n: v for n, v in part.items()},
                 forwards * micro_batches,
             )
-    for size, n_layers in ((params, layers), (value, value_layers)):
+    # (size, layers, phase name) of each forward/backward per micro-batch; PPO-ptx: the policy's again, on as many
+    # demonstrations, as long
+    trained = [(params, layers, "training compute"), (value, value_layers, "training compute")]
+    trained.append((params if cfg.ptx_dataset else 0.0, layers, "ptx"))
+    for size, n_layers, name in trained:
         if size:
             step = micro_batch_phases(
                 tokens * k * size / flops_rate, fsdp_gather_seconds(size, w, 3, a), n_layers, True, a
             )
-            add_phases(train_side, step, cfg.num_epochs * micro_batches)
-    if cfg.ptx_dataset:  # PPO-ptx: a policy forward/backward per micro-batch on as many demonstrations (as long)
-        gather = fsdp_gather_seconds(params, w, 3, a)
-        step = micro_batch_phases(tokens * k * params / flops_rate, gather, layers, True, a)
-        ptx = {"ptx" if n == "training compute" else n: v for n, v in step.items()}
-        add_phases(train_side, ptx, cfg.num_epochs * micro_batches)
+            add_phases(
+                train_side,
+                {name if n == "training compute" else n: v for n, v in step.items()},
+                cfg.num_epochs * micro_batches,
+            )
     call_seconds = sandbox_call_seconds(a) if a.code_fraction else None
     if call_seconds:  # each process runs its own completions' programs, sandbox_workers at a time
         train_side["verification"] = verification_seconds(
