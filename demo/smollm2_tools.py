@@ -48,7 +48,15 @@ from typing import Any, Optional, Sequence
 
 from demo.pipeline import MISSING_PACKAGE, REPO, DemoError, cost_lines, paired_change, run_demo, run_script, script_env
 from demo.tools import held_out_episodes, trainer_eval_rows
-from demo.word_problems import FAILURES, ONE_STEP, SHAPE_OPS, calculator_traces, call_report, word_problem_rows
+from demo.word_problems import (
+    FAILURES,
+    ONE_STEP,
+    SHAPE_OPS,
+    calculator_traces,
+    call_report,
+    training_split,
+    word_problem_rows,
+)
 from open_instruct.data_cache import code_identity
 from open_instruct.run_dir import write_text_atomic
 
@@ -292,6 +300,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="the SFT traces' and RL prompts' phrasings: the six training families, or with two more "
                         "(demo.word_problems.MORE_TRAIN_FAMILIES: a difference as what is missing, unused or still "
                         "needed); the held-out sets are the same either way")  # fmt: skip
+    parser.add_argument("--train_shapes", choices=("base", "more"), default="base",
+                        help="the training two-step shapes: a+b-c and c+x*y, or with (a-b)*x and x*y-c too "
+                        "(demo.word_problems.TWO_STEP_MORE_TRAINED, the held-out-only shapes' operations composed the "
+                        "other way); the held-out sets are the same either way")  # fmt: skip
     parser.add_argument("--ptx_coef", type=float, default=0.0,
                         help="RL keeps the SFT traces' loss beside its own, with this weight (PPO-ptx: rlvr_ppo's "
                         "--ptx_dataset is the SFT traces; 0: off)")  # fmt: skip
@@ -363,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
                        args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only,
                        args.sft_expression == "text_order",
-                       "train" if args.train_phrasings == "base" else "train_varied")  # fmt: skip
+                       training_split(args.train_phrasings, args.train_shapes))  # fmt: skip
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}

@@ -9,7 +9,8 @@ sentences) and a *shape* (the arithmetic under it). Training and held-out sets s
 
     shapes  one-step: add (a+b), sub (a-b), mul (x*y)
             two-step: add_sub (a+b-c), mul_add (c+x*y): in training and held out;
-                      mul_sub (c-x*y), add_mul ((a+b)*x): held out only (never trained on)
+                      mul_sub (c-x*y), add_mul ((a+b)*x): held out only (never trained on);
+                      sub_mul ((a-b)*x), mul_less (x*y-c): training only, with `--train_shapes more`
 
 A problem may carry an irrelevant number (a *distractor*: "Ann is 43 years old."): training uses its own
 distractor sentences, the held-out distractor set others. Operands are 2-3 digits, too large for a 135M model to
@@ -30,7 +31,11 @@ ITEMS = ["apples", "stamps", "marbles", "pencils", "stickers", "shells", "coins"
 ONE_STEP = ("add", "sub", "mul")
 TWO_STEP_TRAINED = ("add_sub", "mul_add")
 TWO_STEP_HELD_OUT_ONLY = ("mul_sub", "add_mul")
-SHAPE_OPS = {"add": "+", "sub": "-", "mul": "*", "add_sub": "+-", "mul_add": "*+", "mul_sub": "*-", "add_mul": "+*"}
+# Training-only neighbours of the held-out-only shapes (`--train_shapes more`): the same two operations composed the
+# other way round, (a-b)*x beside (a+b)*x and x*y-c beside c-x*y.
+TWO_STEP_MORE_TRAINED = ("sub_mul", "mul_less")
+SHAPE_OPS = {"add": "+", "sub": "-", "mul": "*", "add_sub": "+-", "mul_add": "*+", "mul_sub": "*-", "add_mul": "+*",
+             "sub_mul": "-*", "mul_less": "*-"}  # fmt: skip
 
 # family -> shape -> templates. Slots: {n} {m} {k} names, {it} a plural item, numbers {a} {b} {c} (sums and
 # differences), {x} (a count) and {y} (an amount per unit) for products.
@@ -200,6 +205,52 @@ MORE_TRAIN_FAMILIES: dict[str, dict[str, list[str]]] = {
         "mul_add": ["A club rents {x} buses with {y} seats each and {c} more seats in vans. How many seats is that?"],
     },
 }
+# `--train_shapes more`: the training families' templates of TWO_STEP_MORE_TRAINED (the same words and settings as
+# each family's other templates; none of the held-out families' units, money or "Label: n." layout).
+MORE_SHAPE_TEMPLATES: dict[str, dict[str, list[str]]] = {
+    "story": {
+        "sub_mul": ["{n} packed {x} bags with {a} {it} each, then took {b} {it} out of every bag. "
+                    "How many {it} are in the bags now?"],
+        "mul_less": ["{n} bought {x} bags with {y} {it} in each bag and gave {c} {it} away. "
+                     "How many {it} does {n} have left?"],
+    },
+    "shop": {
+        "sub_mul": ["A shop had {a} {it} on each of {x} shelves and sold {b} {it} from each shelf. "
+                    "How many {it} are left on the shelves?"],
+        "mul_less": ["A shop received {x} cartons of {y} {it} each and sold {c} of them. How many {it} are left?"],
+    },
+    "question_first": {
+        "sub_mul": ["How many {it} are left in {x} boxes if each box had {a} {it} and {b} were taken from each box?"],
+        "mul_less": ["How many {it} are left if {n} had {x} packs of {y} {it} and used {c} of them?"],
+    },
+    "compare": {
+        "sub_mul": ["{n} has {a} {it}. {m} has {b} fewer than {n}, and {k} has {x} times as many as {m}. "
+                    "How many {it} does {k} have?"],
+        "mul_less": ["{n} has {y} {it}. {m} has {x} times as many as {n}, and {k} has {c} fewer than {m}. "
+                     "How many {it} does {k} have?"],
+    },
+    "school": {
+        "sub_mul": ["A school has {x} classes. Each class had {a} pupils, and {b} pupils left each class. "
+                    "How many pupils are in the classes now?"],
+        "mul_less": ["A school has {x} classes of {y} pupils. {c} pupils are away today. "
+                     "How many pupils are at school?"],
+    },
+    "math_words": {
+        "sub_mul": ["Subtract {b} from {a}, then multiply by {x}. What is the result?"],
+        "mul_less": ["Multiply {x} by {y}, then subtract {c}. What do you get?"],
+    },
+    "home": {
+        "sub_mul": ["{n} bakes {x} batches of {a} {it}, and {b} {it} in each batch burn. "
+                    "How many good {it} are there?"],
+        "mul_less": ["{n} has {x} tins with {y} {it} in each tin and eats {c} of them. "
+                     "How many {it} are still in the tins?"],
+    },
+    "club": {
+        "sub_mul": ["A club has {x} teams. Each team had {a} players, and {b} players left each team. "
+                    "How many players are there now?"],
+        "mul_less": ["A club rents {x} buses with {y} seats each. {c} seats stay empty. How many seats are used?"],
+    },
+}  # fmt: skip
 TRAIN_DISTRACTORS = ["{n}'s school has {d} lockers.", "The street has {d} houses.", "It is day {d} of the school year."]
 HELD_OUT_DISTRACTORS = ["The building is {d} meters tall.", "The store opened {d} days ago.",
                         "{n} lives at number {d}."]  # fmt: skip
@@ -217,6 +268,21 @@ SPLITS: dict[str, dict[str, Any]] = {
 
 # `--train_phrasings varied`: the training split with the added families, everything else as "train".
 SPLITS["train_varied"] = {**SPLITS["train"], "families": {**TRAIN_FAMILIES, **MORE_TRAIN_FAMILIES}}
+# `--train_shapes more`: either training split with TWO_STEP_MORE_TRAINED (still 1 in 4 problems two-step by default).
+for _name in ("train", "train_varied"):
+    SPLITS[f"{_name}_more_shapes"] = {
+        **SPLITS[_name],
+        "shapes": ONE_STEP * 4 + TWO_STEP_TRAINED + TWO_STEP_MORE_TRAINED,
+        "families": {f: {**shapes, **MORE_SHAPE_TEMPLATES[f]} for f, shapes in SPLITS[_name]["families"].items()},
+    }
+
+
+def training_split(phrasings: str = "base", shapes: str = "base") -> str:
+    """The SPLITS key of the training problems: `phrasings` "base" or "varied" (MORE_TRAIN_FAMILIES), `shapes`
+    "base" or "more" (TWO_STEP_MORE_TRAINED)."""
+    if phrasings not in ("base", "varied") or shapes not in ("base", "more"):
+        raise ValueError(f"phrasings must be base or varied, shapes base or more; got {phrasings!r}, {shapes!r}")
+    return "train" + ("_varied" if phrasings == "varied" else "") + ("_more_shapes" if shapes == "more" else "")
 
 
 def shape_numbers(rng: random.Random, shape: str) -> tuple[dict[str, int], list[int], str, int]:
@@ -245,6 +311,14 @@ def shape_numbers(rng: random.Random, shape: str) -> tuple[dict[str, int], list[
     if shape == "add_mul":
         a, b, x = rng.randint(11, 60), rng.randint(11, 60), rng.randint(3, 19)
         return {"a": a, "b": b, "x": x}, [a, b, x], f"({a}+{b})*{x}", (a + b) * x
+    if shape == "sub_mul":
+        a, x = rng.randint(30, 99), rng.randint(3, 19)
+        b = rng.randint(11, a - 11)
+        return {"a": a, "b": b, "x": x}, [a, b, x], f"({a}-{b})*{x}", (a - b) * x
+    if shape == "mul_less":
+        x, y = rng.randint(3, 19), rng.randint(12, 60)
+        c = rng.randint(10, min(999, x * y - 10))
+        return {"x": x, "y": y, "c": c}, [x, y, c], f"{x}*{y}-{c}", x * y - c
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -266,9 +340,11 @@ def text_order_expression(template: str, shape: str, slots: dict[str, int]) -> s
     if shape == "mul_add":
         product = commutative("*", "x", "y")
         return f"{slots['c']}+{product}" if at["c"] < min(at["x"], at["y"]) else f"{product}+{slots['c']}"
-    if shape == "add_mul":
-        total = f"({commutative('+', 'a', 'b')})"
+    if shape in ("add_mul", "sub_mul"):
+        total = f"({commutative('+', 'a', 'b')})" if shape == "add_mul" else f"({slots['a']}-{slots['b']})"
         return f"{slots['x']}*{total}" if at["x"] < min(at["a"], at["b"]) else f"{total}*{slots['x']}"
+    if shape == "mul_less":
+        return f"{commutative('*', 'x', 'y')}-{slots['c']}"
     raise ValueError(f"unknown shape {shape!r}")
 
 
@@ -344,7 +420,7 @@ def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tup
     written = problem["text_order_expression" if text_order else "expression"]
     if len(SHAPE_OPS[problem["shape"]]) == 1:
         return [(written, problem["answer"])]
-    inner_steps = (r"\((\d+\+\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
+    inner_steps = (r"\((\d+[-+]\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
     inner = next(m for m in (re.search(pattern, written) for pattern in inner_steps) if m)
     step = inner.group(1)
     value = int(calculate(step))
@@ -366,7 +442,7 @@ def calculator_traces(
     two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
     as word_problem's (default: 1 in 4 two-step). `text_order`: the calls write each sum's and product's operands
     in the order the question states them (`text_order_expression`), not the canonical order. `split`: the training
-    split the word problems come from ("train", or "train_varied" with MORE_TRAIN_FAMILIES)."""
+    split the word problems come from (a `training_split` key)."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):

@@ -14,17 +14,20 @@ import pytest
 from demo.word_problems import (
     HELD_OUT_DISTRACTORS,
     HELD_OUT_FAMILIES,
+    MORE_SHAPE_TEMPLATES,
     MORE_TRAIN_FAMILIES,
     SHAPE_OPS,
     SPLITS,
     TRAIN_DISTRACTORS,
     TRAIN_FAMILIES,
     TWO_STEP_HELD_OUT_ONLY,
+    TWO_STEP_MORE_TRAINED,
     calculator_traces,
     call_report,
     chained_steps,
     episode_analysis,
     text_order_expression,
+    training_split,
     word_problem,
     word_problem_rows,
 )
@@ -71,6 +74,11 @@ def test_every_problem_is_consistent(split):
         ("Take {b} away from {a}. What is left?", "sub", {"a": 30, "b": 12}, "30-12"),
         ("Necklaces: {x}. Red beads: {a}. Blue beads: {b}.", "add_mul", {"a": 11, "b": 12, "x": 3}, "3*(11+12)"),
         ("Cards: {c}. Packs sold: {x}. Cards per pack: {y}.", "mul_sub", {"x": 4, "y": 20, "c": 500}, "500-4*20"),
+        ("{n} bakes {x} batches of {a} {it}, and {b} {it} in each batch burn.", "sub_mul", {"a": 40, "b": 15, "x": 6},
+         "6*(40-15)"),
+        ("Subtract {b} from {a}, then multiply by {x}.", "sub_mul", {"a": 40, "b": 15, "x": 6}, "(40-15)*6"),
+        ("{n} has {y} {it}. {m} has {x} times as many as {n}, and {k} has {c} fewer than {m}.", "mul_less",
+         {"x": 5, "y": 43, "c": 100}, "43*5-100"),
     ],
 )  # fmt: skip
 def test_text_order_expression_worked_by_hand(template, shape, slots, written):
@@ -83,6 +91,10 @@ def test_chained_steps_of_either_expression_worked_by_hand(text_order):
     assert chained_steps(problem, text_order) == [("5*43", 215), ("215+207" if text_order else "207+215", 422)]
     problem = {"shape": "add_mul", "expression": "(11+12)*3", "text_order_expression": "3*(11+12)", "answer": 69}
     assert chained_steps(problem, text_order) == [("11+12", 23), ("3*23" if text_order else "23*3", 69)]
+    problem = {"shape": "sub_mul", "expression": "(40-15)*6", "text_order_expression": "6*(40-15)", "answer": 150}
+    assert chained_steps(problem, text_order) == [("40-15", 25), ("6*25" if text_order else "25*6", 150)]
+    problem = {"shape": "mul_less", "expression": "5*43-100", "text_order_expression": "43*5-100", "answer": 115}
+    assert chained_steps(problem, text_order) == [("43*5" if text_order else "5*43", 215), ("215-100", 115)]
 
 
 def templates(families: dict) -> set[str]:
@@ -377,7 +389,7 @@ def test_varied_phrasings_add_two_families_and_change_only_the_training_data(tmp
         assert ":" not in template and not held_out_words & set(re.findall(r"[a-z]+", template.lower())), template
     assert {shape for shapes in MORE_TRAIN_FAMILIES.values() for shape in shapes} == set(SHAPE_OPS) - set(
         TWO_STEP_HELD_OUT_ONLY
-    )
+    ) - set(TWO_STEP_MORE_TRAINED)
     rows = word_problem_rows(2000, 0, "train_varied")
     assert {r["problem"]["family"] for r in rows} == set(TRAIN_FAMILIES) | set(MORE_TRAIN_FAMILIES)
     assert not {r["problem"]["shape"] for r in rows} & set(TWO_STEP_HELD_OUT_ONLY)
@@ -393,3 +405,38 @@ def test_varied_phrasings_add_two_families_and_change_only_the_training_data(tmp
         assert same == (name not in ("sft_train", "rl_train")), name
     families = {r["problem"]["family"] for r in load_jsonl(varied["rl_train"])}
     assert families & set(MORE_TRAIN_FAMILIES)
+
+
+def test_more_shapes_reach_training_only_and_leave_the_held_out_sets_alone(tmp_path):
+    from demo.smollm2_tools import load_jsonl, write_data
+
+    assert training_split() == "train" and training_split("varied", "more") == "train_varied_more_shapes"
+    with pytest.raises(ValueError, match="shapes base or more"):
+        training_split("base", "all")
+    # every training family phrases both added shapes, in no word that only the held-out families use
+    held_out_words = {w for t in templates(HELD_OUT_FAMILIES) for w in re.findall(r"[a-z]+", t.lower())}
+    training_words = {w for t in templates(TRAIN_FAMILIES) | templates(MORE_TRAIN_FAMILIES)
+                      for w in re.findall(r"[a-z]+", t.lower())}  # fmt: skip
+    assert set(MORE_SHAPE_TEMPLATES) == set(TRAIN_FAMILIES) | set(MORE_TRAIN_FAMILIES)
+    for family in MORE_SHAPE_TEMPLATES.values():
+        assert set(family) == set(TWO_STEP_MORE_TRAINED)
+    held_out_only_words = held_out_words - training_words  # "liters", "dollars", "tape", ...
+    for template in templates(MORE_SHAPE_TEMPLATES):
+        assert ":" not in template and not set(re.findall(r"[a-z]+", template.lower())) & held_out_only_words, template
+    assert not templates(MORE_SHAPE_TEMPLATES) & templates(HELD_OUT_FAMILIES)
+    # 1 in 4 training problems two-step by default, now over four shapes; the held-out-only shapes never drawn
+    rows = word_problem_rows(4000, 0, "train_varied_more_shapes")
+    shapes = collections.Counter(r["problem"]["shape"] for r in rows)
+    assert set(shapes) == set(SHAPE_OPS) - set(TWO_STEP_HELD_OUT_ONLY)
+    two_step = sum(n for s, n in shapes.items() if len(SHAPE_OPS[s]) == 2)
+    assert abs(two_step - 1000) < 4 * (4000 * 0.25 * 0.75) ** 0.5  # 4 binomial sd
+    assert abs(shapes["sub_mul"] - 250) < 4 * (4000 * 0.0625 * 0.9375) ** 0.5
+    kw = dict(two_step_share=0.5, sft_chain=False, sft_text_order=True)
+    base, more = (write_data(str(tmp_path / s), 0, 64, "word", 200, 20, train_split=s, **kw)
+                  for s in ("train_varied", "train_varied_more_shapes"))  # fmt: skip
+    for name in base:  # the held-out sets are the same problems; the traces and prompts are new draws
+        assert (load_jsonl(base[name]) == load_jsonl(more[name])) == (name not in ("sft_train", "rl_train")), name
+    traces = load_jsonl(more["sft_train"])
+    called = [json.loads(re.search(r"<tool_call>(.*?)</tool_call>", m["content"]).group(1))["arguments"]["expression"]
+              for t in traces for m in t["messages"] if "<tool_call>" in (m.get("content") or "")]  # fmt: skip
+    assert any(re.fullmatch(r"(\d+\*)?\(\d+-\d+\)(\*\d+)?", e) for e in called)  # a (a-b)*x call was trained
