@@ -1046,7 +1046,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         eval_rows = cfg.per_device_eval_batch_size
     train = cfg.max_tokens_per_micro_batch or cfg.per_device_train_batch_size * rows * length
     if isinstance(cfg, RLVRConfig) and cfg.ptx_dataset:  # PPO-ptx: its demonstrations' activations join the rollout's
-        train += cfg.per_device_train_batch_size * length  # (ptx.episode_bounded: none is longer than an episode)
+        train += cfg.per_device_train_batch_size * length  # (ptx.demonstrations_config: none is longer than an episode)
     score = cfg.max_tokens_per_micro_batch or eval_rows * rows * length
     sequences = tokens = 0
     engine = 0.0

@@ -29,18 +29,23 @@ import random
 from typing import Any
 
 import torch
+from accelerate import PartialState
 
 from open_instruct import data
 from open_instruct.models import scored_logprobs, with_scored_index
 
 
-def episode_bounded(cfg: Any) -> Any:
-    """The config the demonstrations are tokenized with: at most an episode's tokens (max_prompt_length +
-    response_length) each, a longer one dropped or truncated as `overlong` says, so a demonstration micro-batch is no
-    larger than a rollout's (what the planner counts)."""
-    bounded = copy.copy(cfg)
-    bounded.max_seq_length = cfg.max_prompt_length + cfg.response_length
-    return bounded
+def demonstrations_config(cfg: Any) -> Any:
+    """The config the demonstrations are read and tokenized with (data.load_train_eval, so the tokenized-data cache
+    keeps them as it keeps a train set): ptx_dataset as the only source, all of its "train" split, no held-out part;
+    at most an episode's tokens (max_prompt_length + response_length) each, a longer one dropped or truncated as
+    `overlong` says, so a demonstration micro-batch is no larger than a rollout's (what the planner counts)."""
+    view = copy.copy(cfg)
+    view.max_seq_length = cfg.max_prompt_length + cfg.response_length
+    view.dataset_name_or_path, view.dataset_mixer_list, view.dataset_split = cfg.ptx_dataset, None, "train"
+    view.eval_dataset_name_or_path = view.eval_dataset_mixer_list = None
+    view.eval_fraction, view.max_train_samples, view.max_eval_samples = 0.0, None, None
+    return view
 
 
 class DemonstrationLoss:
@@ -52,8 +57,9 @@ class DemonstrationLoss:
             raise ValueError(
                 "ptx_dataset's rows are tokenized with the policy's tokenizer: features_of(cfg, train, tokenizer)"
             )
-        rows = data.load_rows(cfg.ptx_dataset)
-        self.examples, _ = data.tokenize_sft(rows, tokenizer, episode_bounded(cfg))
+        self.examples, _, self.stats = data.load_train_eval(demonstrations_config(cfg), tokenizer, data.tokenize_sft)
+        if PartialState().is_main_process:  # beside the start-up summary's data line
+            print(f"  ptx    {self.stats.summary()}", flush=True)
         self.pad_id = tokenizer.pad_token_id
 
     def rows_for(self, cfg: Any, host_input_ids: torch.Tensor) -> list[dict]:

@@ -225,7 +225,7 @@ def test_bad_ptx_settings_exit_2_before_any_model_loads(tiny_models, files, tmp_
 def test_the_planner_counts_ptx(repo_root, files, capsys):
     """rlvr_8b under GRPO (no value model): PPO-ptx's phase is the policy's training compute again (as many
     demonstrations per micro-batch, as long), and a training micro-batch's kept activations double (a demonstration
-    is at most an episode's length: ptx.episode_bounded)."""
+    is at most an episode's length: ptx.demonstrations_config)."""
     from open_instruct.plan import main as plan_main
 
     base = [os.path.join(repo_root, "configs", "rlvr_8b.yaml"), "--num_processes", "7", "--json", "--beta", "0",
@@ -263,3 +263,24 @@ def test_a_demonstration_longer_than_an_episode_is_dropped(tiny_models, files):
     assert sorted(len(e["input_ids"]) for e in DemonstrationLoss(cut, tokenizer).examples) == sorted(
         min(n, 66) for n in lengths
     )
+
+
+def test_demonstrations_are_tokenized_once_and_never_split_off_as_held_out(tiny_models, files, tmp_path):
+    """The demonstrations go through the tokenized-data cache like a train set: a second run reads the same examples
+    back, a different bound is a different entry, and the RL run's own held-out settings (eval_fraction,
+    max_train_samples) leave every demonstration in."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.models import load_tokenizer
+    from open_instruct.ptx import DemonstrationLoss
+
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    ptx = ["--ptx_dataset", files["ptx"], "--ptx_coef", "0.1", "--dataset_cache_dir", str(tmp_path / "cache")]
+    cfg = lambda *extra: parse_config(RLVRConfig, argv(tiny_models, files, "unused", *ptx, *extra))  # noqa: E731
+    first, again = DemonstrationLoss(cfg(), tokenizer), DemonstrationLoss(cfg(), tokenizer)
+    assert "written to the cache" in first.stats.inputs and "read from the cache" in again.stats.inputs
+    assert again.examples == first.examples and len(first.examples) == 24
+    bounded = DemonstrationLoss(cfg("--max_prompt_length", "58", "--response_length", "8"), tokenizer)
+    assert "written to the cache" in bounded.stats.inputs and len(bounded.examples) < 24
+    split = DemonstrationLoss(cfg("--eval_dataset_name_or_path", "", "--eval_fraction", "0.5",
+                                  "--max_train_samples", "4"), tokenizer)  # fmt: skip
+    assert [e["input_ids"] for e in split.examples] == [e["input_ids"] for e in first.examples]
