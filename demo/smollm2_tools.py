@@ -79,6 +79,14 @@ SYSTEM_PROMPT = system_prompt()
 NO_TOOL_PROMPT = "Solve the problem. Reply with the final answer: the number only."
 HELD_OUT = {"one-step": "one_step", "irrelevant number": "distractor", "two-step": "two_step"}  # title -> split
 HELD_OUT_SEED = 1000  # the held-out problems are the same for every --seed
+
+
+def held_out_draw(held_out_seed: int) -> str:
+    """The suffix of a held-out draw's files and folders: "" for the demo's own problems (HELD_OUT_SEED), else
+    "_draw<seed>", so evaluating a finished run on fresh problems (--held_out_seed) keeps its first evaluation."""
+    return "" if held_out_seed == HELD_OUT_SEED else f"_draw{held_out_seed}"
+
+
 BUDGET = {"max_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 128}  # as the RL recipe
 
 
@@ -117,12 +125,13 @@ def write_data(
     block_only: Sequence[str] = (),
     sft_text_order: bool = False,
     train_split: str = "train",
+    held_out_seed: int = HELD_OUT_SEED,
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
     them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
     `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`), both drawn
     from `train_split` (a demo.word_problems split), and, per held-out set, its rows with the tool prompt and without
-    tools."""
+    tools (drawn with `held_out_seed`)."""
     from demo.synthetic import write_jsonl
 
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
@@ -135,10 +144,11 @@ def write_data(
             j("rl_train"), one_step_first_order(rl_rows, one_step_first, balanced_rollouts, block_only)
         ),
     }
+    draw = held_out_draw(held_out_seed)
     for name, split in HELD_OUT.items():
-        files[name] = write_jsonl(j(f"eval_{split}"), word_problem_rows(n_eval, HELD_OUT_SEED, split, prompt))
+        files[name] = write_jsonl(j(f"eval_{split}{draw}"), word_problem_rows(n_eval, held_out_seed, split, prompt))
         files[f"{name}|no tool"] = write_jsonl(
-            j(f"eval_{split}_no_tool"), word_problem_rows(n_eval, HELD_OUT_SEED, split, NO_TOOL_PROMPT)
+            j(f"eval_{split}_no_tool{draw}"), word_problem_rows(n_eval, held_out_seed, split, NO_TOOL_PROMPT)
         )
     return files
 
@@ -207,12 +217,14 @@ def evaluate(
     no_tool: bool,
     reuse_from: Optional[str] = None,
     resume: bool = False,
+    eval_dir: str = "eval",
 ) -> dict[str, dict[str, Any]]:
     """The held-out `sets` (titles of HELD_OUT), greedy, with the calculator and (with `no_tool`) without tools;
     returns set -> the summary of held_out_episodes plus call_report's fields and `no_tool_accuracy`. With
     `reuse_from` (an earlier run's output folder), an evaluation found there of the same model on the same problems
     is copied instead of played again (the shipped model's: it does not change with --seed). With `resume` (the
-    model is the one evaluated before), an evaluation already in `out` of the same problems is kept."""
+    model is the one evaluated before), an evaluation already in `out` of the same problems is kept. Each set's
+    episodes go to <out>/<eval_dir>/<when>/<set>/."""
 
     def episodes(data: str, where: str, tools: bool, max_turns: int, max_response_tokens: int) -> dict[str, Any]:
         problems = code_identity([data])  # the bytes of the held-out file: which problems were played
@@ -233,7 +245,7 @@ def evaluate(
 
     results = {}
     for name in sets:
-        where = os.path.join(out, "eval", when, HELD_OUT[name])
+        where = os.path.join(out, eval_dir, when, HELD_OUT[name])
         r = episodes(files[name], where, True, BUDGET["max_turns"], BUDGET["max_response_tokens"])
         nt = {"accuracy": float("nan"), "ci95": None, "cpu_seconds": 0.0, "seconds": 0.0}
         if no_tool:
@@ -318,6 +330,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="one-step shapes (comma-separated among add, sub, mul) RL sees in the --one_step_first "
                         "block only: none after it")  # fmt: skip
     parser.add_argument("--n_eval", type=int, default=100, help="problems per held-out set")
+    parser.add_argument("--held_out_seed", type=int, default=HELD_OUT_SEED,
+                        help="draw the held-out sets with this seed (the same families and shapes, other problems): "
+                        "with --resume, a finished run evaluated on fresh problems; another seed than the default "
+                        "writes eval_draw<seed>/ and summary_draw<seed>.* beside the first evaluation")  # fmt: skip
     parser.add_argument("--skip_shipped_eval", action="store_true", help="do not evaluate the model as shipped")
     parser.add_argument("--shipped_eval_from", default=None,
                         help="an earlier run's --output_dir: reuse its evaluation of the shipped model")  # fmt: skip
@@ -375,7 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
                        args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only,
                        args.sft_expression == "text_order",
-                       training_split(args.train_phrasings, args.train_shapes))  # fmt: skip
+                       training_split(args.train_phrasings, args.train_shapes), args.held_out_seed)  # fmt: skip
+    draw = held_out_draw(args.held_out_seed)
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}
@@ -405,7 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     def timed_evaluation(model: str, gguf: Optional[str], when: str, resume: bool) -> dict[str, dict[str, Any]]:
         reuse = os.path.abspath(args.shipped_eval_from) if when == "shipped" and args.shipped_eval_from else None
-        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse, resume)
+        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse, resume, f"eval{draw}")
         timings[f"eval {when}"] = sum(r["seconds"] for r in res.values())
         cpu[f"eval {when}"] = sum(r["cpu_seconds"] for r in res.values())
         return res
@@ -433,7 +450,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         results["rlvr"] = timed_evaluation(rl_model, None, "rlvr", rl_kept)
 
     paired = {
-        f"{a} -> {b}|{name}": paired_change(os.path.join(out, "eval", a, split), os.path.join(out, "eval", b, split))
+        f"{a} -> {b}|{name}": paired_change(
+            os.path.join(out, f"eval{draw}", a, split), os.path.join(out, f"eval{draw}", b, split)
+        )
         for a, b in (("sft", "rlvr"), ("shipped", "sft"))
         if a in results and b in results
         for name, split in HELD_OUT.items()
@@ -466,9 +485,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "cpu_seconds": {**cpu, "training": training_cpu, "total": sum(cpu.values())},
         "commands": commands,
     }
-    with open(os.path.join(out, "summary.md"), "w") as f:
+    with open(os.path.join(out, f"summary{draw}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
+    with open(os.path.join(out, f"summary{draw}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print("\n" + "=" * 80 + "\n" + "\n".join(lines))
     return summary

@@ -269,6 +269,31 @@ def test_the_shipped_evaluation_is_reused_only_for_the_same_problems(tmp_path):
         evaluate("model", None, str(now), "shipped", files_now, ["one-step"], False, str(earlier))
 
 
+def test_a_fresh_held_out_draw_is_written_and_evaluated_beside_the_first(tmp_path):
+    """`--held_out_seed`: other problems of the same sets, in files and an evaluation folder of their own; the
+    training files and the first draw's files and evaluation stay as they were."""
+    from demo.smollm2_tools import HELD_OUT_SEED, evaluate, held_out_draw, load_jsonl, write_data
+
+    assert held_out_draw(HELD_OUT_SEED) == "" and held_out_draw(2000) == "_draw2000"
+    first = write_data(str(tmp_path / "data"), 0, 8, "word", 8, 20)
+    (tmp_path / "eval" / "sft" / "two_step").mkdir(parents=True)
+    (tmp_path / "eval" / "sft" / "two_step" / "problems.sha256").write_text("the first evaluation")
+    before = {k: open(f).read() for k, f in first.items()}
+    fresh = write_data(str(tmp_path / "data"), 0, 8, "word", 8, 20, held_out_seed=2000)
+    assert {k: open(f).read() for k, f in first.items()} == before  # nothing of the first draw rewritten
+    for name in first:
+        assert (fresh[name] == first[name]) == (name in ("sft_train", "rl_train")), name
+    assert fresh["two-step"].endswith("eval_two_step_draw2000.jsonl")
+    shapes = lambda f: collections.Counter(r["problem"]["shape"] for r in load_jsonl(f))  # noqa: E731
+    assert not {r["problem"]["question"] for r in load_jsonl(fresh["two-step"])} & {
+        r["problem"]["question"] for r in load_jsonl(first["two-step"])
+    }
+    assert set(shapes(fresh["two-step"])) == set(shapes(first["two-step"]))  # the same shapes, other numbers
+    with pytest.raises(Exception):  # "model" is no model: the fresh draw is played, in its own folder
+        evaluate("model", None, str(tmp_path), "sft", fresh, ["two-step"], False, None, True, "eval_draw2000")
+    assert (tmp_path / "eval" / "sft" / "two_step" / "problems.sha256").read_text() == "the first evaluation"
+
+
 def test_two_step_share_sets_the_mix():
     rows = word_problem_rows(2000, 3, "train", two_step_share=0.5)
     share = sum(len(r["problem"]["ops"]) == 2 for r in rows) / len(rows)
