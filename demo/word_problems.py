@@ -269,12 +269,14 @@ SPLITS: dict[str, dict[str, Any]] = {
 # `--train_phrasings varied`: the training split with the added families, everything else as "train".
 SPLITS["train_varied"] = {**SPLITS["train"], "families": {**TRAIN_FAMILIES, **MORE_TRAIN_FAMILIES}}
 # `--train_shapes more`: either training split with TWO_STEP_MORE_TRAINED (still 1 in 4 problems two-step by default).
-for _name in ("train", "train_varied"):
-    SPLITS[f"{_name}_more_shapes"] = {
-        **SPLITS[_name],
+SPLITS.update({
+    f"{name}_more_shapes": {
+        **SPLITS[name],
         "shapes": ONE_STEP * 4 + TWO_STEP_TRAINED + TWO_STEP_MORE_TRAINED,
-        "families": {f: {**shapes, **MORE_SHAPE_TEMPLATES[f]} for f, shapes in SPLITS[_name]["families"].items()},
+        "families": {f: {**shapes, **MORE_SHAPE_TEMPLATES[f]} for f, shapes in SPLITS[name]["families"].items()},
     }
+    for name in ("train", "train_varied")
+})  # fmt: skip
 
 
 def training_split(phrasings: str = "base", shapes: str = "base") -> str:
