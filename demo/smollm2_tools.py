@@ -79,15 +79,13 @@ SYSTEM_PROMPT = system_prompt()
 NO_TOOL_PROMPT = "Solve the problem. Reply with the final answer: the number only."
 HELD_OUT = {"one-step": "one_step", "irrelevant number": "distractor", "two-step": "two_step"}  # title -> split
 HELD_OUT_SEED = 1000  # the held-out problems are the same for every --seed
+BUDGET = {"max_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 128}  # as the RL recipe
 
 
 def held_out_draw(held_out_seed: int) -> str:
     """The suffix of a held-out draw's files and folders: "" for the demo's own problems (HELD_OUT_SEED), else
     "_draw<seed>", so evaluating a finished run on fresh problems (--held_out_seed) keeps its first evaluation."""
     return "" if held_out_seed == HELD_OUT_SEED else f"_draw{held_out_seed}"
-
-
-BUDGET = {"max_turns": 3, "max_turn_tokens": 48, "max_response_tokens": 128}  # as the RL recipe
 
 
 def as_text_calls(rows: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
@@ -393,6 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                        args.sft_expression == "text_order",
                        training_split(args.train_phrasings, args.train_shapes), args.held_out_seed)  # fmt: skip
     draw = held_out_draw(args.held_out_seed)
+    eval_dir = f"eval{draw}"  # the first draw's evaluation stays in eval/
     timings: dict[str, float] = {}
     cpu: dict[str, float] = {}
     commands: dict[str, str] = {}
@@ -422,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     def timed_evaluation(model: str, gguf: Optional[str], when: str, resume: bool) -> dict[str, dict[str, Any]]:
         reuse = os.path.abspath(args.shipped_eval_from) if when == "shipped" and args.shipped_eval_from else None
-        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse, resume, f"eval{draw}")
+        res = evaluate(model, gguf, out, when, files, sets, not args.skip_no_tool_eval, reuse, resume, eval_dir)
         timings[f"eval {when}"] = sum(r["seconds"] for r in res.values())
         cpu[f"eval {when}"] = sum(r["cpu_seconds"] for r in res.values())
         return res
@@ -451,7 +450,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     paired = {
         f"{a} -> {b}|{name}": paired_change(
-            os.path.join(out, f"eval{draw}", a, split), os.path.join(out, f"eval{draw}", b, split)
+            os.path.join(out, eval_dir, a, split), os.path.join(out, eval_dir, b, split)
         )
         for a, b in (("sft", "rlvr"), ("shipped", "sft"))
         if a in results and b in results
