@@ -19,14 +19,16 @@ environment parses, and the result comes back as a `tool` turn. The prompt's exa
 is copied into calls: the earlier prompt's `12*34` was).
 
 1. Held-out evaluation as shipped (--skip_shipped_eval to skip: the problems and the model do not change with --seed).
-2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces (32: 4 steps) of training-family word
-   problems, --two_step_share of them two-step (0.5, as of the RL prompts): a call, its result, the answer; a
-   two-step problem takes two calls, the second on the first one's result (--sft_calls chained, the default; "one":
-   one call with the whole expression) (--sft_task word, the default);
-   with --sft_task symbolic the questions are the expressions themselves ("What is 340+5*12?"): the call's format
-   and no translation from words. docs/demos.md gives what each choice measured.
+2. A cold-start SFT (configs/demo/sft_smollm2_tools.yaml) on --n_sft traces (256: 32 steps) of training-family word
+   problems in eight phrasing families (--train_phrasings varied), --two_step_share of them two-step (0.5, as of the
+   RL prompts): a call, its result, the answer; a two-step problem takes one call with the whole expression
+   (--sft_calls one; "chained": two calls, the second on the first one's result), its operands in the question's
+   order (--sft_expression text_order) (--sft_task word; with --sft_task symbolic the questions are the expressions
+   themselves, "What is 340+5*12?": the call's format and no translation from words).
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
-   `--key value` arguments go to it), held-out evaluation after.
+   `--key value` arguments go to it): the first 24 prompts one-step, every shape spread over the rollouts, the SFT
+   traces' loss kept beside RL's with weight --ptx_coef 0.2 (PPO-ptx); held-out evaluation after.
+   docs/demos.md gives what each choice measured (the defaults are its round 16 recipe).
 
 Each evaluation plays greedy episodes with the calculator, and answers the same problems without tools (a system
 prompt that asks for the number only). Reported per held-out set and model: accuracy (95% CI), calls per episode,
@@ -288,7 +290,7 @@ def summary_lines(results: dict[str, Any], titles: dict[str, str], n_eval: int) 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/demo_smollm2_tools")
-    parser.add_argument("--n_sft", type=int, default=32, help="cold-start SFT traces (one pass, 8 per step)")
+    parser.add_argument("--n_sft", type=int, default=256, help="cold-start SFT traces (one pass, 8 per step)")
     parser.add_argument("--sft_task", choices=("symbolic", "word"), default="word",
                         help="SFT questions: expressions (the call format only) or word problems")  # fmt: skip
     parser.add_argument("--call_example", default="...",
@@ -299,14 +301,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--rl_two_step_share", type=float, default=None,
                         help="share of two-step problems among the RL prompts only (default: --two_step_share); "
                         "a --one_step_first block moves some of their one-step ones to the front")  # fmt: skip
-    parser.add_argument("--sft_calls", choices=("chained", "one"), default="chained",
+    parser.add_argument("--sft_calls", choices=("chained", "one"), default="one",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip
-    parser.add_argument("--sft_expression", choices=("canonical", "text_order"), default="canonical",
+    parser.add_argument("--sft_expression", choices=("canonical", "text_order"), default="text_order",
                         help="the SFT calls' expressions: one fixed order per shape (207+5*43), or each sum's and "
                         "product's operands in the order the question states them (5*43+207 for 'Full trays: 5. "
                         "Eggs per tray: 43. Loose eggs: 207.')")  # fmt: skip
-    parser.add_argument("--train_phrasings", choices=("base", "varied"), default="base",
+    parser.add_argument("--train_phrasings", choices=("base", "varied"), default="varied",
                         help="the SFT traces' and RL prompts' phrasings: the six training families, or with two more "
                         "(demo.word_problems.MORE_TRAIN_FAMILIES: a difference as what is missing, unused or still "
                         "needed); the held-out sets are the same either way")  # fmt: skip
@@ -314,13 +316,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="the training two-step shapes: a+b-c and c+x*y, or with (a-b)*x and x*y-c too "
                         "(demo.word_problems.TWO_STEP_MORE_TRAINED, the held-out-only shapes' operations composed the "
                         "other way); the held-out sets are the same either way")  # fmt: skip
-    parser.add_argument("--ptx_coef", type=float, default=0.0,
+    parser.add_argument("--ptx_coef", type=float, default=0.2,
                         help="RL keeps the SFT traces' loss beside its own, with this weight (PPO-ptx: rlvr_ppo's "
                         "--ptx_dataset is the SFT traces; 0: off)")  # fmt: skip
-    parser.add_argument("--one_step_first", type=int, default=0,
+    parser.add_argument("--one_step_first", type=int, default=24,
                         help="a curriculum: the first N RL prompts are one-step problems, the rest at "
                         "--two_step_share (RL reads them in this order: --train_order as_written)")  # fmt: skip
-    parser.add_argument("--balanced_rollouts", action="store_true",
+    parser.add_argument("--balanced_rollouts", action=argparse.BooleanOptionalAction, default=True,
                         help="every shape spread evenly over the RL prompts (the --one_step_first block: add, "
                         "sub and mul in turn), so each rollout's groups hold every operation (--train_order "
                         "as_written)")  # fmt: skip
