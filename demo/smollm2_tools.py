@@ -27,8 +27,8 @@ is copied into calls: the earlier prompt's `12*34` was).
    themselves, "What is 340+5*12?": the call's format and no translation from words).
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
    `--key value` arguments go to it): the first 24 prompts one-step, every shape spread over the rollouts, the SFT
-   traces' loss kept beside RL's with weight --ptx_coef 0.2 (PPO-ptx); held-out evaluation after.
-   docs/demos.md gives what each choice measured (the defaults are its round 16 recipe).
+   traces' loss kept beside RL's with weight --ptx_coef 0.3 (PPO-ptx); held-out evaluation after.
+   docs/demos.md gives what each choice measured (the defaults: its round 18 recipe).
 
 Each evaluation plays greedy episodes with the calculator, and answers the same problems without tools (a system
 prompt that asks for the number only). Reported per held-out set and model: accuracy (95% CI), calls per episode,
@@ -316,7 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                         help="the training two-step shapes: a+b-c and c+x*y, or with (a-b)*x and x*y-c too "
                         "(demo.word_problems.TWO_STEP_MORE_TRAINED, the held-out-only shapes' operations composed the "
                         "other way); the held-out sets are the same either way")  # fmt: skip
-    parser.add_argument("--ptx_coef", type=float, default=0.2,
+    parser.add_argument("--ptx_coef", type=float, default=0.3,
                         help="RL keeps the SFT traces' loss beside its own, with this weight (PPO-ptx: rlvr_ppo's "
                         "--ptx_dataset is the SFT traces; 0: off)")  # fmt: skip
     parser.add_argument("--one_step_first", type=int, default=24,
