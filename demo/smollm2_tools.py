@@ -126,10 +126,12 @@ def write_data(
     sft_text_order: bool = False,
     train_split: str = "train",
     held_out_seed: int = HELD_OUT_SEED,
+    sft_grouped: bool = False,
 ) -> dict[str, str]:
     """The SFT traces (two-step ones as two chained calls with `sft_chain`), the RL prompts (`rl_two_step_share` of
     them two-step, by default `two_step_share` as of the traces; the first `one_step_first` one-step, see
-    `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`), both drawn
+    `one_step_first_order`; the traces' calls in the question's order of operands with `sft_text_order`, their first
+    step bracketed with `sft_grouped`), both drawn
     from `train_split` (a demo.word_problems split), and, per held-out set, its rows with the tool prompt and without
     tools (drawn with `held_out_seed`)."""
     from demo.synthetic import write_jsonl
@@ -137,7 +139,8 @@ def write_data(
     j = lambda name: os.path.join(data_dir, f"{name}.jsonl")  # noqa: E731
     rl_share = two_step_share if rl_two_step_share is None else rl_two_step_share
     rl_rows = word_problem_rows(n_train, seed, train_split, prompt, rl_share)
-    traces = calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share, sft_text_order, train_split)
+    traces = calculator_traces(n_sft, seed, sft_task, sft_chain, two_step_share, sft_text_order, train_split,
+                               sft_grouped)  # fmt: skip
     files = {
         "sft_train": write_jsonl(j("sft_train"), as_text_calls(traces, prompt)),
         "rl_train": write_jsonl(
@@ -304,10 +307,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     parser.add_argument("--sft_calls", choices=("chained", "one"), default="one",
                         help="a two-step SFT trace: two calls, the second on the first one's result, or one call "
                         "with the whole expression")  # fmt: skip
-    parser.add_argument("--sft_expression", choices=("canonical", "text_order"), default="text_order",
+    parser.add_argument("--sft_expression", choices=("canonical", "text_order", "grouped"), default="text_order",
                         help="the SFT calls' expressions: one fixed order per shape (207+5*43), or each sum's and "
                         "product's operands in the order the question states them (5*43+207 for 'Full trays: 5. "
-                        "Eggs per tray: 43. Loose eggs: 207.')")  # fmt: skip
+                        "Eggs per tray: 43. Loose eggs: 207.'), or that with a two-step call's first step in "
+                        "brackets ((5*43)+207; with --sft_calls one)")  # fmt: skip
     parser.add_argument("--train_phrasings", choices=("base", "varied"), default="varied",
                         help="the SFT traces' and RL prompts' phrasings: the six training families, or with two more "
                         "(demo.word_problems.MORE_TRAIN_FAMILIES: a difference as what is missing, unused or still "
@@ -353,6 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             parser.error(f"--{flag} {getattr(args, flag)}: a share, between 0 and 1")
     if not 0 <= args.one_step_first <= args.n_train:
         parser.error(f"--one_step_first {args.one_step_first}: must be between 0 and --n_train ({args.n_train})")
+    if args.sft_expression == "grouped" and args.sft_calls == "chained":
+        parser.error("--sft_expression grouped brackets a one-call trace's first step: use it with --sft_calls one")
     block_only = [s.strip() for s in args.block_only.split(",") if s.strip()]
     sets = [s.strip() for s in args.held_out.split(",") if s.strip()]
     if not sets or set(sets) - set(HELD_OUT):
@@ -390,8 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     files = write_data(os.path.join(out, "data"), args.seed, args.n_sft, args.sft_task, args.n_train, args.n_eval,
                        system_prompt(args.call_example), args.two_step_share, args.sft_calls == "chained",
                        args.one_step_first, args.balanced_rollouts, args.rl_two_step_share, block_only,
-                       args.sft_expression == "text_order",
-                       training_split(args.train_phrasings, args.train_shapes), args.held_out_seed)  # fmt: skip
+                       args.sft_expression in ("text_order", "grouped"),
+                       training_split(args.train_phrasings, args.train_shapes), args.held_out_seed,
+                       args.sft_expression == "grouped")  # fmt: skip
     draw = held_out_draw(args.held_out_seed)
     eval_dir = f"eval{draw}"  # the first draw's evaluation stays in eval/
     timings: dict[str, float] = {}

@@ -411,6 +411,24 @@ def symbolic_problem(rng: random.Random) -> dict[str, Any]:
             "shape": shape}  # fmt: skip
 
 
+def first_step(expression: str) -> re.Match:
+    """Where a two-step expression's first step is: the bracket, else the product, else the leading sum (group 1 is
+    the step without its brackets)."""
+    patterns = (r"\((\d+[-+]\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
+    return next(m for m in (re.search(pattern, expression) for pattern in patterns) if m)
+
+
+def grouped_expression(problem: dict[str, Any], text_order: bool = False) -> str:
+    """The problem's expression (`text_order`: its text_order_expression) with the step computed first in brackets
+    (577+818-753: `(577+818)-753`; 5*43+207: `(5*43)+207`); a one-step expression as it is. The training shapes
+    written this way show the bracket that the held-out (a+b)*x needs without showing that shape."""
+    written = problem["text_order_expression" if text_order else "expression"]
+    if len(SHAPE_OPS[problem["shape"]]) == 1:
+        return written
+    step = first_step(written)
+    return f"{written[: step.start()]}({step.group(1)}){written[step.end() :]}"
+
+
 def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tuple[str, int]]:
     """The calculator calls that solve `problem` one step at a time, each (expression, result): a one-step problem
     is its expression; a two-step one is its inner step (the bracket, else the product, else the leading sum) first,
@@ -422,8 +440,7 @@ def chained_steps(problem: dict[str, Any], text_order: bool = False) -> list[tup
     written = problem["text_order_expression" if text_order else "expression"]
     if len(SHAPE_OPS[problem["shape"]]) == 1:
         return [(written, problem["answer"])]
-    inner_steps = (r"\((\d+[-+]\d+)\)", r"(\d+\*\d+)", r"^(\d+\+\d+)")  # in this order of precedence
-    inner = next(m for m in (re.search(pattern, written) for pattern in inner_steps) if m)
+    inner = first_step(written)
     step = inner.group(1)
     value = int(calculate(step))
     return [(step, value), (written[: inner.start()] + str(value) + written[inner.end() :], problem["answer"])]
@@ -437,6 +454,7 @@ def calculator_traces(
     two_step_share: Optional[float] = None,
     text_order: bool = False,
     split: str = "train",
+    grouped: bool = False,
 ) -> list[dict[str, Any]]:
     """Cold-start SFT traces: the question, an assistant turn calling the calculator with the problem's expression
     (OpenAI-style `tool_calls`), the tool's result, and the final answer (the number). `task` "symbolic": questions
@@ -444,17 +462,21 @@ def calculator_traces(
     two-step problem takes two calls, the second on the first one's result (`chained_steps`). `two_step_share`:
     as word_problem's (default: 1 in 4 two-step). `text_order`: the calls write each sum's and product's operands
     in the order the question states them (`text_order_expression`), not the canonical order. `split`: the training
-    split the word problems come from (a `training_split` key)."""
+    split the word problems come from (a `training_split` key). `grouped`: a two-step call brackets its first step
+    (`grouped_expression`; one-call traces only)."""
     from demo.synthetic import calculator_call
 
     if task not in ("symbolic", "word"):
         raise ValueError(f"task must be 'symbolic' or 'word', got {task!r}")
+    if grouped and chain:
+        raise ValueError("grouped brackets the first step of a one-call trace; chained traces call each step alone")
     rng = random.Random(f"sft-{task}-{seed}")
     rows = []
     for i in range(n):
         p = symbolic_problem(rng) if task == "symbolic" else word_problem(rng, split, two_step_share)
         messages: list[dict[str, Any]] = [{"role": "user", "content": p["question"]}]
         whole = p["text_order_expression" if text_order else "expression"]
+        whole = grouped_expression(p, text_order) if grouped else whole
         for expression, result in chained_steps(p, text_order) if chain else [(whole, p["answer"])]:
             messages.append({"role": "assistant", "content": "", "tool_calls": [calculator_call(expression)]})
             messages.append({"role": "tool", "content": str(result)})

@@ -26,6 +26,7 @@ from demo.word_problems import (
     call_report,
     chained_steps,
     episode_analysis,
+    grouped_expression,
     text_order_expression,
     training_split,
     word_problem,
@@ -95,6 +96,44 @@ def test_chained_steps_of_either_expression_worked_by_hand(text_order):
     assert chained_steps(problem, text_order) == [("40-15", 25), ("6*25" if text_order else "25*6", 150)]
     problem = {"shape": "mul_less", "expression": "5*43-100", "text_order_expression": "43*5-100", "answer": 115}
     assert chained_steps(problem, text_order) == [("43*5" if text_order else "5*43", 215), ("215-100", 115)]
+
+
+@pytest.mark.parametrize("text_order", [False, True])
+def test_grouped_expression_brackets_the_first_step_worked_by_hand(text_order):
+    problem = {"shape": "mul_add", "expression": "207+5*43", "text_order_expression": "5*43+207", "answer": 422}
+    assert grouped_expression(problem, text_order) == ("(5*43)+207" if text_order else "207+(5*43)")
+    problem = {"shape": "add_sub", "expression": "577+818-753", "text_order_expression": "818+577-753"}
+    assert grouped_expression(problem, text_order) == ("(818+577)-753" if text_order else "(577+818)-753")
+    problem = {"shape": "mul_less", "expression": "5*43-100", "text_order_expression": "43*5-100"}
+    assert grouped_expression(problem, text_order) == ("(43*5)-100" if text_order else "(5*43)-100")
+    problem = {"shape": "add_mul", "expression": "(11+12)*3", "text_order_expression": "3*(11+12)"}
+    assert grouped_expression(problem, text_order) == ("3*(11+12)" if text_order else "(11+12)*3")  # as it was
+    problem = {"shape": "add", "expression": "447+804", "text_order_expression": "804+447"}
+    assert grouped_expression(problem, text_order) == ("804+447" if text_order else "447+804")
+
+
+def test_grouped_traces_differ_from_text_order_ones_by_the_first_steps_brackets_only():
+    def call(row: dict) -> str:
+        return row["messages"][1]["tool_calls"][0]["function"]["arguments"]["expression"]
+
+    kw = dict(two_step_share=0.5, text_order=True, split="train_varied")
+    plain, grouped = (calculator_traces(200, 0, "word", grouped=g, **kw) for g in (False, True))
+    two_step = 0
+    for a, b in zip(plain, grouped):
+        no_call = [[m for m in row["messages"] if "tool_calls" not in m] for row in (a, b)]
+        assert no_call[0] == no_call[1]  # the question, the tool's result and the answer
+        assert call(b).replace("(", "").replace(")", "") == call(a) and calculate(call(b)) == calculate(call(a))
+        if len(re.findall(r"[-+*]", call(a))) == 2:  # a two-step call: its first step, and only that, in brackets
+            two_step += 1
+            inside = re.fullmatch(r"[^()]*\((\d+[-+*]\d+)\)[^()]*", call(b))
+            assert inside, call(b)
+            # the product when there is one (c+x*y, x*y-c), else the leading sum (a+b-c)
+            assert ("*" in inside.group(1)) if "*" in call(a) else call(b).startswith("(" + inside.group(1))
+        else:
+            assert call(b) == call(a)
+    assert 70 < two_step < 130  # half of 200 two-step: 100, within 4 binomial sd (7.1)
+    with pytest.raises(ValueError, match="one-call"):
+        calculator_traces(4, 0, "word", chain=True, grouped=True)
 
 
 def templates(families: dict) -> set[str]:
@@ -465,3 +504,12 @@ def test_more_shapes_reach_training_only_and_leave_the_held_out_sets_alone(tmp_p
     called = [json.loads(re.search(r"<tool_call>(.*?)</tool_call>", m["content"]).group(1))["arguments"]["expression"]
               for t in traces for m in t["messages"] if "<tool_call>" in (m.get("content") or "")]  # fmt: skip
     assert any(re.fullmatch(r"(\d+\*)?\(\d+-\d+\)(\*\d+)?", e) for e in called)  # a (a-b)*x call was trained
+
+
+def test_demo_refuses_grouped_expressions_on_chained_traces_before_any_work(tmp_path, capsys):
+    from demo import smollm2_tools
+
+    with pytest.raises(SystemExit):
+        smollm2_tools.main(["--output_dir", str(tmp_path / "run"), "--sft_calls", "chained", "--sft_expression",
+                            "grouped"])  # fmt: skip
+    assert "--sft_expression grouped" in capsys.readouterr().err and not (tmp_path / "run").exists()
