@@ -9,7 +9,10 @@ of configs/demo/rlvr_smollm2_tools.yaml from the SFT model with `--teacher_model
 --advantage_estimator distill` and no reward (distill_reward_weight 0), on the same prompts, the same multi-turn
 calculator episodes (tool output masked: only the student's own tokens get the teacher's signal) and the same batch
 shape as RL (the prompts in RL's `train_order`), for `--rollouts` rollouts, checkpointed every `--every`.
-Zero-variance groups are kept: the teacher's signal does not need a reward spread.
+Zero-variance groups are kept: the teacher's signal does not need a reward spread. The demo's RL run keeps the SFT
+traces' loss beside its own (`--ptx_coef`, 0.3 by default) and the distillation runs do not, so the curve compares RL
+with that loss against distillation without it; extra `--key value` arguments go to every distillation run
+(`--ptx_dataset <D>/data/sft_train.jsonl --ptx_coef 0.3` gives the students the same term).
 
 The curve: every checkpoint of the RL run and of each distillation run (exported to an HF folder) is played greedily
 on the first `--n_eval` problems of the held-out one-step and two-step sets (the demo's own problems), and placed at
