@@ -28,7 +28,8 @@ is copied into calls: the earlier prompt's `12*34` was).
 3. Held-out evaluation of the SFT model, RLVR with the calculator (configs/demo/rlvr_smollm2_tools.yaml; extra
    `--key value` arguments go to it): the first 24 prompts one-step, every shape spread over the rollouts, the SFT
    traces' loss kept beside RL's with weight --ptx_coef 0.3 (PPO-ptx); held-out evaluation after.
-   docs/demos.md gives what each choice measured (the defaults: its round 18 recipe).
+   docs/demos.md gives the default's recipe and result, docs/demo-rounds.md what each choice measured (the
+   defaults: round 18's recipe).
 
 Each evaluation plays greedy episodes with the calculator, and answers the same problems without tools (a system
 prompt that asks for the number only). Reported per held-out set and model: accuracy (95% CI), calls per episode,
@@ -164,7 +165,7 @@ def one_step_first_order(
     front keep the drawn mix. With `balanced` the front takes add, sub and mul in turn, and the front and the rest
     are each ordered by `spread_shapes`. One-step shapes in `block_only` are dropped from the rows after the front:
     RL sees them in the block only (why: a one-step product and the product inside c+x*y share their phrasing, and
-    after the block the one-call `x*y` won both groups' contrast until c+x*y was gone, docs/demos.md round 10)."""
+    after the block the one-call `x*y` won both groups' contrast until c+x*y was gone, docs/demo-rounds.md round 10)."""
     if set(block_only) - set(ONE_STEP):
         raise DemoError(f"--block_only {','.join(block_only)}: each one of {', '.join(ONE_STEP)}")
     if block_only and n <= 0:
@@ -188,7 +189,8 @@ def spread_shapes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows reordered so that each shape's rows are spread evenly over the list (the j-th of a shape's n rows at
     (j + 0.5) / n, ties in SHAPE_OPS order): any run of rows, a rollout's prompts, holds the shapes in about their
     shares. Why: GRPO's advantages are relative within a prompt's group, but an optimizer step sums its groups, and a
-    rollout whose groups all paid one operation pushes that operation onto every phrasing (docs/demos.md, round 6)."""
+    rollout whose groups all paid one operation pushes that operation onto every phrasing (docs/demo-rounds.md,
+    round 6)."""
     by_shape: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_shape.setdefault(r["problem"]["shape"], []).append(r)

@@ -88,8 +88,9 @@ def test_every_path_stays_inside_the_repository(page: Path):
 
 
 def test_paths_outside_are_found(tmp_path: Path):
-    # Worked by hand: from docs/, ../README.md is the repository's README; ../../../x and ../shared/y (no such folder
-    # here) are not in the repository, whatever the checkout folder is called; ".../wide" (an elided path in an error message) is no path.
+    # Worked by hand: from docs/, ../README.md is the repository's README; ../../../x (above the checkout, whatever it
+    # is called) and ../shared/y (no such folder here) are not in the repository; ".../wide" (an elided path in an
+    # error message) is no path.
     page = REPO / "docs" / "_probe.md"
     text = "see [the README](../README.md), `../shared/reference/tulu3.md`, ../../../x.md and '.../wide'"
     found = PARENT_PATH.findall(text)
