@@ -126,6 +126,11 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def valid_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """The complete checkpoints of `output_dir` (manifest and COMPLETE marker present), oldest first."""
+    return [(step, path) for step, path in list_checkpoints(output_dir) if validate(path, deep=False) is None]
+
+
 def read_state(path: str) -> dict[str, Any]:
     """A checkpoint's trainer_state.json (counters, config, run_id, model classes): plain JSON, no torch. An entry
     kept in files of its own (ARRAY_STATE_KEYS) reads as {"in_files": key}; load_checkpoint reads it whole."""

@@ -259,7 +259,26 @@ def clear_for_new_run(output_dir: str, delete_finished: bool) -> None:
             "true deletes it instead)"
         )
     else:
+        if finished:  # asked for: said, since nothing of it is kept
+            print(f"overwrite_output_dir: --delete_finished_run true: deleting the finished run in {output_dir}")
         remove_run_files(output_dir)
+
+
+def how_to_train_further(output_dir: str, checkpoints: list[tuple[int, str]]) -> str:
+    """The hint for a finished run's folder: resume from the checkpoints it has, or start from its final model
+    when it kept none (a run that never checkpointed must not be told to resume one)."""
+    if checkpoints:
+        step, newest = checkpoints[-1]
+        start = (
+            f"start a new run from one of its checkpoints (another --output_dir, --resume_from_checkpoint {newest} "
+            "or an older one, and --allow_resume_changes naming what you change, e.g. total_episodes)"
+        )
+    else:
+        start = (
+            "it kept no checkpoints: start a new run from its final model (another --output_dir, "
+            f"--model_name_or_path {os.path.join(output_dir, 'final_model')})"
+        )
+    return f"To train further, {start}; --overwrite_output_dir true starts this one over."
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -59,9 +59,7 @@ def claim_output_dir(cfg: BaseConfig) -> None:
             run = run_dir.read_run(cfg.output_dir) or {}
             print(
                 f"run {claim.run_id} in {cfg.output_dir} already finished ({run.get('final_counters')}); nothing to "
-                "do. To train further, start a new run from one of its checkpoints (another --output_dir, "
-                "--resume_from_checkpoint PATH, and --allow_resume_changes naming what you change, e.g. "
-                "num_train_epochs); --overwrite_output_dir true starts this one over."
+                f"do. {run_dir.how_to_train_further(cfg.output_dir, checkpoint.valid_checkpoints(cfg.output_dir))}"
             )
             raise SystemExit(0)
         if resume == "auto":  # this run's newest valid checkpoint, or none (a fresh start)

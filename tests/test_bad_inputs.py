@@ -623,8 +623,26 @@ def test_rerun_of_a_finished_run_with_auto_finds_it_finished_and_touches_nothing
     shutil.copytree(finished_sft, out)
     before = snapshot(out)
     assert run_script("sft", sft_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto")) == 0
-    assert "already finished" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "already finished" in said
+    assert f"--resume_from_checkpoint {out / 'checkpoints' / 'step_4'} or an older one" in said  # its newest
     assert snapshot(out) == before
+
+    shutil.rmtree(out / "checkpoints")  # a run that kept none is not told to resume one
+    assert run_script("sft", sft_argv(tiny_models, files, out, "--resume_from_checkpoint", "auto")) == 0
+    said = capsys.readouterr().out
+    assert "--resume_from_checkpoint" not in said
+    assert "it kept no checkpoints: start a new run from its final model" in said
+    assert f"--model_name_or_path {out / 'final_model'}" in said
+
+
+def test_delete_finished_run_says_what_it_deletes(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "final_model").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    run_dir.clear_for_new_run(str(out), delete_finished=True)
+    assert f"--delete_finished_run true: deleting the finished run in {out}" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == []
 
 
 def test_overwrite_replaces_the_old_run_cleanly(tiny_models, files, finished_sft, tmp_path):
