@@ -592,7 +592,8 @@ def test_predicates_exceptions_and_more_types_are_judged_outside():
 
 def test_a_forged_reply_of_colliding_ints_costs_the_trainer_little():
     """A program that writes its own reply: 1 MB of a set of distinct ints with one hash (x + k * (2**61 - 1)), which
-    would take the trainer minutes to build into a set; it is refused (a wrong answer) after one hashing pass."""
+    would take the trainer minutes to build into a set; it is refused (0, counted as `oversized`) after one hashing
+    pass."""
     modulus = (1 << 61) - 1
     members = [["i", format(5 + k * modulus, "x")] for k in range(30_000)]
     reply = json.dumps(["values", [["S", members]]])
@@ -602,7 +603,7 @@ def test_a_forged_reply_of_colliding_ints_costs_the_trainer_little():
     program = f"import os\nos.write(3, {reply.encode()!r})\nos._exit(0)\n"
     start = time.process_time()
     (outcome,) = code_verifier.score_programs([program], [["assert len(f()) == 30000"]], SETTINGS)
-    assert outcome.statuses == ["wrong_answer"]
+    assert outcome.statuses == ["oversized"]
     assert time.process_time() - start < 2.0  # the unguarded set build: ~30_000**2 / 2 probes, minutes
 
 
