@@ -435,10 +435,10 @@ def _emit(obj):
     while data:
         data = data[_write(_out, data):]
     _exit(0)
-def _failed(e):
+def _failed(e, where):
     names = [_exceptions[_id(c)] for c in _mro(_type(e)) if _id(c) in _exceptions]
     kind = "wrong_answer" if _isinstance(e, _AssertionError) else "memory" if _isinstance(e, _MemoryError) else "crash"
-    _emit(["raised", kind, names])
+    _emit(["raised", kind, names, where])
 try:
     program = compile(open("solution.py", encoding="utf-8").read(), "solution.py", "exec")
 except BaseException:
@@ -451,6 +451,9 @@ try:
     if test["kind"] == "script":
         exec(compile(test["source"], "test", "exec"), ns)
         _emit(["ran"])
+except BaseException as e:
+    _failed(e, "setup")  # the program, the test's imports or its setup lines: never what a raises test asks for
+try:
     if "fn_name" in test:
         name = test["fn_name"]
         target = ns[name] if name in ns else getattr(ns["Solution"](), name)
@@ -458,7 +461,7 @@ try:
     else:
         values = [eval(compile(answer, "test", "eval"), ns) for answer in test["answers"]]
 except BaseException as e:
-    _failed(e)
+    _failed(e, "answer")
 try:
     _emit(["values", [_encode(value, 0) for value in values]])
 except _Unplain as e:
@@ -577,8 +580,8 @@ def _judge_value(record: dict, check: Optional[ValueCheck]) -> str:
         return "crash"
     if reply == ["syntax_error"]:
         return "syntax_error"
-    if reply[0] == "raised" and len(reply) == 3 and reply[1] in FAILURE_REASONS and isinstance(reply[2], list):
-        if check is not None and check.raises:
+    if reply[0] == "raised" and len(reply) == 4 and reply[1] in FAILURE_REASONS and isinstance(reply[2], list):
+        if check is not None and check.raises and reply[3] == "answer":  # (not the program's import or the setup)
             return "pass" if set(check.raises) & {n for n in reply[2] if isinstance(n, str)} else "wrong_answer"
         return reply[1]
     if check is None:  # a script test: the interpreter's own report (the path that is not hack-proof)

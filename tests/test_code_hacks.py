@@ -651,3 +651,17 @@ def test_trainer_memory_is_bounded_under_1_mb_of_output_per_test(tmp_path):
         assert set(report["statuses"]) <= {"wrong_answer", "output"}
         grown[n] = report["grown_kb"]
     assert grown[24] - grown[1] < 4 * (code_verifier.MAX_RESPONSE_OUTPUT_BYTES >> 10)  # main: ~24 x 18 MB
+
+
+def test_a_raises_test_passes_only_when_its_call_raises_not_the_program_or_the_setup():
+    """Issue 67: a raises test passed when the program's import raised the named exception (every raises test of a
+    row paid a program of one line, `raise ValueError`), or when a setup line before the call raised it (where the
+    unmodified test errors out). The exception counts only when the call the test wraps raised it."""
+    raises = "try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False\n"
+    raises_after_setup = "x = f(-1)\ntry:\n    f(x)\nexcept ValueError:\n    pass\nelse:\n    assert False\n"
+    honest = "def f(x):\n    if x < 0:\n        raise ValueError(x)\n    return x\n"
+    at_import = "raise ValueError('at import')\n"
+    outcomes = code_verifier.score_programs(
+        [honest, at_import, honest, at_import], [raises, raises, raises_after_setup, raises_after_setup], SETTINGS
+    )
+    assert [o.statuses for o in outcomes] == [["pass"], ["crash"], ["crash"], ["crash"]]  # main: all four pass
