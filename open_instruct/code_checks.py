@@ -275,15 +275,25 @@ def _divmod(a: Any, b: Any) -> Any:
     return (_binary(ast.FloorDiv, a, b), _binary(ast.Mod, a, b))
 
 
+# The types a condition may call, called through a guard (the names stay the types: `isinstance(x, set)`)
+_GUARDED_CALLS: dict[type, Any] = {
+    set: _guarded(set, "a set"),
+    frozenset: _guarded(frozenset, "a frozenset"),
+    dict: _guarded(dict, "a dict"),
+    collections.Counter: _guarded(collections.Counter, "a Counter"),
+    collections.OrderedDict: _guarded(collections.OrderedDict, "a dict"),
+    fractions.Fraction: _bounded_number(fractions.Fraction),
+    decimal.Decimal: _bounded_number(decimal.Decimal),
+}
 _FUNCTIONS: dict[str, Any] = {
     "abs": abs,
     "len": len,
-    "set": _guarded(set, "a set"),
-    "frozenset": _guarded(frozenset, "a frozenset"),
+    "set": set,
+    "frozenset": frozenset,
     "sorted": sorted,
     "list": list,
     "tuple": tuple,
-    "dict": _guarded(dict, "a dict"),
+    "dict": dict,
     "str": str,
     "int": int,
     "float": float,
@@ -303,11 +313,11 @@ _FUNCTIONS: dict[str, Any] = {
     "chr": chr,
     "isclose": _isclose,
     "range": _range,
-    "Counter": _guarded(collections.Counter, "a Counter"),
-    "OrderedDict": _guarded(collections.OrderedDict, "a dict"),
+    "Counter": collections.Counter,
+    "OrderedDict": collections.OrderedDict,
     "deque": collections.deque,
-    "Fraction": _bounded_number(fractions.Fraction),
-    "Decimal": _bounded_number(decimal.Decimal),
+    "Fraction": fractions.Fraction,
+    "Decimal": decimal.Decimal,
     "_evalplus": _evalplus,
     "_evalplus_set": _evalplus_set,
 }
@@ -335,11 +345,7 @@ _MODULES: dict[str, dict[str, Any]] = {
         "inf": math.inf,
         "nan": math.nan,
     },
-    "collections": {
-        "Counter": _FUNCTIONS["Counter"],
-        "OrderedDict": _FUNCTIONS["OrderedDict"],
-        "deque": collections.deque,
-    },
+    "collections": {"Counter": collections.Counter, "OrderedDict": collections.OrderedDict, "deque": collections.deque},
     "cmath": {"isclose": lambda a, b, **k: _complex_isclose(a, b, **k)},
 }
 # Methods and attributes of the decoded (built-in) values a condition may use: none of them grows a value much.
@@ -473,6 +479,8 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
         func = evaluate(node.func, env)
         if not (callable(func) and (_is_named_function(node.func) or isinstance(node.func, ast.Attribute))):
             raise NotJudgeable("call")
+        if isinstance(func, type):
+            func = _GUARDED_CALLS.get(func, func)
         args = _unpacked(node.args, env)
         if any(k.arg is None for k in node.keywords):
             raise NotJudgeable("keyword unpacking")

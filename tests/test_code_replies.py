@@ -138,6 +138,19 @@ def test_honest_values_at_the_bounds_decode_exactly():
         ("len({*_answer0}) == 1", [[k * ((1 << 61) - 1) for k in range(65)]], "oversized"),
         ("len(set(_answer0)) == 64", [[k * ((1 << 61) - 1) for k in range(64)]], "pass"),
         ("len(sum(_answer0, [])) == 1", [[[1]] * 20_000], "oversized"),
+        (
+            "collections.Counter(_answer0) == collections.Counter()",
+            [[k * ((1 << 61) - 1) for k in range(65)]],
+            "oversized",
+        ),
+        ("len(dict([(k, 0) for k in _answer0])) == 1", [[k * ((1 << 61) - 1) for k in range(65)]], "oversized"),
+        ("isinstance(_answer0, set) and isinstance(_answer1, dict)", [{1}, {1: 2}], "pass"),  # the names stay types
+        (
+            "type(_answer0) == Fraction and isinstance(_answer1, Decimal)",
+            [fractions.Fraction(1, 3), decimal.Decimal(1)],
+            "pass",
+        ),
+        ("set(_answer0) == {1, 2} and dict(a=1) == {'a': 1}", [[2, 1, 2]], "pass"),
         ("int(Decimal(_answer0)) == 1", ["1E+999999999"], "oversized"),
         ("Fraction(_answer0) == 1", ["1e1000000000"], "oversized"),
         ("Fraction(_answer0) == Fraction(1, 4)", ["0.25"], "pass"),
