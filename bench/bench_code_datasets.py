@@ -2,11 +2,15 @@
 solution scores 1, from local copies of the datasets (nothing is downloaded):
 
     python bench/bench_code_datasets.py --humaneval HumanEval.jsonl.gz --mbpp_sanitized sanitized-mbpp.json \
-        --mbpp_plus MbppPlus-OriginFmt.jsonl.gz [--score] [--workers 2] [--limit N]
+        --mbpp_plus MbppPlus-OriginFmt.jsonl.gz --humaneval_plus HumanEvalPlus-OriginFmt.jsonl.gz [--score] \
+        [--workers 2] [--limit N]
 
     HumanEval       openai/human-eval data/HumanEval.jsonl.gz: ground truth {"test", "entry_point"} as stored (the
                     `check(candidate)` without its call); reference = prompt + canonical_solution
     sanitized MBPP  google-research mbpp/sanitized-mbpp.json: {"test_list", "test_imports"}; reference = code
+    HumanEval+      evalplus/humanevalplus_release HumanEvalPlus-OriginFmt.jsonl.gz: ground truth {"test",
+                    "entry_point"} as stored (the EvalPlus `assertion()` harness inside `check(candidate)`); reference =
+                    prompt + canonical_solution (read as HumanEval's)
     MBPP+           evalplus/mbppplus_release MbppPlus-OriginFmt.jsonl.gz (the Hugging Face evalplus/mbppplus rows):
                     {"test"}, the EvalPlus `assertion()` harness over inputs/results; reference = code
 
@@ -104,6 +108,7 @@ def main() -> None:
     parser.add_argument("--humaneval")
     parser.add_argument("--mbpp_sanitized")
     parser.add_argument("--mbpp_plus")
+    parser.add_argument("--humaneval_plus")
     parser.add_argument("--score", action="store_true", help="also run every reference solution")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--limit", type=int, default=None, help="first N rows of each dataset")
@@ -112,6 +117,7 @@ def main() -> None:
         ("HumanEval", args.humaneval, humaneval),
         ("sanitized MBPP", args.mbpp_sanitized, mbpp_sanitized),
         ("MBPP+", args.mbpp_plus, mbpp_plus),
+        ("HumanEval+", args.humaneval_plus, humaneval),
     ):
         if path:
             rows = reader(path)[: args.limit]

@@ -33,10 +33,20 @@ import fractions
 import hashlib
 import math
 import operator
+import re
 import sys
 from typing import Any, Optional, Sequence
 
 MAX_UNROLLED = 100_000  # tests one loop of a harness may unroll to (the row's own cap applies after)
+# Bounds on a reply (the program's values, decoded here), checked before any arithmetic on it; a reply over one is a
+# wrong answer counted as `oversized`. Honest values sit far inside them: no test can write an integer literal of
+# more than 4300 digits (Python's int_max_str_digits), and an MBPP/HumanEval value is at most a few thousand.
+MAX_REPLY_CHARS = 1 << 20  # one test's reply (the supervisor's per-stream output cap)
+MAX_DEPTH = 64  # nesting of lists/tuples/dicts/sets
+MAX_INT_BITS = 1 << 16  # ~19700 decimal digits
+MAX_NUMBER_DIGITS = 4300  # digits of a Fraction's numerator or denominator, of a Decimal's coefficient
+MAX_DECIMAL_EXPONENT = 10_000  # |adjusted exponent| of a Decimal (int() of 1E+100000 takes 0.35 s, of 1E+10000 3 ms)
+MAX_SAME_HASH = 64  # distinct set/dict members of one value with one hash (an honest value has a handful at most)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +124,7 @@ def _evalplus(out: Any, exp: Any, atol: float) -> bool:
 
 def _evalplus_set(out: Any, exp: Any, atol: float) -> bool:
     """EvalPlus's set-equality `assertion`: set(out) == set(exp) (its allclose branch raises on sets)."""
-    return set(out) == set(exp)
+    return set(_hashable_members(out, "a set")) == set(exp)
 
 
 # The EvalPlus harness functions this module stands in for, recognized by the shape of their syntax tree (`shape`):
@@ -127,6 +137,154 @@ EVALPLUS_ASSERTIONS = {
 }
 EVALPLUS_HELPERS = {"731ad2bd1b623350"}  # is_floats
 
+# What an operator here may build from the program's values, checked BEFORE the operation runs (the values are
+# hostile: a product, power, shift or `%` format of them must not cost the trainer more than milliseconds).
+_MAX_BUILT = 10**6  # elements or characters of a sequence built here (`x * n`), steps of a comprehension
+_MAX_BUILT_BITS = 1 << 20  # bits of an integer built here (`x * y`, `x ** n`, `x << n`): a product of two is ~1 ms
+_MAX_FORMAT_WIDTH = 10_000  # width or precision of a `%` format applied here (`'%0999999999d' % 2` builds 1 GB)
+_FORMAT_SPEC_RE = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d*))?[hlL]?(.)", re.DOTALL)
+
+
+class OverBound(NotJudgeable, ValueError):
+    """An operation on the program's values that would build or cost more than the bounds here allow: the test fails
+    (a wrong answer), counted as `oversized`."""
+
+
+def _complex_isclose(a: Any, b: Any, rel_tol: float = 1e-9, abs_tol: float = 0.0) -> bool:
+    if type(a) not in (int, float, complex) or type(b) not in (int, float, complex):
+        raise TypeError("isclose of a non-number")
+    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
+
+
+def _bits(x: Any) -> int:
+    """The size in bits of an exact number (0 for anything else: floats, Decimals under the bounded context)."""
+    if isinstance(x, int):
+        return x.bit_length()
+    if isinstance(x, fractions.Fraction):
+        return x.numerator.bit_length() + x.denominator.bit_length()
+    return 0
+
+
+def _sequence(x: Any) -> bool:
+    return isinstance(x, (str, bytes, list, tuple, collections.deque))
+
+
+def _check_format(text: Any) -> None:
+    """A `%` format string's widths and precisions, before it is applied to the program's value."""
+    for width, precision, _ in _FORMAT_SPEC_RE.findall(text if isinstance(text, str) else text.decode("latin-1")):
+        if "*" in (width, precision):
+            raise OverBound("a `%` format whose width comes from the values")
+        if any(len(n) > 5 or int(n) > _MAX_FORMAT_WIDTH for n in (width, precision) if n):
+            raise OverBound("a `%` format too wide to compute here")
+
+
+def _binary(op: type, a: Any, b: Any) -> Any:
+    """An arithmetic operator, refused (OverBound) where its result would be huge or its cost large: the operands are
+    the program's values, so every size is checked before the operation runs."""
+    if op is ast.Mult:
+        for seq, n in ((a, b), (b, a)):
+            if _sequence(seq) and isinstance(n, int) and len(seq) * max(n, 0) > _MAX_BUILT:
+                raise OverBound("a repeated sequence too long to build here")
+        if _bits(a) + _bits(b) > _MAX_BUILT_BITS:
+            raise OverBound("a product too large to compute here")
+    elif op is ast.Pow:
+        if isinstance(b, int) and _bits(a) > 1 and _bits(a) * abs(b) > _MAX_BUILT_BITS:
+            raise OverBound("a power too large to compute here")
+        if isinstance(b, fractions.Fraction) or _bits(b) > 64:
+            raise OverBound("a power with a huge or fractional exponent")
+    elif op is ast.LShift:
+        if isinstance(b, int) and _bits(a) + max(b, 0) > _MAX_BUILT_BITS:
+            raise OverBound("a shift too large to compute here")
+    elif op is ast.Mod and isinstance(a, (str, bytes)):
+        _check_format(a)  # (the formatted values are bounded: the reply is)
+    elif op is ast.Add and _sequence(a) and _sequence(b) and len(a) + len(b) > _MAX_BUILT:
+        raise OverBound("a concatenation too long to build here")
+    return _BINARY[op](a, b)
+
+
+def _hashable_members(items: Any, what: str) -> list:
+    """`items` as a list, refused when too many share one hash (building a set or dict of colliding members, crafted
+    ints say, costs quadratic time) or when there are more than _MAX_BUILT."""
+    members = list(items) if not isinstance(items, list) else items
+    if len(members) > _MAX_BUILT:
+        raise OverBound(f"{what} too large to build here")
+    if len(members) > MAX_SAME_HASH:
+        counts = collections.Counter(hash(x) for x in members)
+        if max(counts.values()) > MAX_SAME_HASH:
+            raise OverBound(f"{what} of colliding members")
+    return members
+
+
+def _guarded(constructor: Any, what: str) -> Any:
+    """A set/dict-like constructor for conditions: its members' hashes checked first (`set(answer)`)."""
+
+    def build(items: Any = (), *args: Any, **kwargs: Any) -> Any:
+        if isinstance(items, (dict, collections.Counter)):
+            _hashable_members(items.keys(), what)
+        elif not isinstance(items, (str, bytes)):
+            items = _hashable_members(items, what)
+            if constructor in (dict, collections.OrderedDict):
+                _hashable_members([k for k, _ in items], what)
+        return constructor(items, *args, **kwargs)
+
+    build.__name__ = getattr(constructor, "__name__", what)
+    return build
+
+
+def _number_text_bound(text: str) -> None:
+    """A number written as text (to Fraction, Decimal): digits and exponent bounded, else OverBound (`Fraction('1e9')`
+    is 10**9 in digits; int() of `Decimal('1E+999999999')` never ends)."""
+    if len(text) > 2 * MAX_NUMBER_DIGITS + 64:
+        raise OverBound("a number too long to read here")
+    for exponent in re.findall(r"[eE]\s*([+-]?[\d_]+)", text):
+        if len(exponent) > 8 or abs(int(exponent.replace("_", ""))) > MAX_DECIMAL_EXPONENT:
+            raise OverBound("a number's exponent too large to read here")
+
+
+def _bounded_number(constructor: Any) -> Any:
+    def build(*args: Any, **kwargs: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, str):
+                _number_text_bound(arg)
+            elif isinstance(arg, decimal.Decimal):
+                _decimal_bound(arg)
+        return constructor(*args, **kwargs)
+
+    build.__name__ = constructor.__name__
+    return build
+
+
+def _decimal_bound(value: decimal.Decimal) -> None:
+    if value.is_finite() and (
+        len(value.as_tuple().digits) > MAX_NUMBER_DIGITS or abs(value.adjusted()) > MAX_DECIMAL_EXPONENT
+    ):
+        raise OverBound("a Decimal too large to compute with here")
+
+
+def _sum(items: Any, start: Any = 0) -> Any:
+    """sum, refused where it would copy sequences quadratically (`sum(answer, [])` of 100k one-item lists)."""
+    if _sequence(start):
+        members = list(items)
+        if len(members) > 10_000:
+            raise OverBound("a sum of sequences too long to compute here")
+        return sum(members, start)
+    return sum(items, start)
+
+
+def _divmod(a: Any, b: Any) -> Any:
+    return (_binary(ast.FloorDiv, a, b), _binary(ast.Mod, a, b))
+
+
+# The types a condition may call, called through a guard (the names stay the types: `isinstance(x, set)`)
+_GUARDED_CALLS: dict[type, Any] = {
+    set: _guarded(set, "a set"),
+    frozenset: _guarded(frozenset, "a frozenset"),
+    dict: _guarded(dict, "a dict"),
+    collections.Counter: _guarded(collections.Counter, "a Counter"),
+    collections.OrderedDict: _guarded(collections.OrderedDict, "a dict"),
+    fractions.Fraction: _bounded_number(fractions.Fraction),
+    decimal.Decimal: _bounded_number(decimal.Decimal),
+}
 _FUNCTIONS: dict[str, Any] = {
     "abs": abs,
     "len": len,
@@ -142,7 +300,7 @@ _FUNCTIONS: dict[str, Any] = {
     "bool": bool,
     "complex": complex,
     "round": round,
-    "sum": sum,
+    "sum": _sum,
     "min": min,
     "max": max,
     "isinstance": isinstance,
@@ -150,7 +308,7 @@ _FUNCTIONS: dict[str, Any] = {
     "any": any,
     "type": type,
     "repr": repr,
-    "divmod": divmod,
+    "divmod": _divmod,
     "ord": ord,
     "chr": chr,
     "isclose": _isclose,
@@ -250,33 +408,6 @@ _COMPARE = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
-_MAX_BUILT = 10**7  # elements or digits an operator here may build (a test's `x * n`, `2 ** n`)
-
-
-def _complex_isclose(a: Any, b: Any, rel_tol: float = 1e-9, abs_tol: float = 0.0) -> bool:
-    if type(a) not in (int, float, complex) or type(b) not in (int, float, complex):
-        raise TypeError("isclose of a non-number")
-    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
-
-
-def _size(x: Any) -> int:
-    if isinstance(x, int) and not isinstance(x, bool):
-        return x.bit_length()
-    return len(x) if isinstance(x, (str, bytes, list, tuple)) else 1
-
-
-def _binary(op: type, a: Any, b: Any) -> Any:
-    """An arithmetic operator, refused where its result would be huge (the operands are the program's values)."""
-    if op is ast.Pow and isinstance(b, int) and abs(b) > 64 and _size(a) * abs(b) > _MAX_BUILT and abs(a) > 1:
-        raise NotJudgeable("power too large to compute here")
-    if op is ast.Mult and (isinstance(a, int) or isinstance(b, int)) and _size(a) * _size(b) > _MAX_BUILT:
-        if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and max(_size(a), _size(b)) < 10**6):
-            raise NotJudgeable("product too large to compute here")
-    if op is ast.LShift and isinstance(b, int) and b > _MAX_BUILT:
-        raise NotJudgeable("shift too large to compute here")
-    if op in (ast.FloorDiv, ast.Mod) and isinstance(a, int) and isinstance(b, int) and _size(a) * _size(b) > 10**11:
-        raise NotJudgeable("division of integers too large to compute here")  # (long division: bits x bits)
-    return _BINARY[op](a, b)
 
 
 def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
@@ -292,7 +423,14 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
             return _NAMES[node.id]
         raise NotJudgeable(f"name {node.id}")
     if kind in (ast.List, ast.Tuple, ast.Set):
-        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[kind](_unpacked(node.elts, env))
+        items = _unpacked(node.elts, env)
+        if len(items) > _MAX_BUILT:
+            raise OverBound("a display too long to build here")
+        return (
+            set(_hashable_members(items, "a set"))
+            if kind is ast.Set
+            else {ast.List: list, ast.Tuple: tuple}[kind](items)
+        )
     if kind is ast.Dict:
         if any(k is None for k in node.keys):
             raise NotJudgeable("dict unpacking")
@@ -321,7 +459,7 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
     if kind in (ast.ListComp, ast.SetComp, ast.GeneratorExp):
         results: list = []
         _comprehend(node, list(node.generators), env, results)
-        return set(results) if kind is ast.SetComp else results
+        return set(_hashable_members(results, "a set")) if kind is ast.SetComp else results
     if kind is ast.IfExp:
         return evaluate(node.body if evaluate(node.test, env) else node.orelse, env)
     if kind is ast.Subscript:
@@ -341,6 +479,8 @@ def evaluate(node: ast.AST, env: dict[str, Any]) -> Any:
         func = evaluate(node.func, env)
         if not (callable(func) and (_is_named_function(node.func) or isinstance(node.func, ast.Attribute))):
             raise NotJudgeable("call")
+        if isinstance(func, type):
+            func = _GUARDED_CALLS.get(func, func)
         args = _unpacked(node.args, env)
         if any(k.arg is None for k in node.keywords):
             raise NotJudgeable("keyword unpacking")
@@ -887,23 +1027,33 @@ class MatchValue:
         return self.span[1]
 
 
-MAX_SAME_HASH = 64  # distinct set/dict members of one value with one hash (an honest value has a handful at most)
+_FRACTION_RE = re.compile(r"[+-]?\d{1,%d}(?:/\d{1,%d})?" % (MAX_NUMBER_DIGITS, MAX_NUMBER_DIGITS))
+_DECIMAL_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|[+-]?(?:Infinity|s?NaN\d{0,64})")
+_HEX_FLOAT_RE = re.compile(r"-?(?:0x[0-9a-f]{1,20}(?:\.[0-9a-f]{0,20})?p[+-]?\d{1,5}|inf|nan)")
 
 
-def _hashed(items: list, what: str) -> list:
-    """`items` unless too many share a hash: building a set or dict of colliding members (crafted ints, say) costs
-    quadratic time here, which a program must not be able to buy."""
-    if len(items) > MAX_SAME_HASH:
-        counts = collections.Counter(hash(x) for x in items)
-        if counts and max(counts.values()) > MAX_SAME_HASH:
-            raise ValueError(f"{what} of colliding members")
-    return items
+def _decimal(text: str) -> decimal.Decimal:
+    if not _DECIMAL_RE.fullmatch(text):
+        raise ValueError("malformed Decimal")
+    _number_text_bound(text)
+    value = decimal.Decimal(text)
+    _decimal_bound(value)
+    return value
+
+
+def _float(text: Any) -> float:
+    if not isinstance(text, str) or not _HEX_FLOAT_RE.fullmatch(text):
+        raise ValueError("malformed float")
+    return float.fromhex(text)
 
 
 def decode_value(encoded: Any, depth: int = 0) -> Any:
     """The Python value of the sandbox's tagged JSON (code_verifier.PROBE's encoding; built-in and standard library
-    types only); ValueError if it is malformed."""
-    if depth > 64 or not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
+    types only). Every bound (nesting, integer bits, a Fraction's digits, a Decimal's digits and exponent, members of
+    one hash in a set or dict) is checked before the value is built: OverBound past one, ValueError if malformed."""
+    if depth > MAX_DEPTH:
+        raise OverBound("a value nested too deep")
+    if not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
         raise ValueError("malformed value")
     tag, rest = encoded[0], encoded[1:]
     if tag == "n" and not rest:
@@ -914,17 +1064,24 @@ def decode_value(encoded: Any, depth: int = 0) -> Any:
     if tag == "b" and isinstance(payload, bool):
         return payload
     if tag == "i" and isinstance(payload, str):
+        if len(payload) > MAX_INT_BITS // 4 + 1:
+            raise OverBound("an integer too large")
         return int(payload, 16)
-    if tag == "f" and isinstance(payload, str):
-        return float.fromhex(payload)
-    if tag == "c" and isinstance(payload, list) and len(payload) == 2 and all(isinstance(p, str) for p in payload):
-        return complex(float.fromhex(payload[0]), float.fromhex(payload[1]))
+    if tag == "f":
+        return _float(payload)
+    if tag == "c" and isinstance(payload, list) and len(payload) == 2:
+        return complex(_float(payload[0]), _float(payload[1]))
     if tag == "s" and isinstance(payload, str):
         return payload
     if tag == "y" and isinstance(payload, str):
         return bytes.fromhex(payload)
-    if tag in ("Q", "D") and isinstance(payload, str) and len(payload) < 10_000:
-        return fractions.Fraction(payload) if tag == "Q" else decimal.Decimal(payload)
+    if tag == "Q" and isinstance(payload, str):
+        # str() of a real Fraction is "n" or "n/d": anything else (a patched __str__'s "1e999999999") is refused
+        if not _FRACTION_RE.fullmatch(payload):
+            raise OverBound("a Fraction that is not n/d within the digit bound")
+        return fractions.Fraction(payload)
+    if tag == "D" and isinstance(payload, str):
+        return _decimal(payload)
     if tag == "M" and isinstance(payload, list) and len(payload) == 3:
         text, start, end = payload
         if isinstance(text, str) and type(start) is int and type(end) is int:
@@ -932,12 +1089,12 @@ def decode_value(encoded: Any, depth: int = 0) -> Any:
     if tag in ("l", "t", "S", "F", "q") and isinstance(payload, list):
         items = [decode_value(v, depth + 1) for v in payload]
         if tag in ("S", "F"):
-            items = _hashed(items, "a set")
+            items = _hashable_members(items, "a set")
         return {"l": list, "t": tuple, "S": set, "F": frozenset, "q": collections.deque}[tag](items)
     if tag in ("d", "C", "O", "E") and isinstance(payload, list):
         if not all(isinstance(kv, list) and len(kv) == 2 for kv in payload):
             raise ValueError("malformed dict")
-        keys = _hashed([decode_value(k, depth + 1) for k, _ in payload], "a dict")
+        keys = _hashable_members([decode_value(k, depth + 1) for k, _ in payload], "a dict")
         pairs = dict(zip(keys, (decode_value(v, depth + 1) for _, v in payload)))
         if tag == "E":
             return collections.defaultdict(None, pairs)
@@ -957,22 +1114,32 @@ def _lists(value: Any) -> Any:
 _CONDITIONS: dict[str, ast.AST] = {}
 
 
-def check_value(check: ValueCheck, values: Sequence[Any]) -> bool:
-    """The verdict of a value test on the decoded values of its answers (never raises: a comparison that does not
-    apply, e.g. < between a str and an int, or an operation refused here, is a wrong answer)."""
+# Decimal arithmetic in a condition: results past this exponent overflow (a wrong answer) rather than grow an int()
+# of them without end; decoded Decimals are bounded at MAX_DECIMAL_EXPONENT.
+_DECIMAL_CONTEXT = decimal.Context(Emax=2 * MAX_DECIMAL_EXPONENT, Emin=-2 * MAX_DECIMAL_EXPONENT)
+
+
+def judge_values(check: ValueCheck, values: Sequence[Any]) -> str:
+    """The verdict of a value test on the decoded values of its answers: "pass", "wrong_answer", or "oversized" (an
+    operation refused because of the values' size: a wrong answer, counted apart). Never raises: a comparison that
+    does not apply, e.g. < between a str and an int, is a wrong answer."""
     try:
         if check.call:
             (value,) = values
             got = _lists(value)
-            return bool(got == check.expected or [got] == check.expected)
+            return "pass" if got == check.expected or [got] == check.expected else "wrong_answer"
         tree = _CONDITIONS.get(check.condition)
         if tree is None:
             tree = _CONDITIONS.setdefault(check.condition, ast.parse(check.condition, mode="eval").body)
             if len(_CONDITIONS) > 100_000:
                 _CONDITIONS.clear()
         if len(values) != len(check.answers):
-            return False
-        return bool(evaluate(tree, {f"_answer{i}": v for i, v in enumerate(values)}))
+            return "wrong_answer"
+        with decimal.localcontext(_DECIMAL_CONTEXT):
+            passed = bool(evaluate(tree, {f"_answer{i}": v for i, v in enumerate(values)}))
+        return "pass" if passed else "wrong_answer"
+    except OverBound:
+        return "oversized"
     except (
         NotJudgeable,
         ArithmeticError,
@@ -983,4 +1150,9 @@ def check_value(check: ValueCheck, values: Sequence[Any]) -> bool:
         RecursionError,
         MemoryError,
     ):
-        return False
+        return "wrong_answer"
+
+
+def check_value(check: ValueCheck, values: Sequence[Any]) -> bool:
+    """judge_values as a bool: whether the test passes."""
+    return judge_values(check, values) == "pass"

@@ -65,12 +65,15 @@ import math
 import re
 from typing import Any, Optional, Sequence
 
-from open_instruct.code_checks import ValueCheck, check_value, decode_value, expand
+from open_instruct.code_checks import MAX_REPLY_CHARS, OverBound, ValueCheck, decode_value, expand, judge_values
 from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxResult, SandboxRun
 
 logger = logging.getLogger(__name__)
 
-FAILURE_REASONS = ("syntax_error", "wrong_answer", "timeout", "memory", "crash", "output", "no_code")
+# oversized: a reply over one of code_checks' bounds (size, nesting, integer bits, a Fraction's or Decimal's digits or
+# exponent, colliding set members), or an operation of the test that would build a huge value from it: a wrong answer,
+# counted apart
+FAILURE_REASONS = ("syntax_error", "wrong_answer", "timeout", "memory", "crash", "output", "no_code", "oversized")
 TEST_STATUSES = ("pass", *FAILURE_REASONS)
 # Time limits are CPU time (ITIMER_PROF per assert test, RLIMIT_CPU per stdin/stdout case), which other jobs on the
 # machine do not stretch; the wall limit (for programs that sleep or block) is generous: WALL_FACTOR x the CPU
@@ -321,6 +324,13 @@ _INTEGER_RE = re.compile(r"[+-]?\d+")
 _DECIMAL_RE = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
 
 
+def _integer_text(token: str) -> tuple[bool, str]:
+    """An integer token as (negative, digits without leading zeros): compared as text, never converted (int() of a
+    printed 10**6-digit token is quadratic, and past 4300 digits it raises)."""
+    digits = token.lstrip("+-").lstrip("0") or "0"
+    return token.startswith("-") and digits != "0", digits
+
+
 def outputs_match(actual: str, expected: str) -> bool:
     """Equal after trailing spaces per line and trailing blank lines are dropped, or token by token where an expected
     decimal number (1.5, 2e-3) may be met within 1e-6 relative or absolute (contest judges' usual leniency); an
@@ -341,7 +351,7 @@ def outputs_match(actual: str, expected: str) -> bool:
         if a == b:
             continue
         if _INTEGER_RE.fullmatch(b):
-            if not (_INTEGER_RE.fullmatch(a) and len(a) < 5000 and int(a) == int(b)):
+            if not (_INTEGER_RE.fullmatch(a) and _integer_text(a) == _integer_text(b)):
                 return False
         elif not (_DECIMAL_RE.fullmatch(a) and _DECIMAL_RE.fullmatch(b)):
             return False
@@ -425,10 +435,10 @@ def _emit(obj):
     while data:
         data = data[_write(_out, data):]
     _exit(0)
-def _failed(e):
+def _failed(e, where):
     names = [_exceptions[_id(c)] for c in _mro(_type(e)) if _id(c) in _exceptions]
     kind = "wrong_answer" if _isinstance(e, _AssertionError) else "memory" if _isinstance(e, _MemoryError) else "crash"
-    _emit(["raised", kind, names])
+    _emit(["raised", kind, names, where])
 try:
     program = compile(open("solution.py", encoding="utf-8").read(), "solution.py", "exec")
 except BaseException:
@@ -441,6 +451,9 @@ try:
     if test["kind"] == "script":
         exec(compile(test["source"], "test", "exec"), ns)
         _emit(["ran"])
+except BaseException as e:
+    _failed(e, "setup")  # the program, the test's imports or its setup lines: never what a raises test asks for
+try:
     if "fn_name" in test:
         name = test["fn_name"]
         target = ns[name] if name in ns else getattr(ns["Solution"](), name)
@@ -448,7 +461,7 @@ try:
     else:
         values = [eval(compile(answer, "test", "eval"), ns) for answer in test["answers"]]
 except BaseException as e:
-    _failed(e)
+    _failed(e, "answer")
 try:
     _emit(["values", [_encode(value, 0) for value in values]])
 except _Unplain as e:
@@ -555,16 +568,20 @@ def _judge_value(record: dict, check: Optional[ValueCheck]) -> str:
     failure = _run_failure(record)
     if failure:
         return failure
+    if len(record["stdout"]) > MAX_REPLY_CHARS:
+        return "oversized"
     try:
         reply = json.loads(record["stdout"])
-    except (ValueError, RecursionError):
+    except RecursionError:
+        return "oversized"  # nested deeper than the parser goes (the C parser stops itself, in linear time)
+    except ValueError:
         return "crash"  # no result: the program ended the interpreter before the test did (os._exit, exit at import)
     if not isinstance(reply, list) or not reply:
         return "crash"
     if reply == ["syntax_error"]:
         return "syntax_error"
-    if reply[0] == "raised" and len(reply) == 3 and reply[1] in FAILURE_REASONS and isinstance(reply[2], list):
-        if check is not None and check.raises:
+    if reply[0] == "raised" and len(reply) == 4 and reply[1] in FAILURE_REASONS and isinstance(reply[2], list):
+        if check is not None and check.raises and reply[3] == "answer":  # (not the program's import or the setup)
             return "pass" if set(check.raises) & {n for n in reply[2] if isinstance(n, str)} else "wrong_answer"
         return reply[1]
     if check is None:  # a script test: the interpreter's own report (the path that is not hack-proof)
@@ -575,9 +592,11 @@ def _judge_value(record: dict, check: Optional[ValueCheck]) -> str:
         return "crash"
     try:
         values = [decode_value(v) for v in reply[1]]
-    except (ValueError, TypeError, RecursionError, MemoryError, OverflowError):
+    except (OverBound, RecursionError, MemoryError):
+        return "oversized"
+    except (ValueError, TypeError, OverflowError):
         return "wrong_answer"
-    return "pass" if check_value(check, values) else "wrong_answer"
+    return judge_values(check, values)
 
 
 def _limit_status(result: SandboxResult) -> str:

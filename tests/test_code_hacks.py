@@ -592,7 +592,8 @@ def test_predicates_exceptions_and_more_types_are_judged_outside():
 
 def test_a_forged_reply_of_colliding_ints_costs_the_trainer_little():
     """A program that writes its own reply: 1 MB of a set of distinct ints with one hash (x + k * (2**61 - 1)), which
-    would take the trainer minutes to build into a set; it is refused (a wrong answer) after one hashing pass."""
+    would take the trainer minutes to build into a set; it is refused (0, counted as `oversized`) after one hashing
+    pass."""
     modulus = (1 << 61) - 1
     members = [["i", format(5 + k * modulus, "x")] for k in range(30_000)]
     reply = json.dumps(["values", [["S", members]]])
@@ -602,7 +603,7 @@ def test_a_forged_reply_of_colliding_ints_costs_the_trainer_little():
     program = f"import os\nos.write(3, {reply.encode()!r})\nos._exit(0)\n"
     start = time.process_time()
     (outcome,) = code_verifier.score_programs([program], [["assert len(f()) == 30000"]], SETTINGS)
-    assert outcome.statuses == ["wrong_answer"]
+    assert outcome.statuses == ["oversized"]
     assert time.process_time() - start < 2.0  # the unguarded set build: ~30_000**2 / 2 probes, minutes
 
 
@@ -650,3 +651,17 @@ def test_trainer_memory_is_bounded_under_1_mb_of_output_per_test(tmp_path):
         assert set(report["statuses"]) <= {"wrong_answer", "output"}
         grown[n] = report["grown_kb"]
     assert grown[24] - grown[1] < 4 * (code_verifier.MAX_RESPONSE_OUTPUT_BYTES >> 10)  # main: ~24 x 18 MB
+
+
+def test_a_raises_test_passes_only_when_its_call_raises_not_the_program_or_the_setup():
+    """Issue 67: a raises test passed when the program's import raised the named exception (every raises test of a
+    row paid a program of one line, `raise ValueError`), or when a setup line before the call raised it (where the
+    unmodified test errors out). The exception counts only when the call the test wraps raised it."""
+    raises = "try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False\n"
+    raises_after_setup = "x = f(-1)\ntry:\n    f(x)\nexcept ValueError:\n    pass\nelse:\n    assert False\n"
+    honest = "def f(x):\n    if x < 0:\n        raise ValueError(x)\n    return x\n"
+    at_import = "raise ValueError('at import')\n"
+    outcomes = code_verifier.score_programs(
+        [honest, at_import, honest, at_import], [raises, raises, raises_after_setup, raises_after_setup], SETTINGS
+    )
+    assert [o.statuses for o in outcomes] == [["pass"], ["crash"], ["crash"], ["crash"]]  # main: all four pass
