@@ -33,7 +33,7 @@ from open_instruct import run_dir, user_code
 from open_instruct.config import CONFIG_CLASSES, declared_settings
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
-from open_instruct.preflight import looks_local, weight_files
+from open_instruct.preflight import file_digest, looks_local, weight_files
 from open_instruct.rl_algorithms import ALGO_ESTIMATORS
 from open_instruct.run_dir import FAULT_ENV, fault_point  # noqa: F401 (FAULT_ENV: the tests' name for it)
 
@@ -713,19 +713,6 @@ def train_data_files(config: dict[str, Any]) -> list[str]:
     """The local files the training rows are read from, in source order (a folder: every file under it). Hub
     datasets have none here."""
     return [path for source in train_sources(config) for path in source_files(source)]
-
-
-_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> blake2b: each file read once per process
-
-
-def file_digest(path: str) -> str:
-    """blake2b of a file's bytes (cached while its size and mtime stay the same)."""
-    st = os.stat(path)
-    key = (path, st.st_size, st.st_mtime_ns)
-    if key not in _digests:
-        with open(path, "rb") as f:
-            _digests[key] = hashlib.file_digest(f, "blake2b").hexdigest()
-    return _digests[key]
 
 
 def data_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
