@@ -33,7 +33,8 @@ from open_instruct import run_dir, user_code
 from open_instruct.config import CONFIG_CLASSES, declared_settings
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
-from open_instruct.preflight import file_digest, looks_local, weight_files
+from open_instruct.file_digests import file_digest, source_files
+from open_instruct.preflight import looks_local, weight_files
 from open_instruct.rl_algorithms import ALGO_ESTIMATORS
 from open_instruct.run_dir import FAULT_ENV, fault_point  # noqa: F401 (FAULT_ENV: the tests' name for it)
 
@@ -694,19 +695,6 @@ def train_sources(config: dict[str, Any]) -> list[str]:
     if config.get("dataset_mixer_list"):
         return [entry.source for entry in parse_mixer_list(config["dataset_mixer_list"])]
     return [p.strip() for p in (config.get("dataset_name_or_path") or "").split(",") if p.strip()]
-
-
-def source_files(source: str) -> list[str]:
-    """The local files of one source: the file, or every file under a folder, sorted, hidden ones left out; none
-    for a hub dataset."""
-    if os.path.isfile(source):
-        return [os.path.abspath(source)]
-    files = []
-    if os.path.isdir(source):
-        for root, dirs, names in os.walk(source):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
-            files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
-    return files
 
 
 def train_data_files(config: dict[str, Any]) -> list[str]:

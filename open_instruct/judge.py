@@ -40,7 +40,7 @@ stops naming the judge and one reply): a rubric or pattern that does not fit the
 
 Replies are cached by (the judge's identity: backend, url, model, folder, temperature, max_new_tokens) and the whole
 judge prompt, in memory and, with `cache_path`, in a JSON-lines file that a resumed run reads back, so a resume asks
-the judge nothing it already answered and gets the same scores. A folder is known by its weights' content: one
+the judge nothing it already answered and gets the same scores. A folder is known by its files' content: one
 replaced at the same path is another judge, whose replies are not reused (and a resume is refused for it, like a
 teacher's: `weight_folders`, checkpoint.input_identity).
 """
@@ -64,6 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from open_instruct.errors import ConfigError
+from open_instruct.file_digests import folder_digest
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,8 @@ RUN_TAKES = {
 
 
 def _model_id(name: str) -> str:
-    """A judge model in the cache identity: a folder by its weights' content (one replaced at the same path is
-    another judge), a hub id as it is."""
-    from open_instruct.preflight import folder_digest
-
+    """A judge model in the cache identity: a folder by its files' content (one replaced at the same path is another
+    judge), a hub id as it is."""
     return folder_digest(name) if os.path.isdir(name) else name
 
 

@@ -11,7 +11,6 @@ tried on the model's skeleton built from its config on the meta device (no weigh
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import json
 import os
@@ -75,27 +74,6 @@ def weight_files(folder: str) -> list[str]:
                 raise ConfigError(f"model folder {folder}: {index} lists missing weight files {missing}")
             return [os.path.join(folder, s) for s in shards]
     return [os.path.join(folder, name) for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
-
-
-_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> blake2b: each file read once per process
-
-
-def file_digest(path: str) -> str:
-    """blake2b of a file's bytes (cached while its size and mtime stay the same)."""
-    st = os.stat(path)
-    key = (path, st.st_size, st.st_mtime_ns)
-    if key not in _digests:
-        with open(path, "rb") as f:
-            _digests[key] = hashlib.file_digest(f, "blake2b").hexdigest()
-    return _digests[key]
-
-
-def folder_digest(folder: str) -> str:
-    """blake2b over a model folder's weight files (their names and digests): its content, whatever its path (a
-    folder without such files, by its absolute path)."""
-    files = weight_files(folder)
-    listing = [(os.path.relpath(path, folder), file_digest(path)) for path in files] or [os.path.abspath(folder)]
-    return hashlib.blake2b(json.dumps(listing).encode()).hexdigest()
 
 
 def check_model_folder(name_or_path: str, key: str, gguf_file: Optional[str] = None) -> None:
