@@ -61,10 +61,10 @@ TOPICS: dict[str, str] = {
 }
 # How a resume treats a setting (checkpoint.check_resume_compatible, before any model loads).
 RESUME_KINDS: dict[str, str] = {
-    "structural": "must match: the saved state would not load otherwise, --allow_resume_changes cannot accept a change",
-    "must_match": "must match: it changes what is trained; --allow_resume_changes may accept a change knowingly",
-    "batch_layout": "may change while the global batch it makes (mini_batch_size, rollout_batch_size) stays the same",
-    "may_change": "may change: where files go, logging, limits and timeouts, how the same computation runs",
+    "structural": "refused, and --allow_resume_changes cannot accept it: the saved state would not load",
+    "must_match": "refused unless --allow_resume_changes names it: it changes what is trained",
+    "batch_layout": "accepted while the global batch it makes (mini_batch_size, rollout_batch_size) stays the same",
+    "may_change": "accepted: where files go, logging, limits and timeouts, how the same computation runs",
 }
 # What a setting names for the run to load again on resume, compared by content (checkpoint.input_identity): the
 # weight files of a local model folder, or the file of the user's code a `file.py:name` / `module:name` spec names
@@ -1636,19 +1636,50 @@ def config_yaml(cfg: Any) -> str:
     return "\n".join(parts)
 
 
+def _declared_by(part: str) -> dict[tuple[str, Any], list[str]]:
+    """(setting, what its declaration says for `part`, e.g. its topic) -> the scripts declaring it so, the settings
+    in reading order (those of the first script first)."""
+    found: dict[tuple[str, Any], list[str]] = {}
+    for script, cls in CONFIG_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            found.setdefault((f.name, f.metadata.get(part)), []).append(script)
+    return found
+
+
+def _settings_cell(settings: list[tuple[str, list[str]]]) -> str:
+    """Settings with the scripts that have them: those every script has first, then those of some after their
+    names."""
+    by_scripts: dict[str, list[str]] = {}
+    for name, scripts in settings:
+        prefix = "" if len(scripts) == len(CONFIG_CLASSES) else " and ".join(scripts) + ": "
+        by_scripts.setdefault(prefix, []).append(f"`{name}`")
+    return "; ".join(prefix + ", ".join(names) for prefix, names in sorted(by_scripts.items()))
+
+
 def settings_table() -> str:
     """docs/running.md's table of every setting by topic: those every script has first, then those of some scripts
     after the scripts' names (tests/test_config_plan.py checks the page holds this table)."""
-    have = {name: [s for s, cls in CONFIG_CLASSES.items() if name in _field_names(cls)] for name in _all_settings()}
-    topic_of = {f.name: f.metadata.get("topic") for cls in CONFIG_CLASSES.values() for f in dataclasses.fields(cls)}
+    declared = _declared_by("topic")
     lines = ["| topic | what it covers | settings |", "|---|---|---|"]
     for topic, about in TOPICS.items():
-        by_scripts: dict[str, list[str]] = {}
-        for key in [name for name in _all_settings() if topic_of[name] == topic]:
-            scripts = "" if len(have[key]) == len(CONFIG_CLASSES) else " and ".join(have[key]) + ": "
-            by_scripts.setdefault(scripts, []).append(f"`{key}`")
-        cell = "; ".join(scripts + ", ".join(names) for scripts, names in sorted(by_scripts.items()))
+        cell = _settings_cell([(name, scripts) for (name, value), scripts in declared.items() if value == topic])
         lines.append(f"| {topic} | {about} | {cell} |")
+    return "\n".join(lines)
+
+
+def resume_table() -> str:
+    """docs/reliability.md's tables of how a resume treats each setting and of the settings whose loaded files it
+    compares by content, from their declarations (tests/test_resume_settings.py checks the page holds them)."""
+    declared = _declared_by("resume")
+    lines = ["| a change on resume is | settings |", "|---|---|"]
+    for kind, about in RESUME_KINDS.items():
+        cell = _settings_cell([(name, scripts) for (name, value), scripts in declared.items() if value == kind])
+        lines.append(f"| `{kind}`: {about} | {cell} |")
+    lines += ["", "| setting | loads again on resume | resume key of their content |", "|---|---|---|"]
+    for (name, loads), scripts in _declared_by("loads").items():
+        if loads:
+            key = CONFIG_CLASSES[scripts[0]].__dataclass_fields__[name].metadata["content_key"]
+            lines.append(f"| {_settings_cell([(name, scripts)])} | {loads} | `{key}` |")
     return "\n".join(lines)
 
 

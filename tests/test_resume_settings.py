@@ -198,3 +198,12 @@ def test_a_judge_folder_replaced_at_the_same_path_is_refused_on_resume_and_not_r
     assert f"user_code_content: reward_functions {spec} loads {folder}: model.safetensors blake2b" in str(e.value)
     resume("--allow_resume_changes", "user_code_content")
     assert Judge("Rate: {completion}", local_model=folder).cache_key("a judge prompt") != key_before
+
+
+def test_the_reliability_page_shows_how_a_resume_treats_each_setting():
+    import os
+
+    from open_instruct.config import resume_table
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "reliability.md")) as f:
+        assert resume_table() in f.read()
