@@ -440,8 +440,8 @@ class BaseConfig:
     allow_resume_changes: Optional[list[str]] = setting(
         None,
         "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
-        "dataset_content user_code_content teacher_weights reference_weights); any other difference (data, run "
-        "length, schedule, batch layout, lora_alpha) exits 2.",
+        "dataset_content user_code_content teacher_weights reference_weights reward_model_weights); any other "
+        "difference (docs/reliability.md: the settings a resume compares, the batch layout, what they load) exits 2.",
         topic="checkpointing",
         resume="may_change",
     )
