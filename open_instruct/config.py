@@ -102,7 +102,7 @@ def setting(
 def restated(name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:
     """BaseConfig's setting `name` declared again in a script's dataclass with another default and/or another part
     of its declaration (help=, resume=, loads= ...): the rest stays as BaseConfig says."""
-    base = BaseConfig.__dataclass_fields__[name]
+    (base,) = [f for f in dataclasses.fields(BaseConfig) if f.name == name]
     declared = {k: v for k, v in base.metadata.items() if k != "content_key" or base.metadata["loads"] == "weights"}
     if default is dataclasses.MISSING and base.default_factory is dataclasses.MISSING:
         default = base.default
@@ -1678,7 +1678,9 @@ def resume_table() -> str:
     lines += ["", "| setting | loads again on resume | resume key of their content |", "|---|---|---|"]
     for (name, loads), scripts in _declared_by("loads").items():
         if loads:
-            key = CONFIG_CLASSES[scripts[0]].__dataclass_fields__[name].metadata["content_key"]
+            (key,) = [
+                f.metadata["content_key"] for f in dataclasses.fields(CONFIG_CLASSES[scripts[0]]) if f.name == name
+            ]
             lines.append(f"| {_settings_cell([(name, scripts)])} | {loads} | `{key}` |")
     return "\n".join(lines)
 
