@@ -18,6 +18,7 @@ checkpoints, and `check_resume_compatible` compares a checkpoint with the config
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import hashlib
 import json
@@ -29,8 +30,10 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
 
 from open_instruct import run_dir, user_code
+from open_instruct.config import CONFIG_CLASSES, declared_settings
 from open_instruct.distributed import global_sum, maybe_dump_shard_report
 from open_instruct.errors import ConfigError, NonFiniteError
+from open_instruct.file_digests import file_digest, source_files
 from open_instruct.preflight import looks_local, weight_files
 from open_instruct.rl_algorithms import ALGO_ESTIMATORS
 from open_instruct.run_dir import FAULT_ENV, fault_point  # noqa: F401 (FAULT_ENV: the tests' name for it)
@@ -637,102 +640,48 @@ ARCHITECTURE_KEYS = (
 )
 
 
-# Resume keys whose change leaves the saved state unloadable into this run's models (another script, adapters of
-# another shape, a value model or none): `allow_resume_changes` cannot accept them.
-STRUCTURAL_RESUME_KEYS = ("script", "use_lora", "lora_rank", "lora_target_modules", "advantage_estimator")
-# What decides the training rows and their order, the run's length and its learning-rate schedule; compared only when
-# the checkpoint's config has the key (a checkpoint from before a knob existed is not refused for it).
-DATA_STREAM_KEYS = (
-    "dataset_name_or_path",
-    "dataset_mixer_list",
-    "dataset_split",
-    "eval_fraction",
-    "train_order",
-    "max_seq_length",
-    "overlong",
-    "skip_bad_rows",
-)
-SCHEDULE_KEYS = ("num_train_epochs", "total_episodes", "learning_rate", "lr_scheduler_type", "warmup_ratio")
-# What the run trains on and towards, per script: a resume that changes one of these continues another experiment
-# (e.g. a new environment mixing single- and multi-turn rollouts in one run). Compared only when the checkpoint's
-# config has the key; `allow_resume_changes` may accept each knowingly.
-TRAINING_KEYS: dict[str, tuple[str, ...]] = {
-    "all": ("chat_template", "mixed_precision", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-            "max_grad_norm"),
-    "sft": ("messages_column",),
-    "reward_model": ("chosen_column", "rejected_column", "prompt_column", "margin_column",
-                     "center_rewards_coefficient"),
-    "dpo": ("chosen_column", "rejected_column", "prompt_column", "loss_type", "beta", "label_smoothing",
-            "gamma_beta_ratio"),
-    "rlvr_ppo": (
-        "messages_column", "ground_truth_column", "verifier_column", "max_prompt_length", "response_length",
-        "temperature", "top_p", "stop_strings",
-        # rewards
-        "verification_reward", "non_stop_penalty", "non_stop_penalty_mode", "mask_truncated_completions",
-        "reward_model_path", "reward_model_multiplier", "reward_functions", "reward_function_weights", "code_reward",
-        "overlong_buffer_length", "overlong_penalty_factor",
-        # multi-turn episodes
-        "environment", "tools", "tool_call_format", "max_turns", "max_tool_calls", "tool_output_max_tokens",
-        "max_turn_tokens", "turn_reward_aggregation",
-        # the objective
-        "policy_loss", "kl_estimator", "algo_kwargs", "beta", "loss_aggregation", "loss_norm_length",
-        "cliprange_low", "cliprange_high", "dual_clip_c", "score_placement", "filter_zero_std_groups",
-        "truncated_importance_sampling", "tis_cap", "is_mask_low", "is_mask_high", "max_sequence_lag", "gamma",
-        "lam", "vf_coef", "cliprange_value", "whiten_advantages", "value_model_path",
-        # on-policy distillation (the teacher has no checkpoint state: it is loaded again from its path)
-        "teacher_model_name_or_path", "distill_loss", "teacher_kl_weight", "distill_reward_weight",
-        "distill_group_baseline", "distill_jsd_beta", "distill_top_k",
-    ),
-}  # fmt: skip
 DATA_CONTENT = "dataset_content"  # the bytes of the local training files (data_identity), not a config key
-# The bytes of what else a run loads by name (input_identity), resume keys that are not config keys either: the user's
-# code files, the teacher's weights, and the weights of the model the run starts from (RL's and DPO's reference)
-USER_CODE_CONTENT, TEACHER_WEIGHTS, REFERENCE_WEIGHTS = "user_code_content", "teacher_weights", "reference_weights"
-INPUT_CONTENT_KEYS = (USER_CODE_CONTENT, TEACHER_WEIGHTS, REFERENCE_WEIGHTS)
-# the options that may name a file of the user's code (`path/file.py:name` or `module:name`)
-USER_CODE_OPTIONS = ("reward_functions", "advantage_estimator", "policy_loss", "kl_estimator", "environment")
+
+
+def _settings_class(config: dict[str, Any]) -> Optional[type]:
+    """The dataclass of the script a config (a checkpoint's or this run's) is for: its fields declare what a resume
+    compares (config.RESUME_KINDS) and what it loads again (config.LOADS); None for an unknown script."""
+    return CONFIG_CLASSES.get(config.get("script"))  # type: ignore[arg-type]
+
+
+def content_keys(cls: type) -> set[str]:
+    """The resume keys of the content of what cls's settings load (`content_key` of each `loads` setting)."""
+    return {f.metadata["content_key"] for f in dataclasses.fields(cls) if f.metadata.get("loads")}
 
 
 def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[Any, str]]:
-    """What a resumed run must share with its checkpoint so that the data stream continues where it stopped (the
-    position is counted in episodes/prompts and the order drawn from seed and data size) and the counters and
-    schedules mean the same: name -> (value, how it is made). Global quantities, so a new world size with the same
-    global batch resumes exactly. The content of the data files is compared apart (data_identity)."""
+    """What a resumed run must share with its checkpoint: every setting its script declares `structural` or
+    `must_match` (what the saved state is, the data stream and order, the run's length and schedule, what is
+    trained and towards what), and the global batch the `batch_layout` settings make (the data position is counted in
+    episodes/prompts, so a new world size with the same global batch resumes exactly): name -> (value, how it is
+    made). A setting is compared only when the checkpoint's config has it (one from before a knob existed is not
+    refused for it). The content of the files the run loads is compared apart (data_identity, input_identity)."""
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
     layout: dict[str, tuple[Any, str]] = {
         "script": (config.get("script"), ""),
-        "seed": (config.get("seed"), "the data order"),
-        "max_train_samples": (config.get("max_train_samples"), "the data order"),
         "mini_batch_size": (
             per_device * accumulation * world_size,
             f"per_device_train_batch_size {per_device} x gradient_accumulation_steps {accumulation} x world_size "
             f"{world_size}",
         ),
     }
-    # What the saved parameters are: LoRA adapters of a given shape, or the whole model.
-    layout["use_lora"] = (bool(config.get("use_lora", False)), "adapters or the whole model in the saved state")
-    if config.get("use_lora"):
-        for key in ("lora_rank", "lora_target_modules"):
-            layout[key] = (config.get(key), "the saved adapters' shapes")
-        if "lora_alpha" in config:
-            layout["lora_alpha"] = (config["lora_alpha"], "the adapters' scale alpha / r")
-    for key in DATA_STREAM_KEYS + SCHEDULE_KEYS + TRAINING_KEYS["all"] + TRAINING_KEYS.get(config.get("script"), ()):
-        if key in config:
-            layout[key] = (config[key], "")
-    if config.get("script") == "rlvr_ppo":
+    cls = _settings_class(config)
+    for f in dataclasses.fields(cls) if cls else ():
+        if f.metadata.get("resume") in ("structural", "must_match") and f.name in config:
+            layout[f.name] = (config[f.name], f.metadata["note"])
+    if "local_rollout_batch_size" in config:  # RL
         local = config["local_rollout_batch_size"]
-        layout["algo"] = (config.get("algo"), "")
-        # gae trains a value model, the other estimators none (a checkpoint from before the knob: from algo)
-        estimator = config.get("advantage_estimator") or ALGO_ESTIMATORS.get(config.get("algo", "ppo"))
-        layout["advantage_estimator"] = (estimator, "")
         layout["rollout_batch_size"] = (
             local * world_size,
             f"local_rollout_batch_size {local} x world_size {world_size}",
         )
-        for key in ("num_samples_per_prompt", "num_epochs"):
-            layout[key] = (config.get(key), "")
-        if "async_steps" in config:  # the rollouts saved in flight were generated for this pipeline depth
-            layout["async_steps"] = (config["async_steps"], "rollouts in flight, saved with the checkpoint")
+    if "algo" in config:  # gae trains a value model, the other estimators none (a checkpoint from before the knob)
+        layout["advantage_estimator"] = (config.get("advantage_estimator") or ALGO_ESTIMATORS.get(config["algo"]), "")
     return layout
 
 
@@ -753,36 +702,10 @@ def train_sources(config: dict[str, Any]) -> list[str]:
     return [p.strip() for p in (config.get("dataset_name_or_path") or "").split(",") if p.strip()]
 
 
-def source_files(source: str) -> list[str]:
-    """The local files of one source: the file, or every file under a folder, sorted, hidden ones left out; none
-    for a hub dataset."""
-    if os.path.isfile(source):
-        return [os.path.abspath(source)]
-    files = []
-    if os.path.isdir(source):
-        for root, dirs, names in os.walk(source):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # no caches (.cache/huggingface, ...)
-            files += [os.path.abspath(os.path.join(root, n)) for n in sorted(names) if not n.startswith(".")]
-    return files
-
-
 def train_data_files(config: dict[str, Any]) -> list[str]:
     """The local files the training rows are read from, in source order (a folder: every file under it). Hub
     datasets have none here."""
     return [path for source in train_sources(config) for path in source_files(source)]
-
-
-_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> blake2b: each file read once per process
-
-
-def file_digest(path: str) -> str:
-    """blake2b of a file's bytes (cached while its size and mtime stay the same)."""
-    st = os.stat(path)
-    key = (path, st.st_size, st.st_mtime_ns)
-    if key not in _digests:
-        with open(path, "rb") as f:
-            _digests[key] = hashlib.file_digest(f, "blake2b").hexdigest()
-    return _digests[key]
 
 
 def data_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -795,40 +718,64 @@ def data_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The identity of every file a run loads by name besides its data, recorded in each checkpoint: the user's code
-    files (reward functions, variants, environment) and the local weight files of the teacher and, for the scripts
-    that keep a frozen copy of it, of the starting model (the reference). [{key, what, path, blake2b}]: `key` the
-    resume key that accepts a change, `what` the setting that named the file. Each file is hashed once per process
-    (file_digest); hub models are known by name (and revision) only."""
+    """The identity of every file a run loads by name besides its data, recorded in each checkpoint: what the
+    settings its script declares with `loads` name (config.setting): the local weight files of a "weights" setting
+    (a teacher, a reward model, the starting model a reference is loaded from), the user's code file of a "code"
+    setting's `file.py:name` / `module:name` spec (and of the specs the training rows name in a column of the
+    setting's name, where its declaration says they may: a row's environment), and the weight files of the folders
+    that code's object declares it loads (`weight_folders`, e.g. a judge's local_model). [{key, what, path, blake2b}]:
+    `key` the resume key that accepts a change, `what` the setting that named the file. Each file is hashed once per
+    process (file_digest); hub models are known by name (and revision) only."""
+    cls = _settings_class(config)
     entries: list[tuple[str, str, str]] = []
-    named = [(option, config.get(option)) for option in USER_CODE_OPTIONS]
-    named += [("the rows' environment column", row_environment_specs(config))]
-    for option, values in named:
-        for value in values if isinstance(values, (list, tuple)) else [values]:
-            path = user_code.spec_file(value) if isinstance(value, str) else None
+    for f in dataclasses.fields(cls) if cls else ():
+        loads, key, value = f.metadata.get("loads"), f.metadata.get("content_key"), config.get(f.name)
+        if loads == "weights":
+            entries += _weight_entries(key, f"{f.name} {value}", value)
+            continue
+        if loads != "code":
+            continue
+        named = [(f.name, v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+        if f.metadata.get("per_row"):
+            named += [(f"the rows' {f.name} column", v) for v in row_column_specs(config, f.name)]
+        for option, spec in named:
+            path = user_code.spec_file(spec) if isinstance(spec, str) else None
             if path:
-                entries.append((USER_CODE_CONTENT, f"{option} {value}", path))
-    models = [(TEACHER_WEIGHTS, "teacher_model_name_or_path")]
-    if config.get("script") in ("rlvr_ppo", "dpo") and not config.get("gguf_file"):
-        models.append((REFERENCE_WEIGHTS, "model_name_or_path"))
-    for key, option in models:
-        folder = config.get(option)
-        if folder and looks_local(folder) and os.path.isdir(folder):
-            entries += [(key, f"{option} {folder}", os.path.abspath(path)) for path in weight_files(folder)]
+                entries.append((key, f"{option} {spec}", path))
+            for folder in _declared_weight_folders(spec, option):
+                entries += _weight_entries(key, f"{option} {spec} loads {folder}", folder)
     return [{"key": k, "what": w, "path": p, "blake2b": file_digest(p)} for k, w, p in entries]
 
 
-# (source, split, its files' (size, mtime_ns)) -> specs: one read per process
-_row_environments: dict[tuple, list[str]] = {}
+def _weight_entries(key: str, what: str, folder: Any) -> list[tuple[str, str, str]]:
+    """(key, what, path) of each weight file of a local model folder; none for a hub name or nothing."""
+    if not (isinstance(folder, str) and folder and looks_local(folder) and os.path.isdir(folder)):
+        return []
+    return [(key, what, os.path.abspath(path)) for path in weight_files(folder)]
 
 
-def row_environment_specs(config: dict[str, Any]) -> list[str]:
-    """The distinct `environment` specs the RL training rows name in their own column (a row's wins over the
-    recipe's, episodes.py), sorted: their code is the run's too, so a resume compares its bytes. Each local source
+def _declared_weight_folders(spec: Any, option: str) -> list[str]:
+    """The model folders the object a user's spec names says it loads (its `weight_folders`: a Judge's local_model
+    or served folder). The run imported the spec already; one that does not import has none here (its own check
+    reports it)."""
+    if not user_code.is_spec(spec):
+        return []
+    try:
+        obj = user_code.load_object(spec, option, "file.py:name")
+    except ConfigError:
+        return []
+    return [str(folder) for folder in getattr(obj, "weight_folders", ()) or ()]
+
+
+# (column, source, split, its files' (size, mtime_ns)) -> specs: one read per process
+_row_specs: dict[tuple, list[str]] = {}
+
+
+def row_column_specs(config: dict[str, Any], column: str) -> list[str]:
+    """The distinct specs the training rows name in their own `column` (a row's wins over the recipe's, e.g. its
+    `environment`, episodes.py), sorted: their code is the run's too, so a resume compares its bytes. Each local source
     (a file or a folder, a `save_to_disk` one included) is read as training reads it, once per process while its
     files' sizes and mtimes stay the same; hub datasets are not read."""
-    if config.get("script") != "rlvr_ppo":
-        return []
     from open_instruct.data import load_source
 
     specs: set[str] = set()
@@ -838,11 +785,11 @@ def row_environment_specs(config: dict[str, Any]) -> list[str]:
         if not files:
             continue
         stats = [os.stat(f) for f in files]
-        key = (os.path.abspath(source), split, tuple((st.st_size, st.st_mtime_ns) for st in stats))
-        if key not in _row_environments:
-            found = {row.data.get("environment") for row in load_source(source, split)}
-            _row_environments[key] = sorted(v for v in found if isinstance(v, str) and v)
-        specs.update(_row_environments[key])
+        key = (column, os.path.abspath(source), split, tuple((st.st_size, st.st_mtime_ns) for st in stats))
+        if key not in _row_specs:
+            found = {row.data.get(column) for row in load_source(source, split)}
+            _row_specs[key] = sorted(v for v in found if isinstance(v, str) and v)
+        specs.update(_row_specs[key])
     return sorted(specs)
 
 
@@ -894,13 +841,14 @@ def data_content_changes(saved: list[dict[str, Any]], config: dict[str, Any]) ->
 def check_allowed_resume_changes(cfg: Any, world_size: int) -> set[str]:
     """The names in cfg.allow_resume_changes must be resume keys a resume may accept, checked on every start (also
     when `auto` finds nothing to resume): a misspelt name would otherwise pass until the one resume that needs it.
-    Returns the acceptable keys."""
-    acceptable = set(resume_layout(vars(cfg), world_size)) | {DATA_CONTENT, *INPUT_CONTENT_KEYS}
-    acceptable -= set(STRUCTURAL_RESUME_KEYS)
-    acceptable |= set(SCHEDULE_KEYS) | set(DATA_STREAM_KEYS)  # compared whenever a checkpoint has them
+    Returns the acceptable keys: the compared settings but the structural ones, the global batch, and the content
+    of the data and of what the settings load."""
+    structural_keys = set(declared_settings(type(cfg), resume="structural")) | {"script"}
+    acceptable = set(resume_layout(vars(cfg), world_size)) | {DATA_CONTENT} | content_keys(type(cfg))
+    acceptable -= structural_keys
     allowed = set(getattr(cfg, "allow_resume_changes", None) or [])
-    structural = sorted(allowed & set(STRUCTURAL_RESUME_KEYS))
-    unknown = sorted(allowed - acceptable - set(STRUCTURAL_RESUME_KEYS))
+    structural = sorted(allowed & structural_keys)
+    unknown = sorted(allowed - acceptable - structural_keys)
     if structural or unknown:
         problems = []
         if structural:

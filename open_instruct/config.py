@@ -5,8 +5,9 @@
 The recipe's values and the `--key value` overrides are merged key by key (the last value wins), then every scalar
 goes through transformers' HfArgumentParser as `--key=value` (its type checks and choices; a value may start with
 '-'), and list values are converted by their element type. Unknown keys, wrong types and invalid values stop the
-run with exit status 2 and a message naming the key, before torch or any model is imported. The settings are
-grouped by topic (SETTING_TOPICS) in `--help`, in the saved config.yaml and in docs/running.md#settings-by-topic.
+run with exit status 2 and a message naming the key, before torch or any model is imported. Each setting is declared
+once (`setting`: its topic, how a resume treats it, what it loads); `--help`, the saved config.yaml and
+docs/running.md#settings-by-topic group the settings by topic.
 This module imports no torch.
 """
 
@@ -41,9 +42,71 @@ from open_instruct.rl_algorithms import ADVANTAGE_ESTIMATORS, ALGO_ESTIMATORS, P
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field with its --help text (every option has one; tests/test_bad_inputs.py checks)."""
-    return field(default=default, metadata={"help": help})
+# Every setting is declared once, as a field of its script's dataclass made by `setting` below: its type, default and
+# --help text, its topic, how a resume treats it and what it loads. The topics' order is the order of `--help`, of the
+# saved config.yaml (a comment heads each group, the keys stay one flat mapping) and of docs/running.md's table.
+TOPICS: dict[str, str] = {
+    "run": "which script, where its files go, the layout a dry run plans",
+    "model": "what is loaded and how it runs",
+    "data": "train and held-out rows, their columns and lengths",
+    "batch": "samples per step and run length (docs/batch-math.md)",
+    "optimizer": "AdamW and its schedule",
+    "algorithm": "the loss and, for RL, the advantages, KL and distillation (docs/algorithms.md)",
+    "generation": "sampling and the engines that sample",
+    "rewards": "how a completion is scored",
+    "environments": "multi-turn episodes and tools (docs/multi-turn.md)",
+    "checks": "what stops or warns during a run (docs/trusted-generation.md)",
+    "checkpointing": "checkpoints, resumes and the models written",
+    "logging": "metrics, evaluation and samples",
+}
+# How a resume treats a setting (checkpoint.check_resume_compatible, before any model loads).
+RESUME_KINDS: dict[str, str] = {
+    "structural": "refused, and --allow_resume_changes cannot accept it: the saved state would not load",
+    "must_match": "refused unless --allow_resume_changes names it: it changes what is trained",
+    "batch_layout": "accepted while the global batch it makes (mini_batch_size, rollout_batch_size) stays the same",
+    "may_change": "accepted: where files go, logging, limits and timeouts, how the same computation runs",
+}
+# What a setting names for the run to load again on resume, compared by content (checkpoint.input_identity): the
+# weight files of a local model folder, or the file of the user's code a `file.py:name` / `module:name` spec names
+# (and the weight folders that code's object declares in its `weight_folders`, e.g. a judge's local_model).
+LOADS = ("weights", "code")
+USER_CODE_CONTENT = "user_code_content"  # the resume key of every "code" setting's files
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    topic: str,
+    resume: str,
+    loads: Optional[str] = None,
+    content_key: Optional[str] = None,
+    per_row: bool = False,
+    note: str = "",
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A config field and everything said about it: its --help text (every option has one; tests/test_bad_inputs.py
+    checks), its topic (TOPICS), how a resume treats it (RESUME_KINDS; `note` says in a refusal what it decides),
+    and, for a setting that names weights or code loaded again on resume, `loads` (LOADS) with the resume key that
+    accepts a change of their content (`content_key`; "code": user_code_content); `per_row`: the training rows may
+    name their own in a column of the setting's name (a row's wins), and those are loaded too."""
+    if topic not in TOPICS or resume not in RESUME_KINDS or (loads is not None and loads not in LOADS):
+        raise ValueError(f"setting: topic {topic!r}, resume {resume!r}, loads {loads!r} must be in the tables")
+    if loads == "weights" and not content_key:
+        raise ValueError("setting: a setting that loads weights names the resume key of their content")
+    metadata = {"help": help, "topic": topic, "resume": resume, "loads": loads, "per_row": per_row, "note": note}
+    metadata["content_key"] = USER_CODE_CONTENT if loads == "code" else content_key
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def restated(name: str, default: Any = dataclasses.MISSING, **changes: Any) -> Any:
+    """BaseConfig's setting `name` declared again in a script's dataclass with another default and/or another part
+    of its declaration (help=, resume=, loads= ...): the rest stays as BaseConfig says."""
+    (base,) = [f for f in dataclasses.fields(BaseConfig) if f.name == name]
+    declared = {k: v for k, v in base.metadata.items() if k != "content_key" or base.metadata["loads"] == "weights"}
+    if default is dataclasses.MISSING and base.default_factory is dataclasses.MISSING:
+        default = base.default
+    return setting(default, **{**declared, **changes})
 
 
 @dataclass
@@ -56,181 +119,338 @@ class BaseConfig:
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = ()
 
     # --- what runs
-    script: str = opt("", "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo).")
-    exp_name: str = opt("run", "Run name (wandb).")
-    output_dir: str = opt("output/run", "Folder of this run: metrics.jsonl, checkpoints/, best_model/, final_model/.")
-    overwrite_output_dir: bool = opt(
+    script: str = setting(
+        "", "Which script this recipe is for (sft, reward_model, dpo, rlvr_ppo).", topic="run", resume="structural"
+    )
+    exp_name: str = setting("run", "Run name (wandb).", topic="run", resume="may_change")
+    output_dir: str = setting(
+        "output/run",
+        "Folder of this run: metrics.jsonl, checkpoints/, best_model/, final_model/.",
+        topic="run",
+        resume="may_change",
+    )
+    overwrite_output_dir: bool = setting(
         False,
         "Start a new run in an output_dir that holds another run (else such a folder is refused), once every start "
         "check has passed: a finished run (final_model/) is moved aside to <output_dir>.replaced-<time>, an "
         "unfinished one deleted. Command line only: a recipe (or a saved config.yaml) cannot set it.",
+        topic="run",
+        resume="may_change",
     )
-    delete_finished_run: bool = opt(
+    delete_finished_run: bool = setting(
         False,
         "With overwrite_output_dir: delete a finished run's files instead of moving them aside. Command line only.",
+        topic="run",
+        resume="may_change",
     )
-    seed: int = opt(1, "Random seed: data order, sampling and freshly initialised heads.")
-    dry_run: bool = opt(
+    seed: int = setting(
+        1,
+        "Random seed: data order, sampling and freshly initialised heads.",
+        topic="run",
+        resume="must_match",
+        note="the data order",
+    )
+    dry_run: bool = setting(
         False,
         "Run every start check that needs no model (paths, first data rows, reward functions, memory), print the "
         "plan and exit: 0 if a real start would get past them, else 2 with the same message.",
+        topic="run",
+        resume="may_change",
     )
-    gpu: Optional[str] = opt(
+    gpu: Optional[str] = setting(
         None,
         "GPU the memory check judges a layout on (a name of the planner's table, e.g. H100, A100, H200); unset: "
         "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100.",
+        topic="run",
+        resume="may_change",
     )
-    gpu_memory_gb: Optional[float] = opt(
-        None, "Memory of one training GPU for the memory check, in GB; unset: the gpu's (H100: 80)."
+    gpu_memory_gb: Optional[float] = setting(
+        None,
+        "Memory of one training GPU for the memory check, in GB; unset: the gpu's (H100: 80).",
+        topic="run",
+        resume="may_change",
     )
-    num_processes: Optional[int] = opt(
+    num_processes: Optional[int] = setting(
         None,
         "Training processes a --dry_run plans for (the launcher's --num_processes); unset: WORLD_SIZE of the "
         "launch, else 1. A real start takes the launcher's world size and refuses a different one.",
+        topic="run",
+        resume="may_change",
     )
 
     # --- model
-    model_name_or_path: str = opt("", "Hub model name or local model folder (with config.json) to start from.")
-    tokenizer_name_or_path: Optional[str] = opt(None, "Tokenizer to use (default: the model's).")
-    model_revision: Optional[str] = opt(None, "Hub revision (branch, tag or commit) of the model.")
-    gguf_file: Optional[str] = opt(None, "Load weights from this GGUF file in the model folder.")
-    trust_remote_code: bool = opt(False, "Allow model code from the hub to run (off: only transformers' own code).")
-    chat_template: Optional[str] = opt(
+    model_name_or_path: str = setting(
+        "", "Hub model name or local model folder (with config.json) to start from.", topic="model", resume="may_change"
+    )
+    tokenizer_name_or_path: Optional[str] = setting(
+        None, "Tokenizer to use (default: the model's).", topic="model", resume="must_match"
+    )
+    model_revision: Optional[str] = setting(
+        None, "Hub revision (branch, tag or commit) of the model.", topic="model", resume="may_change"
+    )
+    gguf_file: Optional[str] = setting(
+        None, "Load weights from this GGUF file in the model folder.", topic="model", resume="may_change"
+    )
+    trust_remote_code: bool = setting(
+        False,
+        "Allow model code from the hub to run (off: only transformers' own code).",
+        topic="model",
+        resume="may_change",
+    )
+    chat_template: Optional[str] = setting(
         None,
         "Chat template replacing the tokenizer's: a name (tulu, chatml, zephyr, llama-3), a path to a Jinja file, "
         "or Jinja text (open_instruct/chat_templates.py).",
+        topic="model",
+        resume="must_match",
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "Compute precision (master weights stay fp32).")
-    attn_implementation: Optional[Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2"]] = opt(
+    mixed_precision: Literal["no", "bf16", "fp16"] = setting(
+        "no", "Compute precision (master weights stay fp32).", topic="model", resume="must_match"
+    )
+    attn_implementation: Optional[Literal["sdpa", "sdpa_varlen", "eager", "flash_attention_2"]] = setting(
         None,
         "Attention kernel of every model loaded (transformers' attn_implementation); unset: sdpa_varlen with packing "
         "(sdpa one packed sequence at a time, open_instruct/attention.py), else transformers' default (sdpa). "
         "flash_attention_2 (GPU, flash-attn installed) runs packed rows with its varlen kernel.",
+        topic="model",
+        resume="may_change",
     )
-    activation_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
-    fsdp_cpu_offload: bool = opt(False, "Under FSDP: keep parameters, gradients and optimizer state in host memory.")
-    distributed_timeout_minutes: float = opt(
+    activation_checkpointing: bool = setting(
+        False, "Recompute activations in the backward pass to save memory.", topic="model", resume="may_change"
+    )
+    fsdp_cpu_offload: bool = setting(
+        False,
+        "Under FSDP: keep parameters, gradients and optimizer state in host memory.",
+        topic="model",
+        resume="may_change",
+    )
+    distributed_timeout_minutes: float = setting(
         60.0,
         "Minutes a collective (NCCL/gloo) may wait for the slowest rank before the run fails; rank 0 alone may spend "
         "long stretches starting engines or writing a full model while the others wait (torch's default is 10).",
+        topic="model",
+        resume="may_change",
     )
 
     # --- LoRA (peft; open_instruct/lora.py)
-    use_lora: bool = opt(
+    use_lora: bool = setting(
         False,
         "Train LoRA adapters (peft) instead of all weights: the trained model (the RL policy and PPO "
         "value model too) gets low-rank adapters, a scalar head stays fully trained.",
+        topic="model",
+        resume="structural",
+        note="adapters or the whole model in the saved state",
     )
-    lora_rank: int = opt(16, "LoRA rank r.")
-    lora_alpha: float = opt(32.0, "LoRA alpha: the update B@A is scaled by alpha / r.")
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too).")
-    lora_target_modules: Optional[list[str]] = opt(
-        None, "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head."
+    lora_rank: int = setting(16, "LoRA rank r.", topic="model", resume="structural", note="the saved adapters' shapes")
+    lora_alpha: float = setting(
+        32.0,
+        "LoRA alpha: the update B@A is scaled by alpha / r.",
+        topic="model",
+        resume="must_match",
+        note="the adapters' scale alpha / r",
     )
-    lora_save: Literal["merged", "adapter"] = opt(
+    lora_dropout: float = setting(
+        0.0,
+        "Dropout on the LoRA input (DPO and RL turn all dropout off, this one too).",
+        topic="model",
+        resume="must_match",
+    )
+    lora_target_modules: Optional[list[str]] = setting(
+        None,
+        "Module names to adapt (e.g. q_proj v_proj); unset: every linear layer but the output head.",
+        topic="model",
+        resume="structural",
+        note="the saved adapters' shapes",
+    )
+    lora_save: Literal["merged", "adapter"] = setting(
         "merged",
         "final_model/ and best_model/ hold the merged model (plain HF format, no peft needed) or only "
         "the adapter (load with peft).",
+        topic="model",
+        resume="may_change",
     )
 
     # --- data
-    dataset_name_or_path: str = opt(
-        "", "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated. Or use dataset_mixer_list."
+    dataset_name_or_path: str = setting(
+        "",
+        "Hub dataset name, or local .jsonl/.json/.parquet file(s), comma separated. Or use dataset_mixer_list.",
+        topic="data",
+        resume="must_match",
     )
-    dataset_mixer_list: Optional[list[str]] = opt(
+    dataset_mixer_list: Optional[list[str]] = setting(
         None,
         "A mixture instead of dataset_name_or_path: source, amount, source, amount, ... An amount with a decimal "
         "point is a fraction of that source (1.0 = all rows), an integer >= 2 a row count (above the size: repeats). "
         "Rows are drawn from the seed; see open_instruct/mixture.py.",
+        topic="data",
+        resume="must_match",
     )
-    dataset_split: str = opt("train", "Split of a hub training dataset.")
-    eval_dataset_name_or_path: Optional[str] = opt(None, "Held-out dataset (same forms as dataset_name_or_path).")
-    eval_dataset_mixer_list: Optional[list[str]] = opt(
-        None, "The held-out set as a mixture (same form as dataset_mixer_list)."
+    dataset_split: str = setting("train", "Split of a hub training dataset.", topic="data", resume="must_match")
+    eval_dataset_name_or_path: Optional[str] = setting(
+        None, "Held-out dataset (same forms as dataset_name_or_path).", topic="data", resume="may_change"
     )
-    eval_dataset_split: str = opt("test", "Split of a hub eval dataset.")
-    eval_fraction: float = opt(
-        0.0, "Hold out this fraction of the train set for eval (only when no eval dataset is given)."
+    eval_dataset_mixer_list: Optional[list[str]] = setting(
+        None, "The held-out set as a mixture (same form as dataset_mixer_list).", topic="data", resume="may_change"
     )
-    train_order: Literal["shuffled", "as_written"] = opt(
+    eval_dataset_split: str = setting("test", "Split of a hub eval dataset.", topic="data", resume="may_change")
+    eval_fraction: float = setting(
+        0.0,
+        "Hold out this fraction of the train set for eval (only when no eval dataset is given).",
+        topic="data",
+        resume="must_match",
+    )
+    train_order: Literal["shuffled", "as_written"] = setting(
         "shuffled",
         "The order training rows are consumed in: shuffled (each epoch a permutation drawn from the seed) or "
         "as_written (the file's order, every epoch: a curriculum written into the data, e.g. easy rows first).",
+        topic="data",
+        resume="must_match",
     )
-    max_train_samples: Optional[int] = opt(None, "Use only the first N training rows.")
-    max_eval_samples: Optional[int] = opt(None, "Use only the first N held-out rows.")
-    max_seq_length: int = opt(2048, "Longest tokenized example kept (see overlong).")
-    overlong: Literal["drop", "truncate"] = opt("drop", "What to do with examples longer than max_seq_length.")
-    skip_bad_rows: bool = opt(False, "Skip (and count) malformed rows instead of stopping with the file and row.")
-    string_rows: Literal["raw", "chat_template"] = opt(
+    max_train_samples: Optional[int] = setting(
+        None, "Use only the first N training rows.", topic="data", resume="must_match", note="the data order"
+    )
+    max_eval_samples: Optional[int] = setting(
+        None, "Use only the first N held-out rows.", topic="data", resume="may_change"
+    )
+    max_seq_length: int = setting(
+        2048, "Longest tokenized example kept (see overlong).", topic="data", resume="must_match"
+    )
+    overlong: Literal["drop", "truncate"] = setting(
+        "drop", "What to do with examples longer than max_seq_length.", topic="data", resume="must_match"
+    )
+    skip_bad_rows: bool = setting(
+        False,
+        "Skip (and count) malformed rows instead of stopping with the file and row.",
+        topic="data",
+        resume="must_match",
+    )
+    string_rows: Literal["raw", "chat_template"] = setting(
         "raw",
         "Rows whose prompt/completion/chosen/rejected are strings: raw (TRL's convention: prompt + completion "
         "concatenated as written, EOS appended, no template) or chat_template (the prompt becomes a user turn, the "
         "completion an assistant turn, rendered with the chat template). Message lists always use the template.",
+        topic="data",
+        resume="must_match",
     )
-    dataset_num_proc: Optional[int] = opt(
-        None, "Processes tokenizing the data (forked workers); unset: the CPU count (at most 16) from 10k rows."
+    dataset_num_proc: Optional[int] = setting(
+        None,
+        "Processes tokenizing the data (forked workers); unset: the CPU count (at most 16) from 10k rows.",
+        topic="data",
+        resume="may_change",
     )
-    dataset_cache_dir: Optional[str] = opt(
+    dataset_cache_dir: Optional[str] = setting(
         None,
         "Folder of the tokenized-data cache, keyed by data + tokenizer + template + lengths + code version, reused "
         "by later runs and resumes; unset: $OPEN_INSTRUCT_DATA_CACHE or ~/.cache/open_instruct/tokenized; 'none': "
         "no cache.",
+        topic="data",
+        resume="may_change",
     )
 
     # --- optimisation
-    learning_rate: float = opt(1e-5, "Peak AdamW learning rate.")
-    lr_scheduler_type: Literal["linear", "constant", "cosine", "constant_with_warmup"] = opt(
-        "linear", "Learning-rate schedule over the run."
+    learning_rate: float = setting(1e-5, "Peak AdamW learning rate.", topic="optimizer", resume="must_match")
+    lr_scheduler_type: Literal["linear", "constant", "cosine", "constant_with_warmup"] = setting(
+        "linear", "Learning-rate schedule over the run.", topic="optimizer", resume="must_match"
     )
-    warmup_ratio: float = opt(0.0, "Fraction of the optimizer steps spent warming up the learning rate.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (not on biases and norms).")
-    adam_beta1: float = opt(0.9, "AdamW beta1.")
-    adam_beta2: float = opt(0.999, "AdamW beta2.")
-    adam_epsilon: float = opt(1e-8, "AdamW epsilon (>= 0).")
-    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this.")
-    per_device_train_batch_size: int = opt(1, "Micro batch: samples per forward/backward on one device.")
-    gradient_accumulation_steps: int = opt(1, "Micro batches per optimizer step on one device.")
-    per_device_eval_batch_size: int = opt(8, "Samples per eval forward on one device.")
-    max_tokens_per_micro_batch: Optional[int] = opt(
+    warmup_ratio: float = setting(
+        0.0,
+        "Fraction of the optimizer steps spent warming up the learning rate.",
+        topic="optimizer",
+        resume="must_match",
+    )
+    weight_decay: float = setting(
+        0.0, "AdamW weight decay (not on biases and norms).", topic="optimizer", resume="must_match"
+    )
+    adam_beta1: float = setting(0.9, "AdamW beta1.", topic="optimizer", resume="must_match")
+    adam_beta2: float = setting(0.999, "AdamW beta2.", topic="optimizer", resume="must_match")
+    adam_epsilon: float = setting(1e-8, "AdamW epsilon (>= 0).", topic="optimizer", resume="must_match")
+    max_grad_norm: float = setting(
+        1.0, "Clip the global gradient norm to this.", topic="optimizer", resume="must_match"
+    )
+    per_device_train_batch_size: int = setting(
+        1, "Micro batch: samples per forward/backward on one device.", topic="batch", resume="batch_layout"
+    )
+    gradient_accumulation_steps: int = setting(
+        1, "Micro batches per optimizer step on one device.", topic="batch", resume="batch_layout"
+    )
+    per_device_eval_batch_size: int = setting(
+        8, "Samples per eval forward on one device.", topic="batch", resume="may_change"
+    )
+    max_tokens_per_micro_batch: Optional[int] = setting(
         None,
         "Padding-free packing: every forward/backward (and eval, reference and scoring forward) takes ONE row per "
         "device of whole sequences concatenated up to this many tokens, attention kept inside each sequence. The "
         "samples per optimizer step stay per_device_train_batch_size x gradient_accumulation_steps per device; the "
         "split into micro-batches is by tokens. Must hold the longest sequence (a preference pair: both). Unset or 0: "
         "off (padded micro-batches of per_device_train_batch_size rows).",
+        topic="batch",
+        resume="may_change",
     )
-    num_train_epochs: float = opt(1.0, "Passes over the training data (SFT/RM/DPO, when total_episodes is unset).")
-    total_episodes: Optional[int] = opt(None, "Samples to train on (RL: completions; required there).")
-    on_nonfinite: Literal["stop", "skip"] = opt(
-        "stop", "On a NaN/inf loss or gradient: stop the run (exit 3), or skip that update."
+    num_train_epochs: float = setting(
+        1.0,
+        "Passes over the training data (SFT/RM/DPO, when total_episodes is unset).",
+        topic="batch",
+        resume="must_match",
+    )
+    total_episodes: Optional[int] = setting(
+        None, "Samples to train on (RL: completions; required there).", topic="batch", resume="must_match"
+    )
+    on_nonfinite: Literal["stop", "skip"] = setting(
+        "stop",
+        "On a NaN/inf loss or gradient: stop the run (exit 3), or skip that update.",
+        topic="checks",
+        resume="may_change",
     )
 
     # --- logging, eval, checkpoints
-    logging_steps: int = opt(1, "Log a metrics row every N optimizer steps (RL: rollouts).")
-    peak_tflops: Optional[float] = opt(
+    logging_steps: int = setting(
+        1, "Log a metrics row every N optimizer steps (RL: rollouts).", topic="logging", resume="may_change"
+    )
+    peak_tflops: Optional[float] = setting(
         None,
         "Dense bf16 TFLOP/s of one GPU, the denominator of perf/mfu (default: the published peak of the detected "
         "H100 SXM/PCIe/NVL, H200, A100 ...; none known: no perf/mfu).",
+        topic="logging",
+        resume="may_change",
     )
-    eval_steps: Optional[int] = opt(None, "Evaluate every N steps (and at the first and last step).")
-    checkpointing_steps: Optional[int] = opt(None, "Write a checkpoint every N steps (RL: rollouts).")
-    keep_last_n_checkpoints: int = opt(2, "How many checkpoints to keep.")
-    best_metric: Optional[str] = opt(None, "Eval metric that picks best_model/ (one of the script's eval metrics).")
-    best_metric_mode: Literal["max", "min"] = opt("max", "Whether a higher or lower best_metric is better.")
-    resume_from_checkpoint: Optional[str] = opt(
-        None, "'auto' (this output_dir's run: its latest valid checkpoint) or a checkpoint path."
+    eval_steps: Optional[int] = setting(
+        None, "Evaluate every N steps (and at the first and last step).", topic="logging", resume="may_change"
     )
-    allow_resume_changes: Optional[list[str]] = opt(
+    checkpointing_steps: Optional[int] = setting(
+        None, "Write a checkpoint every N steps (RL: rollouts).", topic="checkpointing", resume="may_change"
+    )
+    keep_last_n_checkpoints: int = setting(
+        2, "How many checkpoints to keep.", topic="checkpointing", resume="may_change"
+    )
+    best_metric: Optional[str] = setting(
+        None,
+        "Eval metric that picks best_model/ (one of the script's eval metrics).",
+        topic="checkpointing",
+        resume="may_change",
+    )
+    best_metric_mode: Literal["max", "min"] = setting(
+        "max", "Whether a higher or lower best_metric is better.", topic="checkpointing", resume="may_change"
+    )
+    resume_from_checkpoint: Optional[str] = setting(
+        None,
+        "'auto' (this output_dir's run: its latest valid checkpoint) or a checkpoint path.",
+        topic="checkpointing",
+        resume="may_change",
+    )
+    allow_resume_changes: Optional[list[str]] = setting(
         None,
         "Resume keys whose change from the checkpoint a resume accepts (e.g. num_train_epochs learning_rate "
-        "dataset_content user_code_content teacher_weights reference_weights); any other difference (data, run "
-        "length, schedule, batch layout, lora_alpha) exits 2.",
+        "dataset_content user_code_content teacher_weights reference_weights reward_model_weights); any other "
+        "difference (docs/reliability.md: the settings a resume compares, the batch layout, what they load) exits 2.",
+        topic="checkpointing",
+        resume="may_change",
     )
-    save_final_model: bool = opt(True, "Write final_model/ (HF format) at the end.")
-    with_tracking: bool = opt(False, "Log to wandb as well as metrics.jsonl.")
-    wandb_project: str = opt("open_instruct", "wandb project.")
-    wandb_entity: Optional[str] = opt(None, "wandb entity (team or user).")
+    save_final_model: bool = setting(
+        True, "Write final_model/ (HF format) at the end.", topic="checkpointing", resume="may_change"
+    )
+    with_tracking: bool = setting(False, "Log to wandb as well as metrics.jsonl.", topic="logging", resume="may_change")
+    wandb_project: str = setting("open_instruct", "wandb project.", topic="logging", resume="may_change")
+    wandb_entity: Optional[str] = setting(None, "wandb entity (team or user).", topic="logging", resume="may_change")
 
     def __post_init__(self) -> None:
         self.resolve_defaults()
@@ -419,18 +639,26 @@ class BaseConfig:
 class SFTConfig(BaseConfig):
     eval_metrics: ClassVar[tuple[str, ...]] = ("eval/loss", "eval/perplexity")
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/loss",)
-    script: str = opt("sft", "Which script this recipe is for.")
-    messages_column: str = opt("messages", "Column holding the chat (a list of {role, content}).")
-    learning_rate: float = opt(5e-6, "Peak AdamW learning rate.")
+    script: str = restated("script", "sft")
+    messages_column: str = setting(
+        "messages", "Column holding the chat (a list of {role, content}).", topic="data", resume="must_match"
+    )
+    learning_rate: float = restated("learning_rate", 5e-6)
 
 
 @dataclass
 class PreferenceDataConfig(BaseConfig):
     """Preference rows: `chosen`/`rejected` message lists, or `prompt` + `chosen` + `rejected` strings."""
 
-    chosen_column: str = opt("chosen", "Column of the preferred response (messages or a string).")
-    rejected_column: str = opt("rejected", "Column of the dispreferred response (messages or a string).")
-    prompt_column: str = opt("prompt", "Column of the prompt, for rows whose chosen/rejected are strings.")
+    chosen_column: str = setting(
+        "chosen", "Column of the preferred response (messages or a string).", topic="data", resume="must_match"
+    )
+    rejected_column: str = setting(
+        "rejected", "Column of the dispreferred response (messages or a string).", topic="data", resume="must_match"
+    )
+    prompt_column: str = setting(
+        "prompt", "Column of the prompt, for rows whose chosen/rejected are strings.", topic="data", resume="must_match"
+    )
 
     def longest_packed_item(self) -> tuple[int, str]:
         """A pair: its chosen and rejected sequences go into the same micro-batch (the pair's loss needs both)."""
@@ -459,17 +687,21 @@ DPO_STATS = (
 class RewardModelConfig(PreferenceDataConfig):
     eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in RM_METRICS)
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
-    script: str = opt("reward_model", "Which script this recipe is for.")
-    learning_rate: float = opt(3e-6, "Peak AdamW learning rate.")
-    margin_column: Optional[str] = opt(
+    script: str = restated("script", "reward_model")
+    learning_rate: float = restated("learning_rate", 3e-6)
+    margin_column: Optional[str] = setting(
         None,
         "Column holding a per-pair target margin m (a number): loss -log sigmoid(r_c - r_r - m), as TRL's `margin` "
         "column. Unset: m = 0. Every row must then carry a finite number.",
+        topic="data",
+        resume="must_match",
     )
-    center_rewards_coefficient: float = opt(
+    center_rewards_coefficient: float = setting(
         0.0,
         "Adds coef * mean((r_chosen + r_rejected)^2) to the loss (TRL's center_rewards_coefficient; 0.01 is the "
         "value in its docs), keeping rewards centred on 0. 0 = off.",
+        topic="algorithm",
+        resume="must_match",
     )
 
     def validate(self) -> None:
@@ -481,18 +713,29 @@ class RewardModelConfig(PreferenceDataConfig):
 class DPOConfig(PreferenceDataConfig):
     eval_metrics: ClassVar[tuple[str, ...]] = tuple(f"eval/{k}" for k in DPO_STATS)
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = eval_metrics
-    script: str = opt("dpo", "Which script this recipe is for.")
-    learning_rate: float = opt(5e-7, "Peak AdamW learning rate.")
-    loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = opt(
-        "dpo_norm", "Preference loss (formulas in dpo.py)."
+    script: str = restated("script", "dpo")
+    model_name_or_path: str = restated(
+        "model_name_or_path", resume="must_match", loads="weights", content_key="reference_weights"
+    )  # the reference is loaded from it again on resume
+    learning_rate: float = restated("learning_rate", 5e-7)
+    loss_type: Literal["dpo", "dpo_norm", "ipo", "simpo", "wpo"] = setting(
+        "dpo_norm", "Preference loss (formulas in dpo.py).", topic="algorithm", resume="must_match"
     )
-    beta: float = opt(5.0, "Inverse temperature of the preference loss (> 0).")
-    label_smoothing: float = opt(0.0, "Conservative DPO: assumed probability that a label is flipped.")
-    gamma_beta_ratio: float = opt(0.0, "SimPO target margin gamma, as a ratio of beta.")
-    reference_cache_dir: Optional[str] = opt(
+    beta: float = setting(
+        5.0, "Inverse temperature of the preference loss (> 0).", topic="algorithm", resume="must_match"
+    )
+    label_smoothing: float = setting(
+        0.0, "Conservative DPO: assumed probability that a label is flipped.", topic="algorithm", resume="must_match"
+    )
+    gamma_beta_ratio: float = setting(
+        0.0, "SimPO target margin gamma, as a ratio of beta.", topic="algorithm", resume="must_match"
+    )
+    reference_cache_dir: Optional[str] = setting(
         None,
         "Where reference log-probs are cached (default: <output_dir>/ref_cache). A sweep over beta, lr or loss type "
         "can share one folder: the file name is a hash of model, data and precision.",
+        topic="algorithm",
+        resume="may_change",
     )
 
     def validate(self) -> None:
@@ -514,44 +757,94 @@ class GenerationEngineConfig:
     """The generation-engine knobs of an RL run (`generation.py`'s backends), one group. A mixin of RLVRConfig: its
     fields stay flat keys of the recipe and of `--key value`."""
 
-    generation_backend: Literal["hf", "vllm", "vllm_server"] = opt(
-        "hf", "Generate with transformers, a vLLM engine inside each training process, or dedicated vLLM servers."
+    generation_backend: Literal["hf", "vllm", "vllm_server"] = setting(
+        "hf",
+        "Generate with transformers, a vLLM engine inside each training process, or dedicated vLLM servers.",
+        topic="generation",
+        resume="may_change",
     )
-    vllm_gpu_memory_utilization: float = opt(0.5, "Fraction of GPU memory the vLLM engine may take.")
-    vllm_enable_sleep: bool = opt(False, "Let the vLLM engine sleep during training (frees its memory).")
+    vllm_gpu_memory_utilization: float = setting(
+        0.5, "Fraction of GPU memory the vLLM engine may take.", topic="generation", resume="may_change"
+    )
+    vllm_enable_sleep: bool = setting(
+        False, "Let the vLLM engine sleep during training (frees its memory).", topic="generation", resume="may_change"
+    )
     # vllm_server: dedicated engines (`vllm serve`), weights broadcast after each rollout's updates
-    vllm_num_engines: int = opt(1, "vllm_server: engines (each vllm_tensor_parallel_size devices).")
-    vllm_tensor_parallel_size: int = opt(1, "vllm_server: devices per engine (tensor parallel).")
-    vllm_server_urls: Optional[list[str]] = opt(
-        None, "vllm_server: URLs of engines already running (other nodes); default: start them on this node."
+    vllm_num_engines: int = setting(
+        1, "vllm_server: engines (each vllm_tensor_parallel_size devices).", topic="generation", resume="may_change"
     )
-    vllm_engine_devices: Optional[list[int]] = opt(
-        None, "vllm_server: GPUs of the engines started here (default: those after the training processes')."
+    vllm_tensor_parallel_size: int = setting(
+        1, "vllm_server: devices per engine (tensor parallel).", topic="generation", resume="may_change"
     )
-    vllm_weight_transfer: Literal["auto", "nccl", "gloo"] = opt(
-        "auto", "vllm_server: weight broadcast transport (auto: nccl with CUDA, gloo on CPU)."
+    vllm_server_urls: Optional[list[str]] = setting(
+        None,
+        "vllm_server: URLs of engines already running (other nodes); default: start them on this node.",
+        topic="generation",
+        resume="may_change",
     )
-    vllm_server_timeout: float = opt(600.0, "vllm_server: seconds an engine may take to answer before the run stops.")
-    vllm_engine_start_timeout: float = opt(900.0, "vllm_server: seconds an engine may take to start.")
-    generation_micro_batch_size: Optional[int] = opt(
+    vllm_engine_devices: Optional[list[int]] = setting(
+        None,
+        "vllm_server: GPUs of the engines started here (default: those after the training processes').",
+        topic="generation",
+        resume="may_change",
+    )
+    vllm_weight_transfer: Literal["auto", "nccl", "gloo"] = setting(
+        "auto",
+        "vllm_server: weight broadcast transport (auto: nccl with CUDA, gloo on CPU).",
+        topic="generation",
+        resume="may_change",
+    )
+    vllm_server_timeout: float = setting(
+        600.0,
+        "vllm_server: seconds an engine may take to answer before the run stops.",
+        topic="generation",
+        resume="may_change",
+    )
+    vllm_engine_start_timeout: float = setting(
+        900.0, "vllm_server: seconds an engine may take to start.", topic="generation", resume="may_change"
+    )
+    generation_micro_batch_size: Optional[int] = setting(
         None,
         "hf: sequences per generate call (one KV cache each); unset: as many as hold 131072 tokens of prompt + "
         "response, at most the rank's whole rollout. Seeded samples depend on it; greedy outputs do not.",
+        topic="generation",
+        resume="may_change",
     )
-    async_steps: int = opt(
+    async_steps: int = setting(
         0,
         "Rollouts generated ahead of training (0: synchronous; N: up to N in flight, every token at most N weight "
         "versions older than the trainer that trains on it).",
+        topic="generation",
+        resume="must_match",
+        note="rollouts in flight, saved with the checkpoint",
     )
     # generation_check.py: the generator must reproduce the trainer's log-probs (docs/trusted-generation.md)
-    generation_check: Literal["stop", "warn", "off"] = opt(
-        "stop", "Launch and post-sync probe checks: stop the run beyond the limits, warn and go on, or skip them."
+    generation_check: Literal["stop", "warn", "off"] = setting(
+        "stop",
+        "Launch and post-sync probe checks: stop the run beyond the limits, warn and go on, or skip them.",
+        topic="checks",
+        resume="may_change",
     )
-    generation_check_scale: float = opt(1.0, "Multiplies the probe check's dtype-derived limits.")
-    weight_sync_timeout: float = opt(600.0, "Seconds a weight sync may take before the run stops naming the engine.")
-    mismatch_warn_kl: float = opt(1e-3, "Warn when a rollout's mismatch/k3_kl (sampler vs trainer) exceeds this.")
-    mismatch_warn_beyond_cap: float = opt(
-        0.01, "Warn when a rollout's share of tokens with TIS ratio beyond tis_cap exceeds this."
+    generation_check_scale: float = setting(
+        1.0, "Multiplies the probe check's dtype-derived limits.", topic="checks", resume="may_change"
+    )
+    weight_sync_timeout: float = setting(
+        600.0,
+        "Seconds a weight sync may take before the run stops naming the engine.",
+        topic="generation",
+        resume="may_change",
+    )
+    mismatch_warn_kl: float = setting(
+        1e-3,
+        "Warn when a rollout's mismatch/k3_kl (sampler vs trainer) exceeds this.",
+        topic="checks",
+        resume="may_change",
+    )
+    mismatch_warn_beyond_cap: float = setting(
+        0.01,
+        "Warn when a rollout's share of tokens with TIS ratio beyond tis_cap exceeds this.",
+        topic="checks",
+        resume="may_change",
     )
 
     def resolve_defaults(self) -> None:
@@ -610,208 +903,400 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         "eval/non_stop_rate",
     )
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/correct_rate",)
-    script: str = opt("rlvr_ppo", "Which script this recipe is for.")
-    algo: str = opt(
+    script: str = restated("script", "rlvr_ppo")
+    model_name_or_path: str = restated(
+        "model_name_or_path", resume="must_match", loads="weights", content_key="reference_weights"
+    )  # the reference is loaded from it again on resume
+    algo: str = setting(
         "ppo",
         "Preset (rl_algorithms.ALGO_ESTIMATORS): ppo = gae advantages (value model), KL in the reward; grpo = group "
         "advantages, KL loss.",
+        topic="algorithm",
+        resume="must_match",
     )
-    learning_rate: float = opt(3e-7, "Peak AdamW learning rate.")
+    learning_rate: float = restated("learning_rate", 3e-7)
     # data: prompt messages, ground truth and verifier name per row
-    messages_column: str = opt("messages", "Column of the prompt messages.")
-    ground_truth_column: str = opt("ground_truth", "Column of the answer the verifier checks against.")
-    verifier_column: str = opt("dataset", "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).")
-    max_prompt_length: int = opt(512, "Longest prompt in tokens.")
+    messages_column: str = setting("messages", "Column of the prompt messages.", topic="data", resume="must_match")
+    ground_truth_column: str = setting(
+        "ground_truth", "Column of the answer the verifier checks against.", topic="data", resume="must_match"
+    )
+    verifier_column: str = setting(
+        "dataset",
+        "Column naming each row's verifier (gsm8k, math, ifeval, arithmetic, code).",
+        topic="data",
+        resume="must_match",
+    )
+    max_prompt_length: int = setting(512, "Longest prompt in tokens.", topic="data", resume="must_match")
     # rollouts
-    local_rollout_batch_size: Optional[int] = opt(
+    local_rollout_batch_size: Optional[int] = setting(
         8,
         "Prompts per device per rollout; null: TRL GRPO's generation batch, per_device_train_batch_size x "
         "gradient_accumulation_steps / num_samples_per_prompt (one optimizer step per rollout and epoch).",
+        topic="batch",
+        resume="batch_layout",
     )
-    num_samples_per_prompt: int = opt(1, "Completions per prompt (the GRPO group size).")
-    num_epochs: int = opt(4, "PPO/GRPO passes over each rollout.")
-    response_length: int = opt(256, "Most new tokens per completion.")
-    temperature: float = opt(1.0, "Sampling temperature (> 0).")
-    top_p: float = opt(1.0, "Nucleus sampling threshold, in (0, 1].")
-    stop_strings: Optional[list[str]] = opt(None, "Strings that end a completion (besides EOS).")
+    num_samples_per_prompt: int = setting(
+        1, "Completions per prompt (the GRPO group size).", topic="batch", resume="must_match"
+    )
+    num_epochs: int = setting(4, "PPO/GRPO passes over each rollout.", topic="batch", resume="must_match")
+    response_length: int = setting(256, "Most new tokens per completion.", topic="generation", resume="must_match")
+    temperature: float = setting(1.0, "Sampling temperature (> 0).", topic="generation", resume="must_match")
+    top_p: float = setting(1.0, "Nucleus sampling threshold, in (0, 1].", topic="generation", resume="must_match")
+    stop_strings: Optional[list[str]] = setting(
+        None, "Strings that end a completion (besides EOS).", topic="generation", resume="must_match"
+    )
     # rewards
-    verification_reward: float = opt(10.0, "Score of a completion the verifier accepts.")
-    non_stop_penalty: float = opt(
-        0.0, "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off."
+    verification_reward: float = setting(
+        10.0, "Score of a completion the verifier accepts.", topic="rewards", resume="must_match"
     )
-    reward_model_path: Optional[str] = opt(
-        None, "A trained reward model (sequence classifier with a trained score head) added to the score."
+    non_stop_penalty: float = setting(
+        0.0,
+        "Added to the score when no EOS/stop string ended the response (Tulu 3: -10). 0 = off.",
+        topic="rewards",
+        resume="must_match",
     )
-    reward_model_multiplier: float = opt(0.0, "Weight of the reward model's score.")
-    reward_functions: Optional[list[str]] = opt(
+    reward_model_path: Optional[str] = setting(
+        None,
+        "A trained reward model (sequence classifier with a trained score head) added to the score.",
+        topic="rewards",
+        resume="must_match",
+        loads="weights",
+        content_key="reward_model_weights",
+    )
+    reward_model_multiplier: float = setting(
+        0.0, "Weight of the reward model's score.", topic="rewards", resume="must_match"
+    )
+    reward_functions: Optional[list[str]] = setting(
         None,
         "Custom reward functions added to the verifier's reward: module:function or path/to/file.py:function, "
         "called as TRL's reward_funcs, fn(prompts, completions, completion_ids, **every column of the row) -> a "
         "list of float or None per completion (docs/extending.md). Rows then need no verifier column. Each is called "
         "once on real rows before any model loads.",
+        topic="rewards",
+        resume="must_match",
+        loads="code",
     )
-    reward_function_timeout: float = opt(
-        60.0, "Seconds one reward-function call (a batch of completions) may take before the run stops (exit 2)."
+    reward_function_timeout: float = setting(
+        60.0,
+        "Seconds one reward-function call (a batch of completions) may take before the run stops (exit 2).",
+        topic="rewards",
+        resume="may_change",
     )
-    reward_function_weights: Optional[list[float]] = opt(
-        None, "Weight of each reward function (default 1.0 each): reward += sum of weight x value."
+    reward_function_weights: Optional[list[float]] = setting(
+        None,
+        "Weight of each reward function (default 1.0 each): reward += sum of weight x value.",
+        topic="rewards",
+        resume="must_match",
     )
-    verifier_timeout: float = opt(2.0, "Seconds a verifier may take per completion.")
-    code_reward: Literal["all", "fraction"] = opt("all", "code verifier: 1 iff all tests pass, or the fraction passed.")
-    code_test_seconds: float = opt(2.0, "code verifier: CPU seconds each test case may use (sandboxed), in (0, 60].")
-    code_memory_mb: int = opt(1024, "code verifier: address-space limit of a sandboxed program, MiB.")
-    code_max_tests: int = opt(1024, "code verifier: most tests a row may have (a row with more stops the run, exit 2).")
-    code_allow_script_tests: bool = opt(
+    verifier_timeout: float = setting(
+        2.0, "Seconds a verifier may take per completion.", topic="rewards", resume="may_change"
+    )
+    code_reward: Literal["all", "fraction"] = setting(
+        "all", "code verifier: 1 iff all tests pass, or the fraction passed.", topic="rewards", resume="must_match"
+    )
+    code_test_seconds: float = setting(
+        2.0,
+        "code verifier: CPU seconds each test case may use (sandboxed), in (0, 60].",
+        topic="rewards",
+        resume="may_change",
+    )
+    code_memory_mb: int = setting(
+        1024, "code verifier: address-space limit of a sandboxed program, MiB.", topic="rewards", resume="may_change"
+    )
+    code_max_tests: int = setting(
+        1024,
+        "code verifier: most tests a row may have (a row with more stops the run, exit 2).",
+        topic="rewards",
+        resume="may_change",
+    )
+    code_allow_script_tests: bool = setting(
         False,
         "code verifier: run tests it cannot judge outside the program (a helper, a random input...) whole after the "
         "program. NOT hack-proof: the program can fake their verdict (docs/sandbox.md). Off: such a row is refused.",
+        topic="rewards",
+        resume="may_change",
     )
-    sandbox_workers: int = opt(2, "Sandboxed programs run at once per training process (CPU cores they may take).")
-    sandbox_batch_timeout: Optional[float] = opt(
-        600.0, "Seconds to run all of a rollout's code tests; tests still running then fail as timeouts (null: no cap)."
+    sandbox_workers: int = setting(
+        2,
+        "Sandboxed programs run at once per training process (CPU cores they may take).",
+        topic="rewards",
+        resume="may_change",
     )
-    non_stop_penalty_mode: Literal["add", "replace"] = opt(
-        "add", "add the penalty to the score, or replace the score with it (Tulu 3)."
+    sandbox_batch_timeout: Optional[float] = setting(
+        600.0,
+        "Seconds to run all of a rollout's code tests; tests still running then fail as timeouts (null: no cap).",
+        topic="rewards",
+        resume="may_change",
     )
-    mask_truncated_completions: bool = opt(
+    non_stop_penalty_mode: Literal["add", "replace"] = setting(
+        "add",
+        "add the penalty to the score, or replace the score with it (Tulu 3).",
+        topic="rewards",
+        resume="must_match",
+    )
+    mask_truncated_completions: bool = setting(
         False,
         "TRL's: a completion no EOS/stop string ended within response_length is left out of the loss (its tokens get "
         "no weight); it still counts in its group's baseline (docs/porting.md).",
+        topic="algorithm",
+        resume="must_match",
     )
     # PPO / GRPO and their variants (formulas in rlvr_ppo.py)
-    advantage_estimator: Optional[str] = opt(
+    advantage_estimator: Optional[str] = setting(
         None,
         "A row of rl_algorithms.ADVANTAGE_ESTIMATORS: gae (value model), grpo, dr_grpo, rloo (group baselines), "
         "reinforce_pp, or your own as path/to/file.py:function or module:function; default: from algo.",
+        topic="algorithm",
+        resume="structural",
+        loads="code",
     )
-    policy_loss: str = opt(
+    policy_loss: str = setting(
         "ppo",
         "A row of rl_algorithms.POLICY_LOSSES: ppo (token ratio, clip), gspo (sequence ratio, clip), cispo (clipped "
         "IS weight), or your own as path/to/file.py:function or module:function.",
+        topic="algorithm",
+        resume="must_match",
+        loads="code",
     )
-    cliprange_low: Optional[float] = opt(None, "Lower clip 1 - low (default: cliprange).")
-    cliprange_high: Optional[float] = opt(
-        None, "Upper clip 1 + high (default: cliprange); > low is DAPO's clip-higher."
+    cliprange_low: Optional[float] = setting(
+        None, "Lower clip 1 - low (default: cliprange).", topic="algorithm", resume="must_match"
     )
-    dual_clip_c: Optional[float] = opt(None, "Dual-clip bound c > 1 for A < 0 (off: null).")
-    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = opt(
+    cliprange_high: Optional[float] = setting(
+        None,
+        "Upper clip 1 + high (default: cliprange); > low is DAPO's clip-higher.",
+        topic="algorithm",
+        resume="must_match",
+    )
+    dual_clip_c: Optional[float] = setting(
+        None, "Dual-clip bound c > 1 for A < 0 (off: null).", topic="algorithm", resume="must_match"
+    )
+    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]] = setting(
         None,
         "How token losses become the mini-batch loss (see aggregation_weights); unset: seq_mean_token_mean with "
         "policy_loss gspo (the GSPO paper's sequence mean), else token_mean.",
+        topic="algorithm",
+        resume="must_match",
     )
-    loss_norm_length: Optional[int] = opt(None, "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length.")
-    score_placement: Literal["last_token", "after_last_token"] = opt(
-        "last_token", "gae: the score at the last response token, or one after it with a value there (Tulu 3)."
+    loss_norm_length: Optional[int] = setting(
+        None,
+        "C of seq_mean_token_sum_norm (Dr. GRPO); default: response_length.",
+        topic="algorithm",
+        resume="must_match",
     )
-    filter_zero_std_groups: bool = opt(False, "Drop groups whose completions all scored the same from the update.")
-    overlong_buffer_length: int = opt(
-        0, "DAPO soft overlong punishment over the last N tokens of response_length (0: off)."
+    score_placement: Literal["last_token", "after_last_token"] = setting(
+        "last_token",
+        "gae: the score at the last response token, or one after it with a value there (Tulu 3).",
+        topic="algorithm",
+        resume="must_match",
     )
-    overlong_penalty_factor: float = opt(1.0, "Largest overlong punishment (at the limit).")
-    truncated_importance_sampling: Optional[bool] = opt(
-        None, "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async."
+    filter_zero_std_groups: bool = setting(
+        False,
+        "Drop groups whose completions all scored the same from the update.",
+        topic="algorithm",
+        resume="must_match",
     )
-    tis_cap: float = opt(2.0, "Cap of the truncated importance-sampling weight.")
-    is_mask_low: Optional[float] = opt(
-        None, "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is below this."
+    overlong_buffer_length: int = setting(
+        0,
+        "DAPO soft overlong punishment over the last N tokens of response_length (0: off).",
+        topic="rewards",
+        resume="must_match",
     )
-    is_mask_high: Optional[float] = opt(
-        None, "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is above this."
+    overlong_penalty_factor: float = setting(
+        1.0, "Largest overlong punishment (at the limit).", topic="rewards", resume="must_match"
     )
-    max_sequence_lag: Optional[int] = opt(
-        None, "Drop the policy-gradient term of completions with a token sampled more than this many versions ago."
+    truncated_importance_sampling: Optional[bool] = setting(
+        None,
+        "Weight token losses by min(exp(trainer_logp - sampler_logp), tis_cap); default: on with async.",
+        topic="algorithm",
+        resume="must_match",
     )
-    value_model_path: Optional[str] = opt(
-        None, "Initialise the value model from this (reward) model; default: the policy."
+    tis_cap: float = setting(
+        2.0, "Cap of the truncated importance-sampling weight.", topic="algorithm", resume="must_match"
     )
-    beta: float = opt(0.05, "KL coefficient.")
-    kl_estimator: str = opt(
-        "k1", "KL estimator: Schulman's k1/k2/k3, or your own (logp, ref_logp) -> KL as file.py:function."
+    is_mask_low: Optional[float] = setting(
+        None,
+        "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is below this.",
+        topic="algorithm",
+        resume="must_match",
     )
-    algo_kwargs: dict[str, Any] = field(
+    is_mask_high: Optional[float] = setting(
+        None,
+        "IcePop: drop the policy-gradient term of tokens whose exp(trainer_logp - sampler_logp) is above this.",
+        topic="algorithm",
+        resume="must_match",
+    )
+    max_sequence_lag: Optional[int] = setting(
+        None,
+        "Drop the policy-gradient term of completions with a token sampled more than this many versions ago.",
+        topic="algorithm",
+        resume="must_match",
+    )
+    value_model_path: Optional[str] = setting(
+        None,
+        "Initialise the value model from this (reward) model; default: the policy.",
+        topic="algorithm",
+        resume="must_match",
+    )
+    beta: float = setting(0.05, "KL coefficient.", topic="algorithm", resume="must_match")
+    kl_estimator: str = setting(
+        "k1",
+        "KL estimator: Schulman's k1/k2/k3, or your own (logp, ref_logp) -> KL as file.py:function.",
+        topic="algorithm",
+        resume="must_match",
+        loads="code",
+    )
+    algo_kwargs: dict[str, Any] = setting(
+        help="Keyword arguments for your own advantage_estimator / policy_loss / kl_estimator (each gets the "
+        "ones its function takes): a YAML mapping, or --algo_kwargs name=value ... (docs/extending.md).",
         default_factory=dict,
-        metadata={
-            "help": "Keyword arguments for your own advantage_estimator / policy_loss / kl_estimator (each gets the "
-            "ones its function takes): a YAML mapping, or --algo_kwargs name=value ... (docs/extending.md)."
-        },
+        topic="algorithm",
+        resume="must_match",
     )
-    gamma: float = opt(1.0, "PPO discount.")
-    lam: float = opt(0.95, "PPO GAE lambda.")
-    cliprange: float = opt(0.2, "Policy ratio clip range.")
-    cliprange_value: float = opt(0.2, "Value clip range.")
-    vf_coef: float = opt(0.1, "Value loss coefficient.")
-    whiten_advantages: bool = opt(True, "Whiten PPO advantages over the rollout.")
+    gamma: float = setting(1.0, "PPO discount.", topic="algorithm", resume="must_match")
+    lam: float = setting(0.95, "PPO GAE lambda.", topic="algorithm", resume="must_match")
+    cliprange: float = setting(0.2, "Policy ratio clip range.", topic="algorithm", resume="must_match")
+    cliprange_value: float = setting(0.2, "Value clip range.", topic="algorithm", resume="must_match")
+    vf_coef: float = setting(0.1, "Value loss coefficient.", topic="algorithm", resume="must_match")
+    whiten_advantages: bool = setting(
+        True, "Whiten PPO advantages over the rollout.", topic="algorithm", resume="must_match"
+    )
     # eval: greedy verifiable accuracy on held-out prompts
-    eval_response_length: Optional[int] = opt(None, "Most new tokens per eval answer (default: response_length).")
-    num_samples_logged: int = opt(4, "Completions per rollout written to samples.jsonl.")
-    correct_rate_by: Optional[str] = opt(
+    eval_response_length: Optional[int] = setting(
+        None, "Most new tokens per eval answer (default: response_length).", topic="generation", resume="may_change"
+    )
+    num_samples_logged: int = setting(
+        4, "Completions per rollout written to samples.jsonl.", topic="logging", resume="may_change"
+    )
+    correct_rate_by: Optional[str] = setting(
         None,
         "Log train/correct_rate/<group> per group of prompts: a prompt column (a dotted path reaches into a nested "
         "one, e.g. problem.shape) or `source` (the dataset each prompt came from).",
+        topic="logging",
+        resume="may_change",
     )
     # multi-turn episodes (environments.py, episodes.py; docs/multi-turn.md)
-    environment: Optional[str] = opt(
+    environment: Optional[str] = setting(
         None,
         "Play multi-turn episodes against this environment: a registered name (tool, multi_turn) or an import path "
         "package.module:Class or /path/file.py:Class (null: single-turn completions). A row's `environment` wins.",
+        topic="environments",
+        resume="must_match",
+        loads="code",
+        per_row=True,
     )
-    tools: list[str] = field(
+    tools: list[str] = setting(
+        help="Tools of the tool environment (calculator, python: the sandbox); a row's `tools` narrow them.",
         default_factory=lambda: ["calculator"],
-        metadata={
-            "help": "Tools of the tool environment (calculator, python: the sandbox); a row's `tools` narrow them."
-        },
+        topic="environments",
+        resume="must_match",
     )
-    tool_call_format: Literal["hermes", "fenced"] = opt(
-        "hermes", "hermes: <tool_call>{json}</tool_call> (Qwen templates); fenced: ```python blocks (ReTool)."
+    tool_call_format: Literal["hermes", "fenced"] = setting(
+        "hermes",
+        "hermes: <tool_call>{json}</tool_call> (Qwen templates); fenced: ```python blocks (ReTool).",
+        topic="environments",
+        resume="must_match",
     )
-    max_turns: int = opt(8, "Policy turns (generation calls) per episode at most.")
-    max_tool_calls: int = opt(8, "Tool calls per episode at most (a call over it is answered with an error).")
-    tool_output_max_tokens: int = opt(256, "Tool output tokens shown to the policy at most (the rest is cut).")
-    tool_timeout: float = opt(10.0, "Seconds a python tool call may run (the sandbox's wall and CPU limit).")
-    max_turn_tokens: Optional[int] = opt(
-        None, "New tokens per turn at most (null: response_length, the budget of the whole episode's response)."
+    max_turns: int = setting(
+        8, "Policy turns (generation calls) per episode at most.", topic="environments", resume="must_match"
     )
-    environment_timeout: float = opt(
+    max_tool_calls: int = setting(
+        8,
+        "Tool calls per episode at most (a call over it is answered with an error).",
+        topic="environments",
+        resume="must_match",
+    )
+    tool_output_max_tokens: int = setting(
+        256,
+        "Tool output tokens shown to the policy at most (the rest is cut).",
+        topic="environments",
+        resume="must_match",
+    )
+    tool_timeout: float = setting(
+        10.0,
+        "Seconds a python tool call may run (the sandbox's wall and CPU limit).",
+        topic="environments",
+        resume="may_change",
+    )
+    max_turn_tokens: Optional[int] = setting(
+        None,
+        "New tokens per turn at most (null: response_length, the budget of the whole episode's response).",
+        topic="environments",
+        resume="must_match",
+    )
+    environment_timeout: float = setting(
         300.0,
         "Seconds an environment's constructor, reset or step may take before the run stops (exit 2, naming the "
         "class and the row); a step may run tools, up to max_tool_calls x tool_timeout.",
+        topic="environments",
+        resume="may_change",
     )
-    turn_reward_aggregation: Literal["sum", "last"] = opt(
-        "last", "Episode reward: the last turn's reward (the outcome), or the sum of every turn's."
+    turn_reward_aggregation: Literal["sum", "last"] = setting(
+        "last",
+        "Episode reward: the last turn's reward (the outcome), or the sum of every turn's.",
+        topic="environments",
+        resume="must_match",
     )
     # PPO-ptx: a supervised loss on demonstrations beside the RL loss (ptx.py, docs/algorithms.md)
-    ptx_dataset: Optional[str] = opt(
+    ptx_dataset: Optional[str] = setting(
         None,
         "SFT rows (any SFT format, e.g. the cold-start demonstrations) whose next-token loss on assistant tokens is "
         "added to the RL loss, weighted by ptx_coef (InstructGPT's PPO-ptx); each at most max_prompt_length + "
         "response_length tokens (overlong: drop or truncate).",
+        topic="algorithm",
+        resume="must_match",
     )
-    ptx_coef: float = opt(
-        0.0, "Weight of ptx_dataset's mean NLL per token in each optimizer step's loss (0: off; OpenRLHF's 0.05)."
+    ptx_coef: float = setting(
+        0.0,
+        "Weight of ptx_dataset's mean NLL per token in each optimizer step's loss (0: off; OpenRLHF's 0.05).",
+        topic="algorithm",
+        resume="must_match",
     )
     # on-policy distillation (advantage_estimator distill; distillation.py, docs/distillation.md)
-    teacher_model_name_or_path: Optional[str] = opt(
+    teacher_model_name_or_path: Optional[str] = setting(
         None,
         "A frozen teacher (any causal LM with the student's tokenizer) the student is distilled towards on its own "
         "samples; setting it alone picks advantage_estimator distill.",
+        topic="algorithm",
+        resume="must_match",
+        loads="weights",
+        content_key="teacher_weights",
     )
-    distill_loss: Literal["reverse_kl", "jsd"] = opt(
+    distill_loss: Literal["reverse_kl", "jsd"] = setting(
         "reverse_kl",
         "reverse_kl: A_t = teacher_kl_weight * (log pi_teacher(y_t) - log pi_student(y_t)) through the policy loss; "
         "jsd: teacher_kl_weight x the full-distribution generalized JSD as a loss term.",
+        topic="algorithm",
+        resume="must_match",
     )
-    teacher_kl_weight: float = opt(1.0, "Weight of the teacher term (the reverse-KL advantage or the JSD loss).")
-    distill_reward_weight: float = opt(
-        0.0, "Weight of the verifiable score added to every token's advantage (0: distillation alone)."
+    teacher_kl_weight: float = setting(
+        1.0,
+        "Weight of the teacher term (the reverse-KL advantage or the JSD loss).",
+        topic="algorithm",
+        resume="must_match",
     )
-    distill_group_baseline: Optional[bool] = opt(
-        None, "Centre the score on its prompt's group mean (default: when num_samples_per_prompt >= 2)."
+    distill_reward_weight: float = setting(
+        0.0,
+        "Weight of the verifiable score added to every token's advantage (0: distillation alone).",
+        topic="algorithm",
+        resume="must_match",
     )
-    distill_jsd_beta: float = opt(
-        1.0, "jsd: TRL's beta, 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), else JSD."
+    distill_group_baseline: Optional[bool] = setting(
+        None,
+        "Centre the score on its prompt's group mean (default: when num_samples_per_prompt >= 2).",
+        topic="algorithm",
+        resume="must_match",
     )
-    distill_top_k: Optional[int] = opt(
-        None, "jsd: restrict both distributions to the teacher's k likeliest tokens, renormalised (null: all)."
+    distill_jsd_beta: float = setting(
+        1.0,
+        "jsd: TRL's beta, 0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), else JSD.",
+        topic="algorithm",
+        resume="must_match",
+    )
+    distill_top_k: Optional[int] = setting(
+        None,
+        "jsd: restrict both distributions to the teacher's k likeliest tokens, renormalised (null: all).",
+        topic="algorithm",
+        resume="must_match",
     )
 
     def longest_packed_item(self) -> tuple[int, str]:
@@ -1111,95 +1596,20 @@ CONFIG_CLASSES: dict[str, type[BaseConfig]] = {
 }
 
 
-# Every setting's topic: the order of `--help`, of the saved config.yaml (a comment heads each group, the keys stay
-# one flat mapping) and of docs/running.md's settings table. A topic's keys in reading order; each script shows the
-# ones it has. tests/test_config_plan.py checks that every field of every script has exactly one topic.
-SETTING_TOPICS: dict[str, tuple[str, str]] = {
-    "run": (
-        "which script, where its files go, the layout a dry run plans",
-        "script exp_name output_dir overwrite_output_dir delete_finished_run seed dry_run gpu gpu_memory_gb "
-        "num_processes",
-    ),
-    "model": (
-        "what is loaded and how it runs",
-        "model_name_or_path tokenizer_name_or_path model_revision gguf_file trust_remote_code chat_template "
-        "mixed_precision attn_implementation activation_checkpointing fsdp_cpu_offload distributed_timeout_minutes "
-        "use_lora lora_rank lora_alpha lora_dropout lora_target_modules lora_save",
-    ),
-    "data": (
-        "train and held-out rows, their columns and lengths",
-        "dataset_name_or_path dataset_mixer_list dataset_split eval_dataset_name_or_path eval_dataset_mixer_list "
-        "eval_dataset_split eval_fraction train_order max_train_samples max_eval_samples messages_column chosen_column "
-        "rejected_column prompt_column margin_column ground_truth_column verifier_column max_seq_length "
-        "max_prompt_length overlong skip_bad_rows string_rows dataset_num_proc dataset_cache_dir",
-    ),
-    "batch": (
-        "samples per step and run length (docs/batch-math.md)",
-        "per_device_train_batch_size gradient_accumulation_steps per_device_eval_batch_size "
-        "max_tokens_per_micro_batch local_rollout_batch_size num_samples_per_prompt num_epochs num_train_epochs "
-        "total_episodes",
-    ),
-    "optimizer": (
-        "AdamW and its schedule",
-        "learning_rate lr_scheduler_type warmup_ratio weight_decay adam_beta1 adam_beta2 adam_epsilon max_grad_norm",
-    ),
-    "algorithm": (
-        "the loss and, for RL, the advantages, KL and distillation (docs/algorithms.md)",
-        "loss_type beta label_smoothing gamma_beta_ratio reference_cache_dir center_rewards_coefficient algo "
-        "advantage_estimator policy_loss kl_estimator algo_kwargs cliprange cliprange_low cliprange_high dual_clip_c "
-        "cliprange_value vf_coef gamma lam whiten_advantages value_model_path score_placement loss_aggregation "
-        "loss_norm_length filter_zero_std_groups mask_truncated_completions truncated_importance_sampling tis_cap "
-        "is_mask_low is_mask_high max_sequence_lag teacher_model_name_or_path distill_loss teacher_kl_weight "
-        "distill_reward_weight distill_group_baseline distill_jsd_beta distill_top_k ptx_dataset ptx_coef",
-    ),
-    "generation": (
-        "sampling and the engines that sample",
-        "response_length eval_response_length temperature top_p stop_strings generation_backend "
-        "generation_micro_batch_size async_steps vllm_gpu_memory_utilization vllm_enable_sleep vllm_num_engines "
-        "vllm_tensor_parallel_size vllm_server_urls vllm_engine_devices vllm_weight_transfer vllm_server_timeout "
-        "vllm_engine_start_timeout weight_sync_timeout",
-    ),
-    "rewards": (
-        "how a completion is scored",
-        "verification_reward verifier_timeout non_stop_penalty non_stop_penalty_mode overlong_buffer_length "
-        "overlong_penalty_factor reward_model_path reward_model_multiplier reward_functions reward_function_weights "
-        "reward_function_timeout code_reward code_test_seconds code_memory_mb code_max_tests code_allow_script_tests "
-        "sandbox_workers sandbox_batch_timeout",
-    ),
-    "environments": (
-        "multi-turn episodes and tools (docs/multi-turn.md)",
-        "environment tools tool_call_format max_turns max_tool_calls tool_output_max_tokens tool_timeout "
-        "max_turn_tokens environment_timeout turn_reward_aggregation",
-    ),
-    "checks": (
-        "what stops or warns during a run (docs/trusted-generation.md)",
-        "on_nonfinite generation_check generation_check_scale mismatch_warn_kl mismatch_warn_beyond_cap",
-    ),
-    "checkpointing": (
-        "checkpoints, resumes and the models written",
-        "checkpointing_steps keep_last_n_checkpoints resume_from_checkpoint allow_resume_changes save_final_model "
-        "best_metric best_metric_mode",
-    ),
-    "logging": (
-        "metrics, evaluation and samples",
-        "logging_steps eval_steps num_samples_logged correct_rate_by peak_tflops with_tracking wandb_project "
-        "wandb_entity",
-    ),
-}
-
-
 def settings_by_topic(cls: type) -> list[tuple[str, str, list[str]]]:
-    """[(topic, what it covers, the script's setting names in reading order), ...], topics without a setting of
-    this script left out. A field missing from SETTING_TOPICS comes last under "other" (never hidden)."""
-    names = _field_names(cls)
-    groups = []
-    for topic, (about, keys) in SETTING_TOPICS.items():
-        own = [k for k in keys.split() if k in names]
-        if own:
-            groups.append((topic, about, own))
-    placed = {k for _, _, keys in groups for k in keys}
-    rest = [n for n in names if n not in placed]
-    return groups + ([("other", "settings without a topic yet", rest)] if rest else [])
+    """[(topic, what it covers, the script's setting names in declaration order), ...] in TOPICS' order, topics
+    without a setting of this script left out. A field declared without `setting` comes last under "other" (never
+    hidden; tests/test_config_plan.py fails for it)."""
+    by_topic: dict[str, list[str]] = {}
+    for f in dataclasses.fields(cls):
+        by_topic.setdefault(f.metadata.get("topic", "other"), []).append(f.name)
+    groups = [(topic, about, by_topic[topic]) for topic, about in TOPICS.items() if topic in by_topic]
+    return groups + ([("other", "settings without a topic yet", by_topic["other"])] if "other" in by_topic else [])
+
+
+def declared_settings(cls: type, **metadata: Any) -> list[str]:
+    """The names of cls's settings declared with these metadata values, e.g. resume="must_match", loads="code"."""
+    return [f.name for f in dataclasses.fields(cls) if all(f.metadata.get(k) == v for k, v in metadata.items())]
 
 
 class _RecipeDumper(yaml.SafeDumper):
@@ -1226,18 +1636,52 @@ def config_yaml(cfg: Any) -> str:
     return "\n".join(parts)
 
 
+def _declared_by(part: str) -> dict[tuple[str, Any], list[str]]:
+    """(setting, what its declaration says for `part`, e.g. its topic) -> the scripts declaring it so, the settings
+    in reading order (those of the first script first)."""
+    found: dict[tuple[str, Any], list[str]] = {}
+    for script, cls in CONFIG_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            found.setdefault((f.name, f.metadata.get(part)), []).append(script)
+    return found
+
+
+def _settings_cell(settings: list[tuple[str, list[str]]]) -> str:
+    """Settings with the scripts that have them: those every script has first, then those of some after their
+    names."""
+    by_scripts: dict[str, list[str]] = {}
+    for name, scripts in settings:
+        prefix = "" if len(scripts) == len(CONFIG_CLASSES) else " and ".join(scripts) + ": "
+        by_scripts.setdefault(prefix, []).append(f"`{name}`")
+    return "; ".join(prefix + ", ".join(names) for prefix, names in sorted(by_scripts.items()))
+
+
 def settings_table() -> str:
     """docs/running.md's table of every setting by topic: those every script has first, then those of some scripts
     after the scripts' names (tests/test_config_plan.py checks the page holds this table)."""
-    have = {name: [s for s, cls in CONFIG_CLASSES.items() if name in _field_names(cls)] for name in _all_settings()}
+    declared = _declared_by("topic")
     lines = ["| topic | what it covers | settings |", "|---|---|---|"]
-    for topic, (about, keys) in SETTING_TOPICS.items():
-        by_scripts: dict[str, list[str]] = {}
-        for key in keys.split():
-            scripts = "" if len(have[key]) == len(CONFIG_CLASSES) else " and ".join(have[key]) + ": "
-            by_scripts.setdefault(scripts, []).append(f"`{key}`")
-        cell = "; ".join(scripts + ", ".join(names) for scripts, names in sorted(by_scripts.items()))
+    for topic, about in TOPICS.items():
+        cell = _settings_cell([(name, scripts) for (name, value), scripts in declared.items() if value == topic])
         lines.append(f"| {topic} | {about} | {cell} |")
+    return "\n".join(lines)
+
+
+def resume_table() -> str:
+    """docs/reliability.md's tables of how a resume treats each setting and of the settings whose loaded files it
+    compares by content, from their declarations (tests/test_resume_settings.py checks the page holds them)."""
+    declared = _declared_by("resume")
+    lines = ["| a change on resume is | settings |", "|---|---|"]
+    for kind, about in RESUME_KINDS.items():
+        cell = _settings_cell([(name, scripts) for (name, value), scripts in declared.items() if value == kind])
+        lines.append(f"| `{kind}`: {about} | {cell} |")
+    lines += ["", "| setting | loads again on resume | resume key of their content |", "|---|---|---|"]
+    for (name, loads), scripts in _declared_by("loads").items():
+        if loads:
+            (key,) = [
+                f.metadata["content_key"] for f in dataclasses.fields(CONFIG_CLASSES[scripts[0]]) if f.name == name
+            ]
+            lines.append(f"| {_settings_cell([(name, scripts)])} | {loads} | `{key}` |")
     return "\n".join(lines)
 
 
@@ -1528,7 +1972,17 @@ def _parser(cls: type) -> Any:
     booleans). Errors raise argparse.ArgumentError (exit_on_error=False) instead of exiting."""
     from transformers import HfArgumentParser  # light: does not import torch
 
-    return HfArgumentParser(cls, prog=f"{_script_of(cls)}.py", exit_on_error=False)
+    # The parser passes a field's metadata on to argparse, which takes its help only: it reads a copy of the
+    # dataclass whose fields carry that alone (the declaration's other parts are this module's).
+    hints = typing.get_type_hints(cls)
+    plain = dataclasses.make_dataclass(
+        cls.__name__,
+        [
+            (f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory, metadata={"help": ""}))
+            for f in dataclasses.fields(cls)
+        ],
+    )
+    return HfArgumentParser(plain, prog=f"{_script_of(cls)}.py", exit_on_error=False)
 
 
 def _cli_assignments(argv: Sequence[str]) -> list[tuple[str, str, list[str]]]:
@@ -1694,7 +2148,8 @@ def _build(cls: type[T], merged: dict[str, _Assignment], stray: list[str]) -> T:
     parser = _parser(cls)
     parser.set_defaults(**preset)  # set as they are (argparse converts only tokens)
     try:
-        (config,) = parser.parse_args_into_dataclasses(args=tokens)
+        (values,) = parser.parse_args_into_dataclasses(args=tokens)
+        config = cls(**vars(values))
     except ConfigError:  # a check of the config itself (__post_init__)
         raise
     except (argparse.ArgumentError, TypeError, ValueError) as e:  # a value the parser could not convert

@@ -40,7 +40,9 @@ stops naming the judge and one reply): a rubric or pattern that does not fit the
 
 Replies are cached by (the judge's identity: backend, url, model, folder, temperature, max_new_tokens) and the whole
 judge prompt, in memory and, with `cache_path`, in a JSON-lines file that a resumed run reads back, so a resume asks
-the judge nothing it already answered and gets the same scores.
+the judge nothing it already answered and gets the same scores. A folder is known by its files' content: one
+replaced at the same path is another judge, whose replies are not reused (and a resume is refused for it, like a
+teacher's: `weight_folders`, checkpoint.input_identity).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from open_instruct.errors import ConfigError
+from open_instruct.file_digests import folder_digest
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +100,9 @@ RUN_TAKES = {
 
 
 def _model_id(name: str) -> str:
-    """A served model in the cache identity: a folder by its absolute path, a hub id as it is."""
-    return os.path.abspath(name) if os.path.isdir(name) else name
+    """A judge model in the cache identity: a folder by its files' content (one replaced at the same path is another
+    judge), a hub id as it is."""
+    return folder_digest(name) if os.path.isdir(name) else name
 
 
 def _cuda_devices() -> int:
@@ -191,11 +195,9 @@ class Judge:
         self.max_new_tokens, self.temperature = max_new_tokens, float(temperature)
         self.api_key_env, self.cache_path = api_key_env, cache_path
         self.max_parse_failure_rate = max_parse_failure_rate
-        served = [_model_id(serve_model)] if serve_model else []  # a served judge: the model, not the engines' ports
-        self.identity = json.dumps(
-            [url.rstrip("/") if url else None, model, os.path.abspath(local_model) if local_model else None,
-             self.temperature, max_new_tokens, *served], sort_keys=True
-        )  # fmt: skip
+        # the folders this judge loads, hashed for a resume like the run's own models (checkpoint.input_identity)
+        self.weight_folders = [f for f in (local_model, serve_model) if f and os.path.isdir(f)]
+        self._identity: Optional[str] = None  # hashed on first use, not at import
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()
         self._local: Optional[tuple[Any, Any]] = None
@@ -372,6 +374,18 @@ class Judge:
         for placeholder, value in zip(PLACEHOLDERS, (_text(prompt), _text(completion), _text(reference))):
             text = text.replace(placeholder, value)
         return text
+
+    @property
+    def identity(self) -> str:
+        """The judge in its cache keys: backend, url, model, folder (by content), temperature, max_new_tokens."""
+        if self._identity is None:
+            served = [_model_id(self.serve_model)] if self.serve_model else []  # the model, not the engines' ports
+            self._identity = json.dumps(
+                [self.url.rstrip("/") if self.url else None, self.model,
+                 _model_id(self.local_model) if self.local_model else None, self.temperature, self.max_new_tokens,
+                 *served], sort_keys=True
+            )  # fmt: skip
+        return self._identity
 
     def cache_key(self, text: str) -> str:
         return hashlib.sha256(json.dumps([self.identity, text]).encode()).hexdigest()

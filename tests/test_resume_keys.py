@@ -146,7 +146,7 @@ def test_an_environment_file_named_by_the_rows_is_compared_on_resume(tmp_path, m
         datasets.Dataset.from_list(rows).save_to_disk(str(data))
     argv = [*BASE, "--dataset_name_or_path", str(data)]
     saved_cfg = parse_config(RLVRConfig, argv)
-    assert checkpoint.row_environment_specs(vars(saved_cfg)) == [spec]
+    assert checkpoint.row_column_specs(vars(saved_cfg), "environment") == [spec]
     step, state = saved_checkpoint(tmp_path, saved_cfg)
     state["input_identity"] = checkpoint.input_identity(vars(saved_cfg))
     assert [(e["key"], e["path"]) for e in state["input_identity"]] == [("user_code_content", str(env_file))]
