@@ -86,10 +86,10 @@ def literal_allowed(text) -> bool:
 def _guard(check, evaluate, what):
     def guarded(text, *args, **kwargs):
         global _permitted
-        if not check(text):
-            raise ValueError(f"{what}: not a text this scorer may evaluate")
-        _permitted += 1
+        _permitted += 1  # the check's ast.parse compiles to a syntax tree only (no code object)
         try:
+            if not check(text):
+                raise ValueError(f"{what}: not a text this scorer may evaluate")
             return evaluate(text, *args, **kwargs)
         finally:
             _permitted -= 1
