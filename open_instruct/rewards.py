@@ -53,8 +53,10 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
 Errors: a bad *ground truth or configuration* (unknown verifier, unknown ifeval func_name, missing kwargs,
 unparseable ground truth) raises ValueError (GroundTruthError) so the pipeline reports it. Model text never
 raises: verifiers are written not to, and any unexpected exception is logged, scored 0 and counted in
-STATS["errors"]. Model text is never passed to eval/exec/compile/sympify; math-verify is the only parser
-(its plain-expression path hands sympy's parser only strings of digits, spaces and + - * / ^ ( ) .).
+STATS["errors"]. In this process model text is never passed to eval/exec/compile/sympify; math-verify is the only
+parser (its plain-expression path hands sympy's parser only strings of digits, spaces and + - * / ^ ( ) ., no name:
+nothing to call); reasoning-gym's scorers, which do evaluate text, run in the sandbox (docs/sandbox.md lists every
+scorer and where it runs).
 """
 
 from __future__ import annotations
