@@ -120,11 +120,9 @@ def test_the_red_teams_answers_are_refused_contained_and_pay_nothing(tmp_path):
         "bytearray(1700 << 20)",
         "setattr(__import__('sys').modules['oi_reasoning_gym_scoring'], 'clipped', lambda s: 1.0)",
     ]
-    frame_read = (
-        "+".join(f"{n}*0" for n in numbers)
-        + "+[f.frame.f_locals['entry']['metadata']['target'] for f in __import__('inspect').stack() "
-        "if 'entry' in f.frame.f_locals][0]"
-    )
+    inner = ("(lambda e: e['metadata']['target'] - sum(e['metadata']['numbers']))(next(f.frame.f_locals['entry'] "
+             "for f in __import__('inspect').stack() if 'entry' in f.frame.f_locals))")  # fmt: skip
+    frame_read = "+".join(str(n) for n in numbers) + f"+__import__('builtins').eval({inner!r})"  # 1.0 on main
     texts, truths, wanted = [], [], []
     for payload in payloads:
         texts.append(f"<answer>__import__('builtins').exec({payload!r})</answer>")
