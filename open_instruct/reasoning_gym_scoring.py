@@ -14,7 +14,7 @@ runs as code in the scoring process. Every place a reasoning-gym scorer evaluate
     before sympy sees them;
   * `eval` in the modules that call it on an answer (string_insertion, spiral_matrix, binary_matrix, n_queens,
     number_sorting) only sees a literal (numbers, strings, lists, tuples, sets, dicts, a sign): no name, call,
-    attribute or operator.
+    attribute or operator; bitwise_arithmetic's, which evaluates the row's own problem, only integer arithmetic.
 A refused text raises ValueError inside the scorer, so the package's own `except` gives its own score for text it
 cannot read (0.01 in countdown and puzzle24, 0 elsewhere). Anything else that would turn text into code while an
 answer is scored (`compile`, `exec`, `eval` of a string, unpickling, anywhere in the package or its dependencies) is
@@ -50,6 +50,10 @@ LITERAL_EVAL_MODULES = (
     "reasoning_gym.algorithmic.number_sorting",
     "reasoning_gym.games.n_queens",
 )
+# bitwise_arithmetic's scorer evals the row's own problem (not the answer): integer arithmetic of hex and decimal
+# literals, + - * << >> and parentheses, no name
+ARITHMETIC_EVAL_MODULES = ("reasoning_gym.arithmetic.bitwise_arithmetic",)
+INTEGER_ARITHMETIC = re.compile(r"(?:0[xX][0-9a-fA-F]+|[0-9]+|[-+*()<>\s])*", re.ASCII)
 _LITERAL_NODES = (ast.Expression, ast.Constant, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.UnaryOp, ast.USub,
                   ast.UAdd, ast.Load)  # fmt: skip
 
@@ -83,6 +87,10 @@ def literal_allowed(text) -> bool:
     return all(isinstance(node, _LITERAL_NODES) for node in ast.walk(tree))
 
 
+def integer_arithmetic_allowed(text) -> bool:
+    return isinstance(text, str) and len(text) <= MAX_EVAL_CHARS and INTEGER_ARITHMETIC.fullmatch(text) is not None
+
+
 def _guard(check, evaluate, what):
     def guarded(text, *args, **kwargs):
         global _permitted
@@ -111,9 +119,11 @@ def _install_guards():
         if module is not None and (name.startswith("reasoning_gym") or module is sympy):
             if getattr(module, "parse_expr", None) is real_parse:
                 module.parse_expr = guarded_parse
-    for name in LITERAL_EVAL_MODULES:
-        if name in sys.modules:
-            sys.modules[name].eval = _guard(literal_allowed, eval, "eval")
+    eval_guards = ((LITERAL_EVAL_MODULES, literal_allowed), (ARITHMETIC_EVAL_MODULES, integer_arithmetic_allowed))
+    for names, check in eval_guards:
+        for name in names:
+            if name in sys.modules:
+                sys.modules[name].eval = _guard(check, eval, "eval")
 
 
 def prepare(datasets, warmups):
