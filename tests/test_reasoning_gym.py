@@ -19,13 +19,15 @@ from open_instruct import reasoning_gym_tasks as rg  # noqa: E402
 from open_instruct.errors import ConfigError, DataError  # noqa: E402
 
 # Tasks with different scorers: exact match (leg_counting), the package's default partial credit (spell_backward),
-# numeric parsing (basic_arithmetic), sympy's parse_expr on the answer (puzzle24, countdown).
+# numeric parsing (basic_arithmetic), sympy's parse_expr on the answer (puzzle24, countdown), eval of the problem
+# (bitwise_arithmetic).
 TASKS = {
     "leg_counting": "size=30&seed=11",
     "spell_backward": "size=30&seed=12",
     "basic_arithmetic": "size=30&seed=13&min_terms=2&max_terms=3",
     "puzzle24": "size=8&seed=14",
     "countdown": "size=10&seed=15",
+    "bitwise_arithmetic": "size=4&seed=5",  # its scorer evals the row's own problem (guarded as integer arithmetic)
 }
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(rg.__file__)))
 TIMEOUT = 30.0  # seconds per call: far above a scorer's milliseconds, so no call here times out
