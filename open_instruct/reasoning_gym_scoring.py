@@ -1,5 +1,7 @@
-"""The inside of a reasoning-gym scoring call: run in the sandbox (open_instruct/sandbox.py), never in the trainer.
-Standard library and the reasoning-gym package only (its folder is made visible, read-only, in the call).
+"""reasoning-gym scoring in the sandbox: `score_many` (the trainer's side: the calls and the verdicts it reads back)
+and the inside of a call (`prepare`, `main`: run in the sandbox, open_instruct/sandbox.py, never in the trainer; this
+module's own source is what the call's supervisor executes, so the inside uses the standard library and the
+reasoning-gym package only, its folders made visible, read-only, in the call).
 
 The sandbox's supervisor executes this module once per call (`prepare`: import reasoning-gym, build the batch's task
 datasets, score each task's first entry with its own right answer, so that every lazy import is done) before any
@@ -25,6 +27,7 @@ trainer clips it (the package's score, a plain float, in [0, 1]).
 
 import ast
 import base64
+import functools
 import gc
 import json
 import os
@@ -33,6 +36,7 @@ import re
 import shutil
 import sys
 import tempfile
+from typing import Any, Optional, Sequence
 
 TRIPPED = 3  # the run's exit status when the tripwire fired
 TRIPWIRE_EVENTS = frozenset({"compile", "exec", "pickle.find_class", "marshal.loads", "code.__new__"})
@@ -170,3 +174,119 @@ def main():
     _armed = False
     os.write(out, json.dumps({"score": None if score is None else float(score)}).encode() + b"\n")
     os._exit(0)  # no interpreter teardown: it would touch (and copy) every page of the preloaded heap
+
+
+# --------------------------------------------------------------------------------------------------------
+# The trainer's side: the calls, and the verdicts read back (never executed in the sandbox)
+# --------------------------------------------------------------------------------------------------------
+RUN_PROGRAM = "import sys\nsys.modules['oi_reasoning_gym_scoring'].main()\n"
+MEMORY_MB = 2048  # RLIMIT_AS of a scoring run: the supervisor's address space with sympy and numpy loaded, and room
+PREPARE_SECONDS = 120.0  # wall time for a call's import of the package and its datasets (about 2 s here)
+MAX_REPLY_BYTES = 256  # a run's stdout: one JSON line {"score": x}
+
+
+@functools.lru_cache(maxsize=1)
+def _visible_paths() -> tuple[str, ...]:
+    """The folders the package and its dependencies import from (bound back read-only in the call)."""
+    import importlib.util
+
+    found = []
+    for name in ("reasoning_gym", "sympy", "numpy", "mpmath"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            folder = os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
+            if folder not in found:
+                found.append(folder)
+    return tuple(found)
+
+
+def score_many(
+    texts: Sequence[str],
+    ground_truths: Sequence[Any],
+    *,
+    timeout: float,
+    workers: int = 2,
+    hide_paths: Sequence[str] = (),
+    batch_timeout: Optional[float] = None,
+) -> list[tuple[float, str]]:
+    """Per answer (the completion after its last </think>): (its clipped package score, its status: "ok", "timeout"
+    (a CPU or wall limit), "tripped" (the scorer tried to run text as code: 0), or "error" (no verdict: 0)), scored
+    in `workers` sandbox calls, each answer in a run of its own with `timeout` seconds of CPU time."""
+    from open_instruct.reasoning_gym_tasks import BadGroundTruth, entry_payload
+    from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxRun
+
+    if not texts:
+        return []
+    keys, jobs = [], []
+    for gt in ground_truths:
+        try:
+            key, entry = entry_payload(gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True))
+        except BadGroundTruth:
+            raise
+        except Exception as e:  # a ground truth that is not JSON of a row
+            raise BadGroundTruth(f"reasoning_gym ground truth {str(gt)[:200]!r} names no row: {e!r}") from None
+        keys.append(key)
+        jobs.append(entry)
+    names = {key: f"d{i}" for i, key in enumerate(dict.fromkeys(keys))}
+    chunks = [list(range(len(texts)))[w::workers] for w in range(min(workers, len(texts)))]
+    run_wall = timeout + 2.0
+    calls = []
+    for chunk in chunks:
+        mine = dict.fromkeys(keys[i] for i in chunk)
+        datasets = {names[k]: [k[0], json.loads(k[1]), k[2], k[3]] for k in mine}
+        warmups = {names[k]: jobs[keys.index(k)] for k in mine}
+        runs = tuple(
+            SandboxRun(
+                stdin=json.dumps({"key": names[keys[i]], "entry": jobs[i], "text": texts[i]}),
+                cpu_seconds=timeout,
+                wall_seconds=run_wall,
+                max_output_bytes=MAX_REPLY_BYTES,
+            )
+            for i in chunk
+        )
+        limits = SandboxLimits(
+            wall_seconds=PREPARE_SECONDS + run_wall * len(chunk),
+            cpu_seconds=max(1, int(timeout + 0.999)),
+            memory_mb=MEMORY_MB,
+            max_output_bytes=MAX_REPLY_BYTES,
+        )
+        with open(os.path.abspath(__file__), encoding="utf-8") as f:  # this module, run by the supervisor
+            source = f.read()
+        preload = {"name": "oi_reasoning_gym_scoring", "source": source, "path": list(_visible_paths()),
+                   "call": "prepare", "kwargs": {"datasets": datasets, "warmups": warmups}}  # fmt: skip
+        calls.append(SandboxCall(RUN_PROGRAM, limits=limits, runs=runs, visible_paths=_visible_paths(),
+                                 preload=preload))  # fmt: skip
+    out: list[tuple[float, str]] = [(0.0, "error")] * len(texts)
+    with SandboxPool(len(calls), hide_paths=hide_paths) as pool:
+        results = pool.run(calls, batch_timeout=batch_timeout)
+    for chunk, result in zip(chunks, results):
+        runs = result.runs or [result]
+        for k, i in enumerate(chunk):
+            out[i] = verdict(runs[k]) if k < len(runs) else (0.0, "timeout" if result.limit else "error")
+    return out
+
+
+def verdict(run: Any) -> tuple[float, str]:
+    """(score, status) from one run's result: its stdout must be exactly {"score": number or null}."""
+    from open_instruct.reasoning_gym_tasks import clipped
+
+    if run.limit in ("cpu_time", "wall_time"):
+        return 0.0, "timeout"
+    if run.exit_code == TRIPPED:
+        return 0.0, "tripped"
+    if run.exit_code != 0 or run.limit or run.setup_error:
+        return 0.0, "error"
+    try:
+        reply = json.loads(run.stdout)
+        score = reply["score"]
+        if set(reply) != {"score"} or not (score is None or type(score) in (int, float)):
+            raise ValueError(reply)
+    except (ValueError, TypeError, KeyError):
+        return 0.0, "error"
+    return (0.0 if score is None else clipped(score)), "ok"
+
+
+def score(answer_text: str, ground_truth: Any, timeout: float = 10.0) -> float:
+    """The task's own score_answer of the last <answer>...</answer> in `answer_text` (None without one), the
+    completion after its last </think>, clipped: one answer through score_many."""
+    return score_many([answer_text], [ground_truth], timeout=timeout)[0][0]

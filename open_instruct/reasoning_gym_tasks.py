@@ -19,11 +19,12 @@ Rows are RLVR prompt rows: `messages` (the system prompt, then the question), `d
 `reasoning_gym` verifier (open_instruct/rewards.py) regenerates that row and scores the text inside the
 completion's last <answer>...</answer> (reasoning_gym.utils.extract_answer; after the last </think>) with the
 task's own `score_answer`. Several tasks' `score_answer` evaluate the answer text (sympy's parse_expr, eval), so
-scoring never runs in the trainer: a batch's answers are scored in sandbox calls (open_instruct/sandbox.py: the code
-verifier's sandbox, its seccomp filter, namespaces, limits and hidden paths), each answer in a run of its own (a
-fresh fork), under the run's verifier timeout as its CPU limit; what runs inside and why its verdict is the package's
-is open_instruct/reasoning_gym_scoring.py. The trainer regenerates each row's entry (trusted data), hands it in, and
-reads back one plain number per answer, which it clips (`clipped`); the package's extract_answer runs inside too.
+scoring never runs in the trainer: a batch's answers are scored (reasoning_gym_scoring.score_many) in calls of the
+code verifier's sandbox (open_instruct/sandbox.py: its seccomp filter, namespaces, limits and hidden paths), each
+answer in a run of its own (a fresh fork), under the run's verifier timeout as its CPU limit;
+open_instruct/reasoning_gym_scoring.py says what runs inside and why its verdict is the package's. The trainer
+regenerates each row's entry (trusted data), hands it in, and reads back one plain number per answer, which it clips
+(`clipped`); the package's extract_answer runs inside too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import os
 import pickle
 import re
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from open_instruct.errors import ConfigError, DataError
 
@@ -210,8 +211,9 @@ def entry_of(ground_truth: Any) -> tuple[Any, dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_entry(ground_truth: str) -> tuple[tuple, str]:
-    """(dataset key, the row's entry pickled) of a ground truth string: GRPO scores each row many times."""
+def entry_payload(ground_truth: str) -> tuple[tuple, str]:
+    """(dataset key, the row's entry pickled, base64) of a ground truth string, what a scoring call is handed
+    (reasoning_gym_scoring.score_many); cached: GRPO scores each row many times."""
     data, entry = entry_of(ground_truth)
     truth = json.loads(ground_truth)
     key = (truth["task"], json.dumps(truth["config"], sort_keys=True), truth["seed"], truth["size"])
@@ -220,120 +222,7 @@ def _cached_entry(ground_truth: str) -> tuple[tuple, str]:
 
 def check_ground_truth(ground_truth: Any) -> None:
     """BadGroundTruth unless the ground truth names a row this package version generates (no model text involved)."""
-    _cached_entry(ground_truth if isinstance(ground_truth, str) else json.dumps(ground_truth, sort_keys=True))
-
-
-SCORER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reasoning_gym_scoring.py")
-RUN_PROGRAM = "import sys\nsys.modules['oi_reasoning_gym_scoring'].main()\n"
-MEMORY_MB = 2048  # RLIMIT_AS of a scoring run: the supervisor's address space with sympy and numpy loaded, and room
-PREPARE_SECONDS = 120.0  # wall time for a call's import of the package and its datasets (about 2 s here)
-MAX_REPLY_BYTES = 256  # a run's stdout: one JSON line {"score": x}
-
-
-@functools.lru_cache(maxsize=1)
-def _visible_paths() -> tuple[str, ...]:
-    """The folders the package and its dependencies import from (bound back read-only in the call)."""
-    import importlib.util
-
-    found = []
-    for name in ("reasoning_gym", "sympy", "numpy", "mpmath"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            folder = os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
-            if folder not in found:
-                found.append(folder)
-    return tuple(found)
-
-
-def score_many(
-    texts: Sequence[str],
-    ground_truths: Sequence[Any],
-    *,
-    timeout: float,
-    workers: int = 2,
-    hide_paths: Sequence[str] = (),
-    batch_timeout: Optional[float] = None,
-) -> list[tuple[float, str]]:
-    """Per answer (the completion after its last </think>): (its clipped package score, its status: "ok", "timeout"
-    (a CPU or wall limit), "tripped" (the scorer tried to run text as code: 0), or "error" (no verdict: 0)), scored
-    in `workers` sandbox calls, each answer in a run of its own with `timeout` seconds of CPU time."""
-    from open_instruct.sandbox import SandboxCall, SandboxLimits, SandboxPool, SandboxRun
-
-    if not texts:
-        return []
-    keys, jobs = [], []
-    for gt in ground_truths:
-        try:
-            key, entry = _cached_entry(gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True))
-        except BadGroundTruth:
-            raise
-        except Exception as e:  # a ground truth that is not JSON of a row
-            raise BadGroundTruth(f"reasoning_gym ground truth {str(gt)[:200]!r} names no row: {e!r}") from None
-        keys.append(key)
-        jobs.append(entry)
-    names = {key: f"d{i}" for i, key in enumerate(dict.fromkeys(keys))}
-    chunks = [list(range(len(texts)))[w::workers] for w in range(min(workers, len(texts)))]
-    run_wall = timeout + 2.0
-    calls = []
-    for chunk in chunks:
-        mine = dict.fromkeys(keys[i] for i in chunk)
-        datasets = {names[k]: [k[0], json.loads(k[1]), k[2], k[3]] for k in mine}
-        warmups = {names[k]: jobs[keys.index(k)] for k in mine}
-        runs = tuple(
-            SandboxRun(
-                stdin=json.dumps({"key": names[keys[i]], "entry": jobs[i], "text": texts[i]}),
-                cpu_seconds=timeout,
-                wall_seconds=run_wall,
-                max_output_bytes=MAX_REPLY_BYTES,
-            )
-            for i in chunk
-        )
-        limits = SandboxLimits(
-            wall_seconds=PREPARE_SECONDS + run_wall * len(chunk),
-            cpu_seconds=max(1, int(timeout + 0.999)),
-            memory_mb=MEMORY_MB,
-            max_output_bytes=MAX_REPLY_BYTES,
-        )
-        with open(SCORER, encoding="utf-8") as f:
-            source = f.read()
-        preload = {"name": "oi_reasoning_gym_scoring", "source": source, "path": list(_visible_paths()),
-                   "call": "prepare", "kwargs": {"datasets": datasets, "warmups": warmups}}  # fmt: skip
-        calls.append(SandboxCall(RUN_PROGRAM, limits=limits, runs=runs, visible_paths=_visible_paths(),
-                                 preload=preload))  # fmt: skip
-    out: list[tuple[float, str]] = [(0.0, "error")] * len(texts)
-    with SandboxPool(len(calls), hide_paths=hide_paths) as pool:
-        results = pool.run(calls, batch_timeout=batch_timeout)
-    for chunk, result in zip(chunks, results):
-        runs = result.runs or [result]
-        for k, i in enumerate(chunk):
-            out[i] = verdict(runs[k]) if k < len(runs) else (0.0, "timeout" if result.limit else "error")
-    return out
-
-
-def verdict(run: Any) -> tuple[float, str]:
-    """(score, status) from one run's result: its stdout must be exactly {"score": number or null}."""
-    from open_instruct.reasoning_gym_scoring import TRIPPED
-
-    if run.limit in ("cpu_time", "wall_time"):
-        return 0.0, "timeout"
-    if run.exit_code == TRIPPED:
-        return 0.0, "tripped"
-    if run.exit_code != 0 or run.limit or run.setup_error:
-        return 0.0, "error"
-    try:
-        reply = json.loads(run.stdout)
-        score = reply["score"]
-        if set(reply) != {"score"} or not (score is None or type(score) in (int, float)):
-            raise ValueError(reply)
-    except (ValueError, TypeError, KeyError):
-        return 0.0, "error"
-    return (0.0 if score is None else clipped(score)), "ok"
-
-
-def score(answer_text: str, ground_truth: Any, timeout: float = 10.0) -> float:
-    """The task's own score_answer of the last <answer>...</answer> in `answer_text` (None without one), the
-    completion after its last </think>, clipped: one answer through score_many."""
-    return score_many([answer_text], [ground_truth], timeout=timeout)[0][0]
+    entry_payload(ground_truth if isinstance(ground_truth, str) else json.dumps(ground_truth, sort_keys=True))
 
 
 def clipped(package_score: Any) -> float:

@@ -748,15 +748,15 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 def _reasoning_gym_batch(
     completions: Sequence[str], ground_truths: Sequence[Any], timeout: float, settings: Any = None
 ) -> list[tuple[float, bool]]:
-    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_tasks.score_many) with the run's
+    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_scoring.score_many) with the run's
     sandbox settings (a code_verifier.CodeSettings: workers, hidden paths, batch timeout; default CodeSettings())."""
-    from open_instruct import reasoning_gym_tasks
+    from open_instruct import reasoning_gym_scoring, reasoning_gym_tasks
     from open_instruct.code_verifier import CodeSettings
 
     settings = settings or CodeSettings()
     texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]
     try:
-        scored = reasoning_gym_tasks.score_many(
+        scored = reasoning_gym_scoring.score_many(
             texts,
             ground_truths,
             timeout=timeout,

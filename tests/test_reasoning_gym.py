@@ -15,6 +15,7 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer  # noqa: E402
 from test_reward_functions_trl import command, run  # noqa: E402
 
 from open_instruct import data, mixture, rewards  # noqa: E402
+from open_instruct import reasoning_gym_scoring as scoring  # noqa: E402
 from open_instruct import reasoning_gym_tasks as rg  # noqa: E402
 from open_instruct.errors import ConfigError, DataError  # noqa: E402
 
@@ -73,7 +74,7 @@ def test_rows_and_scores_equal_the_packages_own():
                 expected.append(min(max(float(theirs_score), 0.0), 1.0))
                 texts.append(after_thinking)
                 truths.append(row["ground_truth"])
-    scored = rg.score_many(texts, truths, timeout=TIMEOUT, workers=2)
+    scored = scoring.score_many(texts, truths, timeout=TIMEOUT, workers=2)
     assert scored == [(score, "ok") for score in expected]
     for task, (first, n) in per_task.items():
         scores = [s for s, _ in scored[first : first + 6 * n]]
@@ -136,7 +137,7 @@ def test_the_red_teams_answers_are_refused_contained_and_pay_nothing(tmp_path):
     texts += [f"<answer>{frame_read}</answer>", "<answer>wrong</answer>", "<answer>1 + 1</answer>"]
     truths += [countdown["ground_truth"], insertion["ground_truth"], countdown["ground_truth"]]
     wanted += [0.01, 0.0, 0.05]  # the later wrong answers: as the package scores them
-    assert rg.score_many(texts, truths, timeout=TIMEOUT, workers=2) == [(w, "ok") for w in wanted]
+    assert scoring.score_many(texts, truths, timeout=TIMEOUT, workers=2) == [(w, "ok") for w in wanted]
     assert not os.path.exists(marker) and not (tmp_path / "shadow").exists()
     assert listener.connections() == 0
     from open_instruct.sandbox import sandbox_processes
@@ -149,8 +150,6 @@ def test_the_tripwire_ends_the_scoring_process_before_text_runs_as_code():
     process with TRIPPED before the compiled text runs; the guards pass only their grammar."""
     import subprocess
     import sys
-
-    from open_instruct import reasoning_gym_scoring as scoring
 
     for evaluator in ("eval('print(7)')", "exec('print(7)')", "compile('7', 's', 'eval')",
                       "__import__('pickle').loads(__import__('pickle').dumps(len))"):  # fmt: skip
@@ -174,10 +173,10 @@ def test_the_trainers_cost_of_the_worst_answers_is_bounded():
 
     row = rg.generate("reasoning_gym:puzzle24?size=1&seed=3", "train")[0]
     texts = ["<answer>" * 250_000, "<answer>9**9**9**9</answer>"]
-    rg.score_many(["<answer>1</answer>"], [row["ground_truth"]], timeout=TIMEOUT)  # imports and caches, once
+    scoring.score_many(["<answer>1</answer>"], [row["ground_truth"]], timeout=TIMEOUT)  # imports and caches, once
     before_cpu = resource.getrusage(resource.RUSAGE_SELF)
     before_rss = before_cpu.ru_maxrss
-    scored = rg.score_many(texts, [row["ground_truth"]] * 2, timeout=1.0, workers=2)
+    scored = scoring.score_many(texts, [row["ground_truth"]] * 2, timeout=1.0, workers=2)
     after = resource.getrusage(resource.RUSAGE_SELF)
     assert scored == [(0.0, "timeout"), (0.0, "timeout")]
     cpu = after.ru_utime + after.ru_stime - before_cpu.ru_utime - before_cpu.ru_stime
