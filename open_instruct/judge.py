@@ -7,11 +7,11 @@
     --reward_functions my_judge.py:helpful --reward_function_weights 0.5     (with the rows' verifiers, or alone)
 
 A `Judge` is a reward function in TRL's shape (rewards.py): called once per batch with the prompts, completions
-and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no usable score:
-that completion gets 0 from it and is left out of `reward/<label>/mean`). Backends: any OpenAI-compatible
-`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), a
-local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily, or vLLM
-engines asked as the URL backend asks (requests round-robin over them, by the name /v1/models gives: no `model=`):
+and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no reply, a timeout:
+that completion gets 0 from it and is left out of `reward/<label>/mean`; an unparsable reply is 0). Backends: any
+OpenAI-compatible `/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env`
+if set), a local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily,
+or vLLM engines asked as the URL backend asks (round-robin, by the name /v1/models gives: no `model=`):
 
     Judge(RUBRIC, serve_model="Qwen/Qwen3-8B", serve_engines=2)   # engines started for the judge (engines.py)
     Judge(RUBRIC, url="run")                                       # the run's own generation engines (self-judging)
