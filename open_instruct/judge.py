@@ -7,11 +7,11 @@
     --reward_functions my_judge.py:helpful --reward_function_weights 0.5     (with the rows' verifiers, or alone)
 
 A `Judge` is a reward function in TRL's shape (rewards.py): called once per batch with the prompts, completions
-and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no usable score:
-that completion gets 0 from it and is left out of `reward/<label>/mean`). Backends: any OpenAI-compatible
-`/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env` if set), a
-local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily, or vLLM
-engines asked as the URL backend asks (requests round-robin over them, by the name /v1/models gives: no `model=`):
+and the rows' columns, it returns one value per completion in [0, 1] (None where the judge gave no reply, a timeout:
+that completion gets 0 from it and is left out of `reward/<label>/mean`; an unparsable reply is 0). Backends: any
+OpenAI-compatible `/chat/completions` endpoint (`url`, `model`; the key from the environment variable `api_key_env`
+if set), a local Hugging Face folder (`local_model`), loaded on first use in the trainer's process and run greedily,
+or vLLM engines asked as the URL backend asks (round-robin, by the name /v1/models gives: no `model=`):
 
     Judge(RUBRIC, serve_model="Qwen/Qwen3-8B", serve_engines=2)   # engines started for the judge (engines.py)
     Judge(RUBRIC, url="run")                                       # the run's own generation engines (self-judging)
@@ -25,18 +25,24 @@ stops the call with an EngineError naming it and its log tail, every engine of t
 model loads when the run generates with `hf` or `vllm` (check_run_judges, preflight). Its replies are not cached
 (the policy's weights change every step). Neither is called by the probe before loading (`starts_with_run`).
 
-Each completion's judge prompt is `template` with `{prompt}`, `{completion}` and `{reference}` replaced (literal
-replacement: braces elsewhere in a rubric are kept); `{reference}` is the row's `reference_column` (default
-`ground_truth`). The reply's score is the last match of `score_pattern` (group 1, a number), mapped from
-`score_range` onto [0, 1]; a reply with no match or a number outside the range is a parse failure.
+Each completion's judge prompt is `template` with its slots `{prompt}`, `{completion}` and `{reference}` filled in
+one pass over the template (literal: braces elsewhere in a rubric are kept): a value is inserted as data, never read
+again as a template, so a completion containing `{reference}` is judged as that text, and the row's reference is in
+the prompt only where the rubric itself names `{reference}` (the row's `reference_column`, default `ground_truth`).
 
-Limits and failures, counted per call in the values' `counters` and logged as `reward/<label>/<counter>` (summed over
-ranks; rewards.reward_function_sums): `calls` (completions judged), `cache_hits`, `parse_failures`, `timeouts`
-(requests unanswered when the call's `timeout` ran out, or whose every retry failed), `retries`, `seconds` (the
-judge's wall time in this step, also part of the step's `scoring` time). Requests run `batch_size` at a time; a
-failed request (connection refused, HTTP 429 or 5xx, a reply without a message) is retried up to `retries` times
-within the deadline. A call where more than `max_parse_failure_rate` of the replies fail to parse raises (the run
-stops naming the judge and one reply): a rubric or pattern that does not fit the judge is not a reward of 0.
+The score is the judge's verdict at one defined place: the FIRST match of `score_pattern` in the reply (default
+`Score: N`, N in ASCII digits; the pattern is matched with re.ASCII and its group must be ASCII digits with an
+optional sign and decimal part), mapped from `score_range` onto [0, 1]. Write the rubric so the judge gives its score
+first ("Reply 'Score: N' on the first line, then your reasons"): a "Score: 10" the judge quotes from the completion
+after its verdict is not the verdict. A reply with no match, or a number outside the range, is unparsable: it scores
+0 and is counted (`parse_failures`).
+
+A run stops on judge failures only when the judge fails its own fixed probes, never because of what a policy wrote:
+`probes` (default PROBES: one neutral question, its right answer and reference) are rendered through the same
+template and asked at the judge's first call and again after any call where more than `max_parse_failure_rate` of
+the replies were unparsable; a probe whose reply is unparsable, or outside the raw score range the probe names
+(`"score": [low, high]`), raises (the rubric, the pattern or the judge is broken). Probes that pass mean the
+failures were the policy's: they stay 0 and counted, and the run goes on. `probes=[]`: never stop.
 
 Replies are cached by (the judge's identity: backend, url, model, folder, temperature, max_new_tokens) and the whole
 judge prompt, in memory and, with `cache_path`, in a JSON-lines file that a resumed run reads back, so a resume asks
@@ -68,9 +74,14 @@ from open_instruct.file_digests import folder_digest
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+DEFAULT_PATTERN = r"(?i)score\s*[:=]\s*(-?[0-9]+(?:\.[0-9]+)?)"
 PLACEHOLDERS = ("{prompt}", "{completion}", "{reference}")
-COUNTERS = ("calls", "cache_hits", "parse_failures", "timeouts", "retries", "seconds")
+_SLOT = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS))
+_ASCII_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?", re.ASCII)
+COUNTERS = ("calls", "cache_hits", "parse_failures", "timeouts", "retries", "probes", "seconds")
+# the judge's own fixed probe: a question, its right answer and the reference (no expected score: any rubric may
+# rate it; it must only be parsable). Give probes= with "score": [low, high] (raw, in score_range) to check more.
+PROBES = ({"prompt": "What is 2 + 2?", "completion": "2 + 2 = 4. The answer is 4.", "reference": "4"},)
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
@@ -142,6 +153,7 @@ class Judge:
         api_key_env: Optional[str] = None,
         cache_path: Optional[str] = None,
         max_parse_failure_rate: float = 0.5,
+        probes: Optional[Sequence[dict]] = None,
         **serve: Any,
     ) -> None:
         backends = {"url": url, "local_model": local_model, "serve_model": serve_model}
@@ -171,8 +183,8 @@ class Judge:
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
             raise ConfigError(f"Judge: score_range {score_range!r} must be two finite numbers, low < high")
         try:
-            self.pattern = re.compile(score_pattern)
-        except re.error as e:
+            self.pattern = re.compile(score_pattern, re.ASCII)  # \d and \s: ASCII only
+        except (re.error, ValueError) as e:
             raise ConfigError(f"Judge: score_pattern {score_pattern!r} is not a regular expression: {e}") from None
         if self.pattern.groups < 1:
             raise ConfigError(f"Judge: score_pattern {score_pattern!r} needs a group around the number")
@@ -198,6 +210,8 @@ class Judge:
         # the folders this judge loads, hashed for a resume like the run's own models (checkpoint.input_identity)
         self.weight_folders = [f for f in (local_model, serve_model) if f and os.path.isdir(f)]
         self._identity: Optional[str] = None  # hashed on first use, not at import
+        self.probes = self._checked_probes(PROBES if probes is None else probes)
+        self._probed = False  # the probes are asked at the first call
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()
         self._local: Optional[tuple[Any, Any]] = None
@@ -207,6 +221,24 @@ class Judge:
                     if line.strip():
                         record = json.loads(line)
                         self._cache[record["key"]] = record["reply"]
+
+    def _checked_probes(self, probes: Sequence[dict]) -> list[dict]:
+        checked = []
+        for k, probe in enumerate(probes):
+            if not isinstance(probe, dict) or "completion" not in probe or set(probe) - {*self._PROBE_KEYS}:
+                raise ConfigError(
+                    f"Judge: probe {k} must be a dict with completion (and optionally prompt, reference, score), got "
+                    f"{probe!r:.200}"
+                )
+            if "score" in probe:
+                lo, hi = self.score_range
+                want = probe["score"]
+                if not (isinstance(want, (list, tuple)) and len(want) == 2 and lo <= want[0] <= want[1] <= hi):
+                    raise ConfigError(f"Judge: probe {k}'s score must be [low, high] within {self.score_range}")
+            checked.append(dict(probe))
+        return checked
+
+    _PROBE_KEYS = ("prompt", "completion", "reference", "score")
 
     @staticmethod
     def _check_serve_options(serve: dict[str, Any], serve_model: Optional[str]) -> None:
@@ -334,7 +366,9 @@ class Judge:
         todo = [j for j, r in enumerate(replies) if r is None]
         if todo and not self.local_model:
             self._ready()
-        asked = self._ask_local(texts, todo, deadline) if self.local_model else self._ask_url(texts, todo, deadline)
+        if todo and not self._probed:  # at start: a judge that fails its own probes stops the run here
+            counters["probes"] += self.check_probes(deadline)
+        asked = self._ask(texts, todo, deadline)
         if any(reply is None for reply, _ in asked.values()):
             self._check_engines()  # unanswered because a served engine died: say so, not "timeouts"
         for j, (reply, retried) in asked.items():
@@ -350,30 +384,54 @@ class Judge:
                 values.append(None)
                 continue
             value = self.parse(reply)
-            if value is None:
+            if value is None:  # unparsable: 0, counted (whatever the policy wrote to provoke it)
                 counters["parse_failures"] += 1
                 bad_replies.append(reply)
+                value = 0.0
             values.append(value)
-        counters["seconds"] = time.monotonic() - start
         answered = len(texts) - counters["timeouts"]
         if bad_replies:
-            logger.warning("judge: %d of %d replies had no score (%s); e.g. %r", len(bad_replies), answered,
+            logger.warning("judge: %d of %d replies had no score (%s); scored 0; e.g. %r", len(bad_replies), answered,
                            self.pattern.pattern, bad_replies[0][:300])  # fmt: skip
         if answered and len(bad_replies) > self.max_parse_failure_rate * answered:
-            raise ValueError(
-                f"{len(bad_replies)} of {int(answered)} judge replies have no score matching {self.pattern.pattern!r} "
-                f"in {self.score_range} (max_parse_failure_rate {self.max_parse_failure_rate}); e.g. "
-                f"{bad_replies[0][:300]!r}: fix the rubric or score_pattern"
-            )
+            # many failures: the judge's or the policy's? Only the judge's own probes can say (and stop the run)
+            counters["probes"] += self.check_probes(time.monotonic() + self.timeout)
+        counters["seconds"] = time.monotonic() - start
         return JudgeValues(values, counters, replies)
 
+    def check_probes(self, deadline: float) -> int:
+        """Ask the judge its fixed probes (never cached); raise ValueError naming the first one it fails (no reply,
+        an unparsable reply, or a score outside the probe's range). Returns how many were asked."""
+        self._probed = True
+        if not self.probes:
+            return 0
+        texts = [self.render(p.get("prompt"), p["completion"], p.get("reference")) for p in self.probes]
+        asked = self._ask(texts, list(range(len(texts))), deadline)
+        lo, hi = self.score_range
+        for k, probe in enumerate(self.probes):
+            reply = asked[k][0]
+            value = None if reply is None else self.parse(reply)
+            want = probe.get("score")
+            if value is None or (want is not None and not want[0] <= lo + value * (hi - lo) <= want[1]):
+                why = "no reply" if reply is None else f"reply {reply[:300]!r}"
+                raise ValueError(
+                    f"the judge fails its own probe {k} ({why}; wanted a score matching {self.pattern.pattern!r} "
+                    f"in {tuple(want) if want is not None else self.score_range}): fix the judge, the rubric or "
+                    "score_pattern"
+                )
+        return len(texts)
+
+    def _ask(self, texts: list[str], todo: list[int], deadline: float) -> dict[int, tuple[Optional[str], int]]:
+        if self.local_model:
+            return self._ask_local(texts, todo, deadline)
+        return self._ask_url(texts, todo, deadline)
+
     def render(self, prompt: Any, completion: Any, reference: Any) -> str:
+        """The template with each slot it names filled, in one pass: the values are data, never scanned for slots."""
         if isinstance(completion, list):  # TRL's conversational shape: [{"role": "assistant", "content": ...}]
             completion = completion[-1].get("content", "") if completion else ""
-        text = self.template
-        for placeholder, value in zip(PLACEHOLDERS, (_text(prompt), _text(completion), _text(reference))):
-            text = text.replace(placeholder, value)
-        return text
+        values = dict(zip(PLACEHOLDERS, (_text(prompt), _text(completion), _text(reference))))
+        return _SLOT.sub(lambda m: values[m.group(0)], self.template)
 
     @property
     def identity(self) -> str:
@@ -391,14 +449,12 @@ class Judge:
         return hashlib.sha256(json.dumps([self.identity, text]).encode()).hexdigest()
 
     def parse(self, reply: str) -> Optional[float]:
-        """The reply's last score mapped onto [0, 1]; None when there is none or it is outside score_range."""
-        matches = list(self.pattern.finditer(reply))
-        if not matches:
+        """The reply's FIRST match of score_pattern (ASCII digits) mapped onto [0, 1]; None when there is none, its
+        number is not ASCII, or it is outside score_range."""
+        match = self.pattern.search(reply)
+        if match is None or match.group(1) is None or not _ASCII_NUMBER.fullmatch(match.group(1)):
             return None
-        try:
-            score = float(matches[-1].group(1))
-        except (TypeError, ValueError):
-            return None
+        score = float(match.group(1))
         lo, hi = self.score_range
         if not (math.isfinite(score) and lo <= score <= hi):
             return None

@@ -18,17 +18,24 @@ Rows are RLVR prompt rows: `messages` (the system prompt, then the question), `d
 `ground_truth` that names the task, its config, seed, size and row index (and the answer, for reading). The
 `reasoning_gym` verifier (open_instruct/rewards.py) regenerates that row and scores the text inside the
 completion's last <answer>...</answer> (reasoning_gym.utils.extract_answer; after the last </think>) with the
-task's own `score_answer`. Several tasks' `score_answer` evaluate the answer text (sympy's parse_expr, eval), so it
-always runs in the verifier worker process, never in the trainer's, under the run's verifier timeout.
+task's own `score_answer`. Several tasks' `score_answer` evaluate the answer text (sympy's parse_expr, eval), so
+scoring never runs in the trainer: a batch's answers are scored (reasoning_gym_scoring.score_many) in calls of the
+code verifier's sandbox (open_instruct/sandbox.py: its seccomp filter, namespaces, limits and hidden paths), each
+answer in a run of its own (a fresh fork), under the run's verifier timeout as its CPU limit;
+open_instruct/reasoning_gym_scoring.py says what runs inside and why its verdict is the package's. The trainer
+regenerates each row's entry (trusted data), hands it in, and reads back one plain number per answer, which it clips
+(`clipped`); the package's extract_answer runs inside too.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import difflib
 import functools
 import json
 import os
+import pickle
 import re
 import zlib
 from typing import Any
@@ -203,24 +210,26 @@ def entry_of(ground_truth: Any) -> tuple[Any, dict[str, Any]]:
     return data, entry
 
 
-def score(answer_text: str, ground_truth: Any) -> float:
-    """The task's own score_answer of the last <answer>...</answer> in `answer_text` (None without one), the
-    completion after its last </think> (the `reasoning_gym` verifier; runs in the verifier worker process)."""
-    from reasoning_gym.utils import extract_answer
-
+@functools.lru_cache(maxsize=4096)
+def entry_payload(ground_truth: str) -> tuple[tuple, str]:
+    """(dataset key, the row's entry pickled, base64) of a ground truth string, what a scoring call is handed
+    (reasoning_gym_scoring.score_many); cached: GRPO scores each row many times."""
     data, entry = entry_of(ground_truth)
-    return clipped(data.score_answer(extract_answer(answer_text), entry))
+    truth = json.loads(ground_truth)
+    key = (truth["task"], json.dumps(truth["config"], sort_keys=True), truth["seed"], truth["size"])
+    return key, base64.b64encode(pickle.dumps(entry)).decode()
+
+
+def check_ground_truth(ground_truth: Any) -> None:
+    """BadGroundTruth unless the ground truth names a row this package version generates (no model text involved)."""
+    entry_payload(ground_truth if isinstance(ground_truth, str) else json.dumps(ground_truth, sort_keys=True))
 
 
 def clipped(package_score: Any) -> float:
     """The package's score in [0, 1]: some scorers sum 1/n n times and return 1.0000000000000002 (spell_backward,
     for an answer that extends the right one); that is >= 1, what the package itself counts as solved."""
-    return min(max(float(package_score), 0.0), 1.0)
-
-
-def preload() -> None:
-    """Imported before a worker's first timed call (importing reasoning-gym takes about a second)."""
-    import reasoning_gym  # noqa: F401
+    value = float(package_score)
+    return 0.0 if value != value else min(max(value, 0.0), 1.0)  # NaN: 0
 
 
 def check_held_out(train_sources: list[str], eval_sources: list[str], train_split: str, eval_split: str) -> None:

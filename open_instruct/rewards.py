@@ -14,7 +14,7 @@ verifiers are binary: partial credit would let the policy farm half-right answer
                 failure reasons in open_instruct/code_verifier.py); 1.0 iff all pass, or the fraction passed
                 with `code_reward: fraction` (the one verifier that can give partial credit, opt-in)
     reasoning_gym  a reasoning-gym task's own score_answer (open_instruct/reasoning_gym_tasks.py), run in the
-                worker process (its scorers may evaluate the answer); a row is correct iff it scores 1.0
+                sandbox (its scorers may evaluate the answer), a batch's rows together; correct iff it scores 1.0
     verifiers_env  marks the rows of a verifiers environment (open_instruct/verifiers_env.py): its rubric scores
                 them inside the episode; scoring one here (no environment played) is a configuration error
 
@@ -42,8 +42,10 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     thread and after each kill (not counted against the call's timeout), ~0.15 ms IPC per call. The cheap
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
-  * Verifiers registered `isolated` (reasoning_gym: a package's scorers that may evaluate the answer text) run in
-    that worker process on every thread, the main one included, so model text never runs in the trainer's process.
+  * Verifiers registered `isolated` run in that worker process on every thread, the main one included.
+  * reasoning_gym (a package's scorers that may evaluate the answer text) runs in the sandbox, like `code`: each
+    answer in a sandboxed run of its own with `timeout` seconds of CPU time (registered with `batch=`: score_batch
+    hands it all of a batch's rows at once, in `sandbox_workers` calls).
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
   * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
     sandboxed subprocesses with their own limits (CodeSettings), `sandbox_workers` at a time across a batch.
@@ -51,8 +53,10 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
 Errors: a bad *ground truth or configuration* (unknown verifier, unknown ifeval func_name, missing kwargs,
 unparseable ground truth) raises ValueError (GroundTruthError) so the pipeline reports it. Model text never
 raises: verifiers are written not to, and any unexpected exception is logged, scored 0 and counted in
-STATS["errors"]. Model text is never passed to eval/exec/compile/sympify; math-verify is the only parser
-(its plain-expression path hands sympy's parser only strings of digits, spaces and + - * / ^ ( ) .).
+STATS["errors"]. In this process model text is never passed to eval/exec/compile/sympify; math-verify is the only
+parser (its plain-expression path hands sympy's parser only strings of digits, spaces and + - * / ^ ( ) ., no name:
+nothing to call); reasoning-gym's scorers, which do evaluate text, run in the sandbox (docs/sandbox.md lists every
+scorer and where it runs).
 """
 
 from __future__ import annotations
@@ -105,6 +109,10 @@ _SANDBOXED: set[str] = set()  # verifiers whose work runs in sandboxed subproces
 # verifiers that may evaluate model text (a package's scorer calling eval or sympy's parse_expr): always run in the
 # worker process, never in the trainer's; the value imports what they need before the first timed call
 _ISOLATED: dict[str, Optional[Callable[[], None]]] = {}
+# verifiers that score many rows in one go, (completions, ground truths, timeout, code settings) -> [(score,
+# timed_out)], and check a ground truth without scoring (check_verifiers)
+_BATCHED: dict[str, Callable[..., list[tuple[float, bool]]]] = {}
+_GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], None]] = {}
 ALIASES = {"gsm": "gsm8k", "if": "ifeval", "if_eval": "ifeval", "instruction_following": "ifeval"}
 
 
@@ -115,6 +123,8 @@ def register_verifier(
     sandboxed: bool = False,
     isolated: bool = False,
     preload: Optional[Callable[[], None]] = None,
+    batch: Optional[Callable[..., list[tuple[float, bool]]]] = None,
+    check: Optional[Callable[[Any], None]] = None,
 ) -> Callable[[VerifierFn], VerifierFn]:
     """Decorator: `@register_verifier("gsm8k")` makes the function available as get_verifier("gsm8k").
     `isolated`: every call runs in the worker process (`preload` runs there once, before its first timed call)."""
@@ -130,6 +140,10 @@ def register_verifier(
             _SANDBOXED.add(key)
         if isolated:
             _ISOLATED[key] = preload
+        if batch is not None:
+            _BATCHED[key] = batch
+        if check is not None:
+            _GROUND_TRUTH_CHECKS[key] = check
         return fn
 
     return decorator
@@ -731,22 +745,46 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Verifier: code (programs run in the sandbox, open_instruct/sandbox.py)
 # --------------------------------------------------------------------------------------------------------
-def _preload_reasoning_gym() -> None:
-    from open_instruct import reasoning_gym_tasks
+def _reasoning_gym_batch(
+    completions: Sequence[str], ground_truths: Sequence[Any], timeout: float, settings: Any = None
+) -> list[tuple[float, bool]]:
+    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_scoring.score_many) with the run's
+    sandbox settings (a code_verifier.CodeSettings: workers, hidden paths, batch timeout; default CodeSettings())."""
+    from open_instruct import reasoning_gym_scoring, reasoning_gym_tasks
+    from open_instruct.code_verifier import CodeSettings
 
-    reasoning_gym_tasks.preload()
+    settings = settings or CodeSettings()
+    texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]
+    try:
+        scored = reasoning_gym_scoring.score_many(
+            texts,
+            ground_truths,
+            timeout=timeout,
+            workers=settings.workers,
+            hide_paths=settings.hide_paths,
+            batch_timeout=settings.batch_timeout,
+        )
+    except reasoning_gym_tasks.BadGroundTruth as e:
+        raise GroundTruthError(str(e)) from None
+    for _, status in scored:
+        STATS[f"reasoning_gym_{status}"] += 1
+    return [(score, status == "timeout") for score, status in scored]
 
 
-@register_verifier("reasoning_gym", isolated=True, preload=_preload_reasoning_gym)
-def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
-    """A reasoning-gym task's own score_answer of the completion's <answer> (open_instruct/reasoning_gym_tasks.py).
-    Its scorers may evaluate the answer text: registered isolated, so it runs in the worker process."""
+def _reasoning_gym_check(ground_truth: Any) -> None:
     from open_instruct import reasoning_gym_tasks
 
     try:
-        return reasoning_gym_tasks.score(strip_thinking(completion), ground_truth)
+        reasoning_gym_tasks.check_ground_truth(ground_truth)
     except reasoning_gym_tasks.BadGroundTruth as e:
         raise GroundTruthError(str(e)) from None
+
+
+@register_verifier("reasoning_gym", sandboxed=True, batch=_reasoning_gym_batch, check=_reasoning_gym_check)
+def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
+    """A reasoning-gym task's own score_answer of the completion's <answer> (open_instruct/reasoning_gym_tasks.py).
+    Its scorers may evaluate the answer text: it runs in the sandbox (default timeout 2 s of CPU)."""
+    return _reasoning_gym_batch([completion], [ground_truth], 2.0)[0][0]
 
 
 def verifiers_env_row(ground_truth: Any) -> dict[str, Any]:
@@ -1051,7 +1089,10 @@ def run_verifier(
     STATS["calls"] += 1
     if len(completion) > MAX_COMPLETION_CHARS:
         return 0.0, False
-    if name in _SANDBOXED:  # bounded by the sandbox's limits, not by a timer in this process
+    if name in _BATCHED:  # in the sandbox, under `timeout` seconds of CPU time
+        score, timed_out = _BATCHED[name]([completion], [ground_truth], timeout)[0]
+        score = _checked_score(score, name)
+    elif name in _SANDBOXED:  # bounded by the sandbox's limits, not by a timer in this process
         score, timed_out = _checked_score(VERIFIERS[name](completion, ground_truth), name), False
     elif name in _ISOLATED or (name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer")):
         score, timed_out = _worker_for_this_thread().call(name, completion, ground_truth, timeout)
@@ -1112,6 +1153,12 @@ def score_batch(
     names = [None if n is None else normalize_verifier_name(n) for n in verifier_names]  # None: no verifier
     code_rows = [i for i, n in enumerate(names) if n == "code"]
     code_scores: dict[int, float] = {}
+    batched: dict[int, tuple[float, bool]] = {}
+    for name in {n for n in names if n in _BATCHED}:  # e.g. reasoning_gym: all its rows in one go
+        rows = [i for i, n in enumerate(names) if n == name and len(completions[i]) <= MAX_COMPLETION_CHARS]
+        STATS["calls"] += len(rows)
+        scored = _BATCHED[name]([completions[i] for i in rows], [ground_truths[i] for i in rows], timeout, code)
+        batched.update(zip(rows, scored))
     if code_rows:
         from open_instruct.code_verifier import CodeSettings
 
@@ -1131,7 +1178,12 @@ def score_batch(
             correct.append(False)
             rewards.append(0.0)
             continue
-        score, timed_out = run_verifier(name, completion, gt, timeout=timeout)
+        if name in _BATCHED:  # scored above (an overlong completion: 0, unread)
+            score, timed_out = batched.get(i, (0.0, False))
+            score = _checked_score(score, name)
+            STATS["timeouts"] += timed_out
+        else:
+            score, timed_out = run_verifier(name, completion, gt, timeout=timeout)
         num_timeouts += timed_out
         correct.append(score >= 1.0)
         rewards.append(float(verification_reward) if score >= 1.0 else 0.0)
@@ -1496,6 +1548,8 @@ def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
             name = names[ex["verifier"]]
             if name == "code":
                 _code_tests(ex["ground_truth"], code)
+            elif name in _GROUND_TRUTH_CHECKS:
+                _GROUND_TRUTH_CHECKS[name](ex["ground_truth"])
             elif name != "math":
                 VERIFIERS[name]("", ex["ground_truth"])
         except ValueError as e:  # unknown verifier, or GroundTruthError
@@ -1508,7 +1562,7 @@ def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
         try:
             isolation()  # probed now (~0.3 s) so that a machine that cannot run programs fails before training
         except RuntimeError as e:
-            raise ConfigError(f"{what} rows use the code verifier, but: {e}") from None
+            raise ConfigError(f"{what} rows use a sandboxed verifier (code, reasoning_gym), but: {e}") from None
 
 
 if __name__ == "__main__":

@@ -276,7 +276,8 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the re
 # covered in every call, with or without a run's config (the interpreter's prefix is bound back where one holds it),
 # and so are the cgroup filesystem and the paths of default_hidden_paths.
 VISIBLE_TOP_LEVEL = ("bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "sys", "tmp", "usr")
-HIDDEN_SYSTEM_PATHS = ("/sys/fs/cgroup",)
+# /proc/sys: machine-wide kernel counters (fs/file-nr, fs/inode-nr, fs/dentry-state) two calls could signal through
+HIDDEN_SYSTEM_PATHS = ("/sys/fs/cgroup", "/proc/sys")
 
 
 def _top_level_to_hide() -> list[str]:
@@ -344,6 +345,8 @@ def _spec(
     slot: int,
     workdir: Optional[str],
     hide: list,
+    visible: Sequence[str] = (),
+    preload: Optional[dict] = None,
 ) -> dict:
     prefix = _base_python()[1]
     uid = gid = SANDBOX_UID_BASE + slot
@@ -361,6 +364,8 @@ def _spec(
         "tmpfs_mb": 4 * limits.max_file_mb,
         "cgroup_procs": None,  # the call's memory cgroup, joined by the supervisor first (memory_control)
         "hide": hide,
+        "visible": [os.path.realpath(p) for p in visible],
+        "preload": preload,
         "python_prefix": prefix,
         "runs": [
             {
@@ -432,6 +437,8 @@ def run_in_sandbox(
     hide_paths: Sequence[str] = (),
     deadline: Optional[float] = None,
     runs: Optional[Sequence[SandboxRun]] = None,
+    visible_paths: Sequence[str] = (),
+    preload: Optional[dict] = None,
 ) -> SandboxResult:
     """Run `program` (Python source) with `stdin` under `limits` in a fresh sandboxed process (module docstring).
 
@@ -439,7 +446,9 @@ def run_in_sandbox(
     default_hidden_paths(); `deadline` (time.monotonic()) cuts the wall limit short (a batch timeout). With `runs`,
     the call runs each of them in turn (SandboxRun; `stdin` is then unused) and reports each in `.runs`; the call's
     wall limit is then for all of them together. Never raises for anything the program does; returns within the wall
-    limit plus about a second."""
+    limit plus about a second. `visible_paths` are bound back read-only where a hidden path covers them, and `preload`
+    (sandbox_boot's docstring: the trainer's own module, never model text) runs in the supervisor before the first
+    run, so that every run starts with what it imported."""
     limits.validate()
     for name in files or {}:
         if not name or "/" in name or name.startswith(".") or name == "main.py":
@@ -448,7 +457,7 @@ def run_in_sandbox(
     for run in runs:
         if not run.argv or run.argv[0] not in ("main.py", *(files or {})):
             raise ValueError(f"sandbox run {run.argv!r} must start with main.py or one of the call's files")
-    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline)
+    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline, visible_paths, preload)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -604,6 +613,8 @@ def _call(
     files: dict,
     hide_paths: Sequence[str],
     deadline,
+    visible_paths: Sequence[str] = (),
+    preload: Optional[dict] = None,
 ) -> SandboxResult:
     start = time.monotonic()
     wall = limits.wall_seconds if deadline is None else min(limits.wall_seconds, deadline - start)
@@ -614,7 +625,9 @@ def _call(
     try:
         if iso.mode != "namespaces":
             workdir = tempfile.mkdtemp(prefix="oi-sandbox-")  # the supervisor makes a folder per run in it
-        spec = _spec(program, files, runs, limits, iso, slot, workdir, default_hidden_paths(hide_paths))
+        spec = _spec(
+            program, files, runs, limits, iso, slot, workdir, default_hidden_paths(hide_paths), visible_paths, preload
+        )
         ctl = memory_control() if iso.drops_privileges else None  # the supervisor joins it as root
         if ctl is not None:
             cgroup = _make_cgroup(ctl, slot, call_memory_bytes(limits))
@@ -928,6 +941,8 @@ class SandboxCall:
     # SandboxPool.run starts a call of phase p only after every call of a lower phase has ended: calls that must not
     # overlap in time (one holding secrets another's program must not learn, even by timing) go in different phases
     phase: int = 0
+    visible_paths: tuple[str, ...] = ()  # run_in_sandbox's
+    preload: Optional[dict] = None  # run_in_sandbox's
 
 
 class SandboxPool:
@@ -958,6 +973,8 @@ class SandboxPool:
                     hide_paths=self.hide_paths,
                     deadline=deadline,
                     runs=c.runs,
+                    visible_paths=c.visible_paths,
+                    preload=c.preload,
                 )
                 for i, c in enumerate(calls)
                 if c.phase == phase

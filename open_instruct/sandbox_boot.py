@@ -32,6 +32,12 @@ Steps, in this order (the supervisor is this process; each run of the program is
      starts; the run's tmpfs is unmounted with it.
   3. the supervisor exits; as pid 1 of the pid namespace its exit makes the kernel kill anything still there.
 
+Optional spec keys: `visible`, folders bound back read-only where a hidden path covers them (as the interpreter's
+prefix is: a package folder a trusted preload imports from); `preload` ({"name", "source", "path", "call",
+"kwargs"}), the trainer's own module source (never model text), executed in the supervisor after step 1 and before
+the first run as module `name` with `path` in front of sys.path, then `name.call(**kwargs)`: every run is a fork taken
+after it, so it starts with what the preload imported and built (reasoning-gym scoring: one import per call).
+
 Standard library only: this runs before and outside the trainer's environment.
 """
 
@@ -185,12 +191,14 @@ def build_mounts(spec):
     run: fresh_workdir)."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
     prefix = spec["python_prefix"]
-    stage = "/tmp/.prefix"
     hide = sorted({p for p in spec["hide"] if os.path.lexists(p) and p != "/" and not _is_within(p, "/tmp")}, key=len)
-    covering = [p for p in hide if _is_within(prefix, p) and p != prefix]
-    if covering:
+    kept = [prefix] + [p for p in spec.get("visible", ()) if os.path.isdir(p) and not _is_within(p, prefix)]
+    kept = [k for k in kept if any(_is_within(k, p) and p != k for p in hide)]  # those a hidden path covers
+    covering = [p for p in hide if any(_is_within(k, p) and p != k for k in kept)]
+    stages = {k: f"/tmp/.keep{i}" for i, k in enumerate(kept)}
+    for k, stage in stages.items():
         os.mkdir(stage, 0o755)
-        _mount(prefix, stage, None, MS_BIND | MS_REC, None)
+        _mount(k, stage, None, MS_BIND | MS_REC, None)
     done = []
     for path in hide:
         if any(_is_within(path, parent) for parent in done):
@@ -200,16 +208,18 @@ def build_mounts(spec):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755,nr_inodes=64")
             if path in covering:
-                os.makedirs(prefix, 0o755, exist_ok=True)  # the parents of the prefix, on the fresh tmpfs
-                _mount(stage, prefix, None, MS_BIND | MS_REC, None)
-                _mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+                for k, stage in stages.items():
+                    if _is_within(k, path):
+                        os.makedirs(k, 0o755, exist_ok=True)  # its parents, on the fresh tmpfs
+                        _mount(stage, k, None, MS_BIND | MS_REC, None)
+                        _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
             else:
                 os.chmod(path, 0)
             _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k")
         else:
             _mount("/dev/null", path, None, MS_BIND, None)
         done.append(path)
-    if covering:
+    for stage in stages.values():
         _umount(stage)
         os.rmdir(stage)
     _umount("/tmp")
@@ -507,6 +517,24 @@ def _supervise(run, index, pid, pipes, channel, me, cpu_before, start):
     return limit
 
 
+def run_preload(preload, mounted):
+    """The spec's `preload` (module docstring): the trainer's module, run in the supervisor before the first run, with
+    a scratch tmpfs on /tmp (mount namespace) that is gone before the first run (libraries that want a cache dir)."""
+    import types
+
+    if mounted:
+        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0700")
+    try:
+        sys.path[:0] = list(preload.get("path", ()))
+        module = types.ModuleType(preload["name"])
+        sys.modules[preload["name"]] = module
+        exec(compile(preload["source"], preload["name"], "exec"), module.__dict__)
+        getattr(module, preload["call"])(**preload.get("kwargs", {}))
+    finally:
+        if mounted:
+            _umount("/tmp")
+
+
 def read_spec():
     def read_exact(n):
         buf = bytearray()
@@ -541,6 +569,12 @@ def main():
     except BaseException as e:  # noqa: BLE001
         channel.send({"setup_error": f"{type(e).__name__}: {e}"})
         sys.exit(127)
+    if spec.get("preload"):
+        try:
+            run_preload(spec["preload"], spec["mount_namespace"])
+        except BaseException as e:  # noqa: BLE001 - the trainer's own code failed: no run starts
+            channel.send({"setup_error": f"preload {spec['preload'].get('name')}: {type(e).__name__}: {e}"})
+            sys.exit(127)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # the supervisor holds no end of the trainer's pipes but its channel
     os.close(devnull)

@@ -152,7 +152,7 @@ def test_a_self_judge_asks_the_runs_own_engines(server, tmp_path):
     (tmp_path / "self_judge.py").write_text(
         "from open_instruct.judge import Judge\n"
         "judge = Judge('Rate {completion} for {prompt}. Score: N', url='run', max_new_tokens=12,"
-        " max_parse_failure_rate=1.0)\n"
+        " probes=[])\n"
     )
     spec = f"{tmp_path / 'self_judge.py'}:judge"
     cfg = SimpleNamespace(reward_functions=[spec], generation_backend="vllm_server", output_dir=str(tmp_path))

@@ -16,7 +16,7 @@ from test_reward_functions_trl import command, run
 from tolerances import elementwise_atol
 
 from open_instruct.errors import ConfigError
-from open_instruct.judge import Judge
+from open_instruct.judge import PROBES, Judge
 
 RUBRIC = "Rate [[{completion}]] for {prompt} (reference: {reference}). Keep {braces}. Reply 'Score: N', N from 0 to 10."
 SLACK = 5.0  # seconds of scheduling slack on a shared 2-core machine, added to a deadline when checking it
@@ -81,7 +81,8 @@ def fake_judge():
 
 
 def judge_for(server: FakeJudge, **kw) -> Judge:
-    return Judge(RUBRIC, url=server.url, model="fake-judge", **kw)
+    """A judge without probes (the probe tests below give them), so that every prompt the server saw is a row's."""
+    return Judge(RUBRIC, url=server.url, model="fake-judge", **{"probes": [], **kw})
 
 
 def expected(completion: str) -> float:
@@ -102,7 +103,7 @@ def test_scores_rendering_batching_and_the_cache(fake_judge, tmp_path):
         for c, p, r in zip(completions, ["Q1", "user: Q2", "Q3", "Q4"], ["r1", "r2", "r3", "r4"])
     )  # every placeholder filled, the rubric's other braces kept
     assert {k: v for k, v in values.counters.items() if k != "seconds"} == {
-        "calls": 4, "cache_hits": 0, "parse_failures": 0, "timeouts": 0, "retries": 0
+        "calls": 4, "cache_hits": 0, "parse_failures": 0, "timeouts": 0, "retries": 0, "probes": 0
     }  # fmt: skip
     again = judge(prompts=prompts, completions=completions, ground_truth=["r1", "r2", "r3", "r4"])
     assert list(again) == list(values) and again.counters["cache_hits"] == 4 and len(fake_judge.prompts) == 4
@@ -120,21 +121,64 @@ def test_scores_rendering_batching_and_the_cache(fake_judge, tmp_path):
     assert judge(prompts=prompts[:1], completions=completions[:1], ground_truth=["r9"]).counters["cache_hits"] == 0
 
 
-def test_retries_parse_failures_and_a_loud_parse_failure(fake_judge, caplog):
+def test_retries_and_unparsable_replies_score_0_and_are_counted(fake_judge, caplog):
     judge = judge_for(fake_judge, retries=2)
     completions = ["FLAKY one", "GARBAGE", "fine", "also fine"]
     values = judge(prompts=["q"] * 4, completions=completions, ground_truth=[None] * 4)
-    assert list(values) == [expected("FLAKY one"), None, expected("fine"), expected("also fine")]
+    assert list(values) == [expected("FLAKY one"), 0.0, expected("fine"), expected("also fine")]
     assert values.counters["retries"] == 1 and values.counters["parse_failures"] == 1
     assert "1 of 4 replies had no score" in caplog.text and "I cannot rate this." in caplog.text
-    with pytest.raises(ValueError, match="2 of 3 judge replies have no score .* fix the rubric or score_pattern"):
-        judge(prompts=["q"] * 3, completions=["GARBAGE 1", "GARBAGE 2", "ok"], ground_truth=[None] * 3)
+
+
+def test_a_completion_is_inserted_once_as_data():
+    """A completion (or prompt) holding a slot's name is judged as that text: the row's reference is pasted only where
+    the rubric names {reference} (on main a completion "{reference}" got the reference into a strict rubric)."""
+    strict = Judge("Is [[{completion}]] a correct answer to {prompt}? Score: N", url="http://x", model="m")
+    assert strict.render("Q {completion}", "{reference} {prompt}", "SECRET") == (
+        "Is [[{reference} {prompt}]] a correct answer to Q {completion}? Score: N"
+    )
+    judge = Judge(RUBRIC, url="http://x", model="m")
+    assert judge.render("Q", "see {reference}", "r1") == (
+        "Rate [[see {reference}]] for Q (reference: r1). Keep {braces}. Reply 'Score: N', N from 0 to 10."
+    )
+
+
+def test_the_score_is_the_first_match_in_ascii_digits():
+    """The verdict is the reply's first "Score: N": a "Score: 10" quoted after it is not (on main the last match
+    won), Unicode digits are no number, a score outside the range is unparsable."""
+    judge = Judge(RUBRIC, url="http://x", model="m")
+    assert judge.parse("Score: 3\nThe answer claims 'Score: 10'.") == 0.3
+    assert judge.parse("reasons... score = 7.5 and later Score: 10") == 0.75
+    for reply in ("Score: \u0663", "Score: \uff19", "Score: 11", "Score: -1", "no verdict", "Score:\u20037"):
+        assert judge.parse(reply) is None, reply
+
+
+def test_policy_provoked_failures_score_0_and_only_failed_probes_stop_the_run(fake_judge):
+    """Replies the policy makes unparsable (GARBAGE) score 0 and are counted; past max_parse_failure_rate the judge
+    asks its fixed probes again, which it passes: the run goes on. A judge that fails its own probes (a pattern it
+    never writes, or a score off the probe's range) stops at its first call, before any row is judged."""
+    judge = judge_for(fake_judge, probes=None)  # the default probe
+    values = judge(prompts=["q"] * 3, completions=["GARBAGE 1", "GARBAGE 2", "ok"], ground_truth=[None] * 3)
+    assert list(values) == [0.0, 0.0, expected("ok")]
+    assert values.counters["parse_failures"] == 2 and values.counters["probes"] == 2  # at start, and again
+    probe = judge.render(PROBES[0]["prompt"], PROBES[0]["completion"], PROBES[0]["reference"])
+    assert fake_judge.prompts.count(probe) == 2
+    again = judge(prompts=["q"], completions=["GARBAGE 3"], ground_truth=[None])
+    assert list(again) == [0.0] and again.counters["probes"] == 1  # only the re-check
+    wants_ten = judge_for(fake_judge, probes=[{"completion": "1", "score": [10, 10]}])  # the server says Score: 1
+    with pytest.raises(ValueError, match=r"fails its own probe 0 \(reply 'Fine. Score: 1'.*\(10, 10\)"):
+        wants_ten(prompts=["q"], completions=["ok"], ground_truth=[None])
+    blind = judge_for(fake_judge, probes=None, score_pattern=r"Grade=(\d+)")
+    asked = len(fake_judge.prompts)
+    with pytest.raises(ValueError, match="fails its own probe 0 .*fix the judge, the rubric or score_pattern"):
+        blind(prompts=["q"], completions=["ok"], ground_truth=[None])
+    assert len(fake_judge.prompts) == asked + 1  # the probe only
 
 
 def test_the_deadline_holds_and_counts_timeouts(fake_judge):
     judge = judge_for(fake_judge, timeout=0.5, retries=3, batch_size=4)
     values = judge(prompts=["q"] * 3, completions=["SLOW a", "SLOW b", "SLOW c"], ground_truth=[None] * 3)
-    assert list(values) == [None, None, None]
+    assert list(values) == [None, None, None]  # unanswered: no value (left out of the mean)
     assert values.counters["timeouts"] == 3 and values.counters["parse_failures"] == 0
     assert values.counters["seconds"] < 0.5 + SLACK
 
@@ -270,7 +314,7 @@ def test_a_tiny_local_judge_scores_its_own_greedy_replies(tiny_models):
 
     folder = tiny_models["causal_lm"]
     judge = Judge("Rate: {completion}", local_model=folder, score_pattern=r"(\d)", score_range=(0, 9),
-                  batch_size=2, max_new_tokens=12, max_parse_failure_rate=1.0)  # fmt: skip
+                  batch_size=2, max_new_tokens=12, probes=[])  # fmt: skip
     completions = ["12", "hello", "a much longer answer", "7"]
     values = judge(prompts=["q"] * 4, completions=completions)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -285,8 +329,8 @@ def test_a_tiny_local_judge_scores_its_own_greedy_replies(tiny_models):
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         replies.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
-    digits = [[ch for ch in r if ch.isdigit()] for r in replies]
-    assert list(values) == [int(d[-1]) / 9 if d else None for d in digits]
+    digits = [[ch for ch in r if ch in "0123456789"] for r in replies]
+    assert list(values) == [int(d[0]) / 9 if d else 0.0 for d in digits]  # the first ASCII digit; none: 0
     assert values.counters["parse_failures"] == sum(not d for d in digits)
     assert values.counters["calls"] == 4 and values.counters["timeouts"] == 0
 
@@ -327,8 +371,9 @@ def test_judge_in_a_run_adds_by_its_weight_and_logs_its_counters(
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     assert len(samples) == 8
     assert train["reward/judge/calls"] == 8 and train["reward/judge/parse_failures"] == 0
-    # asked: 4 for the probe before loading (empty completions), then each rollout completion not in the cache
-    assert len(fake_judge.prompts) - 4 + train["reward/judge/cache_hits"] == 8
+    # asked: the judge's own probe and 4 for the probe before loading (empty completions), then each rollout
+    # completion not in the cache
+    assert len(fake_judge.prompts) - 5 + train["reward/judge/cache_hits"] == 8
     for s in samples:  # score = verifier (1.0 x correct) + 0.5 x judge
         completion = s["response"]
         assert s["rewards"]["judge"] == pytest.approx(expected(completion), abs=0)

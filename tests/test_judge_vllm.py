@@ -81,7 +81,7 @@ def test_a_served_judge_scores_and_caches(served):
     values = judge(prompts=["Q1", "Q2", "Q3"], completions=completions)
     assert values.replies == [REPLY] * 3 and list(values) == [0.7] * 3  # Score: 7 on 0..10
     assert {k: v for k, v in values.counters.items() if k != "seconds"} == {
-        "calls": 3, "cache_hits": 0, "parse_failures": 0, "timeouts": 0, "retries": 0
+        "calls": 3, "cache_hits": 0, "parse_failures": 0, "timeouts": 0, "retries": 0, "probes": 1
     }  # fmt: skip
     again = judge(prompts=["Q1", "Q2", "Q3"], completions=completions)
     assert list(again) == [0.7] * 3 and again.counters["cache_hits"] == 3
@@ -89,13 +89,13 @@ def test_a_served_judge_scores_and_caches(served):
 
 def test_a_rubric_pattern_that_cannot_match_counts_parse_failures(served):
     judge, path = served
-    strict = Judge(RUBRIC, serve_model=path, score_pattern=r"Grade=(\d+)", max_parse_failure_rate=1.0)
+    strict = Judge(RUBRIC, serve_model=path, score_pattern=r"Grade=(\d+)", probes=[])  # no probes: never stops
     strict.use_engines(judge.engines.urls)  # the same engine, asked by another rubric
     values = strict(prompts=["Q1", "Q2"], completions=["a", "b"])
-    assert list(values) == [None, None] and values.counters["parse_failures"] == 2 and values.replies == [REPLY] * 2
-    loud = Judge(RUBRIC, serve_model=path, score_pattern=r"Grade=(\d+)")  # default max_parse_failure_rate 0.5
+    assert list(values) == [0.0, 0.0] and values.counters["parse_failures"] == 2 and values.replies == [REPLY] * 2
+    loud = Judge(RUBRIC, serve_model=path, score_pattern=r"Grade=(\d+)")  # the default probe: it fails it too
     loud.use_engines(judge.engines.urls)
-    with pytest.raises(ValueError, match=r"2 of 2 judge replies have no score matching .*'Score: 7'"):
+    with pytest.raises(ValueError, match=r"the judge fails its own probe 0 \(reply .*Score: 7"):
         loud(prompts=["Q1", "Q2"], completions=["c", "d"])
 
 

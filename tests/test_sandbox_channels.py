@@ -146,6 +146,30 @@ def test_the_cgroup_filesystem_and_host_paths_are_hidden_without_a_run_config(is
     assert "/home" not in listed and "/root" not in listed or listed.get("/root") == "True"
 
 
+def test_proc_sys_is_hidden(iso):
+    """The counter channel of issue 67: two concurrent calls of one batch signalled 96/96 bits through the machine-wide
+    /proc/sys/fs/file-nr (a fresh PID/IPC namespace does not hide it). /proc/sys is an empty, unlistable tmpfs in every
+    call: the counters a sender would move cannot be read (the host still reads them)."""
+    with open("/proc/sys/fs/file-nr") as f:
+        assert len(f.read().split()) == 3  # on the host: allocated, free, max
+    res = run(
+        """
+        import os
+        for path in ("/proc/sys/fs/file-nr", "/proc/sys/fs/inode-nr", "/proc/sys/fs/dentry-state"):
+            try:
+                print(path, open(path).read().split())
+            except OSError as e:
+                print(path, type(e).__name__)
+        try:
+            print(os.listdir("/proc/sys"))
+        except OSError as e:
+            print("/proc/sys", type(e).__name__)
+        """
+    )
+    lines = res.stdout.splitlines()
+    assert len(lines) == 4 and all(line.split()[1] in ("FileNotFoundError", "PermissionError") for line in lines), lines
+
+
 # --------------------------------------------------------------------------------------------------------
 # The tests of a call: no process, file or record of one reaches the next
 # --------------------------------------------------------------------------------------------------------

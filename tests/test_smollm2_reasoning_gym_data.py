@@ -11,6 +11,7 @@ reasoning_gym = pytest.importorskip("reasoning_gym")
 from demo import smollm2_reasoning_gym as demo  # noqa: E402
 from demo.pipeline import DemoError  # noqa: E402
 from open_instruct import reasoning_gym_tasks as rg  # noqa: E402
+from open_instruct.reasoning_gym_scoring import score_many  # noqa: E402
 
 N_SFT, N_TRAIN, N_EVAL = 3, 12, 10
 
@@ -48,13 +49,16 @@ def test_training_rows_are_the_packages_train_split(files):
 def test_sft_traces_are_training_prompts_answered_as_the_verifier_pays(files):
     traces, train = read(files["sft_train"]), read(files["rl_train"])
     assert len(traces) == N_SFT * len(demo.TASKS)
+    texts, truths = [], []
     for k in range(len(demo.TASKS)):
         for trace, row in zip(traces[k * N_SFT : (k + 1) * N_SFT], train[k * N_TRAIN : (k + 1) * N_TRAIN]):
             assert trace["messages"][:-1] == row["messages"]
             reply = trace["messages"][-1]
             assert reply == {"role": "assistant", "content": f"<answer>{package_entry(row)['answer']}</answer>"}
-            assert rg.score(reply["content"], row["ground_truth"]) == 1.0
-            assert rg.score("<answer>not it</answer>", row["ground_truth"]) < 1.0
+            texts += [reply["content"], "<answer>not it</answer>"]
+            truths += [row["ground_truth"]] * 2
+    scores = [score for score, _ in score_many(texts, truths, timeout=30.0)]  # the verifier's sandboxed scoring
+    assert scores[0::2] == [1.0] * (len(texts) // 2) and max(scores[1::2]) < 1.0
 
 
 def test_held_out_rows_come_from_other_seeds_and_repeat_no_training_question(files):
