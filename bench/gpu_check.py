@@ -1026,7 +1026,8 @@ def markdown(c: Check) -> str:
         diffs = ", ".join(f"{k[:-9]} {v:.2g}" for k, v in parity.items() if k.endswith("_rel_diff"))
         lines += [
             "",
-            f"Parity (relative differences vs CPU fp32; fp32 < {FP32_REL_TOL:g}, bf16 < {BF16_REL_TOL:g}): {diffs}",
+            f"Parity (relative differences; bf16 vs the device's fp32 < {BF16_REL_TOL:g}, fp32 device_vs_cpu "
+            f"< {FP32_REL_TOL:g}): {diffs}",
         ]
         if "logits_peak_extra_gb_chunked" in parity:
             lines.append(
