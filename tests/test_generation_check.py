@@ -397,9 +397,9 @@ def test_the_planner_counts_the_check(repo_root, capsys):
 def test_a_bf16_generation_copy_passes_the_check_though_its_greedy_text_may_differ():
     """One process under bf16 generates from a bf16 copy of the fp32 weights (a bf16 residual stream), while the
     trainer computes under autocast over fp32 weights (an fp32 residual stream): the two round differently, so a
-    greedy continuation can part from the trainer's at a near-tie (on a GPU run, 7 of 8 did). That is expected, not
-    a broken sync: the launch check passes within the bf16 limits, and on the generator's own tokens the per-token
-    |dlogp| (what mismatch/abs_mean averages) stays within the same bf16 limit."""
+    greedy continuation can part from the trainer's at a near-tie (an audit on CPU saw 7 of 8 part). That is
+    expected, not a broken sync: the launch check passes within the bf16 limits, and on the generator's own tokens
+    the per-token |dlogp| (what mismatch/abs_mean averages) stays within the same bf16 limit."""
     policy, tokenizer = tiny_model()
     bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731 - the trainer's autocast
     gen = HFGenerator(policy, tokenizer, compute_dtype=torch.bfloat16)

@@ -23,7 +23,9 @@ RECIPE = r"configs/(?:%s)\.yaml" % "|".join(PUBLISHED)
 PATTERNS = {
     "script": re.compile(r"((?:[A-Z_]+=\S+\s+)*)bash (scripts/(?:%s)\.sh)(.*)" % "|".join(PUBLISHED)),
     "plan": re.compile(r"(?:python3? -m open_instruct\.|`)plan (%s)(.*)" % RECIPE),
-    "accelerate": re.compile(r"accelerate launch --config_file (configs/accelerate/\S+\.yaml)(.*?) open_instruct/\w+\.py (%s)(.*)" % RECIPE),
+    "accelerate": re.compile(
+        r"accelerate launch --config_file (configs/accelerate/\S+\.yaml)(.*?) open_instruct/\w+\.py (%s)(.*)" % RECIPE
+    ),
 }  # fmt: skip
 
 
@@ -129,6 +131,7 @@ def assert_script_plans(script: str, args: list[str], env: dict[str, str], expec
     run_env = {k: v for k, v in os.environ.items() if k not in ("NUM_MACHINES", "NUM_PROCESSES", "MACHINE_RANK")}
     run_env.update(env, DRY_RUN="1", PYTHON=sys.executable, PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
     proc = subprocess.run(["bash", script, *args], cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == expected, f"{script} {args} {env}: exit {proc.returncode}\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+    said = f"{script} {args} {env}: exit {proc.returncode}\n{proc.stdout[-1500:]}{proc.stderr[-1500:]}"
+    assert proc.returncode == expected, said
     if expected == 0:
         assert "Memory per GPU" in proc.stdout, proc.stdout[-1500:]  # the plan of the layout ran
