@@ -1,5 +1,5 @@
 """Every launch line the project publishes for its recipes passes `plan` with its own layout: each scripts/*.sh (with
-DRY_RUN=1 it runs the plan of the layout it launches), and each command in the README, docs/*.md, the recipes' and
+DRY_RUN=1 it runs the plan of the layout it launches), and each command in README.md, docs/*.md, the recipes' and
 the accelerate configs' headers and the scripts' own comments: `bash scripts/X.sh`, `python -m open_instruct.plan`
 and `accelerate launch --config_file C ... configs/R.yaml` (C's num_processes). The lines are read from the files,
 so a layout edited anywhere is checked; a line the docs mark "exit 2" must be refused."""
@@ -109,7 +109,7 @@ def test_the_published_launch_lines_are_all_found():
     recipes = {argv[0] for _, kind, argv, _, _ in COMMANDS if kind == "plan"}
     assert {"configs/rlvr_8b.yaml", "configs/rlvr_70b.yaml", "configs/dpo_8b.yaml"} <= recipes, recipes
     rlvr_8b = [argv for _, kind, argv, _, _ in COMMANDS if kind == "plan" and argv[0] == "configs/rlvr_8b.yaml"]
-    assert ["configs/rlvr_8b.yaml", "--num_processes", "7"] in rlvr_8b  # README, the recipe and fsdp_7gpu.yaml
+    assert ["configs/rlvr_8b.yaml", "--num_processes", "7"] in rlvr_8b  # README.md, the recipe, fsdp_7gpu.yaml
 
 
 @pytest.mark.parametrize("where,kind,argv,env,expected", COMMANDS, ids=[c[0] + ":" + c[1] for c in COMMANDS])
