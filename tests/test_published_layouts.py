@@ -112,7 +112,11 @@ def test_the_published_launch_lines_are_all_found():
     assert ["configs/rlvr_8b.yaml", "--num_processes", "7"] in rlvr_8b  # README.md, the recipe, fsdp_7gpu.yaml
 
 
-@pytest.mark.parametrize("where,kind,argv,env,expected", COMMANDS, ids=[c[0] + ":" + c[1] for c in COMMANDS])
+@pytest.mark.parametrize(
+    "where,kind,argv,env,expected",
+    # a script runs plan in a process of its own (twice for RL: the engine layout, then the plan): seconds each
+    [pytest.param(*c, marks=[pytest.mark.slow] if c[1] == "script" else [], id=f"{c[0]}:{c[1]}") for c in COMMANDS],
+)
 def test_each_published_line_passes_plan(where, kind, argv, env, expected, capsys):
     if kind == "script":
         assert_script_plans(argv[0], argv[1:], env, expected)
