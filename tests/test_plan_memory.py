@@ -259,8 +259,9 @@ def test_rm_and_rlvr_8b_within_5_percent_of_the_sums_in_the_docs(repo_root, name
     assert m["peak_phase"] == "training micro-batch"
     if name == "rlvr_8b":
         assert m["resident"]["vLLM weight-broadcast buffers (rank 0)"] == 2 * 2**30
-    else:  # the no-grad forward: two bf16 units gathered (embedding + a layer), no gradient for a reduce-scatter
-        assert m["phases"]["no-grad forward"]["gathered weights"] == 2 * 2 * (128256 * 4096 + 218_112_000)
+    else:  # the no-grad forward: two bf16 units gathered (the embedding's, with a norm's h, and a layer), no gradient
+        embedding_unit = 128256 * 4096 + 4096
+        assert m["phases"]["no-grad forward"]["gathered weights"] == 2 * 2 * (embedding_unit + 218_112_000)
 
 
 def test_a_cpu_dry_run_counts_no_cuda_context(repo_root, capsys):
