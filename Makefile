@@ -5,7 +5,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-NUM_PROCESSES ?= 8
+# `make plan`'s processes: the published layout's (rlvr_8b: 7 training + 1 engine GPU on an 8-GPU node), else 8
+NUM_PROCESSES ?= $(if $(findstring rlvr_8b,$(RECIPE)),7,8)
 export PYTHONPATH := $(CURDIR)
 .DEFAULT_GOAL := help
 

@@ -17,18 +17,19 @@ Steps (--only picks some; `summarize` always runs):
   rank-0 loading, packed `sdpa_varlen` attention, the chunked head's backward, a DCP checkpoint (object collectives)
   and the export, on the small model with a 30-second collective timeout. When it fails the other FSDP steps are
   skipped (they would fail or hang the same way) and the one-process steps still run.
-- env, peak (measured bf16 GEMM FLOP/s: the MFU denominator beside the published one), build, parity (GPU fp32 vs CPU
-  fp32 within 1e-4; GPU bf16 vs CPU fp32 within 2e-2: SFT loss padded / packed sdpa / packed sdpa_varlen,
-  reward-model pair scores, response log-probs);
+- env, peak (measured bf16 GEMM FLOP/s: the MFU denominator beside the published one), build, parity (GPU bf16 vs
+  GPU fp32 within 2e-2: SFT loss padded / packed sdpa / packed sdpa_varlen, reward-model pair scores, response
+  log-probs; GPU fp32 vs CPU fp32 within 1e-4 on the shortest row and pair);
 - the training scripts as they are: rl_1b_fsdp1 (PPO, HF generation, FSDP2 with one process, activation
   checkpointing, frozen reference, value model), sft_1b_fsdp1 (the final HF export), sft_1b_single,
   sft_1b_single_packed, rm_1b_fsdp1, dpo_1b_fsdp1, grpo_1b_single, sft_w8b_fsdp1. Each reports tokens/s, MFU
   (against the measured and the published peak), peak allocated/reserved GB beside plan's prediction, the first
   losses and whether every loss is finite.
 
-Bounds. Every step runs in its own process session and gets its own share of what is left of --budget (in proportion
-to its weight in STEP_WEIGHTS); a step still running at its share is killed with every process it started (torchrun's
-workers live in sessions of their own, so the whole tree is signalled), recorded as failed, and the rest go on. The
+Bounds. Every step runs in its own process session and gets its own share of what is left of --budget (`shares`: the
+smoke step SMOKE_SHARE_S, the others in proportion to EXPECTED_S); a step still running at its share is killed with
+every process it started (torchrun's workers live in sessions of their own, so the whole tree is signalled), recorded
+as failed, and the rest go on; the kill's SIGTERM ends a training script without a checkpoint (STEP_SIGTERM). The
 NCCL collective timeout of the training steps is short (COLLECTIVE_TIMEOUT_MINUTES), so a hung collective errors out
 instead of waiting an hour. Disk: each step's run folder is deleted once its numbers are read, and only the small
 smoke model writes a DCP checkpoint (1B with AdamW would be ~15 GB), so the work folder stays under ~15 GB.
@@ -60,27 +61,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 OPTIONAL_PACKAGES = ("datasets", "trl", "wandb", "vllm", "flash_attn", "math_verify", "peft")
 STEP_TIMEOUT_S = 600  # without --budget: the longest one step may take
-SMOKE_TIMEOUT_S = 90  # the smoke step's cap whatever the budget (~30 s expected, a cold start included): it fails fast
+SMOKE_SHARE_S = 90  # the smoke step's seconds (~30 expected, a cold start included): a floor while the budget has it,
+# and its whole share, so that a hang fails fast
 COLLECTIVE_TIMEOUT_MINUTES = {"fsdp_smoke": 0.5, "other": 2.0}
 KILL_GRACE_S = 10  # SIGTERM first (torchrun stops its workers), SIGKILL after this
 FSDP_CONFIG = {"gpu": "configs/accelerate/fsdp_8gpu.yaml", "cpu": "configs/accelerate/fsdp_cpu_2proc.yaml"}
-# Relative seconds each step is expected to take on one H100; a step's share of the remaining budget is its weight
-# over the weights of the steps still to run.
-STEP_WEIGHTS = {
+# Seconds each step is expected to take on one H100: estimates from the work each does (process start and model
+# load dominate), never measured. The shares split the budget in these proportions, the smoke step's SMOKE_SHARE_S
+# first, so at --budget 400 every step gets at least this much (tests/test_gpu_check_shares.py).
+EXPECTED_S = {
     "fsdp_smoke": 30,
     "env": 5,
     "peak": 10,
     "build": 25,
-    "parity": 25,
-    "rl_1b_fsdp1": 60,
-    "sft_1b_fsdp1": 40,
-    "sft_1b_single": 30,
-    "sft_1b_single_packed": 30,
-    "rm_1b_fsdp1": 30,
-    "dpo_1b_fsdp1": 40,
-    "grpo_1b_single": 50,
-    "sft_w8b_fsdp1": 40,
+    "parity": 20,
+    "rl_1b_fsdp1": 45,
+    "sft_1b_fsdp1": 30,
+    "sft_1b_single": 20,
+    "sft_1b_single_packed": 20,
+    "rm_1b_fsdp1": 25,
+    "dpo_1b_fsdp1": 30,
+    "grpo_1b_single": 40,
+    "sft_w8b_fsdp1": 30,
 }
+# What bench/gpu_check.py sets in every child: a SIGTERM (the kill at a step's share) ends a training script at once
+# instead of checkpointing first (open_instruct.runtime.SIGTERM_ENV).
+STEP_SIGTERM = "exit"
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ GPU = Scale(
     ),  # fmt: skip
     median=180,
     high=1024,
-    sft_steps=12,
+    sft_steps=8,
     rows_per_step=16,
     max_seq_length=1024,
     rl_prompts=8,
@@ -396,8 +402,10 @@ def rel_diff(a: Any, b: Any) -> float:
 
 
 def step_parity(c: Check) -> dict[str, Any]:
-    """One batch through models.scored_logprobs and the reward model on CPU in fp32 (the reference) and on the
-    device: fp32 (TF32 off) within FP32_REL_TOL, bf16 autocast within BF16_REL_TOL; padded and packed."""
+    """One batch through models.scored_logprobs, sequence_logprobs and the reward model. The reference is the device
+    in fp32 (TF32 off): bf16 autocast within BF16_REL_TOL of it, padded and packed. The device's fp32 is checked
+    against the CPU's within FP32_REL_TOL on the shortest row (pair) only: a 1.24B model over every row on the CPU
+    would take longer than the step's share."""
     import torch
 
     from open_instruct import data as data_mod
@@ -413,66 +421,66 @@ def step_parity(c: Check) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = False
     device = c.device
     tokenizer = load_tokenizer(c.models["m1b"])
+    pad = tokenizer.pad_token_id
     rows = [json.loads(line) for line in open(c.data["sft"])][: c.scale.parity_rows]
     examples = []
     for i, row in enumerate(rows):
         ids, labels = data_mod.tokenize_sft_messages(tokenizer, row["messages"], f"parity row {i}")
         examples.append({"input_ids": ids, "labels": labels})
-    pad = tokenizer.pad_token_id
+    shortest = [min(examples, key=lambda e: len(e["input_ids"]))]
+    pairs = [json.loads(line) for line in open(c.data["pref"])][: c.scale.parity_rows]
+    pair_examples = [pair_example(tokenizer, p) for p in pairs]
+    shortest_pair = [min(pair_examples, key=lambda e: len(e["chosen_ids"]) + len(e["rejected_ids"]))]
+    out: dict[str, Any] = {}
+    checks: dict[str, bool] = {}
 
-    def sft_loss(model: Any, packed: bool, dev: str, bf16: bool) -> Any:
-        batch = {k: v.to(dev) for k, v in data_mod.collate_sft(examples, pad, packed).items()}
+    def check(label: str, value: Any, reference: Any, tol: float) -> None:
+        diff = rel_diff(value, reference)
+        out[label + "_rel_diff"], checks[label] = diff, diff < tol
+
+    def sft_loss(model: Any, batch_examples: list, packed: bool, dev: str, bf16: bool) -> Any:
+        batch = {k: v.to(dev) for k, v in data_mod.collate_sft(batch_examples, pad, packed).items()}
         with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
             logps, _, _ = scored_logprobs(model, batch, batch["labels"])
         return -logps.double().mean().cpu()
 
-    out: dict[str, Any] = {}
-    checks: dict[str, bool] = {}
-    reference = load_causal_lm(c.models["m1b"], torch.float32, attn_implementation="sdpa").eval()
-    ref_loss = sft_loss(reference, False, "cpu", False)
-    out["sft_loss_cpu_fp32"] = float(ref_loss)
-    model = reference.to(device) if device == "cuda" else reference
-    for label, packed, bf16, tol in (
-        ("sft_fp32_padded", False, False, FP32_REL_TOL),
-        ("sft_bf16_padded", False, True, BF16_REL_TOL),
-        ("sft_bf16_packed_sdpa", True, True, BF16_REL_TOL),
-    ):
-        diff = rel_diff(sft_loss(model, packed, device, bf16), ref_loss)
-        out[label + "_rel_diff"], checks[label] = diff, diff < tol
-    del model, reference
-    varlen = load_causal_lm(c.models["m1b"], torch.float32, attn_implementation="sdpa_varlen").to(device).eval()
-    diff = rel_diff(sft_loss(varlen, True, device, True), ref_loss)
-    out["sft_bf16_packed_sdpa_varlen_rel_diff"], checks["sft_bf16_packed_sdpa_varlen"] = diff, diff < BF16_REL_TOL
-    del varlen
+    def response_logps(model: Any, batch_examples: list, dev: str, bf16: bool) -> Any:
+        batch = {k: v.to(dev) for k, v in data_mod.collate_preferences(batch_examples, pad).items()}
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+            return sequence_logprobs(model, batch)[0].cpu()
 
-    # Response log-probs of preference pairs (DPO's and RL's quantity) and reward-model pair scores.
-    pairs = [json.loads(line) for line in open(c.data["pref"])][: c.scale.parity_rows]
-    pair_examples = [pair_example(tokenizer, p) for p in pairs]
-    batch = data_mod.collate_preferences(pair_examples, pad)
-    policy = load_causal_lm(c.models["m1b"], torch.float32).eval()
-    with torch.no_grad():
-        ref_logps, _ = sequence_logprobs(policy, batch)
-        policy = policy.to(device)
-        gpu_batch = {k: v.to(device) for k, v in batch.items()}
-        kinds = (("response_logps_fp32", False, FP32_REL_TOL), ("response_logps_bf16", True, BF16_REL_TOL))
-        for label, bf16, tol in kinds:
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                logps, _ = sequence_logprobs(policy, gpu_batch)
-            diff = rel_diff(logps, ref_logps)
-            out[label + "_rel_diff"], checks[label] = diff, diff < tol
-    del policy
-    rm = load_sequence_classifier(c.models["m1b_rm"], torch.float32, pad_token_id=pad).eval()
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    with torch.no_grad():
-        ref_scores = rm(**inputs).logits.squeeze(-1)
-        rm = rm.to(device)
-        gpu_inputs = {k: v.to(device) for k, v in inputs.items()}
-        for label, bf16, tol in (("rm_scores_fp32", False, FP32_REL_TOL), ("rm_scores_bf16", True, BF16_REL_TOL)):
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                scores = rm(**gpu_inputs).logits.squeeze(-1)
-            diff = rel_diff(scores, ref_scores)
-            out[label + "_rel_diff"], checks[label] = diff, diff < tol
-    del rm
+    def rm_scores(model: Any, batch_examples: list, dev: str, bf16: bool) -> Any:
+        batch = data_mod.collate_preferences(batch_examples, pad)
+        inputs = {k: batch[k].to(dev) for k in ("input_ids", "attention_mask")}
+        with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+            return model(**inputs).logits.squeeze(-1).cpu()
+
+    model = load_causal_lm(c.models["m1b"], torch.float32, attn_implementation="sdpa").eval()
+    cpu_loss = sft_loss(model, shortest, False, "cpu", False)
+    model = model.to(device)
+    check("sft_fp32_device_vs_cpu", sft_loss(model, shortest, False, device, False), cpu_loss, FP32_REL_TOL)
+    reference = sft_loss(model, examples, False, device, False)
+    out["sft_loss_fp32"] = float(reference)
+    check("sft_bf16_padded", sft_loss(model, examples, False, device, True), reference, BF16_REL_TOL)
+    check("sft_bf16_packed_sdpa", sft_loss(model, examples, True, device, True), reference, BF16_REL_TOL)
+    del model
+    # sdpa_varlen: the packed row (varlen_attn on a GPU); padded pairs go to sdpa, so it also scores the pairs.
+    model = load_causal_lm(c.models["m1b"], torch.float32, attn_implementation="sdpa_varlen").eval()
+    cpu_logps = response_logps(model, shortest_pair, "cpu", False)
+    model = model.to(device)
+    check("sft_bf16_packed_sdpa_varlen", sft_loss(model, examples, True, device, True), reference, BF16_REL_TOL)
+    check("response_logps_fp32_device_vs_cpu", response_logps(model, shortest_pair, device, False), cpu_logps,
+          FP32_REL_TOL)  # fmt: skip
+    reference_logps = response_logps(model, pair_examples, device, False)
+    check("response_logps_bf16", response_logps(model, pair_examples, device, True), reference_logps, BF16_REL_TOL)
+    del model
+    model = load_sequence_classifier(c.models["m1b_rm"], torch.float32, pad_token_id=pad).eval()
+    cpu_scores = rm_scores(model, shortest_pair, "cpu", False)
+    model = model.to(device)
+    check("rm_scores_fp32_device_vs_cpu", rm_scores(model, shortest_pair, device, False), cpu_scores, FP32_REL_TOL)
+    reference_scores = rm_scores(model, pair_examples, device, False)
+    check("rm_scores_bf16", rm_scores(model, pair_examples, device, True), reference_scores, BF16_REL_TOL)
+    del model
     out.update(logits_memory(c))
     out["checks"] = checks
     out["ok"] = all(checks.values())
@@ -549,7 +557,7 @@ def common(c: Check, name: str, script: str, model: str) -> dict[str, Any]:
         "exp_name": f"gpu_check_{name}",
         "output_dir": os.path.join(c.work, "runs", name),
         "model_name_or_path": c.models[model],
-        "mixed_precision": "no" if c.tiny else "bf16",
+        "mixed_precision": "bf16",  # --tiny too: the autocast path a card takes (CPU autocasts bf16)
         "logging_steps": 1,
         "learning_rate": 1e-5,
         "seed": 1,
@@ -755,7 +763,10 @@ def step_command(c: Check, name: str) -> tuple[list[str], dict[str, str]]:
 def child_env() -> dict[str, str]:
     """The environment of every child: the repo first on the path (what was on it before stays after)."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    from open_instruct.runtime import SIGTERM_ENV
+
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {**env, SIGTERM_ENV: STEP_SIGTERM}  # a step killed at its share writes no checkpoint
 
 
 def training_command(c: Check, step: TrainStep, recipe_path: str) -> tuple[list[str], dict[str, str]]:
@@ -1015,7 +1026,8 @@ def markdown(c: Check) -> str:
         diffs = ", ".join(f"{k[:-9]} {v:.2g}" for k, v in parity.items() if k.endswith("_rel_diff"))
         lines += [
             "",
-            f"Parity (relative differences vs CPU fp32; fp32 < {FP32_REL_TOL:g}, bf16 < {BF16_REL_TOL:g}): {diffs}",
+            f"Parity (relative differences; bf16 vs the device's fp32 < {BF16_REL_TOL:g}, fp32 device_vs_cpu "
+            f"< {FP32_REL_TOL:g}): {diffs}",
         ]
         if "logits_peak_extra_gb_chunked" in parity:
             lines.append(
@@ -1054,15 +1066,28 @@ def worker_main(c: Check, name: str) -> int:
     return 0
 
 
+def shares(budget: float, steps: list[str]) -> dict[str, float]:
+    """Seconds of `budget` for each of `steps` (summing to it): the smoke step SMOKE_SHARE_S when the budget has
+    them beside the others' expected seconds (else its proportional part), the rest in proportion to EXPECTED_S."""
+    expected = {n: float(EXPECTED_S.get(n, 0)) for n in steps}
+    out: dict[str, float] = {}
+    if "fsdp_smoke" in expected:
+        others = sum(v for n, v in expected.items() if n != "fsdp_smoke")
+        if budget >= SMOKE_SHARE_S + others:
+            out["fsdp_smoke"] = float(SMOKE_SHARE_S)
+            budget -= SMOKE_SHARE_S
+            del expected["fsdp_smoke"]
+    total = sum(expected.values())
+    out.update({n: budget * v / total if total else 0.0 for n, v in expected.items()})
+    return {n: out[n] for n in steps}
+
+
 def share(c: Check, name: str, still_to_run: list[str]) -> float:
-    """This step's seconds: its weight's part of the budget left (no budget: STEP_TIMEOUT_S); the smoke step is
-    capped at SMOKE_TIMEOUT_S."""
+    """This step's seconds: its part (`shares`) of what is left of the budget over the steps still to run, so time a
+    step did not use goes to the later ones (no budget: STEP_TIMEOUT_S; the smoke step SMOKE_SHARE_S)."""
     if not c.budget:
-        seconds = float(STEP_TIMEOUT_S)
-    else:
-        weights = sum(STEP_WEIGHTS.get(n, 0) for n in still_to_run) or 1
-        seconds = max(1.0, (c.budget - c.elapsed) * STEP_WEIGHTS.get(name, 0) / weights)
-    return min(seconds, SMOKE_TIMEOUT_S) if name == "fsdp_smoke" and not c.tiny else seconds
+        return float(SMOKE_SHARE_S if name == "fsdp_smoke" and not c.tiny else STEP_TIMEOUT_S)
+    return max(1.0, shares(c.budget - c.elapsed, still_to_run)[name])
 
 
 def run_step(c: Check, name: str, timeout: float) -> None:
@@ -1092,6 +1117,17 @@ def run_step(c: Check, name: str, timeout: float) -> None:
         print(result["error"][-1500:], flush=True)
 
 
+def steps_to_run(only: set[str]) -> list[str]:
+    """The steps a run with `--only` (empty: every step) runs, in order, with the build and peak steps they need."""
+    to_run = [n for n in STEP_ORDER if n != "summarize" and (not only or n in only)]
+    needs_models = any(n == "parity" or (n in EXPECTED_S and n not in LOCAL_ONLY) for n in to_run)
+    if needs_models and "build" not in to_run:
+        to_run.insert(0, "build")  # the models and data the later steps need
+    if any(n in TRAINING for n in to_run) and "peak" not in to_run:
+        to_run.insert(0, "peak")  # the MFU denominator
+    return sorted(to_run, key=STEP_ORDER.index)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT") or "output/gpu_check", help="results folder ($OUT)")
@@ -1109,13 +1145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"unknown step(s) {sorted(unknown)}; steps: {' '.join(STEP_ORDER)}", file=sys.stderr)
         return 2
     c = Check(args)
-    to_run = [n for n in STEP_ORDER if n != "summarize" and (not only or n in only)]
-    needs_models = any(n == "parity" or (n in STEP_WEIGHTS and n not in LOCAL_ONLY) for n in to_run)
-    if needs_models and "build" not in to_run:
-        to_run.insert(0, "build")  # the models and data the later steps need
-    if any(n in TRAINING for n in to_run) and "peak" not in to_run:
-        to_run.insert(0, "peak")  # the MFU denominator
-    to_run.sort(key=STEP_ORDER.index)
+    to_run = steps_to_run(only)
     for i, name in enumerate(to_run):
         smoke = c.results.get("fsdp_smoke", {})
         if smoke.get("status") == "failed" and name in FSDP_STEPS:

@@ -10,9 +10,13 @@ transformers' own sdpa unchanged, so the name can stay on for every forward of a
 
 On a GPU the sequences of a row go to one kernel call instead: torch's own variable-length attention
 (`torch.nn.attention.varlen.varlen_attn`, flash attention with cumulative sequence offsets; torch >= 2.10), when the
-installed torch has it and the call needs nothing it lacks (no dropout). Elsewhere (CPU, where that kernel does not
-run, or an older torch) the loop stays: on CPU it is also faster than FlexAttention with a document block mask
-(bench/bench_attention.py). flash_attention_2 (flash-attn's varlen kernel) remains an option where installed.
+installed torch has it and the call needs nothing it lacks (no dropout). Flash attention takes q, k and v in one
+16-bit dtype only, and `varlen_attn` has no autocast rule, so the row goes to it in autocast's dtype where autocast is
+on (over fp32 weights the rotary embedding leaves q and k fp32 beside a bf16 v), in their own dtype where they share a
+16-bit one (bf16 weights, FSDP2's mixed precision), and otherwise (fp32 without autocast) to the loop. Elsewhere
+(CPU, where that kernel does not run, or an older torch) the loop stays: on CPU it is also faster than FlexAttention
+with a document block mask (bench/bench_attention.py). flash_attention_2 (flash-attn's varlen kernel) remains an
+option where installed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any, Optional
 import torch
 
 NAME = "sdpa_varlen"
+KERNEL_DEVICE_TYPES = ("cuda",)  # where varlen_attn runs (flash attention); tests add "cpu" to drive a stand-in
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what flash attention accepts
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -63,7 +69,21 @@ def varlen_kernel() -> Optional[Any]:
 
 def use_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
     """One kernel call for the row: on CUDA (the kernel is flash attention's), without dropout (it has none)."""
-    return query.is_cuda and dropout == 0.0 and varlen_kernel() is not None
+    return query.device.type in KERNEL_DEVICE_TYPES and dropout == 0.0 and varlen_kernel() is not None
+
+
+def varlen_kernel_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Optional[torch.dtype]:
+    """The one dtype q, k and v go to the kernel in: autocast's where it is on for their device (it decides what
+    every matmul computes in, and the rotary embedding leaves q and k fp32 beside a bf16 v), else theirs where they
+    share a 16-bit one; None when that is no dtype flash attention takes (fp32 without autocast: the loop instead)."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    elif query.dtype == key.dtype == value.dtype:
+        dtype = query.dtype
+    else:
+        return None
+    return dtype if dtype in KERNEL_DTYPES else None
 
 
 def varlen_kernel_attention(
@@ -133,8 +153,10 @@ def varlen_sdpa_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     dropout = dropout if module.training else 0.0
-    if use_varlen_kernel(query, dropout):
-        return varlen_kernel_attention(query, key, value, position_ids, bounds, scaling), None
+    kernel_dtype = varlen_kernel_dtype(query, key, value) if use_varlen_kernel(query, dropout) else None
+    if kernel_dtype is not None:
+        q, k, v = (t.to(kernel_dtype) for t in (query, key, value))  # a no-op where they have it already
+        return varlen_kernel_attention(q, k, v, position_ids, bounds, scaling), None
     # Split along the sequence axis of the [1, T, H, D] layout the projections produced: every piece is a view, and
     # the backward of a split is one concatenation (slicing would zero-fill a full-size gradient per sequence).
     sizes = [e - s for s, e in bounds]

@@ -45,6 +45,7 @@ import torch
 
 from open_instruct.batch_math import generation_sequences_per_call
 from open_instruct.distributed import full_params
+from open_instruct.errors import NonFiniteError
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed_precision -> HF generation's weight dtype
 
@@ -279,11 +280,30 @@ class _OwnSampler:
 
     def __init__(self, generator: Optional[torch.Generator]) -> None:
         self.generator = generator
+        self.invalid: Optional[torch.Tensor] = None  # [rows], on the logits' device: a step had no distribution
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)  # what HF's own sampling step draws from
+        # On a CUDA tensor multinomial turns a NaN, inf or negative probability into a device-side assert, which
+        # leaves the process's CUDA context unusable. Such rows are noted on the device (no host sync per token),
+        # drawn from a placeholder (uniform) instead, and `raise_if_invalid` reports them after the generate call.
+        invalid = ~(torch.isfinite(probs) & (probs >= 0)).all(dim=-1)
+        self.invalid = invalid if self.invalid is None else self.invalid | invalid
+        probs = probs.masked_fill(invalid[:, None], 1.0)
         chosen = torch.multinomial(probs, num_samples=1, generator=self.generator)
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+
+    def raise_if_invalid(self) -> None:
+        """After a generate call (one host sync for the whole call): a clear error when any step of any row had NaN,
+        inf or negative probabilities; the samples drawn from the placeholder are never returned."""
+        invalid, self.invalid = self.invalid, None
+        if invalid is not None and bool(invalid.any()):
+            rows = invalid.nonzero().flatten().tolist()
+            raise NonFiniteError(
+                f"generation: the next-token probabilities of {len(rows)} of {len(invalid)} sequences in one generate "
+                f"call (rows {rows[:8]}) held NaN, inf or negative values, so no token could be sampled: the "
+                "policy's logits are not finite (diverged weights, or an fp16 overflow)"
+            )
 
 
 class _StopOnStrings:
@@ -490,6 +510,8 @@ class HFGenerator:
             logits_processor=LogitsProcessorList([*self._warpers(config), recorder, *sampler]),
             **extra,
         )
+        for own_sampler in sampler:
+            own_sampler.raise_if_invalid()
         return out[:, width:].tolist(), recorder.per_token(out).tolist()
 
     @torch.no_grad()

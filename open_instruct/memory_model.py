@@ -20,6 +20,9 @@ from typing import Any, Optional
 GB = 1e9
 LOGPROB_CHUNK_TOKENS = 2048  # models.LOGPROB_CHUNK_TOKENS (tests/test_plan_memory.py holds them equal)
 CUDA_CONTEXT_BYTES = 1.0 * GB  # CUDA context, cuBLAS/NCCL workspaces: outside torch's allocator, always there
+# RL with vllm_server: rank 0 sends the weights to the engines through vLLM's packed NCCL producer, two 1 GiB buffers
+# (double-buffered packing); the caching allocator keeps them reserved between syncs.
+WEIGHT_BROADCAST_BUFFER_BYTES = 2 * 2**30
 # The caching allocator's reserved memory runs above what tensors hold (blocks split and rounded, a growing KV cache's
 # freed blocks): a margin on everything torch allocates, not a measured constant.
 FRAGMENTATION_MARGIN = 0.05
@@ -172,6 +175,7 @@ class MemoryLayout:
     generation_tokens: int = 0  # RL hf: prompt + response tokens of each
     engine_fraction: float = 0.0  # RL colocated vllm: share of the GPU the engine reserves
     generation_prompt_tokens: int = 0  # RL hf: the longest prompt (the prefill's width)
+    weight_broadcast_bytes: float = 0.0  # RL vllm_server: rank 0's buffers for sending weights to the engines
 
     @property
     def fp32_residual(self) -> bool:
@@ -191,15 +195,17 @@ def trained_model_bytes(shape: ModelShape, lay: MemoryLayout) -> dict[str, float
     return {"parameters (fp32)": 4 * shard, "gradients (fp32)": 4 * shard, "AdamW moments (fp32)": 8 * shard}
 
 
-def working_weights_bytes(shape: ModelShape, lay: MemoryLayout) -> float:
+def working_weights_bytes(shape: ModelShape, lay: MemoryLayout, backward: bool = True) -> float:
     """Compute-dtype weights alive while a micro-batch runs. FSDP2: the unit computing and the one prefetched, both
-    gathered in the compute dtype, plus, in backward, the largest unit's unsharded gradient (compute dtype) and its
-    fp32 copy for the reduce-scatter. One process without FSDP under autocast: the compute-dtype copy of every
-    matmul's weight (not the embedding table, which is looked up, unless tied to the output layer), which autocast's
-    cache keeps until the forward returns and autograd keeps for the backward (none in fp32)."""
+    gathered in the compute dtype, plus, in a backward (`backward`; a no-grad forward has none), the largest unit's
+    unsharded gradient (compute dtype) and its fp32 copy for the reduce-scatter. One process without FSDP under
+    autocast: the compute-dtype copy of every matmul's weight (not the embedding table, which is looked up, unless
+    tied to the output layer), which autocast's cache keeps until the forward returns and autograd keeps for the
+    backward (none in fp32)."""
     b = lay.compute_bytes
     if lay.fsdp:
-        return 2 * b * (shape.largest_unit_params + shape.layer_params) + (b + 4) * shape.largest_unit_params
+        gradient = (b + 4) * shape.largest_unit_params if backward else 0
+        return 2 * b * (shape.largest_unit_params + shape.layer_params) + gradient
     if b == 4:
         return 0.0
     return b * (shape.params - (0 if shape.tied else shape.vocab * shape.hidden))
@@ -279,12 +285,13 @@ def predict_peak(
     value: Optional[ModelShape] = None,
     frozen: tuple[tuple[str, ModelShape], ...] = (),
     trains_lm_head: bool = True,
+    on_gpu: bool = True,
 ) -> dict[str, Any]:
     """Peak bytes per GPU: {"resident": {component: bytes}, "phases": {phase: {component: bytes}}, "peak_phase",
     "margin", "total", "gpu_memory_gb", "fits"}. `value`: a second trained model (PPO's value model, trained in the
     same backward; a scalar head, no output layer); `frozen`: (name, shape) of no-grad models held in the compute
     dtype (reference, reward); `trains_lm_head`: False for a scalar-head model (reward model), which has no
-    vocabulary logits."""
+    vocabulary logits; `on_gpu`: False for a run on the CPU (no CUDA context, host memory judged)."""
     if not trains_lm_head:
         policy = policy.without_output_layer()
     value = value.without_output_layer() if value is not None else None
@@ -296,7 +303,10 @@ def predict_peak(
     shard = lay.world if lay.fsdp else 1
     for name, shape in frozen:
         resident[f"{name} (frozen, compute dtype)"] = lay.compute_bytes * shape.params / shard
-    resident["CUDA context and workspaces"] = CUDA_CONTEXT_BYTES
+    context = CUDA_CONTEXT_BYTES if on_gpu else 0.0
+    resident["CUDA context and workspaces"] = context
+    if lay.weight_broadcast_bytes:
+        resident["vLLM weight-broadcast buffers (rank 0)"] = lay.weight_broadcast_bytes
     if lay.engine_fraction:
         resident["colocated vLLM engine (gpu_memory_utilization)"] = lay.engine_fraction * gpu_memory_gb * GB
 
@@ -326,7 +336,7 @@ def predict_peak(
     intermediates = lay.score_tokens * largest.forward_bytes_per_token(lay.compute_bytes, lay.fp32_residual)
     scoring_head = logprob_head_bytes(policy, lay.score_tokens, lay, training=False) if trains_lm_head else 0.0
     scoring = {
-        "gathered weights": working_weights_bytes(largest, lay),
+        "gathered weights": working_weights_bytes(largest, lay, backward=False),
         "one layer's intermediates or the log-prob head (chunk)": max(intermediates, scoring_head),
     }
     phases = {"training micro-batch": training, "no-grad forward": scoring}
@@ -343,7 +353,7 @@ def predict_peak(
         }
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
-    allocated = sum(resident.values()) - CUDA_CONTEXT_BYTES + totals[peak_phase]
+    allocated = sum(resident.values()) - context + totals[peak_phase]
     margin = FRAGMENTATION_MARGIN * allocated
     total = sum(resident.values()) + totals[peak_phase] + margin
     return {
@@ -354,12 +364,14 @@ def predict_peak(
         "total": total,
         "gpu_memory_gb": gpu_memory_gb,
         "fits": total <= gpu_memory_gb * GB,
+        "on_gpu": on_gpu,
     }
 
 
 def memory_lines(m: dict[str, Any]) -> list[str]:
     """The prediction as the plan prints it (and names in a refusal): every component in GB."""
-    lines = [f"Memory per GPU (predicted peak; docs/gpu.md): {m['total'] / GB:.1f} GB of {m['gpu_memory_gb']:g} GB"]
+    per = "GPU" if m.get("on_gpu", True) else "process (host memory)"
+    lines = [f"Memory per {per} (predicted peak; docs/gpu.md): {m['total'] / GB:.1f} GB of {m['gpu_memory_gb']:g} GB"]
     for name, size in m["resident"].items():
         if size:
             lines.append(f"  {name:<52} {size / GB:8.2f} GB")

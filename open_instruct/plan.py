@@ -29,7 +29,7 @@ from open_instruct.batch_math import BatchPlan, count_eval_points, count_multipl
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
 from open_instruct.gpu_stats import PEAK_BF16_FLOPS
-from open_instruct.memory_model import MemoryLayout, memory_lines, predict_peak, shape_of
+from open_instruct.memory_model import WEIGHT_BROADCAST_BUFFER_BYTES, MemoryLayout, memory_lines, predict_peak, shape_of
 from open_instruct.mixture import mixture_summary, parse_mixer_list
 from open_instruct.preflight import DATASET_EXTENSIONS, looks_local
 
@@ -1054,6 +1054,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         sequences, tokens = generation_sequences_per_call(cfg, length), length
     elif isinstance(cfg, RLVRConfig) and cfg.generation_backend == "vllm":
         engine = cfg.vllm_gpu_memory_utilization
+    broadcast = isinstance(cfg, RLVRConfig) and cfg.generation_backend == "vllm_server"
     return MemoryLayout(
         world=world,
         fsdp=bool(a.fsdp) or world > 1,
@@ -1068,6 +1069,7 @@ def memory_layout(cfg: BaseConfig, world: int, a: TimeAssumptions) -> MemoryLayo
         generation_tokens=tokens,
         engine_fraction=engine,
         generation_prompt_tokens=cfg.max_prompt_length if sequences else 0,
+        weight_broadcast_bytes=WEIGHT_BROADCAST_BUFFER_BYTES if broadcast else 0.0,
     )
 
 
@@ -1087,7 +1089,13 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
             frozen.append(("reward model", (shape_of(cfg.reward_model_path) or policy).without_output_layer()))
     memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb
     m = predict_peak(
-        memory_layout(cfg, world, a), policy, memory, value, tuple(frozen), trains_lm_head=cfg.script != "reward_model"
+        memory_layout(cfg, world, a),
+        policy,
+        memory,
+        value,
+        tuple(frozen),
+        trains_lm_head=cfg.script != "reward_model",
+        on_gpu=a.gpu != "cpu",
     )
     m["shape_source"] = policy.source
     return m

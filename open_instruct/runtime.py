@@ -14,6 +14,9 @@ from open_instruct.errors import EXIT_CONFIG, EXIT_NONFINITE, ConfigError, DataE
 from open_instruct.gpu_stats import TRAINING_TOKENS_KEYS, StepGPUStats
 
 C = TypeVar("C", bound=BaseConfig)
+# "exit": SIGTERM ends the process at once, with no checkpoint (bench/gpu_check.py sets it: its SIGTERM is a step's
+# time limit, and a checkpoint in the kill's grace would write GBs for nothing). Unset: a preemption notice.
+SIGTERM_ENV = "OPEN_INSTRUCT_ON_SIGTERM"
 
 
 def world_size_from_env() -> int:
@@ -240,6 +243,8 @@ class Preemption:
 
     def __init__(self) -> None:
         self.requested = False
+        if os.environ.get(SIGTERM_ENV) == "exit":
+            return  # SIGTERM keeps its default action: the process ends where it is
         try:
             signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not in the main thread (e.g. under some test runners)
@@ -272,7 +277,8 @@ _preemption: Optional[Preemption] = None
 def preemption() -> Preemption:
     """This process's SIGTERM handler (installed on first use)."""
     global _preemption
-    if _preemption is None or signal.getsignal(signal.SIGTERM) != _preemption._handle:
+    handled = os.environ.get(SIGTERM_ENV) != "exit"
+    if _preemption is None or (handled and signal.getsignal(signal.SIGTERM) != _preemption._handle):
         _preemption = Preemption()
     return _preemption
 

@@ -10,9 +10,10 @@
 # Environment: _launch.sh's (NUM_PROCESSES, default 7; PYTHON; DRY_RUN; ACCELERATE_CONFIG), plus
 #   GPUS_PER_NODE   GPUs on this node (8): training processes + engines x TP must fit on it
 # The recipe's batch sizes are per process, so another NUM_PROCESSES changes the batch per step (the plan shows it).
-# Engines running elsewhere: pass --vllm_server_urls http://HOST:PORT ... (then all 8 GPUs can train, e.g.
-#   NUM_PROCESSES=8 bash scripts/rlvr_8b.sh --vllm_server_urls http://gen:8000 --local_rollout_batch_size 28
-#   --gradient_accumulation_steps 28 keeps 224 per step).
+# Engines running elsewhere: pass --vllm_server_urls http://HOST:PORT ...; then all 8 GPUs can train, 28 prompts and
+# 28 accumulated micro-batches per process keeping 224 per step (tests/test_published_layouts.py plans this line):
+#   NUM_PROCESSES=8 bash scripts/rlvr_8b.sh --vllm_server_urls http://gen:8000 --local_rollout_batch_size 28 \
+#     --gradient_accumulation_steps 28
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 if [[ "${NUM_MACHINES:-1}" != 1 ]]; then

@@ -3,6 +3,8 @@ the same outputs and gradients as transformers' sdpa with its block-diagonal mas
 through sdpa unchanged."""
 
 import functools
+import math
+import os
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from tolerances import backward_atol, forward_atol
 
 from open_instruct import data
 from open_instruct.models import load_causal_lm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
 
@@ -98,6 +102,7 @@ def test_one_varlen_kernel_call_equals_the_per_sequence_loop(tiny_models, monkey
     for name, on in (("loop", False), ("kernel", True)):
         model.zero_grad(set_to_none=True)
         monkeypatch.setattr(attention, "use_varlen_kernel", lambda query, dropout: on)
+        monkeypatch.setattr(attention, "varlen_kernel_dtype", lambda query, key, value: query.dtype)  # fp32 here
         monkeypatch.setattr(attention, "varlen_kernel", lambda: counted)
         logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
         logits.square().mean().backward()
@@ -108,3 +113,81 @@ def test_one_varlen_kernel_call_equals_the_per_sequence_loop(tiny_models, monkey
     grad_bound = backward_atol(model, width, width, list(out["loop"][1].values()))
     for n, g in out["loop"][1].items():
         assert (g - out["kernel"][1][n]).abs().max().item() <= grad_bound, n
+
+
+def torch_2_11_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                           window_size=(-1, -1)):  # fmt: skip
+    """torch 2.11's `varlen_attn` signature, refusing what flash attention refuses on a GPU: a dtype other than
+    fp16/bf16, q, k and v in different dtypes, offsets other than int32, a last dimension that is not contiguous.
+    It has no autocast rule (neither has the real one): it computes in the dtype it is given."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"FlashAttention only supports fp16 and bf16: {name} is {t.dtype}")
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"FlashAttention needs a contiguous last dimension: {name}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(f"FlashAttention needs one dtype: q {query.dtype}, k {key.dtype}, v {value.dtype}")
+    if cu_seq_q.dtype != torch.int32 or cu_seq_k.dtype != torch.int32:
+        raise RuntimeError(f"cu_seqlens must be int32: {cu_seq_q.dtype}, {cu_seq_k.dtype}")
+    gqa = query.shape[1] != key.shape[1]
+    out = _per_sequence_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0),
+                               scale, gqa)  # fmt: skip
+    assert out.dtype == query.dtype
+    return out
+
+
+# (policy weights' dtype, mixed_precision): what the attention function is handed in each precision setting
+PRECISION_SETTINGS = {
+    "bf16_weights": (torch.bfloat16, "no"),  # FSDP2's mixed precision: every parameter computed in bf16
+    "bf16_weights_autocast": (torch.bfloat16, "bf16"),
+    "fp32_weights_autocast": (torch.float32, "bf16"),  # one process or DDP under bf16: q, k fp32 beside a bf16 v
+    "fp32": (torch.float32, "no"),  # flash attention refuses fp32: the per-sequence loop
+}
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("setting", list(PRECISION_SETTINGS))
+def test_sft_runs_with_a_flash_like_varlen_kernel_in_every_precision_setting(tiny_models, tmp_path, monkeypatch,
+                                                                             setting, packed):  # fmt: skip
+    """The real sft.py with torch 2.11's varlen_attn replaced by a stand-in that enforces flash attention's checks,
+    and the kernel's device condition widened to this CPU: every precision setting trains with finite losses; a
+    packed row reaches the kernel in bf16 (q, k and v alike) where the setting computes in bf16, and the loop in
+    fp32; a padded batch never reaches it."""
+    from accelerate.state import AcceleratorState
+    from training_helpers import read_metrics
+
+    from demo.synthetic import sft_rows, write_jsonl
+    from open_instruct import attention, models, sft
+
+    weights_dtype, precision = PRECISION_SETTINGS[setting]
+    calls = []
+
+    @functools.wraps(torch_2_11_varlen_attn)  # its signature is what attention.py reads
+    def kernel(*args, **kwargs):
+        calls.append(tuple(t.dtype for t in args[:3]))
+        return torch_2_11_varlen_attn(*args, **kwargs)
+
+    load_policy = models.load_policy
+    monkeypatch.setattr(models, "load_policy", lambda cfg: load_policy(cfg).to(weights_dtype))
+    monkeypatch.setattr(attention, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: kernel)
+    train = write_jsonl(str(tmp_path / "sft_train.jsonl"), sft_rows(16, 0))
+    out = tmp_path / "out"
+    args = [os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
+    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(out)]
+    args += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--logging_steps", "1"]
+    args += ["--eval_steps", "100", "--checkpointing_steps", "100", "--save_final_model", "false"]
+    args += ["--mixed_precision", precision, "--max_eval_samples", "4"]
+    if packed:
+        args += ["--max_tokens_per_micro_batch", "512"]
+    AcceleratorState._reset_state()
+    try:
+        sft.main(args)
+    finally:
+        AcceleratorState._reset_state()
+    losses = [r["train/loss"] for r in read_metrics(str(out)) if "train/loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+    if packed and setting != "fp32":
+        assert calls and set(calls) == {(torch.bfloat16,) * 3}, set(calls)
+    else:
+        assert calls == []

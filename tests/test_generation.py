@@ -1,6 +1,7 @@
 """The generator interface on the tiny local model: padding, stops, n samples, seeding, re-scoring."""
 
 import importlib.util
+import inspect
 import math
 
 import pytest
@@ -334,3 +335,50 @@ def test_bf16_run_generates_from_one_cast_copy_per_weight_version(lm, prompts):
     for p in whole.parameters():  # parameters only: buffers (the rotary frequencies) stay fp32, as in the copy
         p.data = p.data.to(torch.bfloat16)
     assert HFGenerator(whole, tokenizer, batch_size=4).generate(prompts, greedy).response_ids == first.response_ids
+
+
+def test_a_nan_distribution_is_a_clean_error_not_a_device_assert(lm, prompts, monkeypatch):
+    """One row's logits turn NaN at the third decoding step. On a GPU, multinomial over such a row is a device-side
+    assert that leaves the CUDA context unusable; here a multinomial that refuses it the same way stands in. The
+    sampler never hands it one, and the generate call ends with NonFiniteError naming the row; a clean call reads
+    the check off the device once per generate call, not once per token."""
+    from host_syncs import HostSyncCounter
+
+    from open_instruct import generation
+    from open_instruct.errors import NonFiniteError
+
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts[:2]]
+    cfg = GenerationConfig(max_new_tokens=6, temperature=1.0, n=2, seed=3)
+    real_multinomial = torch.multinomial
+
+    def cuda_like_multinomial(probs, *args, **kwargs):
+        if not bool(((probs >= 0) & torch.isfinite(probs)).all()):
+            raise AssertionError("device-side assert triggered: probability tensor contains inf, nan or element < 0")
+        return real_multinomial(probs, *args, **kwargs)
+
+    monkeypatch.setattr(generation.torch, "multinomial", cuda_like_multinomial)
+    steps = [0]
+
+    def nan_in_row_1(module, args, output):
+        steps[0] += 1
+        if steps[0] >= 3:
+            output[1, -1] = float("nan")
+        return output
+
+    hook = model.lm_head.register_forward_hook(nan_in_row_1)
+    try:
+        with pytest.raises(NonFiniteError, match=r"1 of 4 sequences .*rows \[1\]\).*NaN, inf or negative"):
+            HFGenerator(model, tokenizer, batch_size=4).generate(prompts, cfg)
+    finally:
+        hook.remove()
+    assert steps[0] == cfg.max_new_tokens  # generate ran to the end: nothing asserted on the way
+
+    source, first = inspect.getsourcelines(generation._OwnSampler)
+    sampler_lines = range(first, first + len(source))
+    with HostSyncCounter() as counter:
+        clean = HFGenerator(model, tokenizer, batch_size=2).generate(prompts, cfg)  # 2 generate calls of 2 rows
+    assert len(clean.response_ids) == 4
+    in_sampler = [e for e in counter.events if e[0].startswith(generation.__file__ + ":")
+                  and int(e[0].rsplit(":", 1)[1]) in sampler_lines]  # fmt: skip
+    assert len(in_sampler) == 2, in_sampler

@@ -2,6 +2,7 @@
 exits 2 naming every component, and the formulas equal what a real (tiny) model holds."""
 
 import os
+import re
 
 import pytest
 
@@ -240,3 +241,36 @@ def test_hf_generation_kv_cache_follows_the_generate_call_size(repo_root):
     for extra, sequences in [([], 131072 // tokens), (["--generation_micro_batch_size", "4"], 4)]:
         m = build_plan(recipe, hf + extra, 8, None)["memory"]
         assert m["phases"]["HF generation"]["KV cache"] == kv_cache_bytes(shape, sequences, tokens, 2)
+
+
+def _first_principles_totals() -> dict:
+    """The totals docs/memory-and-syncs.md sums by hand ("| first-principles total: NAME | | GB |")."""
+    with open(os.path.join(REPO, "docs", "memory-and-syncs.md")) as f:
+        return {m[0]: float(m[1]) for m in re.findall(r"\| first-principles total: (\w+) \| \| ([\d.]+) \|", f.read())}
+
+
+@pytest.mark.parametrize("name,world", [("rm_8b", 8), ("rlvr_8b", 7)])
+def test_rm_and_rlvr_8b_within_5_percent_of_the_sums_in_the_docs(repo_root, name, world):
+    """The reward model's no-grad forward holds no gradient buffers (it once counted 3.15 GB of them and became the
+    peak phase, 27.3 GB); rank 0's 2 GiB of vLLM weight-broadcast buffers are counted for a vllm_server RL run."""
+    expected = _first_principles_totals()[name]
+    m = build_plan(_recipe(repo_root, name), [], world, None)["memory"]
+    assert m["total"] / GB == pytest.approx(expected, rel=0.05), (name, m["total"] / GB, expected)
+    assert m["peak_phase"] == "training micro-batch"
+    if name == "rlvr_8b":
+        assert m["resident"]["vLLM weight-broadcast buffers (rank 0)"] == 2 * 2**30
+    else:  # the no-grad forward: two bf16 units gathered (the embedding's, with a norm's h, and a layer), no gradient
+        embedding_unit = 128256 * 4096 + 4096
+        assert m["phases"]["no-grad forward"]["gathered weights"] == 2 * 2 * (embedding_unit + 218_112_000)
+
+
+def test_a_cpu_dry_run_counts_no_cuda_context(repo_root, capsys):
+    """On the CPU (`--gpu cpu`, what a dry run on a machine without a GPU judges) there is no CUDA context to count."""
+    assert (
+        plan_main([_recipe(repo_root, "sft_8b"), "--num_processes", "8", "--gpu", "cpu", "--gpu_memory_gb", "1000"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "Memory per process" in out and "CUDA context" not in out
+    assert plan_main([_recipe(repo_root, "sft_8b"), "--num_processes", "8"]) == 0
+    assert "CUDA context and workspaces                              1.00 GB" in capsys.readouterr().out
