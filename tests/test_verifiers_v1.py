@@ -455,7 +455,8 @@ def test_an_earlier_api_file_is_answered_with_the_release_that_runs_it_or_the_po
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
          os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-         "--dataset_name_or_path", spec, "--environment", spec, "--output_dir", str(env_folder / "out")],
+         "--dataset_name_or_path", spec, "--environment", spec, "--output_dir", str(env_folder / "out"),
+         "--total_episodes", "8"],
         cwd=env_folder, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, str(env_folder)]), "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
