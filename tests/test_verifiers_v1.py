@@ -416,3 +416,64 @@ def test_a_tiny_grpo_run_trains_and_logs_the_rewards(env_folder, tiny_models, tu
         # a sampled special token it strips) a turn the trace forked at: masked, counted, not trained
         untrained = row.get("train/truncated_untrained_turns", 0.0)
         assert row["train/turns_per_episode"] * 8 + untrained == pytest.approx(8 * turns, abs=1e-9)
+
+
+EARLIER_API_ENV = """
+import verifiers as vf
+from datasets import Dataset
+
+
+def load_environment(num_examples: int = 4):
+    dataset = Dataset.from_list([{"question": "say yes", "answer": "yes"}] * num_examples)
+    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[lambda completion, answer, **kw: 1.0]))
+"""
+PORT_HINT = ("install verifiers==0.3.1 for this style, or port it to v1 "
+             "(docs/environments.md#porting-an-earlier-api-environment-to-v1)")  # fmt: skip
+
+
+def test_an_earlier_api_file_is_answered_with_the_release_that_runs_it_or_the_port(env_folder, tiny_models):
+    """An environment in the earlier style (load_environment + SingleTurnEnv) under 0.4: the start refuses it (exit 2,
+    before any model loads) naming verifiers==0.3.1 and the docs' porting section; so does one that touches the
+    earlier API's names at import (`from verifiers import SingleTurnEnv`)."""
+    import re
+    import subprocess
+    import sys
+
+    from open_instruct import verifiers_v1
+
+    (env_folder / "old_env.py").write_text(EARLIER_API_ENV)
+    (env_folder / "old_import_env.py").write_text("from verifiers import SingleTurnEnv\n" + EARLIER_API_ENV)
+    with pytest.raises(
+        ConfigError, match="old_env.py is an environment in verifiers' earlier API .*" + re.escape(PORT_HINT)
+    ):
+        verifiers_v1.load("verifiers:old_env.py")
+    with pytest.raises(
+        ConfigError, match="cannot import name 'SingleTurnEnv' from 'verifiers'.*" + re.escape(PORT_HINT)
+    ):
+        verifiers_v1.load("verifiers:old_import_env.py")
+    spec = "verifiers:old_env.py"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "open_instruct", "rlvr_ppo.py"),
+         os.path.join(REPO, "configs", "grpo_trl_defaults.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
+         "--dataset_name_or_path", spec, "--environment", spec, "--output_dir", str(env_folder / "out"),
+         "--total_episodes", "8"],
+        cwd=env_folder, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, str(env_folder)]), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert PORT_HINT in proc.stderr and "Loading checkpoint" not in proc.stderr
+
+
+def test_the_docs_v1_example_runs_as_shown(tmp_path, tiny_models):
+    """docs/environments.md shows docs/examples/add_env.py verbatim, and that file trains through the trainer on the
+    tiny model (2 rollouts of 8 episodes under the offline chat harness): the logged score is its reward's mean and
+    no sampled turn goes untrained."""
+    example = os.path.join(REPO, "docs", "examples", "add_env.py")
+    text = open(example).read()
+    assert text in open(os.path.join(REPO, "docs", "environments.md")).read()
+    train = train_environment(tmp_path, tiny_models["causal_lm"], f"verifiers:{example}?num_tasks=4", 8, {})
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    for row in train:
+        assert row["train/score_mean"] == pytest.approx(row["train/metric_correct"], abs=1e-9)  # weight 1
+        assert row["train/turns_per_episode"] == 1.0 and row.get("train/truncated_untrained_turns", 0.0) == 0.0
+        assert 0.0 <= row["train/metric_reply_chars"]
