@@ -1,8 +1,11 @@
 """The RL plumbing a forker of `rlvr_ppo.py` should not need to touch: where each rollout's prompts and completions
 come from (`RolloutSampler`, with the seeds that make a resumed run re-draw the same samples), the verifier call, the
 per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the held-out prompts, the samples.jsonl
-rows, and loading the prompts (checked before any model loads). With an environment each of these plays or scores
-multi-turn episodes (episodes.py) instead of single completions.
+rows, and loading the prompts (checked before any model loads); how episodes become micro-batch rows
+(`EpisodeLayout`, decided once per run) and the rollout's no-grad forwards in micro-batches (`no_grad_forwards`: the
+old and reference log-probs, LoRA's reference as the policy without its adapters, values, reward-model scores, the
+features' score_batch hooks). With an environment each of these plays or scores multi-turn episodes (episodes.py)
+instead of single completions.
 
 The phases of a rollout step and `main` stay in `rlvr_ppo.py`, the estimators and losses with their math in
 `rl_algorithms.py`.

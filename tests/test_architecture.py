@@ -159,7 +159,8 @@ PLAIN_RL_IMPORTS = {
 # what a reader follows (issue 42: at most 8). The algorithm: the script, rl_algorithms (estimators, losses, their
 # math, the mismatch statistics), rewards; the plumbing: rollouts (the sampler), generation (the contract and its hf
 # backend), models (forwards), data (micro-batches), distributed (the step's sums, over ranks; gradient sync; the
-# finite-update check). Settings are read as fields, never through config's derived properties.
+# finite-update check). Settings are read as fields, never through config's derived properties: what the step
+# derives from them (packing, the score's value column) is decided once in main (rollouts.episode_layout).
 PLAIN_RL_STEP = {
     "open_instruct.rlvr_ppo", "open_instruct.rl_algorithms", "open_instruct.rewards", "open_instruct.rollouts",
     "open_instruct.generation", "open_instruct.models", "open_instruct.data", "open_instruct.distributed",
