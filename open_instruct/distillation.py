@@ -321,18 +321,17 @@ def jsd_loss_term(
 
 def teacher_kl_sums(rollout: Any) -> dict[str, float]:
     """rollout_sums: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
-    KL(pi_student || pi_teacher) per token), and those tokens; zeros without the student's log-probs."""
-    teacher_logp = rollout.extra.get("teacher_logp")
-    if teacher_logp is None or rollout.old_logp is None:
+    KL(pi_student || pi_teacher) per token), and those tokens; zeros without the student's log-probs (on-policy)."""
+    if rollout.teacher_logp is None or rollout.on_policy:
         return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
-    gap = ((rollout.old_logp - teacher_logp) * rollout.mask).sum()
+    gap = ((rollout.old_logp - rollout.teacher_logp) * rollout.mask).sum()
     return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
 
 
 def metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: dict[str, float], updates: float, _: Any) -> dict:
     """metrics: log pi_student - log pi_teacher per sampled policy token (train/teacher_kl), and loss/jsd."""
     row = {}
-    if "teacher_logp" in rollout.extra:
+    if rollout.teacher_logp is not None:
         row["train/teacher_kl"] = sums["teacher_kl"] / max(sums["teacher_tokens"], 1.0)
     if cfg.distill_loss == "jsd":
         row["loss/jsd"] = train["jsd_loss"] / updates

@@ -735,7 +735,7 @@ def shared_prompt_groups(model: Any, batch: dict[str, torch.Tensor], group: int)
     )
     if group <= 1 or n % group or distributed or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return 1
-    # Compared on the host copy when the batch carries one (rlvr_ppo.device_batch): on the device, reading the
+    # Compared on the host copy when the batch carries one (rollouts.EpisodeLayout.batch): on the device, reading the
     # answer would make the host wait for the device once per micro-batch.
     ids = batch.get("host_input_ids", batch["input_ids"])
     prompts = ids[:, : width - batch["responses"].shape[1]].view(n // group, group, -1)

@@ -9,9 +9,10 @@ its registration above it:
     POLICY_LOSSES["cispo"]         -> PolicyLoss(takes_dual_clip=False, function=cispo)
 
 A function receives a small typed input, not the run's config: `AdvantageInputs` (the rollout's tensors and the few
-settings estimators read) or `LossInputs` (one micro-batch's log-probs, advantages, mask and clip settings), plus
-the entries of `algo_kwargs` it names as keyword parameters; a KL estimator gets (logp, ref_logp). The training
-script (`rlvr_ppo.py`) builds the inputs and calls the row's function; docs/extending.md is the user's side.
+settings estimators read) or `LossInputs` (one micro-batch's log-probs, advantages, mask, entropy, the reference's
+log-probs and the clip settings), plus the entries of `algo_kwargs` it names as keyword parameters; a KL estimator
+gets (logp, ref_logp). The training script (`rlvr_ppo.py`) builds the inputs and calls the row's function;
+docs/extending.md is the user's side.
 
 Torch is imported inside the functions that use it, not at the top: the config (accepted names, the checks that
 depend on the traits) and the planner read these tables before torch loads, and a bad config exits in a fraction
@@ -264,15 +265,24 @@ class Advantages:
 
 @dataclass
 class LossInputs:
-    """One micro-batch as a policy loss reads it: [b, R] tensors of the rows being trained."""
+    """One micro-batch as a policy loss reads it: [b, R] tensors of the rows being trained. Everything a loss term
+    over the rollout needs is here, so an entropy bonus or a length penalty is a policy loss of your own that adds
+    its term to a built-in's (docs/extending.md):
+
+        def entropy_bonus(x, coef=0.01):
+            loss, clipped = ppo(x)
+            return loss - coef * x.entropy, clipped"""
 
     logp: torch.Tensor  # the policy's log-probs of the sampled tokens, with gradient
     old_logp: torch.Tensor  # the sampling policy's (no gradient; on-policy: logp detached)
     advantages: torch.Tensor
-    mask: torch.Tensor  # the loss mask
+    mask: torch.Tensor  # the loss mask: 1 on the policy's tokens (padding, observations 0); mask.sum(1): lengths
     clip_low: float  # cliprange_low
     clip_high: float  # cliprange_high
     dual_clip_c: Optional[float] = None
+    # the policy's per-token entropy at the sampling temperature, with gradient (under distill_loss jsd: without)
+    entropy: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None  # the frozen reference's log-probs (None without one: beta 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

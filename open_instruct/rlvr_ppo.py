@@ -53,7 +53,6 @@ from open_instruct.config import RLVRConfig
 if __name__ == "__main__":  # the math below needs torch at import: check the config first, so a bad one exits 2 fast
     runtime.start_before_imports(RLVRConfig)
 
-import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -74,7 +73,7 @@ from open_instruct.distributed import (
     step_micro_batches,
 )
 from open_instruct.generation_backends import check_before_loading, make_checker, make_generator
-from open_instruct.models import TokenScores, load_tokenizer, response_scores, sequence_scores, token_values
+from open_instruct.models import TokenScores, load_tokenizer, response_scores, token_values
 from open_instruct.rewards import combine_rewards, reward_function_metrics, reward_function_sums
 from open_instruct.rl_algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -100,14 +99,22 @@ from open_instruct.rl_algorithms import (
     zero_std_groups,
 )
 from open_instruct.rollouts import (
+    EpisodeLayout,
     PhaseClock,
     RLModels,
     RolloutSampler,
+    call_timed,
+    clock_seconds,
     derived_seed,
     environment_run,
+    episode_layout,
+    episode_lengths,
     evaluate,
     load_models,
     load_prompts,
+    no_grad_forwards,
+    output_rows,
+    padded,
     sample_rows,
     score_rollout,
     start_judges,
@@ -122,9 +129,10 @@ from open_instruct.rollouts import (
 class Feature:
     """An optional feature's hooks into one rollout step (None: it does not act there). Hooks take the config first.
 
-    score_rollout  collect_rollout, once: (cfg, out, n, width) -> {name: [n, width] tensor} into Rollout.extra
-    score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {name: [b, r] tensor},
-                   masked into Rollout.extra (an estimator reads it through AdvantageInputs)
+    score_rollout  collect_rollout, once: (cfg, out, n, width) -> {Rollout field: [n, width] tensor}
+    score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {Rollout field: [b, r]
+                   tensor}, masked (the fields: Rollout's per-token tensors of the features, e.g. teacher_logp; an
+                   estimator reads them through AdvantageInputs)
     policy_forward micro_batch_loss: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state)
     loss_term      micro_batch_loss: (cfg, models, batch, mask, w, state from policy_forward) -> (term added to
                    the loss sum, {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
@@ -187,37 +195,6 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = No
     return features
 
 
-def call_timed(feature: Feature, hook: Callable[..., Any], *args: Any) -> Any:
-    """hook(*args), its seconds added to the feature's clock."""
-    t0 = time.perf_counter()
-    result = hook(*args)
-    feature.seconds += time.perf_counter() - t0
-    return result
-
-
-def feature_scores(cfg: RLVRConfig, features: Sequence[Feature], models: Any, batch: dict, loss_mask: Any) -> dict:
-    """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock), given the
-    batch's padding mask times its host `loss_mask` (policy tokens)."""
-    hooks = [f for f in features if f.score_batch is not None]
-    if not hooks:
-        return {}
-    mask = batch["mask"] * data.host_to_device(loss_mask, batch["mask"].device)
-    scores = {}
-    for f in hooks:
-        scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask))
-    return scores
-
-
-def clock_seconds(features: Sequence[Feature]) -> dict[str, float]:
-    """{clock: seconds} the features' clocked hooks took since the last call (their clocks reset to 0)."""
-    clocks: dict[str, float] = {}
-    for f in features:
-        if f.clock is not None:
-            clocks[f.clock] = clocks.get(f.clock, 0.0) + f.seconds
-        f.seconds = 0.0
-    return clocks
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The phases of one rollout step
 
@@ -235,14 +212,17 @@ class Rollout:
     verifier_timeouts: int
     scores: torch.Tensor  # [n] the sequence score: verifiers (+ reward model) (+ non-stop penalty)
     rm_scores: torch.Tensor  # [n] reward-model scores (0 without one)
-    mask: torch.Tensor  # [n, R] 1 on real response tokens
+    mask: torch.Tensor  # [n, R] the loss mask: 1 on the policy's real response tokens
     value_mask: torch.Tensor  # [n, R] where values are kept: mask, plus the score position after_last_token
     score_index: Optional[torch.Tensor]  # [n] where the score goes (after_last_token); None: the last real token
-    old_logp: Optional[torch.Tensor]  # the trainer's log-probs before the update; None on-policy (the update's forward)
+    # on-policy: the update's first forward runs on the weights that sampled, so it gives the old log-probs, and the
+    # rollout computes none (old_logp None); off-policy: old_logp holds the trainer's log-probs before the update
+    on_policy: bool
+    old_logp: Optional[torch.Tensor]
     sampler_logp: torch.Tensor  # [n, R] the generator's log-probs of what it sampled (vLLM/HF sampling kernels)
     ref_logp: Optional[torch.Tensor]  # the reference's; None without a reference
     old_values: Optional[torch.Tensor]  # the value model's (PPO)
-    kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None without old_logp or ref
+    kl: Optional[torch.Tensor]  # kl_estimator(sampling policy, reference) per token; None on-policy or without ref
     ref_scored: Optional[torch.Tensor] = None  # [n] bool: the rows ref_logp holds (None: every row)
     policy_lag: list[int] = field(default_factory=list)  # per completion: updates since the weights that sampled it
     # per completion, the version lag of each token the policy sampled (rollouts.token_version_lags)
@@ -254,15 +234,9 @@ class Rollout:
     # multi-turn (an environment): `mask` is the loss mask (policy tokens; observation tokens are 0 inside the
     # row), `played` the episodes (turns, tool calls, for the log row and samples)
     played: list = field(default_factory=list)
-    # the features' per-token tensors (Feature.score_rollout / score_batch): turn_rewards [n, R] (multi-turn: each
-    # turn's reward x verification_reward on its last policy token), teacher_logp [n, R] (distillation)
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def device_batch(host_batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
-    """A collate_episodes batch moved to `device`, keeping the host's input_ids (host_input_ids): whether rows share
-    their prompt (models.shared_prompt_groups) is then decided without a host sync."""
-    return {**data.to_device(host_batch, device), "host_input_ids": host_batch["input_ids"]}
+    # the features' per-token tensors (Feature.score_rollout / score_batch), None when no feature gives them:
+    turn_rewards: Optional[torch.Tensor] = None  # [n, R] multi-turn: each turn's reward x verification_reward
+    teacher_logp: Optional[torch.Tensor] = None  # [n, R] distillation: the teacher's log-probs of the sampled tokens
 
 
 def collect_rollout(
@@ -274,70 +248,23 @@ def collect_rollout(
     step: int,
     run: runtime.RunContext,
     on_policy: bool,
-    pad_id: int,
+    layout: EpisodeLayout,
     features: Optional[Sequence[Feature]] = None,
 ) -> Rollout:
-    """Score the completions `out` of `prompts` and compute the no-grad per-token log-probs of the sampling
-    policy (skipped on-policy) and of the reference (on-policy under filter_zero_std_groups without a reward model:
-    only for the rows the update will train on), the values and the reward-model scores, in micro-batches of
-    per_device_train_batch_size (or packed rows of max_tokens_per_micro_batch tokens); the features' score hooks
-    add their tensors (`features`: those of cfg when None)."""
-    accelerator, group = run.accelerator, cfg.num_samples_per_prompt
+    """Score the completions `out` of `prompts` (score_rollout, sequence_scores_of), then the per-token tensors of
+    the update (rollout_tensors: the no-grad forwards, the loss mask, the KL); `features`: those of cfg when None."""
     features = features_of(cfg) if features is None else features
     played, loss_masks, episodes = output_rows(out, prompts)
     t1 = time.perf_counter()
     scored = score_rollout(cfg, out, episodes, run.tokenizer)
     t2 = time.perf_counter()
+    ref_rows = reference_rows(cfg, models, on_policy, scored, out)  # None: every row
+    tensors = rollout_tensors(cfg, models, run.accelerator, out, episodes, loss_masks, on_policy, ref_rows, layout,
+                              features)  # fmt: skip
+    rm_scores = tensors.pop("rm_scores")
     # version lag of each sampled token: rollouts trained on since the weights that sampled it (0 when synchronous);
     # a completion's policy lag is its largest
     token_lags = token_version_lags(out, step)
-    extra = 1 if cfg.score_placement == "after_last_token" else 0  # a column for the value after the last token
-    n, width = len(episodes), max(len(r) for r in out.response_ids) + extra
-    mask, sampler_logp, loss_mask = torch.zeros(n, width), padded(out.logprobs, width), padded(loss_masks, width)
-    if cfg.mask_truncated_completions:  # TRL's: a completion cut at response_length gets no loss (its score counts)
-        loss_mask[~torch.tensor(out.stopped, dtype=torch.bool)] = 0.0
-    # Micro-batches of per_device_train_batch_size episodes, or packed rows of max_tokens_per_micro_batch tokens;
-    # under packing a rank with fewer runs dummies (a copy of its first, which writes the same rows again), so every
-    # rank makes as many forwards (FSDP forwards are collectives).
-    lengths = episode_lengths(episodes, out.response_ids)
-    groups = step_micro_batches(accelerator, list(range(n)), lengths, cfg)
-    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
-    batch_of = functools.partial(episode_batch, episodes, out.response_ids, pad_id, extra, packed, accelerator.device)
-    ref_rows = reference_rows(cfg, models, on_policy, scored, out)  # None: every row, in the loop below
-    # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
-    # host wait for each forward before it can queue the next).
-    device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
-    device_rm = torch.zeros(n, device=accelerator.device)
-    device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
-    with torch.no_grad():
-        if ref_rows is not None:
-            reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
-        for rows, _ in groups:
-            host_batch, batch, r = batch_of(rows)
-            at = data.host_to_device(torch.tensor(rows), accelerator.device)
-            with accelerator.autocast():
-                if not on_policy:
-                    device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
-                if models.reference is not None and ref_rows is None:
-                    device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group).logp
-                if models.value is not None:
-                    device_out[2][at, :r] = token_values(models.value, batch, group)
-                if models.reward is not None:
-                    device_rm[at] = sequence_scores(models.reward, batch, group)
-                for name, x in feature_scores(cfg, features, models, batch, loss_mask[rows, :r]).items():
-                    device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
-            mask[rows, :r] = host_batch["mask"] * loss_mask[rows, :r]  # observation tokens: context, never trained
-    old_logp, ref_logp, old_values = device_out.cpu()
-    rm_scores, has_ref = device_rm.cpu(), models.reference is not None
-    score_index, value_mask = after_last_token(mask, cfg.response_length) if extra else (None, mask)
-    old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
-    scores = sequence_scores_of(cfg, scored.rewards, out, rm_scores if models.reward is not None else None)
-    kl = None
-    if has_ref and not on_policy:  # ALGO LOGIC: the KL of the sampling policy to the reference
-        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator")) * mask
-    extras = {name: x.cpu() * mask for name, x in device_extra.items()}
-    for f in (f for f in features if f.score_rollout is not None):
-        extras.update(f.score_rollout(cfg, out, n, width))
     clocks = clock_seconds(features)
     return Rollout(
         episodes=episodes,
@@ -346,34 +273,55 @@ def collect_rollout(
         stopped=out.stopped,
         correct=list(scored.correct),
         verifier_timeouts=scored.num_timeouts,
-        scores=scores,
+        scores=sequence_scores_of(cfg, scored.rewards, out, rm_scores if models.reward is not None else None),
         rm_scores=rm_scores,
-        mask=mask,
-        value_mask=value_mask,
-        score_index=score_index,
-        old_logp=None if on_policy else old_logp,
-        sampler_logp=sampler_logp * mask,
-        ref_logp=ref_logp if has_ref else None,
-        ref_scored=None if ref_rows is None else torch.isin(torch.arange(n), torch.tensor(ref_rows, dtype=torch.long)),
-        old_values=old_values if models.value is not None else None,
-        kl=kl,
+        on_policy=on_policy,
         policy_lag=[max(t, default=0) for t in token_lags],
         token_lags=token_lags,
         seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2 - sum(clocks.values()), **clocks},
         code_statuses=scored.code_statuses or {},
         reward_function_values=scored.function_values or {},
         played=played,
-        extra=extras,
+        **tensors,
     )
 
 
-def episode_batch(episodes: list[dict], response_ids: list[list[int]], pad_id: int, extra: int, packed: bool,
-                  device: Any, rows: list) -> tuple[dict, dict, int]:  # fmt: skip
-    """The micro-batch of `rows` (collate_episodes): its host and device batches and its response width."""
-    prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [response_ids[j] for j in rows]
-    host_batch = data.collate_episodes(prompts_mb, responses_mb, pad_id, extra, packed)
-    batch = device_batch(host_batch, device)
-    return host_batch, batch, batch["responses"].shape[1]
+def rollout_tensors(cfg: RLVRConfig, models: RLModels, accelerator: Any, out: Any, episodes: list[dict],
+                    loss_masks: list[list[int]], on_policy: bool, ref_rows: Optional[list[int]], layout: EpisodeLayout,
+                    features: Sequence[Feature]) -> dict[str, Any]:  # fmt: skip
+    """The rollout's per-token tensors, response-aligned [n, R] (R: the longest response, + 1 under after_last_token)
+    and 0 off the loss mask: the loss mask (policy tokens; under mask_truncated_completions none of a completion cut
+    at response_length), the no-grad forwards' log-probs, values and reward-model scores (no_grad_forwards), the KL of
+    the sampling policy to the reference (off-policy) and the features' tensors."""
+    n, width = len(episodes), max(len(r) for r in out.response_ids) + layout.value_column
+    mask = padded(loss_masks, width)  # multi-turn: observation tokens are context, never trained
+    if cfg.mask_truncated_completions:  # TRL's: a completion cut at response_length gets no loss (its score counts)
+        mask[~torch.tensor(out.stopped, dtype=torch.bool)] = 0.0
+    lengths = episode_lengths(episodes, out.response_ids)
+    forwards = no_grad_forwards(cfg, models, accelerator, episodes, out.response_ids, lengths, mask, on_policy,
+                                ref_rows, layout, features)  # fmt: skip
+    (old_logp, ref_logp, old_values), rm_scores = forwards.pop("logp_values"), forwards.pop("rm_scores")
+    score_index, value_mask = after_last_token(mask, cfg.response_length) if layout.value_column else (None, mask)
+    old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
+    kl, has_ref, rows = None, models.reference is not None, torch.arange(n)
+    if has_ref and not on_policy:  # ALGO LOGIC: the KL of the sampling policy to the reference
+        kl = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator")) * mask
+    tensors = {name: x * mask for name, x in forwards.items()}  # the features' score_batch tensors
+    for f in (f for f in features if f.score_rollout is not None):
+        tensors.update(f.score_rollout(cfg, out, n, width))
+    return {
+        **tensors,
+        "rm_scores": rm_scores,
+        "mask": mask,
+        "value_mask": value_mask,
+        "score_index": score_index,
+        "old_logp": None if on_policy else old_logp,
+        "sampler_logp": padded(out.logprobs, width) * mask,
+        "ref_logp": ref_logp if has_ref else None,
+        "ref_scored": None if ref_rows is None else torch.isin(rows, torch.tensor(ref_rows, dtype=torch.long)),
+        "old_values": old_values if models.value is not None else None,
+        "kl": kl,
+    }
 
 
 def reference_rows(cfg: RLVRConfig, models: RLModels, on_policy: bool, scored: Any, out: Any) -> Optional[list[int]]:
@@ -384,30 +332,6 @@ def reference_rows(cfg: RLVRConfig, models: RLModels, on_policy: bool, scored: A
         return None
     flat = zero_std_groups(sequence_scores_of(cfg, scored.rewards, out, None), cfg.num_samples_per_prompt)
     return [j for j in range(len(flat)) if not flat[j]]
-
-
-def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels, accelerator: Any, rows: list[int],
-                           lengths: list[int], batch_of: Callable[[list], tuple]) -> None:  # fmt: skip
-    """The reference's log-probs of `rows` written into their rows of `into`; a rank left with fewer micro-batches
-    runs dummies up to the most (FSDP forwards are collectives)."""
-    for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
-        _, batch, r = batch_of(mb)
-        with accelerator.autocast():
-            logp = reference_scores(models, batch, cfg.temperature, cfg.num_samples_per_prompt).logp
-        if real:
-            into[data.host_to_device(torch.tensor(mb), accelerator.device), :r] = logp
-
-
-def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
-    """A generator output's played episodes (multi-turn: episodes.EpisodeOutput; else none), each
-    completion's loss mask (all 1 for a single-turn completion) and its prompt row (multi-turn: with the prompt as
-    its environment rendered it)."""
-    played = list(getattr(out, "episodes", None) or [])
-    loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
-    episodes = [prompts[i] for i in out.prompt_index]
-    if played:
-        episodes = [{**row, "prompt_ids": e.prompt_ids} for row, e in zip(episodes, played)]
-    return played, loss_masks, episodes
 
 
 def sequence_scores_of(
@@ -430,19 +354,6 @@ def sequence_scores_of(
             lengths, cfg.response_length, cfg.overlong_buffer_length, cfg.overlong_penalty_factor
         )
     return scores
-
-
-def padded(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
-    """Per-token values of each row, right-padded with `fill` to `width`, as [len(rows), width] float32."""
-    out = torch.full((len(rows), width), fill)
-    for i, values in enumerate(rows):
-        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
-    return out
-
-
-def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:
-    """Tokens of each episode (prompt + response): what it takes in a packed row."""
-    return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
 
 
 # ALGO LOGIC: the advantages and the policy loss of the variants the config names: their rows' functions
@@ -475,17 +386,24 @@ def advantage_inputs(cfg: RLVRConfig, rollout: Rollout, accelerator: Any) -> Adv
         values=rollout.old_values,
         value_mask=rollout.value_mask,
         score_index=rollout.score_index,
-        turn_rewards=rollout.extra.get("turn_rewards"),
-        teacher_logp=rollout.extra.get("teacher_logp"),
+        turn_rewards=rollout.turn_rewards,
+        teacher_logp=rollout.teacher_logp,
         sum_over_ranks=lambda sums: global_sums(accelerator, sums),
     )
 
 
 def token_policy_loss(
-    cfg: RLVRConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    cfg: RLVRConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token policy loss and clip indicator of cfg.policy_loss: its row's function on the LossInputs."""
-    x = LossInputs(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c)
+    x = LossInputs(logp, old_logp, advantages, mask, cfg.cliprange_low, cfg.cliprange_high, cfg.dual_clip_c, entropy,
+                   ref_logp)  # fmt: skip
     return POLICY_LOSSES[cfg.policy_loss].function(x, **chosen_kwargs(cfg, "policy_loss"))
 
 
@@ -502,7 +420,7 @@ def micro_batch_loss(
     rollout: Rollout,
     adv: Advantages,
     rows: list[int],
-    pad_id: int,
+    layout: EpisodeLayout,
     device: Any,
     autocast: Callable[[], Any],
     features: Optional[Sequence[Feature]] = None,
@@ -515,9 +433,7 @@ def micro_batch_loss(
     w: aggregation_weights of the rows the update keeps; tis_t: truncated_is_weights (1 when off); keep_t:
     off_policy_mask (1 when no mask is set); plus the features' loss terms (`features`: those of cfg when None)."""
     features = features_of(cfg) if features is None else features
-    extra = 1 if cfg.score_placement == "after_last_token" else 0
-    packed = bool(cfg.max_tokens_per_micro_batch)  # padding-free rows (config.packing)
-    _, batch, r = episode_batch(rollout.episodes, rollout.response_ids, pad_id, extra, packed, device, rows)
+    _, batch, r = layout.batch(rollout.episodes, rollout.response_ids, rows, device)
 
     def take(x: torch.Tensor) -> torch.Tensor:  # this micro-batch's slice of a rollout tensor
         return data.host_to_device(x[rows, :r], device)
@@ -535,8 +451,9 @@ def micro_batch_loss(
             scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
             state = None
         logp = scores.logp
-        old_logp = logp.detach() if rollout.old_logp is None else take(rollout.old_logp)  # on-policy: they sampled
-        pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask)
+        old_logp = logp.detach() if rollout.on_policy else take(rollout.old_logp)  # on-policy: these weights sampled
+        ref_logp = take(rollout.ref_logp) if rollout.ref_logp is not None else None
+        pg, pg_clipped = token_policy_loss(cfg, logp, old_logp, take(adv.advantages), mask, scores.entropy, ref_logp)
         if cfg.truncated_importance_sampling:
             pg = pg * truncated_is_weights(old_logp, take(rollout.sampler_logp), cfg.tis_cap)
         lags = (
@@ -550,7 +467,7 @@ def micro_batch_loss(
         pg = pg * pg_kept
         loss_sum = masked_sum(pg, w)
         if adv.kl_loss_coef > 0:
-            kl = kl_penalty(logp, take(rollout.ref_logp), cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator"))
+            kl = kl_penalty(logp, ref_logp, cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator"))
             loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, w)
         if models.value is not None:
             values = token_values(models.value, batch, cfg.num_samples_per_prompt)
@@ -604,7 +521,7 @@ def update(
     adv: Advantages,
     plan: Any,
     run: runtime.RunContext,
-    pad_id: int,
+    layout: EpisodeLayout,
     features: Optional[Sequence[Feature]] = None,
 ) -> dict[str, float]:
     """num_epochs passes over the rollout, each num_mini_batches optimizer steps on a shuffled order of whole groups
@@ -649,7 +566,7 @@ def update(
             for i, (rows, real) in enumerate(micro_rows):
                 with grad_sync_all(accelerator, models.trained().values(), sync=i == len(micro_rows) - 1):
                     loss_sum, stats = micro_batch_loss(
-                        cfg, models, rollout, adv, rows, pad_id, accelerator.device, accelerator.autocast, features
+                        cfg, models, rollout, adv, rows, layout, accelerator.device, accelerator.autocast, features
                     )
                     # sum(w * loss) / U over the global mini-batch; DDP/FSDP average gradients, hence x world. A dummy
                     # micro-batch (packing: this rank has fewer than another) counts 0.
@@ -758,6 +675,8 @@ def log_row(
             print(f"warning: rollout {run.counters.rollout_step}: {line}", flush=True)
     if cfg.is_mask_low is not None or cfg.is_mask_high is not None or cfg.max_sequence_lag is not None:
         row["train/masked_token_fraction"] = ep["masked_tokens"] / max(ep["tokens"], 1.0)
+    if cfg.filter_zero_std_groups or ep["dropped"]:  # rows the estimator dropped from the update (Advantages.keep)
+        row["train/filtered_fraction"] = ep["dropped"] / n
     if cfg.filter_zero_std_groups:  # groups whose completions all scored the same, dropped from the update
         row["train/filtered_groups_fraction"] = ep["dropped"] / n
         row["train/empty_updates"] = train["empty"]
@@ -781,16 +700,6 @@ def log_row(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Set-up (plumbing: rollouts.py, generation_backends.py) and the loop
-
-
-def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
-    """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
-    if models.reference is not models.policy:
-        return response_scores(models.reference, batch, temperature, group)
-    from open_instruct.lora import adapter_disabled
-
-    with adapter_disabled(models.reference):
-        return response_scores(models.reference, batch, temperature, group)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -820,6 +729,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # log-probs, no separate pass (unless the KL to the reference must go into the rewards before the update).
     on_policy = cfg.num_epochs == 1 and plan.num_mini_batches == 1 and not (cfg.kl_in_reward and cfg.beta > 0)
     on_policy = on_policy and not cfg.uses_teacher  # distill: the advantages need log pi_student before the update
+    layout = episode_layout(cfg, tokenizer.pad_token_id)  # padded or packed rows, the score's value column
 
     def prompts_for(step: int) -> list[dict]:  # a slice of the global prompt order, by position (world-size free)
         global_idx = stream.take(step * plan.rollout_batch_size, plan.rollout_batch_size)
@@ -847,14 +757,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     while counters.rollout_step < plan.num_training_steps:  # one rollout step: sample, score, advantages, update
         prompts, out, seconds, sync_bytes = sampler.take(counters.rollout_step)
         rollout = collect_rollout(
-            cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, tokenizer.pad_token_id, features
+            cfg, models, prompts, out, seconds, counters.rollout_step, run, on_policy, layout, features
         )
         t0 = time.perf_counter()
         advantages = compute_advantages(cfg, rollout, accelerator)
         t1 = time.perf_counter()
-        train_stats = update(
-            cfg, models, optimizers, schedulers, rollout, advantages, plan, run, tokenizer.pad_token_id, features
-        )
+        train_stats = update(cfg, models, optimizers, schedulers, rollout, advantages, plan, run, layout, features)
         rollout.seconds["inference"] += t1 - t0
         clocks = clock_seconds(features)  # the features' own time in the update (e.g. the teacher's forwards)
         rollout.seconds["training"] = time.perf_counter() - t1 - sum(clocks.values())

@@ -1,8 +1,11 @@
 """The RL plumbing a forker of `rlvr_ppo.py` should not need to touch: where each rollout's prompts and completions
 come from (`RolloutSampler`, with the seeds that make a resumed run re-draw the same samples), the verifier call, the
 per-phase clock behind the time/ and perf/ metrics, greedy evaluation on the held-out prompts, the samples.jsonl
-rows, and loading the prompts (checked before any model loads). With an environment each of these plays or scores
-multi-turn episodes (episodes.py) instead of single completions.
+rows, and loading the prompts (checked before any model loads); how episodes become micro-batch rows
+(`EpisodeLayout`, decided once per run) and the rollout's no-grad forwards in micro-batches (`no_grad_forwards`: the
+old and reference log-probs, LoRA's reference as the policy without its adapters, values, reward-model scores, the
+features' score_batch hooks). With an environment each of these plays or scores multi-turn episodes (episodes.py)
+instead of single completions.
 
 The phases of a rollout step and `main` stay in `rlvr_ppo.py`, the estimators and losses with their math in
 `rl_algorithms.py`.
@@ -11,6 +14,7 @@ The phases of a rollout step and `main` stay in `rlvr_ppo.py`, the estimators an
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import random
 import time
@@ -23,9 +27,17 @@ from transformers import AutoConfig
 
 from open_instruct import console, data, rewards
 from open_instruct.config import RLVRConfig
-from open_instruct.distributed import global_sum, global_sums_by_source, is_fsdp, prepare_frozen, zero_sums_by_source
+from open_instruct.distributed import (
+    global_sum,
+    global_sums_by_source,
+    is_fsdp,
+    prepare_frozen,
+    step_micro_batches,
+    zero_sums_by_source,
+)
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
+from open_instruct.models import TokenScores, response_scores, sequence_scores, token_values
 from open_instruct.run_dir import fault_point
 
 if TYPE_CHECKING:  # multi-turn episodes and the code verifier are imported only by a run that uses them
@@ -260,6 +272,147 @@ class RolloutSampler:
             output = output_from_state(saved["output"])
             self.in_flight[step] = InFlight(step, prompts, None, output, saved["engine_seconds"])
         return sorted(self.in_flight)
+
+
+@dataclass(frozen=True)
+class EpisodeLayout:
+    """How a rollout's episodes become micro-batch rows, decided once per run (`main`, episode_layout) and read by
+    every phase: the pad id, padding-free packing (config.packing: one row of whole sequences) and the columns after
+    each response (1 under score_placement after_last_token: the score's value position)."""
+
+    pad_id: int
+    packed: bool = False
+    value_column: int = 0
+
+    def batch(self, episodes: list[dict], response_ids: list[list[int]], rows: list[int], device: Any) -> tuple:
+        """The micro-batch of `rows` (data.collate_episodes): its host batch, its batch on `device` (keeping the
+        host's input_ids as host_input_ids: whether rows share their prompt, models.shared_prompt_groups, is then
+        decided without a host sync) and its response width."""
+        prompts_mb, responses_mb = [episodes[j]["prompt_ids"] for j in rows], [response_ids[j] for j in rows]
+        host_batch = data.collate_episodes(prompts_mb, responses_mb, self.pad_id, self.value_column, self.packed)
+        batch = {**data.to_device(host_batch, device), "host_input_ids": host_batch["input_ids"]}
+        return host_batch, batch, batch["responses"].shape[1]
+
+
+def episode_layout(cfg: RLVRConfig, pad_id: int) -> EpisodeLayout:
+    """The run's EpisodeLayout, from its config (set-up: the step's phases read the layout, not the config)."""
+    return EpisodeLayout(pad_id, cfg.packing, int(cfg.score_placement == "after_last_token"))
+
+
+def output_rows(out: Any, prompts: list[dict]) -> tuple[list, list[list[int]], list[dict]]:
+    """A generator output's played episodes (multi-turn: episodes.EpisodeOutput; else none), each
+    completion's loss mask (all 1 for a single-turn completion) and its prompt row (multi-turn: with the prompt as
+    its environment rendered it)."""
+    played = list(getattr(out, "episodes", None) or [])
+    loss_masks = getattr(out, "loss_masks", None) or [[1] * len(r) for r in out.response_ids]
+    episodes = [prompts[i] for i in out.prompt_index]
+    if played:
+        episodes = [{**row, "prompt_ids": e.prompt_ids} for row, e in zip(episodes, played)]
+    return played, loss_masks, episodes
+
+
+def padded(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    """Per-token values of each row, right-padded with `fill` to `width`, as [len(rows), width] float32."""
+    out = torch.full((len(rows), width), fill)
+    for i, values in enumerate(rows):
+        out[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def episode_lengths(episodes: list[dict], response_ids: list[list[int]]) -> list[int]:
+    """Tokens of each episode (prompt + response): what it takes in a packed row."""
+    return [len(e["prompt_ids"]) + len(r) for e, r in zip(episodes, response_ids)]
+
+
+def call_timed(feature: Any, hook: Callable[..., Any], *args: Any) -> Any:
+    """hook(*args), its seconds added to the feature's clock (`feature`: an rlvr_ppo.Feature, as below)."""
+    t0 = time.perf_counter()
+    result = hook(*args)
+    feature.seconds += time.perf_counter() - t0
+    return result
+
+
+def feature_scores(cfg: RLVRConfig, features: Sequence[Any], models: Any, batch: dict, loss_mask: Any) -> dict:
+    """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock), given the
+    batch's padding mask times its host `loss_mask` (policy tokens)."""
+    hooks = [f for f in features if f.score_batch is not None]
+    if not hooks:
+        return {}
+    mask = batch["mask"] * data.host_to_device(loss_mask, batch["mask"].device)
+    scores = {}
+    for f in hooks:
+        scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask))
+    return scores
+
+
+def clock_seconds(features: Sequence[Any]) -> dict[str, float]:
+    """{clock: seconds} the features' clocked hooks took since the last call (their clocks reset to 0)."""
+    clocks: dict[str, float] = {}
+    for f in features:
+        if f.clock is not None:
+            clocks[f.clock] = clocks.get(f.clock, 0.0) + f.seconds
+        f.seconds = 0.0
+    return clocks
+
+
+def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episodes: list[dict],
+                     response_ids: list[list[int]], lengths: list[int], mask: torch.Tensor, on_policy: bool,
+                     ref_rows: Optional[list[int]], layout: EpisodeLayout,
+                     features: Sequence[Any]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The no-grad forwards of the rollout in micro-batches (per_device_train_batch_size episodes, or packed rows of
+    max_tokens_per_micro_batch tokens; a rank with fewer runs dummies, copies of its first that write the same rows
+    again, as FSDP forwards are collectives), on the host: logp_values [3, n, R] (the policy's log-probs, off-policy
+    only; the reference's, of `ref_rows` when not None; the value model's values), rm_scores [n] (0 without a reward
+    model) and the features' score_batch tensors by name."""
+    n, width = mask.shape
+    batch_of = functools.partial(layout.batch, episodes, response_ids, device=accelerator.device)
+    # Filled on the device and copied to the host once after the micro-batches (a copy per micro-batch would make the
+    # host wait for each forward before it can queue the next).
+    device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
+    device_rm = torch.zeros(n, device=accelerator.device)
+    device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
+    group = cfg.num_samples_per_prompt
+    with torch.no_grad():
+        if ref_rows is not None:
+            reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
+        for rows, _ in step_micro_batches(accelerator, list(range(n)), lengths, cfg):
+            _, batch, r = batch_of(rows)
+            at = data.host_to_device(torch.tensor(rows), accelerator.device)
+            with accelerator.autocast():
+                if not on_policy:
+                    device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
+                if models.reference is not None and ref_rows is None:
+                    device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group).logp
+                if models.value is not None:
+                    device_out[2][at, :r] = token_values(models.value, batch, group)
+                if models.reward is not None:
+                    device_rm[at] = sequence_scores(models.reward, batch, group)
+                for name, x in feature_scores(cfg, features, models, batch, mask[rows, :r]).items():
+                    device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
+    return {"logp_values": device_out.cpu(), "rm_scores": device_rm.cpu(),
+            **{name: x.cpu() for name, x in device_extra.items()}}  # fmt: skip
+
+
+def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels, accelerator: Any, rows: list[int],
+                           lengths: list[int], batch_of: Callable[[list], tuple]) -> None:  # fmt: skip
+    """The reference's log-probs of `rows` written into their rows of `into`; a rank left with fewer micro-batches
+    runs dummies up to the most (FSDP forwards are collectives)."""
+    for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
+        _, batch, r = batch_of(mb)
+        with accelerator.autocast():
+            logp = reference_scores(models, batch, cfg.temperature, cfg.num_samples_per_prompt).logp
+        if real:
+            into[data.host_to_device(torch.tensor(mb), accelerator.device), :r] = logp
+
+
+def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
+    """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
+    if models.reference is not models.policy:
+        return response_scores(models.reference, batch, temperature, group)
+    from open_instruct.lora import adapter_disabled
+
+    with adapter_disabled(models.reference):
+        return response_scores(models.reference, batch, temperature, group)
 
 
 def start_judges(cfg: RLVRConfig, generator: Any, accelerator: Any) -> list:

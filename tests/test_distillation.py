@@ -18,6 +18,7 @@ from training_helpers import rl_exit_code as exit_code
 
 from open_instruct.distillation import chunked_generalized_jsd, generalized_jsd
 from open_instruct.rl_algorithms import teacher_advantages
+from open_instruct.rollouts import episode_layout
 
 N_ROWS, WIDTH, H_STUDENT, H_TEACHER, VOCAB = 3, 5, 8, 12, 40
 
@@ -211,9 +212,9 @@ def test_multi_turn_distillation_is_the_hand_formula_on_policy_tokens_only(tiny_
     models = RLModels(policy=load_causal_lm(tiny_models["causal_lm"]), teacher=load_causal_lm(teachers["sharp"]))
     prompts, out = play(cfg, tokenizer)
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
-    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id)
+    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, episode_layout(cfg, tokenizer.pad_token_id))
     obs = observation_positions(out)
-    assert obs.any() and (rollout.extra["teacher_logp"][obs] == 0).all()
+    assert obs.any() and (rollout.teacher_logp[obs] == 0).all()
     adv = compute_advantages(cfg, rollout, ONE_PROCESS)
     assert (adv.advantages[obs] == 0).all()
 
@@ -236,7 +237,8 @@ def test_multi_turn_distillation_is_the_hand_formula_on_policy_tokens_only(tiny_
         return
     assert adv.advantages.abs().max() == 0  # jsd: the teacher term is a loss term, the score weight is 0
     models.policy.zero_grad(set_to_none=True)
-    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                       contextlib.nullcontext)  # fmt: skip
     (loss_sum / n_policy).backward()
     got = [p.grad.clone() for p in models.policy.parameters()]
     assert hand_loss > 100 * atol
@@ -271,14 +273,15 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_and_loss(tiny_m
     models = RLModels(policy=load_causal_lm(tiny_models["causal_lm"]), teacher=load_causal_lm(tiny_models["causal_lm"]))
     prompts, out = play(cfg, tokenizer)
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
-    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id)
+    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, episode_layout(cfg, tokenizer.pad_token_id))
     adv = compute_advantages(cfg, rollout, ONE_PROCESS)
     seq = max(len(e.prompt_ids) + len(e.response_ids) for e in out.episodes)
     # the same weights through two code paths (full logits vs the chunked output layer): rounding apart
     atol = chain_atol(decoder_reduction_lengths(models.policy.config, seq), rollout.old_logp.abs().max().item())
     assert adv.advantages.abs().max().item() <= atol
     models.policy.zero_grad(set_to_none=True)
-    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+    loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                       contextlib.nullcontext)  # fmt: skip
     n_policy = float(rollout.mask.sum())
     assert abs(float(loss_sum)) / n_policy <= atol  # the policy term at ratio 1 is -A: rounding too
     if distill_loss == "jsd":
@@ -493,16 +496,18 @@ def test_packed_micro_batches_give_the_padded_distillation(tiny_models, teachers
         models = RLModels(policy=policy, teacher=teacher)
         prompts, out = play(cfg, tokenizer)
         run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
-        rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id)
+        rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, episode_layout(cfg,
+                                  tokenizer.pad_token_id))  # fmt: skip
         adv = compute_advantages(cfg, rollout, ONE_PROCESS)
-        loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+        loss_sum, stats = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                           contextlib.nullcontext)  # fmt: skip
         loss_sum.backward()
         results.append((rollout, float(loss_sum.detach()), [p.grad.clone() for p in policy.parameters()]))
     seq = max(len(e.prompt_ids) + len(e.response_ids) for e in out.episodes)
     (padded, loss_a, grads_a), (packed, loss_b, grads_b) = results
-    atol = chain_atol(decoder_reduction_lengths(policy.config, seq), padded.extra["teacher_logp"].abs().max().item())
-    assert padded.extra["teacher_logp"].abs().max() > 0
-    torch.testing.assert_close(packed.extra["teacher_logp"], padded.extra["teacher_logp"], rtol=0, atol=atol)
+    atol = chain_atol(decoder_reduction_lengths(policy.config, seq), padded.teacher_logp.abs().max().item())
+    assert padded.teacher_logp.abs().max() > 0
+    torch.testing.assert_close(packed.teacher_logp, padded.teacher_logp, rtol=0, atol=atol)
     n_policy = float(padded.mask.sum())
     assert abs(loss_a - loss_b) / n_policy <= atol
     scale = max(g.abs().max().item() for g in grads_a)

@@ -13,6 +13,7 @@ import torch
 
 from open_instruct.config import RLVRConfig, parse_config
 from open_instruct.errors import ConfigError
+from open_instruct.rollouts import episode_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
@@ -53,10 +54,10 @@ def rollout_and_loss(tiny_models, *extra):
     torch.manual_seed(0)
     models = RLModels(policy=load_causal_lm(tiny_models["causal_lm"]))
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
-    rollout = collect_rollout(cfg, models, [prompt], out, {}, 0, run, True, tokenizer.pad_token_id)
+    layout = episode_layout(cfg, tokenizer.pad_token_id)
+    rollout = collect_rollout(cfg, models, [prompt], out, {}, 0, run, True, layout)
     adv = compute_advantages(cfg, rollout, ONE_PROCESS)
-    loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], tokenizer.pad_token_id, "cpu",
-                                   contextlib.nullcontext)  # fmt: skip
+    loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], layout, "cpu", contextlib.nullcontext)
     counted = adv.keep if cfg.mask_truncated_completions else None  # as update() counts the units
     _, units = aggregation_weights(rollout.mask * adv.keep.unsqueeze(1), cfg.loss_aggregation, cfg.loss_norm_length,
                                    counted)  # fmt: skip

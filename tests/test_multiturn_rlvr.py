@@ -27,6 +27,7 @@ import torch
 from tolerances import max_abs, pass_atol, rollout_width, sum_atol
 
 from open_instruct.generation import GenerationConfig, GenerationOutput
+from open_instruct.rollouts import episode_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "configs", "rlvr_tiny.yaml")
@@ -129,7 +130,8 @@ def rollout_of(cfg, tiny, on_policy):
         reference=tiny["reference"] if cfg.beta > 0 else None,
     )
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tiny["tokenizer"])
-    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, on_policy, tiny["tokenizer"].pad_token_id)
+    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, on_policy, episode_layout(cfg,
+                              tiny["tokenizer"].pad_token_id))  # fmt: skip
     return models, rollout, out
 
 
@@ -237,7 +239,8 @@ def test_turn_rewards_land_on_each_turns_last_policy_token(tiny_models, tiny, ag
     prompts = [{**r, "prompt_ids": environments.prompt_ids(r)} for r in rows()]
     out = environments.play(ScriptedGenerator(tiny["tokenizer"], tiny_scripts), prompts, GenerationConfig(n=2, seed=1))
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tiny["tokenizer"])
-    rollout = collect_rollout(cfg, RLModels(policy=tiny["policy"]), prompts, out, {}, 0, run, True, 0)
+    rollout = collect_rollout(cfg, RLModels(policy=tiny["policy"]), prompts, out, {}, 0, run, True,
+                              episode_layout(cfg, 0))  # fmt: skip
     want_score = 2.0 * (0.75 if aggregation == "sum" else 0.5)
     assert rollout.scores.tolist() == [want_score] * 4
     per_token = kl_rewards(advantage_inputs(cfg, rollout, ONE_PROCESS))
@@ -291,7 +294,8 @@ def test_observation_tokens_carry_no_loss_weight(tiny_models, tiny, estimator, l
         models.policy.zero_grad(set_to_none=True)
         if models.value is not None:
             models.value.zero_grad(set_to_none=True)
-        loss_sum, stats = micro_batch_loss(cfg, models, r, a, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+        loss_sum, stats = micro_batch_loss(cfg, models, r, a, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                           contextlib.nullcontext)  # fmt: skip
         loss_sum.backward()
         trained = list(models.policy.parameters()) + (list(models.value.parameters()) if models.value else [])
         return float(loss_sum.detach()), stats, [p.grad.clone() for p in trained if p.grad is not None]
@@ -325,7 +329,8 @@ def test_two_turn_episode_loss_equals_the_hand_computed_one(tiny_models, tiny):
         assert torch.allclose(adv.advantages[i][rollout.mask[i] > 0], torch.tensor(expected_a[i]))
 
     models.policy.zero_grad(set_to_none=True)
-    loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+    loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                   contextlib.nullcontext)  # fmt: skip
     loss = loss_sum / n_policy  # U = N for token_mean
     loss.backward()
     got = [p.grad.clone() for p in models.policy.parameters()]
@@ -371,7 +376,8 @@ def test_one_and_two_ranks_give_the_same_update(tiny_models, tiny, estimator):
         for micro_batches in parts:
             models.policy.zero_grad(set_to_none=True)
             for rows_ in micro_batches:
-                loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, rows_, 0, "cpu", contextlib.nullcontext)
+                loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, rows_, episode_layout(cfg, 0), "cpu",
+                                               contextlib.nullcontext)  # fmt: skip
                 (loss_sum * len(parts) / total).backward()
             per_rank.append([p.grad.clone() for p in models.policy.parameters()])
         return [sum(g) / len(parts) for g in zip(*per_rank)]
@@ -401,7 +407,8 @@ def test_packed_micro_batches_give_the_padded_loss(tiny_models, tiny):
         models, rollout, out = rollout_of(cfg, models_in, on_policy=False)
         adv = compute_advantages(cfg, rollout, ONE_PROCESS)
         models.policy.zero_grad(set_to_none=True)
-        loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], 0, "cpu", contextlib.nullcontext)
+        loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                       contextlib.nullcontext)  # fmt: skip
         loss_sum.backward()
         results.append((rollout, adv, float(loss_sum.detach()), [p.grad.clone() for p in models.policy.parameters()]))
     (padded, adv_a, loss_a, grads_a), (packed, adv_b, loss_b, grads_b) = results

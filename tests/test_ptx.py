@@ -95,14 +95,8 @@ def test_micro_batch_loss_adds_the_term(tiny_models, files):
     from test_multiturn_rlvr import ONE_PROCESS, config, play
 
     from open_instruct.models import load_causal_lm, load_tokenizer
-    from open_instruct.rlvr_ppo import (
-        RLModels,
-        collect_rollout,
-        compute_advantages,
-        episode_batch,
-        features_of,
-        micro_batch_loss,
-    )
+    from open_instruct.rlvr_ppo import RLModels, collect_rollout, compute_advantages, features_of, micro_batch_loss
+    from open_instruct.rollouts import episode_layout
 
     cfg = config(tiny_models, "--ptx_dataset", files["ptx"], "--ptx_coef", "0.5", "--beta", "0", "--algo", "grpo")
     tokenizer = load_tokenizer(tiny_models["causal_lm"])
@@ -111,13 +105,14 @@ def test_micro_batch_loss_adds_the_term(tiny_models, files):
     assert [f.name for f in features] == ["episodes", "ptx"]
     prompts, out = play(cfg, tokenizer)
     run = types.SimpleNamespace(accelerator=ONE_PROCESS, tokenizer=tokenizer)
-    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, tokenizer.pad_token_id, features)
+    layout = episode_layout(cfg, tokenizer.pad_token_id)
+    rollout = collect_rollout(cfg, models, prompts, out, {}, 0, run, False, layout, features)
     adv = compute_advantages(cfg, rollout, ONE_PROCESS)
-    rows, pad = [0, 1, 2, 3], tokenizer.pad_token_id
-    with_ptx, stats = micro_batch_loss(cfg, models, rollout, adv, rows, pad, "cpu", contextlib.nullcontext, features)
-    without, plain_stats = micro_batch_loss(cfg, models, rollout, adv, rows, pad, "cpu", contextlib.nullcontext, [])
+    rows = [0, 1, 2, 3]
+    with_ptx, stats = micro_batch_loss(cfg, models, rollout, adv, rows, layout, "cpu", contextlib.nullcontext, features)
+    without, plain_stats = micro_batch_loss(cfg, models, rollout, adv, rows, layout, "cpu", contextlib.nullcontext, [])
     assert "ptx_loss" in stats and "ptx_loss" not in plain_stats
-    _, batch, _ = episode_batch(rollout.episodes, rollout.response_ids, pad, 0, False, "cpu", rows)
+    _, batch, _ = layout.batch(rollout.episodes, rollout.response_ids, rows, "cpu")
     drawn = features[1].loss_term.rows_for(cfg, batch["host_input_ids"])
     nll = hand_nll(models.policy, drawn)
     units = float((rollout.mask[rows] * adv.keep[rows].unsqueeze(1)).sum())

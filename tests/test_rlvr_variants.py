@@ -31,6 +31,7 @@ from open_instruct.rl_algorithms import (
     zero_std_groups,
 )
 from open_instruct.rlvr_ppo import RLModels, Rollout, micro_batch_loss
+from open_instruct.rollouts import episode_layout
 
 T = torch.tensor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -261,7 +262,7 @@ def _fake_rollout(tokenizer, n_prompts: int, group: int, seed: int) -> Rollout:
     return Rollout(
         episodes=episodes, response_ids=responses, texts=[""] * n, stopped=[True] * n, correct=[0.0] * n,
         verifier_timeouts=0, scores=torch.zeros(n), rm_scores=torch.zeros(n), mask=mask,
-        value_mask=mask, score_index=None,
+        value_mask=mask, score_index=None, on_policy=False,
         old_logp=noise() * 0.1 - 2.0, sampler_logp=noise() * 0.1 - 2.0, ref_logp=noise() * 0.1 - 2.0,
         old_values=None, kl=None,
     )  # fmt: skip
@@ -298,7 +299,8 @@ def test_aggregation_is_independent_of_ranks_and_micro_batches(tiny_models, aggr
             model.zero_grad(set_to_none=True)
             for rows in micro_batches:
                 loss_sum, _ = micro_batch_loss(
-                    cfg, models, rollout, adv, rows, tokenizer.pad_token_id, "cpu", contextlib.nullcontext
+                    cfg, models, rollout, adv, rows, episode_layout(cfg, tokenizer.pad_token_id), "cpu",
+                    contextlib.nullcontext,
                 )
                 (loss_sum * len(parts) / total_units).backward()
             per_rank.append([p.grad.clone() for p in model.parameters()])
@@ -465,9 +467,9 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
     on-policy (1 epoch) it comes from the update's, so the skipping run logs the mean over the kept rows."""
     from safetensors.torch import load_file
 
-    from open_instruct import rlvr_ppo, runtime
+    from open_instruct import rlvr_ppo, rollouts, runtime
 
-    loss_of_rows, reference_of_rows = rlvr_ppo.micro_batch_loss, rlvr_ppo.reference_scores
+    loss_of_rows, reference_of_rows = rlvr_ppo.micro_batch_loss, rollouts.reference_scores
 
     def run(name, skip):
         forwarded = {"kept": 0, "dropped": 0, "kept_kl": [], "kept_rows": [], "reference": 0}
@@ -488,7 +490,7 @@ def test_dropped_groups_get_no_forward_and_leave_the_update_as_it_was(
 
         with monkeypatch.context() as m:
             m.setattr(rlvr_ppo, "micro_batch_loss", counted)
-            m.setattr(rlvr_ppo, "reference_scores", reference_counted)
+            m.setattr(rollouts, "reference_scores", reference_counted)
             if not skip:
                 m.setattr(rlvr_ppo, "skips_dropped_rows", lambda cfg: False)
             out = tmp_path / name
