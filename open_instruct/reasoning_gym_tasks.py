@@ -16,7 +16,7 @@ own source (label = the task name), so mixtures weight tasks like any other data
 
 Rows are RLVR prompt rows: `messages` (the system prompt, then the question), `dataset: reasoning_gym` and a
 `ground_truth` that names the task, its config, seed, size and row index (and the answer, for reading). The
-`reasoning_gym` verifier (open_instruct/rewards.py) regenerates that row and scores the text inside the
+`reasoning_gym` verifier (registered below) regenerates that row and scores the text inside the
 completion's last <answer>...</answer> (reasoning_gym.utils.extract_answer; after the last </think>) with the
 task's own `score_answer`. Several tasks' `score_answer` evaluate the answer text (sympy's parse_expr, eval), so it
 always runs in the verifier worker process, never in the trainer's, under the run's verifier timeout.
@@ -33,7 +33,10 @@ import re
 import zlib
 from typing import Any
 
+from open_instruct.data_cache import code_identity
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.integrations import Source, register_source
+from open_instruct.rewards import GroundTruthError, register_verifier, strip_thinking
 
 PREFIX = "reasoning_gym:"
 VERIFIER = "reasoning_gym"
@@ -234,3 +237,43 @@ def check_held_out(train_sources: list[str], eval_sources: list[str], train_spli
                 "its rows would repeat training rows. Give the held-out source another seed (or leave both seeds "
                 "out: the train and held-out splits then get different seeds)"
             )
+
+
+# ---- registration (open_instruct/integrations.py): the `reasoning_gym:` sources and the `reasoning_gym` verifier ----
+def _identity(source: str) -> list[Any]:
+    """What the tokenized-data cache keys on: the spec, the generating package's version, this module's code."""
+    from importlib.metadata import version
+
+    return [source, version("reasoning-gym"), code_identity([__file__])]
+
+
+def _size(source: str, split: str) -> tuple[int, str]:
+    return parse(source, split).size, "the reasoning_gym sources' sizes"
+
+
+def _continues(part: str) -> bool:
+    return bool(_BARE_TASK.match(part)) and not os.path.exists(part)
+
+
+register_source(
+    Source(
+        prefix=PREFIX.rstrip(":"),
+        generate=generate,
+        check=lambda source, where: parse(source, "train", where),
+        identity=_identity,
+        size=_size,
+        label=label,
+        continues=_continues,
+        check_held_out=check_held_out,
+    )
+)
+
+
+@register_verifier(VERIFIER, isolated=True, preload=preload)
+def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
+    """A reasoning-gym task's own score_answer of the completion's <answer>. Its scorers may evaluate the answer
+    text: registered isolated, so it runs in the worker process."""
+    try:
+        return score(strip_thinking(completion), ground_truth)
+    except BadGroundTruth as e:
+        raise GroundTruthError(str(e)) from None

@@ -110,7 +110,7 @@ from open_instruct.rollouts import (
     load_prompts,
     sample_rows,
     score_rollout,
-    start_judges,
+    start_reward_function_models,
     token_version_lags,
 )
 
@@ -809,7 +809,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
     # every sync under a deadline and checked (generation_check.py); None: it samples with the trainer's own module
     checker = make_checker(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
-    judges = start_judges(cfg, generator, accelerator)  # judges on vLLM engines: the run's own, or started now
+    started = start_reward_function_models(cfg, generator, accelerator)  # reward models on engines started now
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -889,8 +889,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.finish()
     sampler.close()
     generator.close()  # stops what it started, e.g. the engines
-    for judge in judges:  # the engines started for them
-        judge.close()
+    for model in started:  # the engines started for them
+        model.close()
 
 
 if __name__ == "__main__":
