@@ -72,7 +72,7 @@ def prefix_of(spec: Any) -> Optional[str]:
     """The text before the spec's first ':' when it could name an integration (a module path), else None: a file
     path or a hub name has none."""
     head, colon, _ = str(spec).strip().partition(":")
-    return head if colon and _MODULE_PATH.match(head) else None
+    return head if colon and _MODULE_PATH.match(head) and not head.endswith(".py") else None  # file.py:Class: a file
 
 
 def find(spec: Any, what: str = "") -> Optional[Source]:

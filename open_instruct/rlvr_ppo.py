@@ -145,10 +145,10 @@ class Feature:
 
 
 def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = None) -> list[Feature]:
-    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier
-    and correct_rate_by; `tokenizer`: the policy's, for ptx_dataset's rows). The generator and its vLLM engines, the
-    generation check and async sampling plug in at set-up instead: make_generator, make_checker and RolloutSampler in
-    `main`."""
+    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier's
+    and correct_rate_by's metrics, which a call without them leaves out; `tokenizer`: the policy's, for ptx_dataset's
+    rows, loaded when not given). The generator and its vLLM engines, the generation check and async sampling plug in
+    at set-up instead: make_generator, make_checker and RolloutSampler in `main`."""
     features = []
     if cfg.uses_teacher:  # on-policy distillation: the teacher scores, and under jsd adds a loss term
         from open_instruct import distillation
@@ -174,7 +174,7 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = No
         from open_instruct import code_verifier
 
         features.append(Feature("code", rollout_sums=code_verifier.status_sums, metrics=code_verifier.status_metrics))
-    if cfg.correct_rate_by:  # train/correct_rate/<group>: each group of prompts' own rate
+    if cfg.correct_rate_by and train:  # train/correct_rate/<group>: each group of prompts' own rate
         from open_instruct.correct_rates import CorrectRateByGroup
 
         by = CorrectRateByGroup(cfg, train)
