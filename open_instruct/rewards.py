@@ -137,15 +137,7 @@ def register_verifier(
     return decorator
 
 
-def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
-    """Map a dataset's `dataset`/`verifier` value to a registered verifier name (rule in the module docstring)."""
-    if isinstance(name, (list, tuple)) and len(name) == 1:  # some datasets store ["gsm8k"]
-        name = name[0]
-    if not isinstance(name, str):
-        raise ValueError(f"verifier name must be a string, got {name!r}")
-    key = name.strip().lower().rsplit("/", 1)[-1]
-    if key not in VERIFIERS:  # an integration's verifier is registered when its module is imported
-        integrations.load_verifier_module(key)
+def _registered_name(key: str) -> Optional[str]:
     if key in VERIFIERS:
         return key
     if ALIASES.get(key) in VERIFIERS:
@@ -154,6 +146,21 @@ def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
     for prefix in sorted(VERIFIERS, key=len, reverse=True):
         if key.startswith(prefix) and not key[len(prefix)].isalpha():
             return prefix
+    return None
+
+
+def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
+    """Map a dataset's `dataset`/`verifier` value to a registered verifier name (rule in the module docstring)."""
+    if isinstance(name, (list, tuple)) and len(name) == 1:  # some datasets store ["gsm8k"]
+        name = name[0]
+    if not isinstance(name, str):
+        raise ValueError(f"verifier name must be a string, got {name!r}")
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    found = _registered_name(key)
+    if found is None and integrations.load_verifier_module(key):  # an integration's: registered at its import
+        found = _registered_name(key)
+    if found is not None:
+        return found
     raise ValueError(
         f"unknown verifier {name!r}; the known ones: {sorted(set(VERIFIERS) | set(integrations.BUILT_IN_VERIFIERS))} "
         f"(aliases: {sorted(ALIASES)}; names may carry a suffix such as 'gsm8k_train' or 'MATH-500')"
