@@ -403,13 +403,11 @@ def save_hf_model(
 
     A LoRA (peft) model is written merged (a plain HF model: W + B @ A * scaling, loadable without peft) or, with
     lora_save="adapter", as its adapter (adapter_config.json + adapter_model.safetensors, loaded with peft)."""
-    from open_instruct import lora
-
     check_finite_weights(
         {os.path.basename(os.path.normpath(out_dir)): model}, accelerator, (extra or {}).get("optimizer_step")
     )
     unwrapped = accelerator.unwrap_model(model)
-    if not lora.is_peft(unwrapped):
+    if not hasattr(unwrapped, "peft_config"):  # no LoRA adapters: lora.py (and peft) are left unimported
         # Streamed: one full tensor at a time (under FSDP2 gathered by every rank), written in shards by rank 0, in
         # the compute dtype of a bf16/fp16 run (as published checkpoints are): the host never holds the whole model.
         import torch
@@ -423,6 +421,8 @@ def save_hf_model(
                 pass
         accelerator.wait_for_everyone()
         return
+    from open_instruct import lora
+
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if lora_save == "merged":

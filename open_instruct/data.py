@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from open_instruct import data_cache, encode, formats, reasoning_gym_tasks
+from open_instruct import data_cache, encode, formats, integrations
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.mixture import LOCAL_FILE_SUFFIXES, mixture_summary, parse_mixer_list, select_rows, source_labels
 
@@ -185,13 +185,9 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
     DatasetDict's split), another local dataset folder or a hub dataset split."""
     if name.endswith(LOCAL_FILE_SUFFIXES) and not os.path.exists(name):
         raise DataError(f"dataset file {name!r} does not exist")
-    if reasoning_gym_tasks.is_source(name):  # generated on the spot (open_instruct/reasoning_gym_tasks.py)
-        rows = [Row(name, i, None, r) for i, r in enumerate(reasoning_gym_tasks.generate(name, split))]
-    elif name.startswith("verifiers:"):  # a verifiers environment's own dataset (open_instruct/verifiers_env.py)
-        from open_instruct import verifiers_env, verifiers_v1
-
-        api = verifiers_v1 if verifiers_env.v1_installed() else verifiers_env  # 0.4: verifiers.v1 (verifiers_v1.py)
-        rows = [Row(name, i, None, r) for i, r in enumerate(api.generate(name, split))]
+    integration = integrations.find(name)
+    if integration is not None:  # rows an integration makes (generated, or an environment's own dataset)
+        rows = [Row(name, i, None, r) for i, r in enumerate(integration.generate(name, split))]
     elif name.endswith(".jsonl"):
         rows = _read_jsonl(name)
     elif name.endswith(".json"):
@@ -218,7 +214,7 @@ def load_source(name: str, split: str, label: str = "") -> list[Row]:
 def load_rows(name_or_path: str, split: str = "train", max_samples: Optional[int] = None) -> list[Row]:
     """Rows from local .jsonl/.json/.parquet/.csv file(s) or folders (comma separated) or a hub dataset split: all
     rows of each."""
-    parts = reasoning_gym_tasks.expand_sources(name_or_path)
+    parts = integrations.expand_sources(name_or_path)
     rows = [row for part, label in zip(parts, source_labels(parts)) for row in load_source(part, split, label)]
     return rows if max_samples is None else rows[:max_samples]
 
@@ -1214,10 +1210,7 @@ DATA_CODE = (
     "formats.py",
     "mixture.py",
     "data_cache.py",
-    "reasoning_gym_tasks.py",
-    "verifiers_env.py",
-    "verifiers_v1.py",
-)
+)  # an integration's own code is in its sources' identity (integrations.Source.identity)
 
 
 def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str, Any]:
@@ -1229,7 +1222,7 @@ def cache_ingredients(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> dict[str
     for key in ("dataset_name_or_path", "eval_dataset_name_or_path"):
         value = getattr(cfg, key, None)
         if value:
-            sources[key] = [data_cache.source_identity(p) for p in reasoning_gym_tasks.expand_sources(value)]
+            sources[key] = [data_cache.source_identity(p) for p in integrations.expand_sources(value)]
     for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):
         value = getattr(cfg, key, None)
         if value:
@@ -1351,9 +1344,12 @@ def build_train_eval(cfg: Any, tokenizer: Any, tokenize: Tokenizer) -> tuple[lis
 
 
 def _refuse_repeated_tasks(train_rows: list[Row], eval_rows: list[Row], cfg: Any) -> None:
-    """A held-out reasoning-gym task generated with the train set's seed would repeat its rows."""
-    sources = [sorted({r.source for r in rows}) for rows in (train_rows, eval_rows)]
-    reasoning_gym_tasks.check_held_out(*sources, cfg.dataset_split, cfg.eval_dataset_split)
+    """A held-out source an integration generates the way it generated a training source would repeat its rows
+    (Source.check_held_out)."""
+    train, held_out = [sorted({r.source for r in rows}) for rows in (train_rows, eval_rows)]
+    for integration in {integrations.find(s) for s in train + held_out} - {None}:
+        if integration.check_held_out is not None:
+            integration.check_held_out(train, held_out, cfg.dataset_split, cfg.eval_dataset_split)
 
 
 def episode_stream(train: list[dict], cfg: Any) -> "EpisodeStream":

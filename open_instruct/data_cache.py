@@ -23,7 +23,7 @@ import tempfile
 import warnings
 from typing import Any, Optional
 
-from open_instruct import reasoning_gym_tasks
+from open_instruct import integrations
 
 CACHE_ENV = "OPEN_INSTRUCT_DATA_CACHE"
 DEFAULT_ROOT = "~/.cache/open_instruct/tokenized"
@@ -41,19 +41,11 @@ def cache_root(setting: Optional[str]) -> Optional[str]:
 
 def source_identity(name: str) -> Any:
     """What identifies one source's content cheaply: for a local file its path, size and mtime; for a folder the
-    same for every file in it; a verifiers environment's its spec, verifiers' version and its module's file;
-    otherwise (a hub dataset name, a mixture amount) the text itself."""
-    if reasoning_gym_tasks.is_source(name):  # generated: the spec and the generating package's version
-        from importlib.metadata import version
-
-        return [name, version("reasoning-gym")]
-    if name.startswith("verifiers:"):  # an environment's dataset: the spec, the package's version, its module's file
-        import importlib.util
-        from importlib.metadata import version
-
-        target = name[len("verifiers:") :].partition("?")[0]
-        found = None if target.endswith(".py") else importlib.util.find_spec(target.split(".")[0])
-        return [name, version("verifiers"), source_identity(found.origin if found and found.origin else target)]
+    same for every file in it; an integration's source what it names (integrations.Source.identity: the spec, the
+    package's version, the code that makes the rows); otherwise (a hub dataset name, a mixture amount) the text."""
+    integration = integrations.find(name)
+    if integration is not None:
+        return integration.identity(name)
     path = os.path.expanduser(name)
     if os.path.isfile(path):
         st = os.stat(path)

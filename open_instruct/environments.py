@@ -25,7 +25,7 @@ first token that completes it, so the tool runs there instead of after the model
 with a fixed marker also names it in `stop_strings`, so the generator stops there instead of sampling on to the
 turn's token budget: `episodes.shared_stop_strings`), and `score_group(group)`: called once the episodes of a row's
 group have all ended, per episode a reward added to its last turn and an info dict merged into that turn's
-(rewards that need the whole group: verifiers_env.py).
+(rewards that need the whole group, such as a rubric's group functions).
 
 Naming one in a recipe: a registered name ("tool", "multi_turn") or an import path "package.module:Class" or
 "/path/to/file.py:Class" (`make_environment`; `environment_for_row` reads a row's own `environment` column), so a
@@ -63,7 +63,7 @@ import re
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
-from open_instruct import rewards
+from open_instruct import integrations, rewards
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.rewards import call_with_deadline
 from open_instruct.user_code import load_module
@@ -105,7 +105,7 @@ class Environment:
         """Called on a group's first environment once every episode of the group (the `num_samples_per_prompt`
         episodes of one row, `group` in order, this one first) has ended: per episode, a reward added to its last
         turn's and a dict merged into that turn's info; None (the default): nothing to add. For rewards that need
-        the whole group (verifiers' group reward functions)."""
+        the whole group (a rubric's group reward functions)."""
         return None
 
 
@@ -134,10 +134,6 @@ def environment_class(spec: str) -> type:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"environment must be a registered name or 'module:Class', got {spec!r}")
     spec = spec.strip()
-    if spec.startswith("verifiers:"):  # a verifiers environment (imported only then: an optional extra)
-        from open_instruct import verifiers_env
-
-        return verifiers_env.environment_class(spec)
     if ":" not in spec:
         if spec.lower() not in ENVIRONMENTS:
             raise ConfigError(
@@ -145,6 +141,9 @@ def environment_class(spec: str) -> type:
                 "'package.module:Class' or '/path/to/file.py:Class'"
             )
         return ENVIRONMENTS[spec.lower()]
+    integration = integrations.find(spec, f"environment {spec!r}")
+    if integration is not None and integration.environment_class is not None:  # an integration's environment
+        return integration.environment_class(spec)
     module_name, _, class_name = spec.rpartition(":")
     module = load_module(module_name, f"environment {spec!r}")
     cls = getattr(module, class_name, None)

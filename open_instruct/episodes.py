@@ -732,7 +732,7 @@ def episode_metrics(accelerator: Any, episodes: Sequence[Episode], prefix: str) 
     """episodes.episode_stats over every rank, named `<prefix>turns_per_episode`, `<prefix>tool_calls_per_episode`,
     `<prefix>tool_call_rate`, `<prefix>done_rate`, `<prefix>observation_token_share`, `<prefix>tool_errors` and
     per reason `<prefix>tool_errors_<reason>`, per budget `<prefix>truncated_<budget>`, per metric an environment
-    reports `<prefix>metric_<name>` (a verifiers rubric's functions). Collective."""
+    reports `<prefix>metric_<name>` (e.g. a rubric's functions). Collective."""
     stats = episode_stats(global_sums_any_keys(accelerator, episode_stat_sums(episodes)))
     return {prefix + key.removeprefix("env/").replace("/", "_"): value for key, value in stats.items()}
 

@@ -269,6 +269,15 @@ class Judge:
         model loads (rewards.probe_reward_functions) does not call it."""
         return self.serve_model is not None or self.url == RUN
 
+    # ---- the run's hooks (rewards.run_hooks): once per run, for all of its judges --------------------------------
+    @classmethod
+    def check_run(cls, cfg: Any) -> None:
+        check_run_judges(cfg)
+
+    @classmethod
+    def start_run(cls, cfg: Any, generator: Any, accelerator: Any) -> list["Judge"]:
+        return start_run_judges(cfg, generator, accelerator)
+
     @property
     def asks_run_engines(self) -> bool:
         """It judges with the run's own engines (url='run'): they serve the policy's whole context

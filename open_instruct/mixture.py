@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from open_instruct import reasoning_gym_tasks
+from open_instruct import integrations
 from open_instruct.errors import ConfigError
 
 LOCAL_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -78,8 +78,9 @@ def source_labels(sources: Sequence[str]) -> list[str]:
     two would clash, the whole name (slashes -> '_'). Metric keys then read eval/<label>/loss."""
 
     def short(name: str) -> str:
-        if reasoning_gym_tasks.is_source(name):  # a generated task: its name
-            return reasoning_gym_tasks.label(name)
+        named = integrations.label(name)  # an integration's source: its own short name (a generated task's)
+        if named is not None:
+            return named
         base = os.path.basename(name.rstrip("/")) or name
         return os.path.splitext(base)[0] if base.endswith(LOCAL_FILE_SUFFIXES) else base
 

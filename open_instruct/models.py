@@ -42,6 +42,13 @@ def load_tokenizer(
     return tokenizer
 
 
+def run_tokenizer(cfg: Any) -> Any:
+    """The run's tokenizer: tokenizer_name_or_path (else the model's), with the recipe's GGUF file, trust_remote_code
+    and chat_template."""
+    name = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+    return load_tokenizer(name, cfg.gguf_file, cfg.trust_remote_code, cfg.chat_template)
+
+
 def check_template_renders_content(tokenizer: Any, which: str) -> None:
     """A chat template must put each message's content into the text (one that renders only roles or markup would
     train on template text alone): ConfigError, checked on a user + assistant conversation."""

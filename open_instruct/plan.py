@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from open_instruct import reasoning_gym_tasks
+from open_instruct import integrations
 from open_instruct.batch_math import BatchPlan, count_eval_points, count_multiples, generation_sequences_per_call
 from open_instruct.config import CONFIG_CLASSES, BaseConfig, RLVRConfig, load_recipe, parse_config
 from open_instruct.errors import ConfigError
@@ -108,12 +108,16 @@ def count_local_rows(path: str, split: str = "train") -> int:
 
 def dataset_size(name: str, split: str) -> tuple[Optional[int], str]:
     """(rows, where the number came from); (None, reason) if it cannot be had offline."""
-    parts = reasoning_gym_tasks.expand_sources(name)
-    if parts and all(reasoning_gym_tasks.is_source(p) for p in parts):
-        return sum(reasoning_gym_tasks.parse(p, split).size for p in parts), "the reasoning_gym sources' sizes"
+    parts = integrations.expand_sources(name)
+    found = [integrations.find(p) for p in parts]
+    if parts and all(found):  # an integration's sources: what each says (its size, or why it cannot tell)
+        sizes = [integration.size(p, split) for integration, p in zip(found, parts)]
+        if any(rows is None for rows, _ in sizes):
+            return None, next(how for rows, how in sizes if rows is None)
+        return sum(rows for rows, _ in sizes), sizes[0][1]
+    if any(found):
+        return None, "an integration's sources listed with other sources are counted when the run loads them"
     first = name.split(",")[0].strip()
-    if first.startswith("verifiers:"):  # built by the environment's load_environment(): not loaded for a plan
-        return None, "a verifiers environment's dataset is counted when the run loads it"
     if os.path.exists(first):
         return count_local_rows(name, split), "counted in the local file(s)"
     if first.endswith(DATASET_EXTENSIONS) or looks_local(first):

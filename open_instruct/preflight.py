@@ -17,7 +17,7 @@ import os
 import struct
 from typing import Any, Optional
 
-from open_instruct import reasoning_gym_tasks
+from open_instruct import integrations
 from open_instruct.chat_templates import resolve_chat_template
 from open_instruct.errors import ConfigError
 
@@ -147,14 +147,10 @@ def check_dataset(name_or_path: Optional[str], key: str) -> None:
     """Each comma-separated part: a local file with a known extension that exists, or a hub name."""
     if not name_or_path:
         return
-    for part in reasoning_gym_tasks.expand_sources(name_or_path):
-        if reasoning_gym_tasks.is_source(part):  # the package, the task and its settings, checked now
-            reasoning_gym_tasks.parse(part, "train", key)
-            continue
-        if part.startswith("verifiers:"):  # a verifiers environment's dataset: loaded now (verifiers_env.py)
-            from open_instruct import verifiers_env, verifiers_v1
-
-            (verifiers_v1 if verifiers_env.v1_installed() else verifiers_env).load(part, key)  # 0.4: verifiers.v1
+    for part in integrations.expand_sources(name_or_path):
+        integration = integrations.find(part)
+        if integration is not None:  # an integration's source: its package and settings checked now, by it
+            integration.check(part, key)
             continue
         if os.path.isdir(part):
             continue  # a local dataset folder (datasets.load_dataset reads it)
@@ -195,6 +191,22 @@ def check_output_dir_writable(output_dir: str) -> None:
     checkpoints = os.path.join(output_dir, "checkpoints")
     if os.path.isdir(checkpoints):
         probe_writable(checkpoints, "checkpoints folder")
+
+
+def check_played_by_an_environment(cfg: Any) -> None:
+    """An integration's rows that only its environment scores (Source.needs_environment) need that environment."""
+    if getattr(cfg, "environment", None):
+        return
+    sources = [s for key in ("dataset_name_or_path", "eval_dataset_name_or_path") if getattr(cfg, key, None)
+               for s in integrations.expand_sources(getattr(cfg, key))]  # fmt: skip
+    sources += [str(s) for key in ("dataset_mixer_list", "eval_dataset_mixer_list") for s in (getattr(cfg, key) or [])]
+    for source in sources:
+        integration = integrations.find(source)
+        if integration is not None and integration.needs_environment:
+            raise ConfigError(
+                f"a {integration.prefix}: dataset is played by its environment: add --environment "
+                f"{integration.prefix}:<the same>"
+            )
 
 
 def check_chat_template(template: Optional[str]) -> None:
@@ -359,18 +371,15 @@ def check_inputs(cfg: Any) -> None:
     check_chat_template(cfg.chat_template)
     check_attention_kernel(cfg.attention_kernel)
     check_lora_targets(cfg)
-    sources = [cfg.dataset_name_or_path, cfg.eval_dataset_name_or_path]
-    sources += [str(s) for key in ("dataset_mixer_list", "eval_dataset_mixer_list") for s in (getattr(cfg, key) or [])]
-    if any("verifiers:" in str(s) for s in sources) and not getattr(cfg, "environment", None):
-        raise ConfigError("a verifiers: dataset is played by its environment: add --environment verifiers:<the same>")
+    check_played_by_an_environment(cfg)
     if getattr(cfg, "environment", None):  # RL multi-turn: import the environment (a user file too) now
         from open_instruct.environments import check_environment_config
 
         check_environment_config(cfg.environment, cfg.tools, cfg.tool_call_format)
     if getattr(cfg, "reward_functions", None):  # RL: import each one and check its signature now, not mid-run
-        from open_instruct.judge import check_run_judges
-        from open_instruct.rewards import load_reward_function
+        from open_instruct.rewards import load_reward_function, run_hooks
 
         for spec in cfg.reward_functions:
             load_reward_function(spec)
-        check_run_judges(cfg)  # a judge on the run's own engines needs some; one served here needs vLLM
+        for hook in run_hooks(cfg.reward_functions):  # e.g. a model served by engines the run starts: its needs
+            hook.check_run(cfg)

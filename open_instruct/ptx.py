@@ -32,7 +32,7 @@ import torch
 from accelerate import PartialState
 
 from open_instruct import data
-from open_instruct.models import scored_logprobs, with_scored_index
+from open_instruct.models import run_tokenizer, scored_logprobs, with_scored_index
 
 
 def demonstrations_config(cfg: Any) -> Any:
@@ -53,10 +53,7 @@ class DemonstrationLoss:
     when built, before any model loads (a bad row stops the run naming its file and row)."""
 
     def __init__(self, cfg: Any, tokenizer: Any):
-        if tokenizer is None:
-            raise ValueError(
-                "ptx_dataset's rows are tokenized with the policy's tokenizer: features_of(cfg, train, tokenizer)"
-            )
+        tokenizer = run_tokenizer(cfg) if tokenizer is None else tokenizer  # the policy's (a phase without features)
         self.examples, _, self.stats = data.load_train_eval(demonstrations_config(cfg), tokenizer, data.tokenize_sft)
         if PartialState().is_main_process:  # beside the start-up summary's data line
             print(f"  ptx    {self.stats.summary()}", flush=True)

@@ -16,7 +16,7 @@ own source (label = the task name), so mixtures weight tasks like any other data
 
 Rows are RLVR prompt rows: `messages` (the system prompt, then the question), `dataset: reasoning_gym` and a
 `ground_truth` that names the task, its config, seed, size and row index (and the answer, for reading). The
-`reasoning_gym` verifier (open_instruct/rewards.py) regenerates that row and scores the text inside the
+`reasoning_gym` verifier (registered below) regenerates that row and scores the text inside the
 completion's last <answer>...</answer> (reasoning_gym.utils.extract_answer; after the last </think>) with the
 task's own `score_answer`. Several tasks' `score_answer` evaluate the answer text (sympy's parse_expr, eval), so
 scoring never runs in the trainer: a batch's answers are scored (reasoning_gym_scoring.score_many) in calls of the
@@ -38,9 +38,12 @@ import os
 import pickle
 import re
 import zlib
-from typing import Any
+from typing import Any, Sequence
 
+from open_instruct.data_cache import code_identity
 from open_instruct.errors import ConfigError, DataError
+from open_instruct.integrations import Source, register_source
+from open_instruct.rewards import MAX_COMPLETION_CHARS, STATS, GroundTruthError, register_verifier, strip_thinking
 
 PREFIX = "reasoning_gym:"
 VERIFIER = "reasoning_gym"
@@ -243,3 +246,73 @@ def check_held_out(train_sources: list[str], eval_sources: list[str], train_spli
                 "its rows would repeat training rows. Give the held-out source another seed (or leave both seeds "
                 "out: the train and held-out splits then get different seeds)"
             )
+
+
+# ---- registration (open_instruct/integrations.py): the `reasoning_gym:` sources and the `reasoning_gym` verifier ----
+def _identity(source: str) -> list[Any]:
+    """What the tokenized-data cache keys on: the spec, the generating package's version, this module's code."""
+    from importlib.metadata import version
+
+    return [source, version("reasoning-gym"), code_identity([__file__])]
+
+
+def _size(source: str, split: str) -> tuple[int, str]:
+    return parse(source, split).size, "the reasoning_gym sources' sizes"
+
+
+def _continues(part: str) -> bool:
+    return bool(_BARE_TASK.match(part)) and not os.path.exists(part)
+
+
+register_source(
+    Source(
+        prefix=PREFIX.rstrip(":"),
+        generate=generate,
+        check=lambda source, where: parse(source, "train", where),
+        identity=_identity,
+        size=_size,
+        label=label,
+        continues=_continues,
+        check_held_out=check_held_out,
+    )
+)
+
+
+def _score_batch(
+    completions: Sequence[str], ground_truths: Sequence[Any], timeout: float, settings: Any = None
+) -> list[tuple[float, bool]]:
+    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_scoring.score_many) with the run's
+    sandbox settings (a code_verifier.CodeSettings: workers, hidden paths, batch timeout; default CodeSettings())."""
+    from open_instruct import reasoning_gym_scoring
+    from open_instruct.code_verifier import CodeSettings
+
+    settings = settings or CodeSettings()
+    texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]
+    try:
+        scored = reasoning_gym_scoring.score_many(
+            texts,
+            ground_truths,
+            timeout=timeout,
+            workers=settings.workers,
+            hide_paths=settings.hide_paths,
+            batch_timeout=settings.batch_timeout,
+        )
+    except BadGroundTruth as e:
+        raise GroundTruthError(str(e)) from None
+    for _, status in scored:
+        STATS[f"reasoning_gym_{status}"] += 1
+    return [(score, status == "timeout") for score, status in scored]
+
+
+def _check(ground_truth: Any) -> None:
+    try:
+        check_ground_truth(ground_truth)
+    except BadGroundTruth as e:
+        raise GroundTruthError(str(e)) from None
+
+
+@register_verifier(VERIFIER, sandboxed=True, batch=_score_batch, check=_check)
+def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
+    """A reasoning-gym task's own score_answer of the completion's <answer>. Its scorers may evaluate the answer
+    text: it runs in the sandbox (default timeout 2 s of CPU)."""
+    return _score_batch([completion], [ground_truth], 2.0)[0][0]

@@ -13,10 +13,9 @@ verifiers are binary: partial credit would let the policy farm half-right answer
     code        the program in the completion run against the row's test cases in the sandbox (formats and
                 failure reasons in open_instruct/code_verifier.py); 1.0 iff all pass, or the fraction passed
                 with `code_reward: fraction` (the one verifier that can give partial credit, opt-in)
-    reasoning_gym  a reasoning-gym task's own score_answer (open_instruct/reasoning_gym_tasks.py), run in the
-                sandbox (its scorers may evaluate the answer), a batch's rows together; correct iff it scores 1.0
-    verifiers_env  marks the rows of a verifiers environment (open_instruct/verifiers_env.py): its rubric scores
-                them inside the episode; scoring one here (no environment played) is a configuration error
+
+Integrations register theirs in their own module, imported when a row names one (open_instruct/integrations.py:
+BUILT_IN_VERIFIERS).
 
 Every verifier sees the text after the last "</think>" when a completion contains one (the answer, not the
 reasoning). Completions longer than MAX_COMPLETION_CHARS score 0 without being read.
@@ -43,8 +42,8 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
   * Verifiers registered `isolated` run in that worker process on every thread, the main one included.
-  * reasoning_gym (a package's scorers that may evaluate the answer text) runs in the sandbox, like `code`: each
-    answer in a sandboxed run of its own with `timeout` seconds of CPU time (registered with `batch=`: score_batch
+  * Verifiers registered `sandboxed` (a package's scorers that may evaluate the answer text: reasoning_gym) run in
+    the sandbox, like `code`: each answer in a sandboxed run of its own (registered with `batch=`: score_batch
     hands it all of a batch's rows at once, in `sandbox_workers` calls).
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
   * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
@@ -63,6 +62,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import importlib
 import inspect
 import json
 import logging
@@ -79,6 +79,8 @@ import time
 from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+from open_instruct import integrations
 
 logger = logging.getLogger(__name__)
 
@@ -149,13 +151,7 @@ def register_verifier(
     return decorator
 
 
-def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
-    """Map a dataset's `dataset`/`verifier` value to a registered verifier name (rule in the module docstring)."""
-    if isinstance(name, (list, tuple)) and len(name) == 1:  # some datasets store ["gsm8k"]
-        name = name[0]
-    if not isinstance(name, str):
-        raise ValueError(f"verifier name must be a string, got {name!r}")
-    key = name.strip().lower().rsplit("/", 1)[-1]
+def _registered_name(key: str) -> Optional[str]:
     if key in VERIFIERS:
         return key
     if ALIASES.get(key) in VERIFIERS:
@@ -164,8 +160,23 @@ def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
     for prefix in sorted(VERIFIERS, key=len, reverse=True):
         if key.startswith(prefix) and not key[len(prefix)].isalpha():
             return prefix
+    return None
+
+
+def normalize_verifier_name(name: Union[str, Sequence[str]]) -> str:
+    """Map a dataset's `dataset`/`verifier` value to a registered verifier name (rule in the module docstring)."""
+    if isinstance(name, (list, tuple)) and len(name) == 1:  # some datasets store ["gsm8k"]
+        name = name[0]
+    if not isinstance(name, str):
+        raise ValueError(f"verifier name must be a string, got {name!r}")
+    key = name.strip().lower().rsplit("/", 1)[-1]
+    found = _registered_name(key)
+    if found is None and integrations.load_verifier_module(key):  # an integration's: registered at its import
+        found = _registered_name(key)
+    if found is not None:
+        return found
     raise ValueError(
-        f"unknown verifier {name!r}; known verifiers: {sorted(VERIFIERS)} "
+        f"unknown verifier {name!r}; the known ones: {sorted(set(VERIFIERS) | set(integrations.BUILT_IN_VERIFIERS))} "
         f"(aliases: {sorted(ALIASES)}; names may carry a suffix such as 'gsm8k_train' or 'MATH-500')"
     )
 
@@ -745,70 +756,6 @@ def verify_ifeval(completion: str, ground_truth: Any) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Verifier: code (programs run in the sandbox, open_instruct/sandbox.py)
 # --------------------------------------------------------------------------------------------------------
-def _reasoning_gym_batch(
-    completions: Sequence[str], ground_truths: Sequence[Any], timeout: float, settings: Any = None
-) -> list[tuple[float, bool]]:
-    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_scoring.score_many) with the run's
-    sandbox settings (a code_verifier.CodeSettings: workers, hidden paths, batch timeout; default CodeSettings())."""
-    from open_instruct import reasoning_gym_scoring, reasoning_gym_tasks
-    from open_instruct.code_verifier import CodeSettings
-
-    settings = settings or CodeSettings()
-    texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]
-    try:
-        scored = reasoning_gym_scoring.score_many(
-            texts,
-            ground_truths,
-            timeout=timeout,
-            workers=settings.workers,
-            hide_paths=settings.hide_paths,
-            batch_timeout=settings.batch_timeout,
-        )
-    except reasoning_gym_tasks.BadGroundTruth as e:
-        raise GroundTruthError(str(e)) from None
-    for _, status in scored:
-        STATS[f"reasoning_gym_{status}"] += 1
-    return [(score, status == "timeout") for score, status in scored]
-
-
-def _reasoning_gym_check(ground_truth: Any) -> None:
-    from open_instruct import reasoning_gym_tasks
-
-    try:
-        reasoning_gym_tasks.check_ground_truth(ground_truth)
-    except reasoning_gym_tasks.BadGroundTruth as e:
-        raise GroundTruthError(str(e)) from None
-
-
-@register_verifier("reasoning_gym", sandboxed=True, batch=_reasoning_gym_batch, check=_reasoning_gym_check)
-def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
-    """A reasoning-gym task's own score_answer of the completion's <answer> (open_instruct/reasoning_gym_tasks.py).
-    Its scorers may evaluate the answer text: it runs in the sandbox (default timeout 2 s of CPU)."""
-    return _reasoning_gym_batch([completion], [ground_truth], 2.0)[0][0]
-
-
-def verifiers_env_row(ground_truth: Any) -> dict[str, Any]:
-    """The environment's dataset row a verifiers_env ground truth holds (its JSON), or GroundTruthError."""
-    try:
-        row = json.loads(ground_truth) if isinstance(ground_truth, str) else None
-    except ValueError:
-        row = None
-    if not isinstance(row, dict):
-        raise GroundTruthError(f"a verifiers_env ground truth is its environment row's JSON, got {ground_truth!r:.80}")
-    return row
-
-
-@register_verifier("verifiers_env")
-def verify_verifiers_env(completion: str, ground_truth: Any) -> float:
-    """Rows of a verifiers environment (open_instruct/verifiers_env.py) are scored by its rubric inside the episode;
-    this name only marks them. The load-time check (an empty completion) reads the ground truth; a completion
-    scored here means the run plays no environment, which is a configuration error."""
-    verifiers_env_row(ground_truth)
-    if completion:
-        raise ValueError("verifiers_env rows are scored by their environment: run with --environment verifiers:...")
-    return 0.0
-
-
 def _code_tests(ground_truth: Any, settings: Any = None) -> Any:
     """The row's tests, within the run's limits (code_verifier.check_limits; default CodeSettings)."""
     from open_instruct.code_verifier import CodeSettings, check_limits, parse_cached
@@ -1023,6 +970,8 @@ def _worker_main() -> None:
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
         request = json.loads(line)
+        if request.get("preload", request.get("name")) not in VERIFIERS:  # an integration's: registered at its import
+            integrations.load_verifier_module(request.get("preload", request.get("name")))
         if "preload" in request:
             try:
                 _ISOLATED[request["preload"]]()
@@ -1264,6 +1213,19 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     return fn
 
 
+def run_hooks(specs: Sequence[str]) -> list[Any]:
+    """The classes of the reward functions among `specs` that set something up with the run (a model served on
+    engines the run starts, or on the run's own), one per class: `check_run(cfg)` before anything starts (preflight)
+    and `start_run(cfg, generator, accelerator)` once the generator is up (collective; returns what to close at the
+    end). A plain function has neither."""
+    hooks: list[Any] = []
+    for spec in specs:
+        owner = type(load_reward_function(spec))
+        if hasattr(owner, "start_run") and owner not in hooks:
+            hooks.append(owner)
+    return hooks
+
+
 def reward_function_inputs(
     examples: Sequence[dict], texts: Sequence[str], completion_ids: Sequence[Sequence[int]]
 ) -> dict[str, list[Any]]:
@@ -1399,7 +1361,7 @@ def reward_function_labels(specs: Sequence[str]) -> list[str]:
 
 class FunctionValues(dict):
     """Each reward function's values per completion, by label; `counters`: per label, the counts a function reported
-    with its values (a list with a `counters` dict, e.g. a judge's calls, cache hits and parse failures), logged as
+    with its values (a list with a `counters` dict, e.g. a grader's calls, cache hits and parse failures), logged as
     `reward/<label>/<counter>` summed over ranks."""
 
     def __init__(self) -> None:
@@ -1427,7 +1389,7 @@ def custom_reward_values(
     for i, (spec, label) in enumerate(zip(specs, reward_function_labels(specs))):
         weight = 1.0 if weights is None else float(weights[i])
         returned = call_reward_function(spec, inputs, where, timeout)
-        counters = getattr(returned, "counters", None)  # e.g. a judge's (judge.JudgeValues)
+        counters = getattr(returned, "counters", None)  # e.g. a model grader's
         if isinstance(counters, dict):
             values.counters[label] = {str(k): float(v) for k, v in counters.items()}
         values[label] = [None if v is None else float(v) for v in returned]
@@ -1506,7 +1468,7 @@ def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeo
     """Call each reward function once on the first training rows, an empty completion standing in for the model's
     (a model can answer with nothing; the function must score it), before any model loads: a function that raises,
     hangs, returns the wrong length or NaN/inf fails now, naming itself and the row (a failing batch is retried row
-    by row to find it). A function whose model starts with the run (`starts_with_run`: a judge served by vLLM engines
+    by row to find it). A function whose model starts with the run (`starts_with_run`: a grader served by vLLM engines
     the run starts, or the run's own) is not called: its arguments were checked when it was built."""
     from open_instruct.errors import ConfigError
 
@@ -1566,8 +1528,8 @@ def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        _worker_main()
+    if sys.argv[1:] == ["--worker"]:  # as the imported module: the integrations register their verifiers in its table
+        importlib.import_module("open_instruct.rewards")._worker_main()
     elif len(sys.argv) == 4:  # quick manual check: python -m open_instruct.rewards math '\boxed{2}' '2'
         print(run_verifier(sys.argv[1], sys.argv[2], sys.argv[3]))
     else:

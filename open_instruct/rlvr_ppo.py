@@ -117,7 +117,7 @@ from open_instruct.rollouts import (
     padded,
     sample_rows,
     score_rollout,
-    start_judges,
+    start_reward_function_models,
     token_version_lags,
 )
 
@@ -153,10 +153,10 @@ class Feature:
 
 
 def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = None) -> list[Feature]:
-    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier
-    and correct_rate_by; `tokenizer`: the policy's, for ptx_dataset's rows). The generator and its vLLM engines, the
-    generation check and async sampling plug in at set-up instead: make_generator, make_checker and RolloutSampler in
-    `main`."""
+    """The features this run turns on, each imported only then (`train`: the training rows, for the code verifier's
+    and correct_rate_by's metrics, which a call without them leaves out; `tokenizer`: the policy's, for ptx_dataset's
+    rows, loaded when not given). The generator and its vLLM engines, the generation check and async sampling plug in
+    at set-up instead: make_generator, make_checker and RolloutSampler in `main`."""
     features = []
     if cfg.uses_teacher:  # on-policy distillation: the teacher scores, and under jsd adds a loss term
         from open_instruct import distillation
@@ -182,7 +182,7 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = No
         from open_instruct import code_verifier
 
         features.append(Feature("code", rollout_sums=code_verifier.status_sums, metrics=code_verifier.status_metrics))
-    if cfg.correct_rate_by:  # train/correct_rate/<group>: each group of prompts' own rate
+    if cfg.correct_rate_by and train:  # train/correct_rate/<group>: each group of prompts' own rate
         from open_instruct.correct_rates import CorrectRateByGroup
 
         by = CorrectRateByGroup(cfg, train)
@@ -718,7 +718,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     generator = make_generator(cfg, models.policy, tokenizer, accelerator, max_model_len)
     # every sync under a deadline and checked (generation_check.py); None: it samples with the trainer's own module
     checker = make_checker(cfg, generator, models.policy, tokenizer, accelerator, max_model_len)
-    judges = start_judges(cfg, generator, accelerator)  # judges on vLLM engines: the run's own, or started now
+    started = start_reward_function_models(cfg, generator, accelerator)  # reward models on engines started now
 
     run = runtime.RunContext(
         cfg, accelerator, models.trained(), optimizers, schedulers, tokenizer, plan.num_training_steps, "rollout_step"
@@ -797,8 +797,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         run.finish()
     sampler.close()
     generator.close()  # stops what it started, e.g. the engines
-    for judge in judges:  # the engines started for them
-        judge.close()
+    for model in started:  # the engines started for them
+        model.close()
 
 
 if __name__ == "__main__":

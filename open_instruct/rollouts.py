@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 from transformers import AutoConfig
 
-from open_instruct import console, data, rewards
+from open_instruct import console, data, integrations, rewards
 from open_instruct.config import RLVRConfig
 from open_instruct.distributed import (
     global_sum,
@@ -415,14 +415,11 @@ def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperatu
         return response_scores(models.reference, batch, temperature, group)
 
 
-def start_judges(cfg: RLVRConfig, generator: Any, accelerator: Any) -> list:
-    """The reward functions' judges on vLLM engines, once the generator is up (judge.start_run_judges: the run's own
-    engines, or engines started for a judge); those whose engines were started, to close at the end."""
-    if not cfg.reward_functions:
-        return []
-    from open_instruct.judge import start_run_judges  # imported only by a run with reward functions
-
-    return start_run_judges(cfg, generator, accelerator)
+def start_reward_function_models(cfg: RLVRConfig, generator: Any, accelerator: Any) -> list:
+    """The reward functions' models that start with the run, once the generator is up (rewards.run_hooks: e.g. a
+    model on the run's own engines, or on engines started for it); what was started, to close at the end."""
+    return [started for hook in rewards.run_hooks(cfg.reward_functions or ()) for started in
+            hook.start_run(cfg, generator, accelerator)]  # fmt: skip
 
 
 def reward_function_scores(
@@ -493,14 +490,9 @@ def environment_run(cfg: RLVRConfig, tokenizer: Any) -> Optional[EnvironmentRun]
         )  # fmt: skip
         return float(scored.rewards[0]), scored.num_timeouts > 0
 
-    if str(cfg.environment).startswith("verifiers:"):
-        from open_instruct import verifiers_env
-
-        if verifiers_env.v1_installed():  # verifiers 0.4: the env's harness plays its episodes (verifiers_v1.py)
-            from open_instruct.verifiers_v1_play import V1Run
-
-            return V1Run(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
-    return EnvironmentRun(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
+    integration = integrations.find(cfg.environment)  # an integration may play its episodes its own way
+    run_class = integration.environment_run(cfg.environment) if integration and integration.environment_run else None
+    return (run_class or EnvironmentRun)(cfg, tokenizer, verify, step_workers=cfg.sandbox_workers)
 
 
 def render_environment_prompts(cfg: RLVRConfig, examples: list[dict], environments: EnvironmentRun) -> list[dict]:
@@ -723,7 +715,6 @@ def load_models(
     """The trained policy (+ value model for PPO) with their optimizers and schedules, the frozen reference (the
     initial policy; only when beta > 0) and the optional frozen reward model, all prepared by accelerate.
     (The model loaders are looked up when called, so a test can stand in for them.)"""
-    from open_instruct.lora import apply_lora
     from open_instruct.models import (
         DTYPES,
         TokenValueModel,
@@ -734,6 +725,13 @@ def load_models(
         load_sequence_classifier,
         make_optimizer_and_scheduler,
     )
+
+    def adapted(model: Any, task_type: str) -> Any:  # LoRA adapters (lora.py is imported only by a LoRA run)
+        if not cfg.use_lora:
+            return model
+        from open_instruct.lora import apply_lora
+
+        return apply_lora(model, cfg, task_type, dropout=False)
 
     def causal_lm() -> Any:
         model = load_policy(cfg)
@@ -750,12 +748,11 @@ def load_models(
             require_trained_head=not trained,  # a frozen reward model's head must be trained; a value head may be fresh
             attn_implementation=cfg.attention_kernel,
         )
-        return TokenValueModel(apply_lora(classifier, cfg, "SEQ_CLS", dropout=False) if trained else classifier)
+        return TokenValueModel(adapted(classifier, "SEQ_CLS") if trained else classifier)
 
     # LoRA: the policy gets adapters and the reference is that same model with them disabled (no second copy).
     models = RLModels(
-        policy=apply_lora(causal_lm(), cfg, "CAUSAL_LM", dropout=False),
-        reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None,
+        policy=adapted(causal_lm(), "CAUSAL_LM"), reference=causal_lm() if cfg.beta > 0 and not cfg.use_lora else None
     )
     if cfg.uses_value_model:
         # A fresh scalar head (value model from the policy) is initialised the same way every run.

@@ -23,7 +23,8 @@ The environment's code (tools, reward functions, env_response) runs in the train
 thread, each call under `environment_timeout` (environments.GuardedEnvironment).
 
 Under verifiers 0.4.x (verifiers.v1 only) the same spec is a v1 taskset module instead: verifiers_v1.py loads it and
-verifiers_v1_play.py plays its episodes (`v1_installed` picks; data.py, preflight.py and rollouts.py dispatch).
+verifiers_v1_play.py plays its episodes (`v1_installed` picks: verifiers_v1_play.py registers the `verifiers:`
+prefix for both APIs, open_instruct/integrations.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import urllib.parse
 from typing import Any, Optional
 
 from open_instruct.errors import ConfigError, DataError
-from open_instruct.rewards import verifiers_env_row
+from open_instruct.rewards import GroundTruthError, register_verifier
 from open_instruct.user_code import load_module
 
 PREFIX = "verifiers:"
@@ -52,6 +53,28 @@ _ENVS: dict[str, Any] = {}
 _CLASSES: dict[str, type] = {}
 _LOCK = threading.Lock()
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
+
+
+def verifiers_env_row(ground_truth: Any) -> dict[str, Any]:
+    """The environment's dataset row a verifiers_env ground truth holds (its JSON), or GroundTruthError."""
+    try:
+        row = json.loads(ground_truth) if isinstance(ground_truth, str) else None
+    except ValueError:
+        row = None
+    if not isinstance(row, dict):
+        raise GroundTruthError(f"a verifiers_env ground truth is its environment row's JSON, got {ground_truth!r:.80}")
+    return row
+
+
+@register_verifier(VERIFIER)
+def verify_verifiers_env(completion: str, ground_truth: Any) -> float:
+    """Rows of a verifiers environment are scored by its rubric inside the episode; this name only marks them. The
+    load-time check (an empty completion) reads the ground truth; a completion scored here means the run plays no
+    environment, which is a configuration error."""
+    verifiers_env_row(ground_truth)
+    if completion:
+        raise ValueError("verifiers_env rows are scored by their environment: run with --environment verifiers:...")
+    return 0.0
 
 
 def parse(spec: str, where: str = "environment") -> tuple[str, dict[str, Any]]:

@@ -1,16 +1,21 @@
 """Playing a `verifiers.v1` environment's episodes (verifiers_v1.py: the spec, the rows, the endpoint): `V1Run` is
-episodes.EnvironmentRun for a run whose environment is a v1 env; rollouts.environment_run picks it under verifiers
-0.4. Each rollout starts every episode's harness on one event-loop thread, serves the endpoint's rounds from the
-run's generator on the calling thread, and builds each episode from its trace (verifiers_v1.py's docstring).
+episodes.EnvironmentRun for a run whose environment is a v1 env, picked under verifiers 0.4 by the `verifiers:`
+registration at the end (for either API: open_instruct/integrations.py). Each rollout starts every episode's
+harness on one event-loop thread, serves the endpoint's rounds from the run's generator on the calling thread, and
+builds each episode from its trace (verifiers_v1.py's docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 from dataclasses import replace
+from importlib.metadata import version
 from typing import Any, Optional, Sequence
 
+from open_instruct import verifiers_env, verifiers_v1
+from open_instruct.data_cache import code_identity, source_identity
 from open_instruct.episodes import (
     EnvironmentRun,
     Episode,
@@ -21,6 +26,7 @@ from open_instruct.episodes import (
     turn_seed,
 )
 from open_instruct.errors import ConfigError
+from open_instruct.integrations import Source, register_source
 from open_instruct.verifiers_v1 import MODEL_NAME, Call, GenerateServer, cut_at_stop, load, task_messages, task_of
 
 _LOOP: Optional[asyncio.AbstractEventLoop] = None
@@ -261,3 +267,36 @@ def _spans(mask: list[bool], start: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return spans
+
+
+# ---- registration (open_instruct/integrations.py): `verifiers:` sources and environments, either API ----------------
+def _api() -> Any:
+    """The module that loads a `verifiers:` spec with the installed verifiers: verifiers_v1 under 0.4, else
+    verifiers_env (the earlier API)."""
+    return verifiers_v1 if verifiers_env.v1_installed() else verifiers_env
+
+
+def _identity(source: str) -> list[Any]:
+    """What the tokenized-data cache keys on: the spec, verifiers' version, its module's file and this adapter's."""
+    target = source.strip()[len(verifiers_env.PREFIX) :].partition("?")[0]
+    found = None if target.endswith(".py") else importlib.util.find_spec(target.split(".")[0])
+    adapter = code_identity([verifiers_env.__file__, verifiers_v1.__file__])
+    return [source, version("verifiers"), source_identity(found.origin if found and found.origin else target), adapter]
+
+
+def _size(source: str, split: str) -> tuple[None, str]:
+    return None, "a verifiers environment's dataset is counted when the run loads it"
+
+
+register_source(
+    Source(
+        prefix=verifiers_env.PREFIX.rstrip(":"),
+        generate=lambda source, split: _api().generate(source, split),
+        check=lambda source, where: _api().load(source, where),
+        identity=_identity,
+        size=_size,
+        needs_environment=True,
+        environment_class=verifiers_env.environment_class,
+        environment_run=lambda spec: V1Run if verifiers_env.v1_installed() else None,
+    )
+)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -141,17 +142,18 @@ def test_the_rl_script_stays_within_its_budgets():
 
 # A plain RL run: GRPO, HF generation, synchronous; no teacher, environment, code rows, reward model or LoRA. The
 # open_instruct modules it imports (the features' modules are imported only by a run that turns them on:
-# distillation, episodes/environments, code_verifier/sandbox, generation_check, vLLM engines; the start checks
-# bring plan/memory_model (the memory prediction) and user_code (the variants' signatures)) ...
+# distillation, episodes/environments, code_verifier/sandbox, generation_check, vLLM engines, LoRA; an integration
+# only when a run names it, through the registry (integrations.py); the start checks bring plan/memory_model (the
+# memory prediction) and user_code (the variants' signatures)) ...
 PLAIN_RL_IMPORTS = {
     "open_instruct", "open_instruct.attention", "open_instruct.batch_math", "open_instruct.chat_render",
     "open_instruct.chat_templates", "open_instruct.checkpoint", "open_instruct.config", "open_instruct.console",
     "open_instruct.data", "open_instruct.data_cache", "open_instruct.distributed", "open_instruct.encode",
     "open_instruct.errors", "open_instruct.file_digests", "open_instruct.flag_names", "open_instruct.formats",
-    "open_instruct.generation", "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.lora",
-    "open_instruct.memory_model",
-    "open_instruct.mixture", "open_instruct.models", "open_instruct.plan", "open_instruct.preflight",
-    "open_instruct.reasoning_gym_tasks", "open_instruct.rewards", "open_instruct.rl_algorithms",
+    "open_instruct.generation",
+    "open_instruct.generation_backends", "open_instruct.gpu_stats", "open_instruct.integrations",
+    "open_instruct.memory_model", "open_instruct.mixture", "open_instruct.models", "open_instruct.plan",
+    "open_instruct.preflight", "open_instruct.rewards", "open_instruct.rl_algorithms",
     "open_instruct.rlvr_ppo", "open_instruct.rollouts",
     "open_instruct.run_dir", "open_instruct.runtime", "open_instruct.tracking",
     "open_instruct.user_code",
@@ -229,8 +231,18 @@ def run_and_walk(tiny_models, tmp_path, *extra):
     return set(modules["imported"]), set(modules["stepped"])
 
 
+# The modules of the integrations with other packages (integrations.py imports one when a run names it) and LoRA's.
+INTEGRATION_MODULES = {
+    "open_instruct.reasoning_gym_tasks", "open_instruct.verifiers_env", "open_instruct.verifiers_v1",
+    "open_instruct.verifiers_v1_chat", "open_instruct.verifiers_v1_play", "open_instruct.openenv_env",
+    "open_instruct.judge",
+}  # fmt: skip
+
+
 def test_a_plain_rl_run_imports_and_steps_through_only_its_modules(tiny_models, tmp_path):
     imported, stepped = run_and_walk(tiny_models, tmp_path)
+    unasked = sorted(imported & (INTEGRATION_MODULES | {"open_instruct.lora"}))
+    assert not unasked, f"a plain run imported {unasked}"
     assert imported == PLAIN_RL_IMPORTS, (
         f"new: {sorted(imported - PLAIN_RL_IMPORTS)}, gone: {sorted(PLAIN_RL_IMPORTS - imported)}"
     )
@@ -390,3 +402,69 @@ def test_the_config_offers_exactly_the_backends():
 
     offered = typing.get_args(typing.get_type_hints(RLVRConfig)["generation_backend"])
     assert offered == tuple(backend_classes())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Integrations at the edge (issue 68): the core never names one, and the import graph stays shallow
+
+CORE_MODULES = ("data", "data_cache", "mixture", "rewards", "rollouts", "environments", "episodes", "plan",
+                "preflight", "config", "runtime")  # fmt: skip
+MAX_LAYERS = 13  # the longest chain of imports among the library's modules (18 when integrations sat in the core)
+
+
+def layers(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain [a, b, ..., z] (a imports b, ...; z imports none of ours) of an acyclic graph."""
+    longest: dict[str, list[str]] = {}
+
+    def chain(node: str) -> list[str]:
+        if node not in longest:
+            below = [chain(nxt) for nxt in sorted(graph.get(node, ()))]
+            longest[node] = [node] + max(below, key=len, default=[])
+        return longest[node]
+
+    return max((chain(node) for node in sorted(graph)), key=len, default=[])
+
+
+def test_layer_counter():
+    assert layers({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"c"}}) == ["a", "b", "c"]
+
+
+def test_the_library_import_graph_is_at_most_13_layers():
+    graph = {m: {d for d in deps if d.startswith("open_instruct")} for m, deps in import_graph().items()}
+    graph = {m: deps for m, deps in graph.items() if m.startswith("open_instruct")}
+    chain = layers(graph)
+    assert len(chain) <= MAX_LAYERS, f"{len(chain)} layers: " + " -> ".join(chain)
+
+
+def integration_names() -> set[str]:
+    """What names an integration: its spec prefix (`reasoning_gym:`), its verifier's name, its module's name."""
+    from open_instruct import integrations
+
+    names = {f"{prefix}:" for prefix in integrations.BUILT_IN} | set(integrations.BUILT_IN_VERIFIERS)
+    return names | {m.rpartition(".")[2] for m in INTEGRATION_MODULES - {"open_instruct.judge"}} | {"Judge", "openenv"}
+
+
+def word_in(name: str, text: str) -> bool:
+    """`name` in `text` as a whole word (`Judge` is not in `JudgedLayout`; `verifiers:` is in `verifiers:my_env`)."""
+    end = r"(?!\w)" if name[-1].isalnum() or name[-1] == "_" else ""
+    return re.search(r"(?<!\w)" + re.escape(name) + end, text) is not None
+
+
+def test_word_finder():
+    assert word_in("Judge", "a Judge(url=...)") and not word_in("Judge", "class JudgedLayout:")
+    assert word_in("verifiers:", "'verifiers:my_env.py'") and not word_in("verifiers:", "the_verifiers: x")
+
+
+def test_no_core_module_names_an_integration():
+    """Core modules ask the registry (integrations.py); none imports an integration module or holds its prefix,
+    its verifier's name or its module's name, not even in a comment (the docs of an integration are its own)."""
+    graph = import_graph()
+    names = integration_names()
+    assert {"reasoning_gym:", "verifiers:", "reasoning_gym", "verifiers_env", "openenv_env"} <= names
+    for core in CORE_MODULES:
+        module = f"open_instruct.{core}"
+        imported = sorted(graph[module] & INTEGRATION_MODULES)
+        assert not imported, f"{module} imports {imported}"
+        source = open(module_path(module)).read()
+        named = sorted(name for name in names if word_in(name, source))
+        assert not named, f"{module} names the integration(s) {named}"

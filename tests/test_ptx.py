@@ -91,7 +91,8 @@ def test_the_term_is_the_hand_nll_times_the_micro_batch_units(tiny_models, files
 def test_micro_batch_loss_adds_the_term(tiny_models, files):
     """The same rollout rows (scripted tool episodes, tests/test_multiturn_rlvr.py) through micro_batch_loss with and
     without the feature: the losses differ by the feature's term (ptx_coef x the hand NLL of the rows that
-    micro-batch draws x its policy tokens: token_mean) and only the first logs ptx_loss."""
+    micro-batch draws x its policy tokens: token_mean) and only the first logs ptx_loss; called without features, it
+    reads the run's own and gives the first."""
     from test_multiturn_rlvr import ONE_PROCESS, config, play
 
     from open_instruct.models import load_causal_lm, load_tokenizer
@@ -124,6 +125,10 @@ def test_micro_batch_loss_adds_the_term(tiny_models, files):
     atol = chain_atol([*decoder_reduction_lengths(models.policy.config, seq), len(tokenizer), tokens], nll)
     atol += chain_atol([units], float(with_ptx.detach().abs()))  # the final sum with the other terms
     assert abs(float((with_ptx - without).detach()) - 0.5 * nll * units) <= 0.5 * units * atol + atol
+    # a phase called without `features` reads the run's own (features_of(cfg), the policy's tokenizer loaded for the
+    # demonstrations): the same term on the same drawn rows, so the very same loss
+    default, default_stats = micro_batch_loss(cfg, models, rollout, adv, rows, layout, "cpu", contextlib.nullcontext)
+    assert float(default.detach()) == float(with_ptx.detach()) and default_stats.keys() == stats.keys()
 
 
 def metric_rows(out) -> list[dict]:
