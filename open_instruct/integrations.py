@@ -23,7 +23,7 @@ from open_instruct.errors import ConfigError
 BUILT_IN = {"reasoning_gym": "open_instruct.reasoning_gym_tasks", "verifiers": "open_instruct.verifiers_v1_play"}
 # verifier name (a row's `dataset` column) -> the module that registers it
 BUILT_IN_VERIFIERS = {
-    "reasoning_gym": "open_instruct.reasoning_gym_tasks",
+    "reasoning_gym": "open_instruct.reasoning_gym_verifier",
     "verifiers_env": "open_instruct.verifiers_env",
 }
 _MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -38,12 +38,11 @@ import os
 import pickle
 import re
 import zlib
-from typing import Any, Sequence
+from typing import Any
 
 from open_instruct.data_cache import code_identity
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.integrations import Source, register_source
-from open_instruct.rewards import MAX_COMPLETION_CHARS, STATS, GroundTruthError, register_verifier, strip_thinking
 
 PREFIX = "reasoning_gym:"
 VERIFIER = "reasoning_gym"
@@ -276,43 +275,3 @@ register_source(
         check_held_out=check_held_out,
     )
 )
-
-
-def _score_batch(
-    completions: Sequence[str], ground_truths: Sequence[Any], timeout: float, settings: Any = None
-) -> list[tuple[float, bool]]:
-    """(score, timed_out) per completion, scored in the sandbox (reasoning_gym_scoring.score_many) with the run's
-    sandbox settings (a code_verifier.CodeSettings: workers, hidden paths, batch timeout; default CodeSettings())."""
-    from open_instruct import reasoning_gym_scoring
-    from open_instruct.code_verifier import CodeSettings
-
-    settings = settings or CodeSettings()
-    texts = [strip_thinking(c) if len(c) <= MAX_COMPLETION_CHARS else "" for c in completions]
-    try:
-        scored = reasoning_gym_scoring.score_many(
-            texts,
-            ground_truths,
-            timeout=timeout,
-            workers=settings.workers,
-            hide_paths=settings.hide_paths,
-            batch_timeout=settings.batch_timeout,
-        )
-    except BadGroundTruth as e:
-        raise GroundTruthError(str(e)) from None
-    for _, status in scored:
-        STATS[f"reasoning_gym_{status}"] += 1
-    return [(score, status == "timeout") for score, status in scored]
-
-
-def _check(ground_truth: Any) -> None:
-    try:
-        check_ground_truth(ground_truth)
-    except BadGroundTruth as e:
-        raise GroundTruthError(str(e)) from None
-
-
-@register_verifier(VERIFIER, sandboxed=True, batch=_score_batch, check=_check)
-def verify_reasoning_gym(completion: str, ground_truth: Any) -> float:
-    """A reasoning-gym task's own score_answer of the completion's <answer>. Its scorers may evaluate the answer
-    text: it runs in the sandbox (default timeout 2 s of CPU)."""
-    return _score_batch([completion], [ground_truth], 2.0)[0][0]

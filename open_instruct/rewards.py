@@ -41,10 +41,9 @@ Time limits (`run_verifier`, `score_completion`, `score_batch`): every call retu
     thread and after each kill (not counted against the call's timeout), ~0.15 ms IPC per call. The cheap
     verifiers run inline on any thread; a call that overruns is scored 0 and counted as a timeout after it
     returns (a thread cannot be pre-empted).
-  * Verifiers registered `isolated` run in that worker process on every thread, the main one included.
-  * Verifiers registered `sandboxed` (a package's scorers that may evaluate the answer text: reasoning_gym) run in
-    the sandbox, like `code`: each answer in a sandboxed run of its own (registered with `batch=`: score_batch
-    hands it all of a batch's rows at once, in `sandbox_workers` calls).
+  * Verifiers registered `sandboxed` (a package's scorers that may evaluate the answer text) run in the sandbox,
+    like `code`: each answer in a sandboxed run of its own (registered with `batch=`: score_batch hands it all of a
+    batch's rows at once, in `sandbox_workers` calls).
   * A timed-out call scores 0 and increments STATS["timeouts"] (and BatchScores.num_timeouts).
   * `code` is the exception: it runs no model text in this process, so no timer applies; its programs run in
     sandboxed subprocesses with their own limits (CodeSettings), `sandbox_workers` at a time across a batch.
@@ -110,7 +109,6 @@ _USES_SYMPY: set[str] = set()  # verifiers that can hang in sympy: need a pre-em
 _SANDBOXED: set[str] = set()  # verifiers whose work runs in sandboxed subprocesses, bounded by their own limits
 # verifiers that may evaluate model text (a package's scorer calling eval or sympy's parse_expr): always run in the
 # worker process, never in the trainer's; the value imports what they need before the first timed call
-_ISOLATED: dict[str, Optional[Callable[[], None]]] = {}
 # verifiers that score many rows in one go, (completions, ground truths, timeout, code settings) -> [(score,
 # timed_out)], and check a ground truth without scoring (check_verifiers)
 _BATCHED: dict[str, Callable[..., list[tuple[float, bool]]]] = {}
@@ -123,13 +121,11 @@ def register_verifier(
     *,
     uses_sympy: bool = False,
     sandboxed: bool = False,
-    isolated: bool = False,
-    preload: Optional[Callable[[], None]] = None,
     batch: Optional[Callable[..., list[tuple[float, bool]]]] = None,
     check: Optional[Callable[[Any], None]] = None,
 ) -> Callable[[VerifierFn], VerifierFn]:
     """Decorator: `@register_verifier("gsm8k")` makes the function available as get_verifier("gsm8k").
-    `isolated`: every call runs in the worker process (`preload` runs there once, before its first timed call)."""
+    `sandboxed`: its calls are bounded by the sandbox it runs in (`batch`: all of a batch's rows in one call)."""
     key = name.strip().lower()
 
     def decorator(fn: VerifierFn) -> VerifierFn:
@@ -140,8 +136,6 @@ def register_verifier(
             _USES_SYMPY.add(key)
         if sandboxed:
             _SANDBOXED.add(key)
-        if isolated:
-            _ISOLATED[key] = preload
         if batch is not None:
             _BATCHED[key] = batch
         if check is not None:
@@ -861,7 +855,6 @@ class _Worker:
         )
         os.set_blocking(self.proc.stdin.fileno(), False)  # a stuck child must not block a large write
         self._buffer = b""
-        self.preloaded: set[str] = set()  # isolated verifiers whose imports this child has done
         ready = self._read_line(_WORKER_START_TIMEOUT)
         if ready != b"ready":
             self.kill()
@@ -897,23 +890,8 @@ class _Worker:
                 return False
         return True
 
-    def preload(self, name: str) -> None:
-        """The verifier's imports, once per child and outside any call's time limit."""
-        if self._write_all(json.dumps({"preload": name}).encode() + b"\n", _WORKER_START_TIMEOUT):
-            line = self._read_line(_WORKER_START_TIMEOUT)
-            if line is not None:
-                reply = json.loads(line)
-                if reply.get("error"):
-                    raise GroundTruthError(reply["error"])
-                self.preloaded.add(name)
-                return
-        self.kill()
-        raise RuntimeError(f"rewards worker did not load verifier {name!r} within {_WORKER_START_TIMEOUT:.0f} s")
-
     def call(self, name: str, completion: str, ground_truth: Any, timeout: float) -> tuple[Optional[float], bool]:
         """(score, timed_out); a child that is stuck or dead counts as a timeout and is killed."""
-        if _ISOLATED.get(name) is not None and name not in self.preloaded:
-            self.preload(name)
         start = time.monotonic()
         request = {"name": name, "completion": completion, "ground_truth": ground_truth, "timeout": timeout}
         line = None
@@ -970,15 +948,6 @@ def _worker_main() -> None:
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
         request = json.loads(line)
-        if request.get("preload", request.get("name")) not in VERIFIERS:  # an integration's: registered at its import
-            integrations.load_verifier_module(request.get("preload", request.get("name")))
-        if "preload" in request:
-            try:
-                _ISOLATED[request["preload"]]()
-                out.write(b'{"preloaded": true}\n')
-            except Exception as e:  # e.g. the package is not installed: the parent reports it
-                out.write(json.dumps({"error": f"verifier {request['preload']}: {e!r}"}).encode() + b"\n")
-            continue
         # Answer a little before the parent's deadline so a timeout normally costs no restart.
         budget = max(0.01, request["timeout"] - min(0.1, request["timeout"] / 4))
         try:
@@ -1043,7 +1012,7 @@ def run_verifier(
         score = _checked_score(score, name)
     elif name in _SANDBOXED:  # bounded by the sandbox's limits, not by a timer in this process
         score, timed_out = _checked_score(VERIFIERS[name](completion, ground_truth), name), False
-    elif name in _ISOLATED or (name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer")):
+    elif name in _USES_SYMPY and not _signals_usable() and hasattr(signal, "setitimer"):
         score, timed_out = _worker_for_this_thread().call(name, completion, ground_truth, timeout)
         score = 0.0 if timed_out or score is None else _checked_score(score, name)
     else:
@@ -1103,7 +1072,7 @@ def score_batch(
     code_rows = [i for i, n in enumerate(names) if n == "code"]
     code_scores: dict[int, float] = {}
     batched: dict[int, tuple[float, bool]] = {}
-    for name in {n for n in names if n in _BATCHED}:  # e.g. reasoning_gym: all its rows in one go
+    for name in {n for n in names if n in _BATCHED}:  # a sandboxed integration: all its rows in one go
         rows = [i for i, n in enumerate(names) if n == name and len(completions[i]) <= MAX_COMPLETION_CHARS]
         STATS["calls"] += len(rows)
         scored = _BATCHED[name]([completions[i] for i in rows], [ground_truths[i] for i in rows], timeout, code)
@@ -1524,7 +1493,7 @@ def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
         try:
             isolation()  # probed now (~0.3 s) so that a machine that cannot run programs fails before training
         except RuntimeError as e:
-            raise ConfigError(f"{what} rows use a sandboxed verifier (code, reasoning_gym), but: {e}") from None
+            raise ConfigError(f"{what} rows use a sandboxed verifier (code, or an integration's), but: {e}") from None
 
 
 if __name__ == "__main__":
