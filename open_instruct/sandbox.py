@@ -117,6 +117,11 @@ class SandboxRun:
     cpu_seconds: Optional[float] = None
     wall_seconds: Optional[float] = None
     max_output_bytes: Optional[int] = None  # stdout and stderr each; at most the call's limit
+    # A lock-step pair (sandbox_boot.run_pair): argv[0] runs as the program's process P, and the file `test_runner`
+    # (one of the call's files) as a second process T that never loads the program and reads this run's part of
+    # the call's `sealed` stream, which only T ever holds; P and T talk over a pipe pair; the run's output, exit and
+    # limits are T's (CPU summed over both)
+    test_runner: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -369,6 +374,7 @@ def _spec(
                 "cpu_seconds": float(run.cpu_seconds or limits.cpu_seconds),
                 "wall_seconds": float(run.wall_seconds or limits.wall_seconds),
                 "max_output_bytes": int(min(run.max_output_bytes or limits.max_output_bytes, limits.max_output_bytes)),
+                **({"test_runner": run.test_runner} if run.test_runner is not None else {}),
             }
             for run in runs
         ],
@@ -432,14 +438,16 @@ def run_in_sandbox(
     hide_paths: Sequence[str] = (),
     deadline: Optional[float] = None,
     runs: Optional[Sequence[SandboxRun]] = None,
+    sealed: Sequence[str] = (),
 ) -> SandboxResult:
     """Run `program` (Python source) with `stdin` under `limits` in a fresh sandboxed process (module docstring).
 
     `files` ({name: text}) are written next to main.py in the empty working dir; `hide_paths` are covered besides
     default_hidden_paths(); `deadline` (time.monotonic()) cuts the wall limit short (a batch timeout). With `runs`,
     the call runs each of them in turn (SandboxRun; `stdin` is then unused) and reports each in `.runs`; the call's
-    wall limit is then for all of them together. Never raises for anything the program does; returns within the wall
-    limit plus about a second."""
+    wall limit is then for all of them together. `sealed`: one text per lock-step run (SandboxRun.test_runner), in
+    order, given only to that run's test process (the supervisor never reads it, so no fork of it holds it). Never
+    raises for anything the program does; returns within the wall limit plus about a second."""
     limits.validate()
     for name in files or {}:
         if not name or "/" in name or name.startswith(".") or name == "main.py":
@@ -448,7 +456,11 @@ def run_in_sandbox(
     for run in runs:
         if not run.argv or run.argv[0] not in ("main.py", *(files or {})):
             raise ValueError(f"sandbox run {run.argv!r} must start with main.py or one of the call's files")
-    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline)
+        if run.test_runner is not None and run.test_runner not in (files or {}):
+            raise ValueError(f"sandbox run's test_runner {run.test_runner!r} must be one of the call's files")
+    if len(sealed) != sum(run.test_runner is not None for run in runs):
+        raise ValueError(f"{len(sealed)} sealed texts for {sum(r.test_runner is not None for r in runs)} lock-step runs")
+    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline, sealed)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -604,6 +616,7 @@ def _call(
     files: dict,
     hide_paths: Sequence[str],
     deadline,
+    sealed: Sequence[str] = (),
 ) -> SandboxResult:
     start = time.monotonic()
     wall = limits.wall_seconds if deadline is None else min(limits.wall_seconds, deadline - start)
@@ -621,7 +634,7 @@ def _call(
             spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")
         # the supervisor ends each run at its wall limit and reports it; the parent's own kill is the backstop
         backstop = wall + _KILL_GRACE_SECONDS if wall == limits.wall_seconds else wall
-        result = _run(spec, limits, iso, backstop, start)
+        result = _run(spec, limits, iso, backstop, start, sealed)
         if cgroup is not None and _oom_kills(ctl, cgroup):
             for run in result.runs or [result]:
                 if run.limit is None and not run.ok:
@@ -693,11 +706,18 @@ class _Frames:
                 self.ends[int(header["run"])] = header
 
 
-def _run(spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: float) -> SandboxResult:
+def _run(
+    spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: float, sealed: Sequence[str] = ()
+) -> SandboxResult:
     status_r, status_w = os.pipe()
     spec["status_fd"] = status_w
     header = json.dumps(spec).encode()
-    feed = memoryview(b"%012d" % len(header) + header)
+    # after the spec, on the same stdin: each lock-step run's sealed text, read only by its test process
+    parts = [b"%012d" % len(header) + header]
+    for text in sealed:
+        data = text.encode("utf-8", "surrogateescape")
+        parts.append(b"%012d" % len(data) + data)
+    feed = memoryview(b"".join(parts))
     try:
         proc = subprocess.Popen(
             _command(iso),
@@ -925,6 +945,7 @@ class SandboxCall:
     files: Optional[dict[str, str]] = None
     limits: Optional[SandboxLimits] = None  # default: the pool's
     runs: Optional[tuple[SandboxRun, ...]] = None  # default: one run of main.py with `stdin`
+    sealed: tuple[str, ...] = ()  # one text per lock-step run, only for its test process (run_in_sandbox)
     # SandboxPool.run starts a call of phase p only after every call of a lower phase has ended: calls that must not
     # overlap in time (one holding secrets another's program must not learn, even by timing) go in different phases
     phase: int = 0
@@ -958,6 +979,7 @@ class SandboxPool:
                     hide_paths=self.hide_paths,
                     deadline=deadline,
                     runs=c.runs,
+                    sealed=c.sealed,
                 )
                 for i, c in enumerate(calls)
                 if c.phase == phase
