@@ -66,8 +66,9 @@ _APPLY = {
 _MUTABLE = (_list, _dict, _set, _bytearray, _deque, _Counter, _OrderedDict, _defaultdict)
 MAX_DEPTH = 64
 
-_out = os.dup(1)
-os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the program's prints go nowhere; answers go on the copy
+_in, _out = os.dup(0), os.dup(1)  # T's requests and P's answers, on copies: the program's stdin and stdout are empty
+os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+os.dup2(0, 1)
 _handles: dict = {}
 
 
@@ -82,7 +83,7 @@ def receive():
     def exact(n):
         buf = bytearray()
         while _len(buf) < n:
-            chunk = _read(0, n - _len(buf))
+            chunk = _read(_in, n - _len(buf))
             if not chunk:
                 _exit(0)  # T is done (or gone): nothing more to answer
             buf += chunk

@@ -32,8 +32,19 @@ class ProgramGone(Exception):
     """P ended, or sent something that is not an answer: the test cannot go on."""
 
 
-class ProgramSyntaxError(Exception):
-    pass
+class NotPlain(TypeError):
+    """The program answered with an object the test cannot take: not plain data, not an instance of a class the test
+    names (looked up by name), not an iterator or an re.Match. A wrong answer, as on the value path: whatever such an
+    object says (an __eq__ that always holds, a startswith that always does) would be the program's verdict."""
+
+
+# standard-library objects a call may return besides plain data: iterated (their items are judged like any value),
+# or, for a match, read through these methods and attributes only (none takes an expected value)
+ITERATORS = frozenset(
+    "generator map filter zip enumerate reversed list_iterator tuple_iterator range_iterator str_ascii_iterator "
+    "str_iterator set_iterator dict_keyiterator dict_valueiterator dict_itemiterator chain islice count".split()
+)
+MATCH_ATTRIBUTES = frozenset("group groups groupdict span start end string pos endpos lastindex lastgroup".split())
 
 
 def send(obj):
@@ -97,7 +108,12 @@ class Handle:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return request({"op": "attr", "ref": self._ref, "name": name})
+        kind = type(self).__name__
+        if isinstance(self, ProgramClass) or type(type(self)) is ProgramClass or kind not in ITERATORS | {"Match"}:
+            return request({"op": "attr", "ref": self._ref, "name": name}, via="attr")
+        if kind == "Match" and name in MATCH_ATTRIBUTES:
+            return request({"op": "attr", "ref": self._ref, "name": name}, via="attr")
+        raise NotPlain(f"the program's {kind} has no attribute {name!r} a test may use")
 
     def __call__(self, *args, **kwargs):
         return call(self._ref, args, kwargs)
@@ -112,7 +128,7 @@ class Handle:
         return n
 
     def __iter__(self):
-        iterator = self._apply("iter")
+        iterator = request({"op": "apply", "fn": "iter", "args": [encode(self)]}, via="attr")
         while True:
             try:
                 yield request({"op": "apply", "fn": "next", "args": [encode(iterator)]})
@@ -210,11 +226,13 @@ def may_resolve(module, qualname):
     return not (module == "builtins" and qualname in NOT_OWN_BUILTINS)
 
 
-def foreign_handle(ref, name):
+def foreign_handle(ref, name, via):
     """A handle of an object P keeps (a generator, a match, a function of a module T does not take as its own)."""
     if ref in _objects:
         return _objects[ref]
     name = str(name) or "object"
+    if via == "result" and name not in ITERATORS | {"Match"}:
+        raise NotPlain(f"the program returned a {name}, which is not plain data")
     cls = _foreign.get(name) or _foreign.setdefault(name, type(name, (Handle,), {"__slots__": ()}))
     obj = object.__new__(cls)
     object.__setattr__(obj, "_ref", ref)
@@ -222,7 +240,14 @@ def foreign_handle(ref, name):
     return obj
 
 
-def decode(v, args=()):
+def _named_class(cls):
+    return any(getattr(c, "_class_ref", None) in _named for c in cls.__mro__)
+
+
+def decode(v, args=(), via="result"):
+    """P's tagged value as this process's own. `via`: how it came: "global" (a name the program defines: its
+    functions, classes and objects all stand in), "attr" (an attribute of a handle: bound methods too), "result" (a
+    call's value: only plain data, instances of classes the test named, iterators and matches; else NotPlain)."""
     tag = v[0]
     if tag == "n":
         return None
@@ -243,11 +268,11 @@ def decode(v, args=()):
     if tag == "D":
         return decimal.Decimal(v[1])
     if tag in ("l", "t", "S", "F", "q", "B"):
-        items = [decode(e) for e in v[1]]
+        items = [decode(e, via=via) for e in v[1]]
         kind = {"l": list, "t": tuple, "S": set, "F": frozenset, "q": collections.deque, "B": bytearray}[tag]
         return kind(items)
     if tag in ("d", "C", "E", "O"):
-        pairs = [(decode(k), decode(e)) for k, e in v[1]]
+        pairs = [(decode(k, via=via), decode(e, via=via)) for k, e in v[1]]
         if tag == "E":
             return collections.defaultdict(None, pairs)
         if tag == "C":
@@ -258,14 +283,14 @@ def decode(v, args=()):
     if tag == "m":
         if may_resolve(v[1], "module"):
             return importlib.import_module(v[1])
-        return foreign_handle(v[2], "module")
+        return foreign_handle(v[2], "module", via)
     if tag == "r":
         if may_resolve(v[1], v[2]):
             try:
                 return resolve(v[1], v[2])
             except (ImportError, AttributeError):
                 pass
-        return foreign_handle(v[3], str(v[2]).rsplit(".", 1)[-1])
+        return foreign_handle(v[3], str(v[2]).rsplit(".", 1)[-1], via)
     if tag == "K":
         return stand_in_class(v)
     if tag == "o":
@@ -274,10 +299,12 @@ def decode(v, args=()):
         cls_enc = v[2]
         if cls_enc[0] == "K" and not cls_enc[3]:
             cls = stand_in_class(cls_enc)
-            if cls_enc[1] in _named and "__contains__" not in cls.__dict__:
+            if via == "result" and not _named_class(cls):
+                raise NotPlain(f"the program returned a {cls.__name__}, a class the test does not name")
+            if _named_class(cls) and "__contains__" not in cls.__dict__:
                 cls.__contains__ = _contains
         else:  # a standard-library class (a generator, a match, ...): a handle of that name, nothing more
-            return foreign_handle(v[1], str(cls_enc[2]).rsplit(".", 1)[-1] if cls_enc[0] == "r" else "object")
+            return foreign_handle(v[1], str(cls_enc[2]).rsplit(".", 1)[-1] if cls_enc[0] == "r" else "object", via)
         obj = object.__new__(cls)
         object.__setattr__(obj, "_ref", v[1])
         _objects[v[1]] = obj
@@ -342,14 +369,14 @@ def _raise(reply):
     raise cls(text)
 
 
-def request(message, args=()):
+def request(message, via="result"):
     send(message)
     reply = receive()
     if "raised" in reply:
         _raise(reply)
     if "v" not in reply:
         raise ProgramGone("a malformed answer")
-    return decode(reply["v"], args)
+    return decode(reply["v"], via=via)
 
 
 def _update(target, state):
@@ -413,9 +440,9 @@ class ProgramNames(dict):
         if isinstance(builtin, type) or (builtin is not None and not callable(builtin)):
             raise KeyError(name)  # a built-in class or constant the program rebinds: the test's stays
         if builtin is not None:  # a built-in function the program rebinds: the builtin where it applies (below)
-            self._fixed[name] = _builtin_first(builtin, lambda: request({"op": "global", "name": name}))
+            self._fixed[name] = _builtin_first(builtin, lambda: request({"op": "global", "name": name}, via="global"))
             return self._fixed[name]
-        reply_value = request({"op": "global", "name": name})
+        reply_value = request({"op": "global", "name": name}, via="global")
         if isinstance(reply_value, ProgramClass):
             _named.add(reply_value._class_ref)
         if isinstance(reply_value, (type, Handle)) or callable(reply_value):
@@ -465,7 +492,7 @@ def main(source):
     namespace.update({"__name__": "__main__", "__builtins__": builtins})
     try:
         exec(code, namespace)
-    except AssertionError:
+    except (AssertionError, NotPlain):
         traceback.print_exc(limit=-3)
         return WRONG
     except MemoryError:
