@@ -222,6 +222,17 @@ def whole_test(source: str, entry_point: Optional[str] = None) -> WholeTest:
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     top_calls = {s.func.id for n in top for s in ast.walk(n) if isinstance(s, ast.Call) and isinstance(s.func, ast.Name)}
+    checking = {f.name for f in functions if _has_check(f)}  # functions that check, directly or through a call
+    while True:
+        more = {
+            f.name
+            for f in functions
+            if f.name not in checking
+            and any(isinstance(c, ast.Call) and getattr(c.func, "id", None) in checking for c in ast.walk(f))
+        }
+        if not more:
+            break
+        checking |= more
     implicit = []
     for function in functions:
         if function.name in top_calls:
@@ -229,7 +240,7 @@ def whole_test(source: str, entry_point: Optional[str] = None) -> WholeTest:
         params = function.args.args
         if function.name.startswith("test") and not params:
             implicit.append(f"{function.name}()")
-        elif entry_point and len(params) == 1 and _has_check(function):
+        elif entry_point and len(params) == 1 and function.name in checking:
             implicit.append(f"{function.name}({entry_point})")
     if implicit:
         source = source.rstrip() + "\n\n\n" + "\n".join(implicit) + "\n"

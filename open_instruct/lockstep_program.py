@@ -218,10 +218,24 @@ def answer(request, ns):
         return {"v": encode(_APPLY[request["fn"]](*args))}
     kwargs = {k: decode(v) for k, v in request.get("kwargs", ())}
     value = _handles[request["ref"]](*args, **kwargs)
-    position = next((k for k, a in enumerate(args) if a is value and _type(a) in _MUTABLE), None)
     after = [encode(a) if _type(a) in _MUTABLE else None for a in args]
     after_kw = [[k, encode(a)] for k, a in kwargs.items() if _type(a) in _MUTABLE]
-    return {"v": ["a", position] if position is not None else encode(value), "after": after, "after_kw": after_kw}
+    path = _path_in(value, args) if _type(value) in _MUTABLE else None
+    return {"v": ["a", *path] if path is not None else encode(value), "after": after, "after_kw": after_kw}
+
+
+def _path_in(value, args):
+    """Where `value` is among the arguments (an index, then indices into lists and tuples), if it is one of them or
+    a part of one: T answers with its own object there, so `f(a) is a[0]` holds as in one interpreter."""
+    todo, seen = [((k,), a) for k, a in enumerate(args)], 0
+    while todo and seen < 10_000:
+        path, item = todo.pop(0)
+        seen += 1
+        if item is value:
+            return path
+        if (_type(item) is _list or _type(item) is _tuple) and _len(path) < 8:
+            todo.extend((path + (i,), v) for i, v in enumerate(item))
+    return None
 
 
 def main():

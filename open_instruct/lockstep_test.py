@@ -12,6 +12,7 @@ AssertionError; 3 MemoryError; 4 the program does not compile; 2 anything else (
 call's exception the test did not catch, P gone or malformed answers).
 """
 
+import ast
 import builtins
 import collections
 import decimal
@@ -240,8 +241,16 @@ def foreign_handle(ref, name, via):
     return obj
 
 
+_test_identifiers = set()  # every name and attribute name the test's source uses
+
+
 def _named_class(cls):
-    return any(getattr(c, "_class_ref", None) in _named for c in cls.__mro__)
+    """Whether the test names this class of the program (or a base of it): looked up by name, or its name in the
+    test's source (isinstance(x, Node) after x = make(3))."""
+    return any(
+        getattr(c, "_class_ref", None) in _named or (c.__name__ in _test_identifiers and "_class_ref" in c.__dict__)
+        for c in cls.__mro__
+    )
 
 
 def decode(v, args=(), via="result"):
@@ -278,8 +287,11 @@ def decode(v, args=(), via="result"):
         if tag == "C":
             return collections.Counter(dict(pairs))
         return {"d": dict, "O": collections.OrderedDict}[tag](pairs)
-    if tag == "a":
-        return args[v[1]]
+    if tag == "a":  # an argument, or a part of one: the test's own object
+        found = args[v[1]]
+        for index in v[2:]:
+            found = found[index]
+        return found
     if tag == "m":
         if may_resolve(v[1], "module"):
             return importlib.import_module(v[1])
@@ -382,8 +394,8 @@ def request(message, via="result"):
 def _update(target, state):
     """Apply P's copy of a mutable argument, after the call, to the test's own object in place."""
     value = decode(state)
-    if type(value) is not type(target):
-        return
+    if type(value) is not type(target) or value == target:
+        return  # (unchanged: the test's inner objects keep their identity)
     if isinstance(target, (list, bytearray)):
         target[:] = value
     elif isinstance(target, (dict, set, collections.deque)):
@@ -478,6 +490,11 @@ def _pytest_module():
 
 def main(source):
     code = compile(source, "test", "exec")  # the test is ground truth: it compiles (checked before the run)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            _test_identifiers.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            _test_identifiers.add(node.attr)
     first = receive()
     if "syntax_error" in first:
         return SYNTAX
