@@ -25,8 +25,10 @@ WRONG = [
     ),
     (
         "a helper parameter substituted by name",
-        "def find_factor(n):\n    return 2 if n == 91 else 91\n",  # answers 2, 2, 91 to whatever is asked
-        ["def check_factor(n, d):\n    assert 1 < d < n and n % d == 0\ncheck_factor(91, find_factor(91))"],
+        # answers 2, 2, 91 to the three checks of the helper when each ran apart (it read which one from argv)
+        "import sys\ndef find_factor(n):\n    return [2, 2, 91][int(sys.argv[1]) % 3] if len(sys.argv) > 1 else 2\n",
+        ["def check_factor(n, d):\n    assert d > 1\n    assert d < n\n    assert n % d == 0\n"
+         "check_factor(91, find_factor(91))"],
     ),
     (
         "a raises test when the import raises",
@@ -40,9 +42,8 @@ WRONG = [
     ),
     (
         "a stale global inside a called helper",
-        "calls = []\ndef record(x):\n    return len(calls)\n",  # never records anything
-        ["def recorded(n):\n    return len(calls) == n\nrecord(1)\nassert record(2) == 0\nassert recorded(2) or True\n"
-         "assert calls == [1, 2]"],
+        "def square(x):\n    return (x + 1) ** 2\n",  # right only for the value N had when check was defined
+        ["N = 5\ndef check(candidate):\n    assert candidate(N) == 36\nN = 6\ncheck(square)"],
     ),
     (
         "HumanEval+'s shape-strict assert_allclose (a length-1 answer broadcast)",
