@@ -379,6 +379,7 @@ def _spec(
             for run in runs
         ],
         "files": {"main.py": program, **files},
+        **_test_packages(),
         "uid": uid,
         "gid": gid,
         "drop_privileges": iso.drops_privileges,
@@ -392,6 +393,30 @@ def _spec(
         },
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"},
     }
+
+
+# Packages a lock-step run's test process may import besides the standard library (HumanEval+'s and MBPP+'s harnesses
+# call numpy.allclose): shown read-only in the sandbox, on the test process's sys.path only (the program can read them
+# too; they hold nothing of the run's).
+TEST_PACKAGES = ("numpy",)
+
+
+@functools.lru_cache(maxsize=1)
+def _test_packages() -> dict:
+    """{"expose": the TEST_PACKAGES' folders (and their vendored libraries), "test_path": the folders holding them}
+    as this interpreter finds them (without importing them), or {} when none is installed."""
+    import importlib.util
+
+    expose, roots = [], []
+    for name in TEST_PACKAGES:
+        found = importlib.util.find_spec(name)
+        if found is None or not found.submodule_search_locations:
+            continue
+        folder = os.path.realpath(list(found.submodule_search_locations)[0])
+        root = os.path.dirname(folder)
+        expose += [p for p in (folder, os.path.join(root, f"{name}.libs")) if os.path.isdir(p)]
+        roots.append(root)
+    return {"expose": expose, "test_path": sorted(set(roots))} if expose else {}
 
 
 def _command(iso: Isolation) -> list[str]:

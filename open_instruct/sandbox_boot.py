@@ -181,35 +181,37 @@ def _is_within(path, parent):
 
 
 def build_mounts(spec):
-    """Step 1: hidden paths, the interpreter re-exposed, then every mount read-only (the private temp dir comes per
-    run: fresh_workdir)."""
+    """Step 1: hidden paths, the interpreter (and spec's `expose` folders: the test processes' numpy) re-exposed
+    read-only at their own paths, then every mount read-only (the private temp dir comes per run: fresh_workdir)."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
-    prefix = spec["python_prefix"]
-    stage = "/tmp/.prefix"
     hide = sorted({p for p in spec["hide"] if os.path.lexists(p) and p != "/" and not _is_within(p, "/tmp")}, key=len)
-    covering = [p for p in hide if _is_within(prefix, p) and p != prefix]
-    if covering:
-        os.mkdir(stage, 0o755)
-        _mount(prefix, stage, None, MS_BIND | MS_REC, None)
+    kept = [spec["python_prefix"], *(p for p in spec.get("expose", ()) if os.path.isdir(p))]
+    stages = {}  # a kept folder under a hidden one -> where it waits while the hidden one is covered
+    for i, path in enumerate(kept):
+        if any(_is_within(path, p) and p != path for p in hide):
+            stages[path] = f"/tmp/.keep{i}"
+            os.mkdir(stages[path], 0o755)
+            _mount(path, stages[path], None, MS_BIND | MS_REC, None)
     done = []
     for path in hide:
         if any(_is_within(path, parent) for parent in done):
             continue  # already under a hidden parent
-        if _is_within(path, prefix):
+        if any(_is_within(path, k) for k in kept):
             continue  # hiding part of the interpreter would break it; say so in the docs, not here
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755,nr_inodes=64")
-            if path in covering:
-                os.makedirs(prefix, 0o755, exist_ok=True)  # the parents of the prefix, on the fresh tmpfs
-                _mount(stage, prefix, None, MS_BIND | MS_REC, None)
-                _mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-            else:
+            inside = [k for k in stages if _is_within(k, path)]
+            for k in inside:
+                os.makedirs(k, 0o755, exist_ok=True)  # its parents, on the fresh tmpfs
+                _mount(stages[k], k, None, MS_BIND | MS_REC, None)
+                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+            if not inside:
                 os.chmod(path, 0)
             _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k")
         else:
             _mount("/dev/null", path, None, MS_BIND, None)
         done.append(path)
-    if covering:
+    for stage in stages.values():
         _umount(stage)
         os.rmdir(stage)
     _umount("/tmp")
@@ -686,6 +688,7 @@ def main():
             return
         if isinstance(outcome, tuple) and outcome[0] is TEST:  # a pair's test process: the runner, given its text
             _, source, sealed = outcome
+            sys.path.extend(spec.get("test_path", ()))  # (numpy, for test harnesses that use it)
             exec(compile(source, run["test_runner"], "exec"), {"__name__": "__main__", "SEALED": sealed})
             return
         if not outcome:
