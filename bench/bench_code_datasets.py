@@ -15,8 +15,8 @@ whether every reference solution scores 1, from local copies of the datasets (no
                     {"test"}, the EvalPlus `assertion()` harness over inputs/results; reference = code
 
 Reported per dataset (one JSON line each): rows, tests, tests on the value path and their share, tests run whole in
-lock-step, rows with script tests (none since lock-step: the field stays for comparison) and rows that are bad ground truth (with the first reasons), and with
---score the reference solutions scoring 1 (scripts allowed, so every row is scored) and the rows that do not.
+lock-step, rows with script tests (none since lock-step), rows that are bad ground truth (with the first reasons), and
+with --score the reference solutions scoring 1 and the rows that do not.
 """
 
 from __future__ import annotations

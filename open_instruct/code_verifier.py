@@ -192,6 +192,7 @@ def _has_check(node: ast.AST) -> bool:
 def _reachable_checks(tree: ast.Module) -> bool:
     """Whether the test code checks something when it runs: a check (_has_check) at module level or in a function
     that module-level code calls (directly or through functions it calls)."""
+
     def called(nodes: Sequence[ast.AST]) -> set:
         return {
             sub.func.id
@@ -221,7 +222,9 @@ def whole_test(source: str, entry_point: Optional[str] = None) -> WholeTest:
     tree = ast.parse(source)
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-    top_calls = {s.func.id for n in top for s in ast.walk(n) if isinstance(s, ast.Call) and isinstance(s.func, ast.Name)}
+    top_calls = {
+        s.func.id for n in top for s in ast.walk(n) if isinstance(s, ast.Call) and isinstance(s.func, ast.Name)
+    }
     checking = {f.name for f in functions if _has_check(f)}  # functions that check, directly or through a call
     while True:
         more = {

@@ -27,7 +27,6 @@ import importlib
 import json
 import operator
 import os
-import re
 import sys
 
 _type, _id, _isinstance, _len, _int_format, _float_hex = type, id, isinstance, len, int.__format__, float.hex
@@ -45,7 +44,9 @@ _dumps, _loads, _read, _write, _exit = json.dumps, json.loads, os.read, os.write
 _getattr, _mro, _callable = getattr, type.__dict__["__mro__"].__get__, callable
 _import, _modules, _ModuleType = importlib.import_module, sys.modules, type(sys)
 _dict_items, _list_of = dict.items, list
-_exceptions = {_id(c): c.__name__ for c in vars(builtins).values() if _isinstance(c, type) and issubclass(c, BaseException)}
+_exceptions = {
+    _id(c): c.__name__ for c in vars(builtins).values() if _isinstance(c, type) and issubclass(c, BaseException)
+}
 _APPLY = {
     "len": len,
     "iter": iter,

@@ -404,7 +404,14 @@ def _update(target, state):
 
 
 def call(ref, args, kwargs):
-    send({"op": "call", "ref": ref, "args": [encode(a) for a in args], "kwargs": [[k, encode(v)] for k, v in kwargs.items()]})
+    send(
+        {
+            "op": "call",
+            "ref": ref,
+            "args": [encode(a) for a in args],
+            "kwargs": [[k, encode(v)] for k, v in kwargs.items()],
+        }
+    )
     reply = receive()
     if "raised" in reply:
         _raise(reply)

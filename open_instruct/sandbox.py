@@ -484,7 +484,9 @@ def run_in_sandbox(
         if run.test_runner is not None and run.test_runner not in (files or {}):
             raise ValueError(f"sandbox run's test_runner {run.test_runner!r} must be one of the call's files")
     if len(sealed) != sum(run.test_runner is not None for run in runs):
-        raise ValueError(f"{len(sealed)} sealed texts for {sum(r.test_runner is not None for r in runs)} lock-step runs")
+        raise ValueError(
+            f"{len(sealed)} sealed texts for {sum(r.test_runner is not None for r in runs)} lock-step runs"
+        )
     return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline, sealed)
 
 

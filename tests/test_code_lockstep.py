@@ -27,8 +27,10 @@ WRONG = [
         "a helper parameter substituted by name",
         # answers 2, 2, 91 to the three checks of the helper when each ran apart (it read which one from argv)
         "import sys\ndef find_factor(n):\n    return [2, 2, 91][int(sys.argv[1]) % 3] if len(sys.argv) > 1 else 2\n",
-        ["def check_factor(n, d):\n    assert d > 1\n    assert d < n\n    assert n % d == 0\n"
-         "check_factor(91, find_factor(91))"],
+        [
+            "def check_factor(n, d):\n    assert d > 1\n    assert d < n\n    assert n % d == 0\n"
+            "check_factor(91, find_factor(91))"
+        ],
     ),
     (
         "a raises test when the import raises",
@@ -57,7 +59,8 @@ WRONG = [
     ),
     (
         "an always-equal object the test does not name",
-        "class Yes:\n    def __eq__(self, other):\n        return True\n    def startswith(self, *a):\n        return True\n"
+        "class Yes:\n    def __eq__(self, other):\n        return True\n"
+        "    def startswith(self, *a):\n        return True\n"
         "def f(x):\n    return Yes()\n",
         ["x = f(1)\nassert x == 5 and x.startswith('ab')"],
     ),
@@ -66,11 +69,7 @@ WRONG = [
         "isinstance = lambda *a: True\nlen = lambda x: 3\ndef to_list(s):\n    return s\n",
         ["out = to_list('abcd')\nassert isinstance(out, list) and len(out) == 4"],
     ),
-    (
-        "a program that names os._exit as its function",
-        "import os\nsolve = os._exit\n",
-        ["assert solve(0) == 1"],
-    ),
+    ("a program that names os._exit as its function", "import os\nsolve = os._exit\n", ["assert solve(0) == 1"]),
 ]
 
 # (name, honest program, its test)
@@ -108,8 +107,10 @@ HONEST = [
     (
         "the program's own exception class",
         "class Invalid(ValueError):\n    pass\ndef parse(x):\n    raise Invalid(x)\n",
-        ["try:\n    parse('x')\nexcept Invalid:\n    pass\nelse:\n    assert False", "import pytest\n"
-         "with pytest.raises(ValueError):\n    parse('y')"],
+        [
+            "try:\n    parse('x')\nexcept Invalid:\n    pass\nelse:\n    assert False",
+            "import pytest\nwith pytest.raises(ValueError):\n    parse('y')",
+        ],
     ),
     (
         "a generator iterated",
@@ -138,7 +139,9 @@ HONEST = [
 @pytest.fixture(scope="module")
 def scores():
     rows = WRONG + HONEST
-    outcomes = code_verifier.score_programs([f"```python\n{p}\n```" for _, p, _ in rows], [t for *_, t in rows], SETTINGS)
+    outcomes = code_verifier.score_programs(
+        [f"```python\n{p}\n```" for _, p, _ in rows], [t for *_, t in rows], SETTINGS
+    )
     return {name: outcome for (name, _, _), outcome in zip(rows, outcomes)}
 
 
