@@ -616,7 +616,7 @@ def _source_of(name: str) -> str:
 
 
 # P and T of a whole test (standard library only, written into the sandbox as files of the call)
-LOCKSTEP_FILES = {name: _source_of(name) for name in ("lockstep_program.py", "lockstep_test.py")}
+LOCKSTEP_FILES = {name: _source_of(name) for name in ("lockstep_program.py", "lockstep_harness.py")}
 
 
 def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
@@ -673,7 +673,7 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         sandbox_runs, value_index = [], 0
         for run in runs:
             if run["kind"] == "whole":
-                argv, runner = ("lockstep_program.py",), "lockstep_test.py"
+                argv, runner = ("lockstep_program.py",), "lockstep_harness.py"
             else:
                 argv = ("solution.py",) if run["kind"] == "stdio" else ("probe.py", str(value_index))
                 runner, value_index = None, value_index + 1
@@ -727,7 +727,7 @@ def _run_failure(record: dict) -> Optional[str]:
     return "crash"
 
 
-# a whole test's exit status (lockstep_test.py): 0 the test ran to its end
+# a whole test's exit status (lockstep_harness.py): 0 the test ran to its end
 _WHOLE_EXITS = {0: "pass", 1: "wrong_answer", 3: "memory", 4: "syntax_error"}
 
 

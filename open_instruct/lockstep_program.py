@@ -67,9 +67,7 @@ _APPLY = {
 _MUTABLE = (_list, _dict, _set, _bytearray, _deque, _Counter, _OrderedDict, _defaultdict)
 MAX_DEPTH = 64
 
-_in, _out = os.dup(0), os.dup(1)  # T's requests and P's answers, on copies: the program's stdin and stdout are empty
-os.dup2(os.open(os.devnull, os.O_RDWR), 0)
-os.dup2(0, 1)
+_in = _out = -1  # T's requests and P's answers (main)
 _handles: dict = {}
 
 
@@ -240,6 +238,10 @@ def _path_in(value, args):
 
 
 def main():
+    global _in, _out
+    _in, _out = os.dup(0), os.dup(1)  # on copies: the program's own stdin and stdout are empty
+    os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+    os.dup2(0, 1)
     try:
         with open("solution.py", encoding="utf-8") as f:
             program = compile(f.read(), "solution.py", "exec")
@@ -265,4 +267,5 @@ def main():
             send(raised(e))
 
 
-main()
+if __name__ == "__main__":
+    main()

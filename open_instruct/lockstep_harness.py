@@ -540,4 +540,5 @@ def run(source):
         os._exit(status)
 
 
-run(SEALED)  # noqa: F821 - given by the supervisor (sandbox_boot.run_pair)
+if __name__ == "__main__":
+    run(SEALED)  # noqa: F821 - given by the supervisor (sandbox_boot.run_pair)
