@@ -379,7 +379,7 @@ def _spec(
             for run in runs
         ],
         "files": {"main.py": program, **files},
-        **_test_packages(),
+        **lockstep_packages(),
         "uid": uid,
         "gid": gid,
         "drop_privileges": iso.drops_privileges,
@@ -402,7 +402,7 @@ TEST_PACKAGES = ("numpy",)
 
 
 @functools.lru_cache(maxsize=1)
-def _test_packages() -> dict:
+def lockstep_packages() -> dict:
     """{"expose": the TEST_PACKAGES' folders (and their vendored libraries), "test_path": the folders holding them}
     as this interpreter finds them (without importing them), or {} when none is installed."""
     import importlib.util
