@@ -144,7 +144,10 @@ def test_the_cgroup_filesystem_and_host_paths_are_hidden_without_a_run_config(is
     exposed = sandbox.lockstep_packages().get("expose", [])  # numpy for lock-step test processes, read-only
     for path, shown in listed.items():  # what stays readable: the allow-list, /tmp, the prefix's and numpy's parents
         parent_of_exposed = any(p.startswith(path + "/") for p in exposed)
-        assert path.strip("/") in sandbox.VISIBLE_TOP_LEVEL or shown in ("True", "0") or parent_of_exposed, (path, shown)
+        assert path.strip("/") in sandbox.VISIBLE_TOP_LEVEL or shown in ("True", "0") or parent_of_exposed, (
+            path,
+            shown,
+        )
     assert "/home" not in listed and "/root" not in listed or listed.get("/root") == "True"
 
 
