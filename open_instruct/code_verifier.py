@@ -122,6 +122,7 @@ class WholeTest:
     point>)` where the row names an entry point its `check` is never called with (HumanEval's harness)."""
 
     source: str
+    checks: int = 1  # how many checks it holds (what its CPU limit is scaled by: build_calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +254,12 @@ def whole_test(source: str, entry_point: Optional[str] = None) -> WholeTest:
     return WholeTest(source)
 
 
+def _longest_literal_list(source: str) -> int:
+    """The length of the longest list or tuple display in `source` (a harness's `inputs = [...]`): how many checks
+    a loop over it makes, where code_checks.expand could not count them (at least 1)."""
+    return max([1, *(len(n.elts) for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.List, ast.Tuple)))])
+
+
 def _literal(node: ast.AST) -> bool:
     try:
         ast.literal_eval(node)
@@ -318,6 +325,7 @@ def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None, num
             whole = whole_test(source, entry_point)
         except ValueError as e:
             raise ValueError(f"{where}: {refused or e}") from None
+        whole = dataclasses.replace(whole, checks=max(len(found), _longest_literal_list(whole.source)))
         tests.append(whole.source)
         checks.append(whole)
     return CodeTests("assert", tuple(tests), checks=tuple(checks))
@@ -641,7 +649,8 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
         if tests.kind == "stdio":
             run = {"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu}
         elif isinstance(check, WholeTest):
-            run = {"kind": "whole", "cpu_seconds": value_cpu}
+            # the CPU the value path gave its checks together (each: the definitions, then the call), at most 60 s
+            run = {"kind": "whole", "cpu_seconds": min(MAX_TEST_SECONDS, value_cpu * check.checks)}
         else:
             run = {"kind": "value", "setup": list(check.setup) if check else [], "cpu_seconds": value_cpu}
             if tests.kind == "call":
