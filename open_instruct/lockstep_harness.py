@@ -1,6 +1,7 @@
-"""T, the test's side of a lock-step test (docs/sandbox.md, "Lock-step stand-ins"): run in the sandbox by a pair's test
-process (sandbox_boot.run_pair), which never loads the program; standard library only (and numpy where the sandbox
-exposes it). `SEALED` (set by the supervisor) is the test code, unmodified, that only this process holds. It runs as
+"""T, the test's side of a lock-step test, run in the sandbox by a pair's test process (sandbox_boot.run_pair), which
+never loads the program; standard library only (and numpy where the sandbox exposes it); the design:
+docs/sandbox.md#the-unmodified-tests-verdict-issue-67-part-2-lock-step-stand-ins.
+`SEALED` (set by the supervisor) is the test code, unmodified, that only this process holds. It runs as
 Python runs it, in a namespace where every name the program defines (the names P sent first) stands for the
 program's object: a function or class is a stand-in that forwards each call to P (lockstep_program.py) as tagged
 data; plain values come back as exact built-in types, anything else as a handle (`Handle`) whose methods,

@@ -1,7 +1,9 @@
-"""P, the program's side of a lock-step test (docs/sandbox.md, "Lock-step stand-ins"): run in the sandbox as __main__
-of a pair's program process (sandbox_boot.run_pair), standard library only. It loads solution.py, then answers the
-test process T, which never loads the program and never shows P the test: P gets only the names the test looks up,
-the calls it makes and their arguments (what the program's functions receive in the original harness too).
+"""P, the program's side of a lock-step test, run in the sandbox as __main__ of a pair's program process
+(sandbox_boot.run_pair), standard library only; the design:
+docs/sandbox.md#the-unmodified-tests-verdict-issue-67-part-2-lock-step-stand-ins.
+It loads solution.py, then answers the test process T, which never loads the program and never shows P the test: P
+gets only the names the test looks up, the calls it makes and their arguments (what the program's functions receive
+in the original harness too).
 
 Messages both ways: a 12-digit length, then that many bytes of JSON. Values are tagged data (exact built-in and
 standard-library types, see `encode`); whatever else the program hands out stays here and goes over as a handle

@@ -1,8 +1,8 @@
 """Issue 67, part 2: a verdict is the unmodified test's. Test code that is not a plain `assert f(<literals>) ==
 <literal>` runs as stored in a test process that never loads the program, against stand-ins that call the program's
-process (docs/sandbox.md, "Lock-step stand-ins"). The red team's shapes: each wrong program scores 0 (on 65ee6f9 each
-scored 1: the test was transformed into value checks that meant something else), each honest program 1 (on 65ee6f9
-each scored 0, or its row was refused)."""
+process (docs/sandbox.md#the-unmodified-tests-verdict-issue-67-part-2-lock-step-stand-ins).
+The red team's shapes: each wrong program scores 0, each honest program 1 (on 65ee6f9 the helper-parameter and
+non-mutation programs scored 1, and the honest programs of six shapes 0 or their rows were refused: docs/sandbox.md)."""
 
 from __future__ import annotations
 
