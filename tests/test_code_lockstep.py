@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from open_instruct import code_verifier
+from open_instruct import code_verifier, sandbox
 from open_instruct.code_verifier import CodeSettings
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -153,3 +153,17 @@ def test_a_wrong_program_fails_the_unmodified_test(scores, name):
 @pytest.mark.parametrize("name", [h[0] for h in HONEST])
 def test_an_honest_program_passes_the_unmodified_test(scores, name):
     assert scores[name].score("all") == 1.0, scores[name].statuses
+
+
+def test_a_whole_test_runs_in_every_isolation_mode():
+    """The pair run (the sealed source on the supervisor's stdin, two forks, the pipe pair) without namespaces too:
+    the rlimits fallback gives the same verdicts."""
+    check = {"test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n"}
+    truth = {**check, "entry_point": "add"}
+    programs = ["def add(a, b):\n    return a + b\n", "def add(a, b):\n    return 3\n"]
+    try:
+        sandbox.force_isolation("rlimits")
+        right, wrong = code_verifier.score_programs(programs, [truth, truth], SETTINGS)
+    finally:
+        sandbox.force_isolation(None)
+    assert right.statuses == ["pass"] and wrong.statuses == ["wrong_answer"]
