@@ -1,7 +1,8 @@
 """The inside of one sandbox call (see open_instruct/sandbox.py): started as `python -I -S sandbox_boot.py`, as the
 trainer's user, possibly as pid 1 of fresh network/mount/pid/IPC namespaces made by `unshare`.
 
-Protocol: stdin holds a 12-digit length and a JSON spec of that many bytes. The spec's `status_fd` (a pipe the parent
+Protocol: stdin holds a 12-digit length and a JSON spec of that many bytes, then (lock-step runs) each such run's
+sealed text, framed the same way. The spec's `status_fd` (a pipe the parent
 reads; no program ever holds it) carries everything back, as frames: a JSON header line, then `bytes` raw bytes when
 the header has them:
     {"run": i, "stream": 1 or 2, "bytes": n}             n bytes of run i's stdout (1) or stderr (2)
@@ -30,6 +31,9 @@ Steps, in this order (the supervisor is this process; each run of the program is
      process besides. When the run's first process ends, every other process of the run is killed and reaped (the
      supervisor is pid 1 of the pid namespace, or a child subreaper: orphans come back to it) before the next run
      starts; the run's tmpfs is unmounted with it.
+     A run with a `test_runner` is a lock-step pair (run_pair): two such forks, the test's process first (it reads the
+     run's sealed text from the rest of stdin, which the supervisor itself never reads) and the program's once the
+     test's holds it, joined by two pipes; the run's output and exit status are the test process's.
   3. the supervisor exits; as pid 1 of the pid namespace its exit makes the kernel kill anything still there.
 
 Standard library only: this runs before and outside the trainer's environment.
