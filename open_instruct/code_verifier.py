@@ -33,7 +33,12 @@ Where the verdict comes from (the expected values never enter the sandbox):
                    type: a subclass or an object with its own __eq__ is "unplain", a wrong answer) and the rest (the
                    comparison, predicates, tolerances, literals), evaluated here on the decoded values; raises tests
                    pass when the answer raised the named built-in exception
-    script tests   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
+    whole tests    every other piece of test code (value_equivalent is false: HumanEval check(candidate), harnesses,
+                   several asserts, helpers, raises tests) runs unmodified in a sandboxed process that never loads
+                   the program, against stand-ins that call the program's own process (lockstep_harness.py,
+                   lockstep_program.py); the verdict is that process's exit status, read by the sandbox's supervisor
+    script tests   (no test code takes this path since whole tests; kept for code_allow_script_tests until it goes)
+                   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
                    test (only with allow_script_tests); it passes when the interpreter reports it ran to its end. NOT
                    hack-proof: the program shares that interpreter with the test, so it can patch what the test
                    calls, read the test's constants and fake the report. `count_test_paths` counts the tests on each
