@@ -1,5 +1,5 @@
-"""Share of public code benchmarks' tests on the `code` verifier's hack-proof (value) path, and whether every reference
-solution scores 1, from local copies of the datasets (nothing is downloaded):
+"""How public code benchmarks' tests are judged by the `code` verifier (the value path, or unmodified in lock-step), and
+whether every reference solution scores 1, from local copies of the datasets (nothing is downloaded):
 
     python bench/bench_code_datasets.py --humaneval HumanEval.jsonl.gz --mbpp_sanitized sanitized-mbpp.json \
         --mbpp_plus MbppPlus-OriginFmt.jsonl.gz --humaneval_plus HumanEvalPlus-OriginFmt.jsonl.gz [--score] \
@@ -14,9 +14,9 @@ solution scores 1, from local copies of the datasets (nothing is downloaded):
     MBPP+           evalplus/mbppplus_release MbppPlus-OriginFmt.jsonl.gz (the Hugging Face evalplus/mbppplus rows):
                     {"test"}, the EvalPlus `assertion()` harness over inputs/results; reference = code
 
-Reported per dataset (one JSON line each): rows, tests, tests on the value path and their share, rows with script
-tests (refused unless code_allow_script_tests) and rows that are bad ground truth (with the first reasons), and with
---score the reference solutions scoring 1 (scripts allowed, so every row is scored) and the rows that do not.
+Reported per dataset (one JSON line each): rows, tests, tests on the value path and their share, tests run whole in
+lock-step, rows with script tests (none since lock-step), rows that are bad ground truth (with the first reasons), and
+with --score the reference solutions scoring 1 and the rows that do not.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def measure(name: str, rows: list[tuple[str, Any, str]], score: bool, workers: i
         "rows": len(rows),
         "tests": total,
         "value_tests": paths["value"],
+        "whole_tests": paths["whole"],  # run unmodified in lock-step
         "value_share": round(paths["value"] / total, 4) if total else 0.0,
         "rows_with_script_tests": script_rows,
         "bad_rows": len(bad),

@@ -1,10 +1,13 @@
 """`code` verifier throughput: responses verified per second with N sandbox workers (default 2, the 2-core machine).
 
-    python bench/bench_code_verifier.py [--responses 256] [--workers 2] [--repeats 2] [--stdio_share 0.25]
+    python bench/bench_code_verifier.py [--responses 256] [--workers 2] [--repeats 2] [--stdio_share 0.25] \
+        [--check_share 0.0]
 
 Workload: --responses synthetic responses to "f(x) = x + k" tasks (demo.synthetic.code_rl_rows' shapes, 3 tests
 each): a --stdio_share of them stdin/stdout tasks, the rest assert tasks; half the programs right, a quarter wrong,
-an eighth with a syntax error and an eighth that raise, as an early policy writes. Each response is one sandbox start
+an eighth with a syntax error and an eighth that raise, as an early policy writes. A --check_share of the assert tasks
+store their 3 asserts as HumanEval does (`check(candidate)` + entry_point): one test run unmodified in lock-step (a
+test process and the program's process), where the plain asserts are 3 value tests. Each response is one sandbox start
 (an isolated supervisor), which gives each of its 3 tests a clean interpreter of its own (a run: a fork of the
 supervisor taken before the program ran). No program runs long, so the figure is the sandbox's per-response cost,
 which is what bounds a batch of 256.
@@ -38,7 +41,7 @@ PROGRAMS = {
 }
 
 
-def workload(n: int, stdio_share: float, seed: int = 0) -> tuple[list[str], list[str], int]:
+def workload(n: int, stdio_share: float, seed: int = 0, check_share: float = 0.0) -> tuple[list[str], list[str], int]:
     """(responses, ground truths, test interpreters they need: one per test)."""
     rng = random.Random(seed)
     responses, truths, processes = [], [], 0
@@ -47,6 +50,9 @@ def workload(n: int, stdio_share: float, seed: int = 0) -> tuple[list[str], list
         stdio = rng.random() < stdio_share
         if stdio:
             truth = [{"input": f"{x}\n", "output": f"{x + k}\n"} for x in (0, 1, 5)]
+        elif rng.random() < check_share:
+            check = "def check(candidate):\n" + "".join(f"    assert candidate({x}) == {x + k}\n" for x in (0, 1, 5))
+            truth = {"test": check, "entry_point": "f"}
         else:
             truth = [f"assert f({x}) == {x + k}" for x in (0, 1, 5)]
         kind = ["right", "right", "right", "right", "wrong", "wrong", "syntax", "raises"][i % 8]
@@ -71,11 +77,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--stdio_share", type=float, default=0.25)
+    parser.add_argument("--check_share", type=float, default=0.0, help="assert tasks stored as check(candidate)")
     args = parser.parse_args()
 
     iso = sandbox.isolation()
     call_seconds = sandbox.measure_call_seconds(8)
-    responses, truths, processes = workload(args.responses, args.stdio_share)
+    responses, truths, processes = workload(args.responses, args.stdio_share, check_share=args.check_share)
     settings = CodeSettings(workers=args.workers)
     rates, cpu = [], []
     for _ in range(args.repeats):

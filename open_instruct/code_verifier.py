@@ -33,7 +33,12 @@ Where the verdict comes from (the expected values never enter the sandbox):
                    type: a subclass or an object with its own __eq__ is "unplain", a wrong answer) and the rest (the
                    comparison, predicates, tolerances, literals), evaluated here on the decoded values; raises tests
                    pass when the answer raised the named built-in exception
-    script tests   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
+    whole tests    every other piece of test code (value_equivalent is false: HumanEval check(candidate), harnesses,
+                   several asserts, helpers, raises tests) runs unmodified in a sandboxed process that never loads
+                   the program, against stand-ins that call the program's own process (lockstep_harness.py,
+                   lockstep_program.py); the verdict is that process's exit status, read by the sandbox's supervisor
+    script tests   (no test code takes this path since whole tests; kept for code_allow_script_tests until it goes)
+                   test code the value path cannot judge runs whole, after the program, in a clean interpreter per
                    test (only with allow_script_tests); it passes when the interpreter reports it ran to its end. NOT
                    hack-proof: the program shares that interpreter with the test, so it can patch what the test
                    calls, read the test's constants and fake the report. `count_test_paths` counts the tests on each
@@ -62,6 +67,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 from typing import Any, Optional, Sequence
 
@@ -116,12 +122,22 @@ class CodeSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class WholeTest:
+    """A test run unmodified in lock-step (docs/sandbox.md): `source` is the stored test code, plus `check(<entry
+    point>)` where the row names an entry point its `check` is never called with (HumanEval's harness)."""
+
+    source: str
+    checks: int = 1  # how many checks it holds (what its CPU limit is scaled by: build_calls)
+
+
+@dataclasses.dataclass(frozen=True)
 class CodeTests:
     kind: str  # assert | stdio | call
     tests: tuple  # assert: each test's source (a script test: the code run whole); stdio: (stdin, expected stdout);
     # call: (args list, expected)
     fn_name: Optional[str] = None
-    checks: tuple = ()  # assert: per test its ValueCheck (judged here), or None (a script test)
+    checks: tuple = ()  # assert: per test its ValueCheck (judged here), its WholeTest (run unmodified in lock-step),
+    # or None (a script test)
 
     @property
     def scripts(self) -> int:
@@ -165,24 +181,158 @@ def _display(check: ValueCheck) -> str:
     return "\n".join((*check.setup, shown))
 
 
+_CHECK_CALLS = ("raises", "assertRaises", "assertRaisesRegex")
+
+
+def _has_check(node: ast.AST) -> bool:
+    """An assert, a raise or a `raises`/`assertRaises` call anywhere in `node`."""
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Assert, ast.Raise)):
+            return True
+        if isinstance(sub, ast.Call) and isinstance(sub.func, (ast.Attribute, ast.Name)):
+            if (sub.func.attr if isinstance(sub.func, ast.Attribute) else sub.func.id) in _CHECK_CALLS:
+                return True
+    return False
+
+
+def _reachable_checks(tree: ast.Module) -> bool:
+    """Whether the test code checks something when it runs: a check (_has_check) at module level or in a function
+    that module-level code calls (directly or through functions it calls)."""
+
+    def called(nodes: Sequence[ast.AST]) -> set:
+        return {
+            sub.func.id
+            for node in nodes
+            for sub in ast.walk(node)
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name)
+        }
+
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    top = [n for n in tree.body if n.__class__ not in (ast.FunctionDef, ast.AsyncFunctionDef)]
+    if any(_has_check(n) for n in top if not isinstance(n, ast.ClassDef)):
+        return True
+    reached, todo = set(), called(top)
+    while todo:
+        name = todo.pop()
+        if name in functions and name not in reached:
+            reached.add(name)
+            todo |= called(functions[name].body)
+    return any(_has_check(functions[name]) for name in reached)
+
+
+def whole_test(source: str, entry_point: Optional[str] = None) -> WholeTest:
+    """The test code as a lock-step test: unmodified, with the calls a harness makes appended where its module-level
+    code makes none (as code_checks.expand reads them): `test_*()` functions (pytest), and a one-parameter function
+    with checks called with the row's entry point (HumanEval's `check(candidate)`, HumanEval+'s); ValueError when it
+    checks nothing a run would reach."""
+    tree = ast.parse(source)
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    top_calls = {
+        s.func.id for n in top for s in ast.walk(n) if isinstance(s, ast.Call) and isinstance(s.func, ast.Name)
+    }
+    checking = {f.name for f in functions if _has_check(f)}  # functions that check, directly or through a call
+    while True:
+        more = {
+            f.name
+            for f in functions
+            if f.name not in checking
+            and any(isinstance(c, ast.Call) and getattr(c.func, "id", None) in checking for c in ast.walk(f))
+        }
+        if not more:
+            break
+        checking |= more
+    implicit = []
+    for function in functions:
+        if function.name in top_calls:
+            continue
+        params = function.args.args
+        if function.name.startswith("test") and not params:
+            implicit.append(f"{function.name}()")
+        elif entry_point and len(params) == 1 and function.name in checking:
+            implicit.append(f"{function.name}({entry_point})")
+    if implicit:
+        source = source.rstrip() + "\n\n\n" + "\n".join(implicit) + "\n"
+        tree = ast.parse(source)
+    if not _reachable_checks(tree):
+        raise ValueError("the test code checks nothing when it runs (no assert, raise or assertRaises it reaches)")
+    return WholeTest(source)
+
+
+def _longest_literal_list(source: str) -> int:
+    """The length of the longest list or tuple display in `source` (a harness's `inputs = [...]`): how many checks
+    a loop over it makes, where code_checks.expand could not count them (at least 1)."""
+    return max([1, *(len(n.elts) for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.List, ast.Tuple)))])
+
+
+def _literal(node: ast.AST) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def value_equivalent(source: str) -> bool:
+    """Whether judging `source` on the value path is the unmodified test's verdict: imports, then one `assert
+    f(<literals>) == <literal>` (either side) of a name the test does not bind. The call's arguments are fresh
+    literals (no mutation or identity the test could see afterwards), the comparison is `==` on the returned value
+    (a value that is not plain data is a wrong answer on both paths: a program's object is never equal to the test's
+    data), nothing else runs. Everything else runs whole, in lock-step."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    *imports, last = tree.body or [None]
+    if not all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in imports) or not isinstance(last, ast.Assert):
+        return False
+    if last.msg is not None and not isinstance(last.msg, ast.Constant):
+        return False
+    test = last.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    bound = {(a.asname or a.name).split(".")[0] for n in imports for a in n.names}
+    sides = [test.left, test.comparators[0]]
+    for call, other in (sides, sides[::-1]):
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id not in bound
+            and all(not isinstance(a, ast.Starred) and _literal(a) for a in call.args)
+            and all(k.arg is not None and _literal(k.value) for k in call.keywords)
+            and _literal(other)
+        ):
+            return True
+    return False
+
+
 def _assert_tests(sources: Sequence[str], entry_point: Optional[str] = None, numbered: bool = True) -> CodeTests:
-    """Each piece of test code expanded into its checks (code_checks.expand), or kept whole as one script test."""
+    """Each piece of test code: judged here when that is provably its own verdict (value_equivalent), else run
+    unmodified in lock-step (WholeTest). Test code expand() refuses as checking nothing is bad ground truth."""
     if entry_point is not None and (not isinstance(entry_point, str) or not entry_point.isidentifier()):
         raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
     tests, checks = [], []
     for i, source in enumerate(sources):
         where = f"test {i}" if numbered else "test code"
         _check_test_source(source, where)
+        refused = None
         try:
             found, script = expand(source, entry_point)
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        if script is not None:
-            tests.append(script)
-            checks.append(None)
-        for check in found:
-            tests.append(_display(check))
-            checks.append(check)
+            if "checks nothing" in str(e):
+                raise ValueError(f"{where}: {e}") from None
+            found, script, refused = [], None, e  # a helper nothing calls: the whole test's run decides, if it runs one
+        if script is None and len(found) == 1 and value_equivalent(source):
+            tests.append(_display(found[0]))
+            checks.append(found[0])
+            continue
+        try:
+            whole = whole_test(source, entry_point)
+        except ValueError as e:
+            raise ValueError(f"{where}: {refused or e}") from None
+        whole = dataclasses.replace(whole, checks=max(len(found), _longest_literal_list(whole.source)))
+        tests.append(whole.source)
+        checks.append(whole)
     return CodeTests("assert", tuple(tests), checks=tuple(checks))
 
 
@@ -307,7 +457,9 @@ def count_test_paths(tests: CodeTests) -> collections.Counter:
     checks of code_checks) and how many run whole in the sandbox ("script")."""
     if tests.kind != "assert":
         return collections.Counter(value=len(tests.tests))
-    return collections.Counter("script" if c is None else "value" for c in tests.checks)
+    return collections.Counter(
+        "script" if c is None else "whole" if isinstance(c, WholeTest) else "value" for c in tests.checks
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -471,6 +623,15 @@ except BaseException:
 """
 
 
+def _source_of(name: str) -> str:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return f.read()
+
+
+# P and T of a whole test (standard library only, written into the sandbox as files of the call)
+LOCKSTEP_FILES = {name: _source_of(name) for name in ("lockstep_program.py", "lockstep_harness.py")}
+
+
 def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
     """Per test: its ValueCheck (judged here) or None (stdio, or a script test)."""
     if tests.kind == "call":
@@ -482,15 +643,19 @@ def _checks(tests: CodeTests) -> list[Optional[ValueCheck]]:
 
 def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[tuple[SandboxCall, list[int]]]:
     """The sandbox calls that test a program, each with the indices of the tests it runs: one call (the program, a run
-    per test) for the stdio and value tests, and a second one only for script tests, whose source
-    (with its expected values) must not sit in the memory the value tests' program can read. No call holds an
-    expected value of a test judged here."""
+    per test) for the stdio, value and whole tests, and a second one only for script tests, whose source (with its
+    expected values) must not sit in the memory the value tests' program can read. A whole test's source travels
+    sealed (run_in_sandbox's `sealed`): only its test process reads it, never the supervisor that forks the
+    programs."""
     cpu = max(1, math.ceil(settings.test_seconds))
     value_cpu = max(1, math.ceil(2 * settings.test_seconds))  # the program's definitions, then the call
-    groups: dict[str, tuple[list[dict], list[int]]] = {"judged": ([], []), "script": ([], [])}
+    groups: dict[str, tuple[list[dict], list[int], list[str]]] = {"judged": ([], [], []), "script": ([], [], [])}
     for index, (test, check) in enumerate(zip(tests.tests, _checks(tests))):
         if tests.kind == "stdio":
             run = {"kind": "stdio", "stdin": test[0], "cpu_seconds": cpu}
+        elif isinstance(check, WholeTest):
+            # the CPU the value path gave its checks together (each: the definitions, then the call), at most 60 s
+            run = {"kind": "whole", "cpu_seconds": min(MAX_TEST_SECONDS, value_cpu * check.checks)}
         else:
             run = {"kind": "value", "setup": list(check.setup) if check else [], "cpu_seconds": value_cpu}
             if tests.kind == "call":
@@ -500,11 +665,13 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
             else:
                 run.update(kind="script", source=test)
         run["wall_seconds"] = STARTUP_SECONDS + WALL_FACTOR * run["cpu_seconds"]
-        runs, indices = groups["script" if run["kind"] == "script" else "judged"]
+        runs, indices, sealed = groups["script" if run["kind"] == "script" else "judged"]
         runs.append(run)
         indices.append(index)
+        if isinstance(check, WholeTest):
+            sealed.append(check.source)
     calls = []
-    for phase, (runs, indices) in enumerate(groups.values()):  # script calls start after every judged call ended
+    for phase, (runs, indices, sealed) in enumerate(groups.values()):  # script calls start after every judged call
         if not runs:
             continue
         limits = SandboxLimits(
@@ -513,18 +680,28 @@ def build_calls(program: str, tests: CodeTests, settings: CodeSettings) -> list[
             # every test's stdout and stderr together (its share of the response's): all the trainer holds of them
             max_total_output_bytes=MAX_RESPONSE_OUTPUT_BYTES * len(runs) // len(tests.tests),
         )
-        plan = json.dumps({"runs": runs})
+        plan = json.dumps({"runs": [r for r in runs if r["kind"] != "whole"]})
         files = {"solution.py": program, "probe.py": PROBE, "plan.json": plan}
-        sandbox_runs = tuple(
-            SandboxRun(
-                ("solution.py",) if run["kind"] == "stdio" else ("probe.py", str(i)),
-                run.get("stdin", ""),
-                cpu_seconds=run["cpu_seconds"],
-                wall_seconds=run["wall_seconds"],
+        if sealed:
+            files.update(LOCKSTEP_FILES)
+        sandbox_runs, value_index = [], 0
+        for run in runs:
+            if run["kind"] == "whole":
+                argv, runner = ("lockstep_program.py",), "lockstep_harness.py"
+            else:
+                argv = ("solution.py",) if run["kind"] == "stdio" else ("probe.py", str(value_index))
+                runner, value_index = None, value_index + 1
+            sandbox_runs.append(
+                SandboxRun(
+                    argv,
+                    run.get("stdin", ""),
+                    cpu_seconds=run["cpu_seconds"],
+                    wall_seconds=run["wall_seconds"],
+                    test_runner=runner,
+                )
             )
-            for i, run in enumerate(runs)
-        )
-        calls.append((SandboxCall("", files=files, limits=limits, runs=sandbox_runs, phase=phase), indices))
+        call = SandboxCall("", files=files, limits=limits, runs=tuple(sandbox_runs), phase=phase, sealed=tuple(sealed))
+        calls.append((call, indices))
     return calls
 
 
@@ -562,6 +739,20 @@ def _run_failure(record: dict) -> Optional[str]:
     if "MemoryError" in stderr[-1000:]:
         return "memory"
     return "crash"
+
+
+# a whole test's exit status (lockstep_harness.py): 0 the test ran to its end
+_WHOLE_EXITS = {0: "pass", 1: "wrong_answer", 3: "memory", 4: "syntax_error"}
+
+
+def _judge_whole(record: dict) -> str:
+    """A whole test's verdict: its test process's exit status as the supervisor saw it (or the limit that ended the
+    run). Nothing the program or the test printed is read."""
+    if record.get("timeout"):
+        return "timeout"
+    if record.get("output"):
+        return "output"
+    return _WHOLE_EXITS.get(record.get("exit"), "crash")
 
 
 def _judge_value(record: dict, check: Optional[ValueCheck]) -> str:
@@ -619,6 +810,8 @@ def judge(tests: CodeTests, parts: Sequence[tuple[list[int], SandboxResult]]) ->
                 failure = _run_failure(record)
                 matched = outputs_match(record["stdout"], tests.tests[i][1])
                 statuses[i] = failure or ("pass" if matched else "wrong_answer")
+            elif isinstance(checks[i], WholeTest):
+                statuses[i] = _judge_whole(record)
             else:
                 statuses[i] = _judge_value(record, checks[i])
     return CodeOutcome([s or "crash" for s in statuses])

@@ -117,6 +117,11 @@ class SandboxRun:
     cpu_seconds: Optional[float] = None
     wall_seconds: Optional[float] = None
     max_output_bytes: Optional[int] = None  # stdout and stderr each; at most the call's limit
+    # A lock-step pair (sandbox_boot.run_pair): argv[0] runs as the program's process P, and the file `test_runner`
+    # (one of the call's files) as a second process T that never loads the program and reads this run's part of
+    # the call's `sealed` stream, which only T ever holds; P and T talk over a pipe pair; the run's output, exit and
+    # limits are T's (CPU summed over both)
+    test_runner: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -374,10 +379,12 @@ def _spec(
                 "cpu_seconds": float(run.cpu_seconds or limits.cpu_seconds),
                 "wall_seconds": float(run.wall_seconds or limits.wall_seconds),
                 "max_output_bytes": int(min(run.max_output_bytes or limits.max_output_bytes, limits.max_output_bytes)),
+                **({"test_runner": run.test_runner} if run.test_runner is not None else {}),
             }
             for run in runs
         ],
         "files": {"main.py": program, **files},
+        **lockstep_packages(),
         "uid": uid,
         "gid": gid,
         "drop_privileges": iso.drops_privileges,
@@ -391,6 +398,30 @@ def _spec(
         },
         "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"},
     }
+
+
+# Packages a lock-step run's test process may import besides the standard library (HumanEval+'s and MBPP+'s harnesses
+# call numpy.allclose): shown read-only in the sandbox, on the test process's sys.path only (the program can read them
+# too; they hold nothing of the run's).
+TEST_PACKAGES = ("numpy",)
+
+
+@functools.lru_cache(maxsize=1)
+def lockstep_packages() -> dict:
+    """{"expose": the TEST_PACKAGES' folders (and their vendored libraries), "test_path": the folders holding them}
+    as this interpreter finds them (without importing them), or {} when none is installed."""
+    import importlib.util
+
+    expose, roots = [], []
+    for name in TEST_PACKAGES:
+        found = importlib.util.find_spec(name)
+        if found is None or not found.submodule_search_locations:
+            continue
+        folder = os.path.realpath(list(found.submodule_search_locations)[0])
+        root = os.path.dirname(folder)
+        expose += [p for p in (folder, os.path.join(root, f"{name}.libs")) if os.path.isdir(p)]
+        roots.append(root)
+    return {"expose": expose, "test_path": sorted(set(roots))} if expose else {}
 
 
 def _command(iso: Isolation) -> list[str]:
@@ -439,6 +470,7 @@ def run_in_sandbox(
     runs: Optional[Sequence[SandboxRun]] = None,
     visible_paths: Sequence[str] = (),
     preload: Optional[dict] = None,
+    sealed: Sequence[str] = (),
 ) -> SandboxResult:
     """Run `program` (Python source) with `stdin` under `limits` in a fresh sandboxed process (module docstring).
 
@@ -448,7 +480,8 @@ def run_in_sandbox(
     wall limit is then for all of them together. Never raises for anything the program does; returns within the wall
     limit plus about a second. `visible_paths` are bound back read-only where a hidden path covers them, and `preload`
     (sandbox_boot's docstring: the trainer's own module, never model text) runs in the supervisor before the first
-    run, so that every run starts with what it imported."""
+    run, so that every run starts with what it imported. `sealed`: one text per lock-step run (SandboxRun.test_runner),
+    in order, given only to that run's test process (the supervisor never reads it, so no fork of it holds it)."""
     limits.validate()
     for name in files or {}:
         if not name or "/" in name or name.startswith(".") or name == "main.py":
@@ -457,7 +490,15 @@ def run_in_sandbox(
     for run in runs:
         if not run.argv or run.argv[0] not in ("main.py", *(files or {})):
             raise ValueError(f"sandbox run {run.argv!r} must start with main.py or one of the call's files")
-    return _call(isolation(), program, runs, limits, files or {}, hide_paths, deadline, visible_paths, preload)
+        if run.test_runner is not None and run.test_runner not in (files or {}):
+            raise ValueError(f"sandbox run's test_runner {run.test_runner!r} must be one of the call's files")
+    if len(sealed) != sum(run.test_runner is not None for run in runs):
+        raise ValueError(
+            f"{len(sealed)} sealed texts for {sum(r.test_runner is not None for r in runs)} lock-step runs"
+        )
+    return _call(
+        isolation(), program, runs, limits, files or {}, hide_paths, deadline, visible_paths, preload, sealed
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -615,6 +656,7 @@ def _call(
     deadline,
     visible_paths: Sequence[str] = (),
     preload: Optional[dict] = None,
+    sealed: Sequence[str] = (),
 ) -> SandboxResult:
     start = time.monotonic()
     wall = limits.wall_seconds if deadline is None else min(limits.wall_seconds, deadline - start)
@@ -634,7 +676,7 @@ def _call(
             spec["cgroup_procs"] = os.path.join(cgroup, "cgroup.procs")
         # the supervisor ends each run at its wall limit and reports it; the parent's own kill is the backstop
         backstop = wall + _KILL_GRACE_SECONDS if wall == limits.wall_seconds else wall
-        result = _run(spec, limits, iso, backstop, start)
+        result = _run(spec, limits, iso, backstop, start, sealed)
         if cgroup is not None and _oom_kills(ctl, cgroup):
             for run in result.runs or [result]:
                 if run.limit is None and not run.ok:
@@ -706,11 +748,18 @@ class _Frames:
                 self.ends[int(header["run"])] = header
 
 
-def _run(spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: float) -> SandboxResult:
+def _run(
+    spec: dict, limits: SandboxLimits, iso: Isolation, wall: float, start: float, sealed: Sequence[str] = ()
+) -> SandboxResult:
     status_r, status_w = os.pipe()
     spec["status_fd"] = status_w
     header = json.dumps(spec).encode()
-    feed = memoryview(b"%012d" % len(header) + header)
+    # after the spec, on the same stdin: each lock-step run's sealed text, read only by its test process
+    parts = [b"%012d" % len(header) + header]
+    for text in sealed:
+        data = text.encode("utf-8", "surrogateescape")
+        parts.append(b"%012d" % len(data) + data)
+    feed = memoryview(b"".join(parts))
     try:
         proc = subprocess.Popen(
             _command(iso),
@@ -938,6 +987,7 @@ class SandboxCall:
     files: Optional[dict[str, str]] = None
     limits: Optional[SandboxLimits] = None  # default: the pool's
     runs: Optional[tuple[SandboxRun, ...]] = None  # default: one run of main.py with `stdin`
+    sealed: tuple[str, ...] = ()  # one text per lock-step run, only for its test process (run_in_sandbox)
     # SandboxPool.run starts a call of phase p only after every call of a lower phase has ended: calls that must not
     # overlap in time (one holding secrets another's program must not learn, even by timing) go in different phases
     phase: int = 0
@@ -975,6 +1025,7 @@ class SandboxPool:
                     runs=c.runs,
                     visible_paths=c.visible_paths,
                     preload=c.preload,
+                    sealed=c.sealed,
                 )
                 for i, c in enumerate(calls)
                 if c.phase == phase

@@ -1,7 +1,8 @@
 """The inside of one sandbox call (see open_instruct/sandbox.py): started as `python -I -S sandbox_boot.py`, as the
 trainer's user, possibly as pid 1 of fresh network/mount/pid/IPC namespaces made by `unshare`.
 
-Protocol: stdin holds a 12-digit length and a JSON spec of that many bytes. The spec's `status_fd` (a pipe the parent
+Protocol: stdin holds a 12-digit length and a JSON spec of that many bytes, then (lock-step runs) each such run's
+sealed text, framed the same way. The spec's `status_fd` (a pipe the parent
 reads; no program ever holds it) carries everything back, as frames: a JSON header line, then `bytes` raw bytes when
 the header has them:
     {"run": i, "stream": 1 or 2, "bytes": n}             n bytes of run i's stdout (1) or stderr (2)
@@ -30,6 +31,9 @@ Steps, in this order (the supervisor is this process; each run of the program is
      process besides. When the run's first process ends, every other process of the run is killed and reaped (the
      supervisor is pid 1 of the pid namespace, or a child subreaper: orphans come back to it) before the next run
      starts; the run's tmpfs is unmounted with it.
+     A run with a `test_runner` is a lock-step pair (run_pair): two such forks, the test's process first (it reads the
+     run's sealed text from the rest of stdin, which the supervisor itself never reads) and the program's once the
+     test's holds it, joined by two pipes; the run's output and exit status are the test process's.
   3. the supervisor exits; as pid 1 of the pid namespace its exit makes the kernel kill anything still there.
 
 Optional spec keys: `visible`, folders bound back read-only where a hidden path covers them (as the interpreter's
@@ -187,33 +191,33 @@ def _is_within(path, parent):
 
 
 def build_mounts(spec):
-    """Step 1: hidden paths, the interpreter re-exposed, then every mount read-only (the private temp dir comes per
-    run: fresh_workdir)."""
+    """Step 1: hidden paths, the interpreter (and spec's `expose` folders: the test processes' numpy) re-exposed
+    read-only at their own paths, then every mount read-only (the private temp dir comes per run: fresh_workdir)."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
-    prefix = spec["python_prefix"]
     hide = sorted({p for p in spec["hide"] if os.path.lexists(p) and p != "/" and not _is_within(p, "/tmp")}, key=len)
-    kept = [prefix] + [p for p in spec.get("visible", ()) if os.path.isdir(p) and not _is_within(p, prefix)]
-    kept = [k for k in kept if any(_is_within(k, p) and p != k for p in hide)]  # those a hidden path covers
-    covering = [p for p in hide if any(_is_within(k, p) and p != k for k in kept)]
-    stages = {k: f"/tmp/.keep{i}" for i, k in enumerate(kept)}
-    for k, stage in stages.items():
-        os.mkdir(stage, 0o755)
-        _mount(k, stage, None, MS_BIND | MS_REC, None)
+    wanted = [spec["python_prefix"], *spec.get("visible", ()), *spec.get("expose", ())]
+    kept = [p for p in dict.fromkeys(wanted) if p == spec["python_prefix"] or os.path.isdir(p)]
+    kept = [p for p in kept if not any(_is_within(p, q) and p != q for q in kept)]  # inside a kept one: comes with it
+    stages = {}  # a kept folder under a hidden one -> where it waits while the hidden one is covered
+    for i, path in enumerate(kept):
+        if any(_is_within(path, p) and p != path for p in hide):
+            stages[path] = f"/tmp/.keep{i}"
+            os.mkdir(stages[path], 0o755)
+            _mount(path, stages[path], None, MS_BIND | MS_REC, None)
     done = []
     for path in hide:
         if any(_is_within(path, parent) for parent in done):
             continue  # already under a hidden parent
-        if _is_within(path, prefix):
+        if any(_is_within(path, k) for k in kept):
             continue  # hiding part of the interpreter would break it; say so in the docs, not here
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755,nr_inodes=64")
-            if path in covering:
-                for k, stage in stages.items():
-                    if _is_within(k, path):
-                        os.makedirs(k, 0o755, exist_ok=True)  # its parents, on the fresh tmpfs
-                        _mount(stage, k, None, MS_BIND | MS_REC, None)
-                        _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
-            else:
+            inside = [k for k in stages if _is_within(k, path)]
+            for k in inside:
+                os.makedirs(k, 0o755, exist_ok=True)  # its parents, on the fresh tmpfs
+                _mount(stages[k], k, None, MS_BIND | MS_REC, None)
+                _mount(None, k, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+            if not inside:
                 os.chmod(path, 0)
             _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k")
         else:
@@ -265,15 +269,16 @@ def _drop_capabilities():
     _check(_libc.capset(ctypes.c_char_p(header), ctypes.c_char_p(data)), "capset")
 
 
-def become_program(spec, run, workdir, fds, setup_w, supervisor):
+def become_program(spec, run, workdir, fds, setup_w, supervisor, keep=0, write_files=True):
     """In the forked child: become the run's program (a fork of the supervisor taken before any program code ran:
     as clean as a fresh interpreter, 20-30 ms cheaper), or exit 127 after writing why not to setup_w. Returns only
     when every bound is in place and every fd but 0, 1, 2 is closed (the supervisor's channel included); the caller
-    then runs the program."""
+    then runs the program. `keep`: fds 3 .. 3 + keep - 1 stay open too (a lock-step pair's pipes, placed there by
+    run_pair); `write_files`: False for a pair's test process, which must not touch the program's files."""
     try:
         for fd, target in zip(fds, (0, 1, 2)):
             os.dup2(fd, target)
-        os.closerange(3, setup_w)
+        os.closerange(3 + keep, setup_w)
         os.closerange(setup_w + 1, 1 << 16)
         os.setsid()  # its own session and group, away from the supervisor's
         os.nice(spec["nice"])
@@ -298,7 +303,7 @@ def become_program(spec, run, workdir, fds, setup_w, supervisor):
                 raise OSError("the supervisor ended before the program started")
             seccomp_filter(supervisor)  # sets no-new-privileges first
         os.chdir(workdir)
-        for name, content in spec["files"].items():
+        for name, content in spec["files"].items() if write_files else ():
             with open(name, "x", encoding="utf-8") as f:
                 f.write(content)
         os.umask(0o077)
@@ -447,6 +452,136 @@ def run_one(spec, index, run, channel, me):
             cleanup()
 
 
+TEST = object()  # what run_pair returns in the forked child that becomes a pair's test process
+
+
+def _place(fds, first):
+    """dup2 `fds` onto first, first + 1, ... (through copies above them, so that no source is overwritten)."""
+    copies = [_dup_above(fd, 512) for fd in fds]
+    for target, fd in enumerate(copies, first):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _dup_above(fd, lowest):
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+
+
+def _read_sealed(fd):
+    """A lock-step run's sealed text: a 12-digit length and that many bytes (read only by the test process)."""
+
+    def exact(n):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = os.read(fd, n - len(buf))
+            if not chunk:
+                raise EOFError("sealed text cut short")
+            buf += chunk
+        return bytes(buf)
+
+    return exact(int(exact(12))).decode("utf-8", "surrogateescape")
+
+
+def _fork_setup(spec, run, workdir, fds, extra, supervisor, write_files, before=None):
+    """Fork a process of a pair: (pid, setup_r) in the supervisor; in the child, (None, result of `before`) once it
+    is bound (become_program) with `extra` pipes placed on fds 3, 4."""
+    setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid:
+        os.close(setup_w)
+        return pid, setup_r
+    os.close(setup_r)
+    got = None
+    try:
+        got = before() if before else None  # (the test process reads its sealed text before anything else)
+        setup_w = _dup_above(setup_w, 3 + len(extra))  # out of the way of what goes on 0 .. 3 + len(extra) - 1
+        for fd, target in zip(fds, (0, 1, 2)):
+            os.dup2(fd, target)
+        _place(extra, 3)
+    except BaseException as e:  # noqa: BLE001
+        os.write(setup_w, f"{type(e).__name__}: {e}".encode())
+        os._exit(127)
+    become_program(spec, run, workdir, (0, 1, 2), setup_w, supervisor, keep=len(extra), write_files=write_files)
+    return None, got
+
+
+def _setup_failure(setup_r):
+    why = b""
+    while True:
+        chunk = os.read(setup_r, 4096)
+        if not chunk:
+            break
+        why += chunk
+    os.close(setup_r)
+    return why
+
+
+def run_pair(spec, index, run, channel, me, sealed_fd):
+    """A lock-step run: P, the program's process (argv[0] as __main__: it loads the program and answers calls),
+    and T, the test's process (the file run["test_runner"], given the run's sealed text, which only T reads from
+    the call's stdin): two forks of this supervisor, taken before any program code ran, bound alike (become_program),
+    joined by two pipes (T's requests on P's stdin, P's answers on its stdout; T holds them as fds 3 and 4). T is
+    made non-dumpable, so P (same uid) cannot open /proc/T/mem or its fds. The run's output, exit status and end are
+    T's; CPU and wall are summed and watched over both (and anything they start). Returns as run_one, or PROGRAM /
+    (TEST, source, sealed) in the forked children."""
+    workdir, cleanup = fresh_workdir(spec, index)
+    child = False
+    try:
+        requests, answers = os.pipe(), os.pipe()
+        pipes = [os.pipe() for _ in range(3)]  # T's stdin, stdout, stderr
+        devnull = os.open(os.devnull, os.O_RDWR)
+        cpu_before, start = _children_cpu(), time.monotonic()
+        # T first, and P only once T holds its text: no program code runs before T has read it
+        pid_t, setup_t = _fork_setup(
+            spec,
+            run,
+            workdir,
+            (pipes[0][0], pipes[1][1], pipes[2][1]),
+            (answers[0], requests[1]),
+            me,
+            False,
+            before=lambda: _read_sealed(sealed_fd),
+        )
+        if pid_t is None:
+            child = True
+            _prctl(PR_SET_DUMPABLE, 0)  # P runs as the same uid: no /proc/T/mem, /proc/T/fd for it
+            return TEST, spec["files"][run["test_runner"]], setup_t
+        why = _setup_failure(setup_t)
+        if not why:
+            pid_p, setup_p = _fork_setup(spec, run, workdir, (requests[0], answers[1], devnull), (), me, True)
+            if pid_p is None:
+                child = True
+                return PROGRAM
+            why = _setup_failure(setup_p)
+        for fd in (requests[0], requests[1], answers[0], answers[1], devnull, pipes[0][0], pipes[1][1], pipes[2][1]):
+            os.close(fd)
+        if why:
+            _end_all(me, pid_t)
+            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+                os.close(fd)
+            channel.send({"run": index, "setup_error": why.decode("utf-8", "replace")})
+            return False
+        limit = _supervise(run, index, pid_t, pipes, channel, me, cpu_before, start)
+        status = _end_all(me, pid_t)
+        for fd in (pipes[1][0], pipes[2][0]):
+            os.close(fd)
+        cpu = _children_cpu() - cpu_before
+        if limit is None and cpu > run["cpu_seconds"]:
+            limit = "cpu_time"
+        end = {"run": index, "cpu": cpu, "limit": limit, "seconds": time.monotonic() - start}
+        if status is not None:
+            end["exit"] = os.waitstatus_to_exitcode(status)
+            if os.WIFSIGNALED(status):
+                end["signal"] = os.WTERMSIG(status)
+        channel.send(end)
+        return True
+    finally:
+        if not child:
+            cleanup()
+
+
 def _supervise(run, index, pid, pipes, channel, me, cpu_before, start):
     """Feed stdin, forward stdout/stderr (capped), watch the wall and the run's CPU time; return the limit that ended
     the run, or None when its first process ended by itself. Output still in the pipes is forwarded afterwards."""
@@ -569,6 +704,7 @@ def main():
     except BaseException as e:  # noqa: BLE001
         channel.send({"setup_error": f"{type(e).__name__}: {e}"})
         sys.exit(127)
+    sealed_fd = os.dup(0)  # the rest of stdin: the lock-step runs' sealed texts, which only their test processes read
     if spec.get("preload"):
         try:
             run_preload(spec["preload"], spec["mount_namespace"])
@@ -576,12 +712,20 @@ def main():
             channel.send({"setup_error": f"preload {spec['preload'].get('name')}: {type(e).__name__}: {e}"})
             sys.exit(127)
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)  # the supervisor holds no end of the trainer's pipes but its channel
+    os.dup2(devnull, 0)  # the supervisor holds no end of the trainer's pipes but its channel (and sealed_fd)
     os.close(devnull)
     for index, run in enumerate(spec["runs"]):
-        outcome = run_one(spec, index, run, channel, me)
+        if "test_runner" in run:
+            outcome = run_pair(spec, index, run, channel, me, sealed_fd)
+        else:
+            outcome = run_one(spec, index, run, channel, me)
         if outcome is PROGRAM:  # the run's process: the program runs as __main__, then the interpreter ends as usual
             runpy.run_path(sys.argv[0], run_name="__main__")
+            return
+        if isinstance(outcome, tuple) and outcome[0] is TEST:  # a pair's test process: the runner, given its text
+            _, source, sealed = outcome
+            sys.path.extend(spec.get("test_path", ()))  # (numpy, for test harnesses that use it)
+            exec(compile(source, run["test_runner"], "exec"), {"__name__": "__main__", "SEALED": sealed})
             return
         if not outcome:
             sys.exit(127)

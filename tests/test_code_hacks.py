@@ -240,7 +240,9 @@ def hack_scores():
 
 def test_the_honest_program_scores_1_in_every_format(hack_scores):
     for fmt in FORMATS:
-        assert hack_scores[("honest", fmt)].statuses == ["pass", "pass"], fmt
+        statuses = hack_scores[("honest", fmt)].statuses
+        tests = len(parse_code_tests(FORMATS[fmt]).tests)  # 2, or 1 where one piece of test code runs whole
+        assert statuses == ["pass"] * tests and tests in (1, 2), fmt
 
 
 @pytest.mark.parametrize("hack", list(HACKS))
@@ -365,23 +367,25 @@ def test_checks_never_called_are_bad_ground_truth_unless_the_row_names_the_entry
     rows = [{"verifier": "code", "ground_truth": {"test": stored}, "row": 7}]
     with pytest.raises(DataError, match=r"train row 7: code: .*defines check\(candidate\) with checks but never calls"):
         rewards.check_verifiers(rows, "train")
-    assert count_test_paths(parse_code_tests({"test": stored, "entry_point": "add"})) == {"value": 2}
-    assert count_test_paths(parse_code_tests(stored, entry_point="add")) == {"value": 2}
-    assert count_test_paths(parse_code_tests(FORMATS["pytest test_ functions"])) == {"value": 2}
+    assert count_test_paths(parse_code_tests({"test": stored, "entry_point": "add"})) == {"whole": 1}
+    assert parse_code_tests(stored, entry_point="add").tests[0].endswith("\ncheck(add)\n")  # HumanEval's harness
+    assert count_test_paths(parse_code_tests(FORMATS["pytest test_ functions"])) == {"whole": 1}
     with pytest.raises(ValueError, match="entry_point must be a Python identifier"):
         parse_code_tests({"test": stored, "entry_point": "not a name"})
 
 
 def test_value_paths_per_layout():
-    assert count_test_paths(parse_code_tests(FORMATS["MBPP string"])) == {"value": 2}
-    mixed = ["assert set(f(1)) == {1}", "x = f(1)\nassert x == 2", "x = [2]\nassert f(1) == x"]
-    assert count_test_paths(parse_code_tests(mixed)) == {"value": 3}
-    assert count_test_paths(parse_code_tests(mixed + ["assert all(v > 0 for v in f(1))"])) == {"value": 3, "script": 1}
+    """Only `assert f(<literals>) == <literal>` (after imports) is judged on the value path, where that is provably
+    the test's own verdict; every other piece of test code runs unmodified in lock-step, one test each."""
+    assert count_test_paths(parse_code_tests(FORMATS["assert list"])) == {"value": 2}
+    assert count_test_paths(parse_code_tests(FORMATS["MBPP string"])) == {"whole": 1}
+    simple = ["assert f(1) == [1, 2]", "assert (3, 4) == f(2)", "import math\nassert f(x=1.5) == 2.0"]
+    assert count_test_paths(parse_code_tests(simple)) == {"value": 3}
+    mixed = ["assert set(f(1)) == {1}", "x = f(1)\nassert x == 2", "x = [2]\nassert f(1) == x", "assert f(1) != 2"]
+    assert count_test_paths(parse_code_tests(mixed)) == {"whole": 4}
     assert count_test_paths(parse_code_tests(FORMATS["APPS stdio"])) == {"value": 2}
-    for fmt in VALUE_FORMATS:
-        assert count_test_paths(parse_code_tests(FORMATS[fmt])) == {"value": 2}, fmt
-    changed = EVALPLUS_HARNESS.replace("atol != 0 and", "")  # an assertion() not recognized: run whole
-    assert count_test_paths(parse_code_tests(changed)) == {"script": 1}
+    changed = EVALPLUS_HARNESS.replace("atol != 0 and", "")
+    assert count_test_paths(parse_code_tests(changed)) == {"whole": 1}
 
 
 @pytest.mark.parametrize(
@@ -433,9 +437,9 @@ def test_raises_tests_are_judged_outside(test, raises):
     assert found.raises == raises and len(found.answers) == 1
 
 
-def test_other_shapes_are_script_tests():
-    """Shapes whose verdict would come from code in the program's interpreter: run whole, counted as not
-    hack-proof (and refused unless code_allow_script_tests)."""
+def test_other_shapes_run_whole_in_lock_step():
+    """Shapes the value path would have to transform (or could not judge): run unmodified in lock-step, never as a
+    script in the program's interpreter."""
     for test in (
         "assert f(1).__eq__(2)",
         "assert all(x > 0 for x in f(1))",
@@ -444,7 +448,7 @@ def test_other_shapes_are_script_tests():
         "try:\n    f(-1)\nexcept MyError:\n    pass\nelse:\n    assert False",
     ):
         assert code_verifier.value_check(test) is None, test
-        assert count_test_paths(parse_code_tests([test])) == {"script": 1}, test
+        assert count_test_paths(parse_code_tests([test])) == {"whole": 1}, test
 
 
 def test_plain_value_comparisons():
@@ -484,55 +488,75 @@ def test_path_counts_of_a_dataset_file(tmp_path, capsys):
         "bad_rows": 0,
         "tests": 4,
         "value": 3,
-        "script": 1,
+        "whole": 1,
         "value_share": 0.75,
     }
 
 
-def test_script_tests_run_apart_from_the_tests_judged_outside():
-    """A row mixing a judged test with a script test whose source holds the expected value (scripts allowed): the
-    program that reads its sandbox's files for `v == <number> for` cheats the script test (not hack-proof: the
-    control) but cannot find the value in the judged test's sandbox, which never holds a script test's source."""
+def test_a_whole_tests_source_never_reaches_the_program():
+    """A row mixing a value test with a whole test whose source holds the expected value: a program that searches its
+    files, its own memory (it is a fork of the supervisor) and every other process's memory for `v == <number> for`
+    finds nothing in either (the whole test's source travels sealed to its test process only, which is not dumpable),
+    so it scores 0; the honest program scores 1. On 65ee6f9 the whole test was a script test whose source sat in the
+    program's interpreter: the same cheat passed it (when script tests were allowed)."""
     cheat = textwrap.dedent(
         """
         import os, re
+        PATTERN = re.compile(rb"v == (\\d+) for")
+        def found_in_memory(pid):
+            try:
+                maps = open(f"/proc/{pid}/maps").read().splitlines()
+                mem = open(f"/proc/{pid}/mem", "rb", buffering=0)
+            except OSError:
+                return None
+            for line in maps:
+                span, perms = line.split()[:2]
+                if not perms.startswith("r"):
+                    continue
+                start, end = (int(x, 16) for x in span.split("-"))
+                try:
+                    mem.seek(start)
+                    hit = PATTERN.search(mem.read(min(end - start, 1 << 26)))
+                except (OSError, ValueError, OverflowError):
+                    continue
+                if hit and hit.group(1) != b"(":
+                    return int(hit.group(1))
+            return None
         def add(a, b):
             for name in sorted(os.listdir(".")):
                 try:
-                    found = re.findall(r"v == (\\d+) for", open(name).read())
+                    hit = PATTERN.search(open(name, "rb").read())
                 except OSError:
                     continue
-                if found:
-                    return int(found[0])
+                if hit:
+                    return int(hit.group(1))
+            for pid in ["self"] + [p for p in os.listdir("/proc") if p.isdigit()]:
+                value = found_in_memory(pid)
+                if value is not None:
+                    return value
             return 0
         """
     )
     truth = ["assert add(10000, 20003) == 30003", "assert all(v == 30003 for v in [add(10000, 20003)])"]
-    assert count_test_paths(parse_code_tests(truth)) == {"value": 1, "script": 1}
-    allowed = dataclasses.replace(SETTINGS, allow_script_tests=True)
-    (outcome,) = code_verifier.score_programs([cheat], [truth], allowed)
-    assert outcome.statuses == ["wrong_answer", "pass"]
+    assert count_test_paths(parse_code_tests(truth)) == {"value": 1, "whole": 1}
+    cheated, honest = code_verifier.score_programs([cheat, HONEST], [truth, truth], SETTINGS)
+    assert cheated.statuses == ["wrong_answer", "wrong_answer"]
+    assert honest.statuses == ["pass", "pass"]
 
 
 FORGE = "import os\nos.write(3, b'[\"ran\"]')\nos._exit(0)\n"
 
 
-def test_script_tests_are_refused_by_default_and_forgeable_when_allowed():
-    """A script test's verdict is the interpreter's own report, which the program shares: the one-line forge pays
-    when script tests are allowed (the documented risk) and such a row is refused otherwise (exit 2 naming it)."""
+def test_tests_with_helpers_run_whole_and_a_forged_verdict_pays_nothing():
+    """A test with a helper of its own (a script test on 65ee6f9: refused by default, and when allowed the one-line
+    forge paid) runs unmodified in lock-step without any setting: the honest program passes, the forge (a report on
+    fd 3, exit 0) scores 0, as on HumanEval's check() as stored."""
     truth = ["def positive(x):\n    return x > 0\nassert positive(add(1, 2))"]
-    rows = [{"verifier": "code", "ground_truth": truth, "row": 3}]
-    with pytest.raises(DataError, match=r"train row 3: code: 1 test\(s\) can only run as a script.*allow_script"):
-        rewards.check_verifiers(rows, "train")
-    with pytest.raises(ValueError, match="can only run as a script"):
-        code_verifier.score_programs([HONEST], [truth], SETTINGS)
-    allowed = dataclasses.replace(SETTINGS, allow_script_tests=True)
-    rewards.check_verifiers(rows, "train", allowed)
-    honest, forged = code_verifier.score_programs([HONEST, FORGE], [truth, truth], allowed)
-    assert honest.statuses == ["pass"] and forged.statuses == ["pass"]
-    # the same forge on the value path (HumanEval's check() as stored + entry_point): nothing
-    (on_value_path,) = code_verifier.score_programs([FORGE], [FORMATS["HumanEval check + entry_point"]], SETTINGS)
-    assert on_value_path.passed == 0
+    rewards.check_verifiers([{"verifier": "code", "ground_truth": truth, "row": 3}], "train")
+    honest, forged = code_verifier.score_programs([HONEST, FORGE], [truth, truth], SETTINGS)
+    assert honest.statuses == ["pass"] and forged.statuses == ["crash"]
+    (on_check,) = code_verifier.score_programs([FORGE], [FORMATS["HumanEval check + entry_point"]], SETTINGS)
+    assert on_check.passed == 0
 
 
 PREDICATE_ROWS = {
@@ -583,7 +607,8 @@ def test_predicates_exceptions_and_more_types_are_judged_outside():
     for name, honest, hack in zip(names, outcomes[: len(names)], outcomes[len(names) :]):
         assert set(honest.statuses) == {"pass"}, (name, honest.statuses)
         if name == "raises":
-            assert hack.statuses[0] == "wrong_answer", (name, hack.statuses)  # its own ValueError is no ValueError
+            # its own ValueError is no ValueError: it escapes the test's `except ValueError`
+            assert hack.statuses[0] == "crash", (name, hack.statuses)
         elif name == "re.Match truthy":
             assert hack.statuses == ["pass", "wrong_answer"]  # a real match is truthy: only the falsy test fails it
         else:
@@ -602,7 +627,7 @@ def test_a_forged_reply_of_colliding_ints_costs_the_trainer_little():
         code_checks.decode_value(["S", members])
     program = f"import os\nos.write(3, {reply.encode()!r})\nos._exit(0)\n"
     start = time.process_time()
-    (outcome,) = code_verifier.score_programs([program], [["assert len(f()) == 30000"]], SETTINGS)
+    (outcome,) = code_verifier.score_programs([program], [["assert f() == 30000"]], SETTINGS)
     assert outcome.statuses == ["oversized"]
     assert time.process_time() - start < 2.0  # the unguarded set build: ~30_000**2 / 2 probes, minutes
 

@@ -68,17 +68,25 @@ OVER_BOUND = {
 }
 
 
+WHOLE_FAILURES = ("timeout", "memory", "wrong_answer", "crash")
+
+
 def test_every_reply_over_a_bound_scores_0_and_is_counted_and_honest_ones_pass():
     names = list(OVER_BOUND)
     programs = [OVER_BOUND[n][0] for n in names] + [OVER_BOUND[n][2] for n in names]
     truths = [[OVER_BOUND[n][1]] for n in names] * 2
     outcomes = code_verifier.score_programs(programs, truths, SETTINGS)
-    for name, hostile, honest in zip(names, outcomes[: len(names)], outcomes[len(names) :]):
-        assert hostile.statuses == ["oversized"], (name, hostile.statuses)
+    judged_here = [code_verifier.value_equivalent(OVER_BOUND[n][1]) for n in names]
+    for name, here, hostile, honest in zip(names, judged_here, outcomes[: len(names)], outcomes[len(names) :]):
+        # a value test's reply is decoded here, under the bounds; a whole test's values are decoded by its test
+        # process in the sandbox, whose own limits stop them (the trainer never sees them)
+        assert hostile.statuses == ["oversized"] if here else hostile.statuses[0] in WHOLE_FAILURES, (name, hostile)
         assert honest.statuses == ["pass"], (name, honest.statuses)
-    counts = code_verifier.count_statuses(outcomes)
-    assert counts == {"oversized": len(names), "pass": len(names)}
-    assert code_verifier.status_sums(type("Rollout", (), {"code_statuses": counts})())["code_oversized"] == len(names)
+    counts = code_verifier.count_statuses(outcomes[: len(names)])
+    assert counts["oversized"] == sum(judged_here) == 3  # the three hostile Fractions: `assert f() == 1`
+    assert code_verifier.status_sums(type("Rollout", (), {"code_statuses": counts})())["code_oversized"] == sum(
+        judged_here
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,6 +219,7 @@ def test_the_trainers_cpu_and_memory_over_the_worst_replies_are_small():
     print(json.dumps(report))  # the numbers for docs/sandbox.md (pytest -s)
     honest_cpu = report["cases"].pop("honest")[1]
     for name, (statuses, cpu) in report["cases"].items():
-        assert statuses == ["oversized"], name
+        here = code_verifier.value_equivalent(OVER_BOUND[name][1])
+        assert statuses == ["oversized"] if here else statuses[0] in WHOLE_FAILURES, name
         assert cpu - honest_cpu <= 0.5, (name, cpu, honest_cpu)
     assert report["grown_kb"] <= 64 << 10

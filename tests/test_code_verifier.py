@@ -87,7 +87,8 @@ CASES = [
         [P],
     ),
     ("main block", fence(GOOD_ADD + "\nif __name__ == '__main__':\n    print(add(1, 1))"), ADD2, [P, P]),
-    ("MBPP string of asserts", fence(GOOD_ADD), "assert add(1, 2) == 3\nassert add(1, 1) == 3", [P, WA]),
+    # one stored piece of test code is one test, run unmodified (its second assert fails)
+    ("MBPP string of asserts", fence(GOOD_ADD), "assert add(1, 2) == 3\nassert add(1, 1) == 3", [WA]),
     ("setup + asserts string", fence(GOOD_ADD), "x = add(1, 2)\nassert x == 3", [P]),
     ("MBPP test_list dict", fence(GOOD_ADD), {"test_list": ADD2}, [P, P]),
     ("JSON string of asserts", fence(GOOD_ADD), json.dumps(ADD2), [P, P]),
@@ -191,7 +192,7 @@ def test_registry_verifier_scores_one_completion():
 
 def test_ground_truth_formats_parse():
     assert parse_code_tests(ADD).kind == "assert" and len(parse_code_tests(ADD).tests) == 4
-    assert parse_code_tests("assert f(1) == 1\nassert f(2) == 2").tests == ("assert f(1) == 1", "assert f(2) == 2")
+    assert parse_code_tests("assert f(1) == 1\nassert f(2) == 2").tests == ("assert f(1) == 1\nassert f(2) == 2",)
     stdio = parse_code_tests(json.dumps(SUM))
     assert stdio.kind == "stdio" and stdio.tests[0] == ("3 4\n", "7\n")
     call = parse_code_tests({"fn_name": "f", "inputs": ["[1, 2]"], "outputs": ["3"]})

@@ -7,6 +7,7 @@ stdin/stdout rows alike."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -111,11 +112,16 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
     rows = read_metrics(str(out))
     train_rows = [r for r in rows if "train/correct_rate" in r]
     assert len(train_rows) == 2
-    for r in train_rows:  # 16 responses x 3 tests; a right program passes all 3, a wrong one fails all 3
-        tests = {k.removeprefix("train/code_tests_"): v for k, v in r.items() if k.startswith("train/code_tests_")}
-        assert sum(tests.values()) == 48
-        assert tests["pass"] == 3 * 16 * r["train/correct_rate"]
-        assert tests.get("timeout", 0) == 0  # (the forger's tests fail as crash or wrong_answer)
+    # 3 tests a response, but 1 for a check() row (its test code runs whole); a right program passes all, a wrong one
+    # none (every sample is logged: both rollouts' counts add up to the samples')
+    counts = collections.Counter()
+    prefix = "train/code_tests_"
+    for r in train_rows:
+        counts.update({k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)})
+    tests_of = [1 if isinstance(t, dict) else 3 for t in truths]
+    assert sum(counts.values()) == sum(tests_of)
+    assert counts["pass"] == sum(n * s["score"] for n, s in zip(tests_of, samples))
+    assert counts.get("timeout", 0) == 0  # (the forger's tests fail as crash or wrong_answer)
     evals_rows = [r for r in rows if "eval/correct_rate" in r]
     assert evals_rows and all(0.0 <= r["eval/correct_rate"] <= 1.0 for r in evals_rows)
 
@@ -125,12 +131,12 @@ def test_rlvr_with_the_code_verifier_scores_known_programs(tiny_models, tmp_path
     [
         (["assert f(0) =="], "does not parse"),
         ({"test": "def check(candidate):\n    assert candidate(0) == 1\n"}, "defines check(candidate) with checks but"),
-        (["def ok(x):\n    return x == 1\nassert ok(f(0))"], "can only run as a script"),
+        (["assert True"], "checks nothing"),
     ],
 )
 def test_bad_code_ground_truth_exits_2_naming_the_row(tiny_models, tmp_path, capsys, truth, message):
-    """Unparseable tests, a check(candidate) nothing calls (no entry_point) and a test only a script can run
-    (code_allow_script_tests off, the default) stop the run before any model loads, naming the row."""
+    """Unparseable tests, a check(candidate) nothing calls (no entry_point) and a test that checks nothing stop the
+    run before any model loads, naming the row."""
     rows = code_rl_rows(8, 0)
     rows[3]["ground_truth"] = json.dumps(truth)
     train = write_jsonl(str(tmp_path / "bad_code.jsonl"), rows)
