@@ -769,6 +769,13 @@ class GenerationEngineConfig:
     vllm_enable_sleep: bool = setting(
         False, "Let the vLLM engine sleep during training (frees its memory).", topic="generation", resume="may_change"
     )
+    vllm_lora_sync: Literal["merged", "adapter"] = setting(
+        "merged",
+        "With use_lora and generation_backend vllm: send the engine the merged weights on every sync, or the base "
+        "weights once and then only the adapter (vLLM's LoRA: fewer bytes per sync, slower generation).",
+        topic="generation",
+        resume="may_change",
+    )
     # vllm_server: dedicated engines (`vllm serve`), weights broadcast after each rollout's updates
     vllm_num_engines: int = setting(
         1, "vllm_server: engines (each vllm_tensor_parallel_size devices).", topic="generation", resume="may_change"
@@ -877,6 +884,13 @@ class GenerationEngineConfig:
                 f"async_steps {self.async_steps} needs generation_backend vllm_server (dedicated engines, weights "
                 f"updated in flight) or hf (a copy of the policy generating in a background thread); the colocated "
                 f"vllm engine shares the training devices"
+            )
+        use_lora = getattr(self, "use_lora", False)  # BaseConfig's, beside this mixin in RLVRConfig
+        if self.vllm_lora_sync == "adapter" and not (use_lora and self.generation_backend == "vllm"):
+            raise ConfigError(
+                f"vllm_lora_sync adapter needs use_lora true and generation_backend vllm (use_lora is {use_lora}, "
+                f"generation_backend {self.generation_backend}): the adapter is loaded by the colocated engine; "
+                "dedicated engines (vllm_server) take merged weights"
             )
         if self.vllm_server_urls is not None:
             if self.generation_backend != "vllm_server":

@@ -106,6 +106,33 @@ def base_name(name: str) -> str:
     return name.replace(f".modules_to_save.{ADAPTER}.", ".")
 
 
+def is_base_tensor(name: str) -> bool:
+    """Whether a peft parameter name is a weight of the plain model: not a LoRA factor and not the frozen original
+    of a trained head (a plain model's names are all base tensors)."""
+    return not any(part in name for part in (".lora_A.", ".lora_B.", ".lora_embedding_", ".original_module."))
+
+
+def adapter_tensors(
+    tensors: Mapping[str, torch.Tensor], full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name in peft's saved adapter, whole tensor) of every LoRA factor of a peft model's parameters: the adapter
+    name dropped, as `save_pretrained` writes them (`...q_proj.lora_A.weight`), for an engine that loads adapters
+    (vLLM's LoRA). `full` as in merged_tensors (called in the same order on every rank)."""
+    for key, value in tensors.items():
+        if ".lora_A." in key or ".lora_B." in key or ".lora_embedding_" in key:
+            yield key.replace(f".{ADAPTER}", ""), full(value)
+
+
+def write_adapter(model: Any, tensors: Mapping[str, torch.Tensor], folder: str) -> int:
+    """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors, what PeftModel.from_pretrained
+    and vLLM's LoRARequest load) from adapter_tensors' pairs; the bytes of the tensors written."""
+    from safetensors.torch import save_file
+
+    unwrap_model(model).peft_config[ADAPTER].save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{folder}/adapter_model.safetensors")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def merged_tensors(
     tensors: Mapping[str, torch.Tensor],
     scaling: Mapping[str, float],
@@ -122,7 +149,7 @@ def merged_tensors(
     out. `full` turns a (sharded) value into the whole tensor; it is called in the same order on every rank (it may
     be a collective)."""
     for key, value in tensors.items():
-        if ".lora_A." in key or ".lora_B." in key or ".original_module." in key or ".lora_embedding_" in key:
+        if not is_base_tensor(key):
             continue
         value = full(value)
         module, _, leaf = key.rpartition(".base_layer.")

@@ -24,6 +24,9 @@ How it works
   KV block computed with old weights is reused. Calling the model's `load_weights` directly is wrong on CPU (the
   linear weights are repacked after loading). FSDP2-sharded parameters (DTensor) are gathered one at a time with
   `full_tensor()`: every rank must call `sync_weights` together, and the peak extra memory is one full parameter.
+- LoRA: merged weights by default; `lora_sync="adapter"` (`vllm_lora_sync`) builds the engine with vLLM's LoRA,
+  loads the frozen base weights once and then, per sync, the adapter alone: written as a peft folder and loaded
+  under a new `LoRARequest` id that every request names (vLLM 0.32 loads adapters from folders only).
 - Tied input/output embeddings are untied inside the engine (see `untied_lm_head`): vLLM 0.32's reload refreshes
   only one tensor of a tied pair.
 - Memory: `gpu_memory_utilization` is the fraction of the GPU the engine may take (weights + KV cache); the
@@ -149,12 +152,13 @@ def _clean(name: str) -> str:
 
 
 def hf_weights(
-    model: Any, untie: bool = False, dtype: Optional[torch.dtype] = None
+    model: Any, untie: bool = False, dtype: Optional[torch.dtype] = None, merge_lora: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor in `dtype`, default its own) for every parameter, one at a time; a shared tensor once
     under its first name, or, with `untie`, the output embedding also under its own name (for an engine whose
     lm_head is a separate tensor). Each shard is cast before it is gathered, except under LoRA (the merge is computed
-    in float64 from the fp32 weights, then cast)."""
+    in float64 from the fp32 weights, then cast). `merge_lora=False`: a LoRA model's base weights alone (the frozen
+    W, for an engine that applies the adapter itself: adapter_weights)."""
     from open_instruct import lora
 
     model = unwrap_model(model)
@@ -162,7 +166,9 @@ def hf_weights(
     named = dict(model.named_parameters())
     for p in named.values():
         seen.add(id(p))
-    if lora.is_peft(model):  # LoRA: the merged weights W + B @ A * scaling under the base names, factors left out
+    if not merge_lora:
+        named = {k: p for k, p in named.items() if lora.is_base_tensor(k)}
+    if lora.is_peft(model) and merge_lora:  # LoRA: the merged W + B @ A * scaling under the base names
         pairs = lora.merged_tensors(
             {k: p.detach() for k, p in named.items()},
             lora.scalings(model),
@@ -178,6 +184,27 @@ def hf_weights(
     if out is not None and id(out.weight) in seen:  # tied: named_parameters gave it under the input embedding's name
         name = next(n for n, m in model.named_modules() if m is out)
         yield _clean(lora.base_name(f"{name}.weight")), _full_tensor(out.weight.detach(), dtype)
+
+
+def adapter_weights(model: Any, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """A LoRA model's adapter as peft saves it (name -> whole factor in `dtype`, on the host): what an engine that
+    applies the adapter itself receives on each sync. Collective under FSDP2 (every rank gathers each factor)."""
+    from open_instruct import lora
+
+    named = {_clean(k): p.detach() for k, p in unwrap_model(model).named_parameters()}
+    return {name: t.cpu() for name, t in lora.adapter_tensors(named, lambda t: _full_tensor(t, dtype))}
+
+
+# The LoRA ranks vLLM 0.32 takes for max_lora_rank (vllm.config.lora.MaxLoRARanks): an engine sized for the smallest
+# one that holds the run's rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"lora_rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fitting[0]
 
 
 class _RNGSnapshot:
@@ -233,11 +260,16 @@ class VLLMGenerator:
         kv_cache_memory_bytes: Optional[int] = None,
         enforce_eager: Optional[bool] = None,
         batch_size: Optional[int] = None,
+        lora_sync: str = "merged",
         **engine_kwargs: Any,
     ) -> None:
         """`batch_size` is accepted for call compatibility with HFGenerator and unused: vLLM schedules its own
-        batches. `dtype` defaults to the policy's parameter dtype; `engine_kwargs` go to `vllm.LLM`."""
+        batches. `dtype` defaults to the policy's parameter dtype; `engine_kwargs` go to `vllm.LLM`. `lora_sync`
+        "adapter" (a LoRA policy only): the engine holds the base weights and applies the adapter itself, and each
+        sync sends the adapter alone ("merged": the merged weights, every sync)."""
         check_vllm_version()
+        if lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"lora_sync must be 'merged' or 'adapter', got {lora_sync!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         # In-process engine: sync_weights passes tensors by reference (a separate engine process would need them
@@ -248,6 +280,12 @@ class VLLMGenerator:
 
         self.tokenizer = tokenizer
         policy = unwrap_model(model)
+        from open_instruct import lora
+
+        self.adapter_sync = lora_sync == "adapter"
+        if self.adapter_sync and not lora.is_peft(policy):
+            raise ValueError("lora_sync 'adapter' needs a LoRA (peft) policy: use_lora is off")
+        policy = lora.plain_model(policy) if self.adapter_sync else policy  # its config, dtype and eos ids
         hf_config = policy.config
         self.eos_ids = [int(i) for i in eos_token_ids] if eos_token_ids else default_eos_token_ids(policy, tokenizer)
         self.max_model_len = int(max_model_len or getattr(hf_config, "max_position_embeddings", 0) or 4096)
@@ -303,6 +341,9 @@ class VLLMGenerator:
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
             os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        if self.adapter_sync:  # vLLM's LoRA: one adapter at a time, the newest sync's
+            rank = int(unwrap_model(model).peft_config[lora.ADAPTER].r)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1)
         kwargs.update(engine_kwargs)
 
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietRotaryReload())
@@ -323,11 +364,16 @@ class VLLMGenerator:
         self._weights_released = self._kv_released = False
         self._model: Any = model
         self.last_sync_seconds = 0.0
+        self.last_sync_bytes = 0  # in-process (merged): handed over by reference; adapter: the adapter written
+        self.full_sync_bytes = 0  # what one merged sync moves (the base weights' bytes), for comparison
+        self.lora_request: Any = None  # adapter sync: the adapter every request names (a new id per sync)
+        self._base_loaded = False  # adapter sync: the engine holds the frozen base weights
         self.sync_weights(model)  # dummy weights -> the policy's
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> VLLMGenerator:
         """One engine per rank, in the run's compute dtype, for rollouts and evals alike."""
+        lora_sync = getattr(cfg, "vllm_lora_sync", "merged") if getattr(cfg, "use_lora", False) else "merged"
         return cls(
             accelerator.unwrap_model(policy),
             tokenizer,
@@ -336,6 +382,7 @@ class VLLMGenerator:
             seed=cfg.seed,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             enable_sleep=cfg.vllm_enable_sleep,
+            lora_sync=lora_sync,
         )
 
     @staticmethod
@@ -358,13 +405,52 @@ class VLLMGenerator:
         t0 = time.perf_counter()
         if self._weights_released:  # memory back, contents undefined until the reload below
             self.llm.wake_up(tags=["weights"])
-        weights = hf_weights(model, untie=self.untied_lm_head, dtype=self.weight_dtype)
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+            self._base_loaded = False
+        if self.adapter_sync:
+            self._sync_adapter(model)
+        else:
+            weights = hf_weights(model, untie=self.untied_lm_head, dtype=self.weight_dtype)
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._weights_released = False
         self._model = model
         self.version = self.version + 1 if version is None else int(version)
         self.last_sync_seconds = time.perf_counter() - t0
+
+    def _sync_adapter(self, model: Any) -> None:
+        """Adapter sync: the frozen base weights once (and after a sleep released them), then this sync's adapter
+        written to a folder of its own and loaded under a new id (vLLM caches adapters by id); the previous one is
+        dropped. Every later request names the new one."""
+        from vllm.lora.request import LoRARequest
+
+        from open_instruct import lora
+
+        if not self._base_loaded:
+            counted = []
+
+            def counting(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+                for name, t in pairs:
+                    counted.append(t.numel() * t.element_size())
+                    yield name, t
+
+            base = counting(hf_weights(model, untie=self.untied_lm_head, dtype=self.weight_dtype, merge_lora=False))
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=base, is_checkpoint_format=True))
+            self.full_sync_bytes, self._base_loaded = sum(counted), True
+        previous = self.lora_request
+        lora_id = previous.lora_int_id + 1 if previous is not None else 1
+        folder = os.path.join(self._dir, f"adapter_{lora_id}")
+        self.last_sync_bytes = lora.write_adapter(model, adapter_weights(model, self.weight_dtype), folder)
+        self.lora_request = LoRARequest(f"policy_{lora_id}", lora_id, folder)
+        self.llm.llm_engine.add_lora(self.lora_request)  # loaded now: a bad adapter fails the sync, not a generate
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        if previous is None and not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+            print(
+                f"vLLM adapter-only weight sync: {self.last_sync_bytes:,} bytes per sync (the merged weights: "
+                f"{self.full_sync_bytes:,} bytes, {self.full_sync_bytes / max(self.last_sync_bytes, 1):.1f}x)",
+                flush=True,
+            )
 
     def generation_context(self, model: Any) -> ContextManager[Any]:
         return contextlib.nullcontext()  # the engine holds its own copy of the weights
@@ -374,21 +460,25 @@ class VLLMGenerator:
         self, prompt_ids: Sequence[Sequence[int]], continuation_ids: Sequence[Sequence[int]], top_k: int = 0
     ) -> dict[str, Any]:
         """The engine's prompt log-probs of each continuation (vLLM's `prompt_logprobs`: the raw model, temperature
-        1), with the top-k per position."""
+        1), with the top-k per position. Through the adapter (adapter sync), one sequence per engine step: vLLM 0.32's
+        LoRA logits layer maps adapters per request, not per prompt position, and fails on a batch of prompt log-probs
+        (vllm-project/vllm#16668); one request's single mapping applies to all its positions."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from open_instruct.generation_check import TokenScores
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+        sequences = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompt_ids, continuation_ids)]
+        batches = [[s] for s in sequences] if self.adapter_sync else [sequences]
         self._wake_for_generation()
         rng = _RNGSnapshot()
         try:
-            results = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in zip(prompt_ids, continuation_ids)],
-                params,
-                use_tqdm=False,
-            )
+            results = [
+                res
+                for batch in batches
+                for res in self.llm.generate(batch, params, use_tqdm=False, lora_request=self.lora_request)
+            ]
         finally:
             rng.restore()
             self._sleep()
@@ -458,7 +548,10 @@ class VLLMGenerator:
         rng = _RNGSnapshot()  # every request carries its own seed: the trainer's global RNGs stay untouched
         try:
             results = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
+                params,
+                use_tqdm=False,
+                lora_request=self.lora_request,
             )
         finally:
             rng.restore()

@@ -232,6 +232,43 @@ def test_merged_weights_match_peft_merge_and_unload(task):
     assert any(not torch.equal(streamed[n], v) for n, v in base_weights(task["base"]).items() if n in streamed)
 
 
+def test_adapter_sync_sends_the_base_weights_and_a_peft_loadable_adapter(tmp_path):
+    """What an adapter-only sync hands a vLLM engine: the base weights (hf_weights(merge_lora=False): the frozen W,
+    every factor left out, equal to the model with its adapter disabled) and the adapter folder
+    (lora.write_adapter), which peft loads back onto the base to give the trained model's logits exactly (the same
+    factors, the same computation); its bytes are the factors' (rank 4: 4 x (16+16) q, 4 x (16+8) v, 2 layers x 4 B)."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from open_instruct.vllm_generator import adapter_weights, hf_weights
+
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).eval()
+    original = {n: p.detach().clone() for n, p in base.named_parameters()}
+    cfg = SFTConfig(model_name_or_path="m", dataset_name_or_path="d", use_lora=True, lora_rank=4, lora_alpha=8,
+                    lora_target_modules=["q_proj", "v_proj"])  # fmt: skip
+    model = lora.apply_lora(base, cfg, "CAUSAL_LM", dropout=False)
+    for name, p in model.named_parameters():
+        if ".lora_B." in name:
+            p.data.normal_(0, 0.5)
+    sent = dict(hf_weights(model, merge_lora=False))
+    assert sent.keys() == original.keys() and all(torch.equal(sent[n], original[n]) for n in original)
+    adapter = adapter_weights(model)
+    assert len(adapter) == 8 and sorted(adapter)[:2] == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    ]
+    assert lora.write_adapter(model, adapter, str(tmp_path)) == 2 * (4 * 32 + 4 * 24) * 4 == 1792
+    fresh = LlamaForCausalLM(config).eval()
+    fresh.load_state_dict(original)
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path)).eval()
+    ids = torch.tensor([[3, 7, 11, 5, 2, 9]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def tiny_gpt2_and_llama(kind: str, tie: bool):
     """A tiny GPT-2 (Conv1D layers, [in, out] weights) or Llama (nn.Linear) built locally, and every target kind."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM

@@ -67,6 +67,24 @@ def test_missing_extra_is_a_clear_error(monkeypatch):
     assert isinstance(err.value, ImportError) and isinstance(err.value, NotImplementedError)
 
 
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ([], "use_lora is False, generation_backend hf"),
+        (["--use_lora", "true", "--generation_backend", "vllm_server"], "generation_backend vllm_server"),
+    ],
+)
+def test_adapter_sync_outside_a_lora_run_on_the_colocated_engine_is_refused(extra, named):
+    """vllm_lora_sync adapter means something only for a LoRA policy on the colocated engine: elsewhere a ConfigError
+    (exit 2) naming what is set, before anything loads."""
+    from open_instruct.config import RLVRConfig, parse_config
+    from open_instruct.errors import ConfigError
+
+    argv = ["--model_name_or_path", "m", "--dataset_name_or_path", "d.jsonl", "--vllm_lora_sync", "adapter", *extra]
+    with pytest.raises(ConfigError, match=f"vllm_lora_sync adapter needs use_lora true.*{named}"):
+        parse_config(RLVRConfig, argv)
+
+
 def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_root):
     """generation_backend vllm without the extra: exit 2 with the install hint, before any model or data loads."""
     import importlib.util
@@ -431,6 +449,90 @@ def test_an_engine_in_another_dtype_is_refused_at_launch(engine):
     checker.sync(model, 0)
     print("bf16 engine under bf16 limits:", checker.at_launch)
     assert checker.at_launch["margin"] > 1
+
+
+def test_lora_adapter_only_sync_serves_the_adapted_policy():
+    """lora_sync "adapter": the engine holds the base weights and loads the adapter (vLLM's LoRA, a new id per sync);
+    only the adapter's bytes move per sync (by hand: rank 8, 2 layers of q 64->64, k 64->32, v 64->32, o 64->64,
+    gate/up 64->128, down 128->64: 8 x (128 + 96 + 96 + 128 + 192 x 3) = 8192 factor entries per layer, 16384 x 4 B
+    = 65536 B, against the merged weights' 2 x 64V embedding and head + 2 x (36864 + 128 norms) + 64). Greedy output
+    is the adapted policy's (not the base's), the generation check passes against the adapted trainer while the base
+    model's log-probs are beyond its limits, and a changed adapter is followed after its sync with the base weights
+    left alone. On main the engine could only take merged weights (no lora_sync)."""
+    pytest.importorskip("vllm")
+    from peft import LoraConfig, get_peft_model
+
+    from demo.tiny import build_tokenizer
+    from open_instruct.generation_check import (
+        GenerationChecker,
+        Limits,
+        compare,
+        forward_scores,
+        logit_scale,
+        make_probe,
+    )
+    from open_instruct.vllm_generator import VLLMGenerator
+
+    tokenizer = build_tokenizer()
+    policy = get_peft_model(
+        _tiny_cpu_llama(tokenizer, seed=4), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    ).eval()
+
+    def move_adapter(seed):  # B starts at 0 (adapted = base): give the adapter a real update
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if ".lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    move_adapter(0)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in QUESTIONS
+    ]
+    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    gen = keep_open(VLLMGenerator(policy, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20,
+                                  lora_sync="adapter"))  # fmt: skip
+    vocab = len(tokenizer)
+    assert gen.last_sync_bytes == 65536
+    assert gen.full_sync_bytes == 2 * 64 * vocab * 4 + (2 * (36864 + 128) + 64) * 4
+    assert gen.lora_request.lora_int_id == 1 and os.path.isfile(
+        os.path.join(gen.lora_request.lora_path, "adapter_model.safetensors")
+    )
+
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0)
+    hf = HFGenerator(policy, tokenizer, batch_size=4)
+    adapted = hf.generate(prompts, cfg).response_ids
+    with policy.disable_adapter():
+        base = hf.generate(prompts, cfg).response_ids
+    assert adapted != base
+    assert gen.generate(prompts, cfg).response_ids == adapted
+
+    # The generation check: the engine's fingerprint is the adapted policy's, and the base's is beyond the limits.
+    probe = make_probe(tokenizer, 256)
+    checker = GenerationChecker(gen, policy, probe, torch.float32)
+    checker.sync(policy, 1)
+    assert checker.at_launch["margin"] > 1 and gen.lora_request.lora_int_id == 2
+    (engine_scores,) = gen.score_tokens(probe.prompts, probe.continuations).values()
+    with policy.disable_adapter():
+        base_scores = forward_scores(policy, probe.prompts, probe.continuations)
+    assert Limits.for_dtype(torch.float32, logit_scale(base_scores)).exceeded(compare(engine_scores, base_scores))
+
+    # A new adapter: followed after its sync, the old one dropped, the base weights not sent again.
+    reloads = []
+    real_rpc = gen.llm.collective_rpc
+    gen.llm.collective_rpc = lambda *a, **kw: reloads.append(a) or real_rpc(*a, **kw)
+    try:
+        move_adapter(1)
+        moved = hf.generate(prompts, cfg).response_ids
+        assert moved != adapted
+        assert gen.generate(prompts, cfg).response_ids == adapted  # stale until synced
+        checker.sync(policy, 2)
+    finally:
+        gen.llm.collective_rpc = real_rpc
+    assert reloads == [] and checker.last["check/margin"] > 1
+    assert gen.llm.llm_engine.list_loras() == {3} and gen.last_sync_bytes == 65536
+    assert gen.generate(prompts, cfg).response_ids == moved
 
 
 def test_bad_requests_fail_clearly(engine):
