@@ -12,6 +12,8 @@ Two objectives (`distill_loss`), both over the student's own samples and only on
                 [tokens, vocab] logits of either model are kept (chunked_generalized_jsd)
 
 The teacher needs no checkpoint state: it is frozen, loaded again from `teacher_model_name_or_path` on resume.
+Several teachers (`teacher_models`, TRL's MOPD): each training row names its own (`teacher_column`), its tokens are
+scored by that teacher only (routed_teacher_logprobs), the metrics break down per teacher (TeacherRoutes).
 
 All it does in a run is below, plugged into rlvr_ppo.py's hooks (rlvr_ppo.features_of): `teacher_scores` (each
 no-grad micro-batch of collect_rollout: the teacher's log-prob of every sampled token, which the `distill` estimator
