@@ -730,8 +730,11 @@ def input_identity(config: dict[str, Any]) -> list[dict[str, Any]]:
     entries: list[tuple[str, str, str]] = []
     for f in dataclasses.fields(cls) if cls else ():
         loads, key, value = f.metadata.get("loads"), f.metadata.get("content_key"), config.get(f.name)
-        if loads == "weights":
-            entries += _weight_entries(key, f"{f.name} {value}", value)
+        if loads == "weights":  # one folder, or named folders (teacher_models: name -> folder)
+            named = value.items() if isinstance(value, dict) else [(None, value)]
+            for name, folder in named:
+                entries += _weight_entries(key, f"{f.name} {value}" if name is None else f"{f.name} {name}={folder}",
+                                           folder)  # fmt: skip
             continue
         if loads != "code":
             continue

@@ -1275,6 +1275,23 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         loads="weights",
         content_key="teacher_weights",
     )
+    teacher_models: dict[str, str] = setting(
+        help="Named teachers for multi-teacher distillation (TRL's MOPD): name -> local folder or hub name, e.g. "
+        "{math: path/a, code: path/b} or --teacher_models math=path/a code=path/b; with two or more, each training "
+        "row's teacher_column names its teacher (one scores every row). Instead of teacher_model_name_or_path.",
+        default_factory=dict,
+        topic="algorithm",
+        resume="must_match",
+        loads="weights",
+        content_key="teacher_weights",
+    )
+    teacher_column: str = setting(
+        "teacher_id",
+        "The row field naming each row's teacher among teacher_models (TRL's teacher_id; a dotted path reaches into "
+        "a nested column, `source` is the dataset the row came from).",
+        topic="algorithm",
+        resume="must_match",
+    )
     distill_loss: Literal["reverse_kl", "jsd"] = setting(
         "reverse_kl",
         "reverse_kl: A_t = teacher_kl_weight * (log pi_teacher(y_t) - log pi_student(y_t)) through the policy loss; "
@@ -1341,13 +1358,26 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         return self.estimator.uses_teacher
 
     @property
+    def has_teacher(self) -> bool:
+        """A teacher is named: teacher_model_name_or_path or teacher_models."""
+        return bool(self.teacher_model_name_or_path or self.teacher_models)
+
+    def teacher_settings(self) -> list[tuple[str, str]]:
+        """(the setting naming it, its path) of every teacher: teacher_model_name_or_path's, or each of
+        teacher_models as `teacher_models <name>`."""
+        if self.teacher_models:
+            return [(f"teacher_models {name}", path) for name, path in self.teacher_models.items()]
+        single = self.teacher_model_name_or_path
+        return [("teacher_model_name_or_path", single)] if single else []
+
+    @property
     def kl_in_reward(self) -> bool:
         """-beta * KL_t in the per-token reward (gae, reinforce_pp); otherwise beta * KL is a loss term."""
         return self.estimator.kl_in_reward
 
     def resolve_defaults(self) -> None:
         super().resolve_defaults()
-        if self.advantage_estimator is None and self.teacher_model_name_or_path:  # a teacher alone: distillation
+        if self.advantage_estimator is None and self.has_teacher:  # a teacher alone: distillation
             self.advantage_estimator = "distill"
         if self.distill_group_baseline is None:
             self.distill_group_baseline = self.num_samples_per_prompt >= 2
@@ -1536,17 +1566,40 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         if self.ptx_dataset and self.ptx_coef == 0:
             raise ConfigError(f"ptx_dataset {self.ptx_dataset!r} is set but ptx_coef is 0: give its loss a weight > 0")
 
+    def _validate_teacher_models(self) -> None:
+        """teacher_models: one way of naming teachers, each a path; several route rows, under reverse_kl."""
+        if not self.teacher_models:
+            return
+        if self.teacher_model_name_or_path:
+            raise ConfigError(
+                "teacher_model_name_or_path and teacher_models are both set: name one teacher with the first, or "
+                "every teacher (the single one too) in teacher_models"
+            )
+        bad = {name: path for name, path in self.teacher_models.items() if not isinstance(path, str) or not path}
+        if bad:
+            raise ConfigError(f"teacher_models must map each teacher name to a model path, got {bad}")
+        if len(self.teacher_models) > 1 and self.distill_loss != "reverse_kl":
+            raise ConfigError(
+                f"teacher_models with {len(self.teacher_models)} teachers needs distill_loss reverse_kl (each row's "
+                f"own teacher's log-probs as its advantage), not {self.distill_loss}: the JSD loss term reads one "
+                "teacher"
+            )
+
     def _validate_distillation(self) -> None:
         """The teacher and its estimator go together; the objective's knobs in range (distillation.check_teacher
         compares the vocabularies, before any model loads)."""
         teachers = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_teacher)
-        if self.uses_teacher and not self.teacher_model_name_or_path:
-            raise ConfigError(f"advantage_estimator {self.advantage_estimator} needs teacher_model_name_or_path")
-        if self.teacher_model_name_or_path and not self.uses_teacher:
+        named = "teacher_models" if self.teacher_models else "teacher_model_name_or_path"
+        if self.uses_teacher and not self.has_teacher:
             raise ConfigError(
-                f"teacher_model_name_or_path is set but advantage_estimator {self.advantage_estimator} uses no "
+                f"advantage_estimator {self.advantage_estimator} needs teacher_model_name_or_path (or teacher_models)"
+            )
+        if self.has_teacher and not self.uses_teacher:
+            raise ConfigError(
+                f"{named} is set but advantage_estimator {self.advantage_estimator} uses no "
                 f"teacher: use {teachers} (or leave advantage_estimator unset)"
             )
+        self._validate_teacher_models()
         _check_range(self, "distill_jsd_beta", 0.0, 1.0)
         _check_positive(self, "teacher_kl_weight", allow_zero=True)
         _check_positive(self, "distill_reward_weight", allow_zero=True)

@@ -551,7 +551,9 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
     if not getattr(cfg, "reward_functions", None):  # reward functions need no verifier or ground truth
         check_columns(rows, [cfg.ground_truth_column], "RL prompt")
     rate_by = getattr(cfg, "correct_rate_by", None)  # RL: each prompt's group (correct_rates.py)
-    if rate_by:
+    # RL multi-teacher distillation: the teacher each prompt names (distillation.TeacherRoutes checks the names)
+    teacher_by = getattr(cfg, "teacher_column", None) if len(getattr(cfg, "teacher_models", None) or {}) > 1 else None
+    if rate_by or teacher_by:
         from open_instruct.correct_rates import group_of
     examples = []
     for row, out in zip(rows, encode_rows(rows, tokenizer, cfg, formats.PROMPT, stats)):
@@ -570,6 +572,8 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
             value = group_of(row.data, row.label, rate_by)
             if value is not None:
                 group["rate_group"] = value
+        if teacher_by:
+            group["teacher"] = group_of(row.data, row.label, teacher_by)
         examples.append(
             {
                 "prompt_ids": ids,

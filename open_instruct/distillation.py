@@ -12,6 +12,8 @@ Two objectives (`distill_loss`), both over the student's own samples and only on
                 [tokens, vocab] logits of either model are kept (chunked_generalized_jsd)
 
 The teacher needs no checkpoint state: it is frozen, loaded again from `teacher_model_name_or_path` on resume.
+Several teachers (`teacher_models`, TRL's MOPD): each training row names its own (`teacher_column`), its tokens are
+scored by that teacher only (routed_teacher_logprobs), the metrics break down per teacher (TeacherRoutes).
 
 All it does in a run is below, plugged into rlvr_ppo.py's hooks (rlvr_ppo.features_of): `teacher_scores` (each
 no-grad micro-batch of collect_rollout: the teacher's log-prob of every sampled token, which the `distill` estimator
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -196,25 +198,23 @@ def vocabulary_problem(
 
 
 def check_teacher(cfg: Any) -> None:
-    """Refuse (ConfigError, exit 2) before any model loads a teacher whose vocabulary is not the student's: the
-    teacher scores the student's token ids, so one id must mean one token in both."""
-    if not cfg.teacher_model_name_or_path:
-        return
+    """Refuse (ConfigError, exit 2) before any model loads a teacher (each of teacher_models) whose vocabulary is
+    not the student's: the teacher scores the student's token ids, so one id must mean one token in both."""
     student = cfg.model_name_or_path
-    try:
-        problem = vocabulary_problem(
-            student, cfg.teacher_model_name_or_path, cfg.trust_remote_code, cfg.gguf_file, cfg.tokenizer_name_or_path
-        )
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"teacher_model_name_or_path {cfg.teacher_model_name_or_path!r} (student {student!r}): cannot read its "
-            f"config or tokenizer: {e}"
-        ) from None
-    if problem:
-        raise ConfigError(
-            f"teacher_model_name_or_path {cfg.teacher_model_name_or_path!r} cannot distil into model "
-            f"{student!r}: {problem}. The teacher must share the student's tokenizer."
-        )
+    for key, teacher in cfg.teacher_settings():
+        try:
+            problem = vocabulary_problem(
+                student, teacher, cfg.trust_remote_code, cfg.gguf_file, cfg.tokenizer_name_or_path
+            )
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{key} {teacher!r} (student {student!r}): cannot read its config or tokenizer: {e}"
+            ) from None
+        if problem:
+            raise ConfigError(
+                f"{key} {teacher!r} cannot distil into model {student!r}: {problem}. The teacher must share the "
+                "student's tokenizer."
+            )
 
 
 def chunked_sampled_logprobs(
@@ -286,10 +286,76 @@ def jsd_to_teacher(
 
 
 def teacher_scores(
-    cfg: Any, models: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor
+    cfg: Any, models: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor, episodes: Sequence[dict] = ()
 ) -> dict[str, torch.Tensor]:
-    """score_batch: the teacher's log-prob of every sampled policy token (the `distill` estimator's teacher_logp)."""
+    """score_batch: the teacher's log-prob of every sampled policy token (the `distill` estimator's teacher_logp);
+    with teacher_models, each row's own teacher's (routed_teacher_logprobs)."""
+    if models.teachers:
+        return {"teacher_logp": routed_teacher_logprobs(cfg, models.teachers, batch, mask, episodes)}
     return {"teacher_logp": teacher_token_logprobs(models.teacher, batch, mask, cfg.temperature)}
+
+
+def teacher_of(cfg: Any, episode: dict) -> str:
+    """The name of the row's teacher: its `teacher` (data.tokenize_prompts read it from teacher_column) among two
+    or more teacher_models; the only one's name when there is one (TRL: a single teacher scores every row)."""
+    return episode.get("teacher") if len(cfg.teacher_models) > 1 else next(iter(cfg.teacher_models))
+
+
+def routed_teacher_logprobs(
+    cfg: Any, teachers: dict[str, Any], batch: dict[str, torch.Tensor], mask: torch.Tensor, episodes: Sequence[dict]
+) -> torch.Tensor:
+    """log pi_teacher(y_t) [B, R] of each row under its own teacher (teacher_of), 0 off `mask`: each teacher's forward
+    runs on the micro-batch, its output layer on its rows' tokens only. A teacher none of the rows names is skipped on
+    one process; across processes every teacher runs on every micro-batch (an FSDP-sharded forward is a collective,
+    and the ranks' micro-batches name different teachers)."""
+    names = [teacher_of(cfg, e) for e in episodes]
+    every = torch.distributed.is_available() and torch.distributed.is_initialized()
+    every = every and torch.distributed.get_world_size() > 1
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    for name, teacher in teachers.items():
+        rows = torch.tensor([n == name for n in names], dtype=mask.dtype, device=mask.device)
+        if every or any(n == name for n in names):
+            out += teacher_token_logprobs(teacher, batch, mask * rows[:, None], cfg.temperature)
+    return out
+
+
+class TeacherRoutes:
+    """teacher_models: the training rows' teachers checked before any model loads (every row names one of them:
+    TRL's rule, a missing or unknown name is an error, never a silent misroute), and the rollout_sums and metrics
+    hooks with a breakdown per teacher: train/teacher_kl/<name> (each teacher's rows' tokens) and
+    train/teacher_completions/<name>, beside train/teacher_kl over all of them."""
+
+    def __init__(self, cfg: Any, train: Sequence[dict]):
+        self.cfg, self.names = cfg, list(cfg.teacher_models)
+        if len(self.names) < 2:
+            return
+        for e in train:
+            name = e.get("teacher")
+            if name not in cfg.teacher_models:
+                what = f"names teacher {name!r}" if name is not None else f"has no {cfg.teacher_column!r}"
+                raise ConfigError(
+                    f"{e.get('where', 'a training row')} {what} (teacher_column {cfg.teacher_column!r}), not one of "
+                    f"teacher_models {self.names}"
+                )
+
+    def rollout_sums(self, rollout: Any) -> dict[str, float]:
+        sums = teacher_kl_sums(rollout)
+        if len(self.names) < 2:
+            return sums
+        for name in self.names:
+            rows = torch.tensor([teacher_of(self.cfg, e) == name for e in rollout.episodes], dtype=torch.bool)
+            sums[f"teacher_completions/{name}"] = float(rows.sum())
+            part = teacher_kl_sums(rollout, rows)
+            sums[f"teacher_kl/{name}"], sums[f"teacher_tokens/{name}"] = part["teacher_kl"], part["teacher_tokens"]
+        return sums
+
+    def metrics(self, cfg: Any, rollout: Any, sums: dict, train: dict, updates: float, accelerator: Any) -> dict:
+        row = metrics(cfg, rollout, sums, train, updates, accelerator)
+        for name in self.names if len(self.names) > 1 else ():
+            row[f"train/teacher_completions/{name}"] = sums[f"teacher_completions/{name}"]
+            if sums[f"teacher_tokens/{name}"] > 0:  # a teacher the rollout did not draw has no kl in the row
+                row[f"train/teacher_kl/{name}"] = sums[f"teacher_kl/{name}"] / sums[f"teacher_tokens/{name}"]
+        return row
 
 
 def student_forward(cfg: Any, models: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
@@ -319,13 +385,15 @@ def jsd_loss_term(
     return cfg.teacher_kl_weight * (divergence * w).sum(), {"jsd_loss": (divergence.detach() * w).sum()}
 
 
-def teacher_kl_sums(rollout: Any) -> dict[str, float]:
+def teacher_kl_sums(rollout: Any, rows: Optional[torch.Tensor] = None) -> dict[str, float]:
     """rollout_sums: sum over policy tokens of old_logp - teacher_logp (the sampled-token estimate of
-    KL(pi_student || pi_teacher) per token), and those tokens; zeros without the student's log-probs (on-policy)."""
+    KL(pi_student || pi_teacher) per token), and those tokens; zeros without the student's log-probs (on-policy).
+    rows: [n] bool, only those rows' tokens (one teacher's)."""
     if rollout.teacher_logp is None or rollout.on_policy:
         return {"teacher_kl": 0.0, "teacher_tokens": 0.0}
-    gap = ((rollout.old_logp - rollout.teacher_logp) * rollout.mask).sum()
-    return {"teacher_kl": float(gap), "teacher_tokens": float(rollout.mask.sum())}
+    mask = rollout.mask if rows is None else rollout.mask * rows[:, None]
+    gap = ((rollout.old_logp - rollout.teacher_logp) * mask).sum()
+    return {"teacher_kl": float(gap), "teacher_tokens": float(mask.sum())}
 
 
 def metrics(cfg: Any, rollout: Any, sums: dict[str, float], train: dict[str, float], updates: float, _: Any) -> dict:

@@ -354,9 +354,9 @@ def check_inputs(cfg: Any) -> None:
             check_tokenizer_folder(folder, key)
     if cfg.script != "reward_model" and not cfg.gguf_file:  # the others generate or score tokens with it
         check_trained_lm_head(cfg.model_name_or_path, "model_name_or_path")
-    if getattr(cfg, "teacher_model_name_or_path", None):
-        check_model_folder(cfg.teacher_model_name_or_path, "teacher_model_name_or_path")
-        check_trained_lm_head(cfg.teacher_model_name_or_path, "teacher_model_name_or_path")
+    for key, teacher in cfg.teacher_settings() if hasattr(cfg, "teacher_settings") else ():
+        check_model_folder(teacher, key)
+        check_trained_lm_head(teacher, key)
     for key in ("value_model_path", "reward_model_path"):
         if getattr(cfg, key, None):
             check_model_folder(getattr(cfg, key), key)

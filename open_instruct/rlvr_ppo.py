@@ -130,9 +130,9 @@ class Feature:
     """An optional feature's hooks into one rollout step (None: it does not act there). Hooks take the config first.
 
     score_rollout  collect_rollout, once: (cfg, out, n, width) -> {Rollout field: [n, width] tensor}
-    score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask) -> {Rollout field: [b, r]
-                   tensor}, masked (the fields: Rollout's per-token tensors of the features, e.g. teacher_logp; an
-                   estimator reads them through AdvantageInputs)
+    score_batch    collect_rollout, each no-grad micro-batch: (cfg, models, batch, mask, its prompt rows) ->
+                   {Rollout field: [b, r] tensor}, masked (the fields: Rollout's per-token tensors of the features,
+                   e.g. teacher_logp; an estimator reads them through AdvantageInputs)
     policy_forward micro_batch_loss: replaces the policy's forward, (cfg, models, batch) -> (TokenScores, state)
     loss_term      micro_batch_loss: (cfg, models, batch, mask, w, state from policy_forward) -> (term added to
                    the loss sum, {loss_stats name: 0-dim tensor}), the statistics aggregated like the loss
@@ -162,6 +162,7 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = No
         from open_instruct import distillation
 
         jsd = cfg.distill_loss == "jsd"
+        routes = distillation.TeacherRoutes(cfg, train) if cfg.teacher_models else None  # the rows' names checked
         features.append(
             Feature(
                 "distillation",
@@ -169,8 +170,8 @@ def features_of(cfg: RLVRConfig, train: Sequence[dict] = (), tokenizer: Any = No
                 policy_forward=distillation.student_forward if jsd else None,
                 loss_term=distillation.jsd_loss_term if jsd else None,
                 loss_stats=("jsd_loss",) if jsd else (),
-                rollout_sums=distillation.teacher_kl_sums,
-                metrics=distillation.metrics,
+                rollout_sums=routes.rollout_sums if routes else distillation.teacher_kl_sums,
+                metrics=routes.metrics if routes else distillation.metrics,
                 clock="teacher_forward",
             )
         )

@@ -19,7 +19,7 @@ import importlib
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -332,16 +332,17 @@ def call_timed(feature: Any, hook: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def feature_scores(cfg: RLVRConfig, features: Sequence[Any], models: Any, batch: dict, loss_mask: Any) -> dict:
+def feature_scores(cfg: RLVRConfig, features: Sequence[Any], models: Any, batch: dict, loss_mask: Any,
+                   episodes: Sequence[dict]) -> dict:  # fmt: skip
     """The features' score_batch tensors of one micro-batch, by name (each hook on its feature's clock), given the
-    batch's padding mask times its host `loss_mask` (policy tokens)."""
+    batch's padding mask times its host `loss_mask` (policy tokens) and the micro-batch's prompt rows."""
     hooks = [f for f in features if f.score_batch is not None]
     if not hooks:
         return {}
     mask = batch["mask"] * data.host_to_device(loss_mask, batch["mask"].device)
     scores = {}
     for f in hooks:
-        scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask))
+        scores.update(call_timed(f, f.score_batch, cfg, models, batch, mask, episodes))
     return scores
 
 
@@ -387,7 +388,8 @@ def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episod
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
                     device_rm[at] = sequence_scores(models.reward, batch, group)
-                for name, x in feature_scores(cfg, features, models, batch, mask[rows, :r]).items():
+                rows_of = [episodes[j] for j in rows]
+                for name, x in feature_scores(cfg, features, models, batch, mask[rows, :r], rows_of).items():
                     device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
     return {"logp_values": device_out.cpu(), "rm_scores": device_rm.cpu(),
             **{name: x.cpu() for name, x in device_extra.items()}}  # fmt: skip
@@ -704,6 +706,7 @@ class RLModels:
     reference: Optional[Any] = None
     reward: Optional[Any] = None
     teacher: Optional[Any] = None  # on-policy distillation: frozen like the reference (no checkpoint state)
+    teachers: dict[str, Any] = field(default_factory=dict)  # multi-teacher distillation: teacher_models by name
 
     def trained(self) -> dict[str, Any]:
         return {"policy": self.policy, **({"value": self.value} if self.value is not None else {})}
@@ -781,15 +784,15 @@ def load_models(
     if models.reward is not None:
         hold_frozen_in_compute_dtype(models.reward.seq_cls, cfg.mixed_precision, sharded)
         models.reward = prepare_frozen(accelerator, models.reward)
-    if cfg.teacher_model_name_or_path:  # distillation.check_teacher compared the vocabularies before any load
+    # distillation.check_teacher compared the vocabularies before any load; every teacher stays resident
+    for key, path in cfg.teacher_settings():
         teacher = load_causal_lm(
-            cfg.teacher_model_name_or_path,
-            DTYPES["no"],
-            None,
-            cfg.trust_remote_code,
-            attn_implementation=cfg.attention_kernel,
+            path, DTYPES["no"], None, cfg.trust_remote_code, attn_implementation=cfg.attention_kernel
         )
         disable_dropout(teacher)
-        teacher = hold_frozen_in_compute_dtype(teacher, cfg.mixed_precision, sharded)
-        models.teacher = prepare_frozen(accelerator, teacher)
+        teacher = prepare_frozen(accelerator, hold_frozen_in_compute_dtype(teacher, cfg.mixed_precision, sharded))
+        if cfg.teacher_models:
+            models.teachers[key.removeprefix("teacher_models ")] = teacher
+        else:
+            models.teacher = teacher
     return models, optimizers, schedulers
