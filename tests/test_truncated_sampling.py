@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tolerances import chain_atol, decoder_reduction_lengths, gamma, unit_roundoff
 
 from open_instruct.models import SamplingTruncation, chunked_token_scores, truncated_logits, truncation_removes
