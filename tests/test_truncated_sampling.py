@@ -127,8 +127,7 @@ def logprob_bound(model_path, width, temperature):
 
 
 @pytest.mark.parametrize(
-    "sampling,on_policy",
-    [(["--top_p", "0.5"], False), (["--top_p", "0.5", "--top_k", "20", "--min_p", "0.05"], True)],
+    "sampling,on_policy", [(["--top_p", "0.5"], False), (["--top_p", "0.5", "--top_k", "20", "--min_p", "0.05"], True)]
 )
 def test_mismatch_of_an_identical_policy_under_top_p_is_rounding(sampling, on_policy, tiny_models, rl_files, tmp_path):
     """learning_rate 0: the sampler (hf, fp32) and the trainer hold identical weights at every rollout, so the
