@@ -956,6 +956,19 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     response_length: int = setting(256, "Most new tokens per completion.", topic="generation", resume="must_match")
     temperature: float = setting(1.0, "Sampling temperature (> 0).", topic="generation", resume="must_match")
     top_p: float = setting(1.0, "Nucleus sampling threshold, in (0, 1].", topic="generation", resume="must_match")
+    top_k: int = setting(
+        0,
+        "Sample among the k most likely tokens only (0 = off). With top_k, top_p or min_p the trainer's log-probs of "
+        "the ratio, TIS and mismatch/ are the truncated distribution's (docs/algorithms.md).",
+        topic="generation",
+        resume="must_match",
+    )
+    min_p: float = setting(
+        0.0,
+        "Drop tokens less likely than min_p x the most likely one before sampling, in [0, 1) (0 = off).",
+        topic="generation",
+        resume="must_match",
+    )
     stop_strings: Optional[list[str]] = setting(
         None, "Strings that end a completion (besides EOS).", topic="generation", resume="must_match"
     )
@@ -1423,6 +1436,9 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         if self.temperature <= 0:
             raise ConfigError(f"temperature must be > 0 for sampling, got {self.temperature}")
         _check_range(self, "top_p", 0.0, 1.0, low_open=True)
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check_range(self, "min_p", 0.0, 1.0, high_open=True)
 
     def _validate_algorithm(self) -> None:
         """The estimator, the policy loss and their knobs, and the settings that only some estimators use."""

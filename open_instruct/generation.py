@@ -25,9 +25,10 @@ Conventions every backend keeps:
   into its max_new_tokens without a stop.
 - `texts[i]` is exactly `tokenizer.decode(response_ids[i])` minus a trailing EOS token: a stop string stays in the
   text (as the token ids that completed it stay in `response_ids`).
-- Sampling is the plain policy distribution: logits / temperature, then top-p. No top-k, no repetition penalty,
-  whatever the model's own generation_config says, so log-probs re-scored with `models.token_logprobs(...,
-  temperature)` describe the sampler (top_p < 1 truncates it).
+- Sampling is the plain policy distribution: logits / temperature, then the truncation the config asks for, in
+  vLLM's order: min-p, top-k, top-p (`models.SamplingTruncation`). No repetition penalty and no truncation the config
+  does not set, whatever the model's own generation_config says, so log-probs re-scored with
+  `models.response_scores(..., temperature, truncation=...)` describe the sampler.
 - `logprobs[i][t]` is the sampler's own log-probability of `response_ids[i][t]` (same length), as the engine
   computed it: the trainer's re-scored log-probs differ from it by kernels, precision and top-p truncation.
 - `weight_versions[i][t]` is the version (the `sync_weights` label) of the weights that sampled `response_ids[i][t]`
@@ -55,6 +56,8 @@ class GenerationConfig:
     max_new_tokens: int = 256
     temperature: float = 1.0  # 0 => greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     stop_strings: Optional[list[str]] = None
     n: int = 1  # samples per prompt
     seed: Optional[int] = None  # None: draw from the global torch RNG (seeded by the caller)
@@ -67,6 +70,10 @@ class GenerationConfig:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
         if self.stop_strings is not None and any(not s for s in self.stop_strings):
@@ -87,7 +94,8 @@ class GenerationOutput:
     stopped: list[bool] = field(default_factory=list)  # True: EOS or a stop string ended it; False: max_new_tokens
     prompt_index: list[int] = field(default_factory=list)  # which prompt each response answers (n contiguous rows)
     # log p(token) of each response token under the distribution the sampler drew it from (after temperature and
-    # top-p): what truncated importance sampling compares with the trainer's log-probs. Greedy: the raw model's.
+    # min-p / top-k / top-p): what truncated importance sampling compares with the trainer's log-probs. Greedy: the
+    # raw model's.
     logprobs: list[list[float]] = field(default_factory=list)
     # per response token: the version (sync_weights label) of the weights that sampled it; what the policy lag of
     # an off-policy rollout is measured from
@@ -476,13 +484,22 @@ class HFGenerator:
 
     @staticmethod
     def _warpers(config: GenerationConfig) -> list[Any]:
-        """Temperature then top-p (HF's own warpers), passed as custom processors: generate runs custom processors
-        before the warpers it builds itself, so this is how the recorder after them sees the final distribution."""
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+        """Temperature, then min-p, top-k, top-p (HF's own warpers, in vLLM's order rather than transformers' own
+        top-k, top-p, min-p: one order for every backend, models.SamplingTruncation), passed as custom processors:
+        generate runs custom processors before the warpers it builds itself, so this is how the recorder after them
+        sees the final distribution."""
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         if config.greedy:
             return []
         warpers: list[Any] = [TemperatureLogitsWarper(float(config.temperature))] if config.temperature != 1.0 else []
+        warpers += [MinPLogitsWarper(min_p=float(config.min_p))] if config.min_p > 0.0 else []
+        warpers += [TopKLogitsWarper(top_k=int(config.top_k))] if config.top_k > 0 else []
         return warpers + ([TopPLogitsWarper(top_p=float(config.top_p))] if config.top_p < 1.0 else [])
 
     def _generate_chunk(

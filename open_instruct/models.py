@@ -170,15 +170,34 @@ LOGPROB_CHUNK_TOKENS = 2048  # rows of [chunk, vocab] fp32 logits alive at once 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
 
 
+class SamplingTruncation(NamedTuple):
+    """The sampler's truncation of softmax(logits / temperature), applied in vLLM's order (its v1 Sampler; the hf
+    backend applies its warpers in the same order, generation.HFGenerator._warpers): min-p (drop tokens with
+    p < min_p * max p), then top-k (keep logits >= the k-th largest), then top-p (sort ascending, drop the tokens whose
+    cumulative probability, renormalised after top-k, is <= 1 - top_p; the most likely always stays). Off: top_k 0,
+    top_p 1, min_p 0."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
 class TokenScoring(NamedTuple):
     """What the log-prob head scores: at each of `positions` (indices into the forward's last hidden states flattened
     to [batch * seq]), log p(label) of the token in `labels` (same shape) under softmax(logits / temperature), and,
-    with `entropy`, the entropy of that distribution."""
+    with `entropy`, the entropy of that distribution. With an active `truncation`, log p(label) is under the
+    sampler's truncated distribution, renormalised over the tokens it keeps (truncated_logits); the entropy stays
+    the full distribution's."""
 
     positions: torch.Tensor
     labels: torch.Tensor
     temperature: float = 1.0
     entropy: bool = False
+    truncation: Optional[SamplingTruncation] = None
 
 
 class TokenScores(NamedTuple):
@@ -190,13 +209,58 @@ class TokenScores(NamedTuple):
     past_key_values: Any = None
 
 
+def truncation_removes(
+    logits: torch.Tensor, truncation: SamplingTruncation, labels: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """[K, V] bool: the tokens the sampler's truncation (SamplingTruncation: min-p, top-k, top-p in that order) drops
+    from fp32 logits [K, V] already divided by the temperature, with the ops of vLLM's and transformers' samplers
+    (so identical logits give an identical support). `labels` ([K]): those tokens are kept whatever the rule says: a
+    sampled token the trainer's logits would drop (a boundary tie or engine rounding) then keeps a finite log-prob
+    instead of -inf. All on the device, no host sync; a few [K, V] temporaries, K a chunk of the head."""
+    removed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    z = logits
+    if truncation.min_p > 0.0:
+        probs = torch.softmax(z, dim=-1)
+        removed |= probs < probs.amax(dim=-1, keepdim=True) * truncation.min_p
+        z = z.masked_fill(removed, float("-inf"))
+    if 0 < truncation.top_k < z.shape[-1]:
+        removed |= z < torch.topk(z, truncation.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(removed, float("-inf"))
+    if truncation.top_p < 1.0:
+        ordered, order = torch.sort(z, dim=-1, descending=False)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - truncation.top_p
+        drop[..., -1:] = False  # the most likely token always stays
+        removed |= drop.scatter(-1, order, drop)
+    if labels is not None:
+        removed.scatter_(-1, labels.unsqueeze(-1), False)
+    return removed
+
+
+def truncated_logits(
+    logits: torch.Tensor, truncation: Optional[SamplingTruncation], labels: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Logits with -inf where the sampler's truncation drops a token (truncation_removes), so log_softmax of them is
+    the log-prob renormalised over the kept support: what a sampler with top-k / top-p / min-p reports for the token
+    it drew. Unchanged when `truncation` is None or off. The gradient flows to the kept logits only (the support is
+    piecewise constant in the logits)."""
+    if truncation is None or not truncation.active:
+        return logits
+    return logits.masked_fill(truncation_removes(logits, truncation, labels), float("-inf"))
+
+
 def logp_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool
+    logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool, truncation: Optional[SamplingTruncation] = None
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log p(labels) and (want_entropy) the entropy H = logsumexp(z) - sum(softmax(z) * z) per row of fp32 logits
-    [K, V] (already divided by the temperature): the full-logits formulas, which the chunked head applies per chunk."""
+    [K, V] (already divided by the temperature): the full-logits formulas, which the chunked head applies per chunk.
+    An active `truncation`: log p(labels) under the truncated, renormalised distribution (truncated_logits); the
+    entropy is the full distribution's."""
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if truncation is not None and truncation.active:
+        kept = truncated_logits(logits, truncation, labels)
+        logp = kept.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)
+    else:
+        logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     return logp, entropy_from_logits(logits, lse) if want_entropy else None
 
 
@@ -215,7 +279,9 @@ class _ChunkedTokenScores(torch.autograd.Function):
     fp32. Only [chunk, V] logits exist at a time; the forward keeps none, and the backward recomputes each chunk's
     logits z (a checkpoint per chunk) to form, per row with upstream gradients g (log-prob) and e (entropy),
         dL/dz = g * (onehot(label) - p) - e * p * (z - sum(p * z)),    p = softmax(z),
-    divided by the temperature for the raw logits: one more output-layer matmul and [chunk, V] memory."""
+    divided by the temperature for the raw logits: one more output-layer matmul and [chunk, V] memory. With an active
+    `truncation` (SamplingTruncation) the log-prob is the truncated distribution's, and its p in g * (onehot - p) is
+    the truncated, renormalised one (its support recomputed from the same z); the entropy's stays the full p."""
 
     @staticmethod
     def forward(
@@ -228,6 +294,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
         chunk: int,
         temperature: float,
         want_entropy: bool,
+        truncation: Optional[SamplingTruncation] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -238,12 +305,13 @@ class _ChunkedTokenScores(torch.autograd.Function):
             logits = torch.nn.functional.linear(hidden[s : s + chunk].to(dtype), w, b).float()
             if temperature != 1.0:
                 logits = logits / temperature
-            lp, ent = logp_and_entropy(logits, flat[s : s + chunk], want_entropy)
+            lp, ent = logp_and_entropy(logits, flat[s : s + chunk], want_entropy, truncation)
             logp.view(-1)[s : s + chunk] = lp
             if want_entropy:
                 entropy.view(-1)[s : s + chunk] = ent
         ctx.save_for_backward(hidden, weight, bias, flat)
         ctx.dtype, ctx.chunk, ctx.temperature, ctx.want_entropy = dtype, chunk, temperature, want_entropy
+        ctx.truncation = truncation if truncation is not None and truncation.active else None
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -265,16 +333,19 @@ class _ChunkedTokenScores(torch.autograd.Function):
             z = torch.nn.functional.linear(h, w, b).float()
             if t != 1.0:
                 z = z / t
-            # in place: two [chunk, V] fp32 buffers (z, p) and the gradient in ctx.dtype
+            # in place: two [chunk, V] fp32 buffers (z, p) and the gradient in ctx.dtype (truncation: a third, p_logp)
             p = torch.softmax(z, dim=-1)
             g_out = None if g_logp is None else g_logp[s : s + ctx.chunk, None]
+            p_logp = p  # the distribution the log-prob is of
+            if ctx.truncation is not None and g_out is not None:
+                p_logp = torch.softmax(truncated_logits(z, ctx.truncation, labels[s : s + ctx.chunk]), dim=-1)
             if g_ent is not None:  # -e * p * (z - E_p[z]); E_p[z] as a batched dot product (no [chunk, V] temporary)
                 z.sub_(torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).squeeze(2))
                 g = z.mul_(p).mul_(-g_ent[s : s + ctx.chunk, None])
                 if g_out is not None:
-                    g.sub_(p.mul_(g_out))
+                    g.sub_(p_logp.mul_(g_out))
             else:
-                g = p.mul_(-g_out)
+                g = p_logp.mul_(-g_out)
             if g_out is not None:  # + g at the label: g * (onehot - p) in all
                 g.scatter_add_(1, labels[s : s + ctx.chunk, None], g_out)
             if t != 1.0:
@@ -285,7 +356,7 @@ class _ChunkedTokenScores(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias += g.float().sum(0)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None, None, None, None
 
 
 def _plain_linear(head: torch.nn.Module) -> bool:
@@ -317,11 +388,16 @@ def _call_as_forward(module: torch.nn.Module, function: Any, *args: Any) -> Any:
 
 
 def _wrapped_head_scores(
-    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, temperature: float, want_entropy: bool
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    temperature: float,
+    want_entropy: bool,
+    truncation: Optional[SamplingTruncation] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """logp_and_entropy of one chunk through the head's own forward (a LoRA-wrapped head adds its adapter there)."""
     logits = head(hidden).float()
-    return logp_and_entropy(logits / temperature if temperature != 1.0 else logits, labels, want_entropy)
+    return logp_and_entropy(logits / temperature if temperature != 1.0 else logits, labels, want_entropy, truncation)
 
 
 def chunked_token_scores(
@@ -331,9 +407,11 @@ def chunked_token_scores(
     temperature: float = 1.0,
     entropy: bool = False,
     chunk: Optional[int] = None,
+    truncation: Optional[SamplingTruncation] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log p(labels) and (entropy=True) the entropy, float32 shaped like `labels`, of hidden states [K, d] under the
-    output layer `head` and softmax(logits / temperature), [chunk, vocab] logits at a time, forward and backward.
+    output layer `head` and softmax(logits / temperature), [chunk, vocab] logits at a time, forward and backward
+    (`truncation`: log p under the sampler's truncated distribution, logp_and_entropy).
 
     A Linear head (FSDP2's FSDPLinear too) runs _ChunkedTokenScores inside its own module call (_call_as_forward);
     any other head (LoRA's) runs its forward per chunk under activation checkpointing (recomputed in the backward)."""
@@ -344,7 +422,7 @@ def chunked_token_scores(
             # read inside the module call: under FSDP2, head.weight is the gathered weight only there
             weight, bias = head.weight, head.bias
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-            return _ChunkedTokenScores.apply(h, weight, bias, labels, dtype, chunk, temperature, entropy)
+            return _ChunkedTokenScores.apply(h, weight, bias, labels, dtype, chunk, temperature, entropy, truncation)
 
         logp, ent = _call_as_forward(head, scores, hidden)
         return logp, ent if entropy else None
@@ -352,7 +430,7 @@ def chunked_token_scores(
 
     flat, parts = labels.reshape(-1), []
     for s in range(0, len(hidden), chunk):
-        args = (hidden[s : s + chunk], head, flat[s : s + chunk], temperature, entropy)
+        args = (hidden[s : s + chunk], head, flat[s : s + chunk], temperature, entropy, truncation)
         parts.append(checkpoint(_wrapped_head_scores, *args, use_reentrant=False))
     # new tensors of labels' shape (cat copies; clone: a view returned by an FSDP root module makes torch warn)
     logp = torch.cat([p[0] for p in parts]).view(labels.shape).clone()
@@ -378,16 +456,17 @@ def _forward_with_logprobs(self: Any, *args: Any, token_scoring: Optional[TokenS
         return type(self).forward(self, *args, **kwargs)
     kwargs.setdefault("use_cache", False)  # left as None, transformers fills a KV cache in training too
     kwargs.pop("logits_to_keep", None)
-    positions, labels, temperature, want_entropy = token_scoring
+    positions, labels, temperature, want_entropy, truncation = token_scoring
     if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
         out = type(self).forward(self, *args, **kwargs)
         logits = out.logits.reshape(-1, out.logits.shape[-1])[positions].float()  # [*labels.shape, V]
-        logp, ent = logp_and_entropy(logits / temperature, labels, want_entropy)
+        logp, ent = logp_and_entropy(logits / temperature, labels, want_entropy, truncation)
         return TokenScores(logp, ent, out.past_key_values)
     out = getattr(self, self.base_model_prefix)(*args, **kwargs)
     hidden = out.last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[positions.reshape(-1)]
-    logp, ent = chunked_token_scores(hidden, self.get_output_embeddings(), labels, temperature, want_entropy)
+    head = self.get_output_embeddings()
+    logp, ent = chunked_token_scores(hidden, head, labels, temperature, want_entropy, truncation=truncation)
     return TokenScores(logp, ent, getattr(out, "past_key_values", None) if kwargs["use_cache"] else None)
 
 
@@ -833,19 +912,25 @@ def response_logits(model: Any, batch: dict[str, torch.Tensor], temperature: flo
 
 
 def response_scores(
-    model: Any, batch: dict[str, torch.Tensor], temperature: float, group: int = 1, entropy: bool = False
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    group: int = 1,
+    entropy: bool = False,
+    truncation: Optional[SamplingTruncation] = None,
 ) -> TokenScores:
     """log p(response token) under softmax(logits / temperature) and (entropy=True) that distribution's entropy at
     every response position, float32 [B, R], through the chunked log-prob head: no [B, R, vocab] logits exist (the
     numbers of token_logprobs(response_logits(...)) and entropy_from_logits of them).
 
-    Padded, packed (window_index) or, with group > 1, sharing each prompt's forward like response_logits."""
+    Padded, packed (window_index) or, with group > 1, sharing each prompt's forward like response_logits. An active
+    `truncation` (the sampler's top-k / top-p / min-p): log p under the truncated, renormalised distribution."""
     responses = batch["responses"]
     rows, width_r = responses.shape
     device = responses.device
 
     def scoring(positions: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-        return {"token_scoring": TokenScoring(positions, labels, temperature, entropy)}
+        return {"token_scoring": TokenScoring(positions, labels, temperature, entropy, truncation)}
 
     if is_packed(batch):  # one packed row: window_index are positions in it
         return model(**forward_inputs(batch), **scoring(batch["window_index"][:, :-1], responses), use_cache=False)

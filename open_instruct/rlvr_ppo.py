@@ -116,6 +116,7 @@ from open_instruct.rollouts import (
     output_rows,
     padded,
     sample_rows,
+    sampling_truncation,
     score_rollout,
     start_reward_function_models,
     token_version_lags,
@@ -449,7 +450,8 @@ def micro_batch_loss(
         if forward is not None:  # a feature's own forward of the policy (distillation's jsd keeps hidden states)
             scores, state = forward(cfg, models, batch)
         else:
-            scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True)
+            scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True,
+                                     truncation=sampling_truncation(cfg))  # fmt: skip
             state = None
         logp = scores.logp
         old_logp = logp.detach() if rollout.on_policy else take(rollout.old_logp)  # on-policy: these weights sampled

@@ -37,7 +37,7 @@ from open_instruct.distributed import (
 )
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.generation import GenerationConfig
-from open_instruct.models import TokenScores, response_scores, sequence_scores, token_values
+from open_instruct.models import SamplingTruncation, TokenScores, response_scores, sequence_scores, token_values
 from open_instruct.run_dir import fault_point
 
 if TYPE_CHECKING:  # multi-turn episodes and the code verifier are imported only by a run that uses them
@@ -56,10 +56,19 @@ def sampling_config(cfg: RLVRConfig, step: int, rank: int) -> Any:
         max_new_tokens=cfg.response_length,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
         stop_strings=cfg.stop_strings,
         n=cfg.num_samples_per_prompt,
         seed=derived_seed(cfg.seed, step, rank),
     )
+
+
+def sampling_truncation(cfg: RLVRConfig) -> Optional[SamplingTruncation]:
+    """The rollouts' top-k / top-p / min-p, which the trainer's log-probs of the sampled tokens apply too (the ratio,
+    TIS and mismatch/ then compare one distribution); None when sampling truncates nothing."""
+    truncation = SamplingTruncation(cfg.top_k, cfg.top_p, cfg.min_p)
+    return truncation if truncation.active else None
 
 
 def output_state(out: Any) -> dict[str, Any]:
@@ -372,7 +381,7 @@ def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episod
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
-    group = cfg.num_samples_per_prompt
+    group, truncation = cfg.num_samples_per_prompt, sampling_truncation(cfg)
     with torch.no_grad():
         if ref_rows is not None:
             reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
@@ -381,9 +390,11 @@ def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episod
             at = data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
-                    device_out[0][at, :r] = response_scores(models.policy, batch, cfg.temperature, group).logp
+                    device_out[0][at, :r] = response_scores(
+                        models.policy, batch, cfg.temperature, group, truncation=truncation
+                    ).logp
                 if models.reference is not None and ref_rows is None:
-                    device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group).logp
+                    device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group, truncation).logp
                 if models.value is not None:
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
@@ -402,19 +413,28 @@ def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels
     for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
         _, batch, r = batch_of(mb)
         with accelerator.autocast():
-            logp = reference_scores(models, batch, cfg.temperature, cfg.num_samples_per_prompt).logp
+            logp = reference_scores(
+                models, batch, cfg.temperature, cfg.num_samples_per_prompt, sampling_truncation(cfg)
+            ).logp
         if real:
             into[data.host_to_device(torch.tensor(mb), accelerator.device), :r] = logp
 
 
-def reference_scores(models: RLModels, batch: dict[str, torch.Tensor], temperature: float, group: int) -> TokenScores:
-    """The reference's response log-probs; under LoRA the reference is the policy with its adapters disabled."""
+def reference_scores(
+    models: RLModels,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    group: int,
+    truncation: Optional[SamplingTruncation] = None,
+) -> TokenScores:
+    """The reference's response log-probs, under the sampler's truncation like the policy's (so the KL compares the
+    two as samplers, 0 for identical weights); under LoRA the reference is the policy with its adapters disabled."""
     if models.reference is not models.policy:
-        return response_scores(models.reference, batch, temperature, group)
+        return response_scores(models.reference, batch, temperature, group, truncation=truncation)
     from open_instruct.lora import adapter_disabled
 
     with adapter_disabled(models.reference):
-        return response_scores(models.reference, batch, temperature, group)
+        return response_scores(models.reference, batch, temperature, group, truncation=truncation)
 
 
 def start_reward_function_models(cfg: RLVRConfig, generator: Any, accelerator: Any) -> list:

@@ -513,8 +513,8 @@ class VLLMGenerator:
             n=config.n,
             temperature=float(config.temperature),  # 0: greedy
             top_p=float(config.top_p),
-            top_k=0,  # off: the plain policy distribution (generation.py conventions)
-            min_p=0.0,
+            top_k=int(config.top_k),  # 0: off (generation.py conventions: only the truncation the config sets)
+            min_p=float(config.min_p),
             repetition_penalty=1.0,
             max_tokens=max_tokens,
             stop=list(config.stop_strings) if config.stop_strings else None,
@@ -523,7 +523,7 @@ class VLLMGenerator:
             skip_special_tokens=False,  # stop strings are matched on the same text finalize_response decodes
             spaces_between_special_tokens=False,
             seed=seed,
-            logprobs=0,  # the sampled token's log-prob (processed: after temperature/top-p, see logprobs_mode)
+            logprobs=0,  # the sampled token's log-prob (processed: after temperature and truncation, see logprobs_mode)
         )
 
     @torch.no_grad()

@@ -111,7 +111,7 @@ def test_supervised_step_syncs_do_not_grow_with_micro_batches(name, tiny_models,
     assert sum(copies[2].values()) == sum(copies[4].values()) <= MAX_BLOCKING_COPIES_PER_STEP, copies
 
 
-def rl_argv(tiny_models, task, out, micro_batches, algo):
+def rl_argv(tiny_models, task, out, micro_batches, algo, sampling=()):
     # one rollout of 4 prompts x 2 samples, one epoch, one mini-batch: a single optimizer step
     extra = ["--beta", "0.05"] if algo == "ppo" else ["--beta", "0.05", "--kl_estimator", "k3", "--async_steps", "1"]
     return [
@@ -137,14 +137,19 @@ def rl_argv(tiny_models, task, out, micro_batches, algo):
         "--temperature",
         "0.7",
         *extra,
+        *sampling,
         *common(tiny_models, out, micro_batches, 8),
     ]
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_rl_syncs_do_not_grow_with_micro_batches(algo, tiny_models, task, tmp_path, monkeypatch):
+TRUNCATED = ("--top_p", "0.5", "--top_k", "20", "--min_p", "0.05")
+
+
+@pytest.mark.parametrize("algo,sampling", [("ppo", ()), ("grpo", ()), ("grpo", TRUNCATED)])
+def test_rl_syncs_do_not_grow_with_micro_batches(algo, sampling, tiny_models, task, tmp_path, monkeypatch):
     """PPO (value model, reference, on-policy) and GRPO (asynchronous: the rollout re-scores the sampling policy):
-    the rollout's scoring forwards and the update's micro-batches."""
+    the rollout's scoring forwards and the update's micro-batches; GRPO also with top-k / top-p / min-p sampling,
+    whose truncated log-probs (a sort, a topk per chunk) stay on the device."""
     from open_instruct import rlvr_ppo
 
     counts, copies = {}, {}
@@ -154,7 +159,7 @@ def test_rl_syncs_do_not_grow_with_micro_batches(algo, tiny_models, task, tmp_pa
             count_during(m, rlvr_ppo, "update", counter)
             count_during(m, rlvr_ppo, "collect_rollout", counter)
             model_gpu_copies(m, counter)
-            rlvr_ppo.main(rl_argv(tiny_models, task, tmp_path / f"mb{n}", n, algo))
+            rlvr_ppo.main(rl_argv(tiny_models, task, tmp_path / f"mb{n}", n, algo, sampling))
         counts[n], copies[n] = counter.ours(), counter.our_copies()
         print(f"{algo}, {n} micro-batches: ours {dict(counts[n])}; inside libraries {dict(counter.theirs())}; "
               f"blocking copies {dict(copies[n])}")  # fmt: skip

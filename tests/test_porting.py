@@ -47,7 +47,7 @@ HINTS = [
     ("importance_sampling_level", "sequence", "--policy_loss ppo (token) or gspo (sequence)"),
     ("delta", "4", "--dual_clip_c X"),
     ("num_generations_eval", "4", "eval is greedy, one answer per prompt"),
-    ("top_k", "50", "not supported here: sampling is temperature + top_p only"),
+    ("repetition_penalty", "1.1", "not supported here: sampling is temperature, min_p, top_k, top_p only"),
     ("algorithm.adv_estimator", "grpo", "verl's name; here: --advantage_estimator NAME"),
     ("num_unique_prompts_rollout", "64", "open-instruct's name; here: --local_rollout_batch_size N"),
 ]
@@ -101,7 +101,6 @@ TRANSLATION = {
     "max_steps": ("total_episodes", 400),  # the hint's number, 1 process
     "bf16": ("mixed_precision", "bf16"),
     "report_to": ("with_tracking", False),
-    "top_k": None,
 }
 
 
