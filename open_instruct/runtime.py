@@ -102,7 +102,14 @@ def start_checks(cfg: Any, launcher_world: int, dry_run: bool) -> None:
     if first_rows:  # tokenized as the loader will, with the run's limits and drops (the tokenizer loads only then)
         from open_instruct.models import run_tokenizer
 
-        data.check_first_rows_tokenized(cfg, run_tokenizer(cfg), first_rows)
+        try:
+            tokenizer = run_tokenizer(cfg)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - a tokenizer that does not load is reported where the script loads it
+            tokenizer = None
+        if tokenizer is not None:
+            data.check_first_rows_tokenized(cfg, tokenizer, first_rows)
     if cfg.script == "rlvr_ppo":
         from open_instruct.generation_backends import check_backend
 
