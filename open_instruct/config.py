@@ -520,7 +520,8 @@ class BaseConfig:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "per_device_eval_batch_size"):
             _check_positive(self, name)
         _check_positive(self, "max_seq_length")
-        _check_positive(self, "num_train_epochs")
+        if self.num_train_epochs is not None:  # RL: unset (its run length is total_episodes)
+            _check_positive(self, "num_train_epochs")
         for name in ("total_episodes", "max_train_samples", "max_eval_samples", "dataset_num_proc"):
             if getattr(self, name) is not None:
                 _check_positive(self, name)
@@ -918,6 +919,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     )
     per_source_eval_metrics: ClassVar[tuple[str, ...]] = ("eval/correct_rate",)
     script: str = restated("script", "rlvr_ppo")
+    num_train_epochs: Optional[float] = restated(
+        "num_train_epochs",
+        None,
+        help="Not RL's run length (HF's / TRL's name): a run given it is refused at start with the total_episodes "
+        "it means (epochs x prompts x num_samples_per_prompt).",
+    )
     model_name_or_path: str = restated(
         "model_name_or_path", resume="must_match", loads="weights", content_key="reference_weights"
     )  # the reference is loaded from it again on resume

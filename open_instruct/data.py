@@ -237,32 +237,36 @@ DATA_KIND["rlvr_ppo"] = formats.PROMPT
 FIRST_ROWS = 4  # rows of each local source parsed before any model or tokenizer loads (and the reward probe's rows)
 
 
-def _local_sources(name_or_path: Optional[str], mixer_list: Optional[Sequence[str]]) -> list[str]:
-    parts = [p.strip() for p in (name_or_path or "").split(",") if p.strip()]
+def _checked_sources(name_or_path: Optional[str], mixer_list: Optional[Sequence[str]]) -> list[str]:
+    """The sources whose first rows are read at start: local files and folders, and the rows an integration makes
+    (a hub dataset: its loader reports)."""
+    parts = integrations.expand_sources(name_or_path) if name_or_path else []
     parts += [str(source) for source in (mixer_list or [])[0::2]]
-    return [p for p in parts if os.path.exists(p)]  # hub datasets: their loader reports
+    return [p for p in parts if os.path.exists(p) or integrations.find(p) is not None]
 
 
 def first_rows_checked(cfg: Any) -> bool:
-    """Whether check_first_rows (run at start) read the first training source: it is a local file or folder (a hub
-    dataset is read by the loader, and its rows checked there)."""
-    train = [p.strip() for p in (cfg.dataset_name_or_path or "").split(",") if p.strip()]
+    """Whether check_first_rows (run at start) read the first training source: it is a local file or folder, or rows
+    an integration makes (a hub dataset is read by the loader, and its rows checked there)."""
+    train = integrations.expand_sources(cfg.dataset_name_or_path) if cfg.dataset_name_or_path else []
     first = train[0] if train else str((cfg.dataset_mixer_list or [""])[0])
-    return bool(first) and os.path.exists(first)
+    return bool(first) and (os.path.exists(first) or integrations.find(first) is not None)
 
 
-def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
-    """Before any model or tokenizer loads: the first FIRST_ROWS rows of every local training and held-out source
-    read and parse in the script's data format (formats.py; RL's ptx_dataset: an SFT format), as the loader will
-    parse them (DataError naming the file and row; a bad row is skipped with skip_bad_rows). Returns the RL probe
-    examples of the first training source (reward_function_fields, ground truth, verifier, where), for
-    rewards.probe_reward_functions."""
+def check_first_rows(cfg: Any) -> tuple[list[dict[str, Any]], list[list[Row]]]:
+    """Before any model loads: the first FIRST_ROWS rows of every local or integration-made (reasoning-gym,
+    `verifiers`) training and held-out source read and parse in the script's data format (formats.py; RL's
+    ptx_dataset: an SFT format), as the loader will parse them (DataError naming the file and row; a bad row is
+    skipped with skip_bad_rows). Returns the RL probe examples of the first training source (reward_function_fields,
+    ground truth, verifier, where), for rewards.probe_reward_functions, and the first rows of each training and
+    held-out source, for check_first_rows_tokenized."""
     script_kind = DATA_KIND[cfg.script]
     parsers = {formats.SFT: sft_parts, formats.PREFERENCE: preference_parts, formats.PROMPT: prompt_parts}
     probe: list[dict[str, Any]] = []
-    train = _local_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
-    held_out = _local_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
-    ptx = _local_sources(getattr(cfg, "ptx_dataset", None), None)  # RL: PPO-ptx's demonstrations, SFT rows
+    first_rows: list[list[Row]] = []  # the script-format sources' first rows, to tokenize
+    train = _checked_sources(cfg.dataset_name_or_path, cfg.dataset_mixer_list)
+    held_out = _checked_sources(cfg.eval_dataset_name_or_path, cfg.eval_dataset_mixer_list)
+    ptx = _checked_sources(getattr(cfg, "ptx_dataset", None), None)  # RL: PPO-ptx's demonstrations, SFT rows
     # (source, split, kind, is a training source, is the first training source: the reward probe's rows)
     sources = [(s, cfg.dataset_split, script_kind, True, i == 0) for i, s in enumerate(train)]
     sources += [(s, cfg.eval_dataset_split, script_kind, False, False) for s in held_out]
@@ -275,6 +279,8 @@ def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
             check_columns(rows, [cfg.ground_truth_column], "RL prompt")
         if training and kind == formats.PREFERENCE and getattr(cfg, "margin_column", None):
             check_columns(rows, [cfg.margin_column], "margin")
+        if kind == script_kind:
+            first_rows.append(rows)
         for row in rows:
             try:
                 parts = parts_of(row, fmt, cfg)
@@ -287,7 +293,25 @@ def check_first_rows(cfg: Any) -> list[dict[str, Any]]:
                 fields = reward_function_fields(row, fmt, chat)
                 probe.append({**fields, "ground_truth": ground_truth, "verifier": verifier, "where": row.where(),
                               "row": row.index})  # fmt: skip
-    return probe
+    return probe, first_rows
+
+
+class NoUsableRows(DataError):
+    """Every row given to a tokenize function was dropped (over-long, or bad with skip_bad_rows)."""
+
+
+def check_first_rows_tokenized(cfg: Any, tokenizer: Any, first_rows: list[list[Row]]) -> None:
+    """Each source's first rows tokenized by the loader's own function with the run's limits and drops
+    (max_seq_length / max_prompt_length, overlong, skip_bad_rows): a bad row raises the loader's DataError. A source
+    none of whose first rows is kept is not yet a verdict (a later row may be): the loader's whole path then runs
+    (build_train_eval, every row), which refuses exactly when, and with the message that, a real start would."""
+    tokenize = TOKENIZERS[cfg.script]
+    for rows in first_rows:
+        try:
+            tokenize(rows, tokenizer, cfg)
+        except NoUsableRows:
+            build_train_eval(cfg, tokenizer, tokenize)
+            return
 
 
 def check_duplicate_ids(rows: list[Row], stats: DataStats, skip_bad_rows: bool, id_column: str = "id") -> list[Row]:
@@ -495,7 +519,7 @@ def _bad_row(stats: DataStats, error: DataError, skip: bool) -> None:
 def _require_some(examples: list[Any], stats: DataStats, rows: list[Row]) -> None:
     if not examples:
         names = ", ".join(repr(n) for n in dict.fromkeys(r.source for r in rows)) or "(no rows)"
-        raise DataError(f"dataset {names}: no usable rows ({stats.summary()})")
+        raise NoUsableRows(f"dataset {names}: no usable rows ({stats.summary()})")
 
 
 def pair_margin(row: Row, column: str) -> float:
@@ -590,6 +614,12 @@ def tokenize_prompts(rows: list[Row], tokenizer: Any, cfg: Any) -> tuple[list[di
     stats.kept = len(examples)
     _require_some(examples, stats, rows)
     return examples, stats
+
+
+# each script's tokenize function (its load_train_eval's), for the start checks
+TOKENIZERS: dict[str, Tokenizer] = {
+    "sft": tokenize_sft, "reward_model": tokenize_preferences, "dpo": tokenize_preferences, "rlvr_ppo": tokenize_prompts
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ This module imports only batch_math from the project (the config module imports 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -109,6 +110,24 @@ def _max_steps_hint(given: dict) -> str:
     return text
 
 
+TRL_DEFAULT_EPOCHS = 3.0  # HF TrainingArguments' num_train_epochs, TRL's run length when max_steps is unset
+
+
+def epochs_as_total_episodes(epochs: float, prompts: Optional[int], completions_per_prompt: int) -> str:
+    """TRL's / HF's run length in passes over the prompts (num_train_epochs), as the completions RL counts here: one
+    pass generates num_samples_per_prompt (TRL: num_generations) completions for every prompt."""
+    if prompts is None:
+        return (
+            f"{epochs:g} epochs x (the prompts in the dataset) x {completions_per_prompt} completions = "
+            f"--total_episodes {epochs:g} x prompts x {completions_per_prompt}"
+        )
+    total = epochs * prompts * completions_per_prompt
+    return (
+        f"{epochs:g} epochs x {prompts} prompts x {completions_per_prompt} completions = --total_episodes "
+        f"{int(total) if total == int(total) else math.floor(total)}"
+    )
+
+
 # Our keys that make TRL's batch shape (batch_math.trl_grpo_shape computes their values from the recipe's numbers)
 TRL_SHAPE_KEYS = ("num_samples_per_prompt", "local_rollout_batch_size", "num_epochs")
 # TRL's names whose value is ours as it is: the hint's rename is enough, the shape line does not repeat them
@@ -148,6 +167,10 @@ def trl_shape_line(given: dict) -> str:
     )
     if shape.max_steps is not None:
         text += f", {shape.max_steps} optimizer steps in all"
+    else:  # TRL's run length in passes over the prompts: num_train_epochs (its default 3)
+        epochs = _number(given.get("num_train_epochs")) or TRL_DEFAULT_EPOCHS
+        which = "num_train_epochs" if "num_train_epochs" in given else "TRL's default num_train_epochs"
+        text += f"; {which} here: {epochs_as_total_episodes(epochs, None, shape.num_generations)}"
     write = {
         k: v for k, v in shape.ours.items() if not (k in given or (k in _RENAMED_AS_IS and _RENAMED_AS_IS[k] in given))
     }

@@ -165,6 +165,8 @@ class Judge:
                 f"got {sorted(k for k, v in backends.items() if v is not None) or 'none'}"
             )
         self._check_serve_options(serve, serve_model)
+        _check_folder("local_model", local_model, must_be_local=True)
+        _check_folder("serve_model", serve_model, must_be_local=False)
         if url == RUN:
             for name, value in (("model", model), ("api_key_env", api_key_env), ("cache_path", cache_path)):
                 if value is not None:
@@ -262,6 +264,17 @@ class Judge:
                     f"Judge: serve_devices {devices!r} must list {need} distinct GPU ids (serve_engines x "
                     f"serve_tensor_parallel_size)"
                 )
+
+    def check_columns(self, columns: Sequence[str], where: str) -> None:
+        """Before any model loads (rewards.probe_reward_functions, every judge, served ones too): the rubric's
+        `{reference}` slot reads the rows' `reference_column`; rows without that column would give every judge
+        prompt an empty reference."""
+        if "{reference}" in self.template and self.reference_column not in columns:
+            raise ConfigError(
+                f"Judge: the rubric's slot {{reference}} reads column {self.reference_column!r}, which the rows of "
+                f"{where} lack (columns: {sorted(columns)}): set reference_column= to the column holding the "
+                "reference, or take {reference} out of the rubric"
+            )
 
     @property
     def starts_with_run(self) -> bool:
@@ -555,6 +568,18 @@ class Judge:
                 model = AutoModelForCausalLM.from_pretrained(self.local_model).eval()
                 self._local = (model, tokenizer)
             return self._local
+
+
+def _check_folder(option: str, name: Optional[str], must_be_local: bool) -> None:
+    """A judge's model folder that is not there is named as a missing folder (not as a malformed hub id):
+    local_model is always a folder, serve_model when it looks like a path (preflight.looks_local)."""
+    from open_instruct.preflight import looks_local
+
+    if name is None or os.path.isdir(name) or not (must_be_local or looks_local(name)):
+        return
+    what = "is not a folder" if os.path.exists(name) else "does not exist"
+    also = "" if not must_be_local else " (local_model= loads a local Hugging Face folder; a hub id: serve_model=)"
+    raise ConfigError(f"Judge: {option} folder {name!r} {what}{also}")
 
 
 # ---- the run's judges (rlvr_ppo) ------------------------------------------------------------------------------------

@@ -1437,13 +1437,19 @@ def probe_reward_functions(specs: Sequence[str], examples: Sequence[dict], timeo
     """Call each reward function once on the first training rows, an empty completion standing in for the model's
     (a model can answer with nothing; the function must score it), before any model loads: a function that raises,
     hangs, returns the wrong length or NaN/inf fails now, naming itself and the row (a failing batch is retried row
-    by row to find it). A function whose model starts with the run (`starts_with_run`: a grader served by vLLM engines
-    the run starts, or the run's own) is not called: its arguments were checked when it was built."""
+    by row to find it). A function with `check_columns(columns, where)` (a judge: its rubric's slots) is first
+    asked whether the rows' columns are those it reads. A function whose model starts with the run
+    (`starts_with_run`: a grader served by vLLM engines the run starts, or the run's own) is not called: its
+    arguments were checked when it was built."""
     from open_instruct.errors import ConfigError
 
     rows = list(examples[:PROBE_ROWS])
     for spec in specs:
-        if getattr(load_reward_function(spec), "starts_with_run", False):
+        fn = load_reward_function(spec)
+        check_columns = getattr(fn, "check_columns", None)  # the columns it reads (a judge's rubric slots)
+        if check_columns is not None and rows:
+            check_columns(list(rows[0].get("columns", {})), rows[0].get("where", f"row {rows[0].get('row')}"))
+        if getattr(fn, "starts_with_run", False):
             continue
         try:
             call_reward_function(spec, reward_function_inputs(rows, [""] * len(rows), [[]] * len(rows)),

@@ -78,8 +78,9 @@ def start_checks(cfg: Any, launcher_world: int, dry_run: bool) -> None:
     """Every check a start makes before loading a model, in one place: a real start runs it before it claims (and,
     with --overwrite_output_dir, clears) the output folder, and --dry_run runs the same and stops after it, so both
     exit 2 with the same message. Inputs (preflight.check_inputs: paths, tokenizer, template, LoRA targets,
-    environment and reward-function imports), the first rows of every local dataset in the declared format, each
-    reward function called on the first training rows, the generation backend and a distillation teacher (RL), then
+    environment and reward-function imports), the first rows of every local or integration-made (reasoning-gym,
+    `verifiers`) source in the declared format and tokenized with the run's limits and drops, each reward function
+    (judges among them) called on the first training rows, the generation backend and a distillation teacher (RL), then
     the memory check of the layout judged (plan.judged_layout: the layout the recipe names, else this machine's). A
     real start checks memory on the CPU only (the host's memory): on a GPU a prediction does not refuse a start
     (docs/gpu.md); the dry run and the planner do."""
@@ -87,17 +88,28 @@ def start_checks(cfg: Any, launcher_world: int, dry_run: bool) -> None:
 
     layout = plan.judged_layout(cfg, launcher_world, real_start=not dry_run)
     if cfg.script == "rlvr_ppo":  # RL batch math needs no dataset: checked first
-        cfg.batch_plan(layout.world, None)
+        check_rl_run_length(cfg, cfg.batch_plan(layout.world, None))
     preflight.check_inputs(cfg)
     from open_instruct import data  # imports torch: after the checks that need none
 
-    probe = data.check_first_rows(cfg)
+    probe, first_rows = data.check_first_rows(cfg)
     if getattr(cfg, "reward_functions", None) and probe:
         from open_instruct.rewards import probe_line, probe_reward_functions
 
         if is_main_process_from_env():
             print(probe_line(cfg.reward_functions, len(probe)), flush=True)
         probe_reward_functions(cfg.reward_functions, probe, cfg.reward_function_timeout)
+    if first_rows:  # tokenized as the loader will, with the run's limits and drops (the tokenizer loads only then)
+        from open_instruct.models import run_tokenizer
+
+        try:
+            tokenizer = run_tokenizer(cfg)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - a tokenizer that does not load is reported where the script loads it
+            tokenizer = None
+        if tokenizer is not None:
+            data.check_first_rows_tokenized(cfg, tokenizer, first_rows)
     if cfg.script == "rlvr_ppo":
         from open_instruct.generation_backends import check_backend
 
@@ -108,6 +120,34 @@ def start_checks(cfg: Any, launcher_world: int, dry_run: bool) -> None:
             check_teacher(cfg)
     if dry_run or layout.assumptions.gpu == "cpu":  # a real start on a GPU is not refused by a prediction (gpu.md)
         plan.check_memory(cfg, layout)
+
+
+def check_rl_run_length(cfg: Any, batch_plan: Any) -> None:
+    """RL's run length is total_episodes (completions). HF's / TRL's num_train_epochs (passes over the prompts) is
+    refused with the total_episodes it means, worked out on the run's prompts; a total_episodes that is not a whole
+    number of rollouts trains the whole rollouts in it, said in one line (the world size decides a rollout's size, so
+    a recipe stays valid on another layout)."""
+    from open_instruct import plan
+    from open_instruct.flag_names import epochs_as_total_episodes
+
+    if cfg.num_train_epochs is not None:
+        arithmetic = epochs_as_total_episodes(
+            cfg.num_train_epochs, plan.training_size(cfg)[0], cfg.num_samples_per_prompt
+        )
+        raise ConfigError(
+            f"num_train_epochs is HF's / TRL's run length (passes over the prompts); RL's is total_episodes, the "
+            f"completions to train on: {arithmetic} (and no num_train_epochs)"
+        )
+    p = batch_plan
+    trained = p.num_training_steps * p.episodes_per_rollout
+    if trained != cfg.total_episodes and is_main_process_from_env():
+        print(
+            f"total_episodes {cfg.total_episodes} is not a whole number of rollouts of {p.episodes_per_rollout} "
+            f"completions (rollout_batch_size {p.rollout_batch_size} x num_samples_per_prompt "
+            f"{p.num_samples_per_prompt}): training {trained} ({p.num_training_steps} rollouts); --total_episodes "
+            f"{trained + p.episodes_per_rollout} for one more",
+            flush=True,
+        )
 
 
 def start(cls: type[C], argv: Optional[Sequence[str]] = None) -> C:

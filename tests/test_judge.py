@@ -413,3 +413,39 @@ def test_a_run_with_a_judge_resumes_bit_exactly(fake_judge, tiny_models, tmp_pat
     full_rows = comparable(full)
     assert [r["rollout_step"] for r in full_rows if "reward/judge/mean" in r] == [1, 2, 3]
     assert comparable(cut) == full_rows
+
+
+# ---- issue 69: a judge that cannot work is refused at start, naming what is wrong ------------------------------------
+REFERENCE_JUDGE_FILE = """
+from open_instruct.judge import Judge
+
+judge = Judge("Rate {completion} against {reference}. Score: N", url="http://127.0.0.1:9/v1", model="m")
+"""
+
+
+def test_a_rubric_slot_whose_column_the_rows_lack_is_refused_at_start(tiny_models, tmp_path, no_model_loads, capsys):
+    """{reference} reads ground_truth (reference_column's default); rows without it would give the judge an empty
+    reference on every call: the dry run and the real start exit 2 naming the slot, the column and the file, before
+    any model loads (the judge's url answers nothing: it is never asked)."""
+    judge_file = tmp_path / "reference_judge.py"
+    judge_file.write_text(REFERENCE_JUDGE_FILE)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 1 + 1?", "solution": "2"}) + "\n")
+    argv = command(tiny_models["causal_lm"], str(rows), tmp_path / "out", "--reward_functions", f"{judge_file}:judge")
+    for extra in (["--dry_run", "true"], []):
+        assert run([*argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"the rubric's slot {{reference}} reads column 'ground_truth', which the rows of {rows} line 1 lack " \
+            "(columns: ['prompt', 'solution'])" in err, err  # fmt: skip
+    assert not os.path.exists(tmp_path / "out" / "run.json")
+
+
+def test_a_missing_judge_folder_is_named_as_a_missing_folder(tmp_path):
+    missing = str(tmp_path / "judges" / "qwen")
+    with pytest.raises(ConfigError, match=f"Judge: local_model folder '{missing}' does not exist"):
+        Judge(RUBRIC, local_model=missing)
+    with pytest.raises(ConfigError, match="Judge: local_model folder 'judge_model' does not exist"):
+        Judge(RUBRIC, local_model="judge_model")  # a bare name is a folder here too (hub ids: serve_model=)
+    with pytest.raises(ConfigError, match=f"Judge: serve_model folder '{missing}' does not exist"):
+        Judge(RUBRIC, serve_model=missing)
+    assert Judge(RUBRIC, serve_model="Qwen/Qwen3-8B").serve_model == "Qwen/Qwen3-8B"  # a hub id stays one

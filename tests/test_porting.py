@@ -296,3 +296,17 @@ def test_resolved_config_saved_in_the_run_folder_and_shown_by_dry_run(tiny_model
         runtime.start(RLVRConfig, [*argv, "--learning_rate", "1e-3"])
     run_dir.release_all()
     assert e.value.code == 2 and saved.read_text() == before
+
+
+def test_trl_run_length_in_epochs_becomes_total_episodes_in_the_note(tmp_path):
+    """TRL's run length without max_steps is num_train_epochs (default 3) passes over the prompts: the note says the
+    total_episodes that is (the start refuses num_train_epochs with the prompts counted:
+    tests/test_start_checks.py)."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("dataset_name_or_path: train.jsonl\nnum_generations: 4\nnum_train_epochs: 2\n")
+    message = error_for(RLVRConfig, [str(recipe)])
+    assert "; num_train_epochs here: 2 epochs x (the prompts in the dataset) x 4 completions = --total_episodes " \
+        "2 x prompts x 4" in message  # fmt: skip
+    recipe.write_text("dataset_name_or_path: train.jsonl\nnum_generations: 4\n")
+    message = error_for(RLVRConfig, [str(recipe)])
+    assert "; TRL's default num_train_epochs here: 3 epochs x (the prompts in the dataset) x 4 completions" in message

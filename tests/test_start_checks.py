@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -358,3 +359,91 @@ def test_every_flag_named_in_a_hint_exists():
                 if not (script_key or planner_flag or flag in LAUNCHER_FLAGS or flag in NOT_OPTIONS):
                     unknown.append(f"{relative}: --{flag}")
     assert unknown == [], unknown
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One start-check path for every source (issue 69): the rows an integration makes are read, tokenized with the run's
+# limits and probed like a local file's, so the dry run refuses what the real script refuses, before any model loads
+
+
+def real_script(argv: list[str], capsys) -> tuple[int, str]:
+    """rlvr_ppo.py's entry point in this process (runtime.run(main)): its exit code and stderr + stdout."""
+    try:
+        runtime.run(rlvr_ppo.main, argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        run_dir.release_all()
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(("DataError:", "config error:", "ConfigError:"))]
+
+
+LEG_COUNTING = "reasoning_gym:leg_counting?size=16&seed=3"  # prompts of 400-700 characters; a char-level tokenizer
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["--max_prompt_length", "4"], "no usable rows (0/16 rows kept: 0 bad, 16 dropped as over-long"),
+        (["--dataset_name_or_path", LEG_COUNTING, "--max_prompt_length", "512"],
+         f"dataset '{LEG_COUNTING}': no usable rows (0/16 rows kept: 0 bad, 16 dropped as over-long"),
+        (["--dataset_name_or_path", LEG_COUNTING, "--max_prompt_length", "4096", "--reward_functions",
+          "REWARDS:needs_answer"], "requires ['answer'], which is never passed"),
+    ],
+    ids=["local-rows-over-long", "reasoning-gym-rows-over-long", "reasoning-gym-rows-lack-a-column"],
+)  # fmt: skip
+def test_dry_run_refuses_what_the_real_script_refuses(tiny_models, inputs, tmp_path, capsys, no_model_loads,
+                                                      override, message):  # fmt: skip
+    if "reasoning_gym" in " ".join(override):
+        pytest.importorskip("reasoning_gym")
+    override = [a.replace("REWARDS", inputs["rewards"]) for a in override]
+    argv = rl_argv(tiny_models["causal_lm"], inputs, tmp_path / "out", *override)
+    dry_code, dry_text = start([*argv, "--dry_run", "true"], capsys)
+    real_code, real_text = real_script(argv, capsys)
+    assert dry_code == real_code == 2 and message in dry_text, dry_text
+    assert error_lines(dry_text) == error_lines(real_text) and len(error_lines(dry_text)) == 1, (dry_text, real_text)
+    assert not os.path.exists(tmp_path / "out" / "run.json")
+
+
+def test_dry_run_passes_first_rows_dropped_when_a_later_row_is_usable(tiny_models, inputs, tmp_path, capsys):
+    """The first rows all over-long is no verdict: the loader's whole path decides, as a real start's does."""
+    rows = tmp_path / "rows.jsonl"
+    long_row = {"messages": [{"role": "user", "content": "x" * 300}], "ground_truth": "1", "dataset": "gsm8k"}
+    short_row = {"messages": [{"role": "user", "content": "1+0?"}], "ground_truth": "1", "dataset": "gsm8k"}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [long_row] * 6 + [short_row] * 2))
+    argv = rl_argv(tiny_models["causal_lm"], inputs, tmp_path / "out", "--dataset_name_or_path", str(rows),
+                   "--max_prompt_length", "96", "--dry_run", "true")  # fmt: skip
+    code, text = start(argv, capsys)
+    assert code == 0, text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL's run length (issue 69): num_train_epochs is refused with the total_episodes it means; a total_episodes that
+# is not whole rollouts is said
+
+
+def test_rl_run_given_num_train_epochs_is_refused_with_the_total_episodes_it_means(fake_model, inputs, tmp_path,
+                                                                                   capsys):  # fmt: skip
+    argv = rl_argv(fake_model, inputs, tmp_path / "out", "--num_samples_per_prompt", "4", "--num_train_epochs", "3")
+    for extra in (["--dry_run", "true"], []):
+        code, text = start([*argv, *extra], capsys)
+        # rl_train.jsonl holds 16 prompts: 3 passes x 16 prompts x 4 completions each
+        assert code == 2 and "3 epochs x 16 prompts x 4 completions = --total_episodes 192" in text, text
+        assert text.startswith("config error: num_train_epochs is HF's / TRL's run length")
+
+
+def test_total_episodes_not_whole_rollouts_says_what_it_trains(tiny_models, inputs, tmp_path, capsys):
+    # a rollout: local_rollout_batch_size 4 x num_samples_per_prompt 2 = 8 completions; 18 = 2 rollouts + 2
+    argv = rl_argv(tiny_models["causal_lm"], inputs, tmp_path / "out", "--total_episodes", "18", "--dry_run", "true")
+    code, text = start(argv, capsys)
+    assert code == 0, text
+    said = "total_episodes 18 is not a whole number of rollouts of 8 completions (rollout_batch_size 4 x "
+    said += "num_samples_per_prompt 2): training 16 (2 rollouts); --total_episodes 24 for one more"
+    assert said in text
+    code, text = start([*argv[:-2], "--total_episodes", "16", "--dry_run", "true"], capsys)
+    assert code == 0 and "not a whole number of rollouts" not in text
