@@ -659,8 +659,9 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
     `must_match` (what the saved state is, the data stream and order, the run's length and schedule, what is
     trained and towards what), and the global batch the `batch_layout` settings make (the data position is counted in
     episodes/prompts, so a new world size with the same global batch resumes exactly): name -> (value, how it is
-    made). A setting is compared only when the checkpoint's config has it (one from before a knob existed is not
-    refused for it). The content of the files the run loads is compared apart (data_identity, input_identity)."""
+    made). A setting the checkpoint's config lacks (one from before the knob existed) reads as its default, the value
+    that run had: resuming it with the default goes through, with another value is refused. The content of the files
+    the run loads is compared apart (data_identity, input_identity)."""
     per_device, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
     layout: dict[str, tuple[Any, str]] = {
         "script": (config.get("script"), ""),
@@ -672,8 +673,11 @@ def resume_layout(config: dict[str, Any], world_size: int) -> dict[str, tuple[An
     }
     cls = _settings_class(config)
     for f in dataclasses.fields(cls) if cls else ():
-        if f.metadata.get("resume") in ("structural", "must_match") and f.name in config:
-            layout[f.name] = (config[f.name], f.metadata["note"])
+        if f.metadata.get("resume") in ("structural", "must_match"):
+            if f.name in config:
+                layout[f.name] = (config[f.name], f.metadata["note"])
+            elif f.default is not dataclasses.MISSING:  # a checkpoint from before the knob: it ran with the default
+                layout[f.name] = (f.default, f.metadata["note"])
     if "local_rollout_batch_size" in config:  # RL
         local = config["local_rollout_batch_size"]
         layout["rollout_batch_size"] = (

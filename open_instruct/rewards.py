@@ -1492,14 +1492,16 @@ def check_verifiers(examples: list[dict], what: str, code: Any = None) -> None:
         except ValueError as e:  # unknown verifier, or GroundTruthError
             where = ex.get("where") or f"{what} row {ex['row']}"
             raise DataError(f"{where}: {e}") from None
-    if any(names[ex["verifier"]] in _SANDBOXED for ex in examples):
+    sandboxed = sorted({names[ex["verifier"]] for ex in examples} & _SANDBOXED)
+    if sandboxed:
         from open_instruct.errors import ConfigError
         from open_instruct.sandbox import isolation
 
         try:
             isolation()  # probed now (~0.3 s) so that a machine that cannot run programs fails before training
         except RuntimeError as e:
-            raise ConfigError(f"{what} rows use a sandboxed verifier (code, or an integration's), but: {e}") from None
+            used = ", ".join(sandboxed)
+            raise ConfigError(f"{what} rows use the {used} verifier (run in the sandbox), but: {e}") from None
 
 
 if __name__ == "__main__":

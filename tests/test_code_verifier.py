@@ -271,7 +271,8 @@ def test_a_machine_that_cannot_sandbox_stops_before_training(monkeypatch):
 
     monkeypatch.setattr(sandbox, "isolation", no_sandbox)
     rows = [{"verifier": "code", "ground_truth": ADD, "row": 0}]
-    with pytest.raises(ConfigError, match="train rows use the code verifier, but: no sandbox isolation works"):
+    refused = r"train rows use the code verifier \(run in the sandbox\), but: no sandbox isolation works"
+    with pytest.raises(ConfigError, match=refused):
         rewards.check_verifiers(rows, "train")
     rewards.check_verifiers([{"verifier": "arithmetic", "ground_truth": "7", "row": 0}], "train")  # no probe needed
 
