@@ -1499,9 +1499,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                     f"set them as settings ({flags})"
                 )
             user_code.check_signature(row.function, what, positional, returns, getattr(row, "settings", ()))
-            user_code.check_keyword_types(
-                row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
-            )
+            kwargs = rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
+            user_code.check_keyword_types(row.function, kwargs, what)
+            if row.function.__module__ != rl_algorithms.__name__:  # the user's: its return, on a tiny batch
+                rl_algorithms.probe(option, row, self, kwargs, what)
             takes = rl_algorithms.accepted_kwargs(row.function, len(positional))
             taken |= set(self.algo_kwargs) if takes is None else takes
         unused = sorted(set(self.algo_kwargs) - taken)
@@ -1526,6 +1527,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         """The teacher and its estimator go together; the objective's knobs in range (distillation.check_teacher
         compares the vocabularies, before any model loads)."""
         teachers = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_teacher)
+        if self.teacher_model_name_or_path is not None and not self.teacher_model_name_or_path.strip():
+            # an empty value would otherwise read as "no teacher" and train plain GRPO
+            raise ConfigError(
+                f"teacher_model_name_or_path is empty ({self.teacher_model_name_or_path!r}): give the teacher's hub "
+                "name or local folder, or leave it unset for a run without a teacher"
+            )
         if self.uses_teacher and not self.teacher_model_name_or_path:
             raise ConfigError(f"advantage_estimator {self.advantage_estimator} needs teacher_model_name_or_path")
         if self.teacher_model_name_or_path and not self.uses_teacher:
