@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
-from open_instruct import flag_names, rl_algorithms
+from open_instruct import flag_names, integrations, rl_algorithms
 from open_instruct.batch_math import (
     BatchPlan,
     check_token_budget,
@@ -1716,7 +1716,10 @@ def help_text(cls: type) -> str:
             f = fields[key]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             flags = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])  # both are accepted
-            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=f.metadata["help"])
+            about_key = f.metadata["help"]
+            if key in ("dataset_name_or_path", "environment") and "environment" in fields:  # the RL scripts'
+                about_key += " " + integrations.spec_forms()
+            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=about_key)
             negated = f"no_{key}"  # a boolean that defaults to true also takes --no_<key>
             if negated in _accepted_keys(cls):
                 group.add_argument(
