@@ -160,7 +160,8 @@ class BaseConfig:
     gpu: Optional[str] = setting(
         None,
         "GPU the memory check judges a layout on (a name of the planner's table, e.g. H100, A100, H200); unset: "
-        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100.",
+        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100. A planner "
+        "setting: a real start on a machine without a GPU says so and judges its CPU.",
         topic="run",
         resume="may_change",
     )
@@ -1501,7 +1502,7 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             user_code.check_signature(row.function, what, positional, returns, getattr(row, "settings", ()))
             kwargs = rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
             user_code.check_keyword_types(row.function, kwargs, what)
-            if row.function.__module__ != rl_algorithms.__name__:  # the user's: its return, on a tiny batch
+            if getattr(row.function, "__module__", None) != rl_algorithms.__name__:  # the user's: probe its return
                 rl_algorithms.probe(option, row, self, kwargs, what)
             takes = rl_algorithms.accepted_kwargs(row.function, len(positional))
             taken |= set(self.algo_kwargs) if takes is None else takes
