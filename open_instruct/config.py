@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Optional, Sequence, TypeVar
 
 import yaml
 
-from open_instruct import flag_names, rl_algorithms
+from open_instruct import flag_names, integrations, rl_algorithms
 from open_instruct.batch_math import (
     BatchPlan,
     check_token_budget,
@@ -160,7 +160,8 @@ class BaseConfig:
     gpu: Optional[str] = setting(
         None,
         "GPU the memory check judges a layout on (a name of the planner's table, e.g. H100, A100, H200); unset: "
-        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100.",
+        "this machine's (H100 where a GPU is present, the CPU otherwise). With gpu_memory_gb alone: H100. A planner "
+        "setting: a real start on a machine without a GPU says so and judges its CPU.",
         topic="run",
         resume="may_change",
     )
@@ -1566,9 +1567,10 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                     f"set them as settings ({flags})"
                 )
             user_code.check_signature(row.function, what, positional, returns, getattr(row, "settings", ()))
-            user_code.check_keyword_types(
-                row.function, rl_algorithms.variant_kwargs(option, row, self.algo_kwargs), what
-            )
+            kwargs = rl_algorithms.variant_kwargs(option, row, self.algo_kwargs)
+            user_code.check_keyword_types(row.function, kwargs, what)
+            if getattr(row.function, "__module__", None) != rl_algorithms.__name__:  # the user's: probe its return
+                rl_algorithms.probe(option, row, self, kwargs, what)
             takes = rl_algorithms.accepted_kwargs(row.function, len(positional))
             taken |= set(self.algo_kwargs) if takes is None else takes
         unused = sorted(set(self.algo_kwargs) - taken)
@@ -1613,6 +1615,12 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         compares the vocabularies, before any model loads)."""
         teachers = ", ".join(name for name, row in ADVANTAGE_ESTIMATORS.items() if row.uses_teacher)
         named = "teacher_models" if self.teacher_models else "teacher_model_name_or_path"
+        if self.teacher_model_name_or_path is not None and not self.teacher_model_name_or_path.strip():
+            # an empty value would otherwise read as "no teacher" and train plain GRPO
+            raise ConfigError(
+                f"teacher_model_name_or_path is empty ({self.teacher_model_name_or_path!r}): give the teacher's hub "
+                "name or local folder, or leave it unset for a run without a teacher"
+            )
         if self.uses_teacher and not self.has_teacher:
             raise ConfigError(
                 f"advantage_estimator {self.advantage_estimator} needs teacher_model_name_or_path (or teacher_models)"
@@ -1799,7 +1807,10 @@ def help_text(cls: type) -> str:
             f = fields[key]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
             flags = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])  # both are accepted
-            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=f.metadata["help"])
+            about_key = f.metadata["help"]
+            if key in ("dataset_name_or_path", "environment") and "environment" in fields:  # the RL scripts'
+                about_key += " " + integrations.spec_forms()
+            group.add_argument(*flags, metavar=_metavar(hints[key]), default=default, help=about_key)
             negated = f"no_{key}"  # a boolean that defaults to true also takes --no_<key>
             if negated in _accepted_keys(cls):
                 group.add_argument(

@@ -26,6 +26,15 @@ BUILT_IN_VERIFIERS = {
     "reasoning_gym": "open_instruct.reasoning_gym_verifier",
     "verifiers_env": "open_instruct.verifiers_env",
 }
+
+
+def spec_forms() -> str:
+    """The spec forms of the built-in prefixes and of a package's own, as --help shows them beside the options that
+    take a spec (dataset_name_or_path, environment)."""
+    built_in = ", ".join(f"{prefix}:<spec>[?key=value&...]" for prefix in BUILT_IN)
+    return f"Other packages' specs: {built_in} (docs/environments.md), or my_pkg.module:<spec> for your own."
+
+
 _MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 

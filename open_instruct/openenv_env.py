@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import weakref
 from typing import Any, Optional
@@ -130,6 +131,21 @@ def _text(observation: Any, field: str) -> str:
     return "" if value is None else str(value)
 
 
+URL_SCHEMES = ("http", "https", "ws", "wss")
+
+
+def check_url(url: Any, where: str) -> None:
+    """ConfigError unless `url` is an http(s):// or ws(s):// address with a host: `localhost:8000` would otherwise
+    read as scheme `localhost` and fail later as a server that is "not answering"."""
+    if not isinstance(url, str):
+        raise ConfigError(f"{where} must be a server address such as http://localhost:8000, got {url!r}")
+    parts = urllib.parse.urlsplit(url)
+    if "://" not in url:
+        raise ConfigError(f"{where} {url!r} has no scheme: add http:// (http://{url})")
+    if parts.scheme not in URL_SCHEMES or not parts.netloc:
+        raise ConfigError(f"{where} {url!r} is not an {', '.join(s + '://' for s in URL_SCHEMES)} address with a host")
+
+
 class OpenEnvEnvironment(Environment):
     """An OpenEnv server's environment (module docstring). Subclasses set `url` or `app` and the fields."""
 
@@ -144,6 +160,8 @@ class OpenEnvEnvironment(Environment):
     def __init__(self) -> None:
         if (self.url is None) == (self.app is None):
             raise ConfigError(f"{type(self).__name__}: set exactly one of url (a running server) and app (to start)")
+        if self.url is not None:
+            check_url(self.url, f"{type(self).__name__}.url")
         try:
             import openenv.core  # noqa: F401
         except ImportError:

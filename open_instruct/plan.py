@@ -984,12 +984,18 @@ def judged_layout(cfg: BaseConfig, launcher_world: int, real_start: bool) -> Jud
         )
     check_recipe_gpu(cfg)
     world = cfg.num_processes or launcher_world
-    gpu = cfg.gpu or ("H100" if cfg.gpu_memory_gb else this_machine_device())
-    memory = cfg.gpu_memory_gb
+    named = {k: getattr(cfg, k) for k in ("gpu", "gpu_memory_gb") if getattr(cfg, k) is not None}
+    if real_start and named and this_machine_device() == "cpu":
+        # a planner setting: this start trains on the CPU, so the CPU (its host memory) is what is judged
+        if int(os.environ.get("RANK", "0")) == 0:
+            said = " ".join(f"{k} {v}" for k, v in named.items())
+            print(f"{said}: only affects --dry_run and oi-plan; this start runs on this machine's CPU", flush=True)
+        named = {}
+    gpu = named.get("gpu") or ("H100" if named.get("gpu_memory_gb") else this_machine_device())
+    memory = named.get("gpu_memory_gb")
     if gpu == "cpu" and memory is None:
         memory = round(host_memory_gb() / world, 1)
-    told = cfg.gpu is not None or cfg.gpu_memory_gb is not None
-    return JudgedLayout(TimeAssumptions(gpu=gpu, gpu_memory_gb=memory), world, told)
+    return JudgedLayout(TimeAssumptions(gpu=gpu, gpu_memory_gb=memory), world, bool(named))
 
 
 def check_memory(cfg: BaseConfig, layout: JudgedLayout) -> None:

@@ -104,10 +104,18 @@ def _gym(where: str):
     return reasoning_gym
 
 
+def installed_version() -> str:
+    """The installed distribution's version (its metadata): the package's own `__version__` lags its releases
+    (0.1.19 inside 0.1.25)."""
+    from importlib.metadata import version
+
+    return version("reasoning-gym")
+
+
 def parse(source: str, split: str, where: str = "dataset_name_or_path") -> TaskSpec:
     """`reasoning_gym:<task>?k=v&...` -> TaskSpec, checked against the package's registry and the task's config
     dataclass (ConfigError naming the source and what is wrong)."""
-    reasoning_gym = _gym(where)
+    _gym(where)  # the install hint when it is missing
     from reasoning_gym.factory import DATASETS
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -117,7 +125,7 @@ def parse(source: str, split: str, where: str = "dataset_name_or_path") -> TaskS
     if task not in DATASETS:
         close = difflib.get_close_matches(task, DATASETS, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f" ({len(DATASETS)} tasks, e.g. leg_counting)"
-        raise ConfigError(f"{here}: {task!r} is not a reasoning-gym {reasoning_gym.__version__} task{hint}")
+        raise ConfigError(f"{here}: {task!r} is not a reasoning-gym {installed_version()} task{hint}")
     settings: dict[str, Any] = {}
     for item in (q for q in query.split("&") if q):
         key, eq, text = item.partition("=")
@@ -250,9 +258,7 @@ def check_held_out(train_sources: list[str], eval_sources: list[str], train_spli
 # ---- registration (open_instruct/integrations.py): the `reasoning_gym:` sources and the `reasoning_gym` verifier ----
 def _identity(source: str) -> list[Any]:
     """What the tokenized-data cache keys on: the spec, the generating package's version, this module's code."""
-    from importlib.metadata import version
-
-    return [source, version("reasoning-gym"), code_identity([__file__])]
+    return [source, installed_version(), code_identity([__file__])]
 
 
 def _size(source: str, split: str) -> tuple[int, str]:

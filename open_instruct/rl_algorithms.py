@@ -286,6 +286,115 @@ class LossInputs:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The start's probe of a user's function: one call on a tiny synthetic batch, before any model loads
+
+
+# option -> what its function must return, as the refusal names it
+RETURNS = {
+    "advantage_estimator": "rl_algorithms.Advantages(advantages [n, R], returns, kl_loss_coef, keep [n])",
+    "policy_loss": "a pair (per-token loss [b, R], clipped indicator [b, R]) of tensors",
+    "kl_estimator": "a per-token KL estimate: a tensor [n, R]",
+}
+
+
+def probe_inputs(option: str, cfg: Any) -> tuple[Any, ...]:
+    """The positional arguments of one call of `option`'s function on a synthetic batch: 2 groups of the run's
+    num_samples_per_prompt rows x 3 response tokens (the last one padding on odd rows), distinct scores, and every
+    optional field a run may fill (old/reference log-probs, values, turn rewards, a teacher's log-probs)."""
+    import torch
+
+    group_size = max(int(getattr(cfg, "num_samples_per_prompt", 1) or 1), 1)
+    n, length = 2 * group_size, 3
+    mask = torch.ones(n, length)
+    mask[1::2, -1] = 0.0
+    logp = torch.full((n, length), -1.0) * mask
+    ref_logp = torch.full((n, length), -1.25) * mask
+    if option == "kl_estimator":
+        return logp, ref_logp
+    if option == "policy_loss":
+        advantages = torch.linspace(-1.0, 1.0, n).unsqueeze(1) * mask
+        loss_inputs = LossInputs(
+            logp=logp.clone().requires_grad_(True),
+            old_logp=logp,
+            advantages=advantages,
+            mask=mask,
+            clip_low=cfg.cliprange_low,
+            clip_high=cfg.cliprange_high,
+            dual_clip_c=cfg.dual_clip_c,
+            entropy=torch.full((n, length), 0.5) * mask,
+            ref_logp=ref_logp,
+        )
+        return (loss_inputs,)
+    x = AdvantageInputs(
+        scores=torch.arange(n, dtype=torch.float32),
+        mask=mask,
+        group_size=group_size,
+        beta=cfg.beta,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        whiten_advantages=cfg.whiten_advantages,
+        filter_zero_std_groups=cfg.filter_zero_std_groups,
+        old_logp=logp,
+        ref_logp=ref_logp,
+        kl=(logp - ref_logp) * mask,
+        values=torch.zeros(n, length),
+        value_mask=mask,
+        turn_rewards=torch.zeros(n, length),
+        teacher_logp=torch.full((n, length), -0.75) * mask,
+    )
+    return (x,)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'AEIOUaeiou' else 'a'} {noun}"
+
+
+def _wrong_return(option: str, result: Any, n: int, length: int) -> Optional[str]:
+    """What is wrong with a probe's result (None: the shape the run uses)."""
+    import torch
+
+    def fits(t: Any) -> bool:  # a tensor that broadcasts to [n, length] (a per-sequence [n, 1] term does)
+        try:
+            return isinstance(t, torch.Tensor) and torch.broadcast_shapes(t.shape, (n, length)) == (n, length)
+        except RuntimeError:
+            return False
+
+    if option == "advantage_estimator":
+        if not isinstance(result, Advantages):
+            return _a(type(result).__name__)
+        if not fits(result.advantages):
+            return f"Advantages whose advantages are {getattr(result.advantages, 'shape', result.advantages)!r}"
+        return None
+    if option == "policy_loss":
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            single = isinstance(result, torch.Tensor)
+            return "one tensor" if single else _a(type(result).__name__)
+        if not all(fits(t) for t in result):
+            return f"a pair of {[type(t).__name__ + str(tuple(getattr(t, 'shape', ()))) for t in result]}"
+        return None
+    return None if fits(result) else _a(type(result).__name__)
+
+
+def probe(option: str, row: Any, cfg: Any, kwargs: dict[str, Any], what: str) -> None:
+    """ConfigError (exit 2) unless `row`'s function, called once on a tiny synthetic batch (probe_inputs) with the
+    run's settings its row names and its algo_kwargs, returns what the run uses (RETURNS): a wrong return would
+    otherwise surface at the first rollout, after the model loaded, as a raw traceback."""
+    args = probe_inputs(option, cfg)
+    settings = {name: getattr(cfg, name) for name in getattr(row, "settings", ())}
+    n, length = args[0].shape if option == "kl_estimator" else args[0].mask.shape
+    where = f"called once on a synthetic batch ({n} rows x {length} tokens) before any model loads"
+    try:
+        result = row.function(*args, **settings, **kwargs)
+    except Exception as e:
+        raise ConfigError(
+            f"{what} raised {type(e).__name__}: {e} when {where}; it must return {RETURNS[option]}"
+        ) from None
+    wrong = _wrong_return(option, result, n, length)
+    if wrong is not None:
+        raise ConfigError(f"{what} returned {wrong} when {where}; it must return {RETURNS[option]} (docs/extending.md)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # ALGO LOGIC, the math: pure functions of [batch, response_len] tensors (response-aligned, `mask` 1 on real tokens).
 
 

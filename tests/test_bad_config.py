@@ -232,3 +232,33 @@ def test_a_per_source_best_metric_the_run_logs_is_accepted(paths):
     one = ["--eval_dataset_name_or_path", str(other), "--eval_steps", "1", "--best_metric", "eval/sft_eval/loss"]
     with pytest.raises(ConfigError, match=r"'eval/sft_eval/loss' is not a sft eval metric"):
         parse_config(SFTConfig, base(paths) + one)
+
+
+def test_gpu_on_a_cpu_real_start_is_said_to_affect_only_the_plan(paths, monkeypatch, capsys):
+    """`--gpu H100` on a machine without a GPU: a real start says in one line that it only affects --dry_run and
+    oi-plan, and judges the CPU it runs on; a dry run judges the H100 it was told (issue 69)."""
+    from open_instruct import plan
+    from open_instruct.config import parse_config
+
+    monkeypatch.setattr(plan, "this_machine_device", lambda: "cpu")
+    cfg = parse_config(RLVRConfig, rl(paths) + ["--gpu", "H100"])
+    capsys.readouterr()
+    real = plan.judged_layout(cfg, 1, real_start=True)
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["gpu H100: only affects --dry_run and oi-plan; this start runs on this machine's CPU"]
+    assert real.assumptions.gpu == "cpu" and not real.told
+    dry = plan.judged_layout(cfg, 1, real_start=False)
+    assert capsys.readouterr().out == "" and dry.assumptions.gpu == "H100" and dry.told
+
+
+def test_rl_help_shows_the_spec_forms_of_the_registered_integrations():
+    """--help of the RL script names each built-in prefix's form beside dataset_name_or_path and environment, from
+    the registry (integrations.BUILT_IN), so the config names none (issue 69)."""
+    from open_instruct import integrations
+    from open_instruct.config import help_text
+
+    text = " ".join(help_text(RLVRConfig).split())
+    for prefix in integrations.BUILT_IN:
+        assert text.count(f"{prefix}:<spec>[?key=value&...]") == 2, prefix
+    assert "reasoning_gym:<spec>" in text and "verifiers:<spec>" in text
+    assert "reasoning_gym:" not in " ".join(help_text(SFTConfig).split())

@@ -1092,3 +1092,110 @@ def test_rl_prompt_ending_with_the_answer_loses_that_turn_and_says_so(tmp_path):
     assert [e["prompt_ids"] for e in train] == [e["prompt_ids"] for e in expected] and len(train) == 8
     assert stats.answer_turns_dropped == 7 and plain_stats.answer_turns_dropped == 0
     assert "7 RL prompts ended with an assistant turn: that turn dropped" in stats.summary()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issue 69: bad inputs a user makes with the newer features (docs/testing.md's table). Each exits 2, naming it, before
+# a model loads; no finished run is needed, so the cases run on the data and tiny models alone.
+
+JUDGE_FILE = """
+from open_instruct.judge import Judge
+
+judge = Judge({template!r}, url="http://127.0.0.1:9/v1", model="m"{extra})
+"""
+
+
+def build_issue_69_case(name: str, tiny_models, files, tmp) -> tuple[list[str], list[str]]:
+    """(the RL script's argv, the needles its message must hold)."""
+    out = tmp / "out"
+
+    def rl(*extra):
+        return rl_argv(tiny_models, files, out, *extra)
+
+    def write(file_name: str, text: str) -> str:
+        (tmp / file_name).write_text(text)
+        return str(tmp / file_name)
+
+    from importlib.metadata import version
+
+    if name == "reasoning_gym_task_misspelt":
+        return rl("--dataset_name_or_path", "reasoning_gym:leg_countin"), [
+            f"'leg_countin' is not a reasoning-gym {version('reasoning-gym')} task",
+            "did you mean leg_counting",
+        ]
+    if name == "reasoning_gym_setting_misspelt":
+        return rl("--dataset_name_or_path", "reasoning_gym:leg_counting?max_animal=5"), ["max_animal", "max_animals"]
+    if name == "reasoning_gym_size_not_a_number":
+        return rl("--dataset_name_or_path", "reasoning_gym:leg_counting?size=many"), ["size", "'many'"]
+    if name == "verifiers_file_missing":
+        spec = f"verifiers:{tmp / 'no_env.py'}"
+        return rl("--dataset_name_or_path", spec, "--environment", spec), ["no_env.py"]
+    if name == "verifiers_file_without_a_taskset":
+        spec = f"verifiers:{write('my_env.py', 'x = 1')}"
+        return rl("--dataset_name_or_path", spec, "--environment", spec), ["exports no verifiers.v1 Taskset subclass"]
+    if name == "judge_template_without_completion":
+        spec = write("judges.py", JUDGE_FILE.format(template="Rate {prompt}", extra="")) + ":judge"
+        return rl("--reward_functions", spec), ["Judge: the template must contain {completion}"]
+    if name == "judge_score_pattern_without_group":
+        extra = ', score_pattern=r"\\d+"'
+        spec = write("judges.py", JUDGE_FILE.format(template="Rate {completion}", extra=extra)) + ":judge"
+        return rl("--reward_functions", spec), ["Judge: score_pattern", "needs a group around the number"]
+    if name == "gpu_not_in_the_planners_table":
+        return rl("--gpu", "H1000"), ["gpu 'H1000' is not in the planner's table"]
+    if name == "num_processes_zero":
+        return rl("--num_processes", "0"), ["num_processes must be > 0, got 0"]
+    if name == "num_processes_other_than_the_launch":
+        return rl("--num_processes", "4"), ["num_processes 4", "differs from this launch's 1 processes"]
+    if name == "algo_kwargs_no_function_takes":
+        return rl("--algo_kwargs", "cap=3"), ["algo_kwargs ['cap'] is taken by none of"]
+    if name == "user_estimator_returning_its_input":
+        spec = write("wrong.py", "def wrong_sig(x):\n    return x\n") + ":wrong_sig"
+        return rl("--advantage_estimator", spec), [
+            "returned an AdvantageInputs",
+            "must return rl_algorithms.Advantages",
+        ]
+    if name == "delete_finished_run_without_overwrite":
+        return rl("--delete_finished_run", "true"), ["delete_finished_run applies with --overwrite_output_dir true"]
+    if name == "openenv_url_without_a_scheme":
+        env = "from open_instruct.openenv_env import OpenEnvEnvironment\n\n\nclass Echo(OpenEnvEnvironment):\n"
+        spec = write("envs.py", env + "    url = 'localhost:8000'\n") + ":Echo"
+        return rl("--environment", spec), ["Echo.url 'localhost:8000' has no scheme: add http://"]
+    if name == "teacher_path_empty":
+        return rl("--teacher_model_name_or_path", ""), ["teacher_model_name_or_path is empty ('')"]
+    raise KeyError(name)
+
+
+ISSUE_69_CASES = [
+    "reasoning_gym_task_misspelt",
+    "reasoning_gym_setting_misspelt",
+    "reasoning_gym_size_not_a_number",
+    "verifiers_file_missing",
+    "verifiers_file_without_a_taskset",
+    "judge_template_without_completion",
+    "judge_score_pattern_without_group",
+    "gpu_not_in_the_planners_table",
+    "num_processes_zero",
+    "num_processes_other_than_the_launch",
+    "algo_kwargs_no_function_takes",
+    "user_estimator_returning_its_input",
+    "delete_finished_run_without_overwrite",
+    "openenv_url_without_a_scheme",
+    "teacher_path_empty",
+]
+
+
+@pytest.mark.parametrize("name", ISSUE_69_CASES)
+def test_issue_69_bad_inputs_exit_2_before_any_model_loads(name, tiny_models, files, tmp_path, capsys, no_model_loads):
+    """The table in docs/testing.md: each exits 2 naming what is wrong, writes nothing but run.json/config.yaml into
+    the output folder, and loads no model."""
+    if name.startswith("reasoning_gym") and importlib.util.find_spec("reasoning_gym") is None:
+        pytest.skip("reasoning-gym is not installed")
+    argv, needles = build_issue_69_case(name, tiny_models, files, tmp_path)
+    capsys.readouterr()
+    code = run_script("rlvr_ppo", argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in:\n{err}"
+    written = set(snapshot(tmp_path / "out")) if (tmp_path / "out").exists() else set()
+    assert written <= {run_dir.RUN_FILE, run_dir.CONFIG_FILE}, f"a refused run wrote {sorted(written)}"

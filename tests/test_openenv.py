@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("openenv.core")
 
 from open_instruct import openenv_env  # noqa: E402
+from open_instruct.errors import ConfigError  # noqa: E402
 from open_instruct.openenv_env import OpenEnvEnvironment, Server  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,3 +233,22 @@ def test_typed_actions_and_observations_through_the_environments_own_client(env_
     assert env.reset({}) == [{"role": "user", "content": "Say something."}]
     assert env.step("abcdef") == ([{"role": "user", "content": "You wrote 6 characters."}], 1.0, False, {})
     assert env.step("ab")[1:3] == (0.0, True)
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("localhost:8000", "Echo.url 'localhost:8000' has no scheme: add http:// (http://localhost:8000)"),
+        ("127.0.0.1:8000/v1", "has no scheme: add http:// (http://127.0.0.1:8000/v1)"),
+        ("ftp://host:21", "'ftp://host:21' is not an http://, https://, ws://, wss:// address with a host"),
+        ("http://", "'http://' is not an http://, https://, ws://, wss:// address with a host"),
+    ],
+)
+def test_a_url_without_a_scheme_is_refused_saying_to_add_it(url, message):
+    """Not "not answering" at the first episode: refused when the environment is made (issue 69)."""
+    echo = type("Echo", (OpenEnvEnvironment,), {"url": url})
+    with pytest.raises(ConfigError) as e:
+        echo()
+    assert message in str(e.value)
+    openenv_env.check_url("http://localhost:8000", "url")
+    openenv_env.check_url("ws://127.0.0.1:9/ws", "url")

@@ -237,6 +237,17 @@ def test_bad_specs_name_the_source(source, message):
         rg.parse(source, "train")
 
 
+def test_a_misspelt_task_names_the_installed_release():
+    """The installed distribution's version (0.1.25 as pinned), not the package's stale __version__ (0.1.19)."""
+    from importlib.metadata import version
+
+    with pytest.raises(ConfigError) as e:
+        rg.parse("reasoning_gym:leg_countin", "train")
+    assert f"'leg_countin' is not a reasoning-gym {version('reasoning-gym')} task; did you mean leg_counting" in str(
+        e.value
+    )
+
+
 def test_held_out_set_with_the_train_seed_is_refused():
     rg.check_held_out(["reasoning_gym:leg_counting?seed=1"], ["reasoning_gym:leg_counting?seed=2"], "train", "test")
     rg.check_held_out(["reasoning_gym:leg_counting"], ["reasoning_gym:leg_counting"], "train", "test")

@@ -96,7 +96,7 @@ def test_variants_from_a_file_run_with_their_algo_kwargs(variants_file, tiny_mod
         "--kl_estimator", f"{variants_file}:abs_log_ratio", "--algo_kwargs", "level=0.5", "scale=3",
     ])  # fmt: skip
     calls = rl_algorithms.TABLES["kl_estimator"][0][f"{variants_file}:abs_log_ratio"].function.__globals__["CALLS"]
-    assert calls["estimator"] == [0.5, 0.5] and set(calls["loss"]) == {3} and set(calls["kl"]) == {3}
+    assert calls["estimator"] == [0.5] * 3 and set(calls["loss"]) == {3} and set(calls["kl"]) == {3}
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [r for r in rows if "loss/policy" in r]
     assert [r["rollout_step"] for r in train] == [1, 2]
@@ -265,7 +265,9 @@ def short_loss(logp, advantages):
 
 
 def estimator(x, margin=0.0, steps: int = 2):
-    return margin
+    from open_instruct.rl_algorithms import group_baseline
+
+    return group_baseline(x, x.scores + margin)
 
 
 def kl_with_flag(logp, ref_logp, *, strict: bool = False):
@@ -393,3 +395,70 @@ def test_an_estimator_keeping_flat_groups_under_the_filter_stops_naming_itself(t
         for table, _, _ in rl_algorithms.TABLES.values():
             for name in [n for n in table if str(path) in n or n == "keeps_flat_groups"]:
                 del table[name]
+
+
+WRONG_RETURNS_FILE = """
+import torch
+
+
+def wrong_sig(x):
+    return x
+
+
+def tensor_estimator(x, margin=0.0):
+    return x.scores + margin
+
+
+def one_tensor_loss(x):
+    return -x.advantages * torch.exp(x.logp - x.old_logp)
+
+
+def raising_estimator(x):
+    return x.no_such_field
+
+
+def scalar_kl(logp, ref_logp):
+    return 0.0
+"""
+
+
+def test_a_wrong_return_is_refused_naming_the_expected_one_before_loading(tmp_path):
+    """A function with a signature the run can call but the wrong return (or one that raises) is called once on a
+    tiny synthetic batch when the config is checked: 2 groups of num_samples_per_prompt 2 x 3 tokens, so "4 rows x 3
+    tokens"; the refusal names what it returned and the return the run needs (issue 69)."""
+    path = tmp_path / "wrong_returns.py"
+    path.write_text(WRONG_RETURNS_FILE)
+    cases = [
+        ("advantage_estimator", "wrong_sig", "returned an AdvantageInputs", "rl_algorithms.Advantages("),
+        ("policy_loss", "wrong_sig", "returned a LossInputs", "a pair (per-token loss [b, R], clipped indicator"),
+        ("advantage_estimator", "tensor_estimator", "returned a Tensor", "rl_algorithms.Advantages("),
+        ("policy_loss", "one_tensor_loss", "returned one tensor", "a pair (per-token loss [b, R], clipped"),
+        ("advantage_estimator", "raising_estimator", "raised AttributeError", "rl_algorithms.Advantages("),
+        ("kl_estimator", "scalar_kl", "returned a float", "a per-token KL estimate: a tensor [n, R]"),
+    ]
+    try:
+        for option, function, returned, expected in cases:
+            with pytest.raises(ConfigError) as e:
+                parse_config(RLVRConfig, [*BASE, "--num_samples_per_prompt", "2", f"--{option}", f"{path}:{function}"])
+            message = str(e.value)
+            assert f"{option} '{path}:{function}' {returned}" in message, message
+            assert "synthetic batch (4 rows x 3 tokens) before any model loads" in message, message
+            assert f"it must return {expected}" in message, message
+    finally:
+        for table, _, _ in rl_algorithms.TABLES.values():
+            for name in [n for n in table if str(path) in n]:
+                del table[name]
+
+
+def test_wrong_sig_exits_2_from_the_script_before_the_model_loads(tmp_path):
+    """`def wrong_sig(x): return x` as the estimator: the script exits 2 naming Advantages, before the model path
+    (which does not exist) is read and before the output folder is made."""
+    path = tmp_path / "wrong_returns.py"
+    path.write_text(WRONG_RETURNS_FILE)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    argv = [*BASE, "--advantage_estimator", f"{path}:wrong_sig", "--output_dir", str(tmp_path / "out")]
+    run = subprocess.run([sys.executable, os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), *argv], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "returned an AdvantageInputs" in run.stderr and "it must return rl_algorithms.Advantages(" in run.stderr
+    assert not (tmp_path / "out").exists()
