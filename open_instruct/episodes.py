@@ -355,7 +355,7 @@ def start_episode(env: Environment, example: dict[str, Any], tokens: EpisodeToke
     return Episode(prompt_ids=tokens.prompt_ids(env.reset(example), env.tools), example=example)
 
 
-def _take_turn(
+def take_turn(
     episode: Episode,
     env: Environment,
     result: tuple,
@@ -441,7 +441,7 @@ def rollout_episodes(
             if len(results) != len(active):
                 raise ValueError(f"generate_fn returned {len(results)} results for {len(active)} requests")
             actions = [
-                _take_turn(episodes[i], envs[i], r, cap, version, tokens, budget)
+                take_turn(episodes[i], envs[i], r, cap, version, tokens, budget)
                 for i, r, cap in zip(active, results, caps)
             ]
             steps = (
