@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -116,3 +118,59 @@ def test_a_plain_run_does_not_import_the_gateway():
             "integrations.find('tool'); print('open_instruct.agent_gateway' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_agent_trains_end_to_end_and_resumes_bit_exactly_after_a_sigkill_mid_episode(tiny_models, tmp_path):
+    """rlvr_ppo.py with `--environment agent:...` on the tiny model: two turns per episode (the agent's tool turn
+    between), no untrained turn. SIGKILLed while an agent of rollout 2 waits inside its tool turn and resumed with
+    --resume_from_checkpoint auto, the run's metrics rows and final weights equal the uninterrupted run's exactly
+    (the rollout in flight is played again from the same seeds, its agents run again)."""
+    from safetensors.torch import load_file
+    from test_multiturn_rlvr import RECIPE, REPO, read_rows, run_script, script_env
+
+    data = tmp_path / "rl.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{a}*7="}],
+                                          "ground_truth": str(7 * a), "dataset": "arithmetic"})
+                              for a in range(10, 30)) + "\n")  # fmt: skip
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(data.read_text().splitlines(keepends=True)[:4]))
+
+    def argv(out, *extra):
+        return [os.path.join(REPO, "open_instruct", "rlvr_ppo.py"), RECIPE, "--environment",
+                f"agent:{AGENT}:always_calls", "--model_name_or_path", tiny_models["causal_lm"],
+                "--dataset_name_or_path", str(data), "--eval_dataset_name_or_path", str(held_out),
+                "--output_dir", str(out), "--total_episodes", "16", "--local_rollout_batch_size", "4",
+                "--num_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--response_length", "40",
+                "--max_turn_tokens", "8", "--checkpointing_steps", "1", "--eval_steps", "100", *extra]  # fmt: skip
+
+    ref, out = tmp_path / "reference", tmp_path / "crashed"
+    run_script(argv(ref))
+    train = [r for r in read_rows(ref) if "loss/policy" in r]
+    assert [r["rollout_step"] for r in train] == [1, 2]
+    assert all(r["train/turns_per_episode"] == 2.0 for r in train)
+    assert all(r.get("train/truncated_untrained_turns", 0.0) == 0.0 for r in train)
+    gate = str(tmp_path / "gate")
+    # agents: 4 in the step-0 evaluation, 8 in rollout 1 (4 prompts x 2): the 13th is rollout 2's first
+    env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "13"}
+    proc = subprocess.Popen([sys.executable, *argv(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        while not os.path.exists(gate + ".in_tool"):  # the event the agent signals: it waits inside its tool turn
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.01)
+        assert [r["rollout_step"] for r in read_rows(out) if "loss/policy" in r] == [1]
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    open(gate + ".release", "w").close()
+    run_script(argv(out, "--resume_from_checkpoint", "auto"))
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    assert comparable(read_rows(out)) == comparable(read_rows(ref))
+    a, b = load_file(ref / "final_model" / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
