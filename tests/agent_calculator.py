@@ -53,3 +53,12 @@ async def always_calls(base_url: str, model: str, row: dict) -> None:
     messages.append({"role": "tool", "content": calculate(row["messages"][-1]["content"].rstrip("="))})
     await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR_SCHEMA])
     return None
+
+
+async def hangs(base_url: str, model: str, row: dict) -> None:
+    """Asks once, then never asks again nor ends (its tool hangs)."""
+    import asyncio
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    await client.chat.completions.create(model=model, messages=list(row["messages"]))
+    await asyncio.Event().wait()

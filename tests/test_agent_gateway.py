@@ -174,3 +174,9 @@ def test_agent_trains_end_to_end_and_resumes_bit_exactly_after_a_sigkill_mid_epi
     assert comparable(read_rows(out)) == comparable(read_rows(ref))
     a, b = load_file(ref / "final_model" / "model.safetensors"), load_file(out / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_agent_that_hangs_stops_the_run_at_the_environment_deadline(tiny_models, tokenizer):
+    cfg = config(tiny_models, "--environment", f"agent:{AGENT}:hangs", "--environment_timeout", "0.5")
+    with pytest.raises(ConfigError, match=r"agent .*hangs.*: no episode asked the model or ended within 0.5 s"):
+        play(cfg, tokenizer, [["1", "2", "3", "4"]])
