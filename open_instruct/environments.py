@@ -245,6 +245,15 @@ class GuardedEnvironment(Environment):
             raise ConfigError(f"environment {name} raised {type(result).__name__}: {result} on {self.where}")
         return result
 
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self._call("state_dict", self.env.state_dict) if hasattr(self.env, "state_dict") else None
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if hasattr(self.env, "load_state_dict"):
+            self._call("load_state_dict", lambda: self.env.load_state_dict(state))
+        elif state is not None:
+            raise ConfigError(f"environment {type(self.env).__name__} saved a state but has no load_state_dict")
+
     def reset(self, example: dict[str, Any]) -> Observation:
         observation = self._call("reset", lambda: self.env.reset(example))
         problem = check_observation(observation, allow_none=False)

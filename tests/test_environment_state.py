@@ -84,3 +84,17 @@ def test_a_python_session_episode_resumes_from_its_snapshot(tokens):
     episode = resume_environment(snapshot, fresh)
     (resumed,) = play(tokens, ScriptedGenerator(tokens.tokenizer, SCRIPTS[1:]), [fresh], started=[episode])
     assert episode_state(resumed) == episode_state(reference)
+
+
+def test_the_guard_passes_the_state_through(tokens):
+    """The driver's GuardedEnvironment saves and restores the wrapped environment's state, not its own."""
+    from open_instruct.environments import GuardedEnvironment
+
+    guarded = GuardedEnvironment(environment(tokens), "row 0", 5.0)
+    guarded.reset({**EXAMPLE, "tools": ["python"]})
+    state = guarded.state_dict()
+    assert state == {"example": {**EXAMPLE, "tools": ["python"]}, "enabled": ["python"], "calls_made": 0,
+                     "python_cells": []}  # fmt: skip
+    other = GuardedEnvironment(environment(tokens), "row 0", 5.0)
+    other.load_state_dict({**state, "calls_made": 3, "python_cells": ["y = 1"]})
+    assert other.env.calls_made == 3 and other.env.python_cells == ["y = 1"] and other.tools == guarded.tools
