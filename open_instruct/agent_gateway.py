@@ -40,7 +40,7 @@ import urllib.parse
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from open_instruct.environments import _HERMES_CALL, HERMES_CALL_END, Environment, StepResult
+from open_instruct.environments import HERMES_CALL, HERMES_CALL_END, Environment, StepResult
 from open_instruct.episodes import (
     EnvironmentRun,
     Episode,
@@ -282,10 +282,10 @@ class Gateway(GenerateServer):
 
 def reply_message(text: str, hermes: bool, session: Session, call: GatewayCall) -> dict[str, Any]:
     """The assistant message of a reply: its text, hermes calls (when the request gave tools) as `tool_calls`."""
-    if not hermes or not _HERMES_CALL.search(text):
+    if not hermes or not HERMES_CALL.search(text):
         return {"role": "assistant", "content": text}
     calls, turn = [], len(session.conversation)
-    for k, body in enumerate(_HERMES_CALL.findall(text)):
+    for k, body in enumerate(HERMES_CALL.findall(text)):
         try:
             parsed = json.loads(body)
             name, arguments = parsed["name"], parsed.get("arguments", {})
@@ -296,7 +296,7 @@ def reply_message(text: str, hermes: bool, session: Session, call: GatewayCall) 
                       "function": {"name": name, "arguments": arguments}})  # fmt: skip
     if not calls:
         return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": _HERMES_CALL.sub("", text).strip() or None, "tool_calls": calls}
+    return {"role": "assistant", "content": HERMES_CALL.sub("", text).strip() or None, "tool_calls": calls}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -408,7 +408,7 @@ class AgentRun(EnvironmentRun):
         last.reward = score
         last.info = {**last.info, "correct": score >= 1.0}
         answered = [t for t in episode.turns if t.observation_end > t.policy_end]  # turns the agent answered
-        episode.tool_calls = sum(len(_HERMES_CALL.findall(t.action)) for t in answered)
+        episode.tool_calls = sum(len(HERMES_CALL.findall(t.action)) for t in answered)
         return episode
 
 

@@ -1184,15 +1184,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         loads="code",
         per_row=True,
     )
-    agent: Optional[str] = setting(
-        None,
-        "An agent harness as the environment: my_agent.py:run or package.module:run, an async function "
-        "run(base_url, model, row) -> score or None, whose requests to the run's OpenAI-compatible gateway become the "
-        "episode (docs/agents.md; the same as environment agent:<spec>).",
-        topic="environments",
-        resume="must_match",
-        loads="code",
-    )
     tools: list[str] = setting(
         help="Tools of the tool environment (calculator, python: the sandbox); a row's `tools` narrow them.",
         default_factory=lambda: ["calculator"],
@@ -1559,12 +1550,6 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         """The multi-turn knobs (their values; preflight.py resolves the environment and its tools)."""
         if self.environment is not None and (not isinstance(self.environment, str) or not self.environment.strip()):
             raise ConfigError(f"environment must be a registered name or an import path, got {self.environment!r}")
-        if self.agent is not None:
-            as_environment = f"agent:{str(self.agent).strip()}"
-            if self.environment is not None and self.environment.strip() != as_environment:
-                raise ConfigError(f"agent {self.agent!r} and environment {self.environment!r}: give one of them "
-                                  "(an agent is the run's environment)")  # fmt: skip
-            self.environment = as_environment
         if not self.tools or any(not isinstance(t, str) or not t.strip() for t in self.tools):
             raise ConfigError(f"tools must be a non-empty list of tool names, got {self.tools!r}")
         _check_positive(self, "max_turns")

@@ -476,7 +476,7 @@ def _first_messages(example: dict[str, Any], system_prompt: Optional[str]) -> li
 
 
 HERMES_CALL_END = "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FENCED_PYTHON = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -620,7 +620,7 @@ class ToolEnvironment(Environment):
             if match is None or action[match.end() :].strip():
                 return None  # no block, or text after the last block: the model answered
             return [{"name": "python", "arguments": {"code": match.group(1)}}]
-        bodies = _HERMES_CALL.findall(action)
+        bodies = HERMES_CALL.findall(action)
         if not bodies:
             return None
         calls: list[Union[dict[str, Any], ToolError]] = []
