@@ -101,6 +101,18 @@ class Environment:
         token. Must be prefix-monotone: once a prefix of the turn has an action end, every longer one has it."""
         return None
 
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """The environment's state in the middle of an episode, JSON-able, for a snapshot of the episode
+        (episodes.episode_snapshot); None (the default): nothing beyond what reset(example) rebuilds. An environment
+        that keeps state across steps (a tool session, counters) returns it here and takes it back in
+        load_state_dict, so an episode resumed from a snapshot continues as the uninterrupted one does."""
+        return None
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """Take back what state_dict returned (instead of reset: the episode continues)."""
+        if state is not None:
+            raise NotImplementedError(f"{type(self).__name__} saved a state but has no load_state_dict")
+
     def score_group(self, group: list[Environment]) -> Optional[list[tuple[float, dict[str, Any]]]]:
         """Called on a group's first environment once every episode of the group (the `num_samples_per_prompt`
         episodes of one row, `group` in order, this one first) has ended: per episode, a reward added to its last
@@ -232,6 +244,15 @@ class GuardedEnvironment(Environment):
         if isinstance(result, Exception):
             raise ConfigError(f"environment {name} raised {type(result).__name__}: {result} on {self.where}")
         return result
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self._call("state_dict", self.env.state_dict) if hasattr(self.env, "state_dict") else None
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        if hasattr(self.env, "load_state_dict"):
+            self._call("load_state_dict", lambda: self.env.load_state_dict(state))
+        elif state is not None:
+            raise ConfigError(f"environment {type(self.env).__name__} saved a state but has no load_state_dict")
 
     def reset(self, example: dict[str, Any]) -> Observation:
         observation = self._call("reset", lambda: self.env.reset(example))
@@ -400,6 +421,17 @@ PYTHON_SCHEMA = {
 TOOL_SCHEMAS = {"calculator": CALCULATOR_SCHEMA, "python": PYTHON_SCHEMA}
 
 
+def session_program(cells: Sequence[str], code: str) -> str:
+    """The program that runs `code` in a python session whose earlier cells were `cells`: they run first, in one
+    namespace, their output discarded (the runtime is stateless: the session is its cells, replayed inside the
+    sandbox each call, so it is as deterministic as they are and fits in a checkpoint)."""
+    lines = ["import contextlib as _c, io as _io", "with _c.redirect_stdout(_io.StringIO()):"]
+    lines += [f"    exec(compile({cell!r}, '<cell {i}>', 'exec'), globals())" for i, cell in enumerate(cells)] or [
+        "    pass"
+    ]
+    return "\n".join(lines) + f"\nexec(compile({code!r}, '<cell {len(cells)}>', 'exec'), globals())\n"
+
+
 def run_with_deadline(fn: Callable[[], Any], deadline_s: float) -> tuple[bool, Any]:
     """(finished, result) of fn() on a daemon thread, waiting at most deadline_s. An exception inside fn is the
     result. A call still running at the deadline is abandoned (threads cannot be killed; a daemon thread does not
@@ -444,7 +476,7 @@ def _first_messages(example: dict[str, Any], system_prompt: Optional[str]) -> li
 
 
 HERMES_CALL_END = "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FENCED_PYTHON = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -480,6 +512,7 @@ class ToolEnvironment(Environment):
         verifier: Optional[VerifierFn] = None,
         verifier_timeout_s: float = 2.0,
         system_prompt: Optional[str] = None,
+        python_session: bool = False,
     ):
         unknown = sorted(set(tools) - set(TOOL_SCHEMAS))
         if unknown or not tools:
@@ -514,11 +547,13 @@ class ToolEnvironment(Environment):
         self.enabled = self.all_tools
         self.tools = [TOOL_SCHEMAS[t] for t in self.enabled] if tool_format == "hermes" else []
         self.stop_strings = (HERMES_CALL_END,) if tool_format == "hermes" else ()
+        self.python_session = python_session
         self.example: dict[str, Any] = {}
         self.calls_made = 0
+        self.python_cells: list[str] = []  # the session's earlier cells that ran without error (python_session)
 
     def reset(self, example: dict[str, Any]) -> Observation:
-        self.example, self.calls_made = example, 0
+        self.example, self.calls_made, self.python_cells = example, 0, []
         row_tools = example.get("tools")
         if row_tools is not None:
             outside = sorted(set(row_tools) - set(self.all_tools))
@@ -530,6 +565,17 @@ class ToolEnvironment(Environment):
         if self.tool_format == "hermes":
             self.tools = [TOOL_SCHEMAS[t] for t in self.enabled]
         return _first_messages(example, self.system_prompt)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The episode's example, enabled tools, calls made and python session (its cells so far)."""
+        return {"example": self.example, "enabled": list(self.enabled), "calls_made": self.calls_made,
+                "python_cells": list(self.python_cells)}  # fmt: skip
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        self.example, self.calls_made = state["example"], int(state["calls_made"])
+        self.enabled, self.python_cells = tuple(state["enabled"]), list(state["python_cells"])
+        if self.tool_format == "hermes":
+            self.tools = [TOOL_SCHEMAS[t] for t in self.enabled]
 
     def action_end(self, text: str) -> Optional[int]:
         if self.tool_format == "hermes":
@@ -574,7 +620,7 @@ class ToolEnvironment(Environment):
             if match is None or action[match.end() :].strip():
                 return None  # no block, or text after the last block: the model answered
             return [{"name": "python", "arguments": {"code": match.group(1)}}]
-        bodies = _HERMES_CALL.findall(action)
+        bodies = HERMES_CALL.findall(action)
         if not bodies:
             return None
         calls: list[Union[dict[str, Any], ToolError]] = []
@@ -605,8 +651,9 @@ class ToolEnvironment(Environment):
 
     def _run_python(self, code: str) -> str:
         timeout = self.tool_timeout_s
+        program = session_program(self.python_cells, code) if self.python_session else code
         finished, result = run_with_deadline(
-            lambda: self.python_runtime(code, timeout), timeout + self.tool_deadline_grace_s
+            lambda: self.python_runtime(program, timeout), timeout + self.tool_deadline_grace_s
         )
         if not finished:
             waited = timeout + self.tool_deadline_grace_s
@@ -619,6 +666,8 @@ class ToolEnvironment(Environment):
         text = stdout + (("\n" if stdout and not stdout.endswith("\n") else "") + stderr if stderr else "")
         if status != "ok":
             raise ToolError(f"python_{status}", text.strip() or status)
+        if self.python_session:
+            self.python_cells.append(code)
         return text
 
     def _truncate(self, text: str, truncated: list[str]) -> str:

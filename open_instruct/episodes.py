@@ -235,6 +235,17 @@ def episode_from_state(state: dict[str, Any]) -> Episode:
     return Episode(**{**state, **counters, "turns": turns})
 
 
+def episode_snapshot(episode: Episode, env: Environment) -> dict[str, Any]:
+    """An episode in play as JSON-able state: its tokens and turns so far and its environment's state_dict."""
+    return {"episode": episode_state(episode), "environment": env.state_dict()}
+
+
+def resume_environment(snapshot: dict[str, Any], env: Environment) -> Episode:
+    """The episode of an episode_snapshot, with `env` (a fresh one of the same class) given its state back."""
+    env.load_state_dict(snapshot["environment"])
+    return episode_from_state(snapshot["episode"])
+
+
 def _check_aggregation(aggregation: str) -> None:
     if aggregation not in TURN_REWARD_AGGREGATIONS:
         raise ConfigError(f"turn_reward_aggregation must be one of {TURN_REWARD_AGGREGATIONS}, got {aggregation!r}")
@@ -355,7 +366,7 @@ def start_episode(env: Environment, example: dict[str, Any], tokens: EpisodeToke
     return Episode(prompt_ids=tokens.prompt_ids(env.reset(example), env.tools), example=example)
 
 
-def _take_turn(
+def take_turn(
     episode: Episode,
     env: Environment,
     result: tuple,
@@ -419,16 +430,22 @@ def rollout_episodes(
     budget: EpisodeBudget,
     weight_version: Union[int, Callable[[], int]] = 0,
     step_workers: int = 1,
+    started: Optional[Sequence[Optional[Episode]]] = None,
+    on_round: Optional[Callable[[list[Episode]], None]] = None,
 ) -> list[Episode]:
     """Play one episode per (env, example) to its end. Each round sends every unfinished episode's ids (prompt +
     response so far) in one `generate_fn(ids_lists, max_new_tokens)` call, so episodes at different turns share
     a batch; an episode leaves the batch as soon as it ends (done, or a budget). generate_fn returns, per request,
     (ids, logprobs) or (ids, logprobs, per-token weight versions); without versions every token of the call gets
     `weight_version` (an int, or a callable read once per call). Environment steps run on `step_workers` threads
-    (tools such as the sandbox wait on subprocesses). Returns the episodes in input order."""
+    (tools such as the sandbox wait on subprocesses). `started[i]`, when given, is an episode in progress (from an
+    episode_snapshot) whose environment took its state back (resume_environment): it continues instead of starting.
+    `on_round(episodes)` is called after each round's steps (where a snapshot of the episodes in play is taken).
+    Returns the episodes in input order."""
     if len(envs) != len(examples):
         raise ValueError(f"{len(envs)} environments for {len(examples)} examples")
-    episodes = [start_episode(env, example, tokens) for env, example in zip(envs, examples)]
+    started = started or [None] * len(envs)
+    episodes = [e if e is not None else start_episode(env, x, tokens) for env, x, e in zip(envs, examples, started)]
     pool = ThreadPoolExecutor(step_workers) if step_workers > 1 else None
     try:
         while any(not e.finished for e in episodes):
@@ -441,7 +458,7 @@ def rollout_episodes(
             if len(results) != len(active):
                 raise ValueError(f"generate_fn returned {len(results)} results for {len(active)} requests")
             actions = [
-                _take_turn(episodes[i], envs[i], r, cap, version, tokens, budget)
+                take_turn(episodes[i], envs[i], r, cap, version, tokens, budget)
                 for i, r, cap in zip(active, results, caps)
             ]
             steps = (
@@ -451,6 +468,8 @@ def rollout_episodes(
             )
             for i, step in zip(active, steps):
                 _finish_turn(episodes[i], envs[i], StepResult(*step), tokens, budget)
+            if on_round is not None:
+                on_round(episodes)
     finally:
         if pool is not None:
             pool.shutdown()

@@ -20,7 +20,11 @@ from typing import Any, Callable, Optional
 from open_instruct.errors import ConfigError
 
 # prefix (the spec's text before its first ':') -> the module that registers it
-BUILT_IN = {"reasoning_gym": "open_instruct.reasoning_gym_tasks", "verifiers": "open_instruct.verifiers_v1_play"}
+BUILT_IN = {
+    "reasoning_gym": "open_instruct.reasoning_gym_tasks",
+    "verifiers": "open_instruct.verifiers_v1_play",
+    "agent": "open_instruct.agent_gateway",
+}
 # verifier name (a row's `dataset` column) -> the module that registers it
 BUILT_IN_VERIFIERS = {
     "reasoning_gym": "open_instruct.reasoning_gym_verifier",

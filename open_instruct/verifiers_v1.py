@@ -219,6 +219,21 @@ class Call:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """A loopback endpoint's handler: JSON replies, no per-request lines in the run's log."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class GenerateServer:
     """The vLLM-style endpoint v1's training client calls, on 127.0.0.1 at a free port (stdlib ThreadingHTTPServer:
     one thread per request, each waiting on its Call). The rounds themselves run on the thread that called
@@ -231,20 +246,16 @@ class GenerateServer:
         self.events = 0  # requests and episode ends so far (the environment-deadline clock resets on each)
         self.calls: dict[str, list[Call]] = {}  # per session (trace id): its answered calls, in order
         self.order: dict[str, int] = {}  # session -> its episode's index (rounds are generated in this order)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler_class())
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="verifiers-v1-endpoint")
+        self.thread.start()
+
+    def handler_class(self) -> type:
+        """The request handler (a subclass serves other routes: agent_gateway.py's OpenAI-style ones)."""
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # no per-request lines in the run's log
-                pass
-
-            def reply(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def do_GET(self) -> None:
                 if urllib.parse.urlparse(self.path).path.rstrip("/") in ("/v1/models", "/models"):
                     self.reply(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
@@ -272,10 +283,7 @@ class GenerateServer:
                                  "choices": [{"index": 0, "token_ids": call.ids, "logprobs": {"content": content},
                                               "finish_reason": call.finish_reason}]})  # fmt: skip
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name="verifiers-v1-endpoint")
-        self.thread.start()
+        return Handler
 
     @property
     def base_url(self) -> str:
