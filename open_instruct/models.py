@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Any, NamedTuple, Optional
 
@@ -456,18 +458,33 @@ def _forward_with_logprobs(self: Any, *args: Any, token_scoring: Optional[TokenS
         return type(self).forward(self, *args, **kwargs)
     kwargs.setdefault("use_cache", False)  # left as None, transformers fills a KV cache in training too
     kwargs.pop("logits_to_keep", None)
+    if "past_key_values" in kwargs:  # a TokenScores' cache handed back (shared_prefix_forward), under its name here
+        kwargs[_cache_keyword(type(self))] = kwargs.pop("past_key_values")
     positions, labels, temperature, want_entropy, truncation = token_scoring
     if any(getattr(self.config, key, None) not in (None, 1, 1.0) for key in _LOGIT_TRANSFORMS):
         out = type(self).forward(self, *args, **kwargs)
         logits = out.logits.reshape(-1, out.logits.shape[-1])[positions].float()  # [*labels.shape, V]
         logp, ent = logp_and_entropy(logits / temperature, labels, want_entropy, truncation)
-        return TokenScores(logp, ent, out.past_key_values)
+        return TokenScores(logp, ent, _returned_cache(out))
     out = getattr(self, self.base_model_prefix)(*args, **kwargs)
     hidden = out.last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])[positions.reshape(-1)]
     head = self.get_output_embeddings()
     logp, ent = chunked_token_scores(hidden, head, labels, temperature, want_entropy, truncation=truncation)
-    return TokenScores(logp, ent, getattr(out, "past_key_values", None) if kwargs["use_cache"] else None)
+    return TokenScores(logp, ent, _returned_cache(out) if kwargs["use_cache"] else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    """The keyword under which `model_class`'s forward takes a KV cache: `cache` from transformers 5.2x on,
+    `past_key_values` before (see kv_cache_name)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _returned_cache(output: Any) -> Any:
+    """The KV cache a forward returned, read under its current name (kv_cache_name), or None."""
+    name = kv_cache_name(output)
+    return None if name is None else getattr(output, name)
 
 
 def add_logprob_head(model: Any) -> Any:
@@ -858,7 +875,7 @@ def shared_prefix_forward(
         return None
     if end == width_p:
         return first, None
-    cache = first[cache_name]
+    cache = getattr(first, cache_name)  # a model output or a TokenScores (a named tuple: no lookup by name)
     cache.batch_repeat_interleave(group)
     rest = module(
         input_ids=ids[:, width_p:end],
@@ -874,7 +891,11 @@ def shared_prefix_forward(
 def kv_cache_name(output: Any) -> Optional[str]:
     """The name under which a forward returned its KV cache, and under which the next forward takes it back: `cache`
     from transformers 5.2x on, `past_key_values` before (the vLLM venv pins an older release). Reading or passing the
-    old name on a new release prints a deprecation warning on every call. None: the forward returned no cache."""
+    old name on a new release prints a deprecation warning on every call. None: the forward returned no cache.
+    A TokenScores (the log-prob head's forward) holds its cache as past_key_values, which that forward takes back
+    under the model's own name."""
+    if isinstance(output, TokenScores):
+        return "past_key_values" if output.past_key_values is not None else None
     for name in ("cache", "past_key_values"):
         if name in output and output[name] is not None:
             return name

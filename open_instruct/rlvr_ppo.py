@@ -118,6 +118,7 @@ from open_instruct.rollouts import (
     sample_rows,
     sampling_truncation,
     score_rollout,
+    shared_group,
     start_reward_function_models,
     token_version_lags,
 )
@@ -263,7 +264,7 @@ def collect_rollout(
     ref_rows = reference_rows(cfg, models, on_policy, scored, out)  # None: every row
     tensors = rollout_tensors(cfg, models, run.accelerator, out, episodes, loss_masks, on_policy, ref_rows, layout,
                               features)  # fmt: skip
-    rm_scores = tensors.pop("rm_scores")
+    rm_scores, part_seconds = tensors.pop("rm_scores"), tensors.pop("part_seconds")
     # version lag of each sampled token: rollouts trained on since the weights that sampled it (0 when synchronous);
     # a completion's policy lag is its largest
     token_lags = token_version_lags(out, step)
@@ -280,7 +281,13 @@ def collect_rollout(
         on_policy=on_policy,
         policy_lag=[max(t, default=0) for t in token_lags],
         token_lags=token_lags,
-        seconds={**seconds, "scoring": t2 - t1, "inference": time.perf_counter() - t2 - sum(clocks.values()), **clocks},
+        seconds={
+            **seconds,
+            "scoring": t2 - t1,
+            "inference": time.perf_counter() - t2 - sum(clocks.values()),
+            **clocks,
+            **part_seconds,
+        },
         code_statuses=scored.code_statuses or {},
         reward_function_values=scored.function_values or {},
         played=played,
@@ -303,6 +310,7 @@ def rollout_tensors(cfg: RLVRConfig, models: RLModels, accelerator: Any, out: An
     forwards = no_grad_forwards(cfg, models, accelerator, episodes, out.response_ids, lengths, mask, on_policy,
                                 ref_rows, layout, features)  # fmt: skip
     (old_logp, ref_logp, old_values), rm_scores = forwards.pop("logp_values"), forwards.pop("rm_scores")
+    part_seconds = forwards.pop("part_seconds")
     score_index, value_mask = after_last_token(mask, cfg.response_length) if layout.value_column else (None, mask)
     old_logp, ref_logp, old_values = old_logp * mask, ref_logp * mask, old_values * value_mask
     kl, has_ref, rows = None, models.reference is not None, torch.arange(n)
@@ -314,6 +322,7 @@ def rollout_tensors(cfg: RLVRConfig, models: RLModels, accelerator: Any, out: An
     return {
         **tensors,
         "rm_scores": rm_scores,
+        "part_seconds": part_seconds,
         "mask": mask,
         "value_mask": value_mask,
         "score_index": score_index,
@@ -450,7 +459,7 @@ def micro_batch_loss(
         if forward is not None:  # a feature's own forward of the policy (distillation's jsd keeps hidden states)
             scores, state = forward(cfg, models, batch)
         else:
-            scores = response_scores(models.policy, batch, cfg.temperature, cfg.num_samples_per_prompt, entropy=True,
+            scores = response_scores(models.policy, batch, cfg.temperature, shared_group(cfg), entropy=True,
                                      truncation=sampling_truncation(cfg))  # fmt: skip
             state = None
         logp = scores.logp
@@ -473,7 +482,7 @@ def micro_batch_loss(
             kl = kl_penalty(logp, ref_logp, cfg.kl_estimator, **chosen_kwargs(cfg, "kl_estimator"))
             loss_sum = loss_sum + adv.kl_loss_coef * masked_sum(kl, w)
         if models.value is not None:
-            values = token_values(models.value, batch, cfg.num_samples_per_prompt)
+            values = token_values(models.value, batch, shared_group(cfg))
             vf, vf_clipped = clipped_value_loss(
                 values, take(rollout.old_values), take(adv.returns), cfg.cliprange_value
             )
@@ -545,7 +554,7 @@ def update(
         raise RuntimeError(f"advantage_estimator {cfg.advantage_estimator!r} kept rows of flat groups under "
                            "filter_zero_std_groups: on-policy the rollout gave them no reference log-probs; drop them "
                            "in Advantages.keep, or set filter_zero_std_groups false")  # fmt: skip
-    totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty"), 0.0)
+    totals = dict.fromkeys((*loss_stats, "grad_norm", "value_grad_norm", "skipped", "empty", "optimizer_seconds"), 0.0)
     token_sums = StepSums(  # read after the epochs
         (*TOKEN_SUMS, *mismatch_sum_keys(cfg.async_steps)), accelerator.device, maxima=TOKEN_MAXES
     )
@@ -578,7 +587,8 @@ def update(
                     continue
                 step_sums.add(stats)
                 token_sums.add(stats if epoch == 0 else {k: stats[k] for k in TOKEN_MAXES})
-            sums = global_sums(accelerator, step_sums.read())
+            sums = global_sums(accelerator, step_sums.read())  # waits for the backward: the optimizer's clock starts
+            t_optimizer = time.perf_counter()
             grad_norm = clip_grad_norm_(accelerator, models.policy, cfg.max_grad_norm)
             value_grad_norm = torch.tensor(0.0)
             if models.value is not None:
@@ -592,6 +602,7 @@ def update(
                     optimizers[name].step()
                 schedulers[name].step()
                 optimizers[name].zero_grad(set_to_none=True)
+            totals["optimizer_seconds"] += time.perf_counter() - t_optimizer
             counters.optimizer_step += 1
             for k in loss_stats:
                 totals[k] += sums[k] / global_units
@@ -769,6 +780,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rollout.seconds["inference"] += t1 - t0
         clocks = clock_seconds(features)  # the features' own time in the update (e.g. the teacher's forwards)
         rollout.seconds["training"] = time.perf_counter() - t1 - sum(clocks.values())
+        rollout.seconds["optimizer"] = train_stats.pop("optimizer_seconds")  # a part of training (PhaseClock.PARTS)
         for name, seconds in clocks.items():
             rollout.seconds[name] += seconds
 

@@ -365,6 +365,12 @@ def clock_seconds(features: Sequence[Any]) -> dict[str, float]:
     return clocks
 
 
+def shared_group(cfg: RLVRConfig) -> int:
+    """The group over which the forwards may share a prompt's computation (models.shared_prompt_groups then checks
+    that the micro-batch's rows do share it): num_samples_per_prompt, or 1 under shared_prompt_forward false."""
+    return cfg.num_samples_per_prompt if cfg.shared_prompt_forward else 1
+
+
 def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episodes: list[dict],
                      response_ids: list[list[int]], lengths: list[int], mask: torch.Tensor, on_policy: bool,
                      ref_rows: Optional[list[int]], layout: EpisodeLayout,
@@ -381,20 +387,27 @@ def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episod
     device_out = torch.zeros(3, n, width, device=accelerator.device)  # old_logp, ref_logp, old_values
     device_rm = torch.zeros(n, device=accelerator.device)
     device_extra: dict[str, torch.Tensor] = {}  # the features' score_batch tensors
-    group, truncation = cfg.num_samples_per_prompt, sampling_truncation(cfg)
+    group, truncation = shared_group(cfg), sampling_truncation(cfg)
+    parts = {"old_logprobs": 0.0, "reference": 0.0}  # host seconds of these two passes (PhaseClock.PARTS)
     with torch.no_grad():
         if ref_rows is not None:
+            t0 = time.perf_counter()
             reference_logp_of_rows(device_out[1], cfg, models, accelerator, ref_rows, lengths, batch_of)
+            parts["reference"] += time.perf_counter() - t0
         for rows, _ in step_micro_batches(accelerator, list(range(n)), lengths, cfg):
             _, batch, r = batch_of(rows)
             at = data.host_to_device(torch.tensor(rows), accelerator.device)
             with accelerator.autocast():
                 if not on_policy:
+                    t0 = time.perf_counter()
                     device_out[0][at, :r] = response_scores(
                         models.policy, batch, cfg.temperature, group, truncation=truncation
                     ).logp
+                    parts["old_logprobs"] += time.perf_counter() - t0
                 if models.reference is not None and ref_rows is None:
+                    t0 = time.perf_counter()
                     device_out[1][at, :r] = reference_scores(models, batch, cfg.temperature, group, truncation).logp
+                    parts["reference"] += time.perf_counter() - t0
                 if models.value is not None:
                     device_out[2][at, :r] = token_values(models.value, batch, group)
                 if models.reward is not None:
@@ -402,7 +415,7 @@ def no_grad_forwards(cfg: RLVRConfig, models: RLModels, accelerator: Any, episod
                 rows_of = [episodes[j] for j in rows]
                 for name, x in feature_scores(cfg, features, models, batch, mask[rows, :r], rows_of).items():
                     device_extra.setdefault(name, torch.zeros(n, width, device=accelerator.device))[at, :r] = x
-    return {"logp_values": device_out.cpu(), "rm_scores": device_rm.cpu(),
+    return {"logp_values": device_out.cpu(), "rm_scores": device_rm.cpu(), "part_seconds": parts,
             **{name: x.cpu() for name, x in device_extra.items()}}  # fmt: skip
 
 
@@ -413,9 +426,7 @@ def reference_logp_of_rows(into: torch.Tensor, cfg: RLVRConfig, models: RLModels
     for mb, real in step_micro_batches(accelerator, rows, [lengths[j] for j in rows], cfg, 0):
         _, batch, r = batch_of(mb)
         with accelerator.autocast():
-            logp = reference_scores(
-                models, batch, cfg.temperature, cfg.num_samples_per_prompt, sampling_truncation(cfg)
-            ).logp
+            logp = reference_scores(models, batch, cfg.temperature, shared_group(cfg), sampling_truncation(cfg)).logp
         if real:
             into[data.host_to_device(torch.tensor(mb), accelerator.device), :r] = logp
 
@@ -563,16 +574,23 @@ class PhaseClock:
     own phases (rlvr_ppo.Feature.clock, e.g. distillation's teacher_forward), reported beside the fixed ones."""
 
     PHASES = ("weight_sync", "generation", "scoring", "inference", "training")
+    # parts of a phase, reported as time/<part> beside it and not counted twice in the rates: the no-grad passes'
+    # old log-probs and reference (inside inference), the optimizer step with its gradient clipping (inside
+    # training). Host clocks: exact on CPU; on a GPU a part ends when its kernels are queued.
+    PARTS = ("old_logprobs", "reference", "optimizer")
 
     def __init__(self, feature_clocks: Sequence[str] = ()) -> None:
         self.feature_clocks = tuple(feature_clocks)
         self.seconds = dict.fromkeys((*self.PHASES, *self.feature_clocks), 0.0)
+        self.parts = dict.fromkeys(self.PARTS, 0.0)
         self.rollouts, self.tokens, self.engine_seconds, self.sync_bytes = 0, 0, 0.0, 0
 
     def add(self, seconds: dict[str, float], tokens: int, sync_bytes: int) -> None:
         for k, v in seconds.items():
             if k in self.seconds:
                 self.seconds[k] += v
+            elif k in self.parts:
+                self.parts[k] += v
         # the engines' wall time per rollout: more than `generation` (what the trainer waited) when it overlapped
         self.engine_seconds += seconds.get("generation_engine", seconds.get("generation", 0.0))
         self.sync_bytes += sync_bytes
@@ -582,7 +600,7 @@ class PhaseClock:
     def report(self, accelerator: Any, episodes_per_rollout: int) -> dict[str, float]:
         k, tokens = max(self.rollouts, 1), global_sum(accelerator, self.tokens)
         busy = max(sum(self.seconds.values()), 1e-9)
-        row = {f"time/{name}": v / k for name, v in self.seconds.items()}
+        row = {f"time/{name}": v / k for name, v in (*self.seconds.items(), *self.parts.items())}
         row["time/generation_engine"] = self.engine_seconds / k
         row["perf/weight_sync_bytes"] = self.sync_bytes / k  # per rollout, to every engine (0: in-process)
         # async: the share of the engines' generation time hidden behind training (0 when synchronous)

@@ -164,3 +164,96 @@ def test_refusal_and_failure_of_a_child_are_told_apart(bench, tmp_path, monkeypa
     monkeypatch.setenv("CODE", "1")
     out = bench.spawn("ours_vllm_async3", bench.PRESETS["smoke"], "m", "d", str(tmp_path / "b"))
     assert out["status"] == "failed (exit 1)" and str(tmp_path / "b" / "bench.log") in out["reason"]
+
+
+def test_phase_account_of_hand_made_steps(bench):
+    """Two timed steps over a 20 s window (10 s per step): inference 3 and 1 s of which old log-probs 2 and 0.5,
+    reference 0.5 and 0; training 4 and 6 s of which optimizer 1 and 1."""
+    steps = [
+        step(0.0, 0.0, 0.0, generation=99.0),  # warm-up: never counted
+        step(
+            10.0,
+            0.0,
+            0.0,
+            generation=3.0,
+            inference=3.0,
+            old_logprobs=2.0,
+            reference=0.5,
+            training=4.0,
+            optimizer=1.0,
+            scoring=0.2,
+        ),  # fmt: skip
+        step(20.0, 0.0, 0.0, generation=2.0, inference=1.0, old_logprobs=0.5, training=6.0, optimizer=1.0),
+    ]
+    p = bench.summarize(steps, 4, 0.0)["phase_seconds"]
+    assert list(p) == [name for name, _ in bench.ACCOUNT]
+    assert p["generation"] == pytest.approx(2.5)
+    assert p["old log-probs"] == pytest.approx(1.25) and p["reference"] == pytest.approx(0.25)
+    assert p["other no-grad"] == pytest.approx(2.0 - 1.25 - 0.25)
+    assert p["forward/backward"] == pytest.approx(5.0 - 1.0) and p["optimizer"] == pytest.approx(1.0)
+    assert p["scoring"] == pytest.approx(0.1) and p["weight sync"] == 0.0
+    assert p["other"] == pytest.approx(10.0 - (2.5 + 2.0 + 0.1 + 5.0))
+
+
+def test_phase_table_of_a_tiny_run_ours_beside_trl(bench, tiny_models, tmp_path):
+    """Both trainers run for real (in this process, the tiny model, 2 steps of 2 x 2 x 8 tokens) and the table is
+    built from their own clocks: ours from metrics.jsonl's time/<phase> and time/<part>, TRL's from its profiled
+    methods. Each column's phases add up to its step; both generate and train; both are on-policy here (one
+    optimizer step per generation), so neither runs an old log-prob or reference pass."""
+    w = bench.PRESETS["smoke"]
+    data = bench.write_prompts(str(tmp_path), 8, seed=0)
+    results = {}
+    for name, run in (
+        ("ours_hf_sync", lambda: bench.run_ours(w, tiny_models["causal_lm"], data, str(tmp_path / "o"), "hf", 0)),
+        ("trl", lambda: bench.run_trl(w, tiny_models["causal_lm"], data, str(tmp_path / "t"), False)),
+    ):
+        steps = run()
+        assert len(steps) == w.steps
+        results[name] = {"runs": [bench.summarize(steps, w.episodes_per_step, 0.0)]}
+    lines = bench.phase_table(results).splitlines()
+    assert lines[0] == "| phase (s/step) | ours_hf_sync | trl |"
+    cells = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:] for line in lines[2:]}
+    assert list(cells) == [name for name, _ in bench.ACCOUNT] + ["step"]
+    for name, entry in results.items():
+        r = entry["runs"][0]
+        p = r["phase_seconds"]
+        assert sum(p.values()) == pytest.approx(r["seconds_per_step"], rel=1e-9)
+        assert p["generation"] > 0 and p["forward/backward"] > 0 and p["optimizer"] > 0, name
+        assert p["old log-probs"] == 0.0 and p["reference"] == 0.0, name
+        column = list(results).index(name)
+        assert cells["generation"][column] == f"{p['generation']:.2f} ({p['generation'] / r['seconds_per_step']:.0%})"
+
+
+def test_long_prompts_fill_up_to_the_token_budget(bench, tiny_models, tmp_path):
+    """--prompt_tokens 512: every templated prompt fits in 512 tokens, all start with the same worked examples (other
+    problems of demo.synthetic with their answers), and the next example would not have fitted the longest prompt."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from demo.synthetic import broad_rl_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["causal_lm"])
+
+    def tokens(content):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    path = bench.write_prompts(str(tmp_path), 8, seed=1, prompt_tokens=512, tokenizer=tokenizer)
+    contents = [json.loads(line)["messages"][-1]["content"] for line in open(path)]
+    block = contents[0][: contents[0].rindex("Answer:")]
+    block = block[: block.rindex("\n\n") + 2]  # the instructions and examples, up to the problem
+    assert block.startswith("Solve the problem at the end. Worked examples:\n\n")
+    assert all(c.startswith(block) and c.endswith(bench.SUFFIX) for c in contents)
+    lengths = [tokens(c) for c in contents]
+    assert max(lengths) <= 512
+    used = block.count("Problem:")
+    nxt = broad_rl_rows(used + 1, 2, "train")[used]  # seed + 1: where the examples come from
+    longest = contents[lengths.index(max(lengths))]
+    problem = longest[len(block) :]
+    assert (
+        tokens(block + f"Problem: {nxt['messages'][0]['content']}\nAnswer: {nxt['ground_truth']}\n\n" + problem) > 512
+    )
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        bench.write_prompts(str(tmp_path), 8, seed=1, prompt_tokens=512)

@@ -424,6 +424,56 @@ def test_packed_micro_batches_give_the_padded_loss(tiny_models, tiny):
     assert close([adv_a.advantages], [adv_b.advantages]) and close([loss_a], [loss_b]) and close(grads_a, grads_b)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_a_shared_prompt_forward_gives_the_unshared_loss_and_gradients(tiny_models, tiny, monkeypatch, estimator):
+    """Each episode pair's prompt computed once (shared_prompt_forward, the default) and its two multi-turn responses
+    (policy and observation tokens) run on its key/value cache, with grad: the old log-probs, values, advantages,
+    loss and the policy's and value model's gradients equal the unshared computation's (shared_prompt_forward
+    false) within one forward and backward's rounding. Each way is checked to take its path."""
+    from open_instruct import models as model_functions
+    from open_instruct.rlvr_ppo import compute_advantages, micro_batch_loss
+
+    results, calls = [], []
+    original = model_functions.shared_prefix_forward
+
+    def counted(*a, **kw):  # the log-prob head's shared forwards that ran (None: fell back to the plain one)
+        parts = original(*a, **kw)
+        if parts is not None and isinstance(parts[0], model_functions.TokenScores):
+            calls[-1].append(torch.is_grad_enabled())
+        return parts
+
+    monkeypatch.setattr(model_functions, "shared_prefix_forward", counted)
+    for shared in ("true", "false"):
+        calls.append([])
+        cfg = config(tiny_models, "--advantage_estimator", estimator, "--num_epochs", "2", "--beta", "0.05",
+                     "--shared_prompt_forward", shared)  # fmt: skip
+        models, rollout, out = rollout_of(cfg, tiny, on_policy=False)
+        adv = compute_advantages(cfg, rollout, ONE_PROCESS)
+        trained = [m for m in (models.policy, models.value) if m is not None]
+        for m in trained:
+            m.zero_grad(set_to_none=True)
+        loss_sum, _ = micro_batch_loss(cfg, models, rollout, adv, [0, 1, 2, 3], episode_layout(cfg, 0), "cpu",
+                                       contextlib.nullcontext)  # fmt: skip
+        loss_sum.backward()
+        grads = [p.grad.clone() for m in trained for p in m.parameters() if p.grad is not None]
+        olds = [rollout.old_logp] + ([rollout.old_values] if rollout.old_values is not None else [])
+        results.append((olds, adv, float(loss_sum.detach()), grads))
+    assert True in calls[0] and False in calls[0] and calls[1] == []  # no-grad passes and the training forward
+    (olds_a, adv_a, loss_a, grads_a), (olds_b, adv_b, loss_b, grads_b) = results
+    assert (estimator == "gae") == (len(olds_a) == 2) and len(grads_a) == len(grads_b) > 0
+    policy_config, width = tiny["policy"].config, rollout_width(rollout)
+
+    def close(a, b) -> bool:  # each a quantity of one forward/backward pass (tests/tolerances.py: pass_atol)
+        return max_abs([x - y for x, y in zip(a, b)]) <= pass_atol(policy_config, width, 4 * width, a)
+
+    with torch.no_grad():  # log-probs relative to the logits they come from (log_softmax: twice the logits' error)
+        logits = [tiny["policy"](torch.tensor([e.prompt_ids + e.response_ids])).logits for e in out.episodes]
+    assert max_abs(olds_a[0] - olds_b[0]) <= 2 * pass_atol(policy_config, width, 4 * width, logits)
+    assert estimator == "grpo" or close(olds_a[1:], olds_b[1:])  # the value model's old values
+    assert close([adv_a.advantages], [adv_b.advantages])
+    assert close([loss_a], [loss_b]) and close(grads_a, grads_b)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # End to end: the script, in a subprocess
 
