@@ -427,26 +427,7 @@ def run_one(spec, index, run, channel, me):
                 break
             why += chunk
         os.close(setup_r)
-        if why:
-            _end_all(me, pid)
-            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
-                os.close(fd)
-            channel.send({"run": index, "setup_error": why.decode("utf-8", "replace")})
-            return False
-        limit = _supervise(run, index, pid, pipes, channel, me, cpu_before, start)
-        status = _end_all(me, pid)
-        for fd in (pipes[1][0], pipes[2][0]):
-            os.close(fd)
-        cpu = _children_cpu() - cpu_before
-        if limit is None and cpu > run["cpu_seconds"]:
-            limit = "cpu_time"  # its processes ended between two looks, past the limit together
-        end = {"run": index, "cpu": cpu, "limit": limit, "seconds": time.monotonic() - start}
-        if status is not None:
-            end["exit"] = os.waitstatus_to_exitcode(status)
-            if os.WIFSIGNALED(status):
-                end["signal"] = os.WTERMSIG(status)
-        channel.send(end)
-        return True
+        return _finish_run(run, index, pid, pipes, channel, me, cpu_before, start, why)
     finally:
         if not child:  # (the program's process leaves the run's storage alone)
             cleanup()
@@ -557,29 +538,36 @@ def run_pair(spec, index, run, channel, me, sealed_fd):
             why = _setup_failure(setup_p)
         for fd in (requests[0], requests[1], answers[0], answers[1], devnull, pipes[0][0], pipes[1][1], pipes[2][1]):
             os.close(fd)
-        if why:
-            _end_all(me, pid_t)
-            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
-                os.close(fd)
-            channel.send({"run": index, "setup_error": why.decode("utf-8", "replace")})
-            return False
-        limit = _supervise(run, index, pid_t, pipes, channel, me, cpu_before, start)
-        status = _end_all(me, pid_t)
-        for fd in (pipes[1][0], pipes[2][0]):
-            os.close(fd)
-        cpu = _children_cpu() - cpu_before
-        if limit is None and cpu > run["cpu_seconds"]:
-            limit = "cpu_time"
-        end = {"run": index, "cpu": cpu, "limit": limit, "seconds": time.monotonic() - start}
-        if status is not None:
-            end["exit"] = os.waitstatus_to_exitcode(status)
-            if os.WIFSIGNALED(status):
-                end["signal"] = os.WTERMSIG(status)
-        channel.send(end)
-        return True
+        return _finish_run(run, index, pid_t, pipes, channel, me, cpu_before, start, why)
     finally:
         if not child:
             cleanup()
+
+
+def _finish_run(run, index, pid, pipes, channel, me, cpu_before, start, why):
+    """The supervisor's side of a started run (its first process `pid`): a setup failure (`why`) reported, else the
+    run supervised to its end and its end sent (CPU, the limit that ended it, exit status); False on a setup
+    failure."""
+    if why:
+        _end_all(me, pid)
+        for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+            os.close(fd)
+        channel.send({"run": index, "setup_error": why.decode("utf-8", "replace")})
+        return False
+    limit = _supervise(run, index, pid, pipes, channel, me, cpu_before, start)
+    status = _end_all(me, pid)
+    for fd in (pipes[1][0], pipes[2][0]):
+        os.close(fd)
+    cpu = _children_cpu() - cpu_before
+    if limit is None and cpu > run["cpu_seconds"]:
+        limit = "cpu_time"  # its processes ended between two looks, past the limit together
+    end = {"run": index, "cpu": cpu, "limit": limit, "seconds": time.monotonic() - start}
+    if status is not None:
+        end["exit"] = os.waitstatus_to_exitcode(status)
+        if os.WIFSIGNALED(status):
+            end["signal"] = os.WTERMSIG(status)
+    channel.send(end)
+    return True
 
 
 def _supervise(run, index, pid, pipes, channel, me, cpu_before, start):
