@@ -57,11 +57,10 @@ def snapshot(folder) -> dict[str, str]:
     return out
 
 
-def start(argv: list[str], capsys) -> tuple[int, str]:
-    """runtime.start in this process (what a script runs before loading a model): exit code (0 when it returns:
-    a real start got past every check and claimed the folder) and stderr + stdout."""
+def exit_and_output(call, capsys) -> tuple[int, str]:
+    """call() in this process: its exit code (0 when it returns) and stderr + stdout; the folder locks released."""
     try:
-        runtime.start(RLVRConfig, argv)
+        call()
         code = 0
     except SystemExit as e:
         code = e.code
@@ -69,6 +68,12 @@ def start(argv: list[str], capsys) -> tuple[int, str]:
         run_dir.release_all()
     captured = capsys.readouterr()
     return code, captured.err + captured.out
+
+
+def start(argv: list[str], capsys) -> tuple[int, str]:
+    """runtime.start in this process (what a script runs before loading a model): exit code (0 when it returns:
+    a real start got past every check and claimed the folder) and stderr + stdout."""
+    return exit_and_output(lambda: runtime.start(RLVRConfig, argv), capsys)
 
 
 @pytest.fixture(scope="module")
@@ -368,15 +373,7 @@ def test_every_flag_named_in_a_hint_exists():
 
 def real_script(argv: list[str], capsys) -> tuple[int, str]:
     """rlvr_ppo.py's entry point in this process (runtime.run(main)): its exit code and stderr + stdout."""
-    try:
-        runtime.run(rlvr_ppo.main, argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        run_dir.release_all()
-    captured = capsys.readouterr()
-    return code, captured.err + captured.out
+    return exit_and_output(lambda: runtime.run(rlvr_ppo.main, argv), capsys)
 
 
 def error_lines(text: str) -> list[str]:
