@@ -10,15 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import types
 
 import pytest
 import torch
-from test_multiturn_rlvr import ONE_PROCESS, SCRIPTS, ScriptedGenerator, config, rows
+from test_multiturn_rlvr import ONE_PROCESS, SCRIPTS, ScriptedGenerator, config, kill_inside_tool_turn, rows
 
 from open_instruct.errors import ConfigError
 from open_instruct.generation import GenerationConfig
@@ -152,20 +150,7 @@ def test_agent_trains_end_to_end_and_resumes_bit_exactly_after_a_sigkill_mid_epi
     gate = str(tmp_path / "gate")
     # agents: 4 in the step-0 evaluation, 8 in rollout 1 (4 prompts x 2): the 13th is rollout 2's first
     env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "13"}
-    proc = subprocess.Popen([sys.executable, *argv(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        while not os.path.exists(gate + ".in_tool"):  # the event the agent signals: it waits inside its tool turn
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.01)
-        assert [r["rollout_step"] for r in read_rows(out) if "loss/policy" in r] == [1]
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(60) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    open(gate + ".release", "w").close()
+    kill_inside_tool_turn(argv(out), env, gate, out)  # the agent signals it waits inside its tool turn
     run_script(argv(out, "--resume_from_checkpoint", "auto"))
 
     def comparable(rows):

@@ -560,6 +560,25 @@ def run_script(args, env=None, timeout=300):
     return out
 
 
+def kill_inside_tool_turn(args: list[str], env: dict, gate: str, out) -> None:
+    """Run the script with `args` and SIGKILL it once it is inside the gated tool turn (the event the code signals:
+    the file gate.in_tool), after rollout 1's update and before rollout 2's; then open the gate for the resume."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        while not os.path.exists(gate + ".in_tool"):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.01)
+        assert [r["rollout_step"] for r in read_rows(out) if "loss/policy" in r] == [1]
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    open(gate + ".release", "w").close()
+
+
 def read_rows(out):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
@@ -665,20 +684,7 @@ def test_killed_inside_a_tool_call_resumes_bit_exactly(e2e, tmp_path):
     # tool steps: the probe step before loading (rollouts.load_prompts), 4 in the step-0 evaluation,
     # 8 in rollout 1 (4 prompts x 2): the 14th is rollout 2's first
     env = {**script_env(), "MT_GATE": gate, "MT_GATE_AT": "14"}
-    proc = subprocess.Popen([sys.executable, *argv(e2e, out, "--environment", e2e["env"])], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        while not os.path.exists(gate + ".in_tool"):  # the event the code signals: it is inside the tool call
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.01)
-        assert [r["rollout_step"] for r in read_rows(out) if "loss/policy" in r] == [1]
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(60) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    open(gate + ".release", "w").close()
+    kill_inside_tool_turn(argv(e2e, out, "--environment", e2e["env"]), env, gate, out)
     run_script(argv(e2e, out, "--environment", e2e["env"], "--resume_from_checkpoint", "auto"))
 
     def comparable(rows):
