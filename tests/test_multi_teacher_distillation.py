@@ -1,6 +1,6 @@
-"""Multi-teacher on-policy distillation (teacher_models + teacher_column, docs/distillation.md#several-teachers):
-each row is scored by its own teacher, per-teacher metrics, every teacher's weights in the resume identity, bad
-routing refused before any model loads."""
+"""Multi-teacher on-policy distillation (teacher_models + teacher_column,
+docs/distillation.md#several-teachers-multi-teacher-on-policy-distillation): each row is scored by its own teacher,
+per-teacher metrics, every teacher's weights in the resume identity, bad routing refused before any model loads."""
 
 from __future__ import annotations
 
