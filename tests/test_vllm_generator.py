@@ -568,7 +568,7 @@ class _FakeLLM:
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
 
-    def generate(self, prompts, params, use_tqdm):
+    def generate(self, prompts, params, use_tqdm, lora_request=None):
         from types import SimpleNamespace
 
         self.calls.append("generate")
@@ -596,6 +596,7 @@ def test_sleep_wake_order():
     gen.llm, gen.tokenizer, gen.eos_ids, gen.max_model_len = _FakeLLM(), build_tokenizer(), [1], 64
     gen.sleep_enabled, gen._weights_released, gen._kv_released, gen.untied_lm_head = True, False, False, False
     gen.weight_dtype = None  # the policy's own dtype: no cast before the gather
+    gen.adapter_sync, gen.lora_request = False, None  # merged-weight syncs (vllm_lora_sync merged)
     policy = torch.nn.Linear(2, 2)
     gen.sync_weights(policy)
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
