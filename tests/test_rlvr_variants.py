@@ -602,7 +602,8 @@ def test_a_new_estimator_and_policy_loss_registered_from_a_test_file(tiny_models
         del ADVANTAGE_ESTIMATORS["all_ones"], POLICY_LOSSES["unclipped_ratio"]
     train = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [r for r in train if "loss/policy" in r]
-    assert [r["rollout_step"] for r in train] == [1, 2] and calls == {"estimator": 2, "loss": 2}
+    # one call each on the start's probe batch (a user function's return checked before the model loads), one a rollout
+    assert [r["rollout_step"] for r in train] == [1, 2] and calls == {"estimator": 3, "loss": 3}
     for r in train:
         assert r["loss/policy"] == pytest.approx(-1.0, abs=1e-6)
         assert r["clipfrac/policy"] == pytest.approx(1.0, abs=1e-6)
