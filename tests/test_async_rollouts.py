@@ -83,8 +83,8 @@ class StandInGenerator:
 
 def stand_in_sampler(generator, depth: int, rollouts: int = 8):
     cfg = SimpleNamespace(
-        async_steps=depth, response_length=4, temperature=1.0, top_p=1.0, stop_strings=None, num_samples_per_prompt=2,
-        seed=1,
+        async_steps=depth, response_length=4, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, stop_strings=None,
+        num_samples_per_prompt=2, seed=1,
     )  # fmt: skip
     policy = torch.nn.Linear(2, 2)
     accelerator = SimpleNamespace(process_index=0, num_processes=1, unwrap_model=lambda m: m)
