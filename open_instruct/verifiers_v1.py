@@ -20,11 +20,15 @@ vLLM-style `POST /inference/v1/generate` with token ids). So the run serves that
             harnesses send waits until every running episode is waiting on the model or has ended, then they are
             generated as one generator.generate call (a round; its seed from the rollout's seed and the round), each
             cut after its first stop token id; the sampled ids and log-probs go back as the endpoint's answer
-    build:  each episode from its trace's branch that holds the last model call (verifiers_v1_play.py): the first
-            request's prompt ids are the prompt, the rest the response; the sampled spans (the trace's sampled mask)
-            are policy tokens, each checked equal to ids the endpoint returned for that trace (token-in/token-out),
-            log-probs and weight versions from the generator; the ids between them (tool results, user turns,
-            template scaffolding, a turn the renderer re-rendered differently: counted) are observation tokens
+    splice: a request that re-sends its session's last answer (v1's default renderer re-renders the whole history
+            from its text every turn, and sampled ids need not re-tokenize to themselves) is generated from the
+            history as sampled: where the client's ids extend what it sent last and the re-rendered answer has the
+            sampled answer's text, the sampled ids stand in for it (verifiers_v1_play.V1Run.splice)
+    build:  each episode is the stream of its first request's conversation, from the endpoint's own records
+            (verifiers_v1_play.py): the first request's prompt ids are the prompt; each answer the generator
+            sampled is policy tokens (its log-probs and weight versions), the ids between answers (tool results,
+            user turns, template scaffolding) observation tokens; an answer off that stream (a harness that rewrote
+            its history) is counted (truncated/untrained_turns), not trained
     score:  the trace's rewards (v1's weighted `@reward` functions: the score is their weighted sum) on the last
             turn; each reward's score and each `@metric` logged as `train/metric_<name>`
 
@@ -41,7 +45,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from open_instruct.errors import ConfigError, DataError
 from open_instruct.user_code import load_module
@@ -209,9 +213,10 @@ class Call:
     """One request the endpoint answers: the prompt ids, its stop ids and cap; the result once generated."""
 
     session: str
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # what is generated from: the request's ids, or its history spliced to the sampled ids
     stop_ids: set[int]
     max_tokens: Optional[int]
+    sent_ids: list[int] = field(default_factory=list)  # the ids the client sent (v1's rendering)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -239,7 +244,8 @@ class GenerateServer:
     one thread per request, each waiting on its Call). The rounds themselves run on the thread that called
     `serve_rounds` (the trainer's: the generator is used where it always is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, splice: Optional[Callable[[Call, Call], Optional[list[int]]]] = None) -> None:
+        self.splice = splice  # (request, the session's previous call) -> the ids to generate from, or None: as sent
         self.cond = threading.Condition()
         self.pending: list[Call] = []
         self.running = 0  # episodes started and not yet ended
@@ -271,15 +277,17 @@ class GenerateServer:
                     params = body.get("sampling_params") or {}
                     stop_ids = {int(t) for t in params.get("stop_token_ids") or []}
                     prompt_ids = [int(t) for t in body["token_ids"]]
-                    call = Call(self.headers.get(SESSION_HEADER, ""), prompt_ids, stop_ids, params.get("max_tokens"))
+                    call = Call(self.headers.get(SESSION_HEADER, ""), prompt_ids, stop_ids, params.get("max_tokens"),
+                                sent_ids=prompt_ids)  # fmt: skip
                 except (ValueError, KeyError, TypeError) as e:
                     self.reply(400, {"error": f"bad generate request: {e}"})
                     return
+                server.continue_session(call)
                 server.submit(call)
                 call.done.wait()
                 content = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(call.ids, call.logprobs)]
                 self.reply(200, {"request_id": f"{call.session}-{len(server.calls.get(call.session, []))}",
-                                 "prompt_token_ids": call.prompt_ids,
+                                 "prompt_token_ids": call.sent_ids,
                                  "choices": [{"index": 0, "token_ids": call.ids, "logprobs": {"content": content},
                                               "finish_reason": call.finish_reason}]})  # fmt: skip
 
@@ -288,6 +296,16 @@ class GenerateServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def continue_session(self, call: Call) -> None:
+        """A request that re-sends its session's history is generated from the history as sampled (the recorded ids
+        win over the client's re-rendering of them), so the episode stays one stream of every sampled turn."""
+        with self.cond:
+            earlier = self.calls.get(call.session)
+        if self.splice is not None and earlier:
+            spliced = self.splice(call, earlier[-1])
+            if spliced is not None:
+                call.prompt_ids = spliced
 
     def submit(self, call: Call) -> None:
         with self.cond:

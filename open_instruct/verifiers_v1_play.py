@@ -109,7 +109,7 @@ class V1Run(EnvironmentRun):
         return episode_output(self.play_episodes(generator, rows, config, budget or self.budget), config.n, self.tokens)
 
     def play_episodes(self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Any) -> list[Episode]:
-        server, n = GenerateServer(), config.n  # one per rollout: nothing of an earlier (maybe failed) one is left
+        server, n = GenerateServer(self.splice), config.n  # one per rollout: nothing of an earlier (maybe failed) one is left
         tasks = [task_of(self.source, row) for row in rows for _ in range(n)]
         ctx = self.context(config, server)
         env = self.source.env
@@ -182,11 +182,32 @@ class V1Run(EnvironmentRun):
             cap = min(cap, int(call.max_tokens))
         return max(cap, 0)
 
+    def splice(self, call: Call, last: Call) -> Optional[list[int]]:
+        """The ids to generate `call` from when it re-sends its session's last answer: the client's ids extend what it
+        sent last, and the first stop id after that (the template's turn close) ends the answer as re-rendered; when
+        that text is the sampled answer's text, the sampled ids stand in for it (a truncated answer keeps the
+        template's close). None (generate as sent; the answer then goes untrained) when the history changed."""
+        sent = last.sent_ids
+        if not last.ids or call.sent_ids[: len(sent)] != sent:
+            return None
+        rest = call.sent_ids[len(sent) :]
+        close = next((i for i, token in enumerate(rest) if token in last.stop_ids), None)
+        if close is None:
+            return None
+        stopped = last.ids[-1] in last.stop_ids
+        if self.text(last.ids[:-1] if stopped else last.ids) != self.text(rest[:close]):
+            return None
+        return last.prompt_ids + last.ids + rest[close + 1 if stopped else close :]
+
+    def text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+
     def episode(self, server: GenerateServer, row: dict[str, Any], result: Any, budget: Any, where: str) -> Episode:
-        """One Episode from the episode's single trainable agent run: its trace's branch that holds the last model
-        call, from the first request's prompt on (module docstring). A turn the renderer re-rendered differently
-        from its sampled ids forks the trace: the branch then holds that turn as rendered (masked, not trained),
-        and the episode counts it (truncated/untrained_turns)."""
+        """One Episode from the episode's single trainable agent run: the stream of its first request's conversation
+        (each request's ids extend the previous one's prompt and answer; `splice` makes a re-sent history the sampled
+        one), from the first request's prompt on: the answers are policy tokens, the ids between them
+        (tool results, user turns, template scaffolding) observation tokens. An answer off that chain (a harness
+        that rewrote its history) is counted (truncated/untrained_turns), not trained."""
         name = f"verifiers environment {self.spec!r} on {where}"
         if result.errors:
             first = result.errors[0]
@@ -199,48 +220,33 @@ class V1Run(EnvironmentRun):
         if trace.errors:
             raise ConfigError(f"{name}: the agent run failed: {trace.errors[0].type}: {trace.errors[0].message}")
         calls = server.calls.get(trace.id, [])
-        branches = [b for b in trace.branches if b.trainable]
-        if not calls or not branches:
+        answered = [c for c in calls if c.ids]
+        if not answered:
             raise ConfigError(f"{name}: the harness never asked the model")
-        last_node = trace.calls[-1].node if trace.calls else None
-        branch = next((b for b in branches if any(c.node == last_node for c in b.calls)), branches[-1])
-        ids, mask = list(branch.token_ids), list(branch.sampled_mask)
-        first = calls[0].prompt_ids
-        if ids[: len(first)] != first or any(mask[: len(first)]):
-            raise ConfigError(f"{name}: the trace does not start from the first request's prompt ids")
-        spans = _spans(mask, len(first))
-        answered = iter([c for c in calls if c.ids])
-        matched = []
-        for begin, end in spans:  # each sampled span is one call's answer, in order (token-in/token-out)
-            call = next((c for c in answered if c.ids == ids[begin:end]), None)
-            if call is None:
-                raise RuntimeError(f"{name}: a sampled span of the trace is not ids the endpoint returned "
-                                   "(token-in/token-out broken)")  # fmt: skip
-            matched.append(call)
-        episode = Episode(prompt_ids=list(first), example=environment_example(row))
-        room = budget.max_response_tokens
-        cursor = len(first)
-        for (begin, end), call in zip(spans, matched):
+        chain = _chain(answered)
+        episode = Episode(prompt_ids=list(chain[0].prompt_ids), example=environment_example(row))
+        room, stream, cut = budget.max_response_tokens, list(chain[0].prompt_ids), False
+        for call in chain:
             if len(episode.response_ids) >= room:
+                cut = True
                 break
-            episode.append_observation(ids[cursor:begin][: room - len(episode.response_ids)])
+            episode.append_observation(call.prompt_ids[len(stream) :][: room - len(episode.response_ids)])
             if episode.turns:  # the observation answers the previous turn
                 episode.turns[-1].observation_end = len(episode.response_ids)
-            keep = max(0, min(end - begin, room - len(episode.response_ids)))
+            keep = max(0, min(len(call.ids), room - len(episode.response_ids)))
             start = len(episode.response_ids)
-            episode.append_policy(ids[begin : begin + keep], call.logprobs[:keep], call.versions[:keep])
-            closed = bool(keep) and ids[begin + keep - 1] == self.tokens.turn_end_id
-            stopped = call.finish_reason == "stop" and keep == end - begin
+            episode.append_policy(call.ids[:keep], call.logprobs[:keep], call.versions[:keep])
+            closed = bool(keep) and call.ids[keep - 1] == self.tokens.turn_end_id
+            stopped = call.finish_reason == "stop" and keep == len(call.ids)
             episode.turns.append(Turn(start, start + keep, start + keep, "", closed, stopped))
             if not stopped:
-                episode.truncations["max_turn_tokens" if keep == end - begin else "max_response_tokens"] += 1
-            cursor = end
-        if not episode.turns:
-            raise ConfigError(f"{name}: the trace's branch holds no sampled tokens after the first prompt")
-        if len(matched) < len([c for c in calls if c.ids]):
-            episode.truncations["untrained_turns"] += len([c for c in calls if c.ids]) - len(matched)
+                episode.truncations["max_turn_tokens" if keep == len(call.ids) else "max_response_tokens"] += 1
+            cut = keep < len(call.ids)
+            stream = call.prompt_ids + call.ids
+        if len(chain) < len(answered):
+            episode.truncations["untrained_turns"] += len(answered) - len(chain)
         budget_cut = [c for c in calls if not c.ids and c.finish_reason == "length"]
-        if cursor < len(ids) and len(episode.response_ids) >= room:
+        if cut:
             episode.end("max_response_tokens")
         elif budget_cut:
             episode.end("max_turns" if len(calls) > budget.max_turns else "max_response_tokens")
@@ -254,19 +260,15 @@ class V1Run(EnvironmentRun):
         return episode
 
 
-def _spans(mask: list[bool], start: int) -> list[tuple[int, int]]:
-    """The [begin, end) runs of True in mask[start:], as indices into mask."""
-    spans, i = [], start
-    while i < len(mask):
-        if mask[i]:
-            j = i
-            while j < len(mask) and mask[j]:
-                j += 1
-            spans.append((i, j))
-            i = j
-        else:
-            i += 1
-    return spans
+def _chain(answered: list[Call]) -> list[Call]:
+    """The first request's conversation: the answered calls, in order, each extending the previous one's prompt and
+    answer (a call that does not, e.g. a harness that rewrote its history, is left out)."""
+    chain = answered[:1]
+    for call in answered[1:]:
+        stream = chain[-1].prompt_ids + chain[-1].ids
+        if call.prompt_ids[: len(stream)] == stream:
+            chain.append(call)
+    return chain
 
 
 # ---- registration (open_instruct/integrations.py): `verifiers:` sources and environments, either API ----------------

@@ -62,7 +62,10 @@ class Ask(vf.Harness[AskConfig]):
                                           json={"model": ctx.model, "messages": messages},
                                           headers={"Authorization": f"Bearer {secret}"})
                 reply.raise_for_status()
-                messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+                content = reply.json()["choices"][0]["message"]["content"]
+                if data.rewrite:  # a harness that edits its history before sending it back
+                    content = content.upper() + " (edited)"
+                messages.append({"role": "assistant", "content": content})
                 if turn + 1 < data.turns:
                     messages.append({"role": "user", "content": f"once more ({turn + 1})"})
         return vf.ProgramResult(0, "", "")
@@ -72,6 +75,7 @@ class AskData(vf.TaskData):
     answer: str = ""
     turns: int = 1
     hang: bool = False
+    rewrite: bool = False
 
 
 class AskTask(vf.Task[AskData]):
@@ -95,13 +99,14 @@ class AskTasksetConfig(vf.TasksetConfig):
     num_tasks: int = 4
     turns: int = 1
     hang: bool = False
+    rewrite: bool = False
 
 
 class AskTaskset(vf.Taskset[AskTask, AskTasksetConfig]):
     def load(self):
         answers = ["yes", "no"]
         return [AskTask(AskData(prompt=f"say {answers[i % 2]}", answer=answers[i % 2], turns=self.config.turns,
-                                        hang=self.config.hang and i == 1),
+                                        hang=self.config.hang and i == 1, rewrite=self.config.rewrite),
                         self.config.task) for i in range(self.config.num_tasks)]
 
 
@@ -285,6 +290,60 @@ def test_multi_turn_episodes_mask_the_user_turns_between_the_sampled_ones(env_fo
         assert episode.turns[-1].info["metrics"]["answers"] == 3.0
 
 
+class SpecialTokenGenerator(CharGenerator):
+    """Each answer sampled with a special token after its first character (as a tiny model samples them), which the
+    renderer's text drops: the re-rendered history re-tokenizes differently from the sampled ids."""
+
+    def encode(self, text):
+        ids = super().encode(text)
+        return ids[:1] + [self.tokenizer.convert_tokens_to_ids("<|system|>")] + ids[1:]
+
+
+def test_answers_that_re_tokenize_differently_are_generated_from_and_trained_as_sampled(env_folder, tiny_models):
+    """The client re-renders the history from its text every turn, which drops a sampled special token: the next
+    request is generated from the history as sampled (not as the client sent it), and every answer is one trained
+    turn of one stream."""
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:ask_env.py?num_tasks=1&turns=3"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec)
+    scripts = [["ab", "cd"], ["ef", "gh"], ["yes", "no"]]
+    rows, out, generator = play(cfg, tokenizer, spec, scripts, rows_used=1, generator_class=SpecialTokenGenerator)
+    assert generator.round == 3
+    special = tokenizer.convert_tokens_to_ids("<|system|>")
+    for i, episode in enumerate(out.episodes):
+        sampled = [generator.sampled[k][0][i] for k in range(3)]
+        assert all(special in ids for ids in sampled)
+        assert [episode.response_ids[t.policy_start : t.policy_end] for t in episode.turns] == sampled
+        assert episode.truncations["untrained_turns"] == 0
+        for k, turn in enumerate(episode.turns[:2]):
+            history = episode.prompt_ids + episode.response_ids[: turn.observation_end]
+            assert generator.prompts[k + 1][i] == history  # the model saw what is trained: the sampled ids
+            assert f"once more ({k + 1})" in tokenizer.decode(
+                episode.response_ids[turn.policy_end : turn.observation_end]
+            )
+        assert episode.turns[-1].info["metrics"]["answers"] == 3.0
+
+
+def test_a_harness_that_rewrites_its_history_leaves_that_turn_untrained_and_counted(env_folder, tiny_models):
+    """A harness that sends back an edited answer: that request is generated as sent (the recorded ids only stand
+    in for an answer re-rendered with the sampled text), so the episode's stream ends at the first answer and the
+    second is counted in untrained_turns."""
+    from open_instruct.models import load_tokenizer
+
+    spec = "verifiers:ask_env.py?num_tasks=1&turns=2&rewrite=true"
+    tokenizer = load_tokenizer(tiny_models["causal_lm"])
+    cfg = config(tiny_models, spec)
+    rows, out, generator = play(cfg, tokenizer, spec, [["a", "b"], ["c", "d"]], rows_used=1)
+    for i, episode in enumerate(out.episodes):
+        assert [episode.response_ids[t.policy_start : t.policy_end] for t in episode.turns] == [
+            generator.sampled[0][0][i]
+        ]
+        assert episode.truncations["untrained_turns"] == 1
+        assert "(edited)" in tokenizer.decode(generator.prompts[1][i])  # generated from what the harness sent
+
+
 def test_the_run_budgets_cut_the_episode_at_the_endpoint(env_folder, tiny_models):
     from open_instruct.models import load_tokenizer
 
@@ -412,10 +471,10 @@ def test_a_tiny_grpo_run_trains_and_logs_the_rewards(env_folder, tiny_models, tu
         expected = sum(WEIGHTS[n] * v["value"] for n in WEIGHTS for v in by_fn[n][8 * step : 8 * step + 8]) / 8
         assert row["train/score_mean"] == pytest.approx(expected, abs=1e-6)  # verification_reward 1
         assert row["train/metric_answers"] == turns  # every episode asked the model `turns` times
-        # each answer is a trained turn, or (the renderer re-rendered a turn differently from its sampled ids, e.g.
-        # a sampled special token it strips) a turn the trace forked at: masked, counted, not trained
-        untrained = row.get("train/truncated_untrained_turns", 0.0)
-        assert row["train/turns_per_episode"] * 8 + untrained == pytest.approx(8 * turns, abs=1e-9)
+        # every answer is a trained turn: the default renderer re-renders the history from its text each turn (the
+        # tiny model's sampled ids re-tokenize differently), and the endpoint generates from the sampled ids instead
+        assert row.get("train/truncated_untrained_turns", 0.0) == 0.0
+        assert row["train/turns_per_episode"] == turns
 
 
 EARLIER_API_ENV = """
