@@ -190,14 +190,19 @@ def _is_within(path, parent):
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def _kept_folders(spec):
+    """The interpreter's prefix and spec's `visible` and `expose` folders, none inside another."""
+    wanted = [spec["python_prefix"], *spec.get("visible", ()), *spec.get("expose", ())]
+    kept = [p for p in dict.fromkeys(wanted) if p == spec["python_prefix"] or os.path.isdir(p)]
+    return [p for p in kept if not any(_is_within(p, q) and p != q for q in kept)]  # inside a kept one: comes with it
+
+
 def build_mounts(spec):
     """Step 1: hidden paths, the interpreter (and spec's `expose` folders: the test processes' numpy) re-exposed
     read-only at their own paths, then every mount read-only (the private temp dir comes per run: fresh_workdir)."""
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700,nr_inodes=64")  # staging only
     hide = sorted({p for p in spec["hide"] if os.path.lexists(p) and p != "/" and not _is_within(p, "/tmp")}, key=len)
-    wanted = [spec["python_prefix"], *spec.get("visible", ()), *spec.get("expose", ())]
-    kept = [p for p in dict.fromkeys(wanted) if p == spec["python_prefix"] or os.path.isdir(p)]
-    kept = [p for p in kept if not any(_is_within(p, q) and p != q for q in kept)]  # inside a kept one: comes with it
+    kept = _kept_folders(spec)
     stages = {}  # a kept folder under a hidden one -> where it waits while the hidden one is covered
     for i, path in enumerate(kept):
         if any(_is_within(path, p) and p != path for p in hide):
@@ -233,6 +238,21 @@ def build_mounts(spec):
 PRIVATE_EXTRAS = ("/var/tmp", "/dev/shm")
 
 
+def mount_private_tmp(spec, options):
+    """A new tmpfs on /tmp, with the kept folders inside /tmp (a checkout or venv there: the interpreter's packages)
+    bound back read-only at their own paths, through fds opened before the tmpfs covers them, as build_mounts
+    binds them back under a hidden folder. Returns those paths (unmounted before /tmp)."""
+    inside = [p for p in _kept_folders(spec) if _is_within(p, "/tmp") and os.path.isdir(p)]
+    handles = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in inside]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for path, fd in handles:
+        os.makedirs(path, 0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        os.close(fd)
+    return inside
+
+
 def fresh_workdir(spec, index):
     """A run's empty working directory, on storage no earlier run touched: (namespaces) a new tmpfs on /tmp, with
     /var/tmp and /dev/shm bound to folders of it (one size limit for all three); else a new folder in spec's workdir.
@@ -242,8 +262,7 @@ def fresh_workdir(spec, index):
         os.mkdir(workdir, 0o700)
         os.chown(workdir, spec["uid"], spec["gid"])
         return workdir, lambda: shutil.rmtree(workdir, ignore_errors=True)
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['tmpfs_mb']}m,mode=1777,nr_inodes=4096")
-    bound = []
+    bound = mount_private_tmp(spec, f"size={spec['tmpfs_mb']}m,mode=1777,nr_inodes=4096")
     for extra in PRIVATE_EXTRAS:
         if os.path.isdir(extra):
             inside = "/tmp/." + extra.rsplit("/", 1)[1]
@@ -640,13 +659,13 @@ def _supervise(run, index, pid, pipes, channel, me, cpu_before, start):
     return limit
 
 
-def run_preload(preload, mounted):
+def run_preload(spec):
     """The spec's `preload` (module docstring): the trainer's module, run in the supervisor before the first run, with
     a scratch tmpfs on /tmp (mount namespace) that is gone before the first run (libraries that want a cache dir)."""
     import types
 
-    if mounted:
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0700")
+    preload, mounted = spec["preload"], spec["mount_namespace"]
+    bound = mount_private_tmp(spec, "size=64m,mode=0700") if mounted else []
     try:
         sys.path[:0] = list(preload.get("path", ()))
         module = types.ModuleType(preload["name"])
@@ -655,7 +674,8 @@ def run_preload(preload, mounted):
         getattr(module, preload["call"])(**preload.get("kwargs", {}))
     finally:
         if mounted:
-            _umount("/tmp")
+            for path in (*bound, "/tmp"):
+                _umount(path)
 
 
 def read_spec():
@@ -695,7 +715,7 @@ def main():
     sealed_fd = os.dup(0)  # the rest of stdin: the lock-step runs' sealed texts, which only their test processes read
     if spec.get("preload"):
         try:
-            run_preload(spec["preload"], spec["mount_namespace"])
+            run_preload(spec)
         except BaseException as e:  # noqa: BLE001 - the trainer's own code failed: no run starts
             channel.send({"setup_error": f"preload {spec['preload'].get('name')}: {type(e).__name__}: {e}"})
             sys.exit(127)

@@ -307,3 +307,30 @@ def test_concurrent_processes_never_share_a_sandbox_uid(iso):
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_a_visible_folder_under_tmp_is_importable_in_the_preload_and_the_run(iso):
+    """A checkout or venv under /tmp (a fresh clone there): the packages the call names visible are bound back into
+    each run's private /tmp and the preload's scratch one, read-only; nothing else of the host's /tmp is there."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="oi_visible_", dir="/tmp")
+    try:
+        os.makedirs(os.path.join(folder, "site"))
+        with open(os.path.join(folder, "site", "oi_probe_pkg.py"), "w") as f:
+            f.write("VALUE = 41\n")
+        with open(os.path.join(folder, "secret.txt"), "w") as f:
+            f.write("not for the program")
+        site = os.path.join(folder, "site")
+        preload = {"name": "oi_probe_preload", "source": "import oi_probe_pkg\ndef warm():\n    pass\n",
+                   "path": [site], "call": "warm", "kwargs": {}}  # fmt: skip
+        program = (
+            "import os, sys\nsys.path.insert(0, %r)\nimport oi_probe_pkg\n"
+            "print(oi_probe_pkg.VALUE + 1, os.path.exists(%r))\n"
+            "try:\n    open(os.path.join(%r, 'new.py'), 'w')\nexcept OSError:\n    print('read-only')\n"
+        ) % (site, os.path.join(folder, "secret.txt"), site)
+        res = contained(run_in_sandbox(program, limits=ROOMY, visible_paths=(site,), preload=preload), ROOMY)
+        assert (res.stdout, res.exit_code) == ("42 False\nread-only\n", 0), (res.stdout, res.stderr)
+    finally:
+        shutil.rmtree(folder)
