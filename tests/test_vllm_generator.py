@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from training_helpers import recipe_args
+from training_helpers import recipe_args, torchrun_two_processes
 
 from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response
 from open_instruct.generation_backends import generator_for
@@ -764,23 +764,12 @@ def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
     generates exactly what the unsharded updated model generates."""
     pytest.importorskip("vllm")
     import json
-    import subprocess
-
-    from open_instruct.engines import free_port
 
     worker = tmp_path / "worker.py"
     worker.write_text(_DIST_WORKER)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "REPO": repo, "OUT": str(tmp_path), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    torchrun_two_processes(worker, env)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {
