@@ -36,20 +36,23 @@ TINY_PPO_ROLLOUTS = "--local_rollout_batch_size 4 --num_samples_per_prompt 2 --p
 TINY_PPO_ROLLOUTS += ["--num_epochs", "1", "--response_length", "8"]
 
 
-def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
-    """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
+def recipe_inputs(recipe: str, model: str, train: str, eval_data: str) -> list[str]:
+    """A recipe from configs/ and the three paths every run reads (for a caller that names the output folder)."""
+    recipe_path = os.path.join(REPO, "configs", recipe)
     return [
-        os.path.join(REPO, "configs", recipe),
+        recipe_path,
         "--model_name_or_path",
         model,
         "--dataset_name_or_path",
         train,
         "--eval_dataset_name_or_path",
         eval_data,
-        "--output_dir",
-        str(output_dir),
-        *settings,
     ]
+
+
+def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
+    """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
+    return [*recipe_inputs(recipe, model, train, eval_data), "--output_dir", str(output_dir), *settings]
 
 
 def rl_exit_code(argv: list[str]) -> int:
