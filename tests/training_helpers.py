@@ -55,6 +55,16 @@ def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir:
     return [*recipe_inputs(recipe, model, train, eval_data), "--output_dir", str(output_dir), *settings]
 
 
+def write_rl_files(folder: Any) -> dict[str, str]:
+    """The RL script tests' data, written in `folder`: {"train": 64 arithmetic prompts, "eval": 8 held-out ones}."""
+    from demo.synthetic import rl_rows, write_jsonl
+
+    return {
+        "train": write_jsonl(os.path.join(str(folder), "train.jsonl"), rl_rows(64, 0)),
+        "eval": write_jsonl(os.path.join(str(folder), "eval.jsonl"), rl_rows(8, 1)),
+    }
+
+
 def rl_exit_code(argv: list[str]) -> int:
     """rlvr_ppo's exit status for `argv`, as the command line would give it (runtime.run: 2 for a bad setting or
     input)."""
