@@ -1,4 +1,5 @@
-"""Helpers shared by the supervised-trainer tests (SFT, reward model): preemption, metrics and weights."""
+"""Helpers shared by the training-script tests: arguments and data, subprocess and torchrun runs, preemption,
+metrics and weights."""
 
 from __future__ import annotations
 
