@@ -439,13 +439,7 @@ def run_one(spec, index, run, channel, me):
         os.close(setup_w)
         for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
             os.close(fd)
-        why = b""
-        while True:
-            chunk = os.read(setup_r, 4096)
-            if not chunk:
-                break
-            why += chunk
-        os.close(setup_r)
+        why = _setup_failure(setup_r)
         return _finish_run(run, index, pid, pipes, channel, me, cpu_before, start, why)
     finally:
         if not child:  # (the program's process leaves the run's storage alone)
@@ -508,6 +502,8 @@ def _fork_setup(spec, run, workdir, fds, extra, supervisor, write_files, before=
 
 
 def _setup_failure(setup_r):
+    """What a forked run wrote on its setup pipe before it became the program (empty: it started), read to the end
+    and the pipe closed."""
     why = b""
     while True:
         chunk = os.read(setup_r, 4096)

@@ -124,7 +124,8 @@ def test_agent_trains_end_to_end_and_resumes_bit_exactly_after_a_sigkill_mid_epi
     --resume_from_checkpoint auto, the run's metrics rows and final weights equal the uninterrupted run's exactly
     (the rollout in flight is played again from the same seeds, its agents run again)."""
     from safetensors.torch import load_file
-    from test_multiturn_rlvr import RECIPE, REPO, read_rows, run_script, script_env
+    from test_multiturn_rlvr import RECIPE, REPO, read_rows
+    from training_helpers import run_script, script_env
 
     data = tmp_path / "rl.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{a}*7="}],

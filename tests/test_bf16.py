@@ -6,20 +6,17 @@ accelerate keeps one process-wide AcceleratorState whose precision cannot change
 resets it before and after (the other test modules run with precision "no")."""
 
 import math
-import os
 
 import pytest
 import torch
 from tolerances import chain_atol
-from training_helpers import one_torch_thread, read_metrics  # noqa: F401  (autouse fixture)
+from training_helpers import one_torch_thread, read_metrics, recipe_args  # noqa: F401  (autouse fixture)
 
 from demo.synthetic import preference_rows, rl_rows, sft_rows, write_jsonl
 from open_instruct import dpo, rlvr_ppo, sft
 from open_instruct.models import load_causal_lm, load_sequence_classifier, pair_logps, token_logprobs
 
 pytestmark = pytest.mark.numerics  # every test here compares numbers computed two ways
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -131,9 +128,8 @@ def test_scalar_heads_compute_in_fp32_under_bf16(tiny_models):
 
 def test_fp16_on_cpu_is_refused_not_silently_fp32(tiny_models, tmp_path):
     train = write_jsonl(str(tmp_path / "train.jsonl"), sft_rows(16, 0))
-    args = [os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
-    args += ["--dataset_name_or_path", train, "--output_dir", str(tmp_path / "out"), "--mixed_precision", "fp16"]
-    args += ["--eval_dataset_name_or_path", train]
+    args = recipe_args("sft_tiny.yaml", tiny_models["causal_lm"], train, train, tmp_path / "out")
+    args += ["--mixed_precision", "fp16"]
     from open_instruct import runtime
 
     with pytest.raises(SystemExit) as e:
@@ -144,8 +140,7 @@ def test_fp16_on_cpu_is_refused_not_silently_fp32(tiny_models, tmp_path):
 def sft_run(tiny_models, tmp_path, precision: str) -> list[float]:
     train = write_jsonl(str(tmp_path / "sft_train.jsonl"), sft_rows(160, 0))
     out = tmp_path / f"sft_{precision}"
-    args = [os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
-    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(out)]
+    args = recipe_args("sft_tiny.yaml", tiny_models["causal_lm"], train, train, out)
     args += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-2"]
     args += ["--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--logging_steps", "1", "--eval_steps", "100"]
     args += ["--checkpointing_steps", "100", "--save_final_model", "false", "--mixed_precision", precision]
@@ -173,8 +168,7 @@ def test_bf16_dpo_reference_cache_reproduced_at_step_0_and_learns(tiny_models, t
     training pairs (evaluated on them: from the untrained model, held-out pairs need an SFT stage first)."""
     train = evals = write_jsonl(str(tmp_path / "pref_train.jsonl"), preference_rows(64, 0))
     out = tmp_path / "dpo_bf16"
-    args = [os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
-    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", evals, "--output_dir", str(out)]
+    args = recipe_args("dpo_tiny.yaml", tiny_models["causal_lm"], train, evals, out)
     args += ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--total_episodes", "96"]
     args += ["--eval_steps", "12", "--checkpointing_steps", "100", "--logging_steps", "1", "--learning_rate", "3e-3"]
     args += ["--save_final_model", "false", "--mixed_precision", "bf16", "--warmup_ratio", "0"]
@@ -192,8 +186,7 @@ def test_bf16_grpo_rollout_logprobs_match_sampler(tiny_models, tmp_path):
     (fp32 log-softmax) agree to a small mean gap; the run finishes with finite losses."""
     train = write_jsonl(str(tmp_path / "rl_train.jsonl"), rl_rows(64, 0))
     out = tmp_path / "grpo_bf16"
-    args = [os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"]]
-    args += ["--dataset_name_or_path", train, "--eval_dataset_name_or_path", train, "--output_dir", str(out)]
+    args = recipe_args("rlvr_tiny.yaml", tiny_models["causal_lm"], train, train, out)
     args += ["--algo", "grpo", "--num_samples_per_prompt", "4", "--local_rollout_batch_size", "8"]
     args += ["--per_device_train_batch_size", "16", "--total_episodes", "64", "--num_epochs", "1", "--beta", "0.01"]
     args += ["--eval_steps", "100", "--checkpointing_steps", "100", "--save_final_model", "false"]

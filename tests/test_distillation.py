@@ -13,7 +13,10 @@ import types
 import pytest
 import torch
 from tolerances import chain_atol
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import (
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    write_rl_files,
+)
 from training_helpers import rl_exit_code as exit_code
 
 from open_instruct.distillation import chunked_generalized_jsd, generalized_jsd
@@ -290,13 +293,7 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_and_loss(tiny_m
 
 @pytest.fixture(scope="module")
 def rl_files(tmp_path_factory):
-    from demo.synthetic import rl_rows, write_jsonl
-
-    root = tmp_path_factory.mktemp("distill_data")
-    return {
-        "train": write_jsonl(str(root / "train.jsonl"), rl_rows(64, 0)),
-        "eval": write_jsonl(str(root / "eval.jsonl"), rl_rows(8, 1)),
-    }
+    return write_rl_files(tmp_path_factory.mktemp("distill_data"))
 
 
 def distill_argv(tiny_models, teacher, rl_files, out, *extra) -> list[str]:

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.concurrency  # engines, trainers and kills: every wait is on an event
 
 from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped  # noqa: E402
+from training_helpers import run_script, script_env, torchrun_two_processes  # noqa: E402
 
 from demo import synthetic  # noqa: E402
 from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_port, healthy, write_engine_model  # noqa: E402
@@ -27,14 +28,7 @@ from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": REPO,
-    "HF_HUB_OFFLINE": "1",
-    "WANDB_MODE": "offline",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENV = script_env()
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 
 
@@ -446,9 +440,7 @@ def task(tmp_path_factory):
 
 
 def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
-    return out
+    return run_script(args, ENV, timeout)
 
 
 def grpo_args(task: dict, out_dir: str, *extra: str) -> list[str]:
@@ -694,15 +686,7 @@ def test_fsdp2_trainer_broadcasts_to_a_dedicated_engine(tmp_path):
         worker = tmp_path / "worker.py"
         worker.write_text(_FSDP_WORKER)
         env = {**ENV, "POLICY": policy, "URL": engines.urls[0], "OUT": str(tmp_path)}
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        proc = subprocess.run(
-            [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-5000:]
+        torchrun_two_processes(worker, env)
     finally:
         engines.close()
     for rank in (0, 1):

@@ -73,6 +73,15 @@ def checker_for(gen, policy, tokenizer, **kw):
     return GenerationChecker(gen, policy, make_probe(tokenizer, 256), torch.float32, **kw)
 
 
+def engine_checked_at_version_0():
+    """(policy, engine, checker) after a first sync that passed: the start of every broken-sync story below."""
+    policy, tokenizer = tiny_model()
+    gen = EngineDouble(policy)
+    checker = checker_for(gen, policy, tokenizer)
+    checker.sync(policy, 0)
+    return policy, gen, checker
+
+
 def train_step(policy, seed: int, size: float = 0.05) -> None:
     """A stand-in for an optimizer step: every parameter moves."""
     g = torch.Generator().manual_seed(seed)
@@ -186,10 +195,7 @@ def send_nothing(pairs):
 
 @pytest.mark.parametrize("transport", [skip_one, corrupt_one, send_nothing], ids=["skipped", "corrupted", "nothing"])
 def test_a_broken_sync_is_caught_at_the_next_check(transport):
-    policy, tokenizer = tiny_model()
-    gen = EngineDouble(policy)
-    checker = checker_for(gen, policy, tokenizer)
-    checker.sync(policy, 0)
+    policy, gen, checker = engine_checked_at_version_0()
     train_step(policy, seed=1)
     gen.transport = transport
     with pytest.warns(UserWarning, match="re-sending once"):  # the retry breaks the same way
@@ -200,10 +206,7 @@ def test_a_broken_sync_is_caught_at_the_next_check(transport):
 
 
 def test_the_previous_version_re_sent_is_named():
-    policy, tokenizer = tiny_model()
-    gen = EngineDouble(policy)
-    checker = checker_for(gen, policy, tokenizer)
-    checker.sync(policy, 0)
+    policy, gen, checker = engine_checked_at_version_0()
     old = copy.deepcopy(policy)
     train_step(policy, seed=2)
     gen.transport = lambda pairs: hf_weights(old)  # the old version's weights re-sent
@@ -212,10 +215,7 @@ def test_the_previous_version_re_sent_is_named():
 
 
 def test_a_sync_that_fails_once_is_retried_and_passes():
-    policy, tokenizer = tiny_model()
-    gen = EngineDouble(policy)
-    checker = checker_for(gen, policy, tokenizer)
-    checker.sync(policy, 0)
+    policy, gen, checker = engine_checked_at_version_0()
     train_step(policy, seed=3)
     sends = []
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from training_helpers import recipe_args
 
 from demo.synthetic import rl_rows, write_jsonl
 from open_instruct import distributed, generation_backends
@@ -23,17 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture()
 def rl_argv(tiny_models, tmp_path):
     data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(16, 0))
-    return [
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        tiny_models["causal_lm"],
-        "--dataset_name_or_path",
-        data,
-        "--eval_dataset_name_or_path",
-        data,
-        "--output_dir",
-        str(tmp_path / "out"),
-    ]
+    return recipe_args("rlvr_tiny.yaml", tiny_models["causal_lm"], data, data, tmp_path / "out")
 
 
 @pytest.mark.parametrize(

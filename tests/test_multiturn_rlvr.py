@@ -25,6 +25,7 @@ import types
 import pytest
 import torch
 from tolerances import max_abs, pass_atol, rollout_width, sum_atol
+from training_helpers import run_script, script_env
 
 from open_instruct.generation import GenerationConfig, GenerationOutput
 from open_instruct.rollouts import episode_layout
@@ -478,12 +479,6 @@ def test_a_shared_prompt_forward_gives_the_unshared_loss_and_gradients(tiny_mode
 # End to end: the script, in a subprocess
 
 
-def script_env() -> dict:
-    """The environment of a script run: this one's (the session's data cache folder included), one thread."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-
-
 USER_ENV = '''
 import json, os, threading
 from open_instruct.environments import ToolEnvironment
@@ -551,13 +546,6 @@ def argv(e2e, out, *extra):
         "--max_turns", "3", "--tool_output_max_tokens", "8", "--tool_timeout", "0.2", "--eval_steps", "100",
         "--checkpointing_steps", "1", "--num_samples_logged", "2", *extra,
     ]  # fmt: skip
-
-
-def run_script(args, env=None, timeout=300):
-    out = subprocess.run([sys.executable, *args], cwd=REPO, env=env or script_env(), capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out
 
 
 def kill_inside_tool_turn(args: list[str], env: dict, gate: str, out) -> None:

@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 from tolerances import backward_atol, forward_atol, gamma, run_rtol
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import one_torch_thread, recipe_inputs  # noqa: F401  (autouse fixture)
 
 from demo.tiny import tiny_llama_config
 from open_instruct import data, models
@@ -495,8 +495,7 @@ def test_sft_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
     from open_instruct import sft
 
     args = [
-        os.path.join(REPO, "configs", "sft_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", varied["sft"], "--eval_dataset_name_or_path", varied["sft_eval"],
+        *recipe_inputs("sft_tiny.yaml", tiny_models["causal_lm"], varied["sft"], varied["sft_eval"]),
         "--max_seq_length", "96", "--learning_rate", "3e-3", *SIX_STEPS,
     ]  # fmt: skip
     padded, packed = run_both(sft, args, 160, tmp_path, monkeypatch)
@@ -513,8 +512,7 @@ def test_reward_model_end_to_end_packed_matches_padded(tiny_models, varied, tmp_
     from open_instruct import reward_model
 
     args = [
-        os.path.join(REPO, "configs", "rm_tiny.yaml"), "--model_name_or_path", tiny_models["seq_cls"],
-        "--dataset_name_or_path", varied["pref"], "--eval_dataset_name_or_path", varied["pref_eval"],
+        *recipe_inputs("rm_tiny.yaml", tiny_models["seq_cls"], varied["pref"], varied["pref_eval"]),
         "--max_seq_length", "64", "--learning_rate", "2e-3", "--warmup_ratio", "0", *SIX_STEPS,
     ]  # fmt: skip
     padded, packed = run_both(reward_model, args, 160, tmp_path, monkeypatch)
@@ -532,8 +530,7 @@ def test_dpo_end_to_end_packed_matches_padded(tiny_models, varied, tmp_path, mon
     from open_instruct import dpo
 
     args = [
-        os.path.join(REPO, "configs", "dpo_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", varied["pref"], "--eval_dataset_name_or_path", varied["pref_eval"],
+        *recipe_inputs("dpo_tiny.yaml", tiny_models["causal_lm"], varied["pref"], varied["pref_eval"]),
         "--max_seq_length", "64", "--learning_rate", "1e-3", "--warmup_ratio", "0", *SIX_STEPS,
         "--string_rows", "chat_template",  # the string pairs in chat form, as this test's tolerances were set on
     ]  # fmt: skip
@@ -573,8 +570,7 @@ def test_rlvr_end_to_end_packed_matches_padded(variant, tiny_models, varied, tmp
     from open_instruct import rlvr_ppo
 
     args = [
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", varied["rl"], "--eval_dataset_name_or_path", varied["rl_eval"],
+        *recipe_inputs("rlvr_tiny.yaml", tiny_models["causal_lm"], varied["rl"], varied["rl_eval"]),
         "--reward_model_path", tiny_models["seq_cls"], "--max_prompt_length", "110", "--response_length", "10",
         "--total_episodes", "64", "--local_rollout_batch_size", "8", "--num_samples_per_prompt", "4",
         "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--num_epochs", "2",
@@ -664,8 +660,7 @@ def test_rlvr_two_sharded_processes_packed_match_ddp_padded(tiny_models, varied,
     from test_fsdp import command, metrics, run_all
 
     base = [
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", varied["rl"], "--eval_dataset_name_or_path", varied["rl_eval"],
+        *recipe_inputs("rlvr_tiny.yaml", tiny_models["causal_lm"], varied["rl"], varied["rl_eval"]),
         "--reward_model_path", tiny_models["seq_cls"], "--reward_model_multiplier", "0.5",
         "--score_placement", "after_last_token", "--max_prompt_length", "110", "--response_length", "10",
         "--total_episodes", "32", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "2",

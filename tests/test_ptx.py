@@ -12,7 +12,10 @@ import types
 import pytest
 import torch
 from tolerances import chain_atol, decoder_reduction_lengths
-from training_helpers import one_torch_thread  # noqa: F401  (autouse fixture)
+from training_helpers import (
+    one_torch_thread,  # noqa: F401  (autouse fixture)
+    write_rl_files,
+)
 from training_helpers import rl_exit_code as exit_code
 
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "rlvr_tiny.yaml")
@@ -20,14 +23,10 @@ RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from demo.synthetic import rl_rows, sft_rows, write_jsonl
+    from demo.synthetic import sft_rows, write_jsonl
 
     root = tmp_path_factory.mktemp("ptx_data")
-    return {
-        "train": write_jsonl(str(root / "train.jsonl"), rl_rows(64, 0)),
-        "eval": write_jsonl(str(root / "eval.jsonl"), rl_rows(8, 1)),
-        "ptx": write_jsonl(str(root / "ptx.jsonl"), sft_rows(24, 5)),
-    }
+    return {**write_rl_files(root), "ptx": write_jsonl(str(root / "ptx.jsonl"), sft_rows(24, 5))}
 
 
 def argv(tiny_models, files, out, *extra) -> list[str]:

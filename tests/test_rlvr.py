@@ -18,27 +18,17 @@ import warnings
 import pytest
 from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped
 from tolerances import backward_atol, forward_atol
-from training_helpers import noisy_sft_args, recipe_args
+from training_helpers import noisy_sft_args, recipe_args, run_script, script_env
 
 from demo import synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
-# Tiny models are overhead-bound; on a shared 2-core machine two OpenMP threads per process can be 10x slower.
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": REPO,
-    "HF_HUB_OFFLINE": "1",
-    "WANDB_MODE": "offline",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENV = script_env()
 
 
 def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
-    return out
+    return run_script(args, ENV, timeout)
 
 
 def read_rows(output_dir: str) -> list[dict]:

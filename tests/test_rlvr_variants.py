@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from tolerances import pass_atol, rollout_width
+from training_helpers import write_rl_files
 
 from open_instruct.rewards import combine_rewards
 from open_instruct.rl_algorithms import (
@@ -380,13 +381,7 @@ def test_reward_model_is_read_where_training_read_it_when_pad_is_eos(tiny_models
 
 @pytest.fixture(scope="module")
 def rl_files(tmp_path_factory):
-    from demo import synthetic
-
-    root = tmp_path_factory.mktemp("variants")
-    return {
-        "train": synthetic.write_jsonl(str(root / "train.jsonl"), synthetic.rl_rows(64, 0)),
-        "eval": synthetic.write_jsonl(str(root / "eval.jsonl"), synthetic.rl_rows(8, 1)),
-    }
+    return write_rl_files(tmp_path_factory.mktemp("variants"))
 
 
 VARIANTS = {

@@ -3,14 +3,10 @@ passes (old log-probs, reference, values, reward model) and in the training forw
 run's numbers within the rounding of a reordered forward and backward (tests/tolerances.py); off, no forward shares.
 The loss and gradients of one micro-batch of a multi-turn episode: tests/test_multiturn_rlvr.py."""
 
-import os
-
 import pytest
 import torch
 from tolerances import run_rtol
-from training_helpers import read_metrics
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from training_helpers import read_metrics, recipe_inputs
 
 # PPO: policy, reference (KL in the reward), value model and a reward model; GRPO: policy and reference (k3 KL loss).
 # num_epochs 2: off-policy, so the old log-probs get a pass of their own.
@@ -35,8 +31,7 @@ def test_runs_with_and_without_prompt_sharing_log_the_same_numbers(variant, tiny
     from open_instruct import models, rlvr_ppo, runtime
 
     args = [
-        os.path.join(REPO, "configs", "rlvr_tiny.yaml"), "--model_name_or_path", tiny_models["causal_lm"],
-        "--dataset_name_or_path", rl_data["train"], "--eval_dataset_name_or_path", rl_data["eval"],
+        *recipe_inputs("rlvr_tiny.yaml", tiny_models["causal_lm"], rl_data["train"], rl_data["eval"]),
         "--reward_model_path", tiny_models["seq_cls"], "--response_length", "8",
         "--total_episodes", "32", "--local_rollout_batch_size", "4", "--num_samples_per_prompt", "4",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_epochs", "2",

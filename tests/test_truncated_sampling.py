@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from tolerances import chain_atol, decoder_reduction_lengths, gamma, unit_roundoff
+from training_helpers import write_rl_files
 
 from open_instruct.models import SamplingTruncation, chunked_token_scores, truncated_logits, truncation_removes
 
@@ -99,13 +100,7 @@ def test_chunked_head_gradient_is_the_truncated_distributions():
 
 @pytest.fixture(scope="module")
 def rl_files(tmp_path_factory):
-    from demo import synthetic
-
-    root = tmp_path_factory.mktemp("truncated")
-    return {
-        "train": synthetic.write_jsonl(str(root / "train.jsonl"), synthetic.rl_rows(64, 0)),
-        "eval": synthetic.write_jsonl(str(root / "eval.jsonl"), synthetic.rl_rows(8, 1)),
-    }
+    return write_rl_files(tmp_path_factory.mktemp("truncated"))
 
 
 def logprob_bound(model_path, width, temperature):

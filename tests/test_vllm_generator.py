@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from training_helpers import recipe_args, torchrun_two_processes
 
 from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response
 from open_instruct.generation_backends import generator_for
@@ -95,21 +96,10 @@ def test_rlvr_refuses_missing_vllm_before_loading(tiny_models, tmp_path, repo_ro
     from demo.synthetic import rl_rows, write_jsonl
 
     data = write_jsonl(str(tmp_path / "rl.jsonl"), rl_rows(8, 0))
-    cmd = [
-        sys.executable,
-        os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"),
-        os.path.join(repo_root, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path",
-        tiny_models["causal_lm"],
-        "--dataset_name_or_path",
-        data,
-        "--eval_dataset_name_or_path",
-        data,
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--generation_backend",
-        "vllm",
-    ]
+    args = recipe_args(
+        "rlvr_tiny.yaml", tiny_models["causal_lm"], data, data, tmp_path / "out", "--generation_backend", "vllm"
+    )
+    cmd = [sys.executable, os.path.join(repo_root, "open_instruct", "rlvr_ppo.py"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": repo_root})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "generation_backend vllm" in proc.stderr and "requirements-vllm.txt" in proc.stderr
@@ -602,27 +592,15 @@ def test_sleep_wake_order():
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
     assert gen.llm.calls == ["reload_weights", "reset_prefix_cache", "generate", "sleep2"]
     gen.llm.calls.clear()
+    # what a generate after sleeping does: wake the weights, reload the live policy, wake the KV cache, sleep again
+    woken_generate = ["wake:weights", "reload_weights", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep2"]
     gen.sync_weights(policy)  # after the optimizer steps
     out = gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))
-    assert gen.llm.calls == [
-        "wake:weights",
-        "reload_weights",
-        "reset_prefix_cache",
-        "wake:kv_cache",
-        "generate",
-        "sleep2",
-    ]
+    assert gen.llm.calls == woken_generate
     assert out.response_ids == [[1]] and out.stopped == [True]
     gen.llm.calls.clear()
     gen.generate([[5, 6]], GenerationConfig(max_new_tokens=4, temperature=0))  # no sync since the last sleep
-    assert gen.llm.calls == [
-        "wake:weights",
-        "reload_weights",
-        "reset_prefix_cache",
-        "wake:kv_cache",
-        "generate",
-        "sleep2",
-    ]
+    assert gen.llm.calls == woken_generate
     gen.llm.calls.clear()
     gen.sync_weights(policy)  # a rank with no eval prompts syncs twice without generating: weights woken once
     gen.sync_weights(policy)
@@ -786,23 +764,12 @@ def test_fsdp2_ranks_each_sync_their_engine(tmp_path):
     generates exactly what the unsharded updated model generates."""
     pytest.importorskip("vllm")
     import json
-    import subprocess
-
-    from open_instruct.engines import free_port
 
     worker = tmp_path / "worker.py"
     worker.write_text(_DIST_WORKER)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "REPO": repo, "OUT": str(tmp_path), "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run(
-        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    torchrun_two_processes(worker, env)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {

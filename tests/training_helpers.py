@@ -1,4 +1,5 @@
-"""Helpers shared by the supervised-trainer tests (SFT, reward model): preemption, metrics and weights."""
+"""Helpers shared by the training-script tests: arguments and data, subprocess and torchrun runs, preemption,
+metrics and weights."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -34,20 +37,33 @@ TINY_PPO_ROLLOUTS = "--local_rollout_batch_size 4 --num_samples_per_prompt 2 --p
 TINY_PPO_ROLLOUTS += ["--num_epochs", "1", "--response_length", "8"]
 
 
-def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
-    """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
+def recipe_inputs(recipe: str, model: str, train: str, eval_data: str) -> list[str]:
+    """A recipe from configs/ and the three paths every run reads (for a caller that names the output folder)."""
+    recipe_path = os.path.join(REPO, "configs", recipe)
     return [
-        os.path.join(REPO, "configs", recipe),
+        recipe_path,
         "--model_name_or_path",
         model,
         "--dataset_name_or_path",
         train,
         "--eval_dataset_name_or_path",
         eval_data,
-        "--output_dir",
-        str(output_dir),
-        *settings,
     ]
+
+
+def recipe_args(recipe: str, model: str, train: str, eval_data: str, output_dir: Any, *settings: str) -> list[str]:
+    """A training script's arguments: a recipe from configs/, the four paths every run names, then `settings`."""
+    return [*recipe_inputs(recipe, model, train, eval_data), "--output_dir", str(output_dir), *settings]
+
+
+def write_rl_files(folder: Any) -> dict[str, str]:
+    """The RL script tests' data, written in `folder`: {"train": 64 arithmetic prompts, "eval": 8 held-out ones}."""
+    from demo.synthetic import rl_rows, write_jsonl
+
+    return {
+        "train": write_jsonl(os.path.join(str(folder), "train.jsonl"), rl_rows(64, 0)),
+        "eval": write_jsonl(os.path.join(str(folder), "eval.jsonl"), rl_rows(8, 1)),
+    }
 
 
 def rl_exit_code(argv: list[str]) -> int:
@@ -70,6 +86,46 @@ def noisy_sft_args(data_dir: str, model: str, sft_eval: str, output_dir: Any) ->
     noisy = synthetic.write_jsonl(os.path.join(data_dir, "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6))
     settings = ["--num_train_epochs", "4", "--eval_steps", "1000", "--checkpointing_steps", "1000"]
     return recipe_args("sft_tiny.yaml", model, noisy, sft_eval, output_dir, *settings)
+
+
+def script_env() -> dict[str, str]:
+    """The environment of a script run in a subprocess: this one's, the repo importable, offline, one thread (tiny
+    models are overhead-bound; on a shared 2-core machine two OpenMP threads per process can be 10x slower)."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": REPO,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def run_script(
+    args: list[str], env: Optional[dict[str, str]] = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """`python *args` in the repo folder (env: script_env() as it is now); the test fails with the exit status and
+    stderr's tail unless it is 0."""
+    env = env or script_env()
+    out = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stderr[-4000:]}"
+    return out
+
+
+def torchrun_two_processes(script: Any, env: dict[str, str]) -> None:
+    """`script` on 2 processes under torchrun (a free rendezvous port: the suite may run on several workers); the
+    test fails with stderr's tail unless both exit 0."""
+    from open_instruct.engines import free_port
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
 
 
 def read_metrics(output_dir: str) -> list[dict[str, Any]]:
