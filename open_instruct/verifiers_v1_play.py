@@ -109,7 +109,8 @@ class V1Run(EnvironmentRun):
         return episode_output(self.play_episodes(generator, rows, config, budget or self.budget), config.n, self.tokens)
 
     def play_episodes(self, generator: Any, rows: Sequence[dict[str, Any]], config: Any, budget: Any) -> list[Episode]:
-        server, n = GenerateServer(self.splice), config.n  # one per rollout: nothing of an earlier (maybe failed) one is left
+        # one server per rollout: nothing of an earlier (maybe failed) one is left
+        server, n = GenerateServer(self.splice), config.n
         tasks = [task_of(self.source, row) for row in rows for _ in range(n)]
         ctx = self.context(config, server)
         env = self.source.env
