@@ -1,0 +1,24 @@
+"""bench/bench_verifiers.py's measuring half under the installed verifiers: rollouts of its task through the run's
+environment adapter, every episode answered "yes" by the scripted generator and so scored 1 by the task's reward,
+and the summary row built from those times."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("verifiers", reason="verifiers is not installed")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import bench_verifiers  # noqa: E402
+
+
+def test_the_bench_plays_its_task_and_every_episode_scores_the_scripted_answer(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = bench_verifiers.measure(str(tmp_path), rollouts=2)
+    assert result["episodes"] == 8 and len(result["walls"]) == len(result["cpus"]) == 2
+    assert result["scores"] == [1.0, 1.0]
+    row = bench_verifiers.summary(result)
+    assert row.startswith(f"| {result['api']} | {result['verifiers']} | 8 | ") and row.endswith("| 1.00 |")
