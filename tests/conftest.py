@@ -1,6 +1,9 @@
 """Shared fixtures: tiny models and tokenizer built locally once per session (no hub access)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -8,6 +11,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tokenized-data cache (open_instruct/data_cache.py) of every run a test starts, in-process or not, goes to a
+# folder of this process's session instead of ~/.cache; set here, before a test module copies os.environ at import
+if "OPEN_INSTRUCT_DATA_CACHE" not in os.environ:
+    os.environ["OPEN_INSTRUCT_DATA_CACHE"] = tempfile.mkdtemp(prefix="oi_test_data_cache_")
+    atexit.register(shutil.rmtree, os.environ["OPEN_INSTRUCT_DATA_CACHE"], True)
 
 
 # The files that take longest (`python tests/_test_times.py`, docs/testing.md), run first: `make test` gives each file
@@ -31,13 +39,6 @@ def pytest_collection_modifyitems(config, items):
     """Slow files first, the rest in their usual order (the sort is stable); every worker sorts alike."""
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def data_cache_in_tmp(tmp_path_factory):
-    """The tokenized-data cache (open_instruct/data_cache.py) of every run a test starts, in-process or not, goes to
-    a session folder instead of ~/.cache."""
-    os.environ.setdefault("OPEN_INSTRUCT_DATA_CACHE", str(tmp_path_factory.mktemp("data_cache")))
 
 
 @pytest.fixture(scope="session")
