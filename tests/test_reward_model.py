@@ -166,7 +166,7 @@ def test_margin_column_is_read_checked_and_logged(tiny_models, rm_data, tmp_path
     with pytest.raises(DataError, match=r"bad_margin.jsonl line 6: column 'score_gap' must be a finite number"):
         reward_model.main(
             rm_args(tiny_models, rm_data, tmp_path / "bad")
-            + ["--dataset_name_or_path", bad, "--margin_column", "score_gap"]
+            + ["--dataset_name_or_path", bad, "--eval_dataset_name_or_path", bad, "--margin_column", "score_gap"]
         )
 
 
