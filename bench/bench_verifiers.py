@@ -97,7 +97,7 @@ def measure(folder: str, rollouts: int) -> dict:
     from importlib.metadata import version
 
     from demo.tiny import save_tiny_models
-    from open_instruct import verifiers_env
+    from open_instruct import integrations, verifiers_env
     from open_instruct.config import RLVRConfig, parse_config
     from open_instruct.generation import GenerationConfig
     from open_instruct.models import load_tokenizer
@@ -106,8 +106,7 @@ def measure(folder: str, rollouts: int) -> dict:
     v1 = verifiers_env.v1_installed()
     with open(os.path.join(folder, "say_env.py"), "w") as f:
         f.write(V1_ENV if v1 else EARLIER_API_ENV)
-    sys.path.insert(0, folder)
-    os.chdir(folder)
+    os.chdir(folder)  # the spec names its file relative to the working directory
     model = save_tiny_models(os.path.join(folder, "tiny"))["causal_lm"]
     spec = "verifiers:say_env.py"
     cfg = parse_config(RLVRConfig, [
@@ -118,10 +117,8 @@ def measure(folder: str, rollouts: int) -> dict:
     ])  # fmt: skip
     tokenizer = load_tokenizer(model)
     environments = environment_run(cfg, tokenizer)
-    from open_instruct.verifiers_v1_play import _api
-
     rows = []
-    for i, row in enumerate(_api().generate(spec, "train")[:4]):
+    for i, row in enumerate(integrations.find(spec).generate(spec, "train")[:4]):
         r = {"ground_truth": row["ground_truth"], "verifier": row["dataset"], "where": f"row {i}",
              "example": {**row, "verifier": row["dataset"]}}  # fmt: skip
         rows.append({**r, "prompt_ids": environments.prompt_ids(r)})

@@ -4,18 +4,19 @@ and the summary row built from those times."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import sys
 
 import pytest
 
 pytest.importorskip("verifiers", reason="verifiers is not installed")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-import bench_verifiers  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_bench_plays_its_task_and_every_episode_scores_the_scripted_answer(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_verifiers", os.path.join(REPO, "bench", "bench_verifiers.py"))
+    bench_verifiers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_verifiers)
     monkeypatch.chdir(tmp_path)
     result = bench_verifiers.measure(str(tmp_path), rollouts=2)
     assert result["episodes"] == 8 and len(result["walls"]) == len(result["cpus"]) == 2
