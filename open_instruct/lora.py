@@ -43,9 +43,9 @@ def apply_lora(model: Any, cfg: Any, task_type: str, dropout: bool = True) -> An
         return model
     from peft import get_peft_model
 
-    # peft up to 0.21 reads transformers' deprecated alias `model.is_gradient_checkpointing` in
-    # PeftModel.__init__ (to decide whether to make the inputs require grads; 0.22 no longer does), and transformers 5
-    # warns on every read ("deprecated ... Use `is_activation_checkpointing`"). The value read is the right one and there is nothing
+    # peft up to 0.21 reads transformers' deprecated alias `model.is_gradient_checkpointing` in PeftModel.__init__
+    # (to decide whether to make the inputs require grads; 0.22 no longer does), and transformers 5 warns on every
+    # read ("deprecated ... Use `is_activation_checkpointing`"). The value read is the right one and there is nothing
     # for a user to change, so that one FutureWarning, from this one call, is not shown.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
