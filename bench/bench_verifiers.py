@@ -20,7 +20,7 @@ path, DIR holding 0.3.1 and what it needs that the venv lacks:
     .venv/bin/pip install --no-deps --target DIR verifiers==0.3.1 aiolimiter anthropic gepa loguru openai-agents \
         msgpack pyzmq setproctitle uvloop docstring-parser jiter griffe
 
-Each path runs in its own subprocess, one after the other, on the tiny test model's tokenizer (demo/tiny.py).
+Each path runs in its own subprocess, one after the other, on the tiny test model (demo/tiny.py; smollm2: that model).
 Reported per path: the median wall and CPU seconds (the process's, all threads) of rollouts 2..N (the first pays
 imports and the renderer's load), with the min-max spread.
 """
