@@ -6,6 +6,7 @@ Imports nothing heavy."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -26,6 +27,15 @@ def is_spec(value: Any) -> bool:
     return bool(sep and module and name.isidentifier())
 
 
+def module_name_of_file(path: str) -> str:
+    """The module name a user's .py file is loaded under: from its absolute path, lower case (verifiers.v1 imports a
+    taskset by its id lower-cased, so a folder with capitals in its path must not change the name), with a digest of
+    the exact path so that two files differing only in case stay two modules."""
+    where = os.path.abspath(path)
+    digest = hashlib.sha256(where.encode()).hexdigest()[:12]
+    return "open_instruct_user_" + re.sub(r"\W", "_", where).lower() + "_" + digest
+
+
 def load_module(module: str, what: str) -> Any:
     """A module by dotted name, or a .py file by path (also `pkg.mod` found as pkg/mod.py under the current folder:
     the scripts run with their own folder, not the current one, on sys.path). A file is loaded once per process
@@ -35,7 +45,7 @@ def load_module(module: str, what: str) -> Any:
         if module.endswith(".py") or (not importlib.util.find_spec(module.split(".")[0]) and os.path.isfile(path)):
             if not os.path.isfile(path):
                 raise ConfigError(f"{what}: file {path!r} does not exist")
-            name = "open_instruct_user_" + re.sub(r"\W", "_", os.path.abspath(path))
+            name = module_name_of_file(path)
             if name in sys.modules:
                 return sys.modules[name]
             loader_spec = importlib.util.spec_from_file_location(name, path)

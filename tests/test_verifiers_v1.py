@@ -424,6 +424,21 @@ def test_bad_specs_are_refused_before_any_model_loads(env_folder):
         verifiers_v1.load("verifiers:ask_env.py?no_such_field=1")
 
 
+def test_an_env_file_in_a_folder_with_capitals_loads(env_folder):
+    """verifiers.v1 imports a taskset by its id lower-cased: a file under a path with capitals (a clone in
+    /home/Alice/..., CI's mktemp folder) loads, and two files whose paths differ only in case stay two modules."""
+    from open_instruct import verifiers_v1
+    from open_instruct.user_code import module_name_of_file
+
+    for folder in ("CamelCase", "camelcase"):
+        (env_folder / folder).mkdir()
+        (env_folder / folder / "ask_env.py").write_text(HARNESS)
+    source = verifiers_v1.load("verifiers:CamelCase/ask_env.py?num_tasks=3")
+    assert len(source.tasks) == 3
+    upper, lower = module_name_of_file("CamelCase/ask_env.py"), module_name_of_file("camelcase/ask_env.py")
+    assert upper == upper.lower() and upper != lower
+
+
 def test_the_start_checks_load_the_env_before_any_model_loads(env_folder, tiny_models, no_model_loads):
     from open_instruct.config import RLVRConfig, parse_config
     from open_instruct.preflight import check_inputs
