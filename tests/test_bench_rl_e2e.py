@@ -3,24 +3,20 @@ process tree, and its handling of an async depth the trainer refuses (the traine
 the tiny model: the refusal comes before any model loads)."""
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+from training_helpers import bench_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_rl_e2e", os.path.join(REPO, "bench", "bench_rl_e2e.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield bench_script("bench_rl_e2e.py")
+    sys.modules.pop("bench_rl_e2e", None)
 
 
 def step(t, cpu, tokens, rss=100.0, **phases):

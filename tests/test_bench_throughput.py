@@ -3,27 +3,22 @@ embedding, by hand) and one real CPU run of its tiny preset whose MFU is 6 N tok
 (the formula docs/benchmarks.md's throughput table rests on)."""
 
 import argparse
-import importlib.util
 import os
 import random
 import statistics
 import sys
 
 import pytest
+from training_helpers import bench_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput", os.path.join(REPO, "bench", "bench_throughput.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
+    module = bench_script("bench_throughput.py")
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop("bench_throughput", None)
 
 
 def test_lengths_are_long_tailed_within_32_to_1024(bench):

@@ -4,10 +4,10 @@ and the summary row built from those times."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+from training_helpers import bench_script
 
 pytest.importorskip("verifiers", reason="verifiers is not installed")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,9 +21,7 @@ def tokenizer_of(folder):
 
 
 def test_the_bench_plays_its_task_and_every_episode_scores_the_scripted_answer(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_verifiers", os.path.join(REPO, "bench", "bench_verifiers.py"))
-    bench_verifiers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_verifiers)
+    bench_verifiers = bench_script("bench_verifiers.py")
     monkeypatch.chdir(tmp_path)
     result = bench_verifiers.measure(str(tmp_path), rollouts=2)
     assert result["episodes"] == 8 and len(result["walls"]) == len(result["cpus"]) == 2

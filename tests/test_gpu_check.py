@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from training_helpers import bench_script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_STEPS = ["fsdp_smoke", "rl_1b_fsdp1", "sft_1b_fsdp1", "sft_1b_single", "sft_1b_single_packed", "rm_1b_fsdp1",
                "dpo_1b_fsdp1", "grpo_1b_single", "sft_w8b_fsdp1"]  # fmt: skip
@@ -18,11 +20,7 @@ MAX_FILES, MAX_DEPTH = 8, 2  # what a device run brings back of its output folde
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "bench", "gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("gpu_check.py")
 
 
 def _files(folder):

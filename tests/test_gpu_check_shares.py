@@ -3,7 +3,6 @@ every step gets at least the seconds it is expected to take on an H100 and the s
 to the budget; and a step killed at its share writes no checkpoint: the kill's SIGTERM ends a training script at once
 (runtime.SIGTERM_ENV, set in every child of the check) instead of checkpointing first."""
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from training_helpers import bench_script
 
 from open_instruct import runtime
 
@@ -19,11 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_shares", os.path.join(REPO, "bench", "gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("gpu_check.py", "gpu_check_shares")
 
 
 def planned_shares(gpu_check, budget: float, only: set) -> dict:

@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+from training_helpers import bench_script
 
 from open_instruct.memory_model import (
     GB,
@@ -165,15 +166,10 @@ def test_every_phase_within_15_percent_of_what_the_cpu_allocator_records():
     and without checkpointing, no-grad scoring forwards, HF generation. 15% is the bound the model is held to (the
     allocator's own rounding and small tensors the formulas leave out, such as rotary tables and masks, stay well
     inside it at these shapes)."""
-    import importlib.util
-    import sys
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("memory_check", os.path.join(REPO, "bench", "memory_check.py"))
-    memory_check = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = memory_check
-    spec.loader.exec_module(memory_check)
+    memory_check = bench_script("memory_check.py")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CPU kernels' per-thread buffers are not the model's
     try:

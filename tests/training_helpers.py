@@ -37,6 +37,20 @@ TINY_PPO_ROLLOUTS = "--local_rollout_batch_size 4 --num_samples_per_prompt 2 --p
 TINY_PPO_ROLLOUTS += ["--num_epochs", "1", "--response_length", "8"]
 
 
+def bench_script(file_name: str, module_name: Optional[str] = None) -> Any:
+    """bench/<file_name> loaded as a module (the bench folder is not a package), registered in sys.modules under
+    module_name (default: the file's stem) first, as its dataclasses resolve their annotations through it."""
+    import importlib.util
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = module_name or os.path.splitext(file_name)[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(repo, "bench", file_name))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def recipe_inputs(recipe: str, model: str, train: str, eval_data: str) -> list[str]:
     """A recipe from configs/ and the three paths every run reads (for a caller that names the output folder)."""
     recipe_path = os.path.join(REPO, "configs", recipe)
