@@ -964,8 +964,9 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         True,
         "Run each group's prompt once per forward (old log-probs, reference, values, reward model and the training "
         "forward/backward) and its completions on its key/value cache, when a micro-batch holds whole groups of one "
-        "prompt in one process, padded; same numbers as the plain forward within float rounding (docs/packing.md). "
-        "false: every completion recomputes its prompt.",
+        "prompt in one process, padded; and once per HF generate call (one prefill for the group's samples). Same "
+        "numbers as the plain forward within float rounding (docs/packing.md). false: every completion recomputes "
+        "its prompt.",
         topic="model",
         resume="may_change",
     )

@@ -47,6 +47,7 @@ import torch
 from open_instruct.batch_math import generation_sequences_per_call
 from open_instruct.distributed import full_params
 from open_instruct.errors import NonFiniteError
+from open_instruct.models import kv_cache_name
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed_precision -> HF generation's weight dtype
 
@@ -374,6 +375,7 @@ class HFGenerator:
         device: Optional[Any] = None,
         eos_token_ids: Optional[Sequence[int]] = None,
         compute_dtype: Optional[torch.dtype] = None,
+        share_prompts: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -390,6 +392,8 @@ class HFGenerator:
         # _compute_dtype_model); None: from the module as it is.
         self.compute_dtype = compute_dtype
         self._cast_copy: Optional[Any] = None
+        self.share_prompts = share_prompts
+        self.prompt_tokens_shared = 0  # prompt tokens the last generate did not compute again (see _shared_prompt_cache)
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> HFGenerator:
@@ -400,6 +404,7 @@ class HFGenerator:
             tokenizer,
             batch_size=generation_sequences_per_call(cfg, max_model_len),
             compute_dtype=COMPUTE_DTYPES.get(cfg.mixed_precision),
+            share_prompts=cfg.shared_prompt_forward,
         )
 
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:
@@ -520,9 +525,13 @@ class HFGenerator:
                 [_StopOnStrings(self.tokenizer, config.stop_strings, width, self.eos_ids)]
             )
         recorder = _SampledLogprobs()  # after the warpers: it sees the distribution the token is drawn from
-        out = self._compute_dtype_model().generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
+        model = self._compute_dtype_model()
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if self.share_prompts:
+            extra.update(self._shared_prompt_cache(model, rows, input_ids, attention_mask))
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             generation_config=hf_config,
             logits_processor=LogitsProcessorList([*self._warpers(config), recorder, *sampler]),
             **extra,
@@ -530,6 +539,46 @@ class HFGenerator:
         for own_sampler in sampler:
             own_sampler.raise_if_invalid()
         return out[:, width:].tolist(), recorder.per_token(out).tolist()
+
+    def _shared_prompt_cache(
+        self, model: Any, rows: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> dict[str, Any]:
+        """The key/value cache of a chunk's prompts but their last token, each distinct prompt computed once and its
+        cache repeated for the rows that sample from it (a GRPO group's n samples), handed to generate, which then
+        runs only the last prompt token and the new ones. At 500-token prompts and n = 4 this removes three
+        quarters of the prefill, which on a CPU was most of a 128-token generation. The same numbers as the
+        unshared prefill within float rounding (the prefix runs at another batch size and the last prompt token one
+        step later); greedy tokens equal (tests/test_generation.py). {} (generate prefills every row) when no
+        two rows share a prompt, a prompt has one token, the model's generation_config asks for another cache
+        (`cache_implementation`), or its forward returns no cache."""
+        slot: dict[tuple[int, ...], int] = {}  # prompt -> its index among the distinct ones
+        first: list[int] = []  # per distinct prompt: its first row
+        owner: list[int] = []  # per row: its distinct prompt
+        for j, row in enumerate(rows):
+            if tuple(row) not in slot:
+                slot[tuple(row)] = len(first)
+                first.append(j)
+            owner.append(slot[tuple(row)])
+        if len(first) == len(rows) or input_ids.shape[1] < 2:
+            return {}
+        if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
+            return {}
+        mask = attention_mask[first]
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate makes them from the mask
+        out = model(
+            input_ids=input_ids[first, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        name = kv_cache_name(out)
+        if name is None:
+            return {}
+        cache = out[name]
+        cache.batch_select_indices(torch.tensor(owner, device=input_ids.device))
+        self.prompt_tokens_shared += int(attention_mask[:, :-1].sum() - mask[:, :-1].sum())
+        return {name: cache}
 
     @torch.no_grad()
     def generate(
@@ -551,6 +600,7 @@ class HFGenerator:
 
         was_training = self.model.training
         self.model.eval()
+        self.prompt_tokens_shared = 0
         sampler: list[Any] = []
         if not config.greedy:
             generator = None

@@ -243,6 +243,38 @@ def test_generation_sub_batches_match_one_batch(lm, prompts):
     assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
 
 
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_before(lm, prompts):
+    """share_prompts (the default, `shared_prompt_forward`): in each generate call a prompt's n rows share one
+    prefill of the prompt but its last token. Greedy tokens equal the unshared generator's, seeded samples too, and
+    the sampler's log-probs agree within the rounding of a reordered forward (a log-softmax: twice the logits'
+    bound); the prompt tokens not computed again are (rows of a prompt in a call - 1) x (its length - 1), summed.
+    A call that splits a group (batch_size 5, groups of 3) shares within the call; share_prompts=False shares none."""
+    from tolerances import forward_atol
+
+    model, tokenizer = lm
+    prompts = [_ids(p) for p in prompts]
+    longest = max(prompts, key=len)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([longest])).logits
+    atol = 2 * forward_atol(model, len(longest) + 12, logits)
+    for config in (GenerationConfig(max_new_tokens=12, temperature=0, n=3),
+                   GenerationConfig(max_new_tokens=12, temperature=1.0, n=3, seed=5)):  # fmt: skip
+        for batch_size in (6, 5):  # samples depend on the batch size (see the test above): each compared at its own
+            plain_generator = HFGenerator(model, tokenizer, batch_size=batch_size, share_prompts=False)
+            plain = plain_generator.generate(prompts, config)
+            assert plain_generator.prompt_tokens_shared == 0
+            shared_generator = HFGenerator(model, tokenizer, batch_size=batch_size)
+            shared = shared_generator.generate(prompts, config)
+            assert shared.response_ids == plain.response_ids and shared.texts == plain.texts
+            for a, b in zip(shared.logprobs, plain.logprobs):
+                assert max(abs(x - y) for x, y in zip(a, b)) <= atol
+            if batch_size == 6:  # rows sorted by length, 2 whole groups per call
+                assert shared_generator.prompt_tokens_shared == sum(2 * (len(p) - 1) for p in prompts)
+            else:  # calls of 5 rows: 3 + 2 | 1 + 3 + 1 | 2 rows of the prompts by length
+                a, b, c, d = sorted(len(p) - 1 for p in prompts)
+                assert shared_generator.prompt_tokens_shared == 2 * a + b + 2 * c + d
+
+
 @pytest.mark.parametrize(
     "micro,rollout,max_model_len,expected",
     [
@@ -361,6 +393,8 @@ def test_a_nan_distribution_is_a_clean_error_not_a_device_assert(lm, prompts, mo
     steps = [0]
 
     def nan_in_row_1(module, args, output):
+        if len(output) != 4:  # the shared prompt prefix's forward (2 distinct prompts), not a decoding step
+            return output
         steps[0] += 1
         if steps[0] >= 3:
             output[1, -1] = float("nan")
