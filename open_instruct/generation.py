@@ -393,7 +393,7 @@ class HFGenerator:
         self.compute_dtype = compute_dtype
         self._cast_copy: Optional[Any] = None
         self.share_prompts = share_prompts
-        self.prompt_tokens_shared = 0  # prompt tokens the last generate did not compute again (see _shared_prompt_cache)
+        self.prompt_tokens_shared = 0  # prompt tokens the last generate did not compute again (_shared_prompt_cache)
 
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> HFGenerator:
