@@ -964,10 +964,18 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
         True,
         "Run each group's prompt once per forward (old log-probs, reference, values, reward model and the training "
         "forward/backward) and its completions on its key/value cache, when a micro-batch holds whole groups of one "
-        "prompt in one process, padded; and once per HF generate call (one prefill for the group's samples). Same "
-        "numbers as the plain forward within float rounding (docs/packing.md). false: every completion recomputes "
-        "its prompt.",
+        "prompt in one process, padded; same numbers as the plain forward within float rounding (docs/packing.md). "
+        "false: every completion recomputes its prompt.",
         topic="model",
+        resume="may_change",
+    )
+    shared_prompt_generation: bool = setting(
+        True,
+        "HF generation: in each generate call a prompt's samples share one prefill of the prompt (its key/value "
+        "cache repeated per sample). Same next-token distributions within float rounding, so a sampled token can "
+        "differ from the unshared prefill's only where rounding moves it across a sampling boundary "
+        "(docs/packing.md). false: every sample prefills its prompt (the computation before this setting).",
+        topic="generation",
         resume="may_change",
     )
     num_epochs: int = setting(4, "PPO/GRPO passes over each rollout.", topic="batch", resume="must_match")

@@ -404,7 +404,7 @@ class HFGenerator:
             tokenizer,
             batch_size=generation_sequences_per_call(cfg, max_model_len),
             compute_dtype=COMPUTE_DTYPES.get(cfg.mixed_precision),
-            share_prompts=cfg.shared_prompt_forward,
+            share_prompts=cfg.shared_prompt_generation,
         )
 
     def sync_weights(self, model: Any, version: Optional[int] = None) -> None:

@@ -244,7 +244,7 @@ def test_generation_sub_batches_match_one_batch(lm, prompts):
 
 
 def test_a_groups_prompt_is_prefilled_once_and_samples_as_before(lm, prompts):
-    """share_prompts (the default, `shared_prompt_forward`): in each generate call a prompt's n rows share one
+    """share_prompts (the default, `shared_prompt_generation`): in each generate call a prompt's n rows share one
     prefill of the prompt but its last token. Greedy tokens equal the unshared generator's, seeded samples too, and
     the sampler's log-probs agree within the rounding of a reordered forward (a log-softmax: twice the logits'
     bound); the prompt tokens not computed again are (rows of a prompt in a call - 1) x (its length - 1), summed.
