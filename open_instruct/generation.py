@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Optional, Protocol, Sequence, runtime_checkable
 
@@ -565,12 +566,16 @@ class HFGenerator:
             return {}
         mask = attention_mask[first]
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate makes them from the mask
+        # the prefix's logits are not needed: only the last position's when the model can keep only that (a peft
+        # wrapper passes the keyword on to the model it wraps)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
         out = model(
             input_ids=input_ids[first, :-1],
             attention_mask=mask[:, :-1],
             position_ids=positions[:, :-1],
             use_cache=True,
-            logits_to_keep=1,
+            **keep,
         )
         name = kv_cache_name(out)
         if name is None:
