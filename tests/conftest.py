@@ -21,6 +21,8 @@ if "OPEN_INSTRUCT_DATA_CACHE" not in os.environ:
 # The files that take longest (`python tests/_test_times.py`, docs/testing.md), run first: `make test` gives each file
 # whole to one pytest-xdist worker (--dist loadfile), and a long file handed out last would keep the run waiting.
 SLOW_FILES = (
+    "test_engine_client_runs.py",  # the vLLM suite's (make test-vllm): whole GRPO runs on dedicated engines
+    "test_engine_client.py",
     "test_demo.py",  # its module fixture runs the whole demo pipeline
     "test_fsdp.py",
     "test_lora.py",

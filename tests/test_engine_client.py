@@ -8,10 +8,8 @@ Needs vLLM (the vLLM venv: `make test-vllm`); skipped in the main venv. Each eng
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,16 +17,24 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.concurrency  # engines, trainers and kills: every wait is on an event
 
-from _reliability_helpers import signal_stopped, stop_at, wait_until_stopped  # noqa: E402
-from training_helpers import run_script, script_env, torchrun_two_processes  # noqa: E402
+from _reliability_helpers import stop_at, wait_until_stopped  # noqa: E402
+from engine_client_helpers import (  # noqa: E402
+    ENV,
+    REPO,
+    build_task,
+    engine_pids,
+    evals,
+    group_members,
+    grpo_args,
+    read_rows,
+    read_rows_of,
+    run,
+)
+from training_helpers import torchrun_two_processes  # noqa: E402
 
-from demo import synthetic  # noqa: E402
 from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_port, healthy, write_engine_model  # noqa: E402
 from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
-ENV = script_env()
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 
 
@@ -420,171 +426,8 @@ def test_a_restarted_trainer_recovers_engines_its_killed_predecessor_left_mid_up
 # ------------------------------------------------------------------------------------- the RL script end to end
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    """RL prompt files and an SFT'd starting policy at hidden 128 (see tests/test_rlvr.py for the task)."""
-    from demo.tiny import save_tiny_models
-
-    root = str(tmp_path_factory.mktemp("rl_server"))
-    models = save_tiny_models(os.path.join(root, "models"), hidden_size=128)
-    files = synthetic.write_task_files(os.path.join(root, "data"), n_train=2000, n_eval=200)
-    sft_data = synthetic.write_jsonl(
-        os.path.join(root, "data", "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6)
-    )
-    sft_dir = os.path.join(root, "sft")
-    run([
-        os.path.join(REPO, "open_instruct", "sft.py"), os.path.join(REPO, "configs", "sft_tiny.yaml"),
-        "--model_name_or_path", models["causal_lm"], "--dataset_name_or_path", sft_data,
-        "--eval_dataset_name_or_path", files["sft_eval"], "--output_dir", sft_dir, "--num_train_epochs", "3",
-        "--eval_steps", "1000", "--checkpointing_steps", "1000",
-    ])  # fmt: skip
-    return {"root": root, "policy": os.path.join(sft_dir, "final_model"), **files}
-
-
-def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    return run_script(args, ENV, timeout)
-
-
-def grpo_args(task: dict, out_dir: str, *extra: str) -> list[str]:
-    return [
-        SCRIPT, os.path.join(REPO, "configs", "rlvr_tiny.yaml"),
-        "--model_name_or_path", task["policy"], "--dataset_name_or_path", task["rl_train"],
-        "--eval_dataset_name_or_path", task["rl_eval"], "--output_dir", out_dir,
-        "--algo", "grpo", "--num_samples_per_prompt", "8", "--local_rollout_batch_size", "16",
-        "--per_device_train_batch_size", "128", "--num_epochs", "1", "--kl_estimator", "k3",
-        "--total_episodes", "1024", "--eval_steps", "4", "--checkpointing_steps", "2",
-        "--generation_backend", "vllm_server", "--vllm_engine_start_timeout", "600", *extra,
-    ]  # fmt: skip
-
-
-def read_rows(out_dir: str) -> list[dict]:
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def evals(rows: list[dict]) -> list[float]:
-    return [r["eval/correct_rate"] for r in rows if "eval/correct_rate" in r]
-
-
-def test_async_grpo_learns_and_matches_sync(task):
-    """8 rollouts of GRPO with generation on a dedicated engine, synchronous and one-step off-policy (async_steps 1,
-    truncated IS on by default). Both raise held-out accuracy by a clear margin; the async run's final accuracy is
-    within 0.12 of the sync run's (the same prompts and seeds; lag 1 changes the samples, so not bit-equal).
-    The async run's logs show the lag (1 after the first rollout) and generation hidden behind training."""
-    sync_dir, async_dir = os.path.join(task["root"], "sync"), os.path.join(task["root"], "async")
-    run(grpo_args(task, sync_dir))
-    run(grpo_args(task, async_dir, "--async_steps", "1"))
-    sync_rows, async_rows = read_rows(sync_dir), read_rows(async_dir)
-    sync_acc, async_acc = evals(sync_rows), evals(async_rows)
-    assert len(sync_acc) == len(async_acc) == 3  # rollouts 0 (baseline), 4, 8
-    assert sync_acc[0] == async_acc[0]  # the same starting policy, evaluated by the engine
-    assert sync_acc[-1] >= sync_acc[0] + 0.15, sync_acc
-    assert async_acc[-1] >= async_acc[0] + 0.15, async_acc
-    assert abs(async_acc[-1] - sync_acc[-1]) <= 0.12, (sync_acc, async_acc)
-    train_sync = [r for r in sync_rows if "train/policy_lag_mean" in r]
-    train_async = [r for r in async_rows if "train/policy_lag_mean" in r]
-    assert all(r["train/policy_lag_max"] == 0 for r in train_sync)
-    assert train_async[0]["train/policy_lag_mean"] == 0 and all(
-        r["train/policy_lag_mean"] == 1 for r in train_async[1:]
-    )
-    sent = [r["perf/weight_sync_bytes"] for r in train_async[1:]]  # 0 where an eval had just sent these weights
-    assert len(set(sent) - {0}) == 1 and sent.count(0) <= 2, sent  # the whole model each time
-    assert all(r["perf/generation_hidden_fraction"] == 0 for r in train_sync)
-    hidden = [r["perf/generation_hidden_fraction"] for r in train_async[1:]]
-    assert sum(hidden) / len(hidden) > 0.5, hidden  # most of the engine's time is behind training
-
-
-def test_async_two_with_in_flight_updates_preempted_resumes_with_its_rollouts_in_flight(task):
-    """async_steps 2 on a dedicated engine (weights updated with the next rollout generating): every sampled token is
-    at most 2 versions older than the trainer, the first rollouts' lags are 0 then <= 1; SIGTERM after rollout 3 drains
-    the rollouts in flight into the checkpoint, and the resumed run trains on them as saved (the first rollout after
-    the resume was sampled before it: a lag > 0, where a regenerated one would be 0), so each rollout's prompts are
-    the synchronous run's, none lost or repeated."""
-    sync_dir = os.path.join(task["root"], "sync")
-    if not os.path.exists(os.path.join(sync_dir, "final_model")):  # (test_async_grpo_learns_and_matches_sync's)
-        run(grpo_args(task, sync_dir))
-    out_dir = os.path.join(task["root"], "async2")
-    args = grpo_args(task, out_dir, "--async_steps", "2")
-    proc = subprocess.Popen(  # stops itself after rollout 3's row: the SIGTERM lands there
-        [sys.executable, *args], cwd=REPO, env={**ENV, **stop_at("metrics_row", 3)}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    trained = lambda: [r for r in read_rows(out_dir) if "train/version_lag_mean" in r]  # noqa: E731
-    wait_until_stopped(proc.pid, 900)
-    signal_stopped(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
-    reached = trained()[-1]["rollout_step"]
-    assert reached == 3, reached
-    run([*args, "--resume_from_checkpoint", "auto"])
-    rows = trained()
-    assert [r["rollout_step"] for r in rows] == list(range(1, 9))
-    assert all(r["train/version_lag_max"] <= 2 for r in rows) and rows[0]["train/version_lag_max"] == 0
-    assert rows[1]["train/version_lag_max"] <= 1 and rows[reached]["train/version_lag_mean"] > 0
-    sampled = lambda d: [(r["rollout_step"], r["prompt"]) for r in read_rows_of(d, "samples.jsonl")]  # noqa: E731
-    assert sampled(out_dir) == sampled(sync_dir)
-
-
-def read_rows_of(out_dir: str, name: str) -> list[dict]:
-    with open(os.path.join(out_dir, name)) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def test_killed_engine_stops_the_run_with_a_clear_error(task):
-    """Kill the engine after the first checkpoint: the trainer exits non-zero naming the engine, and the checkpoint
-    it had written is intact (a resume with a new engine finishes the run)."""
-    out_dir = os.path.join(task["root"], "engine_killed")
-    args = grpo_args(task, out_dir, "--async_steps", "1", "--vllm_server_timeout", "60")
-    env = {**ENV, **stop_at("checkpoint_prune")}  # the trainer stops itself once its first checkpoint is in place
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_until_stopped(proc.pid, 600)
-    engine_pid = engine_pids(out_dir)
-    assert engine_pid, "no engine process found"
-    for pid in engine_pid:
-        os.kill(pid, signal.SIGKILL)  # the server only: its engine core and worker are orphaned
-    os.kill(proc.pid, signal.SIGCONT)
-    _, stderr = proc.communicate(timeout=300)
-    stderr = stderr.decode()
-    assert proc.returncode not in (0, None)
-    assert "vLLM engine 0" in stderr, stderr[-3000:]
-    assert not group_members(engine_pid), "the killed engine's core/worker processes outlived the run"
-    run([*args, "--resume_from_checkpoint", "auto"])  # a new engine; the saved state loads and the run completes
-    assert read_rows(out_dir)[-1]["rollout_step"] == 8
-
-
-def group_members(leaders: list[int]) -> list[int]:
-    """Processes left in the process groups of these engine servers (each engine runs in a group of its own)."""
-    found = [subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout for pid in leaders]
-    return [int(p) for out in found for p in out.split()]
-
-
-def engine_pids(out_dir: str) -> list[int]:
-    """The engine server processes started for this output folder (their command line names its engine_model)."""
-    found = subprocess.run(["pgrep", "-f", os.path.join(out_dir, "engine_model")], capture_output=True, text=True)
-    return [int(p) for p in found.stdout.split()]
-
-
-def test_sigkill_of_the_trainer_then_resume_completes(task):
-    """SIGKILL the async trainer mid-run: its engine dies with it (no orphan holding the device), and --resume
-    completes the run from the last checkpoint, regenerating the rollout that was in flight."""
-    out_dir = os.path.join(task["root"], "trainer_killed")
-    args = grpo_args(task, out_dir, "--async_steps", "1")
-    proc = subprocess.Popen(  # stops itself once its first checkpoint is in place (a rollout in flight)
-        [sys.executable, *args], cwd=REPO, env={**ENV, **stop_at("checkpoint_prune")}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )  # fmt: skip
-    wait_until_stopped(proc.pid, 600)
-    servers = engine_pids(out_dir)
-    assert servers
-    proc.kill()
-    proc.wait()
-    for _ in range(60):  # PR_SET_PDEATHSIG: the engine gets SIGTERM when the trainer dies, and stops its core
-        if not engine_pids(out_dir) and not group_members(servers):
-            break
-        time.sleep(1)
-    assert not engine_pids(out_dir), "the engine outlived the killed trainer"
-    assert not group_members(servers), "the engine's core/worker processes outlived the killed trainer"
-    run([*args, "--resume_from_checkpoint", "auto"])
-    rows = read_rows(out_dir)
-    assert rows[-1]["rollout_step"] == 8 and evals(rows)
-    assert not healthy("http://127.0.0.1:1")  # sanity of the probe itself
+    """RL prompt files and an SFT'd starting policy at hidden 128 (engine_client_helpers.build_task)."""
+    return build_task(tmp_path_factory)
 
 
 def test_trainer_restarts_against_engines_started_apart(task):
