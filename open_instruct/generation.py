@@ -556,10 +556,11 @@ class HFGenerator:
         first: list[int] = []  # per distinct prompt: its first row
         owner: list[int] = []  # per row: its distinct prompt
         for j, row in enumerate(rows):
-            if tuple(row) not in slot:
-                slot[tuple(row)] = len(first)
+            key = tuple(row)
+            if key not in slot:
+                slot[key] = len(first)
                 first.append(j)
-            owner.append(slot[tuple(row)])
+            owner.append(slot[key])
         if len(first) == len(rows) or input_ids.shape[1] < 2:
             return {}
         if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:

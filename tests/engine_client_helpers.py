@@ -6,11 +6,10 @@ import json
 import os
 import subprocess
 
-from training_helpers import run_script, script_env
+from training_helpers import REPO, run_script, script_env
 
 from demo import synthetic
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "open_instruct", "rlvr_ppo.py")
 ENV = script_env()
 

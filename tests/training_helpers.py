@@ -42,9 +42,8 @@ def bench_script(file_name: str, module_name: Optional[str] = None) -> Any:
     module_name (default: the file's stem) first, as its dataclasses resolve their annotations through it."""
     import importlib.util
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     name = module_name or os.path.splitext(file_name)[0]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(repo, "bench", file_name))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", file_name))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
