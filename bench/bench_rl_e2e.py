@@ -111,6 +111,9 @@ class Workload:
     bf16: bool = False
     threads: int = 1  # OMP threads per process (trainer; TRL; the engine has vLLM's own)
     prompt_tokens: int = 0  # > 0: worked examples before each problem, up to this many prompt tokens (write_prompts)
+    # "calculator": multi-turn tool episodes (write_tool_prompts): the calculator tool, at most max_turns policy turns
+    task: str = "arithmetic"
+    max_turns: int = 3  # calculator task: a call, the answer and one spare (TRL: max_tool_calling_iterations 2)
 
     @property
     def episodes_per_step(self) -> int:
@@ -130,7 +133,15 @@ PRESETS = {
     # shared prompt is then most of each completion's tokens (128 responses) or half of them (256)
     "prompt512_r128": Workload(response_length=128, max_prompt_length=512, prompt_tokens=512),
     "prompt512_r256": Workload(response_length=256, max_prompt_length=512, prompt_tokens=512),
+    # a multi-turn tool task: worked calculator conversations (call, result, answer) before each problem, up to 640
+    # prompt tokens; a turn that calls the calculator gets its result as a tool turn and the episode goes on
+    "tools_r128": Workload(response_length=128, max_prompt_length=640, prompt_tokens=640, task="calculator"),
 }
+TASKS = ("arithmetic", "calculator")
+# TRL's copy of Qwen2.5's chat template: it renders tool schemas, tool calls and tool turns (SmolLM2's own template
+# drops them) and TRL's tool loop parses its calls (trl.chat_template_utils.add_response_schema knows it)
+TOOL_CHAT_TEMPLATE = ("trl", "chat_templates/qwen2_5.jinja")
+TOOL_SYSTEM_PROMPT = "You are a helpful assistant. Use the calculator for arithmetic, then give the answer."
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,6 +321,69 @@ def prepare_model(root: str) -> str:
     return path
 
 
+def prepare_tool_model(root: str, model: str) -> str:
+    """<root>/model_tools: `model`'s weights (hard links, or copies across file systems) with TOOL_CHAT_TEMPLATE as
+    its chat template, so both trainers render the same tool prompts (SmolLM2's vocabulary has its <|im_start|>,
+    <|im_end|>)."""
+    import shutil
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+
+    path = os.path.join(root, "model_tools")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    tmp = path + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(model, name)):
+            try:
+                os.link(os.path.join(model, name), os.path.join(tmp, name))
+            except OSError:
+                shutil.copy2(os.path.join(model, name), os.path.join(tmp, name))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    package, name = TOOL_CHAT_TEMPLATE
+    tokenizer.chat_template = resources.files(package).joinpath(name).read_text()
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def write_tool_prompts(root: str, n: int, seed: int, prompt_tokens: int, tokenizer: Any) -> str:
+    """n calculator problems (demo.synthetic.tool_rl_rows: "Compute 7890-1663.", the `arithmetic` verifier), each
+    after TOOL_SYSTEM_PROMPT and the same worked conversations (demo.synthetic.tool_sft_rows: question, calculator
+    call, its result, the answer), as many as keep every prompt, rendered with the calculator's schema, within
+    prompt_tokens tokens: without them SmolLM2-135M never calls a tool; with three, about half its samples do."""
+    from demo.synthetic import tool_rl_rows, tool_sft_rows, write_jsonl
+    from open_instruct.environments import CALCULATOR_SCHEMA
+
+    rows = tool_rl_rows(n, seed)
+
+    def longest(shots: list[dict[str, Any]]) -> int:
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, *shots, *r["messages"]],
+                tools=[CALCULATOR_SCHEMA],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for r in rows
+        ]
+        return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+    shots: list[dict[str, Any]] = []
+    for example in tool_sft_rows(64, seed + 1, direct_fraction=0.0):
+        if longest(shots + example["messages"]) > prompt_tokens:
+            break
+        shots += example["messages"]
+    if not shots:
+        raise ValueError(f"prompt_tokens {prompt_tokens}: not even one worked conversation fits")
+    for r in rows:
+        r["messages"] = [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, *shots, *r["messages"]]
+    return write_jsonl(os.path.join(root, "prompts_tools.jsonl"), rows)
+
+
 def write_prompts(root: str, n: int, seed: int, prompt_tokens: int = 0, tokenizer: Any = None) -> str:
     """n problems with SUFFIX; prompt_tokens > 0: each user message starts with the same instructions and as many
     worked examples (other problems with their answers) as keep every chat-templated prompt within prompt_tokens
@@ -371,6 +445,9 @@ def ours_argv(
         "--generation_backend", backend, "--async_steps", str(async_steps),
         "--mixed_precision", "bf16" if w.bf16 else "no",
     ]  # fmt: skip
+    if w.task == "calculator":  # the tool environment: a turn ending in a call gets the result as a tool turn
+        argv += ["--environment", "tool", "--tool_call_format", "hermes", "--max_turns", str(w.max_turns),
+                 "--max_tool_calls", str(w.max_turns - 1)]  # fmt: skip
     if backend == "vllm_server" and w.device == "cuda":
         import torch
 
@@ -415,9 +492,12 @@ def run_trl(w: Workload, model: str, data: str, out_dir: str, use_vllm: bool) ->
 
     rows = [json.loads(line) for line in open(data)]
     dataset = datasets.Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"]} for r in rows])
+    tools = [calculator_tool()] if w.task == "calculator" else None
 
     def arithmetic_reward(completions: list, ground_truth: list, **kwargs: Any) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        # conversational: the last assistant message (after a tool loop a completion is several messages)
+        texts = [next(m["content"] for m in reversed(c) if m["role"] == "assistant") if isinstance(c, list) else c
+                 for c in completions]  # fmt: skip
         return [verify_arithmetic(t, g) for t, g in zip(texts, ground_truth)]
 
     # TRL times its phases with ProfilingContext but reports them only to wandb/mlflow/trackio: keep them here.
@@ -479,6 +559,7 @@ def run_trl(w: Workload, model: str, data: str, out_dir: str, use_vllm: bool) ->
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, disable_dropout=True,
         use_vllm=use_vllm, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
         vllm_max_model_length=w.max_prompt_length + w.response_length,
+        max_tool_calling_iterations=w.max_turns - 1 if tools else None,
     )  # fmt: skip
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -501,10 +582,28 @@ def run_trl(w: Workload, model: str, data: str, out_dir: str, use_vllm: bool) ->
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trainer = TimedGRPOTrainer(
         model=policy, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[Stamp()],
+        callbacks=[Stamp()], tools=tools,
     )  # fmt: skip
     trainer.train()
     return steps
+
+
+def calculator_tool() -> Any:
+    """The tool environment's calculator as a TRL tool: the same function, and a docstring from which transformers
+    builds the schema ours renders (environments.CALCULATOR_SCHEMA; checked equal here)."""
+    from transformers.utils import get_json_schema
+
+    from open_instruct.environments import CALCULATOR_SCHEMA, calculate
+
+    def calculator(expression: str):  # no return hint: it would add "return" to the schema
+        return calculate(expression)
+
+    function = CALCULATOR_SCHEMA["function"]
+    argument = function["parameters"]["properties"]["expression"]["description"]
+    calculator.__doc__ = f"{function['description']}\n\nArgs:\n    expression: {argument}"
+    if get_json_schema(calculator) != CALCULATOR_SCHEMA:
+        raise RuntimeError(f"TRL's calculator schema {get_json_schema(calculator)} differs from {CALCULATOR_SCHEMA}")
+    return calculator
 
 
 def child(args: argparse.Namespace) -> None:
@@ -595,6 +694,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for key in ("prompts", "group", "response_length", "steps", "threads", "prompt_tokens"):
         parser.add_argument(f"--{key}", type=int, default=None, help="override the preset's value")
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--task", choices=TASKS, default=None, help="override the preset's task")
     parser.add_argument("--variants", nargs="+", default=None, help=f"default: {' '.join(BASE_VARIANTS)}")
     parser.add_argument("--async_steps", type=int, nargs="*", default=[2], help="ours_<backend>_asyncN for each N")
     parser.add_argument("--async_backends", nargs="*", choices=["hf", "vllm"], default=["vllm", "hf"])
@@ -611,7 +711,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         return {}
     preset = "smoke" if args.smoke else args.preset
     overrides = {k: getattr(args, k) for k in ("prompts", "group", "response_length", "steps", "threads", "lr",
-                                               "prompt_tokens")}  # fmt: skip
+                                               "prompt_tokens", "task")}  # fmt: skip
     w = Workload(**{**asdict(PRESETS[preset]), **{k: v for k, v in overrides.items() if v is not None}})
     w.max_prompt_length = max(w.max_prompt_length, w.prompt_tokens)
     if args.variants is None:
@@ -620,18 +720,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if bad or any(n < 1 for n in args.async_steps):
         parser.error(f"--variants: unknown {bad} (known: ours_hf_sync, ours_vllm_sync, ours_hf_asyncN, "
                      "ours_vllm_asyncN, trl, trl_vllm); --async_steps values must be >= 1")  # fmt: skip
+    if w.task not in TASKS or (w.task == "calculator" and (w.prompt_tokens < 1 or w.max_turns < 2)):
+        parser.error(f"task {w.task!r}: one of {TASKS}; calculator needs --prompt_tokens > 0 (its worked "
+                     "conversations) and max_turns >= 2")  # fmt: skip
     if w.steps < 2 or w.group < 2 or w.prompts < 1 or w.episodes_per_step % 2:
         parser.error("--steps and --group must be >= 2, --prompts >= 1, prompts x group even (2 micro-batches)")
     names = variants_for(args)
     root = os.path.abspath(args.out)
     os.makedirs(root, exist_ok=True)
     model = prepare_model(root)
+    if w.task == "calculator":
+        model = prepare_tool_model(root, model)
     tokenizer = None
     if w.prompt_tokens:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-    data = write_prompts(root, max(64, w.steps * w.prompts * 2), w.seed, w.prompt_tokens, tokenizer)
+    n = max(64, w.steps * w.prompts * 2)
+    if w.task == "calculator":
+        data = write_tool_prompts(root, n, w.seed, w.prompt_tokens, tokenizer)
+    else:
+        data = write_prompts(root, n, w.seed, w.prompt_tokens, tokenizer)
     results: dict[str, Any] = {n: {"runs": []} for n in names}
     for r in range(args.repeats):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no variant always runs first
@@ -648,7 +757,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     md = table(results)
     header = (
         f"SmolLM2-135M-Instruct, {w.prompts} prompts x {w.group} completions per step, up to {w.response_length} new "
-        f"tokens, {w.prompt_tokens or 'plain'} prompt tokens, {w.steps} steps (step 1 not timed), lr {w.lr}, "
+        f"tokens, {w.prompt_tokens or 'plain'} prompt tokens, task {w.task}, {w.steps} steps (step 1 not timed), "
+        f"lr {w.lr}, "
         f"{w.device}{' bf16' if w.bf16 else ' fp32'}, "
         f"{w.threads} threads, {args.repeats} repeat(s) (median shown)"
     )

@@ -253,3 +253,58 @@ def test_long_prompts_fill_up_to_the_token_budget(bench, tiny_models, tmp_path):
     )
     with pytest.raises(ValueError, match="needs the tokenizer"):
         bench.write_prompts(str(tmp_path), 8, seed=1, prompt_tokens=512)
+
+
+def test_calculator_task_prompts_tool_and_trainer_settings(bench, tiny_models, tmp_path):
+    """The multi-turn tool task (--task calculator): the model folder gets the tool chat template beside the same
+    weights; every prompt is the system prompt, the same worked calculator conversations and its own question, within
+    the token budget, and one more conversation would not have fitted; TRL's calculator tool renders the schema ours
+    renders and computes what ours computes; our trainer plays the tool environment with max_turns - 1 calls."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from demo.synthetic import tool_sft_rows
+    from open_instruct.environments import CALCULATOR_SCHEMA, calculate
+
+    model = bench.prepare_tool_model(str(tmp_path), tiny_models["causal_lm"])
+    for name in ("model.safetensors", "config.json"):  # the same bytes (hard links where the file system allows)
+        with open(os.path.join(model, name), "rb") as a, open(os.path.join(tiny_models["causal_lm"], name), "rb") as b:
+            assert a.read() == b.read()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert "<tool_call>" in tokenizer.chat_template and "tools" in tokenizer.chat_template
+
+    def tokens(messages, tools):
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    system = {"role": "system", "content": bench.TOOL_SYSTEM_PROMPT}
+    shots = [m for example in tool_sft_rows(64, 2, direct_fraction=0.0) for m in example["messages"]]  # seed + 1
+    question = {"role": "user", "content": "What is 1000+1000?"}
+    bare = tokens([system, question], [CALCULATOR_SCHEMA])
+    budget = bare + (tokens([system, *shots[:4], question], [CALCULATOR_SCHEMA]) - bare) * 5 // 2  # ~2 conversations
+    with pytest.raises(ValueError, match="not even one worked conversation fits"):
+        bench.write_tool_prompts(str(tmp_path), 8, seed=1, prompt_tokens=bare, tokenizer=tokenizer)
+    path = bench.write_tool_prompts(str(tmp_path), 8, seed=1, prompt_tokens=budget, tokenizer=tokenizer)
+    rows = [json.loads(line) for line in open(path)]
+    head = rows[0]["messages"][:-1]
+    assert head[0] == system
+    used = len(head) - 1
+    assert (
+        used % 4 == 0 and used >= 4 and head[1:] == shots[:used]
+    )  # whole conversations: question, call, result, answer
+    assert all(r["messages"][:-1] == head and r["messages"][-1]["role"] == "user" for r in rows)
+    assert all(r["dataset"] == "arithmetic" and r["ground_truth"] for r in rows)
+    lengths = [tokens(r["messages"], [CALCULATOR_SCHEMA]) for r in rows]
+    assert max(lengths) <= budget
+    longest = rows[lengths.index(max(lengths))]["messages"]
+    assert tokens(head + shots[used : used + 4] + longest[-1:], [CALCULATOR_SCHEMA]) > budget
+
+    tool = bench.calculator_tool()
+    assert tool("(1234 * 5678) - 9") == calculate("(1234 * 5678) - 9") == str(1234 * 5678 - 9)
+    assert tokens(longest, [tool]) == tokens(longest, [CALCULATOR_SCHEMA])
+    w = bench.PRESETS["tools_r128"]
+    argv = bench.ours_argv(w, model, path, str(tmp_path / "o"), "hf", 0)
+    settings = dict(zip(argv[::2], argv[1::2]))
+    assert settings["--environment"] == "tool" and settings["--tool_call_format"] == "hermes"
+    assert settings["--max_turns"] == str(w.max_turns) and settings["--max_tool_calls"] == str(w.max_turns - 1)
