@@ -1308,14 +1308,16 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
     teacher_model_name_or_path: Optional[str] = setting(
         None,
         "A frozen teacher (any causal LM with the student's tokenizer) the student is distilled towards on its own "
-        "samples; setting it alone picks advantage_estimator distill.",
+        "samples; setting it alone picks advantage_estimator distill. An http(s):// URL: a running vLLM server of "
+        "the teacher (docs/distillation.md).",
         topic="algorithm",
         resume="must_match",
         loads="weights",
         content_key="teacher_weights",
     )
     teacher_models: dict[str, str] = setting(
-        help="Named teachers for multi-teacher distillation (TRL's MOPD): name -> local folder or hub name, e.g. "
+        help="Named teachers for multi-teacher distillation (TRL's MOPD): name -> local folder, hub name or the "
+        "URL of a running vLLM server of it, e.g. "
         "{math: path/a, code: path/b} or --teacher_models math=path/a code=path/b; with two or more, each training "
         "row's teacher_column names its teacher (one scores every row). Instead of teacher_model_name_or_path.",
         default_factory=dict,
@@ -1408,6 +1410,11 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
             return [(f"teacher_models {name}", path) for name, path in self.teacher_models.items()]
         single = self.teacher_model_name_or_path
         return [("teacher_model_name_or_path", single)] if single else []
+
+    def loaded_teacher_settings(self) -> list[tuple[str, str]]:
+        """teacher_settings without the teachers a server scores (is_teacher_server): those loaded beside the
+        policy, which the memory and time plans count."""
+        return [(key, path) for key, path in self.teacher_settings() if not is_teacher_server(path)]
 
     @property
     def kl_in_reward(self) -> bool:
@@ -1649,6 +1656,18 @@ class RLVRConfig(GenerationEngineConfig, BaseConfig):
                 f"teacher: use {teachers} (or leave advantage_estimator unset)"
             )
         self._validate_teacher_models()
+        served = [key for key, path in self.teacher_settings() if is_teacher_server(path)]
+        if served and self.distill_loss != "reverse_kl":
+            raise ConfigError(
+                f"{served[0]} is a teacher server, which returns the sampled tokens' log-probs only: distill_loss "
+                f"{self.distill_loss} reads the teacher's whole distribution; use reverse_kl or a local teacher"
+            )
+        if served and self.temperature != 1.0:
+            raise ConfigError(
+                f"{served[0]} is a teacher server, whose log-probs of given tokens vLLM computes at temperature 1 "
+                f"(prompt tokens skip its sampling processors), while this run samples and scores at temperature "
+                f"{self.temperature}: sample at temperature 1.0, or load the teacher (a folder or hub name)"
+            )
         _check_range(self, "distill_jsd_beta", 0.0, 1.0)
         _check_positive(self, "teacher_kl_weight", allow_zero=True)
         _check_positive(self, "distill_reward_weight", allow_zero=True)
@@ -1853,6 +1872,11 @@ def _metavar(hint: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Checks
+
+
+def is_teacher_server(teacher: Any) -> bool:
+    """A distillation teacher given as the URL of a running server (teacher_server.py) rather than a model."""
+    return isinstance(teacher, str) and teacher.strip().startswith(("http://", "https://"))
 
 
 def _check_positive(cfg: Any, name: str, allow_zero: bool = False) -> None:

@@ -200,8 +200,17 @@ def vocabulary_problem(
 def check_teacher(cfg: Any) -> None:
     """Refuse (ConfigError, exit 2) before any model loads a teacher (each of teacher_models) whose vocabulary is
     not the student's: the teacher scores the student's token ids, so one id must mean one token in both."""
+    from open_instruct.config import is_teacher_server
+
     student = cfg.model_name_or_path
     for key, teacher in cfg.teacher_settings():
+        if is_teacher_server(teacher):  # the server's tokenization, context and temperature (teacher_server.py)
+            from open_instruct.models import run_tokenizer
+            from open_instruct.teacher_server import check_teacher_server
+
+            max_len = cfg.max_prompt_length + cfg.response_length
+            check_teacher_server(key, teacher, run_tokenizer(cfg), max_len)
+            continue
         try:
             problem = vocabulary_problem(
                 student, teacher, cfg.trust_remote_code, cfg.gguf_file, cfg.tokenizer_name_or_path
@@ -292,7 +301,19 @@ def teacher_scores(
     with teacher_models, each row's own teacher's (routed_teacher_logprobs)."""
     if models.teachers:
         return {"teacher_logp": routed_teacher_logprobs(cfg, models.teachers, batch, mask, episodes)}
-    return {"teacher_logp": teacher_token_logprobs(models.teacher, batch, mask, cfg.temperature)}
+    return {"teacher_logp": teacher_logprobs(models.teacher, batch, mask, cfg.temperature, episodes)}
+
+
+def teacher_logprobs(
+    teacher: Any, batch: dict[str, torch.Tensor], mask: torch.Tensor, temperature: float, episodes: Sequence[dict]
+) -> torch.Tensor:
+    """log pi_teacher(y_t) [B, R], 0 off `mask`: a loaded teacher's forward, or a teacher server's answers (each row's
+    prompt and response tokens sent to it: teacher_server.TeacherServer)."""
+    from open_instruct.teacher_server import TeacherServer
+
+    if isinstance(teacher, TeacherServer):
+        return teacher.token_logprobs([e["prompt_ids"] for e in episodes], batch["responses"], mask)
+    return teacher_token_logprobs(teacher, batch, mask, temperature)
 
 
 def teacher_of(cfg: Any, episode: dict) -> str:
@@ -308,14 +329,17 @@ def routed_teacher_logprobs(
     runs on the micro-batch, its output layer on its rows' tokens only. A teacher none of the rows names is skipped on
     one process; across processes every teacher runs on every micro-batch (an FSDP-sharded forward is a collective,
     and the ranks' micro-batches name different teachers)."""
+    from open_instruct.teacher_server import TeacherServer
+
     names = [teacher_of(cfg, e) for e in episodes]
     every = torch.distributed.is_available() and torch.distributed.is_initialized()
     every = every and torch.distributed.get_world_size() > 1
     out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     for name, teacher in teachers.items():
         rows = torch.tensor([n == name for n in names], dtype=mask.dtype, device=mask.device)
-        if every or any(n == name for n in names):
-            out += teacher_token_logprobs(teacher, batch, mask * rows[:, None], cfg.temperature)
+        served = isinstance(teacher, TeacherServer)  # no collective: a server's rows only
+        if (every and not served) or any(n == name for n in names):
+            out += teacher_logprobs(teacher, batch, mask * rows[:, None], cfg.temperature, episodes)
     return out
 
 

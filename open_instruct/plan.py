@@ -638,8 +638,8 @@ def rollout_seconds(generation: float, training: float, weight_sync: float, over
 def teacher_params(cfg: RLVRConfig, params: float) -> float:
     """The distillation teachers' parameters (0 without one), summed over teacher_models (each teacher's forward
     runs on every micro-batch that holds one of its rows: at most all of them): each from its local config.json or
-    its name, else the policy's."""
-    names = [path for _, path in cfg.teacher_settings()] if hasattr(cfg, "teacher_settings") else []
+    its name, else the policy's. A teacher server's run elsewhere (0 here)."""
+    names = [path for _, path in cfg.loaded_teacher_settings()] if hasattr(cfg, "loaded_teacher_settings") else []
     return sum(model_params(name, None)[0] or params for name in names)
 
 
@@ -709,7 +709,8 @@ def rl_train_side(
     layers = num_layers(cfg.model_name_or_path, params)
     value_layers = num_layers(cfg.value_model_path or "", value) if value else 0
     teacher = teacher_params(cfg, params)
-    teacher_layers = max((num_layers(p, teacher) for _, p in cfg.teacher_settings()), default=0) if teacher else 0
+    loaded = cfg.loaded_teacher_settings()
+    teacher_layers = max((num_layers(p, teacher) for _, p in loaded), default=0) if teacher else 0
     # (size, layers, forwards per micro-batch, phase name); the teacher's again each epoch under jsd
     no_grad = [(params, layers, 2, "scoring"), (value, value_layers, 1, "scoring"), (reward, layers, 1, "scoring")]
     teacher_forwards = 1 + (cfg.num_epochs if cfg.distill_loss == "jsd" else 0) if teacher else 0
@@ -1098,7 +1099,7 @@ def predict_memory(cfg: BaseConfig, world: int, a: TimeAssumptions) -> Optional[
             frozen.append(("reference", policy))
         if cfg.reward_model_path:
             frozen.append(("reward model", (shape_of(cfg.reward_model_path) or policy).without_output_layer()))
-        for key, path in cfg.teacher_settings():  # every teacher resident beside the policy (no-grad, like the ref)
+        for key, path in cfg.loaded_teacher_settings():  # every loaded teacher resident beside the policy (no-grad)
             frozen.append((key.replace("_model_name_or_path", "").replace("teacher_models ", "teacher "),
                            shape_of(path) or policy))  # fmt: skip
     memory = a.gpu_memory_gb or GPU_SPECS[a.gpu].memory_gb

@@ -354,7 +354,7 @@ def check_inputs(cfg: Any) -> None:
             check_tokenizer_folder(folder, key)
     if cfg.script != "reward_model" and not cfg.gguf_file:  # the others generate or score tokens with it
         check_trained_lm_head(cfg.model_name_or_path, "model_name_or_path")
-    for key, teacher in cfg.teacher_settings() if hasattr(cfg, "teacher_settings") else ():
+    for key, teacher in cfg.loaded_teacher_settings() if hasattr(cfg, "loaded_teacher_settings") else ():
         check_model_folder(teacher, key)
         check_trained_lm_head(teacher, key)
     for key in ("value_model_path", "reward_model_path"):

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig
 
 from open_instruct import console, data, integrations, rewards
-from open_instruct.config import RLVRConfig
+from open_instruct.config import RLVRConfig, is_teacher_server
 from open_instruct.distributed import (
     global_sum,
     global_sums_by_source,
@@ -822,15 +822,22 @@ def load_models(
     if models.reward is not None:
         hold_frozen_in_compute_dtype(models.reward.seq_cls, cfg.mixed_precision, sharded)
         models.reward = prepare_frozen(accelerator, models.reward)
-    # distillation.check_teacher compared the vocabularies before any load; every teacher stays resident
+    # distillation.check_teacher compared the vocabularies before any load; every loaded teacher stays resident, a
+    # teacher server is asked over HTTP (teacher_server.py)
     for key, path in cfg.teacher_settings():
-        teacher = load_causal_lm(
-            path, DTYPES["no"], None, cfg.trust_remote_code, attn_implementation=cfg.attention_kernel
-        )
-        disable_dropout(teacher)
-        teacher = prepare_frozen(accelerator, hold_frozen_in_compute_dtype(teacher, cfg.mixed_precision, sharded))
+        name = key.removeprefix("teacher_models ")
+        if is_teacher_server(path):
+            from open_instruct.teacher_server import TeacherServer
+
+            teacher = TeacherServer(name, path)
+        else:
+            teacher = load_causal_lm(
+                path, DTYPES["no"], None, cfg.trust_remote_code, attn_implementation=cfg.attention_kernel
+            )
+            disable_dropout(teacher)
+            teacher = prepare_frozen(accelerator, hold_frozen_in_compute_dtype(teacher, cfg.mixed_precision, sharded))
         if cfg.teacher_models:
-            models.teachers[key.removeprefix("teacher_models ")] = teacher
+            models.teachers[name] = teacher
         else:
             models.teacher = teacher
     return models, optimizers, schedulers
