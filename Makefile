@@ -70,7 +70,8 @@ install-vllm: $(VLLM_VENV)/.installed  ## the optional vLLM backend in its own v
 
 test-vllm: install-vllm  ## the vLLM tests only
 	$(call PYTEST_PARALLEL,$(VLLM_VENV)/bin/python) tests/test_vllm_generator.py tests/test_engine_client.py \
-	  tests/test_engine_client_runs.py tests/test_judge_vllm.py tests/test_teacher_server_vllm.py
+	  tests/test_engine_client_runs.py tests/test_engine_client_lora.py tests/test_judge_vllm.py \
+	  tests/test_teacher_server_vllm.py
 
 # The tests that compare numbers computed two ways (-m numerics) under each of torch's CPU kernel paths, with MKL
 # (fp32 GEMM) and oneDNN (bf16) held to the same instruction set: a tolerance that holds on one CPU only fails here.

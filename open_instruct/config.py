@@ -773,8 +773,9 @@ class GenerationEngineConfig:
     )
     vllm_lora_sync: Literal["merged", "adapter"] = setting(
         "merged",
-        "With use_lora and generation_backend vllm: send the engine the merged weights on every sync, or the base "
-        "weights once and then only the adapter (vLLM's LoRA: fewer bytes per sync, slower generation).",
+        "With use_lora and generation_backend vllm or vllm_server: send the engines the merged weights on every "
+        "sync, or the base weights once and then only the adapter (vLLM's LoRA: fewer bytes per sync, slower "
+        "generation; dedicated engines read each adapter's folder under output_dir).",
         topic="generation",
         resume="may_change",
     )
@@ -888,11 +889,10 @@ class GenerationEngineConfig:
                 f"vllm engine shares the training devices"
             )
         use_lora = getattr(self, "use_lora", False)  # BaseConfig's, beside this mixin in RLVRConfig
-        if self.vllm_lora_sync == "adapter" and not (use_lora and self.generation_backend == "vllm"):
+        if self.vllm_lora_sync == "adapter" and not (use_lora and self.generation_backend in ("vllm", "vllm_server")):
             raise ConfigError(
-                f"vllm_lora_sync adapter needs use_lora true and generation_backend vllm (use_lora is {use_lora}, "
-                f"generation_backend {self.generation_backend}): the adapter is loaded by the colocated engine; "
-                "dedicated engines (vllm_server) take merged weights"
+                f"vllm_lora_sync adapter needs use_lora true and generation_backend vllm or vllm_server (use_lora is "
+                f"{use_lora}, generation_backend {self.generation_backend}): the adapter is loaded by a vLLM engine"
             )
         if self.vllm_server_urls is not None:
             if self.generation_backend != "vllm_server":

@@ -81,7 +81,7 @@ class EngineFleet:
             raise EngineError(f"vLLM engine {index} ({url}) is unreachable (/{route}): {e}") from None
         if response.status_code != 200:
             raise EngineError(f"vLLM engine {index} ({url}) refused /{route}: {response.status_code} {response.text}")
-        return response.json()
+        return response.json() if "json" in response.headers.get("content-type", "") else response.text
 
     def _each(self, call: Callable[[int], Any]) -> None:
         """call(k) for every engine k concurrently; the first error is raised once all have been submitted."""
@@ -91,6 +91,10 @@ class EngineFleet:
     def _all(self, route: str, payloads: Optional[list[Optional[dict]]] = None, params: Optional[dict] = None) -> None:
         payloads = payloads or [None] * len(self.urls)
         self._each(lambda k: self.post(k, route, payloads[k], params=params))
+
+    def post_all(self, route: str, payload: dict) -> None:
+        """POST the same `payload` to `route` of every engine, concurrently (EngineError naming the first refusal)."""
+        self._all(route, [payload] * len(self.urls))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         offset = int(init_info.get("rank_offset", 1))
@@ -138,8 +142,8 @@ class PolicyWeights:
     as `vllm_generator.hf_weights` streams them (wrappers unwrapped, LoRA merged, lm_head untied when the engine's
     is separate). The metadata is read from one pass at the first sync and kept (every rank runs it: a gather)."""
 
-    def __init__(self, model: Any, dtype: torch.dtype, untie: bool) -> None:
-        self.model, self.dtype, self.untie = model, dtype, untie
+    def __init__(self, model: Any, dtype: torch.dtype, untie: bool, merge_lora: bool = True) -> None:
+        self.model, self.dtype, self.untie, self.merge_lora = model, dtype, untie, merge_lora
         self._meta: Optional[list] = None
         self.bytes_sent = 0
 
@@ -153,7 +157,8 @@ class PolicyWeights:
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from open_instruct.vllm_generator import hf_weights
 
-        for name, tensor in hf_weights(self.model, untie=self.untie, dtype=self.dtype):  # cast before the gather
+        # cast before the gather; merge_lora False: a LoRA model's base weights (the engines apply the adapter)
+        for name, tensor in hf_weights(self.model, untie=self.untie, dtype=self.dtype, merge_lora=self.merge_lora):
             yield name, tensor.detach()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -176,12 +181,12 @@ class PolicyWeights:
         return WeightSource.iter_groups(self)
 
 
-def _weight_source(model: Any, dtype: torch.dtype, untie: bool) -> Any:
+def _weight_source(model: Any, dtype: torch.dtype, untie: bool, merge_lora: bool = True) -> Any:
     """A PolicyWeights registered as vLLM's WeightSource (its ABC), without importing vLLM at module import."""
     from vllm.distributed.weight_transfer.base import WeightSource
 
     WeightSource.register(PolicyWeights)
-    return PolicyWeights(model, dtype, untie)
+    return PolicyWeights(model, dtype, untie, merge_lora)
 
 
 def token_versions(spans: Optional[Sequence[dict]], num_tokens: int, default: int) -> list[int]:
@@ -200,7 +205,14 @@ class ServerGenerator:
     """The `vllm_server` backend: see the module docstring. Build it on every trainer rank (same arguments).
 
     Weights may be updated while generate() runs in another thread (`in_flight_weight_updates`): the engines are
-    paused with their requests kept, take the new weights and resume, and a response then spans versions."""
+    paused with their requests kept, take the new weights and resume, and a response then spans versions.
+
+    `adapter_dir` (adapter-only sync, a LoRA policy; engines started with LoRA on: engines.engine_specs' lora_rank):
+    the first sync broadcasts the frozen base weights; every sync writes the adapter to a folder of its own under
+    `adapter_dir` (which the engines must read: the same node, or a shared file system) and loads it on every engine
+    as `policy_<version>` (/v1/load_lora_adapter); each request names the newest adapter when it is sent, so its
+    tokens are all that version's (an in-flight request keeps its adapter: the adapters `keep_adapters` versions back
+    stay loaded, older ones are unloaded and their folders removed)."""
 
     in_flight_weight_updates = True
 
@@ -221,6 +233,8 @@ class ServerGenerator:
         timeout: float = 600.0,
         transfer_address: str = "127.0.0.1",
         local_engines: Any = None,
+        adapter_dir: Optional[str] = None,
+        keep_adapters: int = 1,
     ) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -229,7 +243,10 @@ class ServerGenerator:
         self.local_engines = local_engines
         self.fleet = EngineFleet(self.urls, tensor_parallel_size, timeout)
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="engine-generate")
-        self.source = _weight_source(model, dtype, untie)
+        self.source = _weight_source(model, dtype, untie, merge_lora=adapter_dir is None)
+        self.dtype, self.adapter_dir, self.keep_adapters = dtype, adapter_dir, keep_adapters
+        self.adapters: dict[int, str] = {}  # adapter sync: version -> folder of the adapters loaded on the engines
+        self.full_sync_bytes = 0  # adapter sync: the base weights' bytes, sent once
         self.version: Optional[int] = None
         self.sent_versions: set[int] = set()  # every version broadcast: the only labels a token may carry
         self.generating = 0  # generate() calls in flight (threads): a sync then keeps their requests paused in place
@@ -261,13 +278,49 @@ class ServerGenerator:
         t0 = time.perf_counter()
         self.source.model = model
         version = (self.version or 0) + 1 if version is None else int(version)
-        self.fleet.next_version = str(version)
-        self.fleet.keep_in_flight = self.generating > 0
         self._check_engines()
-        self._send_on_every_rank()
+        if self.adapter_dir is None or not self.sent_versions:  # merged weights; adapter sync: the base once
+            self.fleet.next_version = str(version)
+            self.fleet.keep_in_flight = self.generating > 0
+            self._send_on_every_rank()
+            self.full_sync_bytes = self.last_sync_bytes = self.source.bytes_sent
+        if self.adapter_dir is not None:
+            self.last_sync_bytes = self._load_adapter(model, version)
         self.sent_versions.add(version)
         self.version = version
-        self.last_sync_seconds, self.last_sync_bytes = time.perf_counter() - t0, self.source.bytes_sent
+        self.last_sync_seconds = time.perf_counter() - t0
+
+    def _load_adapter(self, model: Any, version: int) -> int:
+        """Adapter sync: this version's adapter to a new folder and onto every engine (rank 0; every rank gathers the
+        factors under FSDP and waits until the engines hold it); the adapters more than keep_adapters versions old
+        unloaded. Its bytes."""
+        import shutil
+
+        from open_instruct import lora
+        from open_instruct.vllm_generator import adapter_weights
+
+        tensors = adapter_weights(model, self.dtype)  # collective under FSDP
+        written = 0
+        if self.rank == 0:
+            folder = os.path.join(self.adapter_dir, f"adapter_{version}")
+            shutil.rmtree(folder, ignore_errors=True)  # a resumed run's earlier copy of this version
+            written = lora.write_adapter(model, tensors, folder)
+            # in place: engines started apart may hold this name from a run resumed since
+            load = {"lora_name": adapter_name(version), "lora_path": folder, "load_inplace": True}
+            self.fleet.post_all("v1/load_lora_adapter", load)
+            if not self.adapters:
+                print(
+                    f"vLLM adapter-only weight sync: {written:,} bytes per sync (the merged weights: "
+                    f"{self.full_sync_bytes:,} bytes, {self.full_sync_bytes / max(written, 1):.1f}x)",
+                    flush=True,
+                )
+            self.adapters[version] = folder
+            for old in [v for v in self.adapters if v < version - self.keep_adapters]:
+                self.fleet.post_all("v1/unload_lora_adapter", {"lora_name": adapter_name(old)})
+                shutil.rmtree(self.adapters.pop(old), ignore_errors=True)
+        if self.num_ranks > 1 and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank names the adapter before every engine holds it
+        return written
 
     def _send_on_every_rank(self) -> None:
         """vLLM's trainer engine returns on the non-sending ranks as soon as their share of the gathers is done,
@@ -290,7 +343,13 @@ class ServerGenerator:
             self.local_engines.check_alive()
 
     def _request(
-        self, engine: int, prompt: Sequence[int], config: GenerationConfig, seed: Optional[int], max_tokens: int
+        self,
+        engine: int,
+        prompt: Sequence[int],
+        config: GenerationConfig,
+        seed: Optional[int],
+        max_tokens: int,
+        adapter: Optional[str] = None,
     ) -> dict:
         n = 1 if config.greedy else config.n  # vLLM refuses n > 1 with greedy sampling: the copies are identical
         sampling = {
@@ -308,7 +367,12 @@ class ServerGenerator:
         if config.stop_strings:  # matched by vLLM on its detokenisation; finalize_response re-cuts on ours
             sampling.update(stop=list(config.stop_strings), include_stop_str_in_output=True)
         body = {"token_ids": list(prompt), "sampling_params": sampling, "output_mode": "tokens"}
+        if adapter is not None:  # adapter sync: sampled by the base weights and this adapter
+            body["model"] = adapter
         reply = self.fleet.post(engine, "inference/v1/generate", body)
+        if adapter is not None and reply.get("model") != adapter:
+            raise EngineError(f"vLLM engine {engine} ({self.urls[engine]}) answered as {reply.get('model')!r}, not "
+                              f"the adapter {adapter!r} the request named")  # fmt: skip
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         return {"engine": engine, "choices": choices * (config.n if n == 1 and config.n > 1 else 1)}
 
@@ -331,6 +395,8 @@ class ServerGenerator:
         self, prompt_ids: Sequence[Sequence[int]], config: GenerationConfig, budgets: list[int]
     ) -> GenerationOutput:
         first = self.version  # the oldest version a token of this call may carry
+        # adapter sync: every request of this call names the adapter of the version it starts from
+        adapter = adapter_name(first) if self.adapter_dir is not None and first is not None else None
         base = None  # greedy needs no seed and leaves the global RNG alone
         if not config.greedy:
             base = config.seed if config.seed is not None else int(torch.randint(0, 2**62, (1,)))
@@ -342,6 +408,7 @@ class ServerGenerator:
                 config,
                 None if base is None else prompt_seed(base, i),
                 budgets[i],
+                adapter,
             )
             for i, p in enumerate(prompt_ids)
         ]
@@ -361,7 +428,10 @@ class ServerGenerator:
         ids, text, stopped = finalize_response(choice["token_ids"], self.eos_ids, self.tokenizer, config.stop_strings)
         stopped = stopped or choice.get("finish_reason") == "stop"
         default = self.version if self.version is not None else -1
-        versions = token_versions(choice.get("weight_versions"), len(ids), default if first is None else first)
+        if self.adapter_dir is not None:  # the adapter the request named (its reply was checked): every token its
+            versions = [default if first is None else first] * len(ids)
+        else:
+            versions = token_versions(choice.get("weight_versions"), len(ids), default if first is None else first)
         # every label must be a version sent since this call began: an older one means the engine missed an update
         expected = {v for v in self.sent_versions if first is None or v >= first}
         if self.version is not None and set(versions) - expected:
@@ -388,24 +458,31 @@ class ServerGenerator:
         model, temperature 1), with the top-k per position; engines asked concurrently."""
         from open_instruct.generation_check import TokenScores
 
+        adapter = adapter_name(self.version) if self.adapter_dir is not None and self.version is not None else None
+
         def one(engine: int, prompt: Sequence[int], cont: Sequence[int]) -> tuple[list[float], list[dict]]:
             sampling = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k, "stop_token_ids": self.eos_ids}
             body = {"token_ids": list(prompt) + list(cont), "sampling_params": sampling, "output_mode": "tokens"}
+            if adapter is not None:
+                body["model"] = adapter
             rows = self.fleet.post(engine, "inference/v1/generate", body)["prompt_logprobs"]
             rows = [{int(i): v for i, v in (row or {}).items()} for row in rows[len(prompt) : len(prompt) + len(cont)]]
             logprobs = [float(row[int(t)]["logprob"]) if int(t) in row else -math.inf for row, t in zip(rows, cont)]
             tops = [{i: float(v["logprob"]) for i, v in row.items() if int(v["rank"]) <= top_k} for row in rows]
             return logprobs, tops
 
-        futures = {
-            k: [self.pool.submit(one, k, p, c) for p, c in zip(prompt_ids, continuation_ids)]
-            for k in range(len(self.urls))
-        }
+        pairs = list(zip(prompt_ids, continuation_ids))
+        # adapter sync: one sequence at a time (vLLM batches prompt log-probs under LoRA wrongly: vllm#16668)
+        chunks = [pairs] if adapter is not None else [[pair] for pair in pairs]
+
+        def rows_of(engine: int, chunk: list) -> list[tuple[list[float], list[dict]]]:
+            return [one(engine, p, c) for p, c in chunk]
+
+        futures = {k: [self.pool.submit(rows_of, k, chunk) for chunk in chunks] for k in range(len(self.urls))}
         out = {}
         for k, fs in futures.items():
             scores = TokenScores([], [] if top_k else None)
-            for f in fs:
-                logprobs, tops = f.result()
+            for logprobs, tops in (row for f in fs for row in f.result()):
                 scores.logprobs.append(logprobs)
                 if top_k:
                     scores.top.append(tops)
@@ -417,6 +494,11 @@ class ServerGenerator:
         if self.local_engines is not None:
             self.local_engines.close()
             self.local_engines = None
+
+
+def adapter_name(version: int) -> str:
+    """The name an adapter-only sync loads version `version` under (what requests name as their model)."""
+    return f"policy_{version}"
 
 
 def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> ServerGenerator:
@@ -484,4 +566,6 @@ def build(cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len
         timeout=cfg.vllm_server_timeout,
         transfer_address=address,
         local_engines=local,
+        adapter_dir=os.path.join(cfg.output_dir, "engine_adapters") if engines.adapter_sync(cfg) else None,
+        keep_adapters=cfg.async_steps + 1,
     )

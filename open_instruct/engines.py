@@ -42,6 +42,18 @@ CPU_KV_CACHE_GB = "1"  # VLLM_CPU_KVCACHE_SPACE for engines on CPU (else vLLM ta
 CPU_BATCHED_TOKENS = 16384  # tokens per engine step on CPU (whole prompts: no chunked prefill there)
 
 
+# The LoRA ranks vLLM 0.32 takes for max_lora_rank (vllm.config.lora.MaxLoRARanks): an engine sized for the smallest
+# one that holds the run's rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"lora_rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fitting[0]
+
+
 class EngineError(RuntimeError):
     """An engine failed to start, died, or did not answer in time; the message names it."""
 
@@ -121,12 +133,15 @@ def engine_specs(
     port: int = 8000,
     python: str = sys.executable,
     prefix_caching: bool = True,
+    lora_rank: Optional[int] = None,
 ) -> list[EngineSpec]:
     """The command line and environment of each engine. `devices` None: engines on CPU (tests, the CPU bench).
     `prefix_caching` False under in-flight weight updates (async_steps > 0): a paused-and-kept engine cannot clear its
     prefix cache, whose blocks would hand KV of older weights to new requests. `transfer` None: a plain server of a
     model read from `model_dir` (a folder or hub id, its real weights; e.g. a judge, judge.py), without the trainer's
-    routes (dummy weights, weight transfer, token-in/token-out) or log-prob conventions."""
+    routes (dummy weights, weight transfer, token-in/token-out) or log-prob conventions. `lora_rank`: adapter-only
+    weight sync (vllm_lora_sync adapter): vLLM's LoRA on, sized for that rank, adapters loaded at run time by path
+    (/v1/load_lora_adapter), two at a time (the newest and the one in-flight requests may still name)."""
     if devices is not None and len(devices) < num_engines * tensor_parallel_size:
         raise ConfigError(
             f"{num_engines} engine(s) x vllm_tensor_parallel_size {tensor_parallel_size} need "
@@ -153,6 +168,9 @@ def engine_specs(
             argv += ["--load-format", "dummy", "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
             argv += ["--weight-transfer-config", json.dumps({"backend": transfer})]
             env["VLLM_SERVER_DEV_MODE"] = "1"
+        if lora_rank is not None:
+            argv += ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(lora_rank)), "--max-loras", "2"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if mine is None:
             # CPU: graph capture and compilation cost minutes; and vLLM 0.32 rewinds a seeded request's generator
             # after a partial (chunked) prefill with a CUDA-only call, which kills a CPU engine: whole prefills only.
@@ -331,12 +349,13 @@ def check_running_engines(
     max_model_len: int,
     dtype: Optional[str] = None,
     transfer: Optional[str] = None,
+    lora_rank: Optional[int] = None,
 ) -> None:
     """Engines started apart (`vllm_server_urls`), checked before any model loads: each answers, serves sequences of
     `max_model_len` tokens (longest prompt + longest response of this run), runs the tensor parallelism the
     weight-transfer group is laid out for (a mismatch would leave the broadcast waiting for workers that do not
-    exist), and, when given, the `dtype` the trainer sends (engine_dtype) and the weight-transfer backend it speaks.
-    ConfigError if one does not answer or does not fit the run."""
+    exist), and, when given, the `dtype` the trainer sends (engine_dtype), the weight-transfer backend it speaks and
+    (adapter-only sync) LoRA up to `lora_rank`. ConfigError if one does not answer or does not fit the run."""
     for k, url in enumerate(urls):
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
@@ -367,6 +386,13 @@ def check_running_engines(
             raise ConfigError(
                 f"vLLM engine {k} ({url}) runs dtype {served_dtype}; this run sends {dtype} weights (its "
                 f"mixed_precision): {restart}"
+            )
+        served_rank = int((config.get("lora_config") or {}).get("max_lora_rank") or 0)
+        if lora_rank is not None and config.get("model_config") and served_rank < lora_rank:
+            raise ConfigError(
+                f"vLLM engine {k} ({url}) was started "
+                + (f"with max_lora_rank {served_rank}" if served_rank else "without LoRA")
+                + f"; adapter-only sync (vllm_lora_sync adapter) needs LoRA up to lora_rank {lora_rank}: {restart}"
             )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
         if transfer and config.get("model_config") and backend != transfer:
@@ -441,7 +467,13 @@ def specs_for_config(cfg: Any, model_dir: str, devices: Optional[Sequence[int]],
         host=host,
         port=port,
         prefix_caching=not cfg.async_steps,
+        lora_rank=cfg.lora_rank if adapter_sync(cfg) else None,
     )
+
+
+def adapter_sync(cfg: Any) -> bool:
+    """The engines take the base weights once and then the adapter alone (vllm_lora_sync adapter, a LoRA run)."""
+    return bool(getattr(cfg, "use_lora", False)) and getattr(cfg, "vllm_lora_sync", "merged") == "adapter"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -82,6 +82,7 @@ def check_before_loading(cfg: Any, max_model_len: int) -> None:
         max_model_len,
         dtype=engines.engine_dtype(cfg.mixed_precision),
         transfer=engines.weight_transfer_backend(cfg.vllm_weight_transfer, on_gpu),
+        lora_rank=cfg.lora_rank if engines.adapter_sync(cfg) else None,
     )
 
 

@@ -57,6 +57,7 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 
 from open_instruct.distributed import unwrap_model
+from open_instruct.engines import adapter_sync, vllm_max_lora_rank
 from open_instruct.generation import (
     GenerationConfig,
     GenerationOutput,
@@ -193,18 +194,6 @@ def adapter_weights(model: Any, dtype: Optional[torch.dtype] = None) -> dict[str
 
     named = {_clean(k): p.detach() for k, p in unwrap_model(model).named_parameters()}
     return {name: t.cpu() for name, t in lora.adapter_tensors(named, lambda t: _full_tensor(t, dtype))}
-
-
-# The LoRA ranks vLLM 0.32 takes for max_lora_rank (vllm.config.lora.MaxLoRARanks): an engine sized for the smallest
-# one that holds the run's rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fitting:
-        raise ValueError(f"lora_rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-    return fitting[0]
 
 
 class _RNGSnapshot:
@@ -373,7 +362,7 @@ class VLLMGenerator:
     @classmethod
     def from_config(cls, cfg: Any, policy: Any, tokenizer: Any, accelerator: Any, max_model_len: int) -> VLLMGenerator:
         """One engine per rank, in the run's compute dtype, for rollouts and evals alike."""
-        lora_sync = getattr(cfg, "vllm_lora_sync", "merged") if getattr(cfg, "use_lora", False) else "merged"
+        lora_sync = "adapter" if adapter_sync(cfg) else "merged"
         return cls(
             accelerator.unwrap_model(policy),
             tokenizer,

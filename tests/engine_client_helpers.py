@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 
+import torch
 from training_helpers import REPO, run_script, script_env
 
 from demo import synthetic
@@ -32,6 +33,23 @@ def build_task(tmp_path_factory) -> dict:
         "--eval_steps", "1000", "--checkpointing_steps", "1000",
     ])  # fmt: skip
     return {"root": root, "policy": os.path.join(sft_dir, "final_model"), **files}
+
+
+def tiny_policy(path: str, seed: int, tie: bool) -> tuple:
+    """The tiny test Llama at hidden 128 (head_dim 32, what vLLM's CPU attention takes), 2 layers, seeded, saved
+    with its tokenizer at `path`: (model, tokenizer)."""
+    from transformers import LlamaForCausalLM
+
+    from demo.tiny import build_tokenizer, tiny_llama_config
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = tiny_llama_config(len(tokenizer), 128, 2, max_position_embeddings=256, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
 
 
 def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:

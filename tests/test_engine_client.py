@@ -29,6 +29,7 @@ from engine_client_helpers import (  # noqa: E402
     read_rows,
     read_rows_of,
     run,
+    tiny_policy,
 )
 from training_helpers import torchrun_two_processes  # noqa: E402
 
@@ -36,21 +37,6 @@ from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_
 from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
 
 QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
-
-
-def tiny_policy(path: str, seed: int, tie: bool) -> tuple:
-    from transformers import LlamaForCausalLM
-
-    from demo.tiny import build_tokenizer, tiny_llama_config
-
-    tokenizer = build_tokenizer()
-    torch.manual_seed(seed)
-    cfg = tiny_llama_config(len(tokenizer), 128, 2, max_position_embeddings=256, tie_word_embeddings=tie)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = cfg.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -72,12 +72,13 @@ def test_missing_extra_is_a_clear_error(monkeypatch):
     "extra, named",
     [
         ([], "use_lora is False, generation_backend hf"),
-        (["--use_lora", "true", "--generation_backend", "vllm_server"], "generation_backend vllm_server"),
+        (["--generation_backend", "vllm_server"], "use_lora is False, generation_backend vllm_server"),
+        (["--use_lora", "true"], "use_lora is True, generation_backend hf"),
     ],
 )
-def test_adapter_sync_outside_a_lora_run_on_the_colocated_engine_is_refused(extra, named):
-    """vllm_lora_sync adapter means something only for a LoRA policy on the colocated engine: elsewhere a ConfigError
-    (exit 2) naming what is set, before anything loads."""
+def test_adapter_sync_outside_a_lora_run_on_a_vllm_engine_is_refused(extra, named):
+    """vllm_lora_sync adapter means something only for a LoRA policy on a vLLM engine (colocated or dedicated):
+    elsewhere a ConfigError (exit 2) naming what is set, before anything loads."""
     from open_instruct.config import RLVRConfig, parse_config
     from open_instruct.errors import ConfigError
 
