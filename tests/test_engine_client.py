@@ -31,12 +31,10 @@ from engine_client_helpers import (  # noqa: E402
     run,
     tiny_policy,
 )
-from training_helpers import torchrun_two_processes  # noqa: E402
+from training_helpers import chat_prompts, torchrun_two_processes  # noqa: E402
 
 from open_instruct.engines import EngineError, LocalEngines, engine_specs, free_port, healthy, write_engine_model  # noqa: E402
 from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
-
-QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +66,7 @@ def server(tmp_path_factory):
         engines.urls, tokenizer, [tokenizer.eos_token_id], model, rank=0, num_ranks=1, transfer="gloo",
         untie=True, max_model_len=256, timeout=120, local_engines=engines,
     )  # fmt: skip
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS
-    ]
-    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    prompts = chat_prompts(tokenizer)
     yield gen, model, tokenizer, prompts, root
     gen.close()
 

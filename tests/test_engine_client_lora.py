@@ -14,12 +14,12 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.concurrency  # an engine process: every wait is on an event
 
 from engine_client_helpers import tiny_policy  # noqa: E402
+from training_helpers import chat_prompts, move_adapter  # noqa: E402
 
 from open_instruct.engines import LocalEngines, check_running_engines, engine_specs, free_port, write_engine_model  # noqa: E402
 from open_instruct.errors import ConfigError  # noqa: E402
 from open_instruct.generation import GenerationConfig, HFGenerator  # noqa: E402
 
-QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 RANK = 8
 
 
@@ -45,15 +45,7 @@ def test_a_dedicated_engine_takes_the_base_once_then_serves_each_synced_adapter(
 
     base_model, tokenizer = tiny_policy(str(tmp_path / "policy"), seed=3, tie=False)
     policy = get_peft_model(base_model, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear")).eval()
-
-    def move_adapter(seed: int) -> None:  # B starts at 0 (adapted = base): give the adapter a real update
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    move_adapter(0)
+    move_adapter(policy, 0)
     model_dir, untied = write_engine_model(str(tmp_path / "policy"), str(tmp_path / "engine_model"))
     specs = engine_specs(
         model_dir, num_engines=1, tensor_parallel_size=1, max_model_len=256, dtype="float32", seed=0,
@@ -83,11 +75,7 @@ def test_a_dedicated_engine_takes_the_base_once_then_serves_each_synced_adapter(
         assert sent == [1] and gen.full_sync_bytes == base_bytes * 4
         assert os.path.isfile(os.path.join(adapters, "adapter_1", "adapter_model.safetensors"))
 
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-            for q in QUESTIONS
-        ]
-        prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+        prompts = chat_prompts(tokenizer)
         cfg = GenerationConfig(max_new_tokens=16, temperature=0)
         hf = HFGenerator(policy, tokenizer, batch_size=4)
         adapted = hf.generate(prompts, cfg).response_ids
@@ -109,7 +97,7 @@ def test_a_dedicated_engine_takes_the_base_once_then_serves_each_synced_adapter(
         assert Limits.for_dtype(torch.float32, logit_scale(base_scores)).exceeded(compare(engine_scores, base_scores))
 
         # A moved adapter: stale until synced, then followed; the base is not sent again; version 1 unloaded.
-        move_adapter(1)
+        move_adapter(policy, 1)
         moved = hf.generate(prompts, cfg).response_ids
         assert moved != adapted
         assert gen.generate(prompts, cfg).response_ids == adapted  # stale until synced

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from training_helpers import recipe_args, torchrun_two_processes
+from training_helpers import chat_prompts, move_adapter, recipe_args, torchrun_two_processes
 
 from open_instruct.generation import GenerationConfig, HFGenerator, finalize_response
 from open_instruct.generation_backends import generator_for
@@ -24,7 +24,6 @@ from open_instruct.vllm_generator import (
 )
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-QUESTIONS = ["Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."]
 
 
 # ------------------------------------------------------------------------------------- no vLLM needed
@@ -161,11 +160,7 @@ def engine():
         "rng_kept": torch.equal(torch.rand(4), expected_draw),
         "threads_kept": torch.get_num_threads() == threads,
     }
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in QUESTIONS
-    ]
-    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    prompts = chat_prompts(tokenizer)
     yield gen, model, tokenizer, prompts, side_effects
     gen.close()
 
@@ -468,20 +463,8 @@ def test_lora_adapter_only_sync_serves_the_adapted_policy():
     policy = get_peft_model(
         _tiny_cpu_llama(tokenizer, seed=4), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     ).eval()
-
-    def move_adapter(seed):  # B starts at 0 (adapted = base): give the adapter a real update
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    move_adapter(0)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in QUESTIONS
-    ]
-    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    move_adapter(policy, 0)
+    prompts = chat_prompts(tokenizer)
     gen = keep_open(VLLMGenerator(policy, tokenizer, max_model_len=256, kv_cache_memory_bytes=128 << 20,
                                   lora_sync="adapter"))  # fmt: skip
     vocab = len(tokenizer)
@@ -514,7 +497,7 @@ def test_lora_adapter_only_sync_serves_the_adapted_policy():
     real_rpc = gen.llm.collective_rpc
     gen.llm.collective_rpc = lambda *a, **kw: reloads.append(a) or real_rpc(*a, **kw)
     try:
-        move_adapter(1)
+        move_adapter(policy, 1)
         moved = hf.generate(prompts, cfg).response_ids
         assert moved != adapted
         assert gen.generate(prompts, cfg).response_ids == adapted  # stale until synced

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 
@@ -99,6 +99,31 @@ def noisy_sft_args(data_dir: str, model: str, sft_eval: str, output_dir: Any) ->
     noisy = synthetic.write_jsonl(os.path.join(data_dir, "sft_noisy.jsonl"), synthetic.noisy_sft_rows(2000, 0, 0.6))
     settings = ["--num_train_epochs", "4", "--eval_steps", "1000", "--checkpointing_steps", "1000"]
     return recipe_args("sft_tiny.yaml", model, noisy, sft_eval, output_dir, *settings)
+
+
+# one-turn chat questions of different lengths: the generation tests' prompts
+CHAT_QUESTIONS = [
+    "Hi", "What is 2+2? Answer briefly.", "Name a color", "Write one long sentence about the sea and sky."
+]  # fmt: skip
+
+
+def chat_prompts(tokenizer: Any, questions: Sequence[str] = CHAT_QUESTIONS) -> list[list[int]]:
+    """Each question as a one-turn chat prompt's token ids, generation prompt included."""
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+           for q in questions]  # fmt: skip
+    return [p if isinstance(p, list) else list(p["input_ids"]) for p in ids]
+
+
+def move_adapter(policy: Any, seed: int) -> None:
+    """Seeded values for a peft policy's LoRA factors (B starts at 0, so the adapted model is the base: this gives
+    the adapter a real update)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def script_env() -> dict[str, str]:
