@@ -300,11 +300,11 @@ class ServerGenerator:
         from open_instruct.vllm_generator import adapter_weights
 
         tensors = adapter_weights(model, self.dtype)  # collective under FSDP
-        written = 0
+        written = sum(t.numel() * t.element_size() for t in tensors.values())  # every rank's count, rank 0 writes
         if self.rank == 0:
             folder = os.path.join(self.adapter_dir, f"adapter_{version}")
             shutil.rmtree(folder, ignore_errors=True)  # a resumed run's earlier copy of this version
-            written = lora.write_adapter(model, tensors, folder)
+            lora.write_adapter(model, tensors, folder)
             # in place: engines started apart may hold this name from a run resumed since
             load = {"lora_name": adapter_name(version), "lora_path": folder, "load_inplace": True}
             self.fleet.post_all("v1/load_lora_adapter", load)
@@ -428,7 +428,7 @@ class ServerGenerator:
         ids, text, stopped = finalize_response(choice["token_ids"], self.eos_ids, self.tokenizer, config.stop_strings)
         stopped = stopped or choice.get("finish_reason") == "stop"
         default = self.version if self.version is not None else -1
-        if self.adapter_dir is not None:  # the adapter the request named (its reply was checked): every token its
+        if self.adapter_dir is not None:  # every token is the version of the adapter its request named (checked)
             versions = [default if first is None else first] * len(ids)
         else:
             versions = token_versions(choice.get("weight_versions"), len(ids), default if first is None else first)
