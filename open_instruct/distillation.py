@@ -204,7 +204,7 @@ def check_teacher(cfg: Any) -> None:
 
     student = cfg.model_name_or_path
     for key, teacher in cfg.teacher_settings():
-        if is_teacher_server(teacher):  # the server's tokenization, context and temperature (teacher_server.py)
+        if is_teacher_server(teacher):  # the server answers, with the student's tokenization, in log-probs
             from open_instruct.models import run_tokenizer
             from open_instruct.teacher_server import check_teacher_server
 

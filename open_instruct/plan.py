@@ -638,7 +638,7 @@ def rollout_seconds(generation: float, training: float, weight_sync: float, over
 def teacher_params(cfg: RLVRConfig, params: float) -> float:
     """The distillation teachers' parameters (0 without one), summed over teacher_models (each teacher's forward
     runs on every micro-batch that holds one of its rows: at most all of them): each from its local config.json or
-    its name, else the policy's. A teacher server's run elsewhere (0 here)."""
+    its name, else the policy's. A teacher server runs elsewhere (0 here)."""
     names = [path for _, path in cfg.loaded_teacher_settings()] if hasattr(cfg, "loaded_teacher_settings") else []
     return sum(model_params(name, None)[0] or params for name in names)
 
