@@ -329,6 +329,7 @@ NOT_OPTIONS = {
     "key", "flag", "other", "name",  # placeholders in config.py's docstrings about the syntax
     "help",
     "model",  # python -m open_instruct.export's own option (its docstring)
+    "port", "max-model-len", "logprobs-mode",  # vllm serve's, in teacher_server.py's advice on starting a teacher
 }  # fmt: skip
 
 
