@@ -171,7 +171,7 @@ def test_version_spans_become_per_token_versions_and_a_missed_update_is_caught()
 
     gen = object.__new__(ServerGenerator)
     gen.tokenizer, gen.eos_ids, gen.urls = Tok(), [0], ["http://engine:1"]
-    gen.version, gen.sent_versions = 4, {2, 3, 4}
+    gen.version, gen.sent_versions, gen.adapter_dir = 4, {2, 3, 4}, None  # merged-weight syncs
     out = GenerationOutput(prompt_ids=[[1]])
     lp = {"content": [{"logprob": -0.1 * t} for t in range(6)]}
     choice = {"token_ids": [5, 6, 7, 8, 9, 0, 11], "weight_versions": spans, "logprobs": lp, "finish_reason": "stop"}
