@@ -337,10 +337,15 @@ def _kill_group(pgid: int, sig: int) -> bool:
         return False
 
 
+def served_model_card(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The first model an OpenAI-compatible server lists in /v1/models (vLLM's card: id, max_model_len, ...)."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout) as response:
+        return dict(json.load(response)["data"][0])
+
+
 def served_model_name(url: str, timeout: float = 30.0) -> str:
     """The model name an OpenAI-compatible server serves (its first in /v1/models): what requests must name."""
-    with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout) as response:
-        return str(json.load(response)["data"][0]["id"])
+    return str(served_model_card(url, timeout)["id"])
 
 
 def check_running_engines(

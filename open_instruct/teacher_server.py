@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from open_instruct.engines import served_model_card, served_model_name
 from open_instruct.errors import ConfigError
 
 MAX_CONCURRENT_REQUESTS = 64
@@ -51,7 +52,12 @@ class TeacherServer:
 
     def __init__(self, name: str, url: str, timeout: float = REQUEST_TIMEOUT_S, model: Optional[str] = None) -> None:
         self.name, self.url, self.timeout = name, url.strip().rstrip("/"), timeout
-        self.model = model or served_model(self.url, timeout)
+        if model is None:
+            try:
+                model = served_model_name(self.url, timeout)
+            except (OSError, ValueError, KeyError, IndexError) as e:  # urllib's URLError is an OSError
+                raise TeacherServerError(f"the teacher server {self.url} does not answer /v1/models: {e}") from None
+        self.model = model
         self.pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_REQUESTS, thread_name_prefix="teacher-server")
 
     def post(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -107,15 +113,6 @@ def post_json(url: str, route: str, payload: dict[str, Any], timeout: float, who
         raise TeacherServerError(f"{who} ({url}) did not answer {route} (timeout {timeout:.0f}s): {e}") from None
 
 
-def served_model(url: str, timeout: float) -> str:
-    """The model the server serves (the first of its /v1/models): what every request names."""
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout) as response:
-            return str(json.load(response)["data"][0]["id"])
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
-        raise TeacherServerError(f"the teacher server {url} does not answer /v1/models: {e}") from None
-
-
 def logprob_of(entry: Any, token: int, server: TeacherServer) -> float:
     """The log-prob of `token` in one position's prompt_logprobs entry ({token id: {"logprob": ...}, ...}; vLLM
     always includes the given token)."""
@@ -131,10 +128,10 @@ def logprob_of(entry: Any, token: int, server: TeacherServer) -> float:
 def check_teacher_server(key: str, url: str, tokenizer: Any, max_len: int) -> None:
     """ConfigError (exit 2, before any model loads) unless the server at `url` can score this run's completions:
     it answers, serves max_len + 1 tokens, tokenizes PROBE_TEXT as `tokenizer` does, and returns log-probs."""
-    try:
-        server = TeacherServer(key, url, timeout=60.0)
-        with urllib.request.urlopen(f"{server.url}/v1/models", timeout=60.0) as response:
-            served_len = int(json.load(response)["data"][0].get("max_model_len") or 0)
+    try:  # one read of /v1/models: the model's name and the length it serves
+        card = served_model_card(url.strip().rstrip("/"), 60.0)
+        server = TeacherServer(key, url, timeout=60.0, model=str(card["id"]))
+        served_len = int(card.get("max_model_len") or 0)
         theirs = server.post("/tokenize", {"model": server.model, "prompt": PROBE_TEXT, "add_special_tokens": False})
     except (TeacherServerError, OSError, ValueError, KeyError, IndexError) as e:
         raise ConfigError(f"{key} {url}: the teacher server cannot be used: {e}") from None
