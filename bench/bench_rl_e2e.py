@@ -323,6 +323,24 @@ def prepare_model(root: str) -> str:
     return path
 
 
+def longest_prompt(tokenizer: Any, conversations: list[list[dict[str, Any]]], tools: Optional[list] = None) -> int:
+    """The most tokens any of `conversations` takes, chat-templated (with `tools`) up to the generation prompt."""
+    texts = [tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True, tokenize=False)
+             for c in conversations]  # fmt: skip
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+
+def fill_within(budget: int, start: Any, pieces: list, longest: Any) -> Any:
+    """`start` extended by as many of `pieces`, in order, as keep longest(start + pieces so far) within `budget`
+    (text or message lists: whatever `+` joins)."""
+    filled = start
+    for piece in pieces:
+        if longest(filled + piece) > budget:
+            break
+        filled = filled + piece
+    return filled
+
+
 def prepare_tool_model(root: str, model: str) -> str:
     """<root>/model_tools: `model`'s weights (hard links, or copies across file systems) with TOOL_CHAT_TEMPLATE as
     its chat template, so both trainers render the same tool prompts (SmolLM2's vocabulary has its <|im_start|>,
@@ -363,26 +381,15 @@ def write_tool_prompts(root: str, n: int, seed: int, prompt_tokens: int, tokeniz
     rows = tool_rl_rows(n, seed)
 
     def longest(shots: list[dict[str, Any]]) -> int:
-        texts = [
-            tokenizer.apply_chat_template(
-                [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, *shots, *r["messages"]],
-                tools=[CALCULATOR_SCHEMA],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            for r in rows
-        ]
-        return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+        return longest_prompt(tokenizer, [[system, *shots, *r["messages"]] for r in rows], [CALCULATOR_SCHEMA])
 
-    shots: list[dict[str, Any]] = []
-    for example in tool_sft_rows(64, seed + 1, direct_fraction=0.0):
-        if longest(shots + example["messages"]) > prompt_tokens:
-            break
-        shots += example["messages"]
+    system = {"role": "system", "content": TOOL_SYSTEM_PROMPT}
+    conversations = [example["messages"] for example in tool_sft_rows(64, seed + 1, direct_fraction=0.0)]
+    shots = fill_within(prompt_tokens, [], conversations, longest)
     if not shots:
         raise ValueError(f"prompt_tokens {prompt_tokens}: not even one worked conversation fits")
     for r in rows:
-        r["messages"] = [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, *shots, *r["messages"]]
+        r["messages"] = [system, *shots, *r["messages"]]
     return write_jsonl(os.path.join(root, "prompts_tools.jsonl"), rows)
 
 
@@ -400,25 +407,15 @@ def write_prompts(root: str, n: int, seed: int, prompt_tokens: int = 0, tokenize
             raise ValueError("write_prompts: prompt_tokens > 0 needs the tokenizer that counts them")
 
         def longest(prefix: str) -> int:
-            texts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prefix + r["messages"][-1]["content"]}],
-                    add_generation_prompt=True,
-                    tokenize=False,
-                )
-                for r in rows
-            ]
-            return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+            return longest_prompt(tokenizer, [[{"role": "user", "content": prefix + r["messages"][-1]["content"]}]
+                                              for r in rows])  # fmt: skip
 
         examples = [f"Problem: {e['messages'][0]['content']}\nAnswer: {e['ground_truth']}\n\n"
                     for e in broad_rl_rows(256, seed + 1, "train")]  # fmt: skip
         prefix = "Solve the problem at the end. Worked examples:\n\n"
         if longest(prefix) > prompt_tokens:
             raise ValueError(f"prompt_tokens {prompt_tokens}: the problems alone take up to {longest(prefix)} tokens")
-        for example in examples:
-            if longest(prefix + example) > prompt_tokens:
-                break
-            prefix += example
+        prefix = fill_within(prompt_tokens, prefix, examples, longest)
         for r in rows:
             r["messages"][-1]["content"] = prefix + r["messages"][-1]["content"]
     return write_jsonl(os.path.join(root, "prompts.jsonl"), rows)
@@ -730,19 +727,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     names = variants_for(args)
     root = os.path.abspath(args.out)
     os.makedirs(root, exist_ok=True)
-    model = prepare_model(root)
-    if w.task == "calculator":
-        model = prepare_tool_model(root, model)
+    tools = w.task == "calculator"
+    model = prepare_tool_model(root, prepare_model(root)) if tools else prepare_model(root)
     tokenizer = None
     if w.prompt_tokens:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-    n = max(64, w.steps * w.prompts * 2)
-    if w.task == "calculator":
-        data = write_tool_prompts(root, n, w.seed, w.prompt_tokens, tokenizer)
-    else:
-        data = write_prompts(root, n, w.seed, w.prompt_tokens, tokenizer)
+    write = write_tool_prompts if tools else write_prompts
+    data = write(root, max(64, w.steps * w.prompts * 2), w.seed, w.prompt_tokens, tokenizer)
     results: dict[str, Any] = {n: {"runs": []} for n in names}
     for r in range(args.repeats):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no variant always runs first
